@@ -1,0 +1,15 @@
+"""pager: run and train PyTorch models larger than GPU memory on one GPU.
+
+    model = pager.wrap(model, budget="10GiB")
+"""
+
+from ._api import of, unwrap, wrap
+from ._budget import parse_budget
+from ._pager import BudgetError, Pager
+from ._optim import install_global_hook as _install_global_hook
+from ._stats import BlockStats, Stats
+
+_install_global_hook()
+
+__all__ = ["wrap", "unwrap", "of", "Pager", "Stats", "BlockStats", "BudgetError", "parse_budget"]
+__version__ = "0.1.0"

@@ -1,0 +1,204 @@
+"""The public verbs: wrap, unwrap, of."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from . import _discover
+from ._budget import format_bytes, parse_budget
+from ._pager import _PAGERS, Pager, close
+
+log = logging.getLogger("pager")
+
+
+def wrap(
+    model: nn.Module,
+    budget,
+    *,
+    device=None,
+    blocks=None,
+    optimizer=None,
+    pin: bool = True,
+    prefetch: int = 2,
+) -> nn.Module:
+    """Page `model` in place under a device memory budget; return the same object.
+
+    Every block's parameters and buffers move to one pinned host page each; at
+    most `budget` bytes of blocks are on the device at any time. Parameter and
+    buffer objects stay the same objects, so optimizers built before or after
+    `wrap` keep working.
+
+    Args:
+        model: the model, on the CPU or already on the device.
+        budget: device bytes for blocks: an int, "10GiB", "512MiB", "1.5GB",
+            "60%" of the device's memory, or "auto" (free memory less a margin).
+        device: where to run; defaults to the current CUDA device, else "cpu"
+            (a separate host copy stands for device memory: same paging, no GPU).
+        blocks: None (discover: the elements of the layer stacks, NAS candidate
+            ops), a list of modules, a list of class names, or a predicate
+            `(name, module) -> bool`.
+        optimizer: an optimizer to `attach` (same as `pager.of(model).attach(opt)`).
+        pin: page-lock host pages (fast asynchronous copies); False pages from
+            pageable memory.
+        prefetch: how many upcoming blocks to bring in ahead of use, room allowing.
+
+    Example:
+        >>> model = pager.wrap(model, budget="10GiB")
+        >>> with torch.no_grad():
+        ...     y = model(x.cuda())
+        >>> print(pager.of(model).stats())
+    """
+    device = _resolve_device(device)
+    _check_not_wrapped(model)
+    _check_tensors(model, device)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
+    budget_bytes = parse_budget(budget, device)
+    named = _discover.discover(model, blocks)
+    owned, uses = _discover.owners(model, [m for _n, m in named])
+    sizes = _block_sizes(named, owned, uses)
+    _check_fits(budget, budget_bytes, named, sizes, owned)
+    pager = Pager(model, device, budget_bytes, named, pin=pin, prefetch_depth=prefetch)
+    total = sum(t.numel() * t.element_size() for ts in owned.values() for _n, t, _p in ts)
+    pager.arena.check_room(total, f"the model ({len(named)} blocks)")
+    if total <= budget_bytes:
+        log.warning(
+            "pager: the whole model (%s) fits the budget (%s): paging is not needed; it will stay "
+            "resident after the first forward.", format_bytes(total), format_bytes(budget_bytes)
+        )
+    pager.build(owned, uses)
+    _PAGERS[model] = pager
+    if optimizer is not None:
+        pager.attach(optimizer)
+    return model
+
+
+def of(model: nn.Module) -> Pager:
+    """The `Pager` of a wrapped model.
+
+    Example:
+        >>> print(pager.of(model).stats())
+    """
+    pager = _PAGERS.get(model)
+    if pager is None:
+        raise ValueError(f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first.")
+    return pager
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo `wrap`: every tensor back on its original device with its current
+    value (gradients and attached optimizers' state too), hooks removed.
+
+    Example:
+        >>> pager.unwrap(model)
+    """
+    pager = of(model)
+    close(pager)
+    del _PAGERS[model]
+    return model
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"pager: device={device!r} is not a device; use \"cuda\", \"cuda:0\" or \"cpu\".") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"pager: device={device!r} but CUDA is not available here; use device=\"cpu\" "
+                f"(the same paging with host memory standing for the GPU) or run on a CUDA machine."
+            )
+        count = torch.cuda.device_count()
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise ValueError(
+                f"pager: device={device!r} but this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})."
+            )
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"pager: device={device!r} is not supported; use a CUDA device or \"cpu\".")
+    return dev
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    if model in _PAGERS:
+        raise ValueError("pager: this model is already wrapped; call pager.unwrap(model) before wrapping it again.")
+    mine = {id(m) for m in model.modules()}
+    for other in list(_PAGERS.keys()):
+        if any(m is model for m in other.modules()):
+            raise ValueError(
+                f"pager: this {type(model).__name__} is a submodule of a wrapped "
+                f"{type(other).__name__}; it is paged with it already (unwrap the outer model first)."
+            )
+        if id(other) in mine:
+            raise ValueError(
+                f"pager: this {type(model).__name__} contains a wrapped {type(other).__name__}; "
+                f"unwrap the inner model first, then wrap the outer one."
+            )
+
+
+def _check_tensors(model: nn.Module, device: torch.device) -> None:
+    devices = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(
+                f"pager: {name!r} is on the meta device (no data); materialize the model first "
+                f"(e.g. model.to_empty(device='cpu') and load its weights)."
+            )
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"pager: {name!r} has layout {t.layout}; pager pages dense tensors only. Keep this "
+                f"module out of the blocks or convert it to dense."
+            )
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"pager: the model's tensors are on several devices ({sorted(map(str, devices))}); "
+            f"move it to one device (e.g. model.cpu()) before wrapping."
+        )
+    bad = {d for d in devices if d.type not in ("cpu", device.type)}
+    if bad:
+        raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
+
+
+def _block_sizes(named, owned, uses) -> list[int]:
+    def own(i):
+        return sum(_aligned(t) for _n, t, _p in owned.get(i, []))
+
+    sizes = []
+    for i in range(len(named)):
+        sizes.append(own(i) + sum(own(j) for j in uses.get(i, ()) if j is not None))
+    return sizes
+
+
+def _aligned(t: torch.Tensor) -> int:
+    from ._host import align
+
+    return align(t.numel() * t.element_size())
+
+
+def _check_fits(budget, budget_bytes, named, sizes, owned) -> None:
+    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
+    if remainder > budget_bytes:
+        raise ValueError(
+            f"pager: the tensors outside every block (the remainder: embeddings, heads, norms; "
+            f"{format_bytes(remainder)}) exceed budget={budget!r} ({format_bytes(budget_bytes)}); raise the "
+            f"budget or make those modules blocks (blocks=[...] or a predicate)."
+        )
+    if not named:
+        return
+    i = max(range(len(named)), key=lambda k: sizes[k])
+    if remainder + sizes[i] > budget_bytes:
+        raise ValueError(
+            f"pager: block {named[i][0]!r} ({format_bytes(sizes[i])}) does not fit budget={budget!r} "
+            f"({format_bytes(budget_bytes)}) beside the resident remainder ({format_bytes(remainder)}); "
+            f"give a budget of at least {format_bytes(remainder + sizes[i])} (better twice the largest "
+            f"block, so the next one can be fetched while one computes), or split the block "
+            f"(blocks= with smaller modules)."
+        )

@@ -1,0 +1,149 @@
+"""A block: the paging unit. Its tensors, their pages, and their residency.
+
+A block's tensors are laid out in segments, each one contiguous region with
+a pinned host page and a device storage of the same layout:
+
+    weights: the block's parameters and buffers (always)
+    grads:   gradients of its trainable parameters (once a backward made them)
+    state:   the attached optimizer's state for its parameters (after a step)
+
+A fetch copies each needed segment in one transfer; an eviction writes back
+the dirty segments and frees the device storage of all of them.
+
+[Note: identity by storage resize]
+Every tensor of a segment is, once and for all at wrap time, made a typed view
+(`t.data = view`) into the segment's flat uint8 device tensor. From then on the
+tensor objects and their StorageImpl never change: eviction resizes that
+storage to 0 bytes and a fetch resizes it back and copies the page in. Autograd
+saves views of weights (F.linear saves `weight.t()`); since the views share the
+StorageImpl, a backward after a re-fetch reads the re-fetched bytes. Rebinding
+`param.data` per fetch would leave saved views on the old memory.
+
+[Note: dirty by version counter]
+Every in-place change of a tensor (an optimizer step, BatchNorm's running
+stats, `load_state_dict`) bumps its version counter, while our own copies into
+the flat storage bump only the flat tensor's counter. A segment whose tensors'
+versions moved since the fetch is dirty and is written back before eviction;
+a clean one leaves for free. Changes made through `.data` escape the counter:
+`Block.mark_dirty()` covers those (the optimizer path calls it after a step).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ._host import align
+
+
+class Residency(enum.Enum):
+    HOST = "host"          # only the host page holds the bytes
+    FETCHING = "fetching"  # a copy to the device is enqueued; compute has not waited on it yet
+    DEVICE = "device"      # the compute stream is ordered after the fetch
+
+
+@dataclass
+class Slot:
+    """Where one tensor lives in its segment."""
+
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    offset: int
+    nbytes: int
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def layout(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Slot], int]:
+    """Slots for `named` tensors, each aligned, and the segment's total bytes."""
+    slots, offset = [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        slots.append(Slot(name, t.dtype, t.shape, offset, nbytes))
+        offset = align(offset + nbytes)
+    return slots, offset
+
+
+@dataclass
+class Segment:
+    """One contiguous region of a block: a host page and a device storage."""
+
+    kind: str
+    slots: list[Slot]
+    nbytes: int
+    host: torch.Tensor                 # uint8 page in a host arena
+    flat: torch.Tensor                 # uint8 on the device; storage is 0 or nbytes
+    tensors: list[torch.Tensor] = field(default_factory=list)  # the bound device views
+    resident: bool = False
+    versions: list[int] = field(default_factory=list)
+    force_dirty: bool = False
+    writeback_event: object = None     # last write-back of this page, if any
+    host_valid: bool = True            # the host page holds data worth fetching
+    # grads segments only: the parameters, their names, and zeroing/scaling
+    # recorded while paged out (slot index -> factor), applied on return.
+    params: list = field(default_factory=list)
+    names: list = field(default_factory=list)
+    pending_scale: dict = field(default_factory=dict)
+
+    def host_views(self) -> list[torch.Tensor]:
+        return [s.view_of(self.host) for s in self.slots]
+
+    def snapshot_versions(self) -> None:
+        self.versions = [t._version for t in self.tensors]
+        self.force_dirty = False
+
+    def is_dirty(self) -> bool:
+        return self.force_dirty or any(t._version != v for t, v in zip(self.tensors, self.versions))
+
+
+class Block:
+    """A paging unit: a module (or the remainder of the model) and its segments.
+
+    Args:
+        name: the module's qualified name ("" for the root), used in stats and errors.
+        module: the module whose hooks bring this block in (None for the remainder).
+        index: position in the pager's block list.
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module | None, index: int):
+        self.name = name or "<root>"
+        self.module = module
+        self.index = index
+        self.segments: dict[str, Segment] = {}
+        self.residency = Residency.HOST
+        self.fetch_event = None
+        self.last_use_event = None
+        self.pins = 0
+        self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
+        self.resident_for_life = False
+        self.last_use_tick = 0
+        self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
+        self.params: list = []        # its parameters (in the weights segment), and their names
+        self.param_names: list = []
+        self.stats = None
+
+    # -- sizes -------------------------------------------------------------
+    @property
+    def weights(self) -> Segment:
+        return self.segments["weights"]
+
+    def device_bytes(self) -> int:
+        return sum(seg.nbytes for seg in self.segments.values() if seg.resident)
+
+    def nbytes(self, kinds=None) -> int:
+        return sum(s.nbytes for k, s in self.segments.items() if kinds is None or k in kinds)
+
+    def missing_bytes(self, kinds) -> int:
+        return sum(s.nbytes for k, s in self.segments.items() if k in kinds and not s.resident)
+
+    def mark_dirty(self, kinds=None) -> None:
+        for k, seg in self.segments.items():
+            if seg.resident and (kinds is None or k in kinds):
+                seg.force_dirty = True
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {self.residency.value}, pins={self.pins})"

@@ -1,0 +1,114 @@
+"""Parse the user's budget ("10GiB", "60%", "auto", an int) into bytes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+# Room left for activations, the CUDA context and the allocator's slack when
+# the budget is "auto".
+AUTO_MARGIN_FRACTION = 0.15
+AUTO_MARGIN_MIN_BYTES = 1 << 30
+
+_HELP = 'use bytes as an int, a size like "10GiB", "512MiB", "1.5GB", a share like "60%", or "auto"'
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device`; host RAM for the CPU device."""
+    if device.type == "cuda":
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            # pynvml does not see what this process's caching allocator holds
+            # but has not handed out; add it back.
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(info.free) + cached, int(info.total)
+        except Exception:  # pynvml missing or NVML unavailable: ask torch
+            free, total = torch.cuda.mem_get_info(device)
+            return int(free), int(total)
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def parse_budget(budget, device: torch.device) -> int:
+    """Return `budget` in bytes for `device`, or raise ValueError naming the fix.
+
+    Args:
+        budget: an int (bytes), a size string ("10GiB", "512MiB", "1.5GB"), a
+            share of the device's memory ("60%"), or "auto" (free memory less a
+            margin for activations).
+        device: the device the budget is for.
+
+    Example:
+        >>> parse_budget("1.5KiB", torch.device("cpu"))
+        1536
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ValueError(f"pager: budget={budget!r} is not understood; {_HELP}.")
+    if isinstance(budget, int):
+        nbytes = budget
+    else:
+        nbytes = _parse_string(budget, device)
+    if nbytes <= 0:
+        raise ValueError(f"pager: budget={budget!r} must be more than 0 bytes; {_HELP}.")
+    if device.type == "cuda":
+        _free, total = device_memory(device)
+        if nbytes > total:
+            raise ValueError(
+                f"pager: budget={budget!r} ({format_bytes(nbytes)}) is larger than {device}'s "
+                f"{format_bytes(total)}; give at most its size, e.g. budget=\"90%\" or \"auto\"."
+            )
+    return nbytes
+
+
+def _parse_string(text: str, device: torch.device) -> int:
+    s = text.strip().lower()
+    if s == "auto":
+        free, _total = device_memory(device)
+        margin = max(AUTO_MARGIN_MIN_BYTES, int(free * AUTO_MARGIN_FRACTION))
+        if free - margin <= 0:
+            raise ValueError(
+                f"pager: budget=\"auto\" found only {format_bytes(free)} free on {device}, "
+                f"less than the {format_bytes(margin)} kept for activations; free memory on the "
+                f"device or give a budget in bytes."
+            )
+        return free - margin
+    if s.endswith("%"):
+        try:
+            share = float(s[:-1])
+        except ValueError:
+            raise ValueError(f"pager: budget={text!r} is not understood; {_HELP}.") from None
+        if not 0 < share <= 100:
+            raise ValueError(
+                f"pager: budget={text!r} is a share of the device's memory and must lie in (0%, 100%]."
+            )
+        _free, total = device_memory(device)
+        return int(total * share / 100)
+    m = _PATTERN.match(s)
+    if m is None or m.group(2) not in _UNITS:
+        raise ValueError(f"pager: budget={text!r} is not understood; {_HELP}.")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

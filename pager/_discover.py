@@ -1,0 +1,153 @@
+"""Which modules are blocks, and which block owns each tensor.
+
+Default discovery, in the spirit of accelerate's `no_split_module_classes`
+but with nothing to name:
+
+* the elements of the model's layer containers (`nn.ModuleList` /
+  `nn.Sequential`) are blocks: a transformer's layers, a CNN's stages (nested
+  containers are flattened: ResNet's `layer1..4` give their residual blocks);
+* inside such a block, a `ModuleList`/`ModuleDict` of two or more children that
+  holds most of the block's bytes is a list of alternatives (a NAS supernet's
+  candidate ops, a mixture's experts): each alternative becomes a block of its
+  own, nested in its layer, so only the ones that run are fetched;
+* everything else (embeddings, heads, final norms) is the *remainder*: it
+  stays resident on the device and counts against the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch.nn as nn
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def discover(model: nn.Module, spec=None) -> list[tuple[str, nn.Module]]:
+    """Return the (qualified name, module) pairs that are blocks, in model order.
+
+    Args:
+        model: the model to page.
+        spec: None (default discovery), a list of modules, a list of class
+            names, or a predicate `(name, module) -> bool`.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    if spec is None:
+        found = _default(model)
+    elif callable(spec):
+        found = [m for n, m in model.named_modules() if n and spec(n, m)]
+    elif isinstance(spec, Iterable) and not isinstance(spec, (str, nn.Module)):
+        items = list(spec)
+        if all(isinstance(x, str) for x in items):
+            wanted = set(items)
+            found = [m for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+            unknown = wanted - {type(m).__name__ for m in model.modules()}
+            if unknown:
+                raise ValueError(
+                    f"pager: blocks= names classes {sorted(unknown)} that no submodule of the model "
+                    f"has; give class names that appear in the model (e.g. {type(found[0]).__name__ if found else 'DecoderLayer'!r})."
+                )
+        elif all(isinstance(x, nn.Module) for x in items):
+            found = items
+            for m in found:
+                if id(m) not in names:
+                    raise ValueError(
+                        f"pager: blocks= holds a {type(m).__name__} that is not a submodule of the model; "
+                        f"pass modules taken from the model itself (e.g. list(model.layers))."
+                    )
+                if m is model:
+                    raise ValueError(
+                        "pager: blocks= holds the model itself; a block must be a submodule "
+                        "(the model's own tensors form the remainder)."
+                    )
+        else:
+            raise ValueError(
+                "pager: blocks= must be a list of modules, a list of class names, or a predicate "
+                f"(name, module) -> bool; got a list of {sorted({type(x).__name__ for x in items})}."
+            )
+    else:
+        raise ValueError(
+            f"pager: blocks={spec!r} is not understood; pass a list of modules, a list of class "
+            f"names, or a predicate (name, module) -> bool."
+        )
+    seen: set[int] = set()
+    for m in found:
+        if id(m) in seen:
+            raise ValueError(f"pager: blocks= names {names[id(m)]!r} twice; name each block once.")
+        seen.add(id(m))
+    blocks = [(names[id(m)], m) for m in found if tensor_bytes(m) > 0]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(blocks, key=lambda nm: order[id(nm[1])])
+
+
+def _default(model: nn.Module) -> list[nn.Module]:
+    blocks: list[nn.Module] = []
+
+    def visit(m: nn.Module, in_container: bool) -> None:
+        if isinstance(m, _CONTAINERS) and len(m) >= 2:
+            for child in m.children():
+                visit(child, True)
+        elif in_container:
+            blocks.append(m)
+            blocks.extend(_alternatives(m))
+        else:
+            for child in m.children():
+                visit(child, False)
+
+    visit(model, False)
+    return blocks
+
+
+def _alternatives(block: nn.Module) -> list[nn.Module]:
+    """Children of a list of alternatives that holds most of `block`'s bytes."""
+    total = tensor_bytes(block)
+    for m in block.modules():
+        if m is not block and isinstance(m, _ALTERNATIVES) and len(m) >= 2:
+            if 2 * tensor_bytes(m) > total:
+                return [c for c in m.children() if tensor_bytes(c) > 0]
+    return []
+
+
+def owners(model: nn.Module, block_modules: list[nn.Module]):
+    """Map each tensor to the innermost block holding it.
+
+    Returns `(owned, uses)`: `owned[i]` lists `(qualified name, tensor, is_param)`
+    owned by block i (None for the remainder); `uses[i]` is the set of other
+    block indices (or None) whose tensors block i's modules also hold (tied
+    weights), so block i depends on them.
+    """
+    index = {id(m): i for i, m in enumerate(block_modules)}
+    owned: dict = {}
+    owner_of: dict[int, object] = {}
+    uses: dict = {}
+
+    def walk(m: nn.Module, prefix: str, current) -> None:
+        current = index.get(id(m), current)
+        for kind, table in (("param", m._parameters), ("buffer", m._buffers)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                qual = f"{prefix}{name}"
+                if id(t) in owner_of:
+                    first = owner_of[id(t)]
+                    if first != current:
+                        uses.setdefault(current, set()).add(first)
+                    continue
+                owner_of[id(t)] = current
+                owned.setdefault(current, []).append((qual, t, kind == "param"))
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", current)
+
+    walk(model, "", None)
+    return owned, uses

@@ -1,0 +1,253 @@
+"""Optimizer state that pages with its block, and a step streamed per block.
+
+[Note: the streamed step]
+`attach(opt)` adds a step pre-hook and post-hook to the user's optimizer (its
+own hook API; the optimizer object, its param_groups and state keys are never
+replaced). The pre-hook runs the real update one block at a time: it brings a
+block's weights, gradients and state in (prefetching the next block's), narrows
+every param group to that block's parameters, calls the optimizer's undecorated
+`step`, and releases the block. Parameters the pager does not manage are left
+in the groups, so the user's own `step()` call that follows updates exactly
+those; the post-hook restores the groups. torch.optim's updates are
+per-parameter, so the result equals one full step bit for bit. Blocks with no
+gradient (inactive NAS candidates, frozen blocks) are neither fetched nor
+stepped, as in a full step where their grads are None.
+
+State tensors the optimizer creates lazily on the device (Adam's exp_avg, ...)
+are adopted after the block's first update: copied into the block's `state`
+segment, and the dict entries in `opt.state[p]` are replaced by views of it.
+Host-side scalars (Adam's `step` on the CPU) stay where they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._block import Block
+from ._pager import STEP, Pager
+
+
+class OptimizerLink:
+    """The pager's hold on one attached optimizer."""
+
+    def __init__(self, pager: Pager, optimizer: torch.optim.Optimizer):
+        self.pager = pager
+        self.optimizer = optimizer
+        self._saved_params: list | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self._raw_step = getattr(type(optimizer).step, "__wrapped__", None)
+        # state_dict()/load_state_dict() read and write the state tensors: they
+        # must be on the device or refer to host copies.
+        self._swapped: list = []
+        self._handles.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
+        self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
+        self._handles.append(optimizer.register_load_state_dict_post_hook(self._after_load_state_dict))
+
+    def detach(self) -> None:
+        """Give the optimizer its state back as ordinary tensors on the parameters' devices."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        pager = self.pager
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            source = seg.tensors if seg.resident else seg.host_views()
+            for (p, key), value in zip(seg.keys, source):
+                st = self.optimizer.state.get(p)
+                if st is not None and key in st:
+                    st[key] = value.detach().to(pager._original_device[id(p)], copy=True)
+        pager._optimizers.remove(self)
+
+    # --------------------------------------------------------------- step
+    def _pre_step(self, optimizer, args, kwargs):
+        # The hook's args are the call's positional arguments, the optimizer first.
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise ValueError(
+                "pager: optimizer.step(closure) is not supported on a paged model (the closure would "
+                "re-run forward inside the streamed step); call step() without a closure."
+            )
+        pager = self.pager
+        groups = optimizer.param_groups
+        self._saved_params = [g["params"] for g in groups]
+        blocks = self._blocks_to_step()
+        pager.scheduler.expect([(b, STEP) for b in blocks])
+        try:
+            for block in blocks:
+                pager._acquire(block, STEP)
+                if "state" not in block.segments:
+                    # The optimizer is about to create this block's state on the
+                    # device (outside the pages): make room for it first.
+                    pager._make_room(self._state_estimate(block), protect={block})
+                pager._prefetch()
+                try:
+                    mine = {id(p) for p in block.params}
+                    for g, params in zip(groups, self._saved_params):
+                        g["params"] = [p for p in params if id(p) in mine]
+                    self._step_once(optimizer)
+                    self._adopt_state(block)
+                    block.mark_dirty(("weights", "state"))
+                finally:
+                    pager._release(block)
+        finally:
+            managed = pager._param_block
+            for g, params in zip(groups, self._saved_params):
+                g["params"] = [p for p in params if id(p) not in managed]
+
+    def _post_step(self, optimizer, args, kwargs):
+        if self._saved_params is not None:
+            for g, params in zip(optimizer.param_groups, self._saved_params):
+                g["params"] = params
+            self._saved_params = None
+
+    def _step_once(self, optimizer) -> None:
+        if self._raw_step is not None:
+            self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
+        else:
+            optimizer.step()
+
+    def _blocks_to_step(self) -> list[Block]:
+        """Blocks with a gradient: resident ones first, then in next-forward order."""
+        pager = self.pager
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        wanted = []
+        for block in pager.all_blocks():
+            if any(id(p) in in_opt and p.grad is not None for p in block.params):
+                wanted.append(block)
+        resident = [b for b in wanted if b in pager.resident]
+        return resident + [b for b in wanted if b not in pager.resident]
+
+    def _state_estimate(self, block: Block) -> int:
+        """Bytes of state the first update of `block` will create (learned from
+        the blocks adopted so far; Adam's two moments before that)."""
+        ratio = 2.0
+        seen = [b for b in self.pager.all_blocks() if "state" in b.segments]
+        if seen:
+            ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
+        return int(ratio * block.weights.nbytes)
+
+    def _adopt_state(self, block: Block) -> None:
+        """Move state the optimizer created on the device into the block's page."""
+        opt_state = self.optimizer.state
+        seg = block.segments.get("state")
+        if seg is not None:
+            # Entries the optimizer replaced (rather than updated in place) go back into the page.
+            for (p, key), view in zip(seg.keys, seg.tensors):
+                value = opt_state[p].get(key)
+                if value is not view and isinstance(value, torch.Tensor):
+                    view.copy_(value)
+                    opt_state[p][key] = view
+            return
+        named, keys = [], []
+        for p in block.params:
+            for key, value in opt_state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.device == self.pager.device and value.numel() > 0:
+                    named.append((f"{id(p)}.{key}", value))
+                    keys.append((p, key))
+        if not named:
+            return
+        pager = self.pager
+        seg = pager._new_segment(block, "state", named)
+        seg.keys = keys
+        if not pager._make_room(seg.nbytes, protect={block}):
+            pager._raise_no_room(block, seg.nbytes)
+        # The new segment is allocated and counted as resident: it holds the
+        # state the optimizer just made, which then frees.
+        pager.transport.allocate(seg.flat, seg.nbytes)
+        pager.resident_bytes += seg.nbytes
+        seg.resident = True
+        with torch.no_grad():
+            for (p, key), view in zip(keys, seg.tensors):
+                view.copy_(opt_state[p][key])
+                opt_state[p][key] = view
+        seg.snapshot_versions()
+        seg.force_dirty = True
+        seg.host_valid = True
+        pager._stats.peak_resident_bytes = max(pager._stats.peak_resident_bytes, pager.resident_bytes)
+
+    # ---------------------------------------------------------- state_dict
+    def _before_state_dict(self, optimizer) -> None:
+        # Optimizer.state_dict() returns references to the state tensors, and a
+        # paged-out block's have no memory behind them: for the duration of the
+        # call, every paged entry is a host copy of its current value.
+        pager = self.pager
+        if pager.transport.is_cuda:
+            torch.cuda.synchronize(pager.device)
+        self._swapped = []
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            source = seg.tensors if seg.resident else seg.host_views()
+            for (p, key), value in zip(seg.keys, source):
+                self._swapped.append((p, key, optimizer.state[p][key]))
+                optimizer.state[p][key] = value.detach().to("cpu", copy=True)
+
+    def _after_state_dict(self, optimizer, state_dict):
+        for p, key, view in self._swapped:
+            optimizer.state[p][key] = view
+        self._swapped = []
+        return state_dict
+
+    def _after_load_state_dict(self, optimizer) -> None:
+        # load_state_dict() replaced every state tensor with a new one (cast to
+        # the parameter's device). Put the values into the pages.
+        pager = self.pager
+        if pager.transport.is_cuda:
+            torch.cuda.synchronize(pager.device)
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            targets = seg.tensors if seg.resident else seg.host_views()
+            with torch.no_grad():
+                for (p, key), target in zip(seg.keys, targets):
+                    target.copy_(optimizer.state[p][key])
+                    optimizer.state[p][key] = seg.tensors[seg.keys.index((p, key))]
+            if seg.resident:
+                seg.force_dirty = True
+            else:
+                seg.host_valid = True
+
+
+def _auto_attach(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: attach an optimizer that holds a wrapped model's
+    parameters the first time it steps, so the user's loop needs no change."""
+    from ._pager import _PAGERS
+
+    for pager in list(_PAGERS.values()):
+        if any(link.optimizer is optimizer for link in pager._optimizers):
+            continue
+        managed = pager._param_block
+        if any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
+            attach(pager, optimizer)
+
+
+_global_hook = None
+
+
+def install_global_hook() -> None:
+    global _global_hook
+    if _global_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _global_hook = register_optimizer_step_pre_hook(_auto_attach)
+
+
+def attach(pager: Pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
+    for link in pager._optimizers:
+        if link.optimizer is optimizer:
+            return link  # idempotent
+    managed = pager._param_block
+    if not any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "pager: attach() got an optimizer that holds none of this model's parameters; build it "
+            "from model.parameters()."
+        )
+    link = OptimizerLink(pager, optimizer)
+    pager._optimizers.append(link)
+    return link

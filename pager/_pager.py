@@ -1,0 +1,717 @@
+"""The Pager: one per wrapped model. Builds blocks, installs hooks, moves bytes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from itertools import islice
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from . import _discover
+from ._block import Block, Residency, Segment, layout
+from ._budget import format_bytes
+from ._grads import PagedOutGrad
+from ._host import HostArena
+from ._schedule import Scheduler
+from ._stats import BlockStats, Stats, zero_counters
+from ._transport import CpuTransport, CudaTransport
+
+log = logging.getLogger("pager")
+
+WEIGHTS = ("weights",)
+BACKWARD = ("weights", "grads")
+STEP = ("weights", "grads", "state")
+PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
+
+_PAGERS: "weakref.WeakKeyDictionary[nn.Module, Pager]" = weakref.WeakKeyDictionary()
+
+
+class BudgetError(RuntimeError):
+    """The blocks that must be on the device at once do not fit the budget."""
+
+
+def _record_range(name: str):
+    return torch.profiler.record_function(name)
+
+
+class Pager:
+    """Pages one model's blocks between host pages and a device under a budget.
+
+    Made by `pager.wrap`; reach it with `pager.of(model)`.
+    """
+
+    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth):
+        self.model = model
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.prefetch_depth = prefetch_depth
+        self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
+        self.arena = HostArena(pin=pin and device.type == "cuda")
+        self.scheduler = Scheduler()
+        self.blocks: list[Block] = []
+        self.remainder: Block | None = None
+        self.resident: dict[Block, None] = {}  # ordered set of blocks with device bytes
+        self.resident_bytes = 0
+        self._stats = Stats(budget_bytes=budget_bytes)
+        self._hooks: list = []
+        self._tick = 0
+        self._root_depth = 0
+        self._pending_stalls: list = []
+        self._backward_holds: dict[Block, int] = {}
+        self._final_callback_queued = False
+        self._owner: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
+        self._param_block: dict[int, Block] = {}
+        self._original_device: dict[int, torch.device] = {}
+        self._optimizers: list = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._named_blocks = named_blocks
+
+    # ------------------------------------------------------------------ build
+    def build(self, owned, uses) -> None:
+        for i, (name, module) in enumerate(self._named_blocks):
+            self.blocks.append(Block(name, module, i))
+        for i, block in enumerate(self.blocks):
+            self._build_weights(block, owned.get(i, []))
+        if owned.get(None):
+            self.remainder = Block("<remainder>", None, len(self.blocks))
+            self._build_weights(self.remainder, owned[None])
+        for i, deps in uses.items():
+            user = self.blocks[i] if i is not None else self.remainder
+            for j in deps:
+                owner = self.blocks[j] if j is not None else self.remainder
+                if user is self.remainder:
+                    owner.resident_for_life = True
+                elif owner is not self.remainder:
+                    user.deps.append(owner)
+        for block in self.all_blocks():
+            if block.resident_for_life or block is self.remainder:
+                block.resident_for_life = True
+                self._acquire(block, WEIGHTS, record=False)
+        self._install_hooks()
+
+    def all_blocks(self):
+        return self.blocks + ([self.remainder] if self.remainder is not None else [])
+
+    def _build_weights(self, block: Block, named: list) -> None:
+        tensors = [t for _n, t, _p in named]
+        slots, nbytes = layout([(n, t) for n, t, _p in named])
+        host = self.arena.allocate(nbytes)
+        for slot, t in zip(slots, tensors):
+            slot.view_of(host).copy_(t.detach())
+            self._original_device[id(t)] = t.device
+        flat = self.transport.new_flat(nbytes)
+        seg = Segment("weights", slots, nbytes, host, flat)
+        self.transport.allocate(flat, nbytes)
+        for slot, t in zip(slots, tensors):
+            t.data = slot.view_of(flat)
+        seg.tensors = tensors
+        self.transport.free(flat)
+        block.segments["weights"] = seg
+        block.params = [t for _n, t, is_param in named if is_param]
+        block.param_names = [n for n, _t, is_param in named if is_param]
+        block.stats = BlockStats(block.name, nbytes)
+        for p in block.params:
+            self._param_block[id(p)] = block
+
+    def _new_segment(self, block: Block, kind: str, named: list) -> Segment:
+        slots, nbytes = layout(named)
+        host = self.arena.allocate(nbytes)
+        flat = self.transport.new_flat(nbytes)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=False)
+        self.transport.allocate(flat, nbytes)
+        seg.tensors = [s.view_of(flat) for s in slots]
+        self.transport.free(flat)
+        block.segments[kind] = seg
+        block.stats.nbytes = block.nbytes()
+        return seg
+
+    def _ensure_grads_segment(self, block: Block) -> None:
+        if "grads" in block.segments:
+            return
+        trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
+        if not trainable:
+            return
+        seg = self._new_segment(block, "grads", trainable)
+        seg.params = [p for _n, p in trainable]
+        seg.names = [n for n, _p in trainable]
+        for i, p in enumerate(seg.params):
+            self._owner[id(p)] = (block, i)
+
+    # ------------------------------------------------------------ residency
+    def _acquire(self, block: Block, kinds, record: bool = True) -> None:
+        """Make `kinds` of `block` (and its deps) usable by compute; pin them."""
+        for dep in block.deps:
+            self._acquire(dep, kinds, record)
+        if "grads" in kinds:
+            self._ensure_grads_segment(block)
+        block.pins += 1
+        if record:
+            self.scheduler.observe(block, kinds)
+        missing = block.missing_bytes(kinds)
+        st = block.stats
+        if missing:
+            with _record_range(f"pager::fetch[{block.name}]"):
+                if not self._make_room(missing, protect={block}):
+                    block.pins -= 1
+                    self._raise_no_room(block, missing)
+                self._fetch(block, kinds)
+            if block.fetched_data and record:
+                st.misses += 1
+                self._stats.misses += 1
+        elif record:
+            st.hits += 1
+            self._stats.hits += 1
+        self._wait_for(block)
+        self._apply_pending(block)
+        self._tick += 1
+        block.last_use_tick = self._tick
+
+    def _wait_for(self, block: Block) -> None:
+        if block.fetch_event is None:
+            block.residency = Residency.DEVICE
+            return
+        with _record_range(f"pager::wait[{block.name}]"):
+            if self.transport.is_cuda:
+                arrive = torch.cuda.Event(enable_timing=True)
+                arrive.record()
+                self._pending_stalls.append((block, arrive, block.fetch_event))
+            self.transport.compute_waits(block.fetch_event)
+        block.fetch_event = None
+        block.residency = Residency.DEVICE
+
+    def _apply_pending(self, block: Block) -> None:
+        seg = block.segments.get("grads")
+        if seg is None or not seg.resident or not seg.pending_scale:
+            return
+        with torch.no_grad():
+            for i, scale in seg.pending_scale.items():
+                if seg.params[i].grad is seg.tensors[i]:
+                    seg.tensors[i].mul_(scale) if scale != 0.0 else seg.tensors[i].zero_()
+        seg.pending_scale.clear()
+
+    def _release(self, block: Block) -> None:
+        for dep in block.deps:
+            self._release(dep)
+        block.pins -= 1
+        if block.pins == 0:
+            # Memory of this block may be reused once compute is past this point.
+            block.last_use_event = self.transport.record_compute()
+
+    def _fetch(self, block: Block, kinds) -> None:
+        event, moved = None, False
+        for kind in kinds:
+            seg = block.segments.get(kind)
+            if seg is None or seg.resident:
+                continue
+            self.transport.allocate(seg.flat, seg.nbytes)
+            self.resident_bytes += seg.nbytes
+            if kind == "grads":
+                self._restore_grads(seg)
+            if seg.host_valid:
+                t0 = time.perf_counter()
+                event = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
+                moved = True
+                block.stats.h2d_bytes += seg.nbytes
+                self._stats.h2d_bytes += seg.nbytes
+                if not self.transport.is_cuda:
+                    dt = time.perf_counter() - t0
+                    block.stats.stall_seconds += dt
+                    self._stats.stall_seconds += dt
+            seg.resident = True
+            seg.snapshot_versions()
+        block.fetched_data = moved
+        if moved:
+            block.stats.fetches += 1
+        if event is not None:
+            block.fetch_event = event
+            block.residency = Residency.FETCHING
+        elif block.residency is Residency.HOST:
+            block.residency = Residency.DEVICE
+        self.resident[block] = None
+        self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
+
+    def _restore_grads(self, seg: Segment) -> None:
+        present = False
+        for i, p in enumerate(seg.params):
+            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                p.grad = seg.tensors[i]
+                present = True
+            else:
+                seg.pending_scale.pop(i, None)
+        seg.host_valid = present
+
+    def _evict(self, block: Block) -> None:
+        assert block.pins == 0 and not block.resident_for_life, block
+        with _record_range(f"pager::evict[{block.name}]"):
+            for kind, seg in block.segments.items():
+                if not seg.resident:
+                    continue
+                if kind == "grads":
+                    self._gather_grads(seg)
+                writeback = None
+                if seg.is_dirty():
+                    writeback = self.transport.d2h(seg.host, seg.flat, after=(block.last_use_event,))
+                    seg.writeback_event = writeback
+                    seg.host_valid = True
+                    block.stats.d2h_bytes += seg.nbytes
+                    self._stats.d2h_bytes += seg.nbytes
+                if kind == "grads":
+                    self._page_out_grads(seg)
+                self.transport.free(seg.flat, after=(block.last_use_event, writeback))
+                seg.resident = False
+                self.resident_bytes -= seg.nbytes
+        block.residency = Residency.HOST
+        block.fetch_event = None
+        self.resident.pop(block, None)
+        block.stats.evictions += 1
+        self._stats.evictions += 1
+
+    def _gather_grads(self, seg: Segment) -> None:
+        """Bring gradients that autograd or the user put elsewhere into the page."""
+        for i, p in enumerate(seg.params):
+            g = p.grad
+            if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
+                with torch.no_grad():
+                    seg.tensors[i].copy_(g)
+                p.grad = seg.tensors[i]
+
+    def _page_out_grads(self, seg: Segment) -> None:
+        any_present = False
+        for i, p in enumerate(seg.params):
+            if p.grad is seg.tensors[i]:
+                p.grad = PagedOutGrad(p, seg.names[i], seg, i)
+                any_present = True
+        if not any_present:
+            seg.host_valid = False
+
+    def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
+        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
+        next use is further than `within` uses away, and never kept ones."""
+        if self.resident_bytes + nbytes <= self.budget_bytes:
+            return True
+        inf = float("inf")
+        distance = self.scheduler.next_use()
+        kept = self.scheduler.kept
+        candidates = [
+            b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect
+        ]
+        candidates.sort(key=lambda b: (b in kept, -distance.get(b, inf), b.last_use_tick))
+        for b in candidates:
+            if within is not None and (b in kept or distance.get(b, inf) <= within):
+                return False
+            self._evict(b)
+            if self.resident_bytes + nbytes <= self.budget_bytes:
+                return True
+        return False
+
+    def _raise_no_room(self, block: Block, missing: int):
+        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life]
+        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())})" for b in pinned[:6])
+        raise BudgetError(
+            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
+            f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
+            f"by blocks in use: {held}. Raise the budget, or use smaller blocks (blocks=...)."
+        )
+
+    def _prefetch(self) -> None:
+        if not self.prefetch_depth:
+            return
+        fetched = 0
+        for distance, (block, kinds) in enumerate(islice(self.scheduler.upcoming(), PREFETCH_WINDOW)):
+            if fetched >= self.prefetch_depth:
+                return
+            if "grads" in kinds:
+                self._ensure_grads_segment(block)
+            missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
+            if not missing:
+                continue
+            if not self._make_room(missing, protect={block, *block.deps}, within=distance):
+                return
+            for dep in block.deps:
+                if dep.missing_bytes(WEIGHTS):
+                    self._fetch(dep, WEIGHTS)
+            with _record_range(f"pager::prefetch[{block.name}]"):
+                self._fetch(block, kinds)
+            block.stats.prefetches += 1
+            self._stats.prefetches += 1
+            fetched += 1
+
+    # ----------------------------------------------------------------- hooks
+    def _install_hooks(self) -> None:
+        root = self.model
+        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(root.register_forward_hook(self._root_post_forward, always_call=True))
+        for block in self.blocks:
+            pre = self._make_pre_forward(block)
+            post = self._make_post_forward(block)
+            self._hooks.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+        for block in self.all_blocks():
+            for p in block.params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._install_state_dict_hooks()
+
+    # ------------------------------------------------------------ state dict
+    def _install_state_dict_hooks(self) -> None:
+        """`state_dict()` returns host copies; `load_state_dict()` fetches each block.
+
+        [Note: state dicts of a paged model]
+        Module.state_dict() returns references to the tensors, and a paged-out
+        block's tensors have no memory behind them; a post-hook on the root
+        replaces every paged entry with a host copy of its current value (so a
+        checkpoint needs no room on the device and loads without a GPU).
+        load_state_dict() copies into the tensors in place: a pre-hook on each
+        block module fetches the block, a post-hook releases it, and the copies
+        bump the version counters, so the block is written back when it leaves.
+        """
+        names = {}
+        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
+            self.model.named_buffers(remove_duplicate=False)
+        ):
+            names[name] = t
+        index = {}
+        for block in self.all_blocks():
+            for i, t in enumerate(block.weights.tensors):
+                index[id(t)] = (block, i)
+        self._state_names = {n: index[id(t)] for n, t in names.items() if id(t) in index}
+        post = getattr(self.model, "register_state_dict_post_hook", None) or self.model._register_state_dict_hook
+        self._hooks.append(post(lambda *a: self._state_dict_post(*a)))
+        for block in self.blocks:
+            self._hooks.append(_load_pre_hook(block.module, self._make_load_pre(block)))
+            self._hooks.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+
+    def _state_dict_post(self, module, state_dict, prefix, local_metadata):
+        if self.transport.is_cuda:
+            torch.cuda.synchronize(self.device)  # write-backs in flight must land first
+        for name, (block, i) in self._state_names.items():
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            seg = block.weights
+            value = seg.tensors[i] if seg.resident else seg.slots[i].view_of(seg.host)
+            state_dict[key] = value.detach().to("cpu", copy=True)
+
+    def _make_load_pre(self, block: Block):
+        def load_pre(module, state_dict, prefix, *args):
+            self._acquire(block, WEIGHTS, record=False)
+
+        return load_pre
+
+    def _make_load_post(self, block: Block):
+        def load_post(module, incompatible_keys):
+            self._release(block)
+
+        return load_post
+
+    def _root_pre_forward(self, module, args):
+        self._check_open()
+        if self._root_depth == 0:
+            self._start_step()
+        self._root_depth += 1
+
+    def _root_post_forward(self, module, args, output):
+        self._root_depth = max(0, self._root_depth - 1)
+
+    def _start_step(self) -> None:
+        changed = self.scheduler.start_step()
+        if changed:
+            self._stats.order_changes += 1
+        fixed = self.remainder.device_bytes() if self.remainder is not None else 0
+        for b in self.blocks:
+            if b.resident_for_life:
+                fixed += b.nbytes()
+        self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
+        self._stats.steps += 1
+
+    def _make_pre_forward(self, block: Block):
+        def pre_forward(module, args, kwargs):
+            self._acquire(block, WEIGHTS)
+            self._prefetch()
+            if torch.is_grad_enabled() and block.params and any(p.requires_grad for p in block.params):
+                return self._register_post_backward(block, args, kwargs)
+            return None
+
+        return pre_forward
+
+    def _make_post_forward(self, block: Block):
+        def post_forward(module, args, output):
+            self._release(block)
+            if torch.is_grad_enabled():
+                self._register_pre_backward(block, output)
+            return None
+
+        return post_forward
+
+    def _register_pre_backward(self, block: Block, output) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        fired = [False]
+
+        def pre_backward(grad):
+            if not fired[0]:
+                fired[0] = True
+                self._pre_backward(block)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_backward)
+
+    def _pre_backward(self, block: Block) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._acquire(block, BACKWARD)
+        self._backward_holds[block] = self._backward_holds.get(block, 0) + 1
+        self._prefetch()
+
+    def _register_post_backward(self, block: Block, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(self, block, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(flat, spec)
+
+    def _post_backward(self, block: Block) -> None:
+        if self._backward_holds.get(block, 0) > 0:
+            self._backward_holds[block] -= 1
+            self._release(block)
+
+    def _end_of_backward(self) -> None:
+        self._final_callback_queued = False
+        for block, holds in list(self._backward_holds.items()):
+            for _ in range(holds):
+                self._release(block)
+        self._backward_holds.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        block, i = self._owner.get(id(param), (None, None))
+        if block is None:
+            block = self._param_block[id(param)]
+            self._ensure_grads_segment(block)
+            block, i = self._owner[id(param)]
+        seg = block.segments["grads"]
+        if not seg.resident:  # a gradient for a block not acquired for backward
+            self._acquire(block, ("grads",), record=False)
+            self._release(block)
+        view = seg.tensors[i]
+        if param.grad is not view:
+            with torch.no_grad():
+                view.copy_(param.grad)
+            param.grad = view
+
+    # ---------------------------------------------------------------- public
+    def stats(self) -> Stats:
+        """Counters since the last `reset()` (see `Stats`), with per-block rows."""
+        self._resolve_stalls()
+        s = self._stats
+        s.resident_bytes = self.resident_bytes
+        s.order_changes = max(s.order_changes, 0)
+        s.blocks = [b.stats for b in self.all_blocks()]
+        return s
+
+    def reset(self) -> None:
+        """Zero every counter (peak resident bytes restart from what is resident now)."""
+        self._resolve_stalls()
+        zero_counters(self._stats)
+        for b in self.all_blocks():
+            zero_counters(b.stats)
+        self._stats.peak_resident_bytes = self.resident_bytes
+
+    def _resolve_stalls(self) -> None:
+        for block, arrive, done in self._pending_stalls:
+            done.synchronize()
+            ms = arrive.elapsed_time(done) if done is not None else 0.0
+            if ms > 0:
+                block.stats.stall_seconds += ms / 1e3
+                self._stats.stall_seconds += ms / 1e3
+        self._pending_stalls.clear()
+
+    def expect(self, modules) -> None:
+        """Say which blocks the next forward will use, in order, so they are prefetched.
+
+        Args:
+            modules: block modules (or modules inside blocks) in the order the
+                next forward runs them; e.g. the candidate ops of the path a
+                NAS supernet sampled for this step.
+
+        Example:
+            >>> path = [layer.candidates[k] for layer, k in zip(net.layers, choice)]
+            >>> pager.of(net).expect(path)
+        """
+        by_module = {id(b.module): b for b in self.blocks}
+        uses = []
+        for m in modules:
+            block = by_module.get(id(m))
+            if block is None:
+                raise ValueError(
+                    f"pager: expect() got a {type(m).__name__} that is not a block of this model; "
+                    f"pass block modules (pager.of(model).block_names() lists them)."
+                )
+            uses.append((block, WEIGHTS))
+        self.scheduler.expect(uses)
+        self._prefetch()
+
+    def attach(self, optimizer) -> None:
+        """Page `optimizer`'s state with its blocks and stream its `step()` per block.
+
+        Idempotent. The optimizer may be built before or after `wrap` from
+        `model.parameters()`; it is never rebuilt, and any `torch.optim`
+        optimizer with per-parameter state works.
+
+        Args:
+            optimizer: a `torch.optim.Optimizer` over this model's parameters.
+
+        Example:
+            >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            >>> pager.of(model).attach(opt)
+        """
+        from ._optim import attach
+
+        attach(self, optimizer)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the model's gradients, wherever they are.
+
+        Use it instead of torch's when a step's blocks do not fit the budget
+        (gradients of blocks that left are in host pages: torch's raises an
+        error on them). Resident gradients are scaled in place; paged-out ones
+        when they return.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm (inf for the max-norm).
+
+        Returns:
+            The total norm before clipping, as a 0-dim tensor.
+
+        Example:
+            >>> loss.backward()
+            >>> pager.of(model).clip_grad_norm_(1.0)
+            >>> opt.step(); opt.zero_grad()
+        """
+        # Mirrors torch.nn.utils.clip_grad_norm_ (norms of each gradient, in
+        # model.parameters() order, then the norm of those), so that on the CPU
+        # device the result is bitwise the same.
+        values, targets = [], []
+        with torch.no_grad():
+            for p in self.model.parameters():
+                g = p.grad
+                if g is None:
+                    continue
+                if isinstance(g, PagedOutGrad):
+                    seg, i = g.segment, g.index
+                    if seg.writeback_event is not None and self.transport.is_cuda:
+                        seg.writeback_event.synchronize()  # the page must hold the bytes
+                    value = seg.slots[i].view_of(seg.host)
+                    if i in seg.pending_scale:
+                        value = value * seg.pending_scale[i]
+                    values.append(value)
+                else:
+                    values.append(g)
+                targets.append(p)
+            if not values:
+                return torch.tensor(0.0, device=self.device)
+            norms = [n.to(self.device) for n in _norms_by_device(values, norm_type)]
+            total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in targets:
+                g = p.grad
+                if isinstance(g, PagedOutGrad):
+                    g.segment.pending_scale[g.index] = g.segment.pending_scale.get(g.index, 1.0) * float(coef)
+                else:
+                    g.mul_(coef.to(g.dtype))
+        return total
+
+    def block_names(self) -> list[str]:
+        """The qualified names of the blocks, in model order."""
+        return [b.name for b in self.blocks]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("pager: this model was unwrapped; wrap it again to page it.")
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward runs once the block's is done."""
+
+    @staticmethod
+    def forward(ctx, pager, block, *tensors):
+        ctx.pager, ctx.block = pager, block
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.pager._post_backward(ctx.block)
+        return (None, None, *grads)
+
+
+def _norms_by_device(values, norm_type):
+    """Per-tensor norms, computed with foreach kernels per (device, dtype) run."""
+    out = [None] * len(values)
+    groups: dict = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.device, v.dtype), []).append(i)
+    for idx in groups.values():
+        for i, n in zip(idx, torch._foreach_norm([values[i] for i in idx], norm_type)):
+            out[i] = n
+    return out
+
+
+def _load_pre_hook(module: nn.Module, hook):
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().to(device, copy=True)
+
+
+def close(pager: Pager) -> None:
+    """Put every tensor back on its original device with its current value."""
+    if pager.transport.is_cuda:
+        torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
+    for h in pager._hooks:
+        h.remove()
+    pager._hooks.clear()
+    for opt_link in pager._optimizers:
+        opt_link.detach()
+    for block in pager.all_blocks():
+        w = block.weights
+        source = w.tensors if w.resident else w.host_views()
+        values = [_restore(v, pager._original_device[id(t)]) for v, t in zip(source, w.tensors)]
+        grads = block.segments.get("grads")
+        grad_values = []
+        if grads is not None:
+            host = grads.host_views()
+            for i, p in enumerate(grads.params):
+                g = p.grad
+                if isinstance(g, PagedOutGrad):
+                    value = host[i].clone()
+                    if g.segment.pending_scale.get(i) is not None:
+                        value.mul_(g.segment.pending_scale[i])
+                    grad_values.append((p, value))
+                elif g is not None:
+                    grad_values.append((p, g))
+        for t, v in zip(w.tensors, values):
+            t.data = v
+        for p, g in grad_values:
+            p.grad = _restore(g, p.device)
+    pager.arena.close()
+    pager.resident.clear()
+    pager.resident_bytes = 0
+    pager._closed = True

@@ -1,0 +1,102 @@
+"""The order blocks are used in, and what it predicts.
+
+Each step (one root forward and whatever follows it: backward, optimizer step)
+appends every block acquisition to `recording`. When the next step starts, the
+recording becomes the `plan`, and the position in it advances with each
+acquisition. Upcoming acquisitions are: what the user said to expect, then the
+rest of the plan, then the plan once more (the next step).
+
+[Note: why next use, and a kept set]
+With a cyclic order (a layer stack run step after step), LRU evicts exactly the
+block needed soonest and so moves every block every step. Evicting the block
+whose next use lies furthest ahead (Belady) is optimal for demand paging, but
+a prefetcher that fetches the next block as soon as there is a victim whose
+next use is later still degenerates into a sliding window over the stack. So
+when a plan is known we split the budget: a *kept* set of blocks that stay
+resident across steps, and a streaming room of two blocks (the one computing
+and the one in flight) through which all other blocks pass. Bytes moved per
+step are then the plan's bytes less the kept bytes, the least that any schedule
+with one block of look-ahead can move.
+"""
+
+from __future__ import annotations
+
+from itertools import chain, islice
+
+
+class Scheduler:
+    def __init__(self):
+        self.plan: list = []
+        self.recording: list = []
+        self.pos = 0
+        self.expected: list = []
+        self.order_changes = 0
+        self.kept: set = set()
+
+    def start_step(self) -> bool:
+        """Make the last step's recording the plan. True if the order changed."""
+        changed = bool(self.plan) and bool(self.recording) and self.recording != self.plan
+        if self.recording:
+            self.plan = self.recording
+        self.recording = []
+        self.pos = 0
+        return changed
+
+    def expect(self, uses: list) -> None:
+        """The next acquisitions will be `uses` ((block, kinds) pairs), in this order."""
+        self.expected = list(uses)
+
+    def observe(self, block, kinds) -> bool:
+        """Record a use of `block` (needing segments `kinds`); True if predicted."""
+        self.recording.append((block, kinds))
+        if self.expected:
+            if self.expected[0][0] is block:
+                self.expected.pop(0)
+                return True
+            for i, (b, _k) in enumerate(self.expected):
+                if b is block:
+                    del self.expected[: i + 1]
+                    return False
+        if self.pos < len(self.plan) and self.plan[self.pos][0] is block:
+            self.pos += 1
+            return True
+        # Off the plan: resynchronise on the block's next occurrence, if any.
+        for i in range(self.pos, len(self.plan)):
+            if self.plan[i][0] is block:
+                self.pos = i + 1
+                break
+        return False
+
+    def upcoming(self):
+        """Predicted (block, kinds) uses from now on, nearest first (lazy)."""
+        return chain(self.expected, islice(self.plan, self.pos, None), self.plan)
+
+    def next_use(self, horizon: int | None = None) -> dict:
+        """Distance (in acquisitions) to each block's next predicted use."""
+        distance: dict = {}
+        limit = horizon if horizon is not None else len(self.expected) + 2 * len(self.plan)
+        for i, (block, _kinds) in enumerate(islice(self.upcoming(), limit)):
+            distance.setdefault(block, i)
+        return distance
+
+    def choose_kept(self, budget_bytes: int, size_of, fixed_bytes: int) -> None:
+        """Pick the blocks of the plan that stay resident across steps."""
+        blocks = list(dict.fromkeys(b for b, _k in self.plan))
+        if not blocks:
+            self.kept = set()
+            return
+        by_size = sorted(blocks, key=size_of, reverse=True)
+        total = sum(size_of(b) for b in blocks)
+        if fixed_bytes + total <= budget_bytes:
+            self.kept = set(blocks)
+            return
+        kept, kept_bytes, largest_streamed = set(), 0, 0
+        for i, block in enumerate(by_size):
+            next_size = size_of(by_size[i + 1]) if i + 1 < len(by_size) else 0
+            room = 2 * max(largest_streamed, next_size)
+            if fixed_bytes + kept_bytes + size_of(block) + room <= budget_bytes:
+                kept.add(block)
+                kept_bytes += size_of(block)
+            else:
+                largest_streamed = max(largest_streamed, size_of(block))
+        self.kept = kept

@@ -1,0 +1,85 @@
+"""Counters a user can read: totals and per block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from ._budget import format_bytes
+
+
+@dataclass
+class BlockStats:
+    """What one block did since the last `reset()`."""
+
+    name: str
+    nbytes: int = 0
+    fetches: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    stall_seconds: float = 0.0
+
+
+@dataclass
+class Stats:
+    """Totals since the last `reset()`; `blocks` holds the per-block rows.
+
+    `hits` count uses that found the block resident or already in flight,
+    `misses` uses that had to fetch it on demand. `stall_seconds` is the time
+    compute waited for fetches (on CUDA: from events, so it is what the GPU
+    waited, not the host; on the CPU device: the synchronous copy time).
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    stall_seconds: float = 0.0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+    budget_bytes: int = 0
+    steps: int = 0
+    order_changes: int = 0
+    blocks: list[BlockStats] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        uses = self.hits + self.misses
+        return self.hits / uses if uses else 1.0
+
+    def __str__(self) -> str:
+        return (
+            f"pager: {self.steps} steps, {self.hits} hits / {self.misses} misses "
+            f"({100 * self.hit_rate:.1f}% hit), {self.prefetches} prefetches, {self.evictions} evictions; "
+            f"moved {format_bytes(self.h2d_bytes)} to device, {format_bytes(self.d2h_bytes)} back; "
+            f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
+            f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
+        )
+
+    def report(self) -> str:
+        """A table: the totals, then one row per block."""
+        cols = ("fetches", "hits", "misses", "evictions", "prefetches")
+        head = f"{'block':<32} {'size':>11} " + " ".join(f"{c:>10}" for c in cols)
+        head += f" {'h2d':>11} {'d2h':>11} {'stall ms':>9}"
+        rows = [str(self), head, "-" * len(head)]
+        for b in self.blocks:
+            rows.append(
+                f"{b.name[-32:]:<32} {format_bytes(b.nbytes):>11} "
+                + " ".join(f"{getattr(b, c):>10}" for c in cols)
+                + f" {format_bytes(b.h2d_bytes):>11} {format_bytes(b.d2h_bytes):>11}"
+                f" {b.stall_seconds * 1e3:>9.2f}"
+            )
+        return "\n".join(rows)
+
+
+def zero_counters(obj) -> None:
+    """Reset the counting fields of a Stats or BlockStats in place."""
+    for f in fields(obj):
+        if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes"):
+            continue
+        setattr(obj, f.name, type(getattr(obj, f.name))())

@@ -1,0 +1,123 @@
+"""Copies between host pages and device storage, and the ordering between them.
+
+`CudaTransport` runs copies on side streams and orders them with events;
+`CpuTransport` stands for a device with a separate host copy: copies are
+synchronous and events are `None`, so the paging logic above it is the same.
+
+[Note: events, not record_stream]
+Device storage of a block is allocated on the h2d stream, used on the compute
+stream, and freed from the host. The caching allocator hands a freed block only
+to later allocations on the stream that allocated it (here: the h2d stream), so
+freeing is safe once the h2d stream is ordered after every use of the memory:
+before a free, the h2d stream waits on the block's last-use event (compute) and
+on its write-back event (d2h). `record_stream` would do the same bookkeeping
+inside the allocator, but its frees happen late and nondeterministically (at
+the next allocation after the event completes), which makes the budget a guess.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CpuTransport:
+    """Synchronous copies; the 'device' is separate host memory."""
+
+    is_cuda = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocate(self, flat: torch.Tensor, nbytes: int) -> None:
+        flat.untyped_storage().resize_(nbytes)
+
+    def free(self, flat: torch.Tensor, after=()) -> None:
+        flat.untyped_storage().resize_(0)
+
+    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
+        device_flat.copy_(host)
+        return None
+
+    def d2h(self, host: torch.Tensor, device_flat: torch.Tensor, after=()):
+        host.copy_(device_flat)
+        return None
+
+    def record_compute(self):
+        return None
+
+    def compute_waits(self, event) -> None:
+        pass
+
+    def is_done(self, event) -> bool:
+        return True
+
+    def new_flat(self, nbytes: int) -> torch.Tensor:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        flat.untyped_storage().resize_(0)
+        return flat
+
+
+class CudaTransport:
+    """Side streams for each direction; ordering by events, never by the host."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.d2h_stream = torch.cuda.Stream(device)
+
+    def allocate(self, flat: torch.Tensor, nbytes: int) -> None:
+        # Allocate on the h2d stream so the memory belongs to its pool (see Note).
+        with torch.cuda.stream(self.h2d_stream):
+            flat.untyped_storage().resize_(nbytes)
+
+    def free(self, flat: torch.Tensor, after=()) -> None:
+        # The next allocation on the h2d stream may reuse this memory at once:
+        # the h2d stream must first be ordered after every reader of it.
+        for event in after:
+            if event is not None:
+                self.h2d_stream.wait_event(event)
+        with torch.cuda.stream(self.h2d_stream):
+            flat.untyped_storage().resize_(0)
+
+    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
+        for event in after:
+            # The destination may still be read by compute (a reused slot).
+            if event is not None:
+                self.h2d_stream.wait_event(event)
+        with torch.cuda.stream(self.h2d_stream):
+            device_flat.copy_(host, non_blocking=True)
+            return self._record(self.h2d_stream)
+
+    def d2h(self, host: torch.Tensor, device_flat: torch.Tensor, after=()):
+        for event in after:
+            # The bytes to write back are final only once compute is done with them.
+            if event is not None:
+                self.d2h_stream.wait_event(event)
+        with torch.cuda.stream(self.d2h_stream):
+            host.copy_(device_flat, non_blocking=True)
+            return self._record(self.d2h_stream)
+
+    def record_compute(self):
+        return self._record(torch.cuda.current_stream(self.device))
+
+    def compute_waits(self, event) -> None:
+        # Compute must not read a block before its fetch has landed.
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def is_done(self, event) -> bool:
+        return event is None or event.query()
+
+    def new_flat(self, nbytes: int) -> torch.Tensor:
+        with torch.cuda.stream(self.h2d_stream):
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            flat.untyped_storage().resize_(0)
+        return flat
+
+    @staticmethod
+    def _record(stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
