@@ -59,9 +59,11 @@ def wrap(
     budget_bytes = parse_budget(budget, device)
     named = _discover.discover(model, blocks)
     owned, uses = _discover.owners(model, [m for _n, m in named])
-    sizes = _block_sizes(named, owned, uses)
+    sizes = _block_sizes(named, owned, uses, _ancestors([m for _n, m in named]))
     _check_fits(budget, budget_bytes, named, sizes, owned)
     pager = Pager(model, device, budget_bytes, named, pin=pin, prefetch_depth=prefetch)
+    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
+    pager.min_budget_bytes = remainder + max(sizes, default=0)
     total = sum(t.numel() * t.element_size() for ts in owned.values() for _n, t, _p in ts)
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
     if total <= budget_bytes:
@@ -167,13 +169,23 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
         raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
 
 
-def _block_sizes(named, owned, uses) -> list[int]:
+def _ancestors(modules) -> list[set[int]]:
+    """For each block, the indices of the blocks that contain it."""
+    inside = [{id(m) for m in outer.modules()} for outer in modules]
+    return [{j for j, ids in enumerate(inside) if j != i and id(m) in ids} for i, m in enumerate(modules)]
+
+
+def _block_sizes(named, owned, uses, ancestors) -> list[int]:
+    """Bytes that must be on the device at once to run each block: its own,
+    the blocks it borrows tied tensors from, and the blocks around it."""
+
     def own(i):
         return sum(_aligned(t) for _n, t, _p in owned.get(i, []))
 
     sizes = []
     for i in range(len(named)):
-        sizes.append(own(i) + sum(own(j) for j in uses.get(i, ()) if j is not None))
+        with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors[i]) - {i}
+        sizes.append(own(i) + sum(own(j) for j in with_))
     return sizes
 
 

@@ -125,6 +125,7 @@ class Block:
         self.params: list = []        # its parameters (in the weights segment), and their names
         self.param_names: list = []
         self.stats = None
+        self.unpinned_calls = 0       # forward calls whose acquire failed
 
     # -- sizes -------------------------------------------------------------
     @property

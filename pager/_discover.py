@@ -94,7 +94,11 @@ def _default(model: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
 
     def visit(m: nn.Module, in_container: bool) -> None:
-        if isinstance(m, _CONTAINERS) and len(m) >= 2:
+        # A container is a stack of blocks; a container inside a stack is a
+        # stage to flatten (ResNet's layer1..4) when its elements are composite,
+        # and a block itself (Sequential(conv, bn, relu)) when they are leaves.
+        composite = any(next(c.children(), None) is not None for c in m.children())
+        if isinstance(m, _CONTAINERS) and len(m) >= 2 and (not in_container or composite):
             for child in m.children():
                 visit(child, True)
         elif in_container:

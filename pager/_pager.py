@@ -71,6 +71,9 @@ class Pager:
         self._lock = threading.Lock()
         self._closed = False
         self._named_blocks = named_blocks
+        # The least budget that runs: the remainder and the largest block with
+        # the blocks around it and those it borrows tied tensors from.
+        self.min_budget_bytes = 0
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses) -> None:
@@ -145,27 +148,41 @@ class Pager:
 
     # ------------------------------------------------------------ residency
     def _acquire(self, block: Block, kinds, record: bool = True) -> None:
-        """Make `kinds` of `block` (and its deps) usable by compute; pin them."""
-        for dep in block.deps:
-            self._acquire(dep, kinds, record)
+        """Make `kinds` of `block` (and its deps) usable by compute; pin them.
+
+        On failure nothing stays pinned."""
+        done = []
+        try:
+            for dep in block.deps:
+                self._acquire(dep, kinds, record)
+                done.append(dep)
+            self._acquire_one(block, kinds, record)
+        except BaseException:
+            for dep in done:
+                self._release(dep)
+            raise
+
+    def _acquire_one(self, block: Block, kinds, record: bool) -> None:
         if "grads" in kinds:
             self._ensure_grads_segment(block)
-        block.pins += 1
         if record:
             self.scheduler.observe(block, kinds)
         missing = block.missing_bytes(kinds)
-        st = block.stats
-        if missing:
-            with _record_range(f"pager::fetch[{block.name}]"):
-                if not self._make_room(missing, protect={block}):
-                    block.pins -= 1
-                    self._raise_no_room(block, missing)
-                self._fetch(block, kinds)
-            if block.fetched_data and record:
-                st.misses += 1
-                self._stats.misses += 1
+        block.pins += 1
+        try:
+            if missing:
+                with _record_range(f"pager::fetch[{block.name}]"):
+                    if not self._make_room(missing, protect={block}):
+                        self._raise_no_room(block, missing)
+                    self._fetch(block, kinds)
+        except BaseException:
+            block.pins -= 1
+            raise
+        if missing and block.fetched_data and record:
+            block.stats.misses += 1
+            self._stats.misses += 1
         elif record:
-            st.hits += 1
+            block.stats.hits += 1
             self._stats.hits += 1
         self._wait_for(block)
         self._apply_pending(block)
@@ -432,7 +449,11 @@ class Pager:
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
-            self._acquire(block, WEIGHTS)
+            try:
+                self._acquire(block, WEIGHTS)
+            except BaseException:
+                block.unpinned_calls += 1  # the post-hook (always called) must not release
+                raise
             self._prefetch()
             if torch.is_grad_enabled() and block.params and any(p.requires_grad for p in block.params):
                 return self._register_post_backward(block, args, kwargs)
@@ -442,6 +463,9 @@ class Pager:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
+            if block.unpinned_calls:
+                block.unpinned_calls -= 1
+                return None
             self._release(block)
             if torch.is_grad_enabled():
                 self._register_pre_backward(block, output)
