@@ -16,6 +16,7 @@ replaces it with None, which tells pager the gradient is gone.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 aten = torch.ops.aten
 
@@ -45,7 +46,10 @@ class PagedOutGrad(torch.Tensor):
                 if isinstance(t, PagedOutGrad):
                     t.segment.pending_scale[t.index] = 0.0
                 else:
+                    # Below the dispatcher's version-counter layer here: bump it
+                    # by hand, or the page would not know the gradient changed.
                     t.zero_()
+                    increment_version(t)
             return None if func is aten._foreach_zero_.default else args[0]
         if func is aten.detach.default:
             return args[0]

@@ -188,6 +188,9 @@ class OptimizerLink:
                 optimizer.state[p][key] = value.detach().to("cpu", copy=True)
 
     def _after_state_dict(self, optimizer, state_dict):
+        # The packed state holds the very dicts of optimizer.state: detach the
+        # returned ones before the views go back in.
+        state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
         for p, key, view in self._swapped:
             optimizer.state[p][key] = view
         self._swapped = []
@@ -205,9 +208,9 @@ class OptimizerLink:
                 continue
             targets = seg.tensors if seg.resident else seg.host_views()
             with torch.no_grad():
-                for (p, key), target in zip(seg.keys, targets):
+                for (p, key), target, view in zip(seg.keys, targets, seg.tensors):
                     target.copy_(optimizer.state[p][key])
-                    optimizer.state[p][key] = seg.tensors[seg.keys.index((p, key))]
+                    optimizer.state[p][key] = view
             if seg.resident:
                 seg.force_dirty = True
             else:

@@ -1,0 +1,309 @@
+"""Training under a budget on the CPU device, bit for bit against the same
+model trained unwrapped."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pager
+from helpers import assert_models_equal, assert_same, tensor_page_bytes
+from models import SuperNet, TinyLM
+
+OPTIMIZERS = {
+    "sgd_momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    "adam": functools.partial(torch.optim.Adam, lr=1e-2),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "adamw_foreach": functools.partial(torch.optim.AdamW, lr=1e-2, foreach=True),
+    "adam_forloop": functools.partial(torch.optim.Adam, lr=1e-2, foreach=False),
+    "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    "adagrad": functools.partial(torch.optim.Adagrad, lr=1e-2),
+    "adamax": functools.partial(torch.optim.Adamax, lr=1e-2),
+    "nadam": functools.partial(torch.optim.NAdam, lr=1e-2),
+    "radam": functools.partial(torch.optim.RAdam, lr=1e-2),
+}
+
+
+def regime_budget(model, regime, state_factor=2):
+    """'fits': every block with grads and state fits. 'streams': the budget
+    holds the remainder and about 2.5 blocks with their grads and state, so a
+    step's blocks do not fit and must pass through."""
+    per_block = (2 + state_factor) * max(tensor_page_bytes(layer) for layer in model.layers)
+    remainder = (2 + state_factor) * (tensor_page_bytes(model) - sum(tensor_page_bytes(layer) for layer in model.layers))
+    if regime == "fits":
+        return 1 << 30
+    return remainder + int(2.5 * per_block)
+
+
+def batches(n, vocab=64, generator=None):
+    g = generator or torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (2, 8), generator=g), torch.randint(0, vocab, (2, 8), generator=g)) for _ in range(n)]
+
+
+def lm_loss(model, ids, tgt):
+    return F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
+
+
+def train(model, opt, data, *, accumulate=True, clip=None, autocast=None, scaler=None, sched=None):
+    for step, (ids, tgt) in enumerate(data):
+        micro = [(ids, tgt), (ids.flip(0), tgt.flip(0))] if accumulate and step % 2 else [(ids, tgt)]
+        for x, y in micro:
+            if autocast is not None:
+                with torch.autocast("cpu", dtype=autocast):
+                    loss = lm_loss(model, x, y)
+            else:
+                loss = lm_loss(model, x, y)
+            (scaler.scale(loss) if scaler else loss).backward()
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            clip(model)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=bool(step % 3))
+    return loss
+
+
+def torch_clip(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def pager_clip(model):
+    pager.of(model).clip_grad_norm_(0.5)
+
+
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_training_matches_unwrapped_bit_for_bit(opt_name, regime):
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    state_factor = {"sgd_momentum": 1, "rmsprop": 2, "adagrad": 1}.get(opt_name, 2)
+    budget = regime_budget(model, regime, state_factor)
+    make = OPTIMIZERS[opt_name]
+    opt = make(model.parameters())  # built before wrap
+    params_before = [p for g in opt.param_groups for p in g["params"]]
+    pager.wrap(model, budget=budget, device="cpu")
+    ref_opt = make(ref.parameters())
+    data = batches(10)
+    clip = torch_clip if regime == "fits" else pager_clip
+    train(model, opt, data, clip=clip)
+    train(ref, ref_opt, data, clip=torch_clip)
+    # The optimizer and its groups hold the very same Parameter objects.
+    assert [p for g in opt.param_groups for p in g["params"]] == params_before
+    assert all(a is b for a, b in zip(params_before, model.parameters()))
+    s = pager.of(model).stats()
+    assert s.peak_resident_bytes <= budget
+    if regime == "streams":
+        assert s.evictions > 0 and s.d2h_bytes > 0
+    ids = data[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            assert_same(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_attach_before_first_step_and_lr_scheduler(regime):
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    budget = regime_budget(model, regime)
+    pager.wrap(model, budget=budget, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after wrap
+    pager.of(model).attach(opt)
+    pager.of(model).attach(opt)  # idempotent
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, 10)
+    data = batches(6)
+    train(model, opt, data, sched=sched)
+    train(ref, ref_opt, data, sched=ref_sched)
+    assert sched.get_last_lr() == ref_sched.get_last_lr()
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_bf16_autocast(regime):
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    budget = regime_budget(model, regime)
+    pager.wrap(model, budget=budget, device="cpu", optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = pager.of(model)._optimizers[0].optimizer
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data = batches(6)
+    train(model, opt, data, autocast=torch.bfloat16)
+    train(ref, ref_opt, data, autocast=torch.bfloat16)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_grad_scaler_when_the_step_fits():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    data = batches(6)
+    train(model, opt, data, scaler=scaler, clip=torch_clip)
+    train(ref, ref_opt, data, scaler=ref_scaler, clip=torch_clip)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_paged_out_gradients_refuse_torch_clip_with_a_clear_error():
+    model = TinyLM()
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    lm_loss(model, *batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"paged out.*clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    # ...and nothing was lost: the pager's clip and a step still work.
+    pager.of(model).clip_grad_norm_(1.0)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_zero_grad_keeping_tensors_while_paged_out():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for ids, tgt in batches(4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_frozen_parameters_are_not_stepped(regime):
+    model = TinyLM()
+    for p in list(model.embed.parameters()) + list(model.layers[1].parameters()):
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, regime), device="cpu")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    data = batches(5)
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    assert "grads" not in pager.of(model).blocks[1].segments
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_optimizer_state_dict_round_trip_and_resume():
+    """Save model and optimizer mid-training while blocks are paged out, go
+    on; then load the checkpoint and redo the same steps: same result."""
+    model = TinyLM()
+    budget = regime_budget(model, "streams")
+    pager.wrap(model, budget=budget, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(8)
+    train(model, opt, data[:4], accumulate=False)
+    assert any(not b.segments["state"].resident for b in pager.of(model).blocks)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, data[4:], accumulate=False)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    assert opt.state_dict()["state"].keys() == ckpt["opt"]["state"].keys()
+    for k, v in opt.state_dict()["state"][0].items():
+        assert_same(v, ckpt["opt"]["state"][0][k])
+    train(model, opt, data[4:], accumulate=False)
+    for k, v in model.state_dict().items():
+        assert_same(v, first[k])
+    assert pager.of(model).stats().peak_resident_bytes <= budget
+
+
+def test_state_dict_needs_no_device_room_and_loads_elsewhere(tmp_path):
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    resident_before = pager.of(model).resident_bytes
+    sd = model.state_dict()
+    assert pager.of(model).resident_bytes == resident_before
+    torch.save(sd, tmp_path / "ckpt.pt")
+    fresh = TinyLM()
+    fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt", map_location="cpu"))
+    assert_models_equal(fresh, ref)
+
+
+def test_supernet_random_paths_train_like_unwrapped():
+    """ProxylessNAS-style: one sampled path per step, said in advance with
+    expect(). Inactive candidates get no grad, no state and no fetch."""
+    net = SuperNet(n_layers=4)
+    ref = copy.deepcopy(net)
+    layer_attn = max(tensor_page_bytes(l.attn) + tensor_page_bytes(l.norm) for l in net.layers)
+    cand = max(tensor_page_bytes(c) for l in net.layers for c in l.candidates)
+    remainder = tensor_page_bytes(net.embed) + tensor_page_bytes(net.head)
+    total = tensor_page_bytes(net)
+    budget = 4 * remainder + int(2.5 * 4 * (layer_attn + cand))
+    assert budget < 4 * total / 2  # well under the supernet's weights + grads + Adam state
+    pager.wrap(net, budget=budget, device="cpu")
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    used = set()
+    for ids, tgt in batches(12):
+        path = torch.randint(0, 3, (4,), generator=gen).tolist()  # candidate 3 is never sampled
+        used.update((i, k) for i, k in enumerate(path))
+        net.set_path(path), ref.set_path(path)
+        pager.of(net).expect(net.path_modules(path))
+        for m, o in ((net, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+    pg = pager.of(net)
+    assert pg.stats().peak_resident_bytes <= budget
+    for i, layer in enumerate(net.layers):
+        never = layer.candidates[3]
+        assert all(p not in opt.state for p in never.parameters())
+        block = next(b for b in pg.blocks if b.module is never)
+        assert block.stats.fetches == 0 and "state" not in block.segments
+    pager.unwrap(net)
+    assert_models_equal(net, ref)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert (p in opt.state) == (q in ref_opt.state)
+
+
+def test_step_with_closure_is_refused():
+    model = TinyLM()
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: lm_loss(model, *batches(1)[0]))
+
+
+def test_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(TinyLM):
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return self.head(self.norm(x))
+
+    model = Ckpt()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data = batches(4)
+    train(model, opt, data, accumulate=False)
+    train(ref, ref_opt, data, accumulate=False)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
