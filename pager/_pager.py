@@ -659,6 +659,36 @@ class Pager:
                     g.mul_(coef.to(g.dtype))
         return total
 
+    def set_budget(self, budget) -> None:
+        """Change the budget of a live pager; blocks leave until the new one holds.
+
+        Args:
+            budget: as for `pager.wrap` (bytes, "10GiB", "60%", "auto").
+
+        Example:
+            >>> pager.of(model).set_budget("4GiB")
+        """
+        from ._budget import parse_budget
+
+        nbytes = parse_budget(budget, self.device)
+        if nbytes < self.min_budget_bytes:
+            raise ValueError(
+                f"pager: budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(self.min_budget_bytes)} "
+                f"this model needs (the remainder and its largest block); give at least that."
+            )
+        for block in list(self.resident):
+            if self.resident_bytes <= nbytes:
+                break
+            if block.pins == 0 and not block.resident_for_life:
+                self._evict(block)
+        if self.resident_bytes > nbytes:
+            raise ValueError(
+                f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
+                f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
+            )
+        self.budget_bytes = nbytes
+        self._stats.budget_bytes = nbytes
+
     def block_names(self) -> list[str]:
         """The qualified names of the blocks, in model order."""
         return [b.name for b in self.blocks]

@@ -1,0 +1,142 @@
+"""Forward of a 7B-shaped bf16 decoder (16 layers, ~6.5 GB of layers) whose
+weights live on the host: pager at several budgets vs all-on-GPU, the PCIe
+floor, and the peers that are installed.
+
+    python -m benchmarks.bench_forward [--layers 16] [--tokens 512] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import pager
+from benchmarks.harness import GiB, Row, environment, free_cuda, peak_during, pinned_h2d_gbps, save, time_ms
+from benchmarks.models import build, layer_bytes
+
+
+def run_pager(model, x, budget, reps):
+    pg = pager.of(model)
+    pg.set_budget(budget)
+
+    def fwd():
+        with torch.no_grad():
+            model(x)
+
+    fwd()  # learn the order
+    ms = time_ms(fwd, warmup=2, reps=reps)
+    pg.reset()
+    fwd()
+    torch.cuda.synchronize()
+    s = pg.stats()
+    return ms, s
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--peers", default="accelerate,to_loop")
+    ap.add_argument("--compute-bound", action="store_true", help="also run 8x2048 tokens")
+    args = ap.parse_args(argv)
+    env = environment()
+    bw = pinned_h2d_gbps()
+    env["pinned_h2d_GBps"] = round(bw, 1)
+    print(f"pinned H2D: {bw:.1f} GB/s")
+
+    gpu_model = build("cuda", n_layers=args.layers).eval()
+    per_layer = layer_bytes(gpu_model)
+    total = per_layer * args.layers
+    rows = []
+    workloads = [("7B-shape fwd %dx%d" % (args.batch, args.tokens), args.batch, args.tokens)]
+    if args.compute_bound:
+        workloads.append(("compute-bound fwd 8x2048", 8, 2048))
+
+    cpu_model = build("meta", n_layers=args.layers).to_empty(device="cpu").eval()
+    cpu_model.load_state_dict(gpu_model.state_dict())
+    peers_cpu = {name: copy.deepcopy(cpu_model) for name in args.peers.split(",") if name}
+    pager.wrap(cpu_model, budget="20GiB", device="cuda")
+    paged = cpu_model
+    slack = 64 << 20  # the remainder (final norm) and allocator rounding
+
+    for wname, b, t in workloads:
+        x = torch.randn(b, t, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def gpu_fwd():
+            with torch.no_grad():
+                gpu_model(x)
+
+        gpu_ms = time_ms(gpu_fwd, reps=args.reps)
+        rows.append(Row(wname, "all on GPU", gpu_ms, peak_during(gpu_fwd), 1.0, "itself"))
+        floor_ms = total / (bw * 1e9) * 1e3
+        rows.append(Row(wname, "PCIe floor (all layers once)", floor_ms, None, None, "", f"{total / 1e9:.2f} GB at {bw:.1f} GB/s"))
+
+        budgets = [("pager, budget 2 layers", 2), ("pager, budget half", args.layers // 2), ("pager, fits all", None)]
+        if wname.startswith("compute"):
+            budgets = [("pager, budget 2 layers", 2)]
+        for label, k in budgets:
+            budget = (k * per_layer + slack) if k else 20 * GiB
+            ms, s = run_pager(paged, x, budget, args.reps)
+            moved = s.h2d_bytes
+            if k is None:
+                ref_ms, ref_name = gpu_ms, "all on GPU"
+            elif wname.startswith("compute"):
+                ref_ms, ref_name = gpu_ms, "all on GPU"
+            else:
+                must = (args.layers - k) * per_layer
+                ref_ms, ref_name = must / (bw * 1e9) * 1e3, f"floor {(args.layers - k)} layers"
+            peak = peak_during(lambda: paged(x))
+            rows.append(Row(
+                wname, label, ms, peak, ms / ref_ms, ref_name,
+                f"moved {moved / 1e9:.2f} GB/fwd, {moved / (ms / 1e3) / 1e9:.1f} GB/s, hits {s.hits} misses {s.misses}",
+                {"h2d_bytes": moved, "budget": budget, "stall_s": s.stall_seconds},
+            ))
+            print(rows[-1])
+        free_cuda()
+
+        for name, model in peers_cpu.items():
+            if wname.startswith("compute"):
+                continue
+            row = run_peer(name, model, x, floor_ms, wname, args.reps)
+            rows.append(row)
+            print(row)
+            free_cuda()
+    save(rows, "forward", env)
+    return rows
+
+
+def run_peer(name, model, x, floor_ms, wname, reps):
+    if name == "accelerate":
+        try:
+            from accelerate import cpu_offload
+        except ImportError:
+            return Row(wname, "accelerate cpu_offload", None, note="skipped: accelerate not installed")
+        cpu_offload(model, execution_device=torch.device("cuda", 0))
+
+        def fwd():
+            with torch.no_grad():
+                model(x)
+
+        ms = time_ms(fwd, warmup=1, reps=min(reps, 3))
+        return Row(wname, "accelerate cpu_offload", ms, None, ms / floor_ms, "PCIe floor")
+    if name == "to_loop":
+        def fwd():
+            h = x
+            with torch.no_grad():
+                for layer in model.layers:
+                    layer.to("cuda")
+                    h = layer(h)
+                    layer.to("cpu")
+                model.norm.to("cuda")(h)
+
+        ms = time_ms(fwd, warmup=1, reps=2)
+        return Row(wname, ".to() loop (pageable)", ms, None, ms / floor_ms, "PCIe floor")
+    return Row(wname, name, None, note="skipped: unknown peer")
+
+
+if __name__ == "__main__":
+    main()

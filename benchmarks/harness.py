@@ -1,0 +1,106 @@
+"""Shared benchmark harness: timing with CUDA events, pinned bandwidth,
+peak memory, and a results table.
+
+Every figure is a median of `reps` runs after `warmup` runs, timed with CUDA
+events around the region (the host does not block inside it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass
+class Row:
+    workload: str
+    method: str
+    ms: float | None
+    peak_gib: float | None = None
+    ratio: float | None = None       # to the row's reference (floor or all-on-GPU)
+    reference: str = ""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
+    """Median wall time of `fn()` in ms, from CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_during(fn) -> float:
+    """Peak allocated GiB while running `fn()` once (above what was allocated)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def pinned_h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Host-to-device GB/s from page-locked memory (the link's practical peak)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = time_ms(lambda: dev.copy_(host, non_blocking=True), warmup=2, reps=reps)
+    del host, dev
+    return nbytes / (ms / 1e3) / 1e9
+
+
+def environment() -> dict:
+    def git(*args):
+        try:
+            return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            return "unknown"
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("PAGER_COMMIT") or git("rev-parse", "--short", "HEAD"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| workload | method | ms | ratio | reference | peak GiB | note |", "|---|---|---:|---:|---|---:|---|"]
+    for r in rows:
+        ms = f"{r.ms:.1f}" if r.ms is not None else "-"
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
+        peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"
+        out.append(f"| {r.workload} | {r.method} | {ms} | {ratio} | {r.reference} | {peak} | {r.note} |")
+    return "\n".join(out)
+
+
+def save(rows: list[Row], name: str, env: dict) -> None:
+    out = os.environ.get("OUT") or "."
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    print(f"\n## {name} ({env['device']}, torch {env['torch']}, commit {env['commit']})\n")
+    print(table(rows))
+
+
+def free_cuda() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

@@ -1,0 +1,63 @@
+"""Benchmark models: a 7B-shaped decoder stack (Llama-like layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d=4096, ff=11008, heads=32):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, n_layers=16, d=4096, ff=11008, heads=32, vocab=None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d) if vocab else None
+        self.layers = nn.ModuleList(DecoderLayer(d, ff, heads) for _ in range(n_layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False) if vocab else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else x
+
+
+def build(device="cpu", dtype=torch.bfloat16, **kw) -> Decoder:
+    """A decoder with random weights, built fast (on the GPU when asked)."""
+    with torch.device(device):
+        model = Decoder(**kw).to(dtype)
+    return model
+
+
+def layer_bytes(model: Decoder) -> int:
+    return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
