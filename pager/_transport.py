@@ -88,7 +88,8 @@ class CudaTransport:
                 self.h2d_stream.wait_event(event)
         with torch.cuda.stream(self.h2d_stream):
             device_flat.copy_(host, non_blocking=True)
-            return self._record(self.h2d_stream)
+            # Timed: the pager measures how long compute waited for it.
+            return self._record(self.h2d_stream, timing=True)
 
     def d2h(self, host: torch.Tensor, device_flat: torch.Tensor, after=()):
         for event in after:
@@ -117,7 +118,7 @@ class CudaTransport:
         return flat
 
     @staticmethod
-    def _record(stream):
-        event = torch.cuda.Event()
+    def _record(stream, timing=False):
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream)
         return event
