@@ -51,7 +51,8 @@ def peak_during(fn) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn()
+    with torch.no_grad():
+        fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / GiB
 

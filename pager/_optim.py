@@ -158,6 +158,7 @@ class OptimizerLink:
         # The new segment is allocated and counted as resident: it holds the
         # state the optimizer just made, which then frees.
         pager.transport.allocate(seg.flat, seg.nbytes)
+        pager.transport.compute_waits(pager.transport.mark_h2d())  # see mark_h2d
         pager.resident_bytes += seg.nbytes
         seg.resident = True
         with torch.no_grad():

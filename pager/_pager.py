@@ -221,18 +221,19 @@ class Pager:
             block.last_use_event = self.transport.record_compute()
 
     def _fetch(self, block: Block, kinds) -> None:
-        event, moved = None, False
+        allocated, moved = False, False
         for kind in kinds:
             seg = block.segments.get(kind)
             if seg is None or seg.resident:
                 continue
             self.transport.allocate(seg.flat, seg.nbytes)
+            allocated = True
             self.resident_bytes += seg.nbytes
             if kind == "grads":
                 self._restore_grads(seg)
             if seg.host_valid:
                 t0 = time.perf_counter()
-                event = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
+                self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
                 moved = True
                 block.stats.h2d_bytes += seg.nbytes
                 self._stats.h2d_bytes += seg.nbytes
@@ -245,11 +246,14 @@ class Pager:
         block.fetched_data = moved
         if moved:
             block.stats.fetches += 1
-        if event is not None:
-            block.fetch_event = event
-            block.residency = Residency.FETCHING
-        elif block.residency is Residency.HOST:
-            block.residency = Residency.DEVICE
+        if allocated:
+            # One mark after every allocation and copy: compute waits on it.
+            event = self.transport.mark_h2d()
+            if event is not None:
+                block.fetch_event = event
+                block.residency = Residency.FETCHING
+            elif block.residency is Residency.HOST:
+                block.residency = Residency.DEVICE
         self.resident[block] = None
         self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
 
@@ -270,7 +274,7 @@ class Pager:
                 if not seg.resident:
                     continue
                 if kind == "grads":
-                    self._gather_grads(seg)
+                    self._gather_grads(block, seg)
                 writeback = None
                 if seg.is_dirty():
                     writeback = self.transport.d2h(seg.host, seg.flat, after=(block.last_use_event,))
@@ -289,14 +293,19 @@ class Pager:
         block.stats.evictions += 1
         self._stats.evictions += 1
 
-    def _gather_grads(self, seg: Segment) -> None:
+    def _gather_grads(self, block: Block, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
+        copied = False
         for i, p in enumerate(seg.params):
             g = p.grad
             if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
                 with torch.no_grad():
                     seg.tensors[i].copy_(g)
                 p.grad = seg.tensors[i]
+                copied = True
+        if copied:
+            # The write-back must read after these copies, not just after the last use.
+            block.last_use_event = self.transport.record_compute()
 
     def _page_out_grads(self, seg: Segment) -> None:
         any_present = False

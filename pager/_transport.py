@@ -45,6 +45,9 @@ class CpuTransport:
     def record_compute(self):
         return None
 
+    def mark_h2d(self):
+        return None
+
     def compute_waits(self, event) -> None:
         pass
 
@@ -102,6 +105,12 @@ class CudaTransport:
 
     def record_compute(self):
         return self._record(torch.cuda.current_stream(self.device))
+
+    def mark_h2d(self):
+        # Memory allocated on the h2d stream may have been freed by another
+        # block whose write-back or last use the h2d stream waited for: compute
+        # must wait on this mark before touching it, even when nothing was copied.
+        return self._record(self.h2d_stream, timing=True)
 
     def compute_waits(self, event) -> None:
         # Compute must not read a block before its fetch has landed.
