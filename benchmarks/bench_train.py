@@ -1,0 +1,278 @@
+"""Training steps under a budget.
+
+1. A ~1B-parameter fp32 decoder, AdamW, 4x1024 tokens: all-on-GPU, pager at a
+   budget of 40% of the all-on-GPU peak, and the installed peers (torchao
+   CPUOffloadOptimizer, FSDP2 CPUOffloadPolicy, DeepSpeed ZeRO-3 offload).
+2. A ProxylessNAS-style supernet (24 layers, a fixed attention and 4
+   feed-forward candidates each), one sampled path per step: pager with
+   `expect()` vs fully resident.
+
+    python -m benchmarks.bench_train [--only decoder|supernet] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pager
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
+from benchmarks.models import Decoder
+
+VOCAB = 32000
+
+
+def decoder_1b(device):
+    with torch.device(device):
+        return Decoder(n_layers=18, d=2048, ff=5632, heads=16, vocab=VOCAB)
+
+
+def cpu_copy(model_factory, gpu_model):
+    m = model_factory("meta").to_empty(device="cpu")
+    m.load_state_dict(gpu_model.state_dict())
+    return m
+
+
+def make_step(model, opt, ids, tgt):
+    def step():
+        loss = F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def measure(step, reps):
+    """(median ms, peak GiB allocated over the timed steps)."""
+    step()
+    step()  # optimizer state exists from here on
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(step, warmup=1, reps=reps)
+    return ms, torch.cuda.max_memory_allocated() / GiB
+
+
+def bench_decoder(args, rows):
+    w = "1B decoder AdamW step 4x1024"
+    ids = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    tgt = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    gpu = decoder_1b("cuda")
+    nparams = sum(p.numel() for p in gpu.parameters())
+    cpu_ref = cpu_copy(decoder_1b, gpu)
+    opt = torch.optim.AdamW(gpu.parameters(), lr=1e-4)
+    gpu_ms, gpu_peak = measure(make_step(gpu, opt, ids, tgt), args.reps)
+    rows.append(Row(w, f"all on GPU ({nparams / 1e6:.0f}M params)", gpu_ms, gpu_peak, 1.0, "itself"))
+    print(rows[-1])
+    del gpu, opt
+    free_cuda()
+
+    budget = int(0.4 * gpu_peak * GiB)
+    model = copy.deepcopy(cpu_ref)
+    pager.wrap(model, budget=budget, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
+    pg = pager.of(model)
+    pg.reset()
+    make_step(model, opt, ids, tgt)()
+    s = pg.stats()
+    rows.append(Row(
+        w, f"pager, budget 40% of peak ({budget / GiB:.1f} GiB)", ms, peak, ms / gpu_ms, "all on GPU",
+        f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; hit {100 * s.hit_rate:.0f}%",
+        {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds},
+    ))
+    print(rows[-1])
+    pager.unwrap(model)
+    del model, opt
+    free_cuda()
+
+    for peer in args.peers.split(","):
+        try:
+            row = PEERS[peer](cpu_ref, ids, tgt, gpu_ms, args.reps, w)
+        except ImportError as e:
+            row = Row(w, peer, None, note=f"skipped: not installed ({e.name})")
+        except Exception as e:  # a peer failing must not hide the others
+            row = Row(w, peer, None, note=f"failed: {type(e).__name__}: {str(e)[:120]}")
+        rows.append(row)
+        print(row)
+        free_cuda()
+
+
+def peer_torchao(cpu_ref, ids, tgt, gpu_ms, reps, w):
+    from torchao.optim import CPUOffloadOptimizer
+
+    model = copy.deepcopy(cpu_ref).cuda()
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
+    ms, peak = measure(make_step(model, opt, ids, tgt), reps)
+    return Row(w, "torchao CPUOffloadOptimizer", ms, peak, ms / gpu_ms, "all on GPU")
+
+
+def peer_fsdp2(cpu_ref, ids, tgt, gpu_ms, reps, w):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    model = copy.deepcopy(cpu_ref)
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ms, peak = measure(make_step(model, opt, ids, tgt), reps)
+    return Row(w, "FSDP2 CPUOffloadPolicy", ms, peak, ms / gpu_ms, "all on GPU")
+
+
+def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
+    import deepspeed
+
+    model = copy.deepcopy(cpu_ref)
+    cfg = {
+        "train_micro_batch_size_per_gpu": ids.shape[0],
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step():
+        loss = F.cross_entropy(engine(ids).flatten(0, 1), tgt.flatten())
+        engine.backward(loss)
+        engine.step()
+
+    ms, peak = measure(step, reps)
+    return Row(w, "DeepSpeed ZeRO-3 offload", ms, peak, ms / gpu_ms, "all on GPU")
+
+
+PEERS = {"torchao": peer_torchao, "fsdp2": peer_fsdp2, "deepspeed": peer_deepspeed}
+
+
+# ---------------------------------------------------------------- supernet
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SuperLayer(nn.Module):
+    def __init__(self, d, heads, widths):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.candidates = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, w * d), nn.GELU(), nn.Linear(w * d, d)) for w in widths
+        )
+        self.choice = 0
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.candidates[self.choice](self.norm2(x))
+
+
+class SuperNet(nn.Module):
+    def __init__(self, n_layers=24, d=1024, heads=16, widths=(2, 4, 6, 8), vocab=VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(SuperLayer(d, heads, widths) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab)
+
+    def set_path(self, path):
+        for layer, k in zip(self.layers, path):
+            layer.choice = k
+
+    def path_modules(self, path):
+        return [m for layer, k in zip(self.layers, path) for m in (layer, layer.candidates[k])]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def bench_supernet(args, rows):
+    w = "NAS supernet step (24 layers x 4 candidates), one path, 8x1024"
+    torch.manual_seed(0)
+    gpu = SuperNet().cuda()
+    ids = torch.randint(0, VOCAB, (8, 1024), device="cuda")
+    tgt = torch.randint(0, VOCAB, (8, 1024), device="cuda")
+    cpu_ref = copy.deepcopy(gpu).cpu()
+    total = sum(p.numel() for p in gpu.parameters()) * 4
+    gen = torch.Generator().manual_seed(0)
+    paths = [torch.randint(0, 4, (24,), generator=gen).tolist() for _ in range(64)]
+
+    def stepper(model, opt, paged):
+        it = iter(paths * 4)
+
+        def step():
+            path = next(it)
+            model.set_path(path)
+            if paged:
+                pager.of(model).expect(model.path_modules(path))
+            F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    opt = torch.optim.Adam(gpu.parameters(), lr=1e-4)
+    warm = stepper(gpu, opt, False)
+    for _ in range(8):  # every candidate gets its state
+        warm()
+    gpu_ms = time_ms(warm, warmup=1, reps=args.reps * 2)
+    rows.append(Row(w, f"fully resident ({total / GiB:.1f} GiB weights, {4 * total / GiB:.1f} GiB with grads+Adam)",
+                    gpu_ms, torch.cuda.max_memory_allocated() / GiB, 1.0, "itself"))
+    print(rows[-1])
+    del gpu, opt
+    free_cuda()
+
+    model = cpu_ref
+    budget = int(0.25 * 3 * total)  # a quarter of weights + Adam state
+    pager.wrap(model, budget=budget, device="cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    step = stepper(model, opt, True)
+    for _ in range(8):
+        step()
+    pg = pager.of(model)
+    pg.reset()
+    torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(step, warmup=1, reps=args.reps * 2)
+    s = pg.stats()
+    steps = 1 + args.reps * 2
+    rows.append(Row(
+        w, f"pager, budget 1/4 of weights+Adam ({budget / GiB:.1f} GiB)", ms, torch.cuda.max_memory_allocated() / GiB,
+        ms / gpu_ms, "fully resident",
+        f"hit {100 * s.hit_rate:.0f}%, {s.h2d_bytes / steps / 1e9:.2f} GB in / {s.d2h_bytes / steps / 1e9:.2f} GB out per step",
+    ))
+    print(rows[-1])
+    pager.unwrap(model)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=["decoder", "supernet"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
+    args = ap.parse_args(argv)
+    env = environment()
+    env["pinned_h2d_GBps"] = round(pinned_h2d_gbps(), 1)
+    rows: list[Row] = []
+    if args.only in (None, "decoder"):
+        bench_decoder(args, rows)
+    if args.only in (None, "supernet"):
+        bench_supernet(args, rows)
+    save(rows, "train", env)
+
+
+if __name__ == "__main__":
+    main()
