@@ -198,6 +198,8 @@ class Pager:
                 arrive = torch.cuda.Event(enable_timing=True)
                 arrive.record()
                 self._pending_stalls.append((block, arrive, block.fetch_event))
+                if len(self._pending_stalls) > 1024:
+                    self._resolve_stalls(wait=False)
             self.transport.compute_waits(block.fetch_event)
         block.fetch_event = None
         block.residency = Residency.DEVICE
@@ -563,14 +565,21 @@ class Pager:
             zero_counters(b.stats)
         self._stats.peak_resident_bytes = self.resident_bytes
 
-    def _resolve_stalls(self) -> None:
+    def _resolve_stalls(self, wait: bool = True) -> None:
+        """Turn (compute arrived, fetch landed) event pairs into stall seconds.
+        With wait=False only pairs already complete are taken (no host sync)."""
+        pending = []
         for block, arrive, done in self._pending_stalls:
+            if not wait and not (arrive.query() and done.query()):
+                pending.append((block, arrive, done))
+                continue
+            arrive.synchronize()
             done.synchronize()
-            ms = arrive.elapsed_time(done) if done is not None else 0.0
+            ms = arrive.elapsed_time(done)
             if ms > 0:
                 block.stats.stall_seconds += ms / 1e3
                 self._stats.stall_seconds += ms / 1e3
-        self._pending_stalls.clear()
+        self._pending_stalls = pending
 
     def expect(self, modules) -> None:
         """Say which blocks the next forward will use, in order, so they are prefetched.
