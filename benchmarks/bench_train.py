@@ -16,12 +16,11 @@ import argparse
 import copy
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import pager
 from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
-from benchmarks.models import Decoder
+from benchmarks.models import Decoder, SuperNet
 
 VOCAB = 32000
 
@@ -148,56 +147,6 @@ def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
 
 
 PEERS = {"torchao": peer_torchao, "fsdp2": peer_fsdp2, "deepspeed": peer_deepspeed}
-
-
-# ---------------------------------------------------------------- supernet
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class SuperLayer(nn.Module):
-    def __init__(self, d, heads, widths):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.candidates = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, w * d), nn.GELU(), nn.Linear(w * d, d)) for w in widths
-        )
-        self.choice = 0
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.candidates[self.choice](self.norm2(x))
-
-
-class SuperNet(nn.Module):
-    def __init__(self, n_layers=24, d=1024, heads=16, widths=(2, 4, 6, 8), vocab=VOCAB):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(SuperLayer(d, heads, widths) for _ in range(n_layers))
-        self.head = nn.Linear(d, vocab)
-
-    def set_path(self, path):
-        for layer, k in zip(self.layers, path):
-            layer.choice = k
-
-    def path_modules(self, path):
-        return [m for layer, k in zip(self.layers, path) for m in (layer, layer.candidates[k])]
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def bench_supernet(args, rows):
