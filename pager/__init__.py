@@ -6,10 +6,11 @@
 from ._api import of, unwrap, wrap
 from ._budget import parse_budget
 from ._pager import BudgetError, Pager
+from ._plan import Plan, plan
 from ._optim import install_global_hook as _install_global_hook
 from ._stats import BlockStats, Stats
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "Pager", "Stats", "BlockStats", "BudgetError", "parse_budget"]
+__all__ = ["wrap", "unwrap", "of", "plan", "Plan", "Pager", "Stats", "BlockStats", "BudgetError", "parse_budget"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from . import _discover
 from ._budget import format_bytes, parse_budget
+from ._host import PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._pager import _PAGERS, Pager, close
 
 log = logging.getLogger("pager")
@@ -66,6 +67,9 @@ def wrap(
     pager.min_budget_bytes = remainder + max(sizes, default=0)
     total = sum(t.numel() * t.element_size() for ts in owned.values() for _n, t, _p in ts)
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
+    if pager.arena.pin and total >= PIN_PROGRESS_BYTES:
+        log.info("pager: pinning %s of host memory for %d blocks (about %.0f s)", format_bytes(total), len(named),
+                 PIN_SECONDS_PER_GIB * total / 2**30)
     if total <= budget_bytes:
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): paging is not needed; it will stay "

@@ -126,6 +126,8 @@ class Block:
         self.param_names: list = []
         self.stats = None
         self.unpinned_calls = 0       # forward calls whose acquire failed
+        self.compute_start = None     # when its current use began (trace)
+        self.uses = 0                 # uses since wrap (not reset by Pager.reset)
 
     # -- sizes -------------------------------------------------------------
     @property

@@ -26,6 +26,7 @@ ARENA_CHUNK_BYTES = 1 << 30
 # Host RAM we leave to the rest of the process and the OS when pinning.
 HOST_RESERVE_BYTES = 2 << 30
 PIN_PROGRESS_BYTES = 8 << 30  # log progress when pinning more than this
+PIN_SECONDS_PER_GIB = 0.4  # what page-locking costs on the H100 host (DESIGN.md)
 
 
 def align(n: int, to: int = ALIGN_BYTES) -> int:
@@ -46,6 +47,7 @@ class HostArena:
         self._chunks: list[torch.Tensor] = []
         self._registered: list[torch.Tensor] = []
         self._used_in_last = 0
+        self._planned: list[int] = []
         self.reserved_bytes = 0
         self.used_bytes = 0
 
@@ -60,17 +62,35 @@ class HostArena:
                 f"or `blocks=` that leaves the rest on the device)."
             )
 
+    def reserve(self, sizes: list[int]) -> None:
+        """Pin chunks for pages of `sizes` (to be allocated in this order),
+        grouped into chunks of about `chunk_bytes`, each exactly its pages' sum."""
+        group = 0
+        for n in [align(max(n, 1)) for n in sizes] + [None]:
+            if group and (n is None or group + n > self.chunk_bytes):
+                self._planned.append(group)
+                group = 0
+            group += n or 0
+        self._planned.reverse()
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` (rounded up to the alignment) in one chunk."""
         nbytes = align(max(nbytes, 1))
         if not self._chunks or self._used_in_last + nbytes > self._chunks[-1].numel():
-            self._new_chunk(max(nbytes, self.chunk_bytes))
+            if self._planned and self._planned[-1] >= nbytes:
+                self._new_chunk(self._planned.pop())
+            else:
+                # Unplanned growth (gradients, optimizer state): chunks grow
+                # with what is in use, so small models pin little.
+                self._new_chunk(max(nbytes, min(self.chunk_bytes, self.used_bytes)))
         start = self._used_in_last
         self._used_in_last += nbytes
         self.used_bytes += nbytes
         return self._chunks[-1][start : start + nbytes]
 
     def _new_chunk(self, nbytes: int) -> None:
+        if self.reserved_bytes + nbytes >= PIN_PROGRESS_BYTES and self.pin:
+            log.info("pager: pinning host pages: %s so far, %s more", format_bytes(self.reserved_bytes), format_bytes(nbytes))
         chunk = torch.empty(nbytes, dtype=torch.uint8)
         if self.pin:
             _register(chunk)
@@ -105,5 +125,4 @@ def _register(chunk: torch.Tensor) -> None:
             f"memlock in /etc/security/limits.conf), or pass pin=False to page from pageable memory "
             f"(about 4-7x slower transfers)."
         )
-    if chunk.numel() >= PIN_PROGRESS_BYTES:
-        log.info("pager: pinned %s in %.1f s", format_bytes(chunk.numel()), time.perf_counter() - t0)
+    log.debug("pager: pinned %s in %.2f s", format_bytes(chunk.numel()), time.perf_counter() - t0)

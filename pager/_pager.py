@@ -19,6 +19,7 @@ from ._grads import PagedOutGrad
 from ._host import HostArena
 from ._schedule import Scheduler
 from ._stats import BlockStats, Stats, zero_counters
+from ._trace import Tracer
 from ._transport import CpuTransport, CudaTransport
 
 log = logging.getLogger("pager")
@@ -27,6 +28,9 @@ WEIGHTS = ("weights",)
 BACKWARD = ("weights", "grads")
 STEP = ("weights", "grads", "state")
 PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
+NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
+STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
+STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
 
 _PAGERS: "weakref.WeakKeyDictionary[nn.Module, Pager]" = weakref.WeakKeyDictionary()
 
@@ -61,14 +65,19 @@ class Pager:
         self._hooks: list = []
         self._tick = 0
         self._root_depth = 0
-        self._pending_stalls: list = []
+        self._pending_stalls: list = []   # (block, compute arrived, fetch landed)
+        self._pending_copies: list = []   # (block, direction, start, end, nbytes)
+        self.tracer = Tracer(cuda=device.type == "cuda")
         self._backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
         self._owner: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
         self._param_block: dict[int, Block] = {}
         self._original_device: dict[int, torch.device] = {}
         self._optimizers: list = []
-        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._step_misses = 0
+        self._expect_used = False
+        self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._closed = False
         self._named_blocks = named_blocks
         # The least budget that runs: the remainder and the largest block with
@@ -77,6 +86,8 @@ class Pager:
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses) -> None:
+        order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
+        self.arena.reserve([layout([(n, t) for n, t, _p in named])[1] for named in order if named])
         for i, (name, module) in enumerate(self._named_blocks):
             self.blocks.append(Block(name, module, i))
         for i, block in enumerate(self.blocks):
@@ -178,14 +189,19 @@ class Pager:
         except BaseException:
             block.pins -= 1
             raise
+        if record:
+            block.uses += 1
         if missing and block.fetched_data and record:
             block.stats.misses += 1
             self._stats.misses += 1
+            self._step_misses += 1
         elif record:
             block.stats.hits += 1
             self._stats.hits += 1
         self._wait_for(block)
         self._apply_pending(block)
+        if block.pins == 1:
+            block.compute_start = self.tracer.stamp()
         self._tick += 1
         block.last_use_tick = self._tick
 
@@ -195,11 +211,11 @@ class Pager:
             return
         with _record_range(f"pager::wait[{block.name}]"):
             if self.transport.is_cuda:
-                arrive = torch.cuda.Event(enable_timing=True)
-                arrive.record()
+                arrive = self.tracer.stamp()
                 self._pending_stalls.append((block, arrive, block.fetch_event))
+                self.tracer.span("wait", block.name, arrive, block.fetch_event)
                 if len(self._pending_stalls) > 1024:
-                    self._resolve_stalls(wait=False)
+                    self._resolve_events(wait=False)
             self.transport.compute_waits(block.fetch_event)
         block.fetch_event = None
         block.residency = Residency.DEVICE
@@ -221,9 +237,11 @@ class Pager:
         if block.pins == 0:
             # Memory of this block may be reused once compute is past this point.
             block.last_use_event = self.transport.record_compute()
+            end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
+            self.tracer.span("compute", block.name, block.compute_start, end)
 
     def _fetch(self, block: Block, kinds) -> None:
-        allocated, moved = False, False
+        allocated, moved, nbytes, first, end = False, False, 0, None, None
         for kind in kinds:
             seg = block.segments.get(kind)
             if seg is None or seg.resident:
@@ -234,15 +252,11 @@ class Pager:
             if kind == "grads":
                 self._restore_grads(seg)
             if seg.host_valid:
-                t0 = time.perf_counter()
-                self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
+                start, end = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
+                first = first if moved else start
                 moved = True
-                block.stats.h2d_bytes += seg.nbytes
-                self._stats.h2d_bytes += seg.nbytes
-                if not self.transport.is_cuda:
-                    dt = time.perf_counter() - t0
-                    block.stats.stall_seconds += dt
-                    self._stats.stall_seconds += dt
+                nbytes += seg.nbytes
+                self._copied(block, "h2d", start, end, seg.nbytes)
             seg.resident = True
             seg.snapshot_versions()
         block.fetched_data = moved
@@ -251,13 +265,33 @@ class Pager:
         if allocated:
             # One mark after every allocation and copy: compute waits on it.
             event = self.transport.mark_h2d()
+            end = event if event is not None else time.perf_counter()
             if event is not None:
                 block.fetch_event = event
                 block.residency = Residency.FETCHING
             elif block.residency is Residency.HOST:
                 block.residency = Residency.DEVICE
+        if moved:
+            self.tracer.span("fetch", block.name, first, end, nbytes)
         self.resident[block] = None
         self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
+
+    def _copied(self, block: Block, direction: str, start, end, nbytes: int) -> None:
+        """Count a copy's bytes now and its duration when its events resolve."""
+        setattr(block.stats, f"{direction}_bytes", getattr(block.stats, f"{direction}_bytes") + nbytes)
+        setattr(self._stats, f"{direction}_bytes", getattr(self._stats, f"{direction}_bytes") + nbytes)
+        if self.transport.is_cuda:
+            self._pending_copies.append((block, direction, start, end))
+            if len(self._pending_copies) > 1024:
+                self._resolve_events(wait=False)
+        else:
+            self._add_seconds(block, f"{direction}_seconds", end - start)
+            if direction == "h2d":  # the CPU device copies synchronously: compute waited
+                self._add_seconds(block, "stall_seconds", end - start)
+
+    def _add_seconds(self, block: Block, field: str, seconds: float) -> None:
+        setattr(block.stats, field, getattr(block.stats, field) + seconds)
+        setattr(self._stats, field, getattr(self._stats, field) + seconds)
 
     def _restore_grads(self, seg: Segment) -> None:
         present = False
@@ -279,11 +313,12 @@ class Pager:
                     self._gather_grads(block, seg)
                 writeback = None
                 if seg.is_dirty():
-                    writeback = self.transport.d2h(seg.host, seg.flat, after=(block.last_use_event,))
+                    start, end = self.transport.d2h(seg.host, seg.flat, after=(block.last_use_event,))
+                    writeback = end if self.transport.is_cuda else None
                     seg.writeback_event = writeback
                     seg.host_valid = True
-                    block.stats.d2h_bytes += seg.nbytes
-                    self._stats.d2h_bytes += seg.nbytes
+                    self._copied(block, "d2h", start, end, seg.nbytes)
+                    self.tracer.span("writeback", block.name, start, end, seg.nbytes)
                 if kind == "grads":
                     self._page_out_grads(seg)
                 self.transport.free(seg.flat, after=(block.last_use_event, writeback))
@@ -448,15 +483,51 @@ class Pager:
         self._root_depth = max(0, self._root_depth - 1)
 
     def _start_step(self) -> None:
+        self.tracer.new_step()
         changed = self.scheduler.start_step()
         if changed:
             self._stats.order_changes += 1
+            if self._step_misses and not self._expect_used:
+                self._warn_once(
+                    "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
+                    "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
+                    "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
+        self._step_misses, self._expect_used = 0, False
+        self._advise()
         fixed = self.remainder.device_bytes() if self.remainder is not None else 0
         for b in self.blocks:
             if b.resident_for_life:
                 fixed += b.nbytes()
         self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
         self._stats.steps += 1
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _advise(self) -> None:
+        """Warnings that need a few steps of history (each at most once)."""
+        steps = self._stats.steps
+        if steps == NEVER_RAN_STEPS + 1:
+            idle = [b for b in self.blocks if b.uses == 0]
+            if idle:
+                self._warn_once(
+                    "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
+                    "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
+                    len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
+                    format_bytes(sum(b.nbytes() for b in idle)))
+        if steps % STALL_WINDOW_STEPS == 1 and steps > 1:
+            if self.transport.is_cuda:
+                self._resolve_events(wait=False)
+            start, stall_at_start = self._window
+            now, stall = time.perf_counter(), self._stats.stall_seconds
+            if now > start and stall - stall_at_start > STALL_SHARE * (now - start):
+                self._warn_once(
+                    "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
+                    "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
+                    "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
+            self._window = (now, stall)
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
@@ -550,36 +621,87 @@ class Pager:
     # ---------------------------------------------------------------- public
     def stats(self) -> Stats:
         """Counters since the last `reset()` (see `Stats`), with per-block rows."""
-        self._resolve_stalls()
+        self._resolve_events()
         s = self._stats
         s.resident_bytes = self.resident_bytes
-        s.order_changes = max(s.order_changes, 0)
+        for b in self.all_blocks():
+            b.stats.resident_bytes = b.device_bytes()
         s.blocks = [b.stats for b in self.all_blocks()]
         return s
 
+    def report(self) -> str:
+        """`stats()` as a table, with the link's measured peak, device memory
+        and utilisation (pynvml) and host RAM and pinned bytes (psutil).
+
+        Example:
+            >>> print(pager.of(model).report())
+        """
+        from ._report import system_lines
+
+        s = self.stats()
+        peak = self.link_gbps()
+        lines = [s.report(), ""]
+        if s.h2d_seconds:
+            lines.append(
+                f"host->device: {s.h2d_gbps:.1f} GB/s while copying, {100 * s.h2d_gbps / peak:.0f}% of the "
+                f"{peak:.1f} GB/s measured peak; device->host: {s.d2h_gbps:.1f} GB/s"
+            )
+        lines += system_lines(self)
+        return "\n".join(lines)
+
+    def link_gbps(self) -> float:
+        """The host-to-device copy rate this machine reaches from page-locked
+        memory (measured once, 256 MiB), the ceiling for fetches."""
+        if getattr(self, "_link_gbps", None) is None:
+            from ._report import measure_link_gbps
+
+            self._link_gbps = measure_link_gbps(self.device, pinned=self.arena.pin)
+        return self._link_gbps
+
     def reset(self) -> None:
         """Zero every counter (peak resident bytes restart from what is resident now)."""
-        self._resolve_stalls()
+        self._resolve_events()
         zero_counters(self._stats)
         for b in self.all_blocks():
             zero_counters(b.stats)
         self._stats.peak_resident_bytes = self.resident_bytes
 
-    def _resolve_stalls(self, wait: bool = True) -> None:
-        """Turn (compute arrived, fetch landed) event pairs into stall seconds.
-        With wait=False only pairs already complete are taken (no host sync)."""
-        pending = []
+    def _resolve_events(self, wait: bool = True) -> None:
+        """Turn timing-event pairs into seconds: stalls (compute arrived, fetch
+        landed) and copy durations. With wait=False only pairs already complete
+        are taken (no host sync)."""
+        stalls, copies = [], []
         for block, arrive, done in self._pending_stalls:
             if not wait and not (arrive.query() and done.query()):
-                pending.append((block, arrive, done))
+                stalls.append((block, arrive, done))
                 continue
-            arrive.synchronize()
             done.synchronize()
             ms = arrive.elapsed_time(done)
             if ms > 0:
-                block.stats.stall_seconds += ms / 1e3
-                self._stats.stall_seconds += ms / 1e3
-        self._pending_stalls = pending
+                self._add_seconds(block, "stall_seconds", ms / 1e3)
+        for block, direction, start, end in self._pending_copies:
+            if not wait and not end.query():
+                copies.append((block, direction, start, end))
+                continue
+            end.synchronize()
+            self._add_seconds(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
+        self._pending_stalls, self._pending_copies = stalls, copies
+
+    def trace(self, path: str) -> str:
+        """Write a Chrome/Perfetto trace of the last steps' fetches, write-backs,
+        waits and computes, one track per stream.
+
+        Args:
+            path: the JSON file to write.
+
+        Returns:
+            `path`.
+
+        Example:
+            >>> pager.of(model).trace("pager_trace.json")  # open in ui.perfetto.dev
+        """
+        self.tracer.write(path)
+        return path
 
     def expect(self, modules) -> None:
         """Say which blocks the next forward will use, in order, so they are prefetched.
@@ -604,6 +726,7 @@ class Pager:
                 )
             uses.append((block, WEIGHTS))
         self.scheduler.expect(uses)
+        self._expect_used = True
         self._prefetch()
 
     def attach(self, optimizer) -> None:

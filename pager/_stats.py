@@ -20,7 +20,14 @@ class BlockStats:
     prefetches: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    h2d_seconds: float = 0.0
+    d2h_seconds: float = 0.0
     stall_seconds: float = 0.0
+    resident_bytes: int = 0
+
+    @property
+    def h2d_gbps(self) -> float:
+        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0
 
 
 @dataclass
@@ -40,12 +47,23 @@ class Stats:
     evictions: int = 0
     prefetches: int = 0
     stall_seconds: float = 0.0
+    h2d_seconds: float = 0.0  # time the copy streams were busy, each way
+    d2h_seconds: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     budget_bytes: int = 0
     steps: int = 0
     order_changes: int = 0
     blocks: list[BlockStats] = field(default_factory=list)
+
+    @property
+    def h2d_gbps(self) -> float:
+        """Achieved host-to-device GB/s while copying."""
+        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0
+
+    @property
+    def d2h_gbps(self) -> float:
+        return self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds else 0.0
 
     @property
     def hit_rate(self) -> float:

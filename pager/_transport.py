@@ -17,6 +17,8 @@ the next allocation after the event completes), which makes the budget a guess.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -35,12 +37,14 @@ class CpuTransport:
         flat.untyped_storage().resize_(0)
 
     def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
+        t0 = time.perf_counter()
         device_flat.copy_(host)
-        return None
+        return t0, time.perf_counter()
 
     def d2h(self, host: torch.Tensor, device_flat: torch.Tensor, after=()):
+        t0 = time.perf_counter()
         host.copy_(device_flat)
-        return None
+        return t0, time.perf_counter()
 
     def record_compute(self):
         return None
@@ -90,9 +94,10 @@ class CudaTransport:
             if event is not None:
                 self.h2d_stream.wait_event(event)
         with torch.cuda.stream(self.h2d_stream):
+            start = self._record(self.h2d_stream, timing=True)
             device_flat.copy_(host, non_blocking=True)
-            # Timed: the pager measures how long compute waited for it.
-            return self._record(self.h2d_stream, timing=True)
+            # Timed: the pager measures the copy and how long compute waited for it.
+            return start, self._record(self.h2d_stream, timing=True)
 
     def d2h(self, host: torch.Tensor, device_flat: torch.Tensor, after=()):
         for event in after:
@@ -100,11 +105,12 @@ class CudaTransport:
             if event is not None:
                 self.d2h_stream.wait_event(event)
         with torch.cuda.stream(self.d2h_stream):
+            start = self._record(self.d2h_stream, timing=True)
             host.copy_(device_flat, non_blocking=True)
-            return self._record(self.d2h_stream)
+            return start, self._record(self.d2h_stream, timing=True)
 
     def record_compute(self):
-        return self._record(torch.cuda.current_stream(self.device))
+        return self._record(torch.cuda.current_stream(self.device), timing=True)
 
     def mark_h2d(self):
         # Memory allocated on the h2d stream may have been freed by another

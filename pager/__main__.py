@@ -1,0 +1,35 @@
+"""python -m pager plan <module:factory> --budget 10GiB [--device cuda] [--blocks A,B]"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pager")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="show what paging a model under a budget will do, before any GPU work")
+    p.add_argument("factory", help="module:callable that returns the model, e.g. mypkg.models:build")
+    p.add_argument("--budget", required=True)
+    p.add_argument("--device", default=None)
+    p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks")
+    p.add_argument("--state-factor", type=float, default=2.0)
+    args = ap.parse_args(argv)
+
+    from . import plan
+
+    module_name, _, attr = args.factory.partition(":")
+    if not attr:
+        ap.error(f"factory {args.factory!r} must be module:callable, e.g. mypkg.models:build")
+    sys.path.insert(0, "")
+    model = getattr(importlib.import_module(module_name), attr)()
+    blocks = args.blocks.split(",") if args.blocks else None
+    result = plan(model, args.budget, device=args.device, blocks=blocks, state_factor=args.state_factor)
+    print(result)
+    return 0 if result.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

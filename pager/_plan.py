@@ -1,0 +1,145 @@
+"""A plan before any GPU work: blocks, what stays, what moves, the floor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _discover
+from ._budget import format_bytes, parse_budget
+from ._schedule import Scheduler
+
+ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
+
+
+@dataclass
+class Plan:
+    """What `pager.wrap(model, budget)` will do, worked out from sizes alone.
+
+    Bytes per forward and per training step are for the steady state of a
+    model run in the same order every step (the first forward moves every
+    block once). Training figures assume every parameter trains and an
+    optimizer keeping `state_factor` x the weights (Adam: 2).
+    """
+
+    device: str
+    budget_bytes: int
+    min_budget_bytes: int
+    remainder_bytes: int
+    blocks: list[tuple[str, int]]
+    kept: list[str]
+    forward_bytes: int
+    train_kept: list[str]
+    train_h2d_bytes: int
+    train_d2h_bytes: int
+    link_gbps: float
+    link_measured: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits_all(self) -> bool:
+        return self.remainder_bytes + sum(n for _b, n in self.blocks) <= self.budget_bytes
+
+    @property
+    def runs(self) -> bool:
+        return self.budget_bytes >= self.min_budget_bytes
+
+    @property
+    def forward_floor_seconds(self) -> float:
+        return self.forward_bytes / (self.link_gbps * 1e9)
+
+    @property
+    def train_floor_seconds(self) -> float:
+        return max(self.train_h2d_bytes, self.train_d2h_bytes) / (self.link_gbps * 1e9)
+
+    def __str__(self) -> str:
+        total = sum(n for _b, n in self.blocks)
+        link = f"{self.link_gbps:.1f} GB/s {'measured' if self.link_measured else 'assumed'}"
+        out = [
+            f"pager plan on {self.device}: budget {format_bytes(self.budget_bytes)}; {len(self.blocks)} blocks "
+            f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
+            f"that runs {format_bytes(self.min_budget_bytes)}",
+        ]
+        if not self.runs:
+            out.append(f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} (the remainder and the largest block)")
+        elif self.fits_all:
+            out.append("  everything fits: no paging needed; after the first forward nothing moves")
+        out.append(f"  {'block':<40} {'size':>11}  inference")
+        kept = set(self.kept)
+        for name, n in self.blocks:
+            out.append(f"  {name[-40:]:<40} {format_bytes(n):>11}  {'stays resident' if name in kept else 'streams'}")
+        out.append(
+            f"  per forward: {format_bytes(self.forward_bytes)} to the device, PCIe floor "
+            f"{1e3 * self.forward_floor_seconds:.1f} ms at {link}"
+        )
+        out.append(
+            f"  per training step (estimate, Adam-like state): {format_bytes(self.train_h2d_bytes)} in, "
+            f"{format_bytes(self.train_d2h_bytes)} out, floor {1e3 * self.train_floor_seconds:.1f} ms; "
+            f"{len(self.train_kept)} of {len(self.blocks)} blocks stay with their gradients and state"
+        )
+        out += [f"  note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
+         link_gbps: float | None = None) -> Plan:
+    """Work out what paging `model` under `budget` will do, without doing it.
+
+    Args:
+        model: the model (not wrapped; nothing is changed).
+        budget, device, blocks: as for `pager.wrap`.
+        state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
+            momentum 1) for the training estimate.
+        link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
+
+    Example:
+        >>> print(pager.plan(model, budget="10GiB"))
+    """
+    from ._api import _aligned, _ancestors, _block_sizes, _resolve_device
+
+    device = _resolve_device(device)
+    budget_bytes = parse_budget(budget, device)
+    named = _discover.discover(model, blocks)
+    owned, uses = _discover.owners(model, [m for _n, m in named])
+    sizes = _block_sizes(named, owned, uses, _ancestors([m for _n, m in named]))
+    own = [sum(_aligned(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
+    trainable = [sum(_aligned(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad) for i in range(len(named))]
+    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
+    rem_train = sum(_aligned(t) for _n, t, is_p in owned.get(None, []) if is_p and t.requires_grad)
+    names = [n for n, _m in named]
+
+    kept = _kept(names, own, budget_bytes, remainder)
+    forward = sum(n for name, n in zip(names, own) if name not in kept)
+    step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, trainable)]
+    fixed = remainder + (1 + state_factor) * rem_train
+    train_kept = _kept(names, step_sizes, budget_bytes, fixed)
+    h2d = d2h = 0
+    for name, w, g in zip(names, own, trainable):
+        if name not in train_kept:
+            s = state_factor * g
+            h2d += 2 * w + (w + g + s)   # forward, backward, then the step brings all in
+            d2h += g + (w + s)           # gradients leave in backward; weights and state after the step
+
+    if link_gbps is None and device.type == "cuda":
+        from ._report import measure_link_gbps
+
+        link, measured = measure_link_gbps(device, pinned=True), True
+    else:
+        link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
+    notes = []
+    if named and remainder > budget_bytes // 2:
+        notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
+    return Plan(
+        str(device), budget_bytes, remainder + max(sizes, default=0), remainder, list(zip(names, own)),
+        sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
+    )
+
+
+def _kept(names, sizes, budget, fixed) -> set:
+    """The blocks the scheduler keeps resident for a cyclic order (the same rule)."""
+    scheduler = Scheduler()
+    scheduler.plan = [(name, None) for name in names]
+    size = dict(zip(names, sizes))
+    scheduler.choose_kept(budget, lambda name: size[name], fixed)
+    return scheduler.kept

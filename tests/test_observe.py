@@ -1,0 +1,214 @@
+"""Stats, report, trace, plan and warnings: what the pager tells its user."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pager
+from helpers import tensor_page_bytes
+from models import TinyLM
+
+
+def cyclic(n=6, d=64):
+    return nn.Sequential(*[nn.Linear(d, d) for _ in range(n)])
+
+
+def test_report_has_the_table_the_link_and_the_host():
+    model = cyclic()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 64))
+    text = pager.of(model).report()
+    for needle in ("block", "fetches", "stall ms", "GB/s", "measured peak", "host:", "host pages"):
+        assert needle in text, needle
+    s = pager.of(model).stats()
+    assert s.h2d_seconds > 0 and s.h2d_gbps > 0
+    assert all(b.h2d_bytes == b.fetches * b.nbytes for b in s.blocks)
+    assert sum(b.resident_bytes for b in s.blocks) == s.resident_bytes
+
+
+def test_reset_zeroes_counters_but_not_sizes():
+    model = cyclic()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    pg = pager.of(model)
+    pg.reset()
+    s = pg.stats()
+    assert (s.hits, s.misses, s.h2d_bytes, s.evictions, s.steps) == (0, 0, 0, 0, 0)
+    assert s.budget_bytes == pg.budget_bytes and all(b.nbytes > 0 for b in s.blocks)
+    assert s.peak_resident_bytes == s.resident_bytes
+
+
+def test_trace_is_chrome_json_with_every_block(tmp_path):
+    model = cyclic()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 64))
+    path = pager.of(model).trace(str(tmp_path / "trace.json"))
+    data = json.load(open(path))
+    events = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in events}
+    for i in range(6):
+        assert f"compute[{i}]" in names
+        assert f"fetch[{i}]" in names or i == 0  # block 0 stays resident (the kept set)
+    for e in events:
+        assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("fetch", "compute", "writeback", "wait")
+    tracks = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
+    assert {"h2d stream", "compute stream"} <= tracks
+
+
+def test_profiler_ranges_name_the_block():
+    model = cyclic()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    with torch.profiler.profile() as prof, torch.no_grad():
+        model(torch.randn(2, 64))
+    names = {e.name for e in prof.events()}
+    assert "pager::fetch[3]" in names and any(n.startswith("pager::evict[") for n in names)
+
+
+@pytest.mark.parametrize("blocks_budget", [2, 3, 4, 6])
+def test_plan_matches_what_a_run_does(blocks_budget):
+    model = cyclic()
+    budget = blocks_budget * tensor_page_bytes(model[0])
+    p = pager.plan(model, budget, device="cpu")
+    assert p.runs and p.fits_all == (blocks_budget == 6)
+    pager.wrap(model, budget=budget, device="cpu")
+    pg = pager.of(model)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+        model(torch.randn(2, 64))
+        pg.reset()
+        model(torch.randn(2, 64))
+    assert pg.stats().h2d_bytes == p.forward_bytes
+    assert {b.name for b in pg.scheduler.kept} == set(p.kept)
+    assert pg.min_budget_bytes == p.min_budget_bytes
+    assert f"{1e3 * p.forward_floor_seconds:.1f} ms" in str(p)
+
+
+def test_plan_of_a_tied_decoder_and_too_small_a_budget():
+    model = TinyLM()
+    p = pager.plan(model, "1MiB", device="cpu")
+    assert [n for n, _ in p.blocks] == [f"layers.{i}" for i in range(6)]
+    assert p.remainder_bytes == tensor_page_bytes(model.embed) + tensor_page_bytes(model.norm)
+    small = pager.plan(model, p.min_budget_bytes - 1, device="cpu")
+    assert not small.runs and "WILL NOT RUN" in str(small)
+    assert "no paging needed" in str(pager.plan(model, "1GiB", device="cpu"))
+    assert all(not m._forward_pre_hooks for m in model.modules())  # nothing changed
+
+
+def test_plan_command_line(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\ndef build():\n    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])\n"
+    )
+    run = lambda budget: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "pager", "plan", "mymodels:build", "--budget", budget, "--device", "cpu"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
+    ok = run("40KiB")
+    assert ok.returncode == 0, ok.stderr
+    assert "per forward" in ok.stdout and "streams" in ok.stdout
+    bad = run("1KiB")
+    assert bad.returncode == 1 and "WILL NOT RUN" in bad.stdout
+
+
+# ------------------------------------------------------------------ warnings
+def _warnings(caplog, key):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and key in r.getMessage()]
+
+
+class Skips(nn.Module):
+    """Layer 2 never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i != 2:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("model_cls,fires", [(Skips, True), (lambda: cyclic(4, 16), False)])
+def test_warns_once_when_a_block_never_runs(caplog, model_cls, fires):
+    caplog.set_level(logging.WARNING, logger="pager")
+    model = model_cls()
+    pager.wrap(model, budget=1 << 20, device="cpu")
+    with torch.no_grad():
+        for _ in range(25):
+            model(torch.randn(2, 16))
+    found = _warnings(caplog, "never ran")
+    assert len(found) == (1 if fires else 0)
+    if fires:
+        assert "layers.2" in found[0].getMessage()
+
+
+class Alternates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.flip = False
+
+    def forward(self, x):
+        order = reversed(self.layers) if self.flip else self.layers
+        for layer in order:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("say_it", [False, True])
+def test_warns_when_the_order_changes_unless_expected(caplog, say_it):
+    caplog.set_level(logging.WARNING, logger="pager")
+    model = Alternates()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model.layers[0]), device="cpu")
+    with torch.no_grad():
+        for step in range(6):
+            model.flip = bool(step % 2)
+            if say_it:
+                order = list(reversed(model.layers)) if model.flip else list(model.layers)
+                pager.of(model).expect(order)
+            model(torch.randn(2, 16))
+    assert len(_warnings(caplog, "order of blocks changed")) == (0 if say_it else 1)
+
+
+class Heavy(nn.Module):
+    """Blocks with big buffers and no arithmetic: every step waits on copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Payload() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Payload(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("big", torch.randn(2 << 20))
+
+    def forward(self, x):
+        return x + 1
+
+
+@pytest.mark.parametrize("budget_blocks,fires", [(1, True), (8, False)])
+def test_warns_when_stalls_dominate(caplog, budget_blocks, fires):
+    caplog.set_level(logging.WARNING, logger="pager")
+    model = Heavy()
+    pager.wrap(model, budget=budget_blocks * tensor_page_bytes(model.layers[0]), device="cpu", prefetch=0)
+    with torch.no_grad():
+        for _ in range(22):
+            model(torch.zeros(1))
+    assert len(_warnings(caplog, "waited for transfers")) == (1 if fires else 0)
