@@ -53,19 +53,36 @@ class Slot:
     shape: torch.Size
     offset: int
     nbytes: int
+    stride: tuple | None = None  # kept for dense permuted layouts (a transposed weight)
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        t = flat[self.offset : self.offset + self.nbytes].view(self.dtype)
+        return t.as_strided(self.shape, self.stride) if self.stride is not None else t.view(self.shape)
 
 
 def layout(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Slot], int]:
-    """Slots for `named` tensors, each aligned, and the segment's total bytes."""
+    """Slots for `named` tensors, each aligned, and the segment's total bytes.
+
+    A tensor stored densely in another order (a transposed weight) keeps its
+    strides, so kernels see the same layout and results stay bitwise equal;
+    one with gaps (a slice) becomes contiguous."""
     slots, offset = [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
-        slots.append(Slot(name, t.dtype, t.shape, offset, nbytes))
+        permuted = not t.is_contiguous() and _dense_permuted(t)
+        slots.append(Slot(name, t.dtype, t.shape, offset, nbytes, tuple(t.stride()) if permuted else None))
         offset = align(offset + nbytes)
     return slots, offset
+
+
+def _dense_permuted(t: torch.Tensor) -> bool:
+    """True if `t` fills its storage span exactly, in some order of its dims."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
 
 
 @dataclass

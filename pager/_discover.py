@@ -80,6 +80,11 @@ def discover(model: nn.Module, spec=None) -> list[tuple[str, nn.Module]]:
             f"pager: blocks={spec!r} is not understood; pass a list of modules, a list of class "
             f"names, or a predicate (name, module) -> bool."
         )
+    if spec is not None and not found:
+        raise ValueError(
+            "pager: blocks= matched no module of the model; check the predicate or class names "
+            "(print([n for n, _ in model.named_modules()]) lists the candidates)."
+        )
     seen: set[int] = set()
     for m in found:
         if id(m) in seen:

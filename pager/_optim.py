@@ -71,6 +71,16 @@ class OptimizerLink:
                 "pager: optimizer.step(closure) is not supported on a paged model (the closure would "
                 "re-run forward inside the streamed step); call step() without a closure."
             )
+        with self.pager._lock:
+            try:
+                self._stream_step(optimizer)
+            except BaseException:
+                # The user's step() raises without calling post-hooks: the
+                # groups must not stay narrowed.
+                self._post_step(optimizer, (), {})
+                raise
+
+    def _stream_step(self, optimizer) -> None:
         pager = self.pager
         groups = optimizer.param_groups
         self._saved_params = [g["params"] for g in groups]

@@ -43,6 +43,26 @@ def _record_range(name: str):
     return torch.profiler.record_function(name)
 
 
+def _locked(method):
+    """Run a pager entry point under the pager's lock.
+
+    [Note: threads]
+    Hooks run on the thread that calls forward, and backward hooks on the
+    autograd engine's threads. One re-entrant lock per pager makes each entry
+    point (a block's use or release, a backward hook, a step) atomic, so two
+    threads running forward on one model interleave at block granularity
+    with correct pin counts; if their blocks together exceed the budget, one
+    of them gets a BudgetError, never a corrupted state.
+    """
+
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
 class Pager:
     """Pages one model's blocks between host pages and a device under a budget.
 
@@ -74,6 +94,7 @@ class Pager:
         self._param_block: dict[int, Block] = {}
         self._original_device: dict[int, torch.device] = {}
         self._optimizers: list = []
+        self._lock = threading.RLock()  # see _locked
         self._warned: set[str] = set()
         self._step_misses = 0
         self._expect_used = False
@@ -246,7 +267,7 @@ class Pager:
             seg = block.segments.get(kind)
             if seg is None or seg.resident:
                 continue
-            self.transport.allocate(seg.flat, seg.nbytes)
+            self._allocate(block, seg)
             allocated = True
             self.resident_bytes += seg.nbytes
             if kind == "grads":
@@ -275,6 +296,34 @@ class Pager:
             self.tracer.span("fetch", block.name, first, end, nbytes)
         self.resident[block] = None
         self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
+
+    def _allocate(self, block: Block, seg: Segment) -> None:
+        """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            return
+        except torch.cuda.OutOfMemoryError:
+            pass
+        for other in list(self.resident):
+            if other is not block and other.pins == 0 and not other.resident_for_life:
+                self._evict(other)
+        if self.transport.is_cuda:
+            torch.cuda.synchronize(self.device)  # error path: let freed memory settle
+            torch.cuda.empty_cache()
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            log.warning("pager: out of device memory fetching %r; evicted idle blocks and retried", block.name)
+        except torch.cuda.OutOfMemoryError:
+            from ._budget import device_memory
+
+            free, total = device_memory(self.device)
+            raise BudgetError(
+                f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
+                f"even after evicting every idle block: budget {format_bytes(self.budget_bytes)}, pager holds "
+                f"{format_bytes(self.resident_bytes)}, the device has {format_bytes(free)} free of "
+                f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
+                f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
+            ) from None
 
     def _copied(self, block: Block, direction: str, start, end, nbytes: int) -> None:
         """Count a copy's bytes now and its duration when its events resolve."""
@@ -415,11 +464,64 @@ class Pager:
             post = self._make_post_forward(block)
             self._hooks.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
             self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+        self._install_inner_hooks()
+        self._known = {id(t) for b in self.all_blocks() for t in b.weights.tensors}
         for block in self.all_blocks():
             for p in block.params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._install_state_dict_hooks()
+
+    def _install_inner_hooks(self) -> None:
+        """A module inside a block, called on its own (not through the block),
+        fetches the block for the call instead of reading freed memory."""
+        block_of = {id(b.module): b for b in self.blocks}
+        for block in self.blocks:
+            stack = [block.module]
+            while stack:
+                for child in stack.pop().children():
+                    if id(child) in block_of:
+                        continue  # a nested block has its own hooks
+                    stack.append(child)
+                    if child._parameters or child._buffers:
+                        held: list = []
+                        self._hooks.append(child.register_forward_pre_hook(self._make_inner_pre(block, held)))
+                        self._hooks.append(
+                            child.register_forward_hook(self._make_inner_post(block, held), always_call=True)
+                        )
+
+    def _make_inner_pre(self, block: Block, held: list):
+        def inner_pre(module, args):
+            if block.pins > 0:  # the usual case: called from within its block
+                held.append(False)
+                return
+            with self._lock:
+                self._acquire(block, WEIGHTS, record=False)
+            held.append(True)
+
+        return inner_pre
+
+    def _make_inner_post(self, block: Block, held: list):
+        def inner_post(module, args, output):
+            if held and held.pop():
+                with self._lock:
+                    self._release(block)
+                    if torch.is_grad_enabled():
+                        self._register_pre_backward(block, output)
+
+        return inner_post
+
+    def _check_structure(self) -> None:
+        """Refuse to run on parameters or buffers pager does not manage."""
+        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
+            self.model.named_buffers(remove_duplicate=False)
+        ):
+            if id(t) not in self._known:
+                raise RuntimeError(
+                    f"pager: {name!r} was added or replaced after wrap, so pager does not page it (and the old "
+                    f"tensor is what it holds). Change models before wrapping: pager.unwrap(model), make the "
+                    f"change, then pager.wrap(model, ...) again."
+                )
 
     # ------------------------------------------------------------ state dict
     def _install_state_dict_hooks(self) -> None:
@@ -450,6 +552,7 @@ class Pager:
             self._hooks.append(_load_pre_hook(block.module, self._make_load_pre(block)))
             self._hooks.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
 
+    @_locked
     def _state_dict_post(self, module, state_dict, prefix, local_metadata):
         if self.transport.is_cuda:
             torch.cuda.synchronize(self.device)  # write-backs in flight must land first
@@ -463,24 +566,37 @@ class Pager:
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
-            self._acquire(block, WEIGHTS, record=False)
+            with self._lock:
+                self._acquire(block, WEIGHTS, record=False)
 
         return load_pre
 
     def _make_load_post(self, block: Block):
         def load_post(module, incompatible_keys):
-            self._release(block)
+            with self._lock:
+                self._release(block)
 
         return load_post
 
+    @_locked
     def _root_pre_forward(self, module, args):
         self._check_open()
         if self._root_depth == 0:
+            self._check_structure()
+            self._release_stale_backward_holds()
             self._start_step()
         self._root_depth += 1
 
+    @_locked
     def _root_post_forward(self, module, args, output):
         self._root_depth = max(0, self._root_depth - 1)
+
+    def _release_stale_backward_holds(self) -> None:
+        # A backward that raised never ran its final callback: its blocks are
+        # still held. No backward runs across a new root forward, so let go.
+        if self._backward_holds:
+            log.debug("pager: releasing blocks held by a backward that did not finish")
+            self._end_of_backward()
 
     def _start_step(self) -> None:
         self.tracer.new_step()
@@ -531,12 +647,13 @@ class Pager:
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
-            try:
-                self._acquire(block, WEIGHTS)
-            except BaseException:
-                block.unpinned_calls += 1  # the post-hook (always called) must not release
-                raise
-            self._prefetch()
+            with self._lock:
+                try:
+                    self._acquire(block, WEIGHTS)
+                except BaseException:
+                    block.unpinned_calls += 1  # the post-hook (always called) must not release
+                    raise
+                self._prefetch()
             if torch.is_grad_enabled() and block.params and any(p.requires_grad for p in block.params):
                 return self._register_post_backward(block, args, kwargs)
             return None
@@ -545,10 +662,11 @@ class Pager:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
-            if block.unpinned_calls:
-                block.unpinned_calls -= 1
-                return None
-            self._release(block)
+            with self._lock:
+                if block.unpinned_calls:
+                    block.unpinned_calls -= 1
+                    return None
+                self._release(block)
             if torch.is_grad_enabled():
                 self._register_pre_backward(block, output)
             return None
@@ -570,6 +688,7 @@ class Pager:
         for t in tensors:
             t.register_hook(pre_backward)
 
+    @_locked
     def _pre_backward(self, block: Block) -> None:
         if not self._final_callback_queued:
             self._final_callback_queued = True
@@ -590,11 +709,13 @@ class Pager:
 
         return tree_unflatten(flat, spec)
 
+    @_locked
     def _post_backward(self, block: Block) -> None:
         if self._backward_holds.get(block, 0) > 0:
             self._backward_holds[block] -= 1
             self._release(block)
 
+    @_locked
     def _end_of_backward(self) -> None:
         self._final_callback_queued = False
         for block, holds in list(self._backward_holds.items()):
@@ -602,6 +723,7 @@ class Pager:
                 self._release(block)
         self._backward_holds.clear()
 
+    @_locked
     def _on_grad(self, param: torch.Tensor) -> None:
         block, i = self._owner.get(id(param), (None, None))
         if block is None:
@@ -619,6 +741,7 @@ class Pager:
             param.grad = view
 
     # ---------------------------------------------------------------- public
+    @_locked
     def stats(self) -> Stats:
         """Counters since the last `reset()` (see `Stats`), with per-block rows."""
         self._resolve_events()
@@ -658,6 +781,7 @@ class Pager:
             self._link_gbps = measure_link_gbps(self.device, pinned=self.arena.pin)
         return self._link_gbps
 
+    @_locked
     def reset(self) -> None:
         """Zero every counter (peak resident bytes restart from what is resident now)."""
         self._resolve_events()
@@ -703,6 +827,7 @@ class Pager:
         self.tracer.write(path)
         return path
 
+    @_locked
     def expect(self, modules) -> None:
         """Say which blocks the next forward will use, in order, so they are prefetched.
 
@@ -747,6 +872,7 @@ class Pager:
 
         attach(self, optimizer)
 
+    @_locked
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the model's gradients, wherever they are.
 
@@ -800,6 +926,7 @@ class Pager:
                     g.mul_(coef.to(g.dtype))
         return total
 
+    @_locked
     def set_budget(self, budget) -> None:
         """Change the budget of a live pager; blocks leave until the new one holds.
 
