@@ -133,7 +133,6 @@ class Block:
         self.segments: dict[str, Segment] = {}
         self.residency = Residency.HOST
         self.fetch_event = None
-        self.last_use_event = None
         self.pins = 0
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
         self.resident_for_life = False

@@ -256,9 +256,7 @@ class Pager:
             self._release(dep)
         block.pins -= 1
         if block.pins == 0:
-            # Memory of this block may be reused once compute is past this point.
-            block.last_use_event = self.transport.record_compute()
-            end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
+            end = self.transport.record_compute() if self.transport.is_cuda else time.perf_counter()
             self.tracer.span("compute", block.name, block.compute_start, end)
 
     def _fetch(self, block: Block, kinds) -> None:
@@ -355,14 +353,23 @@ class Pager:
     def _evict(self, block: Block) -> None:
         assert block.pins == 0 and not block.resident_for_life, block
         with _record_range(f"pager::evict[{block.name}]"):
+            grads = block.segments.get("grads")
+            if grads is not None and grads.resident:
+                self._gather_grads(grads)
+            # [Note: a fresh event, not the last use]
+            # Compute may have touched the block after its last release: the
+            # user's zero_grad(set_to_none=False), clip_grad_norm_, a read for
+            # logging. The write-back and the reuse of the memory are ordered
+            # after everything enqueued on the compute stream so far. Blocks
+            # leave right after the use that made room necessary, so this is
+            # (almost) the block's own last use and costs no overlap.
+            ready = self.transport.record_compute()
             for kind, seg in block.segments.items():
                 if not seg.resident:
                     continue
-                if kind == "grads":
-                    self._gather_grads(block, seg)
                 writeback = None
                 if seg.is_dirty():
-                    start, end = self.transport.d2h(seg.host, seg.flat, after=(block.last_use_event,))
+                    start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
                     writeback = end if self.transport.is_cuda else None
                     seg.writeback_event = writeback
                     seg.host_valid = True
@@ -370,7 +377,7 @@ class Pager:
                     self.tracer.span("writeback", block.name, start, end, seg.nbytes)
                 if kind == "grads":
                     self._page_out_grads(seg)
-                self.transport.free(seg.flat, after=(block.last_use_event, writeback))
+                self.transport.free(seg.flat, after=(ready, writeback))
                 seg.resident = False
                 self.resident_bytes -= seg.nbytes
         block.residency = Residency.HOST
@@ -379,19 +386,14 @@ class Pager:
         block.stats.evictions += 1
         self._stats.evictions += 1
 
-    def _gather_grads(self, block: Block, seg: Segment) -> None:
+    def _gather_grads(self, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
-        copied = False
         for i, p in enumerate(seg.params):
             g = p.grad
             if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
                 with torch.no_grad():
                     seg.tensors[i].copy_(g)
                 p.grad = seg.tensors[i]
-                copied = True
-        if copied:
-            # The write-back must read after these copies, not just after the last use.
-            block.last_use_event = self.transport.record_compute()
 
     def _page_out_grads(self, seg: Segment) -> None:
         any_present = False

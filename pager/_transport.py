@@ -9,8 +9,8 @@ Device storage of a block is allocated on the h2d stream, used on the compute
 stream, and freed from the host. The caching allocator hands a freed block only
 to later allocations on the stream that allocated it (here: the h2d stream), so
 freeing is safe once the h2d stream is ordered after every use of the memory:
-before a free, the h2d stream waits on the block's last-use event (compute) and
-on its write-back event (d2h). `record_stream` would do the same bookkeeping
+before a free, the h2d stream waits on a compute event recorded at eviction
+time and on the block's write-back event (d2h). `record_stream` would do the same bookkeeping
 inside the allocator, but its frees happen late and nondeterministically (at
 the next allocation after the event completes), which makes the budget a guess.
 """

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,9 @@ import torch.nn as nn
 import pager
 from helpers import tensor_page_bytes
 from models import TinyLM
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cyclic(n=6, d=64):
@@ -111,7 +115,7 @@ def test_plan_command_line(tmp_path):
     run = lambda budget: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "pager", "plan", "mymodels:build", "--budget", budget, "--device", "cpu"],
         cwd=tmp_path, capture_output=True, text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])},
     )
     ok = run("40KiB")
     assert ok.returncode == 0, ok.stderr
@@ -197,7 +201,7 @@ class Heavy(nn.Module):
 class _Payload(nn.Module):
     def __init__(self):
         super().__init__()
-        self.register_buffer("big", torch.randn(2 << 20))
+        self.register_buffer("big", torch.randn(8 << 20))  # 32 MB to copy, no arithmetic
 
     def forward(self, x):
         return x + 1
