@@ -144,6 +144,8 @@ class Block:
         self.unpinned_calls = 0       # forward calls whose acquire failed
         self.compute_start = None     # when its current use began (trace)
         self.uses = 0                 # uses since wrap (not reset by Pager.reset)
+        self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
+        self.guard_handles = None     # installed while the block is paged out
 
     # -- sizes -------------------------------------------------------------
     @property

@@ -199,6 +199,7 @@ class Pager:
             self._ensure_grads_segment(block)
         if record:
             self.scheduler.observe(block, kinds)
+            self._unguard(block)  # used through its own hooks: guards not needed while resident
         missing = block.missing_bytes(kinds)
         block.pins += 1
         try:
@@ -220,6 +221,7 @@ class Pager:
             block.stats.hits += 1
             self._stats.hits += 1
         self._wait_for(block)
+        self._expose_grads(block)
         self._apply_pending(block)
         if block.pins == 1:
             block.compute_start = self.tracer.stamp()
@@ -269,7 +271,7 @@ class Pager:
             allocated = True
             self.resident_bytes += seg.nbytes
             if kind == "grads":
-                self._restore_grads(seg)
+                self._check_grads_present(seg)
             if seg.host_valid:
                 start, end = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
                 first = first if moved else start
@@ -340,15 +342,29 @@ class Pager:
         setattr(block.stats, field, getattr(block.stats, field) + seconds)
         setattr(self._stats, field, getattr(self._stats, field) + seconds)
 
-    def _restore_grads(self, seg: Segment) -> None:
+    def _check_grads_present(self, seg: Segment) -> None:
+        """Before fetching a grads page: is any gradient in it still wanted?
+
+        [Note: gradients are exposed only after compute waits]
+        A fetch (often a prefetch) only copies the page in; `param.grad` stays
+        a PagedOutGrad until the block is acquired and compute has waited on the
+        copy (`_expose_grads`). Otherwise user code between a prefetch and the
+        use (zero_grad(set_to_none=False), a read) would race the copy."""
         present = False
         for i, p in enumerate(seg.params):
             if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
-                p.grad = seg.tensors[i]
                 present = True
             else:
                 seg.pending_scale.pop(i, None)
         seg.host_valid = present
+
+    def _expose_grads(self, block: Block) -> None:
+        seg = block.segments.get("grads")
+        if seg is None or not seg.resident:
+            return
+        for i, p in enumerate(seg.params):
+            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                p.grad = seg.tensors[i]
 
     def _evict(self, block: Block) -> None:
         assert block.pins == 0 and not block.resident_for_life, block
@@ -383,6 +399,8 @@ class Pager:
         block.residency = Residency.HOST
         block.fetch_event = None
         self.resident.pop(block, None)
+        if block.module is not None:
+            self._guard(block)
         block.stats.evictions += 1
         self._stats.evictions += 1
 
@@ -396,13 +414,14 @@ class Pager:
                 p.grad = seg.tensors[i]
 
     def _page_out_grads(self, seg: Segment) -> None:
-        any_present = False
+        present = False
         for i, p in enumerate(seg.params):
             if p.grad is seg.tensors[i]:
                 p.grad = PagedOutGrad(p, seg.names[i], seg, i)
-                any_present = True
-        if not any_present:
-            seg.host_valid = False
+                present = True
+            elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                present = True  # fetched but never exposed: the page still holds it
+        seg.host_valid = present
 
     def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
@@ -440,6 +459,8 @@ class Pager:
         for distance, (block, kinds) in enumerate(islice(self.scheduler.upcoming(), PREFETCH_WINDOW)):
             if fetched >= self.prefetch_depth:
                 return
+            if kinds is WEIGHTS and block.weights.resident and not block.deps:
+                continue  # the common case once the working set is resident
             if "grads" in kinds:
                 self._ensure_grads_segment(block)
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
@@ -468,6 +489,7 @@ class Pager:
             self._hooks.append(block.module.register_forward_hook(post, always_call=True))
         self._install_inner_hooks()
         self._known = {id(t) for b in self.all_blocks() for t in b.weights.tensors}
+        self._snapshot_structure()
         for block in self.all_blocks():
             for p in block.params:
                 if p.requires_grad:
@@ -475,8 +497,15 @@ class Pager:
         self._install_state_dict_hooks()
 
     def _install_inner_hooks(self) -> None:
-        """A module inside a block, called on its own (not through the block),
-        fetches the block for the call instead of reading freed memory."""
+        """Guards for a module inside a block called on its own (not through
+        the block): it fetches the block for the call instead of reading freed
+        memory.
+
+        [Note: guards only while paged out]
+        A hook makes every call of its module take PyTorch's slow path (~10 us),
+        and a direct call on a resident block is safe anyway. So a block's
+        guards are installed when it is evicted and removed when it is next
+        used through its own hooks: a model that stays resident pays nothing."""
         block_of = {id(b.module): b for b in self.blocks}
         for block in self.blocks:
             stack = [block.module]
@@ -487,14 +516,14 @@ class Pager:
                     stack.append(child)
                     if child._parameters or child._buffers:
                         held: list = []
-                        self._hooks.append(child.register_forward_pre_hook(self._make_inner_pre(block, held)))
-                        self._hooks.append(
-                            child.register_forward_hook(self._make_inner_post(block, held), always_call=True)
+                        block.guards.append(
+                            (child, self._make_inner_pre(block, held), self._make_inner_post(block, held))
                         )
+            self._guard(block)
 
     def _make_inner_pre(self, block: Block, held: list):
         def inner_pre(module, args):
-            if block.pins > 0:  # the usual case: called from within its block
+            if block.pins > 0:  # called from within its block
                 held.append(False)
                 return
             with self._lock:
@@ -513,8 +542,40 @@ class Pager:
 
         return inner_post
 
+    def _guard(self, block: Block) -> None:
+        if block.guard_handles is None:
+            block.guard_handles = [
+                h
+                for module, pre, post in block.guards
+                for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
+            ]
+
+    def _unguard(self, block: Block) -> None:
+        if block.guard_handles is not None:
+            for h in block.guard_handles:
+                h.remove()
+            block.guard_handles = None
+
+    def _snapshot_structure(self) -> None:
+        self._structure = [
+            (m, len(m._parameters), len(m._buffers), len(m._modules)) for m in self.model.modules()
+        ]
+        self._entries = [
+            (table, name, t)
+            for m in self.model.modules()
+            for table in (m._parameters, m._buffers)
+            for name, t in table.items()
+            if t is not None
+        ]
+
     def _check_structure(self) -> None:
-        """Refuse to run on parameters or buffers pager does not manage."""
+        """Refuse to run on parameters or buffers pager does not manage
+        (identity and count checks over a table made at wrap: no module walk)."""
+        changed = any(table.get(name) is not t for table, name, t in self._entries) or any(
+            (len(m._parameters), len(m._buffers), len(m._modules)) != (p, b, c) for m, p, b, c in self._structure
+        )
+        if not changed:
+            return
         for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
             self.model.named_buffers(remove_duplicate=False)
         ):
@@ -524,6 +585,10 @@ class Pager:
                     f"tensor is what it holds). Change models before wrapping: pager.unwrap(model), make the "
                     f"change, then pager.wrap(model, ...) again."
                 )
+        raise RuntimeError(
+            "pager: a module was added to or removed from the model after wrap; pager.unwrap(model), make "
+            "the change, then pager.wrap(model, ...) again."
+        )
 
     # ------------------------------------------------------------ state dict
     def _install_state_dict_hooks(self) -> None:
@@ -635,12 +700,14 @@ class Pager:
                     "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
                     len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
                     format_bytes(sum(b.nbytes() for b in idle)))
-        if steps % STALL_WINDOW_STEPS == 1 and steps > 1:
+        # Stalls are judged over windows of steps, the first one starting after
+        # the first step (whose fetches are the unavoidable cold start).
+        if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
             if self.transport.is_cuda:
                 self._resolve_events(wait=False)
             start, stall_at_start = self._window
             now, stall = time.perf_counter(), self._stats.stall_seconds
-            if now > start and stall - stall_at_start > STALL_SHARE * (now - start):
+            if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
                 self._warn_once(
                     "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
                     "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
@@ -1012,6 +1079,8 @@ def close(pager: Pager) -> None:
     for h in pager._hooks:
         h.remove()
     pager._hooks.clear()
+    for block in pager.blocks:
+        pager._unguard(block)
     for opt_link in pager._optimizers:
         opt_link.detach()
     for block in pager.all_blocks():
