@@ -24,6 +24,7 @@ def wrap(
     optimizer=None,
     pin: bool = True,
     prefetch: int = 2,
+    trace_steps: int = 0,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -45,6 +46,7 @@ def wrap(
         pin: page-lock host pages (fast asynchronous copies); False pages from
             pageable memory.
         prefetch: how many upcoming blocks to bring in ahead of use, room allowing.
+        trace_steps: record a timeline of the last N steps for `trace()` (off: 0).
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -77,6 +79,8 @@ def wrap(
         )
     pager.build(owned, uses)
     _PAGERS[model] = pager
+    if trace_steps:
+        pager.start_trace(trace_steps)
     if optimizer is not None:
         pager.attach(optimizer)
     return model

@@ -234,7 +234,8 @@ class Pager:
             return
         with _record_range(f"pager::wait[{block.name}]"):
             if self.transport.is_cuda:
-                arrive = self.tracer.stamp()
+                arrive = torch.cuda.Event(enable_timing=True)
+                arrive.record()
                 self._pending_stalls.append((block, arrive, block.fetch_event))
                 self.tracer.span("wait", block.name, arrive, block.fetch_event)
                 if len(self._pending_stalls) > 1024:
@@ -257,7 +258,7 @@ class Pager:
         for dep in block.deps:
             self._release(dep)
         block.pins -= 1
-        if block.pins == 0:
+        if block.pins == 0 and self.tracer.enabled:
             end = self.transport.record_compute() if self.transport.is_cuda else time.perf_counter()
             self.tracer.span("compute", block.name, block.compute_start, end)
 
@@ -880,19 +881,37 @@ class Pager:
             self._add_seconds(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
         self._pending_stalls, self._pending_copies = stalls, copies
 
+    @_locked
+    def start_trace(self, steps: int = 4) -> None:
+        """Record fetches, write-backs, waits and computes of the last `steps`
+        steps for `trace()` (two CUDA events per block use while on).
+
+        Example:
+            >>> pager.of(model).start_trace(steps=2)
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"pager: start_trace(steps={steps!r}) needs a whole number of steps >= 1.")
+        self.tracer.start(steps)
+
     def trace(self, path: str) -> str:
-        """Write a Chrome/Perfetto trace of the last steps' fetches, write-backs,
-        waits and computes, one track per stream.
+        """Write a Chrome/Perfetto trace of the recorded steps, one track per stream.
 
         Args:
-            path: the JSON file to write.
+            path: the JSON file to write (open it in ui.perfetto.dev or chrome://tracing).
 
         Returns:
             `path`.
 
         Example:
-            >>> pager.of(model).trace("pager_trace.json")  # open in ui.perfetto.dev
+            >>> pager.of(model).start_trace(steps=2)
+            >>> model(x); model(x)
+            >>> pager.of(model).trace("pager_trace.json")
         """
+        if not self.tracer.enabled:
+            raise RuntimeError(
+                "pager: tracing is off; call pager.of(model).start_trace(steps=N) (or wrap(..., trace_steps=N)) "
+                "before the steps to record, then trace(path)."
+            )
         self.tracer.write(path)
         return path
 

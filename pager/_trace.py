@@ -24,16 +24,25 @@ STREAMS = {"fetch": "h2d stream", "writeback": "d2h stream", "compute": "compute
 
 
 class Tracer:
-    def __init__(self, cuda: bool, steps: int = 4):
+    """Off unless started: recording costs two CUDA events per block use."""
+
+    def __init__(self, cuda: bool, steps: int = 0):
         self.cuda = cuda
-        self.steps: deque = deque(maxlen=steps)
+        self.start(steps)
+
+    def start(self, steps: int) -> None:
+        self.enabled = steps > 0
+        self.steps: deque = deque(maxlen=max(steps, 1))
         self.steps.append([])
 
     def new_step(self) -> None:
-        self.steps.append([])
+        if self.enabled:
+            self.steps.append([])
 
     def stamp(self, stream=None):
         """A point in time on `stream` (CUDA) or on the host clock (CPU)."""
+        if not self.enabled:
+            return None
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -41,7 +50,7 @@ class Tracer:
         return event
 
     def span(self, kind: str, block: str, start, end, nbytes: int = 0) -> None:
-        if start is not None and end is not None:
+        if self.enabled and start is not None and end is not None:
             self.steps[-1].append((kind, block, start, end, nbytes))
 
     def spans(self) -> list:

@@ -242,3 +242,68 @@ def test_pinned_pages_are_page_locked():
     pager.wrap(model, budget=1 << 30, device=GPU)
     pg = pager.of(model)
     assert all(b.weights.host.is_pinned() for b in pg.blocks)
+
+
+# ------------------------------------------------------------- bad input on a GPU
+def test_budget_larger_than_the_device():
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(ValueError, match="larger than cuda:0's"):
+        pager.wrap(TinyLM(), budget=2 * total, device=GPU)
+
+
+def test_a_device_index_that_does_not_exist():
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"has {n} CUDA device"):
+        pager.wrap(TinyLM(), budget="1GiB", device=f"cuda:{n}")
+
+
+def test_parameters_on_several_devices():
+    model = TinyLM()
+    model.layers[0].to(GPU)
+    with pytest.raises(ValueError, match="several devices.*model.cpu"):
+        pager.wrap(model, budget="1GiB", device=GPU)
+
+
+def test_pinning_refused_explains_memlock_and_the_fix(monkeypatch):
+    from pager import _host
+
+    class Refusing:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+        @staticmethod
+        def cudaHostUnregister(ptr):
+            return 0
+
+    monkeypatch.setattr(_host.torch.cuda, "cudart", lambda: Refusing)
+    model = TinyLM()
+    with pytest.raises(MemoryError, match=r"ulimit -l.*pin=False"):
+        pager.wrap(model, budget="1GiB", device=GPU)
+
+
+def test_pageable_host_pages_work():
+    model = TinyLM().eval()
+    ref = copy.deepcopy(model).to(GPU)
+    pager.wrap(model, budget=_two_blocks(model), device=GPU, pin=False)
+    assert not pager.of(model).blocks[0].weights.host.is_pinned()
+    ids = torch.randint(0, 64, (2, 8), device=GPU)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), ref(ids))
+
+
+def test_state_dict_is_on_the_host_and_needs_no_device_room():
+    model = TinyLM()
+    pager.wrap(model, budget=_two_blocks(model), device=GPU)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8), device=GPU))
+    before = torch.cuda.memory_allocated()
+    sd = model.state_dict()
+    assert torch.cuda.memory_allocated() == before
+    assert all(v.device.type == "cpu" for v in sd.values())
+    fresh = TinyLM()
+    fresh.load_state_dict(sd)
+    pager.unwrap(model)
+    for (n, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(a, b.cpu(), rtol=0, atol=0, msg=n)

@@ -52,7 +52,7 @@ def test_reset_zeroes_counters_but_not_sizes():
 
 def test_trace_is_chrome_json_with_every_block(tmp_path):
     model = cyclic()
-    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu", trace_steps=2)
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(2, 64))
@@ -67,6 +67,20 @@ def test_trace_is_chrome_json_with_every_block(tmp_path):
         assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("fetch", "compute", "writeback", "wait")
     tracks = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
     assert {"h2d stream", "compute stream"} <= tracks
+
+
+def test_trace_is_off_until_started(tmp_path):
+    model = cyclic()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    with pytest.raises(RuntimeError, match="tracing is off.*start_trace"):
+        pager.of(model).trace(str(tmp_path / "t.json"))
+    pager.of(model).start_trace(steps=1)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+        model(torch.randn(2, 64))
+    events = json.load(open(pager.of(model).trace(str(tmp_path / "t.json"))))["traceEvents"]
+    computes = [e for e in events if e.get("cat") == "compute"]
+    assert len(computes) == 6  # one step kept: each block once
 
 
 def test_profiler_ranges_name_the_block():
