@@ -869,6 +869,7 @@ class Pager:
             if not wait and not (arrive.query() and done.query()):
                 stalls.append((block, arrive, done))
                 continue
+            arrive.synchronize()  # both ends must have completed
             done.synchronize()
             ms = arrive.elapsed_time(done)
             if ms > 0:
