@@ -144,6 +144,8 @@ class Block:
         self.unpinned_calls = 0       # forward calls whose acquire failed
         self.compute_start = None     # when its current use began (trace)
         self.uses = 0                 # uses since wrap (not reset by Pager.reset)
+        self.last_use_event = None    # compute event at its last release
+        self.release_versions = None  # its tensors' versions then
         self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
         self.guard_handles = None     # installed while the block is paged out
 
@@ -160,6 +162,14 @@ class Block:
 
     def missing_bytes(self, kinds) -> int:
         return sum(s.nbytes for k, s in self.segments.items() if k in kinds and not s.resident)
+
+    def versions(self) -> list:
+        """Version counters of its resident tensors (and which grads are exposed)."""
+        out = []
+        for seg in self.segments.values():
+            if seg.resident:
+                out += [t._version for t in seg.tensors]
+        return out
 
     def mark_dirty(self, kinds=None) -> None:
         for k, seg in self.segments.items():

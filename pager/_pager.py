@@ -258,9 +258,14 @@ class Pager:
         for dep in block.deps:
             self._release(dep)
         block.pins -= 1
-        if block.pins == 0 and self.tracer.enabled:
-            end = self.transport.record_compute() if self.transport.is_cuda else time.perf_counter()
-            self.tracer.span("compute", block.name, block.compute_start, end)
+        if block.pins == 0:
+            # Memory of this block may be reused once compute is past this point
+            # (unless its tensors change after it: see _evict).
+            block.last_use_event = self.transport.record_compute()
+            block.release_versions = block.versions()
+            if self.tracer.enabled:
+                end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
+                self.tracer.span("compute", block.name, block.compute_start, end)
 
     def _fetch(self, block: Block, kinds) -> None:
         allocated, moved, nbytes, first, end = False, False, 0, None, None
@@ -373,14 +378,18 @@ class Pager:
             grads = block.segments.get("grads")
             if grads is not None and grads.resident:
                 self._gather_grads(grads)
-            # [Note: a fresh event, not the last use]
-            # Compute may have touched the block after its last release: the
-            # user's zero_grad(set_to_none=False), clip_grad_norm_, a read for
-            # logging. The write-back and the reuse of the memory are ordered
-            # after everything enqueued on the compute stream so far. Blocks
-            # leave right after the use that made room necessary, so this is
-            # (almost) the block's own last use and costs no overlap.
-            ready = self.transport.record_compute()
+            # [Note: the last use, or a fresh event]
+            # The write-back and the reuse of the memory are ordered after the
+            # block's last use. If its tensors changed after that release (the
+            # user's zero_grad(set_to_none=False), clip_grad_norm_, gathered
+            # gradients: version counters tell), they are ordered after
+            # everything enqueued on the compute stream so far instead. Always
+            # taking a fresh event would be safe too, but it serialises each
+            # prefetch behind current compute (measured: NAS step 1.20x -> 1.35x).
+            if block.last_use_event is None or block.versions() != block.release_versions:
+                ready = self.transport.record_compute()
+            else:
+                ready = block.last_use_event
             for kind, seg in block.segments.items():
                 if not seg.resident:
                     continue
