@@ -16,7 +16,7 @@ import os
 import torch
 
 import pager
-from benchmarks.harness import GiB, environment, free_cuda, pinned_h2d_gbps, time_ms
+from benchmarks.harness import environment, free_cuda, pinned_h2d_gbps, time_ms
 from benchmarks.models import build, layer_bytes
 
 

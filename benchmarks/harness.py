@@ -62,7 +62,6 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     ms = time_ms(lambda: dev.copy_(host, non_blocking=True), warmup=2, reps=reps)
-    del host, dev
     return nbytes / (ms / 1e3) / 1e9
 
 

@@ -10,7 +10,9 @@ import torch.nn as nn
 from . import _discover
 from ._budget import format_bytes, parse_budget
 from ._host import PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
-from ._pager import _PAGERS, Pager, close
+from ._checkpoint import close
+from ._common import _PAGERS
+from ._pager import Pager
 
 log = logging.getLogger("pager")
 

@@ -16,7 +16,7 @@ but with nothing to name:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch.nn as nn
 

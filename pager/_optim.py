@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ._block import Block
-from ._pager import STEP, Pager
+from ._common import STEP
+from ._pager import Pager
 
 
 class OptimizerLink:
@@ -231,7 +232,7 @@ class OptimizerLink:
 def _auto_attach(optimizer, args, kwargs) -> None:
     """Global step pre-hook: attach an optimizer that holds a wrapped model's
     parameters the first time it steps, so the user's loop needs no change."""
-    from ._pager import _PAGERS
+    from ._common import _PAGERS
 
     for pager in list(_PAGERS.values()):
         if any(link.optimizer is optimizer for link in pager._optimizers):

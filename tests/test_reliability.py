@@ -24,7 +24,7 @@ def assert_untouched(model, snap):
         assert t.data_ptr() == snap[n][0], n
         assert_same(t.detach(), snap[n][1])
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
-    from pager._pager import _PAGERS
+    from pager._common import _PAGERS
 
     assert model not in _PAGERS
 

@@ -1,0 +1,50 @@
+"""Every benchmark in one command that fits a 10-minute device call:
+forward (with the compute-bound case), the budget sweep and its plot, and
+training (decoder vs peers, NAS supernet). Results land in $OUT (or .).
+
+    python -m benchmarks.run_all [--skip sweep,train]
+
+Peers that are not installed are skipped and say so. To install the wheels
+fetched by ../shared/tools/peer-wheels.sh into .peers/:
+    python3 -m pip install --no-deps -q --target /tmp/peers .peers/*.whl
+    PYTHONPATH=/tmp/peers python -m benchmarks.run_all
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+STEPS = {
+    "forward": ["-m", "benchmarks.bench_forward", "--compute-bound"],
+    "sweep": ["-m", "benchmarks.bench_sweep"],
+    "train": ["-m", "benchmarks.bench_train"],
+}
+LIMITS = {"forward": 160, "sweep": 200, "train": 220}  # seconds: 580 in all
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip", default="")
+    args = ap.parse_args()
+    out = os.environ.get("OUT") or "."
+    failed = []
+    for name, cmd in STEPS.items():
+        if name in args.skip.split(","):
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            subprocess.run([sys.executable, *cmd], check=True, timeout=LIMITS[name])
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            print(f"== {name} did not finish: {e}", flush=True)
+            failed.append(name)
+    sweep = os.path.join(out, "sweep.json")
+    if os.path.exists(sweep):
+        subprocess.run([sys.executable, "-m", "benchmarks.plot", sweep, os.path.join(out, "budget.png")])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

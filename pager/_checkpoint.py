@@ -1,0 +1,117 @@
+"""State dicts of a paged model, and putting everything back (unwrap)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ._block import Block
+from ._common import WEIGHTS, _locked
+from ._grads import PagedOutGrad
+
+
+class StateDictMixin:
+    """`state_dict()` / `load_state_dict()` hooks (mixed into `Pager`)."""
+
+    def _install_state_dict_hooks(self) -> None:
+        """`state_dict()` returns host copies; `load_state_dict()` fetches each block.
+
+        [Note: state dicts of a paged model]
+        Module.state_dict() returns references to the tensors, and a paged-out
+        block's tensors have no memory behind them; a post-hook on the root
+        replaces every paged entry with a host copy of its current value (so a
+        checkpoint needs no room on the device and loads without a GPU).
+        load_state_dict() copies into the tensors in place: a pre-hook on each
+        block module fetches the block, a post-hook releases it, and the copies
+        bump the version counters, so the block is written back when it leaves.
+        """
+        names = {}
+        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
+            self.model.named_buffers(remove_duplicate=False)
+        ):
+            names[name] = t
+        index = {}
+        for block in self.all_blocks():
+            for i, t in enumerate(block.weights.tensors):
+                index[id(t)] = (block, i)
+        self._state_names = {n: index[id(t)] for n, t in names.items() if id(t) in index}
+        post = getattr(self.model, "register_state_dict_post_hook", None) or self.model._register_state_dict_hook
+        self._hooks.append(post(lambda *a: self._state_dict_post(*a)))
+        for block in self.blocks:
+            self._hooks.append(_load_pre_hook(block.module, self._make_load_pre(block)))
+            self._hooks.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+
+    @_locked
+    def _state_dict_post(self, module, state_dict, prefix, local_metadata):
+        if self.transport.is_cuda:
+            torch.cuda.synchronize(self.device)  # write-backs in flight must land first
+        for name, (block, i) in self._state_names.items():
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            seg = block.weights
+            value = seg.tensors[i] if seg.resident else seg.slots[i].view_of(seg.host)
+            state_dict[key] = value.detach().to("cpu", copy=True)
+
+    def _make_load_pre(self, block: Block):
+        def load_pre(module, state_dict, prefix, *args):
+            with self._lock:
+                self._acquire(block, WEIGHTS, record=False)
+
+        return load_pre
+
+    def _make_load_post(self, block: Block):
+        def load_post(module, incompatible_keys):
+            with self._lock:
+                self._release(block)
+
+        return load_post
+
+
+def _load_pre_hook(module: nn.Module, hook):
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().to(device, copy=True)
+
+
+def close(pager) -> None:
+    """Put every tensor back on its original device with its current value."""
+    if pager.transport.is_cuda:
+        torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
+    for h in pager._hooks:
+        h.remove()
+    pager._hooks.clear()
+    for block in pager.blocks:
+        pager._unguard(block)
+    for opt_link in pager._optimizers:
+        opt_link.detach()
+    for block in pager.all_blocks():
+        w = block.weights
+        source = w.tensors if w.resident else w.host_views()
+        values = [_restore(v, pager._original_device[id(t)]) for v, t in zip(source, w.tensors)]
+        grads = block.segments.get("grads")
+        grad_values = []
+        if grads is not None:
+            host = grads.host_views()
+            for i, p in enumerate(grads.params):
+                g = p.grad
+                if isinstance(g, PagedOutGrad):
+                    value = host[i].clone()
+                    if g.segment.pending_scale.get(i) is not None:
+                        value.mul_(g.segment.pending_scale[i])
+                    grad_values.append((p, value))
+                elif g is not None:
+                    grad_values.append((p, g))
+        for t, v in zip(w.tensors, values):
+            t.data = v
+        for p, g in grad_values:
+            p.grad = _restore(g, p.device)
+    pager.arena.close()
+    pager.resident.clear()
+    pager.resident_bytes = 0
+    pager._closed = True

@@ -1,0 +1,47 @@
+"""What the pager's modules share: segment kinds, tunables, the registry of
+wrapped models, the budget error, and the lock decorator."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+WEIGHTS = ("weights",)
+BACKWARD = ("weights", "grads")
+STEP = ("weights", "grads", "state")
+PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
+NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
+STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
+STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
+
+_PAGERS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+class BudgetError(RuntimeError):
+    """The blocks that must be on the device at once do not fit the budget."""
+
+
+def _record_range(name: str):
+    return torch.profiler.record_function(name)
+
+
+def _locked(method):
+    """Run a pager entry point under the pager's lock.
+
+    [Note: threads]
+    Hooks run on the thread that calls forward, and backward hooks on the
+    autograd engine's threads. One re-entrant lock per pager makes each entry
+    point (a block's use or release, a backward hook, a step) atomic, so two
+    threads running forward on one model interleave at block granularity
+    with correct pin counts; if their blocks together exceed the budget, one
+    of them gets a BudgetError, never a corrupted state.
+    """
+
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked

@@ -1,0 +1,308 @@
+"""Hooks: forward and backward around each block, guards for direct calls
+into a paged-out block, the step boundary, and advice."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._block import Block
+from ._budget import format_bytes
+from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
+
+log = logging.getLogger("pager")
+
+
+class HooksMixin:
+    """The Pager's hooks (mixed into `Pager`)."""
+
+    def _install_hooks(self) -> None:
+        root = self.model
+        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(root.register_forward_hook(self._root_post_forward, always_call=True))
+        for block in self.blocks:
+            pre = self._make_pre_forward(block)
+            post = self._make_post_forward(block)
+            self._hooks.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+        self._install_inner_hooks()
+        self._known = {id(t) for b in self.all_blocks() for t in b.weights.tensors}
+        self._snapshot_structure()
+        for block in self.all_blocks():
+            for p in block.params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._install_state_dict_hooks()
+
+    def _install_inner_hooks(self) -> None:
+        """Guards for a module inside a block called on its own (not through
+        the block): it fetches the block for the call instead of reading freed
+        memory.
+
+        [Note: guards only while paged out]
+        A hook makes every call of its module take PyTorch's slow path (~10 us),
+        and a direct call on a resident block is safe anyway. So a block's
+        guards are installed when it is evicted and removed when it is next
+        used through its own hooks: a model that stays resident pays nothing."""
+        block_of = {id(b.module): b for b in self.blocks}
+        for block in self.blocks:
+            stack = [block.module]
+            while stack:
+                for child in stack.pop().children():
+                    if id(child) in block_of:
+                        continue  # a nested block has its own hooks
+                    stack.append(child)
+                    if child._parameters or child._buffers:
+                        held: list = []
+                        block.guards.append(
+                            (child, self._make_inner_pre(block, held), self._make_inner_post(block, held))
+                        )
+            self._guard(block)
+
+    def _make_inner_pre(self, block: Block, held: list):
+        def inner_pre(module, args):
+            if block.pins > 0:  # called from within its block
+                held.append(False)
+                return
+            with self._lock:
+                self._acquire(block, WEIGHTS, record=False)
+            held.append(True)
+
+        return inner_pre
+
+    def _make_inner_post(self, block: Block, held: list):
+        def inner_post(module, args, output):
+            if held and held.pop():
+                with self._lock:
+                    self._release(block)
+                    if torch.is_grad_enabled():
+                        self._register_pre_backward(block, output)
+
+        return inner_post
+
+    def _guard(self, block: Block) -> None:
+        if block.guard_handles is None:
+            block.guard_handles = [
+                h
+                for module, pre, post in block.guards
+                for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
+            ]
+
+    def _unguard(self, block: Block) -> None:
+        if block.guard_handles is not None:
+            for h in block.guard_handles:
+                h.remove()
+            block.guard_handles = None
+
+    def _snapshot_structure(self) -> None:
+        self._structure = [
+            (m, len(m._parameters), len(m._buffers), len(m._modules)) for m in self.model.modules()
+        ]
+        self._entries = [
+            (table, name, t)
+            for m in self.model.modules()
+            for table in (m._parameters, m._buffers)
+            for name, t in table.items()
+            if t is not None
+        ]
+
+    def _check_structure(self) -> None:
+        """Refuse to run on parameters or buffers pager does not manage
+        (identity and count checks over a table made at wrap: no module walk)."""
+        changed = any(table.get(name) is not t for table, name, t in self._entries) or any(
+            (len(m._parameters), len(m._buffers), len(m._modules)) != (p, b, c) for m, p, b, c in self._structure
+        )
+        if not changed:
+            return
+        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
+            self.model.named_buffers(remove_duplicate=False)
+        ):
+            if id(t) not in self._known:
+                raise RuntimeError(
+                    f"pager: {name!r} was added or replaced after wrap, so pager does not page it (and the old "
+                    f"tensor is what it holds). Change models before wrapping: pager.unwrap(model), make the "
+                    f"change, then pager.wrap(model, ...) again."
+                )
+        raise RuntimeError(
+            "pager: a module was added to or removed from the model after wrap; pager.unwrap(model), make "
+            "the change, then pager.wrap(model, ...) again."
+        )
+
+    @_locked
+    def _root_pre_forward(self, module, args):
+        self._check_open()
+        if self._root_depth == 0:
+            self._check_structure()
+            self._release_stale_backward_holds()
+            self._start_step()
+        self._root_depth += 1
+
+    @_locked
+    def _root_post_forward(self, module, args, output):
+        self._root_depth = max(0, self._root_depth - 1)
+
+    def _release_stale_backward_holds(self) -> None:
+        # A backward that raised never ran its final callback: its blocks are
+        # still held. No backward runs across a new root forward, so let go.
+        if self._backward_holds:
+            log.debug("pager: releasing blocks held by a backward that did not finish")
+            self._end_of_backward()
+
+    def _start_step(self) -> None:
+        self.tracer.new_step()
+        changed = self.scheduler.start_step()
+        if changed:
+            self._stats.order_changes += 1
+            if self._step_misses and not self._expect_used:
+                self._warn_once(
+                    "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
+                    "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
+                    "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
+        self._step_misses, self._expect_used = 0, False
+        self._advise()
+        fixed = self.remainder.device_bytes() if self.remainder is not None else 0
+        for b in self.blocks:
+            if b.resident_for_life:
+                fixed += b.nbytes()
+        self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
+        self._stats.steps += 1
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _advise(self) -> None:
+        """Warnings that need a few steps of history (each at most once)."""
+        steps = self._stats.steps
+        if steps == NEVER_RAN_STEPS + 1:
+            idle = [b for b in self.blocks if b.uses == 0]
+            if idle:
+                self._warn_once(
+                    "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
+                    "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
+                    len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
+                    format_bytes(sum(b.nbytes() for b in idle)))
+        # Stalls are judged over windows of steps, the first one starting after
+        # the first step (whose fetches are the unavoidable cold start).
+        if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
+            if self.transport.is_cuda:
+                self._resolve_events(wait=False)
+            start, stall_at_start = self._window
+            now, stall = time.perf_counter(), self._stats.stall_seconds
+            if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
+                self._warn_once(
+                    "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
+                    "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
+                    "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
+            self._window = (now, stall)
+
+    def _make_pre_forward(self, block: Block):
+        def pre_forward(module, args, kwargs):
+            with self._lock:
+                try:
+                    self._acquire(block, WEIGHTS)
+                except BaseException:
+                    block.unpinned_calls += 1  # the post-hook (always called) must not release
+                    raise
+                self._prefetch()
+            if torch.is_grad_enabled() and block.params and any(p.requires_grad for p in block.params):
+                return self._register_post_backward(block, args, kwargs)
+            return None
+
+        return pre_forward
+
+    def _make_post_forward(self, block: Block):
+        def post_forward(module, args, output):
+            with self._lock:
+                if block.unpinned_calls:
+                    block.unpinned_calls -= 1
+                    return None
+                self._release(block)
+            if torch.is_grad_enabled():
+                self._register_pre_backward(block, output)
+            return None
+
+        return post_forward
+
+    def _register_pre_backward(self, block: Block, output) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        fired = [False]
+
+        def pre_backward(grad):
+            if not fired[0]:
+                fired[0] = True
+                self._pre_backward(block)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_backward)
+
+    @_locked
+    def _pre_backward(self, block: Block) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._acquire(block, BACKWARD)
+        self._backward_holds[block] = self._backward_holds.get(block, 0) + 1
+        self._prefetch()
+
+    def _register_post_backward(self, block: Block, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(self, block, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    @_locked
+    def _post_backward(self, block: Block) -> None:
+        if self._backward_holds.get(block, 0) > 0:
+            self._backward_holds[block] -= 1
+            self._release(block)
+
+    @_locked
+    def _end_of_backward(self) -> None:
+        self._final_callback_queued = False
+        for block, holds in list(self._backward_holds.items()):
+            for _ in range(holds):
+                self._release(block)
+        self._backward_holds.clear()
+
+    @_locked
+    def _on_grad(self, param: torch.Tensor) -> None:
+        block, i = self._owner.get(id(param), (None, None))
+        if block is None:
+            block = self._param_block[id(param)]
+            self._ensure_grads_segment(block)
+            block, i = self._owner[id(param)]
+        seg = block.segments["grads"]
+        if not seg.resident:  # a gradient for a block not acquired for backward
+            self._acquire(block, ("grads",), record=False)
+            self._release(block)
+        view = seg.tensors[i]
+        if param.grad is not view:
+            with torch.no_grad():
+                view.copy_(param.grad)
+            param.grad = view
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward runs once the block's is done."""
+
+    @staticmethod
+    def forward(ctx, pager, block, *tensors):
+        ctx.pager, ctx.block = pager, block
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.pager._post_backward(ctx.block)
+        return (None, None, *grads)
