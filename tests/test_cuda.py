@@ -10,7 +10,7 @@ import torch.nn as nn
 import pager
 from helpers import tensor_page_bytes
 from models import SuperNet, TinyLM, tiny_cnn
-from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train
+from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
 pytestmark = pytest.mark.cuda
 
@@ -66,6 +66,11 @@ def test_forward_parity_with_all_on_gpu(factory, inputs):
         with torch.no_grad():
             torch.testing.assert_close(model(x), ref(x))
     assert pager.of(model).stats().peak_resident_bytes <= pager.of(model).budget_bytes
+
+
+def assert_close_to_reference(model, ref, rtol=1e-4, atol=1e-5):
+    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a.to(GPU), b, rtol=rtol, atol=atol, msg=n)
 
 
 def _two_blocks(model):
@@ -135,8 +140,7 @@ def test_writeback_race_with_batchnorm():
             torch.testing.assert_close(model(x), ref(x))
     assert pager.of(model).stats().d2h_bytes > 0
     pager.unwrap(model)
-    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a.to(GPU), b, msg=n)
+    assert_close_to_reference(model, ref, rtol=None, atol=None)
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum", "adamw_foreach"])
@@ -153,8 +157,7 @@ def test_training_parity_on_gpu(opt_name, regime):
     train(ref, ref_opt, data)
     assert pager.of(model).stats().peak_resident_bytes <= budget
     pager.unwrap(model)
-    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a.to(GPU), b, rtol=1e-4, atol=1e-5, msg=n)
+    assert_close_to_reference(model, ref)
 
 
 def test_training_races_and_peak_memory():
@@ -176,8 +179,7 @@ def test_training_races_and_peak_memory():
     # step briefly holds one block's new optimizer state twice (before adoption).
     assert peak <= budget + 2 * 2 * tensor_page_bytes(model.layers[0]), (peak, budget)
     pager.unwrap(model)
-    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a.to(GPU), b, rtol=1e-4, atol=1e-5, msg=n)
+    assert_close_to_reference(model, ref)
 
 
 def test_bf16_autocast_and_grad_scaler_on_gpu():
@@ -198,8 +200,7 @@ def test_bf16_autocast_and_grad_scaler_on_gpu():
             s.update()
             o.zero_grad()
     pager.unwrap(model)
-    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a.to(GPU), b, rtol=1e-3, atol=1e-4, msg=n)
+    assert_close_to_reference(model, ref, rtol=1e-3, atol=1e-4)
 
 
 def test_supernet_on_gpu():
@@ -208,20 +209,11 @@ def test_supernet_on_gpu():
     budget = regime_budget(net, "streams")
     pager.wrap(net, budget=budget, device=GPU)
     opt, ref_opt = torch.optim.Adam(net.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    for ids, tgt in batches(8):
-        ids, tgt = ids.to(GPU), tgt.to(GPU)
-        path = torch.randint(0, 4, (4,), generator=gen).tolist()
-        net.set_path(path), ref.set_path(path)
-        pager.of(net).expect(net.path_modules(path))
-        for m, o in ((net, opt), (ref, ref_opt)):
-            lm_loss(m, ids, tgt).backward()
-            o.step()
-            o.zero_grad()
+    data = [(a.to(GPU), b.to(GPU)) for a, b in batches(8)]
+    train_supernet(net, ref, opt, ref_opt, data, torch.Generator().manual_seed(0), n_candidates=4)
     assert pager.of(net).stats().peak_resident_bytes <= budget
     pager.unwrap(net)
-    for (n, a), (_, b) in zip(net.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a.to(GPU), b, rtol=1e-4, atol=1e-5, msg=n)
+    assert_close_to_reference(net, ref)
 
 
 def test_model_already_on_gpu_is_paged_from_there():

@@ -71,6 +71,18 @@ def train(model, opt, data, *, accumulate=True, clip=None, autocast=None, scaler
     return loss
 
 
+def train_supernet(net, ref, opt, ref_opt, data, gen, n_candidates):
+    """One sampled path per step, said in advance; the reference runs it too."""
+    for ids, tgt in data:
+        path = torch.randint(0, n_candidates, (len(net.layers),), generator=gen).tolist()
+        net.set_path(path), ref.set_path(path)
+        pager.of(net).expect(net.path_modules(path))
+        for m, o in ((net, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+
+
 def torch_clip(model):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
 
@@ -256,17 +268,8 @@ def test_supernet_random_paths_train_like_unwrapped():
     pager.wrap(net, budget=budget, device="cpu")
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(3)
-    used = set()
-    for ids, tgt in batches(12):
-        path = torch.randint(0, 3, (4,), generator=gen).tolist()  # candidate 3 is never sampled
-        used.update((i, k) for i, k in enumerate(path))
-        net.set_path(path), ref.set_path(path)
-        pager.of(net).expect(net.path_modules(path))
-        for m, o in ((net, opt), (ref, ref_opt)):
-            lm_loss(m, ids, tgt).backward()
-            o.step()
-            o.zero_grad()
+    # Candidate 3 is never sampled.
+    train_supernet(net, ref, opt, ref_opt, batches(12), torch.Generator().manual_seed(3), n_candidates=3)
     pg = pager.of(net)
     assert pg.stats().peak_resident_bytes <= budget
     for i, layer in enumerate(net.layers):
