@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -199,8 +200,8 @@ def test_warns_when_the_order_changes_unless_expected(caplog, say_it):
     assert len(_warnings(caplog, "order of blocks changed")) == (0 if say_it else 1)
 
 
-class Heavy(nn.Module):
-    """Blocks with big buffers and no arithmetic: every step waits on copies."""
+class Light(nn.Module):
+    """Blocks with no arithmetic: a step is all copying when they stream."""
 
     def __init__(self):
         super().__init__()
@@ -215,7 +216,7 @@ class Heavy(nn.Module):
 class _Payload(nn.Module):
     def __init__(self):
         super().__init__()
-        self.register_buffer("big", torch.randn(8 << 20))  # 32 MB to copy, no arithmetic
+        self.register_buffer("big", torch.randn(1 << 14))
 
     def forward(self, x):
         return x + 1
@@ -223,9 +224,21 @@ class _Payload(nn.Module):
 
 @pytest.mark.parametrize("budget_blocks,fires", [(1, True), (8, False)])
 def test_warns_when_stalls_dominate(caplog, budget_blocks, fires):
+    """A slow link (10 ms per copy, inside the timed copy) and one block of
+    room: compute waits on every fetch. With room for all, nothing moves
+    after the first step and nothing is said."""
     caplog.set_level(logging.WARNING, logger="pager")
-    model = Heavy()
+    model = Light()
     pager.wrap(model, budget=budget_blocks * tensor_page_bytes(model.layers[0]), device="cpu", prefetch=0)
+    transport = pager.of(model).transport
+
+    def slow_h2d(device_flat, host, after=()):
+        t0 = time.perf_counter()
+        time.sleep(0.01)
+        device_flat.copy_(host)
+        return t0, time.perf_counter()
+
+    transport.h2d = slow_h2d
     with torch.no_grad():
         for _ in range(22):
             model(torch.zeros(1))
