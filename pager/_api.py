@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import _discover
 from ._budget import format_bytes, parse_budget
-from ._host import PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
+from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
 from ._common import _PAGERS
 from ._pager import Pager
@@ -71,9 +71,10 @@ def wrap(
     pager.min_budget_bytes = remainder + max(sizes, default=0)
     total = sum(t.numel() * t.element_size() for ts in owned.values() for _n, t, _p in ts)
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
-    if pager.arena.pin and total >= PIN_PROGRESS_BYTES:
-        log.info("pager: pinning %s of host memory for %d blocks (about %.0f s)", format_bytes(total), len(named),
-                 PIN_SECONDS_PER_GIB * total / 2**30)
+    if total >= PIN_PROGRESS_BYTES:
+        kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
+        log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
+                    format_bytes(total), kind, len(named), seconds * total / 2**30)
     if total <= budget_bytes:
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): paging is not needed; it will stay "

@@ -27,6 +27,7 @@ ARENA_CHUNK_BYTES = 1 << 30
 HOST_RESERVE_BYTES = 2 << 30
 PIN_PROGRESS_BYTES = 8 << 30  # log progress when pinning more than this
 PIN_SECONDS_PER_GIB = 0.4  # what page-locking costs on the H100 host (DESIGN.md)
+COPY_SECONDS_PER_GIB = 0.2  # a plain host copy into pageable pages, roughly
 
 
 def align(n: int, to: int = ALIGN_BYTES) -> int:

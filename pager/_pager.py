@@ -264,6 +264,7 @@ class Pager(HooksMixin, StateDictMixin):
             self.tracer.span("fetch", block.name, first, end, nbytes)
         self.resident[block] = None
         self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
+        block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
 
     def _allocate(self, block: Block, seg: Segment) -> None:
         """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
@@ -497,6 +498,7 @@ class Pager(HooksMixin, StateDictMixin):
         zero_counters(self._stats)
         for b in self.all_blocks():
             zero_counters(b.stats)
+            b.stats.peak_resident_bytes = b.device_bytes()
         self._stats.peak_resident_bytes = self.resident_bytes
 
     def _resolve_events(self, wait: bool = True) -> None:

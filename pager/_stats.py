@@ -24,9 +24,11 @@ class BlockStats:
     d2h_seconds: float = 0.0
     stall_seconds: float = 0.0
     resident_bytes: int = 0
+    peak_resident_bytes: int = 0
 
     @property
     def h2d_gbps(self) -> float:
+        """Achieved host-to-device GB/s while this block's pages were copied in."""
         return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0
 
 
@@ -83,14 +85,14 @@ class Stats:
         """A table: the totals, then one row per block."""
         cols = ("fetches", "hits", "misses", "evictions", "prefetches")
         head = f"{'block':<32} {'size':>11} " + " ".join(f"{c:>10}" for c in cols)
-        head += f" {'h2d':>11} {'d2h':>11} {'stall ms':>9}"
+        head += f" {'h2d':>11} {'d2h':>11} {'GB/s in':>8} {'stall ms':>9} {'peak':>11}"
         rows = [str(self), head, "-" * len(head)]
         for b in self.blocks:
             rows.append(
                 f"{b.name[-32:]:<32} {format_bytes(b.nbytes):>11} "
                 + " ".join(f"{getattr(b, c):>10}" for c in cols)
-                + f" {format_bytes(b.h2d_bytes):>11} {format_bytes(b.d2h_bytes):>11}"
-                f" {b.stall_seconds * 1e3:>9.2f}"
+                + f" {format_bytes(b.h2d_bytes):>11} {format_bytes(b.d2h_bytes):>11} {b.h2d_gbps:>8.1f}"
+                f" {b.stall_seconds * 1e3:>9.2f} {format_bytes(b.peak_resident_bytes):>11}"
             )
         return "\n".join(rows)
 
@@ -98,6 +100,6 @@ class Stats:
 def zero_counters(obj) -> None:
     """Reset the counting fields of a Stats or BlockStats in place."""
     for f in fields(obj):
-        if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes"):
+        if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes", "peak_resident_bytes"):
             continue
         setattr(obj, f.name, type(getattr(obj, f.name))())

@@ -35,7 +35,10 @@ def test_report_has_the_table_the_link_and_the_host():
     s = pager.of(model).stats()
     assert s.h2d_seconds > 0 and s.h2d_gbps > 0
     assert all(b.h2d_bytes == b.fetches * b.nbytes for b in s.blocks)
+    assert all(b.h2d_gbps > 0 for b in s.blocks if b.fetches)
     assert sum(b.resident_bytes for b in s.blocks) == s.resident_bytes
+    assert all(b.peak_resident_bytes == b.nbytes for b in s.blocks)  # each was resident at some point
+    assert "GB/s in" in text and "peak" in text
 
 
 def test_reset_zeroes_counters_but_not_sizes():
@@ -142,6 +145,25 @@ def test_plan_command_line(tmp_path):
 # ------------------------------------------------------------------ warnings
 def _warnings(caplog, key):
     return [r for r in caplog.records if r.levelno == logging.WARNING and key in r.getMessage()]
+
+
+@pytest.mark.parametrize("budget_blocks,fires", [(8, True), (3, False)])
+def test_warns_when_the_model_fits_the_budget(caplog, budget_blocks, fires):
+    caplog.set_level(logging.WARNING, logger="pager")
+    model = cyclic()
+    pager.wrap(model, budget=budget_blocks * tensor_page_bytes(model[0]), device="cpu")
+    assert len(_warnings(caplog, "fits the budget")) == (1 if fires else 0)
+
+
+@pytest.mark.parametrize("threshold,fires", [(1, True), (1 << 40, False)])
+def test_says_when_wrap_will_take_a_while(caplog, monkeypatch, threshold, fires):
+    import pager._api as api
+
+    caplog.set_level(logging.WARNING, logger="pager")
+    monkeypatch.setattr(api, "PIN_PROGRESS_BYTES", threshold)
+    pager.wrap(cyclic(), budget="1GiB", device="cpu")
+    found = _warnings(caplog, "host pages for 6 blocks; wrap takes about")
+    assert len(found) == (1 if fires else 0)
 
 
 class Skips(nn.Module):
