@@ -88,7 +88,7 @@ def close(pager) -> None:
     pager._hooks.clear()
     for block in pager.blocks:
         pager._unguard(block)
-    for opt_link in pager._optimizers:
+    for opt_link in list(pager._optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():
         w = block.weights
@@ -111,6 +111,11 @@ def close(pager) -> None:
             t.data = v
         for p, g in grad_values:
             p.grad = _restore(g, p.device)
+    for block in pager.all_blocks():  # everything above holds its own copy now
+        for seg in block.segments.values():
+            if seg.resident:
+                pager.transport.free(seg.flat)
+                seg.resident = False
     pager.arena.close()
     pager.resident.clear()
     pager.resident_bytes = 0

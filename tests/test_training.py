@@ -310,3 +310,28 @@ def test_activation_checkpointing():
     train(ref, ref_opt, data, accumulate=False)
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_unwrap_with_two_optimizers_detaches_both_and_frees_device_memory():
+    model = TinyLM()
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    body = [p for n, p in model.named_parameters() if not n.startswith("layers.5")]
+    last = list(model.layers[5].parameters())
+    opt_a, opt_b = torch.optim.Adam(body, lr=1e-2), torch.optim.SGD(last, lr=0.1, momentum=0.9)
+    for ids, tgt in batches(3):
+        lm_loss(model, ids, tgt).backward()
+        opt_a.step(), opt_b.step()
+        opt_a.zero_grad(), opt_b.zero_grad()
+    pg = pager.of(model)
+    flats = [seg.flat for b in pg.all_blocks() for seg in b.segments.values()]
+    assert any(f.untyped_storage().nbytes() > 0 for f in flats)
+    pager.unwrap(model)
+    assert all(f.untyped_storage().nbytes() == 0 for f in flats)  # device memory given back
+    for opt in (opt_a, opt_b):
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    # standalone tensors, not views of a page
+                    assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    lm_loss(model, *batches(1)[0]).backward()
+    opt_a.step(), opt_b.step()  # both optimizers keep training the unwrapped model
