@@ -326,6 +326,7 @@ def test_unwrap_with_two_optimizers_detaches_both_and_frees_device_memory():
     flats = [seg.flat for b in pg.all_blocks() for seg in b.segments.values()]
     assert any(f.untyped_storage().nbytes() > 0 for f in flats)
     pager.unwrap(model)
+    assert not pg._optimizers  # both detached: their state is theirs again
     assert all(f.untyped_storage().nbytes() == 0 for f in flats)  # device memory given back
     for opt in (opt_a, opt_b):
         for st in opt.state.values():
