@@ -62,14 +62,11 @@ def wrap(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     budget_bytes = parse_budget(budget, device)
-    named = _discover.discover(model, blocks)
-    owned, uses = _discover.owners(model, [m for _n, m in named])
-    sizes = _block_sizes(named, owned, uses, _ancestors([m for _n, m in named]))
-    _check_fits(budget, budget_bytes, named, sizes, owned)
-    pager = Pager(model, device, budget_bytes, named, pin=pin, prefetch_depth=prefetch)
-    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
-    pager.min_budget_bytes = remainder + max(sizes, default=0)
-    total = sum(t.numel() * t.element_size() for ts in owned.values() for _n, t, _p in ts)
+    sizing = _discover.size_up(model, blocks)
+    _check_fits(budget, budget_bytes, sizing)
+    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch)
+    pager.min_budget_bytes = sizing.min_budget
+    total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
     if total >= PIN_PROGRESS_BYTES:
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
@@ -80,7 +77,7 @@ def wrap(
             "pager: the whole model (%s) fits the budget (%s): paging is not needed; it will stay "
             "resident after the first forward.", format_bytes(total), format_bytes(budget_bytes)
         )
-    pager.build(owned, uses)
+    pager.build(sizing.owned, sizing.uses)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)
@@ -180,34 +177,8 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
         raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
 
 
-def _ancestors(modules) -> list[set[int]]:
-    """For each block, the indices of the blocks that contain it."""
-    inside = [{id(m) for m in outer.modules()} for outer in modules]
-    return [{j for j, ids in enumerate(inside) if j != i and id(m) in ids} for i, m in enumerate(modules)]
-
-
-def _block_sizes(named, owned, uses, ancestors) -> list[int]:
-    """Bytes that must be on the device at once to run each block: its own,
-    the blocks it borrows tied tensors from, and the blocks around it."""
-
-    def own(i):
-        return sum(_aligned(t) for _n, t, _p in owned.get(i, []))
-
-    sizes = []
-    for i in range(len(named)):
-        with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors[i]) - {i}
-        sizes.append(own(i) + sum(own(j) for j in with_))
-    return sizes
-
-
-def _aligned(t: torch.Tensor) -> int:
-    from ._host import align
-
-    return align(t.numel() * t.element_size())
-
-
-def _check_fits(budget, budget_bytes, named, sizes, owned) -> None:
-    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
+def _check_fits(budget, budget_bytes, sizing) -> None:
+    named, sizes, remainder = sizing.named, sizing.sizes, sizing.remainder
     if remainder > budget_bytes:
         raise ValueError(
             f"pager: the tensors outside every block (the remainder: embeddings, heads, norms; "

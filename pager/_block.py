@@ -109,6 +109,11 @@ class Segment:
     def host_views(self) -> list[torch.Tensor]:
         return [s.view_of(self.host) for s in self.slots]
 
+    def current_views(self) -> list[torch.Tensor]:
+        """Where the current values are: the device views when resident, else
+        the host page (callers let write-backs in flight land first)."""
+        return self.tensors if self.resident else self.host_views()
+
     def snapshot_versions(self) -> None:
         self.versions = [t._version for t in self.tensors]
         self.force_dirty = False
@@ -140,6 +145,7 @@ class Block:
         self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
         self.params: list = []        # its parameters (in the weights segment), and their names
         self.param_names: list = []
+        self.trainable = False        # any of its parameters requires grad
         self.stats = None
         self.unpinned_calls = 0       # forward calls whose acquire failed
         self.compute_start = None     # when its current use began (trace)
@@ -164,7 +170,7 @@ class Block:
         return sum(s.nbytes for k, s in self.segments.items() if k in kinds and not s.resident)
 
     def versions(self) -> list:
-        """Version counters of its resident tensors (and which grads are exposed)."""
+        """Version counters of its resident tensors."""
         out = []
         for seg in self.segments.values():
             if seg.resident:

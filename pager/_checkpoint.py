@@ -49,9 +49,7 @@ class StateDictMixin:
             key = prefix + name
             if key not in state_dict:
                 continue
-            seg = block.weights
-            value = seg.tensors[i] if seg.resident else seg.slots[i].view_of(seg.host)
-            state_dict[key] = value.detach().to("cpu", copy=True)
+            state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
@@ -92,8 +90,7 @@ def close(pager) -> None:
         opt_link.detach()
     for block in pager.all_blocks():
         w = block.weights
-        source = w.tensors if w.resident else w.host_views()
-        values = [_restore(v, pager._original_device[id(t)]) for v, t in zip(source, w.tensors)]
+        values = [_restore(v, pager._original_device[id(t)]) for v, t in zip(w.current_views(), w.tensors)]
         grads = block.segments.get("grads")
         grad_values = []
         if grads is not None:

@@ -16,9 +16,13 @@ but with nothing to name:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
+import torch
 import torch.nn as nn
+
+from ._host import align
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)
@@ -160,3 +164,45 @@ def owners(model: nn.Module, block_modules: list[nn.Module]):
 
     walk(model, "", None)
     return owned, uses
+
+
+def aligned_bytes(t: torch.Tensor) -> int:
+    """Bytes `t` takes in a page."""
+    return align(t.numel() * t.element_size())
+
+
+@dataclass
+class Sizing:
+    """The blocks of a model and what each needs on the device, from sizes alone."""
+
+    named: list            # (qualified name, module) of each block
+    owned: dict            # block index (None: remainder) -> [(name, tensor, is_param)]
+    uses: dict             # block index -> indices of blocks it borrows tied tensors from
+    own: list              # page bytes each block owns
+    sizes: list            # bytes on the device to run each block (with its deps and ancestors)
+    remainder: int         # page bytes outside every block (stays resident)
+
+    @property
+    def min_budget(self) -> int:
+        """The least budget that runs: the remainder and the largest block."""
+        return self.remainder + max(self.sizes, default=0)
+
+    @property
+    def total(self) -> int:
+        return self.remainder + sum(self.own)
+
+
+def size_up(model: nn.Module, spec=None) -> Sizing:
+    """Discover the blocks of `model` and size them; nothing is changed."""
+    named = discover(model, spec)
+    modules = [m for _n, m in named]
+    owned, uses = owners(model, modules)
+    own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
+    inside = [{id(m) for m in outer.modules()} for outer in modules]
+    sizes = []
+    for i, m in enumerate(modules):
+        ancestors = {j for j, ids in enumerate(inside) if j != i and id(m) in ids}
+        with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors) - {i}
+        sizes.append(own[i] + sum(own[j] for j in with_))
+    remainder = sum(aligned_bytes(t) for _n, t, _p in owned.get(None, []))
+    return Sizing(named, owned, uses, own, sizes, remainder)

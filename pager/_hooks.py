@@ -209,7 +209,7 @@ class HooksMixin:
                     block.unpinned_calls += 1  # the post-hook (always called) must not release
                     raise
                 self._prefetch()
-            if torch.is_grad_enabled() and block.params and any(p.requires_grad for p in block.params):
+            if block.trainable and torch.is_grad_enabled():
                 return self._register_post_backward(block, args, kwargs)
             return None
 
@@ -284,14 +284,18 @@ class HooksMixin:
             self._ensure_grads_segment(block)
             block, i = self._owner[id(param)]
         seg = block.segments["grads"]
-        if not seg.resident:  # a gradient for a block not acquired for backward
+        acquired = not seg.resident  # a gradient for a block not acquired for backward
+        if acquired:
             self._acquire(block, ("grads",), record=False)
-            self._release(block)
-        view = seg.tensors[i]
-        if param.grad is not view:
-            with torch.no_grad():
-                view.copy_(param.grad)
-            param.grad = view
+        try:
+            view = seg.tensors[i]
+            if param.grad is not view:
+                with torch.no_grad():
+                    view.copy_(param.grad)
+                param.grad = view
+        finally:
+            if acquired:
+                self._release(block)
 
 
 class _PostBackward(torch.autograd.Function):

@@ -57,8 +57,7 @@ class OptimizerLink:
             seg = block.segments.get("state")
             if seg is None:
                 continue
-            source = seg.tensors if seg.resident else seg.host_views()
-            for (p, key), value in zip(seg.keys, source):
+            for (p, key), value in zip(seg.keys, seg.current_views()):
                 st = self.optimizer.state.get(p)
                 if st is not None and key in st:
                     st[key] = value.detach().to(pager._original_device[id(p)], copy=True)
@@ -87,6 +86,13 @@ class OptimizerLink:
         self._saved_params = [g["params"] for g in groups]
         blocks = self._blocks_to_step()
         pager.scheduler.expect([(b, STEP) for b in blocks])
+        # Each block's share of each group, in the group's order (one pass).
+        shares = {id(b): [[] for _ in groups] for b in blocks}
+        for gi, params in enumerate(self._saved_params):
+            for p in params:
+                owner = pager._param_block.get(id(p))
+                if owner is not None and id(owner) in shares:
+                    shares[id(owner)][gi].append(p)
         try:
             for block in blocks:
                 pager._acquire(block, STEP)
@@ -96,9 +102,8 @@ class OptimizerLink:
                     pager._make_room(self._state_estimate(block), protect={block})
                 pager._prefetch()
                 try:
-                    mine = {id(p) for p in block.params}
-                    for g, params in zip(groups, self._saved_params):
-                        g["params"] = [p for p in params if id(p) in mine]
+                    for g, share in zip(groups, shares[id(block)]):
+                        g["params"] = share
                     self._step_once(optimizer)
                     self._adopt_state(block)
                     block.mark_dirty(("weights", "state"))
@@ -166,20 +171,15 @@ class OptimizerLink:
         seg.keys = keys
         if not pager._make_room(seg.nbytes, protect={block}):
             pager._raise_no_room(block, seg.nbytes)
-        # The new segment is allocated and counted as resident: it holds the
-        # state the optimizer just made, which then frees.
-        pager.transport.allocate(seg.flat, seg.nbytes)
-        pager.transport.compute_waits(pager.transport.mark_h2d())  # see mark_h2d
-        pager.resident_bytes += seg.nbytes
-        seg.resident = True
+        # Allocated like any fetch (its page holds nothing yet, so nothing is
+        # copied), and compute waits before filling it from the optimizer's state.
+        pager._fetch(block, ("state",))
+        pager._wait_for(block)
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):
                 view.copy_(opt_state[p][key])
                 opt_state[p][key] = view
-        seg.snapshot_versions()
-        seg.force_dirty = True
-        seg.host_valid = True
-        pager._stats.peak_resident_bytes = max(pager._stats.peak_resident_bytes, pager.resident_bytes)
+        seg.host_valid = True  # the copies above made it dirty: written back when it leaves
 
     # ---------------------------------------------------------- state_dict
     def _before_state_dict(self, optimizer) -> None:
@@ -194,8 +194,7 @@ class OptimizerLink:
             seg = block.segments.get("state")
             if seg is None:
                 continue
-            source = seg.tensors if seg.resident else seg.host_views()
-            for (p, key), value in zip(seg.keys, source):
+            for (p, key), value in zip(seg.keys, seg.current_views()):
                 self._swapped.append((p, key, optimizer.state[p][key]))
                 optimizer.state[p][key] = value.detach().to("cpu", copy=True)
 
@@ -218,9 +217,8 @@ class OptimizerLink:
             seg = block.segments.get("state")
             if seg is None:
                 continue
-            targets = seg.tensors if seg.resident else seg.host_views()
             with torch.no_grad():
-                for (p, key), target, view in zip(seg.keys, targets, seg.tensors):
+                for (p, key), target, view in zip(seg.keys, seg.current_views(), seg.tensors):
                     target.copy_(optimizer.state[p][key])
                     optimizer.state[p][key] = view
             if seg.resident:

@@ -112,6 +112,7 @@ class Pager(HooksMixin, StateDictMixin):
         block.segments["weights"] = seg
         block.params = [t for _n, t, is_param in named if is_param]
         block.param_names = [n for n, _t, is_param in named if is_param]
+        block.trainable = any(p.requires_grad for p in block.params)
         block.stats = BlockStats(block.name, nbytes)
         for p in block.params:
             self._param_block[id(p)] = block

@@ -96,26 +96,25 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     Example:
         >>> print(pager.plan(model, budget="10GiB"))
     """
-    from ._api import _aligned, _ancestors, _block_sizes, _resolve_device
+    from ._api import _resolve_device
 
     device = _resolve_device(device)
     budget_bytes = parse_budget(budget, device)
-    named = _discover.discover(model, blocks)
-    owned, uses = _discover.owners(model, [m for _n, m in named])
-    sizes = _block_sizes(named, owned, uses, _ancestors([m for _n, m in named]))
-    own = [sum(_aligned(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
-    trainable = [sum(_aligned(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad) for i in range(len(named))]
-    remainder = sum(_aligned(t) for _n, t, _p in owned.get(None, []))
-    rem_train = sum(_aligned(t) for _n, t, is_p in owned.get(None, []) if is_p and t.requires_grad)
-    names = [n for n, _m in named]
+    sizing = _discover.size_up(model, blocks)
+    owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
+    def trainable(i):
+        return sum(_discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
+
+    names = [n for n, _m in sizing.named]
     kept = _kept(names, own, budget_bytes, remainder)
     forward = sum(n for name, n in zip(names, own) if name not in kept)
-    step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, trainable)]
-    fixed = remainder + (1 + state_factor) * rem_train
+    grads = [trainable(i) for i in range(len(names))]
+    step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, grads)]
+    fixed = remainder + (1 + state_factor) * trainable(None)
     train_kept = _kept(names, step_sizes, budget_bytes, fixed)
     h2d = d2h = 0
-    for name, w, g in zip(names, own, trainable):
+    for name, w, g in zip(names, own, grads):
         if name not in train_kept:
             s = state_factor * g
             h2d += 2 * w + (w + g + s)   # forward, backward, then the step brings all in
@@ -128,10 +127,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     else:
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
     notes = []
-    if named and remainder > budget_bytes // 2:
+    if names and remainder > budget_bytes // 2:
         notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
     return Plan(
-        str(device), budget_bytes, remainder + max(sizes, default=0), remainder, list(zip(names, own)),
+        str(device), budget_bytes, sizing.min_budget, remainder, list(zip(names, own)),
         sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
     )
 

@@ -30,7 +30,6 @@ class Scheduler:
         self.recording: list = []
         self.pos = 0
         self.expected: list = []
-        self.order_changes = 0
         self.kept: set = set()
 
     def start_step(self) -> bool:

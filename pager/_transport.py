@@ -55,9 +55,6 @@ class CpuTransport:
     def compute_waits(self, event) -> None:
         pass
 
-    def is_done(self, event) -> bool:
-        return True
-
     def new_flat(self, nbytes: int) -> torch.Tensor:
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         flat.untyped_storage().resize_(0)
@@ -122,9 +119,6 @@ class CudaTransport:
         # Compute must not read a block before its fetch has landed.
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-
-    def is_done(self, event) -> bool:
-        return event is None or event.query()
 
     def new_flat(self, nbytes: int) -> torch.Tensor:
         with torch.cuda.stream(self.h2d_stream):
