@@ -108,10 +108,19 @@ class HooksMixin:
             for name, t in table.items()
             if t is not None
         ]
+        # Gradients are paged by hooks installed at wrap for trainable parameters.
+        self._frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
 
     def _check_structure(self) -> None:
         """Refuse to run on parameters or buffers pager does not manage
         (identity and count checks over a table made at wrap: no module walk)."""
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"pager: {name!r} was frozen at wrap and now requires grad; its gradients would not be "
+                    f"paged. Unfreeze before wrapping: pager.unwrap(model), set requires_grad, then "
+                    f"pager.wrap(model, ...) again (freezing after wrap is fine)."
+                )
         changed = any(table.get(name) is not t for table, name, t in self._entries) or any(
             (len(m._parameters), len(m._buffers), len(m._modules)) != (p, b, c) for m, p, b, c in self._structure
         )

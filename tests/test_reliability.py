@@ -390,3 +390,16 @@ def test_fault_injection_at_random_points_keeps_parity():
     consistent(faulty)
     pager.unwrap(faulty)
     assert_models_equal(model, ref)
+
+
+def test_unfreezing_after_wrap_is_refused_and_freezing_is_fine():
+    model = TinyLM()
+    for p in model.layers[2].parameters():
+        p.requires_grad_(False)
+    pager.wrap(model, budget="1GiB", device="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    model.layers[4].norm1.weight.requires_grad_(False)  # freezing more is fine
+    model(ids)
+    model.layers[2].mlp[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'layers.2.mlp.0.weight' was frozen at wrap.*unwrap"):
+        model(ids)
