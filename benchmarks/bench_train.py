@@ -71,23 +71,26 @@ def bench_decoder(args, rows):
     free_cuda()
 
     budget = int(0.4 * gpu_peak * GiB)
-    model = copy.deepcopy(cpu_ref)
-    pager.wrap(model, budget=budget, device="cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
-    pg = pager.of(model)
-    pg.reset()
-    make_step(model, opt, ids, tgt)()
-    s = pg.stats()
-    rows.append(Row(
-        w, f"pager, budget 40% of peak ({budget / GiB:.1f} GiB)", ms, peak, ms / gpu_ms, "all on GPU",
-        f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; hit {100 * s.hit_rate:.0f}%",
-        {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds},
-    ))
-    print(rows[-1])
-    pager.unwrap(model)
-    del model, opt
-    free_cuda()
+    for defer in (True, False):
+        model = copy.deepcopy(cpu_ref)
+        pager.wrap(model, budget=budget, device="cuda", defer_step=defer)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
+        pg = pager.of(model)
+        pg.reset()
+        make_step(model, opt, ids, tgt)()
+        s = pg.stats()
+        rows.append(Row(
+            w, f"pager, budget 40% of peak ({budget / GiB:.1f} GiB){'' if defer else ', defer_step=False'}", ms, peak,
+            ms / gpu_ms, "all on GPU",
+            f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; hit {100 * s.hit_rate:.0f}%; "
+            f"{s.deferred_steps} block updates deferred",
+            {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds},
+        ))
+        print(rows[-1])
+        pager.unwrap(model)
+        del model, opt
+        free_cuda()
 
     for peer in args.peers.split(","):
         try:
@@ -185,26 +188,30 @@ def bench_supernet(args, rows):
     del gpu, opt
     free_cuda()
 
-    model = cpu_ref
     budget = int(0.25 * 3 * total)  # a quarter of weights + Adam state
-    pager.wrap(model, budget=budget, device="cuda")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    step = stepper(model, opt, True)
-    for _ in range(8):
-        step()
-    pg = pager.of(model)
-    pg.reset()
-    torch.cuda.reset_peak_memory_stats()
-    ms = time_ms(step, warmup=1, reps=args.reps * 2)
-    s = pg.stats()
-    steps = 1 + args.reps * 2
-    rows.append(Row(
-        w, f"pager, budget 1/4 of weights+Adam ({budget / GiB:.1f} GiB)", ms, torch.cuda.max_memory_allocated() / GiB,
-        ms / gpu_ms, "fully resident",
-        f"hit {100 * s.hit_rate:.0f}%, {s.h2d_bytes / steps / 1e9:.2f} GB in / {s.d2h_bytes / steps / 1e9:.2f} GB out per step",
-    ))
-    print(rows[-1])
-    pager.unwrap(model)
+    for defer in (True, False):
+        model = copy.deepcopy(cpu_ref)
+        pager.wrap(model, budget=budget, device="cuda", defer_step=defer)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        step = stepper(model, opt, True)
+        for _ in range(8):
+            step()
+        pg = pager.of(model)
+        pg.reset()
+        torch.cuda.reset_peak_memory_stats()
+        ms = time_ms(step, warmup=1, reps=args.reps * 2)
+        s = pg.stats()
+        steps = 1 + args.reps * 2
+        rows.append(Row(
+            w, f"pager, budget 1/4 of weights+Adam ({budget / GiB:.1f} GiB){'' if defer else ', defer_step=False'}", ms,
+            torch.cuda.max_memory_allocated() / GiB, ms / gpu_ms, "fully resident",
+            f"hit {100 * s.hit_rate:.0f}%, {s.h2d_bytes / steps / 1e9:.2f} GB in / {s.d2h_bytes / steps / 1e9:.2f} GB "
+            f"out per step; {s.deferred_steps / steps:.0f} block updates deferred per step",
+        ))
+        print(rows[-1])
+        pager.unwrap(model)
+        del model, opt
+        free_cuda()
 
 
 def main(argv=None):

@@ -27,6 +27,7 @@ def wrap(
     pin: bool = True,
     prefetch: int = 2,
     trace_steps: int = 0,
+    defer_step: bool = True,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -49,6 +50,10 @@ def wrap(
             pageable memory.
         prefetch: how many upcoming blocks to bring in ahead of use, room allowing.
         trace_steps: record a timeline of the last N steps for `trace()` (off: 0).
+        defer_step: apply the optimizer update of a block that is paged out at
+            `opt.step()` when the block is next used (bit for bit the same
+            values; its transfers then overlap the next forward). False steps
+            every block during `opt.step()`.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -61,10 +66,12 @@ def wrap(
     _check_tensors(model, device)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
+    if not isinstance(defer_step, bool):
+        raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
     _check_fits(budget, budget_bytes, sizing)
-    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch)
+    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step)
     pager.min_budget_bytes = sizing.min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
@@ -74,8 +81,9 @@ def wrap(
                     format_bytes(total), kind, len(named), seconds * total / 2**30)
     if total <= budget_bytes:
         log.warning(
-            "pager: the whole model (%s) fits the budget (%s): paging is not needed; it will stay "
-            "resident after the first forward.", format_bytes(total), format_bytes(budget_bytes)
+            "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
+            "after the first forward); training pages gradients and optimizer state only if they do not fit "
+            "beside it.", format_bytes(total), format_bytes(budget_bytes)
         )
     pager.build(sizing.owned, sizing.uses)
     _PAGERS[model] = pager

@@ -105,6 +105,9 @@ class Segment:
     params: list = field(default_factory=list)
     names: list = field(default_factory=list)
     pending_scale: dict = field(default_factory=dict)
+    # grads segments only: the page holds the gradients of a deferred
+    # optimizer update (see _optim.py), so it is fetched whatever param.grad says.
+    held_for_step: bool = False
 
     def host_views(self) -> list[torch.Tensor]:
         return [s.view_of(self.host) for s in self.slots]
@@ -154,6 +157,7 @@ class Block:
         self.release_versions = None  # its tensors' versions then
         self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
         self.guard_handles = None     # installed while the block is paged out
+        self.deferred_steps: list = []  # optimizer updates applied at its next use (_optim.Deferred)
 
     # -- sizes -------------------------------------------------------------
     @property

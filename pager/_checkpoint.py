@@ -43,6 +43,7 @@ class StateDictMixin:
 
     @_locked
     def _state_dict_post(self, module, state_dict, prefix, local_metadata):
+        self.apply_deferred()  # the weights as the steps taken so far left them
         if self.transport.is_cuda:
             torch.cuda.synchronize(self.device)  # write-backs in flight must land first
         for name, (block, i) in self._state_names.items():
@@ -79,6 +80,7 @@ def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def close(pager) -> None:
     """Put every tensor back on its original device with its current value."""
+    pager.apply_deferred()
     if pager.transport.is_cuda:
         torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
     for h in pager._hooks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import is_not
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -101,13 +102,15 @@ class HooksMixin:
         self._structure = [
             (m, len(m._parameters), len(m._buffers), len(m._modules)) for m in self.model.modules()
         ]
-        self._entries = [
+        entries = [
             (table, name, t)
             for m in self.model.modules()
             for table in (m._parameters, m._buffers)
             for name, t in table.items()
             if t is not None
         ]
+        # Columns, so the per-forward identity check runs in C (map/operator).
+        self._entry_tables, self._entry_names, self._entry_tensors = (list(c) for c in zip(*entries)) if entries else ([], [], [])
         # Gradients are paged by hooks installed at wrap for trainable parameters.
         self._frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
 
@@ -121,7 +124,7 @@ class HooksMixin:
                     f"paged. Unfreeze before wrapping: pager.unwrap(model), set requires_grad, then "
                     f"pager.wrap(model, ...) again (freezing after wrap is fine)."
                 )
-        changed = any(table.get(name) is not t for table, name, t in self._entries) or any(
+        changed = any(map(is_not, map(dict.get, self._entry_tables, self._entry_names), self._entry_tensors)) or any(
             (len(m._parameters), len(m._buffers), len(m._modules)) != (p, b, c) for m, p, b, c in self._structure
         )
         if not changed:
@@ -165,18 +168,27 @@ class HooksMixin:
         changed = self.scheduler.start_step()
         if changed:
             self._stats.order_changes += 1
-            if self._step_misses and not self._expect_used:
-                self._warn_once(
-                    "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
-                    "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
-                    "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
+        # A change that costs fetches on demand two steps running is a pattern
+        # (one alone is often the first step, before optimizer state exists).
+        unsaid = changed and self._step_misses > 0 and not self._expect_used
+        if unsaid and self._unsaid_change:
+            self._warn_once(
+                "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
+                "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
+                "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
+        self._unsaid_change = unsaid
         self._step_misses, self._expect_used = 0, False
         self._advise()
-        fixed = self.remainder.device_bytes() if self.remainder is not None else 0
-        for b in self.blocks:
-            if b.resident_for_life:
-                fixed += b.nbytes()
-        self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
+        # The kept set depends on the plan, the budget and the blocks' sizes:
+        # chosen again only when one of them changed.
+        key = (len(self.scheduler.plan), self.budget_bytes, self.total_bytes)
+        if changed or key != self._kept_key:
+            fixed = self.remainder.device_bytes() if self.remainder is not None else 0
+            for b in self.blocks:
+                if b.resident_for_life:
+                    fixed += b.nbytes()
+            self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
+            self._kept_key = key
         self._stats.steps += 1
 
     def _warn_once(self, key: str, msg: str, *args) -> None:

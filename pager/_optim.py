@@ -17,15 +17,48 @@ State tensors the optimizer creates lazily on the device (Adam's exp_avg, ...)
 are adopted after the block's first update: copied into the block's `state`
 segment, and the dict entries in `opt.state[p]` are replaced by views of it.
 Host-side scalars (Adam's `step` on the CPU) stay where they are.
+
+[Note: deferred updates]
+A block that is wholly paged out when `step()` is called is not brought in
+for its update then. The update is recorded (the block's share of each param
+group, the groups' options such as `lr` as they are now, which gradients it
+reads and any scaling `clip_grad_norm_` recorded on them) and applied when the
+block is next acquired, normally by the next forward: the prefetch brings its
+gradients and state in with its weights, so the update's transfers overlap
+the compute of the blocks before it instead of forming a transfer-only phase
+after the backward, and its weights cross the link once less per step. A NAS
+candidate that is not sampled next keeps its update until it is. The values
+equal an immediate step's bit for bit: the same gradients, scaled as before
+the step, the same options; zeroing or scaling recorded after the step
+applies after the update. Whatever reads weights, gradients or state from
+outside the blocks' use applies pending updates first: model and optimizer
+`state_dict()` / `load_state_dict()`, `Pager.clip_grad_norm_`, `unwrap`, and
+`Pager.apply_deferred()`. `wrap(..., defer_step=False)` steps every block at
+once instead.
 """
 
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
 
 import torch
 
 from ._block import Block
 from ._common import STEP
+from ._grads import PagedOutGrad
 from ._pager import Pager
+
+
+@dataclass
+class Deferred:
+    """One block's update, taken at `step()`, applied at its next use."""
+
+    link: "OptimizerLink"
+    shares: list   # the block's parameters in each param group
+    options: list  # each group's options (lr, betas, ...) at step time
+    grads: set     # slots of the grads segment whose gradients the update reads
+    scales: dict   # slot -> scaling recorded on that gradient before the step
 
 
 class OptimizerLink:
@@ -45,6 +78,7 @@ class OptimizerLink:
         self._swapped: list = []
         self._handles.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
         self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
+        self._handles.append(optimizer.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._after_load_state_dict))
 
     def detach(self) -> None:
@@ -85,7 +119,6 @@ class OptimizerLink:
         groups = optimizer.param_groups
         self._saved_params = [g["params"] for g in groups]
         blocks = self._blocks_to_step()
-        pager.scheduler.expect([(b, STEP) for b in blocks])
         # Each block's share of each group, in the group's order (one pass).
         shares = {id(b): [[] for _ in groups] for b in blocks}
         for gi, params in enumerate(self._saved_params):
@@ -93,8 +126,15 @@ class OptimizerLink:
                 owner = pager._param_block.get(id(p))
                 if owner is not None and id(owner) in shares:
                     shares[id(owner)][gi].append(p)
+        now = []
+        for block in blocks:
+            if self._can_defer(block):
+                self._defer(block, shares[id(block)])
+            else:
+                now.append(block)
+        pager.scheduler.expect([(b, STEP) for b in now])
         try:
-            for block in blocks:
+            for block in now:
                 pager._acquire(block, STEP)
                 if "state" not in block.segments:
                     # The optimizer is about to create this block's state on the
@@ -125,6 +165,53 @@ class OptimizerLink:
             self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
         else:
             optimizer.step()
+
+    def _can_defer(self, block: Block) -> bool:
+        seg = block.segments.get("grads")
+        if not self.pager.defer_step or seg is None or seg.resident or "state" not in block.segments:
+            return False  # gradients on the device: step now; no state yet: its first step adopts it
+        if getattr(self.optimizer, "grad_scale", None) is not None:
+            return False  # GradScaler hands fused optimizers a scale that step() reads
+        return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
+
+    def _defer(self, block: Block, shares: list) -> None:
+        seg = block.segments["grads"]
+        grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
+        options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        block.deferred_steps.append(Deferred(self, shares, options, grads, dict(seg.pending_scale)))
+        seg.pending_scale.clear()  # what is recorded from now on applies after the update
+        seg.held_for_step = True
+        self.pager._stats.deferred_steps += 1
+
+    def apply(self, block: Block, d: Deferred) -> None:
+        """Run deferred update `d` of `block` (resident, compute ordered after
+        its fetch): the optimizer's own step over the block's parameters, with
+        the gradients and group options it had at step time."""
+        pager, optimizer = self.pager, self.optimizer
+        seg = block.segments["grads"]
+        params = [p for share in d.shares for p in share]
+        saved_grads = [p.grad for p in params]
+        groups = optimizer.param_groups
+        saved_groups = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
+        try:
+            with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
+                for i, scale in d.scales.items():
+                    seg.tensors[i].mul_(scale) if scale != 0.0 else seg.tensors[i].zero_()
+                for p in params:
+                    i = pager._owner.get(id(p), (None, None))[1]
+                    p.grad = seg.tensors[i] if i in d.grads else None
+                for g, share, options in zip(groups, d.shares, d.options):
+                    g["params"] = share
+                    g.update(options)
+                self._step_once(optimizer)
+        finally:
+            for g, (share, options) in zip(groups, saved_groups):
+                g["params"] = share
+                g.update(options)
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+        self._adopt_state(block)
+        block.mark_dirty(("weights", "state"))
 
     def _blocks_to_step(self) -> list[Block]:
         """Blocks with a gradient: resident ones first, then in next-forward order."""
@@ -187,6 +274,7 @@ class OptimizerLink:
         # paged-out block's have no memory behind them: for the duration of the
         # call, every paged entry is a host copy of its current value.
         pager = self.pager
+        pager.apply_deferred()
         if pager.transport.is_cuda:
             torch.cuda.synchronize(pager.device)
         self._swapped = []
@@ -207,6 +295,10 @@ class OptimizerLink:
         self._swapped = []
         return state_dict
 
+    def _before_load_state_dict(self, optimizer, state_dict) -> None:
+        # Updates still pending would otherwise run on the loaded state.
+        self.pager.apply_deferred()
+
     def _after_load_state_dict(self, optimizer) -> None:
         # load_state_dict() replaced every state tensor with a new one (cast to
         # the parameter's device). Put the values into the pages.
@@ -225,6 +317,12 @@ class OptimizerLink:
                 seg.force_dirty = True
             else:
                 seg.host_valid = True
+
+
+def _snapshot(value):
+    # An option that is a tensor (a tensor lr) may be changed in place by a
+    # scheduler before the update runs.
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _auto_attach(optimizer, args, kwargs) -> None:

@@ -13,7 +13,7 @@ import torch
 from ._block import Block, Residency, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
-from ._common import PREFETCH_WINDOW, WEIGHTS, BudgetError, _locked, _record_range
+from ._common import PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
 from ._grads import PagedOutGrad
 from ._hooks import HooksMixin
 from ._host import HostArena
@@ -31,11 +31,12 @@ class Pager(HooksMixin, StateDictMixin):
     Made by `pager.wrap`; reach it with `pager.of(model)`.
     """
 
-    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth):
+    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True):
         self.model = model
         self.device = device
         self.budget_bytes = budget_bytes
         self.prefetch_depth = prefetch_depth
+        self.defer_step = defer_step  # see [Note: deferred updates] in _optim.py
         self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
         self.arena = HostArena(pin=pin and device.type == "cuda")
         self.scheduler = Scheduler()
@@ -43,6 +44,7 @@ class Pager(HooksMixin, StateDictMixin):
         self.remainder: Block | None = None
         self.resident: dict[Block, None] = {}  # ordered set of blocks with device bytes
         self.resident_bytes = 0
+        self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self._stats = Stats(budget_bytes=budget_bytes)
         self._hooks: list = []
         self._tick = 0
@@ -59,6 +61,8 @@ class Pager(HooksMixin, StateDictMixin):
         self._lock = threading.RLock()  # see _locked
         self._warned: set[str] = set()
         self._step_misses = 0
+        self._unsaid_change = False
+        self._kept_key = None  # what the kept set was chosen for (_start_step)  # the last step's order changed, unannounced, with misses
         self._expect_used = False
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._closed = False
@@ -104,6 +108,7 @@ class Pager(HooksMixin, StateDictMixin):
             self._original_device[id(t)] = t.device
         flat = self.transport.new_flat(nbytes)
         seg = Segment("weights", slots, nbytes, host, flat)
+        self.total_bytes += nbytes
         self.transport.allocate(flat, nbytes)
         for slot, t in zip(slots, tensors):
             t.data = slot.view_of(flat)
@@ -122,6 +127,7 @@ class Pager(HooksMixin, StateDictMixin):
         host = self.arena.allocate(nbytes)
         flat = self.transport.new_flat(nbytes)
         seg = Segment(kind, slots, nbytes, host, flat, host_valid=False)
+        self.total_bytes += nbytes
         self.transport.allocate(flat, nbytes)
         seg.tensors = [s.view_of(flat) for s in slots]
         self.transport.free(flat)
@@ -163,7 +169,9 @@ class Pager(HooksMixin, StateDictMixin):
         if record:
             self.scheduler.observe(block, kinds)
             self._unguard(block)  # used through its own hooks: guards not needed while resident
-        missing = block.missing_bytes(kinds)
+        if block.deferred_steps:
+            kinds = STEP  # its pending update runs first: it needs gradients and state too
+        missing = 0 if self.resident_bytes == self.total_bytes else block.missing_bytes(kinds)
         block.pins += 1
         try:
             if missing:
@@ -184,6 +192,8 @@ class Pager(HooksMixin, StateDictMixin):
             block.stats.hits += 1
             self._stats.hits += 1
         self._wait_for(block)
+        if block.deferred_steps:
+            self._run_deferred(block)
         self._expose_grads(block)
         self._apply_pending(block)
         if block.pins == 1:
@@ -207,6 +217,16 @@ class Pager(HooksMixin, StateDictMixin):
         block.fetch_event = None
         block.residency = Residency.DEVICE
 
+    def _run_deferred(self, block: Block) -> None:
+        """Apply the optimizer updates deferred to this use of `block` (resident,
+        compute ordered after its fetch), oldest first."""
+        with _record_range(f"pager::deferred_step[{block.name}]"):
+            while block.deferred_steps:
+                d = block.deferred_steps[0]
+                d.link.apply(block, d)
+                block.deferred_steps.pop(0)
+        block.segments["grads"].held_for_step = False
+
     def _apply_pending(self, block: Block) -> None:
         seg = block.segments.get("grads")
         if seg is None or not seg.resident or not seg.pending_scale:
@@ -222,6 +242,12 @@ class Pager(HooksMixin, StateDictMixin):
             self._release(dep)
         block.pins -= 1
         if block.pins == 0:
+            if self.resident_bytes == self.total_bytes and not self.tracer.enabled:
+                # Everything is on the device, so nothing is fetched and nothing
+                # evicted; an eviction after all (set_budget, a new segment) orders
+                # itself after a fresh event (_evict). Saves an event per use.
+                block.last_use_event = None
+                return
             # Memory of this block may be reused once compute is past this point
             # (unless its tensors change after it: see _evict).
             block.last_use_event = self.transport.record_compute()
@@ -326,7 +352,7 @@ class Pager(HooksMixin, StateDictMixin):
                 present = True
             else:
                 seg.pending_scale.pop(i, None)
-        seg.host_valid = present
+        seg.host_valid = present or seg.held_for_step
 
     def _expose_grads(self, block: Block) -> None:
         seg = block.segments.get("grads")
@@ -338,6 +364,11 @@ class Pager(HooksMixin, StateDictMixin):
 
     def _evict(self, block: Block) -> None:
         assert block.pins == 0 and not block.resident_for_life, block
+        if block.deferred_steps and not block.missing_bytes(STEP):
+            # Prefetched for an update, but leaving unused: the bytes are here, so
+            # apply it now (a gradient the user sets meanwhile must not overwrite its page).
+            self._wait_for(block)
+            self._run_deferred(block)
         with _record_range(f"pager::evict[{block.name}]"):
             grads = block.segments.get("grads")
             if grads is not None and grads.resident:
@@ -358,15 +389,15 @@ class Pager(HooksMixin, StateDictMixin):
                 if not seg.resident:
                     continue
                 writeback = None
-                if seg.is_dirty():
+                if kind == "grads":
+                    self._page_out_grads(seg)  # host_valid now says if any gradient is still wanted
+                if seg.is_dirty() and (kind != "grads" or seg.host_valid):
                     start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
                     writeback = end if self.transport.is_cuda else None
                     seg.writeback_event = writeback
                     seg.host_valid = True
                     self._copied(block, "d2h", start, end, seg.nbytes)
                     self.tracer.span("writeback", block.name, start, end, seg.nbytes)
-                if kind == "grads":
-                    self._page_out_grads(seg)
                 self.transport.free(seg.flat, after=(ready, writeback))
                 seg.resident = False
                 self.resident_bytes -= seg.nbytes
@@ -395,7 +426,7 @@ class Pager(HooksMixin, StateDictMixin):
                 present = True
             elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 present = True  # fetched but never exposed: the page still holds it
-        seg.host_valid = present
+        seg.host_valid = present or seg.held_for_step
 
     def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
@@ -427,13 +458,15 @@ class Pager(HooksMixin, StateDictMixin):
         )
 
     def _prefetch(self) -> None:
-        if not self.prefetch_depth:
-            return
+        if not self.prefetch_depth or self.resident_bytes == self.total_bytes:
+            return  # off, or nothing left to fetch
         fetched = 0
         for distance, (block, kinds) in enumerate(islice(self.scheduler.upcoming(), PREFETCH_WINDOW)):
             if fetched >= self.prefetch_depth:
                 return
-            if kinds is WEIGHTS and block.weights.resident and not block.deps:
+            if block.deferred_steps:
+                kinds = STEP  # its pending update runs at this use
+            elif kinds is WEIGHTS and block.weights.resident and not block.deps:
                 continue  # the common case once the working set is resident
             if "grads" in kinds:
                 self._ensure_grads_segment(block)
@@ -585,6 +618,26 @@ class Pager(HooksMixin, StateDictMixin):
         self._expect_used = True
         self._prefetch()
 
+    @_locked
+    def apply_deferred(self, blocks=None) -> None:
+        """Apply every optimizer update deferred to a block's next use now.
+
+        Needed only to read weights or optimizer state by other means than the
+        model's forward, `state_dict()` and `clip_grad_norm_` (those apply what
+        they need themselves). See `wrap(defer_step=...)`.
+
+        Args:
+            blocks: only these (Block objects); all by default.
+
+        Example:
+            >>> opt.step()
+            >>> pager.of(model).apply_deferred()
+        """
+        for block in self.all_blocks() if blocks is None else blocks:
+            if block.deferred_steps:
+                self._acquire(block, STEP, record=False)
+                self._release(block)
+
     def attach(self, optimizer) -> None:
         """Page `optimizer`'s state with its blocks and stream its `step()` per block.
 
@@ -627,6 +680,9 @@ class Pager(HooksMixin, StateDictMixin):
         # Mirrors torch.nn.utils.clip_grad_norm_ (norms of each gradient, in
         # model.parameters() order, then the norm of those), so that on the CPU
         # device the result is bitwise the same.
+        # A gradient kept since a deferred update is read as that update left it.
+        self.apply_deferred([b for b in self.blocks if b.deferred_steps and any(
+            isinstance(p.grad, PagedOutGrad) for p in b.params)])
         values, targets = [], []
         with torch.no_grad():
             for p in self.model.parameters():

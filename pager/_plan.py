@@ -83,12 +83,12 @@ class Plan:
 
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
-         link_gbps: float | None = None) -> Plan:
+         link_gbps: float | None = None, defer_step: bool = True) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
         model: the model (not wrapped; nothing is changed).
-        budget, device, blocks: as for `pager.wrap`.
+        budget, device, blocks, defer_step: as for `pager.wrap`.
         state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
             momentum 1) for the training estimate.
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
@@ -117,8 +117,11 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     for name, w, g in zip(names, own, grads):
         if name not in train_kept:
             s = state_factor * g
-            h2d += 2 * w + (w + g + s)   # forward, backward, then the step brings all in
-            d2h += g + (w + s)           # gradients leave in backward; weights and state after the step
+            if defer_step:  # the forward brings all in for the last step's update, the backward the weights
+                h2d += (w + g + s) + w
+            else:  # forward, backward, then the step brings all in
+                h2d += 2 * w + (w + g + s)
+            d2h += g + (w + s)           # gradients leave in backward; weights and state after their update
 
     if link_gbps is None and device.type == "cuda":
         from ._report import measure_link_gbps
@@ -129,6 +132,13 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     notes = []
     if names and remainder > budget_bytes // 2:
         notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
+    room = budget_bytes - remainder
+    if names and remainder + sum(own) > budget_bytes and room > 0 and 2 * max(own) > room // 4:
+        notes.append(
+            f"two of the largest blocks ({format_bytes(2 * max(own))}) take {100 * 2 * max(own) // room}% of the "
+            f"room the budget leaves for blocks, and every block that is not kept streams through that room: "
+            f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
+            f"submodules rather than reading their weights)")
     return Plan(
         str(device), budget_bytes, sizing.min_budget, remainder, list(zip(names, own)),
         sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,

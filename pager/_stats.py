@@ -56,6 +56,7 @@ class Stats:
     budget_bytes: int = 0
     steps: int = 0
     order_changes: int = 0
+    deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property
@@ -79,6 +80,7 @@ class Stats:
             f"moved {format_bytes(self.h2d_bytes)} to device, {format_bytes(self.d2h_bytes)} back; "
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
+            + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")
         )
 
     def report(self) -> str:

@@ -160,11 +160,12 @@ def test_training_parity_on_gpu(opt_name, regime):
     assert_close_to_reference(model, ref)
 
 
-def test_training_races_and_peak_memory():
+@pytest.mark.parametrize("defer_step", [True, False])
+def test_training_races_and_peak_memory(defer_step):
     model = TinyLM(d=256, n_layers=6)
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, "streams")
-    pager.wrap(model, budget=budget, device=GPU)
+    pager.wrap(model, budget=budget, device=GPU, defer_step=defer_step)
     _sleepy(pager.of(model).transport, h2d_cycles=1_000_000, compute_cycles=1_000_000)
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
@@ -174,6 +175,7 @@ def test_training_races_and_peak_memory():
     train(model, opt, data, accumulate=False)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    assert (pager.of(model).stats().deferred_steps > 0) == defer_step
     train(ref, ref_opt, data, accumulate=False)
     # Activations of this small model are far below one block; the first
     # step briefly holds one block's new optimizer state twice (before adoption).

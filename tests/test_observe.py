@@ -222,6 +222,20 @@ def test_warns_when_the_order_changes_unless_expected(caplog, say_it):
     assert len(_warnings(caplog, "order of blocks changed")) == (0 if say_it else 1)
 
 
+def test_a_single_change_of_order_does_not_warn(caplog):
+    # The first training step often differs from the rest (optimizer state is
+    # created in it): one change is not a pattern worth a warning.
+    caplog.set_level(logging.WARNING, logger="pager")
+    model = Alternates()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model.layers[0]), device="cpu")
+    with torch.no_grad():
+        for step in range(6):
+            model.flip = step == 0
+            model(torch.randn(2, 16))
+    assert pager.of(model).stats().order_changes == 1
+    assert not _warnings(caplog, "order of blocks changed")
+
+
 class Light(nn.Module):
     """Blocks with no arithmetic: a step is all copying when they stream."""
 

@@ -40,6 +40,18 @@ def consistent(model):
 
 
 # ------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "option, match",
+    [({"prefetch": -1}, "prefetch=-1 must be a whole number"), ({"defer_step": "yes"}, "defer_step='yes' must be True")],
+)
+def test_bad_options_are_refused_before_anything_changes(option, match):
+    model = TinyLM()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        pager.wrap(model, budget=1 << 30, device="cpu", **option)
+    assert_untouched(model, snap)
+
+
 def test_auto_budget_with_too_little_free_memory(monkeypatch):
     import pager._budget as budget_mod
 

@@ -254,17 +254,22 @@ def test_state_dict_needs_no_device_room_and_loads_elsewhere(tmp_path):
     assert_models_equal(fresh, ref)
 
 
+def _supernet_budget(net):
+    """The remainder and 2.5 (layer, candidate) pairs, with grads and Adam state."""
+    layer_attn = max(tensor_page_bytes(l.attn) + tensor_page_bytes(l.norm) for l in net.layers)
+    cand = max(tensor_page_bytes(c) for l in net.layers for c in l.candidates)
+    remainder = tensor_page_bytes(net.embed) + tensor_page_bytes(net.head)
+    budget = 4 * remainder + int(2.5 * 4 * (layer_attn + cand))
+    assert budget < 4 * tensor_page_bytes(net) / 2  # well under the supernet's weights + grads + Adam state
+    return budget
+
+
 def test_supernet_random_paths_train_like_unwrapped():
     """ProxylessNAS-style: one sampled path per step, said in advance with
     expect(). Inactive candidates get no grad, no state and no fetch."""
     net = SuperNet(n_layers=4)
     ref = copy.deepcopy(net)
-    layer_attn = max(tensor_page_bytes(l.attn) + tensor_page_bytes(l.norm) for l in net.layers)
-    cand = max(tensor_page_bytes(c) for l in net.layers for c in l.candidates)
-    remainder = tensor_page_bytes(net.embed) + tensor_page_bytes(net.head)
-    total = tensor_page_bytes(net)
-    budget = 4 * remainder + int(2.5 * 4 * (layer_attn + cand))
-    assert budget < 4 * total / 2  # well under the supernet's weights + grads + Adam state
+    budget = _supernet_budget(net)
     pager.wrap(net, budget=budget, device="cpu")
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -336,3 +341,107 @@ def test_unwrap_with_two_optimizers_detaches_both_and_frees_device_memory():
                     assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
     lm_loss(model, *batches(1)[0]).backward()
     opt_a.step(), opt_b.step()  # both optimizers keep training the unwrapped model
+
+
+# -- deferred updates (see [Note: deferred updates] in pager/_optim.py) --------
+
+
+def _opt_states_equal(opt, ref_opt, model, ref):
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert opt.state[p].keys() == ref_opt.state[q].keys()
+        for key, value in ref_opt.state[q].items():
+            assert_same(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_deferred_updates_equal_immediate_ones_with_a_schedule_clip_and_eval(set_to_none):
+    """Blocks paged out at step() are updated at their next use, with the
+    learning rate (a tensor, changed in place by the schedule), the clipping
+    and the gradients they had at step time: bit for bit the unwrapped run,
+    also when checkpoints and an eval forward come in between."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=torch.tensor(1e-2), weight_decay=0.01)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
+    pg = pager.of(model)
+    for step, (ids, tgt) in enumerate(batches(6)):
+        for m, o, clip, sched in ((model, opt, pager_clip, scheds[0]), (ref, ref_opt, torch_clip, scheds[1])):
+            lm_loss(m, ids, tgt).backward()
+            clip(m)
+            o.step()
+            sched.step()
+            o.zero_grad(set_to_none=set_to_none)
+        if step == 0:
+            continue
+        assert any(b.deferred_steps for b in pg.blocks)  # some updates are still pending here
+        if step == 2:
+            with torch.inference_mode():
+                assert_same(model(ids), ref(ids))  # an eval forward applies what it uses
+        if step == 3:
+            assert_same(opt.state_dict()["state"][5]["exp_avg"], ref_opt.state_dict()["state"][5]["exp_avg"])
+            assert_models_equal(model, ref)
+    assert pg.stats().deferred_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    _opt_states_equal(opt, ref_opt, model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert_same(p.grad, q.grad)
+
+
+def test_two_steps_on_the_same_gradients_and_a_clip_between():
+    """step(), clip, step() with no forward between: the second update reads
+    the gradients as the clip after the first left them."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    for ids, tgt in batches(3):
+        for m, o, clip in ((model, opt, pager_clip), (ref, ref_opt, torch_clip)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            clip(m)
+            o.step()
+            o.zero_grad()
+    assert pager.of(model).stats().deferred_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    _opt_states_equal(opt, ref_opt, model, ref)
+
+
+def test_an_update_waits_for_a_candidate_that_is_not_sampled_again():
+    """NAS: a candidate's update stays pending until the candidate runs
+    again or something reads it."""
+    net = SuperNet(n_layers=4)
+    ref = copy.deepcopy(net)
+    pager.wrap(net, budget=_supernet_budget(net), device="cpu")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (net, ref))
+    gen = torch.Generator().manual_seed(3)
+    pg = pager.of(net)
+    train_supernet(net, ref, opt, ref_opt, batches(6), gen, len(net.layers[0].candidates))
+    assert pg.stats().deferred_steps > 0
+    assert any(b.deferred_steps for b in pg.blocks)
+    moved = pg.stats().h2d_bytes
+    ckpt = net.state_dict()  # applies them
+    assert pg.stats().h2d_bytes > moved and not any(b.deferred_steps for b in pg.blocks)
+    for k, v in ref.state_dict().items():
+        assert_same(ckpt[k], v)
+    pager.unwrap(net)
+    _opt_states_equal(opt, ref_opt, net, ref)
+
+
+def test_defer_step_false_steps_every_block_during_step():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", defer_step=False)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    data = batches(5)
+    train(model, opt, data, clip=pager_clip)
+    train(ref, ref_opt, data, clip=torch_clip)
+    assert pager.of(model).stats().deferred_steps == 0
+    assert not any(b.deferred_steps for b in pager.of(model).blocks)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
