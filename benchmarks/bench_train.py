@@ -185,7 +185,7 @@ def bench_supernet(args, rows):
     rows.append(Row(w, f"fully resident ({total / GiB:.1f} GiB weights, {4 * total / GiB:.1f} GiB with grads+Adam)",
                     gpu_ms, torch.cuda.max_memory_allocated() / GiB, 1.0, "itself"))
     print(rows[-1])
-    del gpu, opt
+    del gpu, opt, warm  # the closure holds the resident model too
     free_cuda()
 
     budget = int(0.25 * 3 * total)  # a quarter of weights + Adam state

@@ -1,6 +1,6 @@
-"""Write a pager trace of two 7B-shaped forwards under a budget of 2 layers.
+"""Write a pager trace of two 7B-shaped forwards under a budget (2 layers by default).
 
-    python -m benchmarks.trace_demo trace.json [--tokens 4096]
+    python -m benchmarks.trace_demo trace.json [--tokens 4096] [--budget-layers 2] [--linear]
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ def main():
     ap.add_argument("path")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--budget-layers", type=int, default=2)
+    ap.add_argument("--linear", action="store_true", help="every nn.Linear a block")
     args = ap.parse_args()
     model = build("meta", n_layers=args.layers).to_empty(device="cpu").eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    pager.wrap(model, budget=2 * layer_bytes(model) + (64 << 20), device="cuda", trace_steps=2)
+    blocks = (lambda name, m: isinstance(m, torch.nn.Linear)) if args.linear else None
+    budget = args.budget_layers * layer_bytes(model) + (64 << 20)
+    pager.wrap(model, budget=budget, device="cuda", trace_steps=2, blocks=blocks)
     x = torch.randn(1, args.tokens, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(4):

@@ -143,6 +143,7 @@ class Block:
         self.fetch_event = None
         self.pins = 0
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
+        self.parent: Block | None = None  # the nearest block whose module holds this one's
         self.resident_for_life = False
         self.last_use_tick = 0
         self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)

@@ -13,7 +13,7 @@ import torch
 from ._block import Block, Residency, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
-from ._common import PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
+from ._common import BACKWARD, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
 from ._grads import PagedOutGrad
 from ._hooks import HooksMixin
 from ._host import HostArena
@@ -79,6 +79,7 @@ class Pager(HooksMixin, StateDictMixin):
             self.blocks.append(Block(name, module, i))
         for i, block in enumerate(self.blocks):
             self._build_weights(block, owned.get(i, []))
+        self._link_parents()
         if owned.get(None):
             self.remainder = Block("<remainder>", None, len(self.blocks))
             self._build_weights(self.remainder, owned[None])
@@ -95,6 +96,17 @@ class Pager(HooksMixin, StateDictMixin):
                 block.resident_for_life = True
                 self._acquire(block, WEIGHTS, record=False)
         self._install_hooks()
+
+    def _link_parents(self) -> None:
+        """Each block's nearest enclosing block (NAS candidates: their layer)."""
+        by_module = {id(b.module): b for b in self.blocks}
+        stack = [(self.model, None)]
+        while stack:
+            module, enclosing = stack.pop()
+            block = by_module.get(id(module))
+            if block is not None:
+                block.parent, enclosing = enclosing, block
+            stack += [(child, enclosing) for child in module.children()]
 
     def all_blocks(self):
         return self.blocks + ([self.remainder] if self.remainder is not None else [])
@@ -614,7 +626,13 @@ class Pager(HooksMixin, StateDictMixin):
                     f"pass block modules (pager.of(model).block_names() lists them)."
                 )
             uses.append((block, WEIGHTS))
+        if torch.is_grad_enabled():
+            # A training step: its backward reaches these blocks in the reverse
+            # of the order they finish in (last step's, on another path, is no guide).
+            uses += [(b, BACKWARD) for b in reversed(_finish_order([b for b, _k in uses])) if b.trainable]
         self.scheduler.expect(uses)
+        # Blocks kept for last step's order but not on this path may go.
+        self.scheduler.kept &= {b for b, _kinds in uses} | {b for b in self.scheduler.kept if b.module is None}
         self._expect_used = True
         self._prefetch()
 
@@ -751,6 +769,25 @@ class Pager(HooksMixin, StateDictMixin):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("pager: this model was unwrapped; wrap it again to page it.")
+
+
+def _finish_order(blocks):
+    """The order in which calls to `blocks` (in call order) return: a nested
+    block (a NAS candidate) returns before the block around it."""
+    out, open_ = [], []
+    for b in blocks:
+        while open_ and not _encloses(open_[-1], b):
+            out.append(open_.pop())
+        open_.append(b)
+    return out + open_[::-1]
+
+
+def _encloses(outer, block) -> bool:
+    while block.parent is not None:
+        block = block.parent
+        if block is outer:
+            return True
+    return False
 
 
 def _norms_by_device(values, norm_type):

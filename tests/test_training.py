@@ -445,3 +445,22 @@ def test_defer_step_false_steps_every_block_during_step():
     assert not any(b.deferred_steps for b in pager.of(model).blocks)
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_expect_predicts_the_backward_of_a_sampled_path():
+    """With expect(path), the backward (this path in reverse, each layer
+    before its candidate) is prefetched too: few fetches on demand, where
+    last step's order (another path) would miss most of the backward."""
+    net = SuperNet(n_layers=6)
+    ref = copy.deepcopy(net)
+    pager.wrap(net, budget=_supernet_budget(net), device="cpu")
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref))
+    gen = torch.Generator().manual_seed(3)
+    train_supernet(net, ref, opt, ref_opt, batches(4), gen, 4)
+    pg = pager.of(net)
+    pg.reset()
+    train_supernet(net, ref, opt, ref_opt, batches(8), gen, 4)
+    s = pg.stats()
+    assert s.misses <= 8, s  # 39 when the backward followed last step's path
+    pager.unwrap(net)
+    assert_models_equal(net, ref)
