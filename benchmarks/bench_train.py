@@ -23,6 +23,7 @@ from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps
 from benchmarks.models import Decoder, SuperNet
 
 VOCAB = 32000
+LONG_RUN_STEPS = 20  # extra steps before reading the allocator's reserved bytes again
 
 
 def decoder_1b(device):
@@ -80,12 +81,20 @@ def bench_decoder(args, rows):
         pg.reset()
         make_step(model, opt, ids, tgt)()
         s = pg.stats()
+        # Fragmentation: what the caching allocator holds against what is in
+        # use, after the timed steps and again after a longer run.
+        reserved = [torch.cuda.memory_reserved() / GiB]
+        for _ in range(LONG_RUN_STEPS):
+            make_step(model, opt, ids, tgt)()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved() / GiB)
         rows.append(Row(
             w, f"pager, budget 40% of peak ({budget / GiB:.1f} GiB){'' if defer else ', defer_step=False'}", ms, peak,
             ms / gpu_ms, "all on GPU",
             f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; hit {100 * s.hit_rate:.0f}%; "
-            f"{s.deferred_steps} block updates deferred",
-            {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds},
+            f"{s.deferred_steps} block updates deferred; allocator reserved {reserved[0]:.2f} GiB after "
+            f"{args.reps + 4} steps, {reserved[1]:.2f} GiB after {args.reps + 4 + LONG_RUN_STEPS}",
+            {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds, "reserved_gib": reserved},
         ))
         print(rows[-1])
         pager.unwrap(model)
