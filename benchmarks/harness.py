@@ -46,6 +46,29 @@ def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def interleaved_ms(fns, warmup: int = 3, reps: int = 40) -> list[tuple[float, float]]:
+    """(median device ms, median host ms) of each of `fns`, run in turns so
+    that clock and thermal drift hit them alike; for ratios of short runs.
+    Host ms is the time to enqueue the work: near the device ms, the run is
+    bound by the host (Python), not by the GPU."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    device, host = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            host[i].append((time.perf_counter() - t0) * 1e3)
+            end.record()
+            end.synchronize()
+            device[i].append(start.elapsed_time(end))
+    return [(statistics.median(d), statistics.median(h)) for d, h in zip(device, host)]
+
+
 def peak_during(fn) -> float:
     """Peak allocated GiB while running `fn()` once (above what was allocated)."""
     torch.cuda.synchronize()
