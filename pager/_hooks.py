@@ -99,9 +99,8 @@ class HooksMixin:
             block.guard_handles = None
 
     def _snapshot_structure(self) -> None:
-        self._structure = [
-            (m, len(m._parameters), len(m._buffers), len(m._modules)) for m in self.model.modules()
-        ]
+        self._tables = [t for m in self.model.modules() for t in (m._parameters, m._buffers, m._modules)]
+        self._table_lens = list(map(len, self._tables))
         entries = [
             (table, name, t)
             for m in self.model.modules()
@@ -124,8 +123,8 @@ class HooksMixin:
                     f"paged. Unfreeze before wrapping: pager.unwrap(model), set requires_grad, then "
                     f"pager.wrap(model, ...) again (freezing after wrap is fine)."
                 )
-        changed = any(map(is_not, map(dict.get, self._entry_tables, self._entry_names), self._entry_tensors)) or any(
-            (len(m._parameters), len(m._buffers), len(m._modules)) != (p, b, c) for m, p, b, c in self._structure
+        changed = any(map(is_not, map(dict.get, self._entry_tables, self._entry_names), self._entry_tensors)) or (
+            list(map(len, self._tables)) != self._table_lens
         )
         if not changed:
             return
@@ -224,12 +223,15 @@ class HooksMixin:
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
             with self._lock:
-                try:
-                    self._acquire(block, WEIGHTS)
-                except BaseException:
-                    block.unpinned_calls += 1  # the post-hook (always called) must not release
-                    raise
-                self._prefetch()
+                if self._can_use_resident(block):
+                    self._use_resident(block)
+                else:
+                    try:
+                        self._acquire(block, WEIGHTS)
+                    except BaseException:
+                        block.unpinned_calls += 1  # the post-hook (always called) must not release
+                        raise
+                    self._prefetch()
             if block.trainable and torch.is_grad_enabled():
                 return self._register_post_backward(block, args, kwargs)
             return None
