@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -529,14 +530,11 @@ class Pager(HooksMixin, StateDictMixin):
     # ---------------------------------------------------------------- public
     @_locked
     def stats(self) -> Stats:
-        """Counters since the last `reset()` (see `Stats`), with per-block rows."""
+        """Counters since the last `reset()` (see `Stats`), with per-block rows:
+        a snapshot, which later steps do not change."""
         self._resolve_events()
-        s = self._stats
-        s.resident_bytes = self.resident_bytes
-        for b in self.all_blocks():
-            b.stats.resident_bytes = b.device_bytes()
-        s.blocks = [b.stats for b in self.all_blocks()]
-        return s
+        blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
+        return dataclasses.replace(self._stats, resident_bytes=self.resident_bytes, blocks=blocks)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory

@@ -279,3 +279,17 @@ def test_warns_when_stalls_dominate(caplog, budget_blocks, fires):
         for _ in range(22):
             model(torch.zeros(1))
     assert len(_warnings(caplog, "waited for transfers")) == (1 if fires else 0)
+
+
+def test_stats_is_a_snapshot():
+    model = TinyLM()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model.layers[0]), device="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        model(ids)
+        before = pager.of(model).stats()
+        hits, moved = before.hits + before.misses, before.h2d_bytes
+        model(ids)
+    assert (before.hits + before.misses, before.h2d_bytes) == (hits, moved)
+    after = pager.of(model).stats()
+    assert after.hits + after.misses > hits and after.h2d_bytes > moved
