@@ -159,6 +159,7 @@ class Block:
         self.release_versions = None  # its tensors' versions then
         self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
         self.guard_handles = None     # installed while the block is paged out
+        self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
         self.deferred_steps: list = []  # optimizer updates applied at its next use (_optim.Deferred)
 
     # -- sizes -------------------------------------------------------------

@@ -88,6 +88,9 @@ def close(pager) -> None:
     pager._hooks.clear()
     for block in pager.blocks:
         pager._unguard(block)
+        for h in block.hook_handles:
+            h.remove()
+        block.hook_handles = []
     for opt_link in list(pager._optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():

@@ -25,10 +25,7 @@ class HooksMixin:
         self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(root.register_forward_hook(self._root_post_forward, always_call=True))
         for block in self.blocks:
-            pre = self._make_pre_forward(block)
-            post = self._make_post_forward(block)
-            self._hooks.append(block.module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+            self._install_block_hooks(block)
         self._install_inner_hooks()
         self._known = {id(t) for b in self.all_blocks() for t in b.weights.tensors}
         self._snapshot_structure()
@@ -37,6 +34,57 @@ class HooksMixin:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._install_state_dict_hooks()
+
+    def _install_block_hooks(self, block: Block) -> None:
+        # Ours first among pre-hooks (a user's hook on the block may read its
+        # weights: they must be here) and last among post-hooks.
+        block.hook_handles = [
+            block.module.register_forward_pre_hook(self._make_pre_forward(block), with_kwargs=True, prepend=True),
+            block.module.register_forward_hook(self._make_post_forward(block), always_call=True),
+        ]
+
+    # [Note: asleep]
+    # When a forward starts with grad disabled and every page of every block
+    # is on the device (each acquired since its fetch, no deferred update, no
+    # trace), the block hooks can only count: they are removed for that
+    # forward, so a model that fits its budget runs at the speed of the bare
+    # model (a module with hooks takes PyTorch's slow call path; a host-bound
+    # forward pays for it). Nothing may leave while such a forward runs
+    # (`_evictions_blocked`); the next forward that needs the hooks (grad
+    # enabled, a block to fetch) installs them again before it starts. If grad
+    # was enabled inside and the output carries a graph, the blocks stay put
+    # until the next forward, since their backward hooks were not there.
+    def _can_sleep(self) -> bool:
+        return (
+            not torch.is_grad_enabled()
+            and self.resident_bytes == self.total_bytes
+            and not self.tracer.enabled
+            and all(b.settled and not b.deferred_steps for b in self.blocks)
+        )
+
+    def _sleep(self) -> None:
+        if not self._asleep:
+            for block in self.blocks:
+                for h in block.hook_handles:
+                    h.remove()
+                block.hook_handles = []
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            for block in self.blocks:
+                self._install_block_hooks(block)
+            self._asleep = False
+
+    def _evictions_blocked(self) -> bool:
+        return self._sleeping_forwards > 0 or self._held_for_graph
+
+    def _forward_marks(self) -> list:
+        # Per thread: whether each root forward in flight started asleep.
+        marks = getattr(self._thread_state, "marks", None)
+        if marks is None:
+            marks = self._thread_state.marks = []
+        return marks
 
     def _install_inner_hooks(self) -> None:
         """Guards for a module inside a block called on its own (not through
@@ -149,11 +197,25 @@ class HooksMixin:
             self._check_structure()
             self._release_stale_backward_holds()
             self._start_step()
+            self._held_for_graph = False
+            self._sleep() if self._can_sleep() else self._wake()
+        elif self._asleep and torch.is_grad_enabled():
+            self._wake()  # another thread's forward builds a graph: its blocks need their hooks
+        self._forward_marks().append(self._asleep)
+        if self._asleep:
+            self._sleeping_forwards += 1
+            self._stats.resident_forwards += 1
         self._root_depth += 1
 
     @_locked
     def _root_post_forward(self, module, args, output):
         self._root_depth = max(0, self._root_depth - 1)
+        marks = self._forward_marks()
+        if marks and marks.pop():
+            self._sleeping_forwards -= 1
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
+                self._wake()
+                self._held_for_graph = True  # see [Note: asleep]
 
     def _release_stale_backward_holds(self) -> None:
         # A backward that raised never ran its final callback: its blocks are

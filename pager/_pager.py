@@ -63,7 +63,11 @@ class Pager(HooksMixin, StateDictMixin):
         self._warned: set[str] = set()
         self._step_misses = 0
         self._unsaid_change = False
-        self._kept_key = None  # what the kept set was chosen for (_start_step)  # the last step's order changed, unannounced, with misses
+        self._kept_key = None  # what the kept set was chosen for (_start_step)
+        self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
+        self._sleeping_forwards = 0
+        self._held_for_graph = False
+        self._thread_state = threading.local()  # the last step's order changed, unannounced, with misses
         self._expect_used = False
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._closed = False
@@ -344,7 +348,7 @@ class Pager(HooksMixin, StateDictMixin):
         except torch.cuda.OutOfMemoryError:
             pass
         for other in list(self.resident):
-            if other is not block and other.pins == 0 and not other.resident_for_life:
+            if other is not block and other.pins == 0 and not other.resident_for_life and not self._evictions_blocked():
                 self._evict(other)
         if self.transport.is_cuda:
             torch.cuda.synchronize(self.device)  # error path: let freed memory settle
@@ -479,6 +483,8 @@ class Pager(HooksMixin, StateDictMixin):
         inf = float("inf")
         distance = self.scheduler.next_use()
         kept = self.scheduler.kept
+        if self._evictions_blocked():
+            return False
         candidates = [
             b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect
         ]
@@ -778,7 +784,7 @@ class Pager(HooksMixin, StateDictMixin):
                 f"this model needs (the remainder and its largest block); give at least that."
             )
         for block in list(self.resident):
-            if self.resident_bytes <= nbytes:
+            if self.resident_bytes <= nbytes or self._evictions_blocked():
                 break
             if block.pins == 0 and not block.resident_for_life:
                 self._evict(block)

@@ -57,6 +57,7 @@ class Stats:
     steps: int = 0
     order_changes: int = 0
     deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
+    resident_forwards: int = 0  # forwards run with every block resident and no block hooks (not in hits)
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property

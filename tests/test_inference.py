@@ -342,3 +342,81 @@ def test_stats_read_well():
     for f in ("h2d_bytes", "d2h_bytes", "hits", "misses", "evictions", "prefetches",
               "stall_seconds", "resident_bytes", "peak_resident_bytes", "budget_bytes"):
         assert hasattr(s, f)
+
+
+# -- asleep: see [Note: asleep] in pager/_hooks.py ------------------------------
+
+
+def _pager_hooks_on_blocks(model):
+    return sum(len(b.hook_handles) for b in pager.of(model).blocks)
+
+
+def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    pg = pager.of(model)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(model(ids), ref(ids))
+        assert _pager_hooks_on_blocks(model) == 0 and pg.stats().resident_forwards >= 1
+        # A lower budget: blocks must move, so the hooks are back before the forward.
+        pg.set_budget(3 * tensor_page_bytes(model.layers[0]) + tensor_page_bytes(model.embed))
+        assert_same(model(ids), ref(ids))
+        assert _pager_hooks_on_blocks(model) == 2 * len(pg.blocks)
+        assert pg.stats().evictions > 0
+    # A training step needs the hooks (backward fetches): awake, and equal.
+    pg.set_budget(1 << 30)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(ids).sum().backward()
+        o.step()
+    assert _pager_hooks_on_blocks(model) == 2 * len(pg.blocks)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+class GradInside(nn.Module):
+    """A forward that turns grad on inside, whatever the caller said."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        with torch.enable_grad():
+            for layer in self.layers:
+                x = layer(x)
+        return x
+
+
+def test_a_graph_built_inside_a_no_grad_forward_keeps_its_blocks():
+    model = GradInside()
+    pager.wrap(model, budget=1 << 20, device="cpu")
+    pg = pager.of(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)
+        model(x)
+        y = model(x)  # asleep when it started
+    assert y.requires_grad
+    with pytest.raises(ValueError, match="blocks in use"):
+        pg.set_budget(2 * tensor_page_bytes(model.layers[0]))  # nothing may leave before the backward
+    y.sum().backward()
+    assert all(layer.weight.grad is not None for layer in model.layers)
+
+
+def test_a_users_hook_on_a_block_sees_its_weights():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    seen, ref_seen = [], []
+    model.layers[2].register_forward_pre_hook(lambda m, a: seen.append(m.mlp[0].weight.sum().item()))
+    ref.layers[2].register_forward_pre_hook(lambda m, a: ref_seen.append(m.mlp[0].weight.sum().item()))
+    pager.wrap(model, budget=3 * tensor_page_bytes(model.layers[0]) + tensor_page_bytes(model.embed), device="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(model(ids), ref(ids))
+    assert seen == ref_seen and pager.of(model).stats().evictions > 0
