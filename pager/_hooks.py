@@ -45,8 +45,8 @@ class HooksMixin:
 
     # [Note: asleep]
     # When a forward starts with grad disabled and every page of every block
-    # is on the device (each acquired since its fetch, no deferred update, no
-    # trace), the block hooks can only count: they are removed for that
+    # is on the device (each acquired since its fetch and none in use, no
+    # deferred update, no trace), the block hooks can only count: they are removed for that
     # forward, so a model that fits its budget runs at the speed of the bare
     # model (a module with hooks takes PyTorch's slow call path; a host-bound
     # forward pays for it). Nothing may leave while such a forward runs
@@ -59,7 +59,7 @@ class HooksMixin:
             not torch.is_grad_enabled()
             and self.resident_bytes == self.total_bytes
             and not self.tracer.enabled
-            and all(b.settled and not b.deferred_steps for b in self.blocks)
+            and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.blocks)
         )
 
     def _sleep(self) -> None:

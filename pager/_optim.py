@@ -19,8 +19,8 @@ segment, and the dict entries in `opt.state[p]` are replaced by views of it.
 Host-side scalars (Adam's `step` on the CPU) stay where they are.
 
 [Note: deferred updates]
-A block that is wholly paged out when `step()` is called is not brought in
-for its update then. The update is recorded (the block's share of each param
+A block whose gradients are paged out when `step()` is called is not brought
+in for its update then. The update is recorded (the block's share of each param
 group, the groups' options such as `lr` as they are now, which gradients it
 reads and any scaling `clip_grad_norm_` recorded on them) and applied when the
 block is next acquired, normally by the next forward: the prefetch brings its

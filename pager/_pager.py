@@ -62,12 +62,12 @@ class Pager(HooksMixin, StateDictMixin):
         self._lock = threading.RLock()  # see _locked
         self._warned: set[str] = set()
         self._step_misses = 0
-        self._unsaid_change = False
+        self._unsaid_change = False  # the last step's order changed, unannounced, with misses
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
         self._sleeping_forwards = 0
         self._held_for_graph = False
-        self._thread_state = threading.local()  # the last step's order changed, unannounced, with misses
+        self._thread_state = threading.local()
         self._expect_used = False
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._closed = False
@@ -666,26 +666,26 @@ class Pager(HooksMixin, StateDictMixin):
             uses += [(b, BACKWARD) for b in reversed(_finish_order([b for b, _k in uses])) if b.trainable]
         self.scheduler.expect(uses)
         # Blocks kept for last step's order but not on this path may go.
-        self.scheduler.kept &= {b for b, _kinds in uses} | {b for b in self.scheduler.kept if b.module is None}
+        self.scheduler.kept &= {b for b, _kinds in uses}
         self._expect_used = True
         self._prefetch()
 
-    @_locked
-    def apply_deferred(self, blocks=None) -> None:
+    def apply_deferred(self) -> None:
         """Apply every optimizer update deferred to a block's next use now.
 
         Needed only to read weights or optimizer state by other means than the
         model's forward, `state_dict()` and `clip_grad_norm_` (those apply what
         they need themselves). See `wrap(defer_step=...)`.
 
-        Args:
-            blocks: only these (Block objects); all by default.
-
         Example:
             >>> opt.step()
             >>> pager.of(model).apply_deferred()
         """
-        for block in self.all_blocks() if blocks is None else blocks:
+        self._apply_deferred(self.all_blocks())
+
+    @_locked
+    def _apply_deferred(self, blocks) -> None:
+        for block in blocks:
             if block.deferred_steps:
                 self._acquire(block, STEP, record=False)
                 self._release(block)
@@ -733,7 +733,7 @@ class Pager(HooksMixin, StateDictMixin):
         # model.parameters() order, then the norm of those), so that on the CPU
         # device the result is bitwise the same.
         # A gradient kept since a deferred update is read as that update left it.
-        self.apply_deferred([b for b in self.blocks if b.deferred_steps and any(
+        self._apply_deferred([b for b in self.blocks if b.deferred_steps and any(
             isinstance(p.grad, PagedOutGrad) for p in b.params)])
         values, targets = [], []
         with torch.no_grad():
