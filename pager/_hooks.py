@@ -205,6 +205,7 @@ class HooksMixin:
         if self._asleep:
             self._sleeping_forwards += 1
             self._stats.resident_forwards += 1
+            self._stats.resident_uses += len(self.scheduler.plan)
         self._root_depth += 1
 
     @_locked

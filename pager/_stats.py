@@ -57,7 +57,8 @@ class Stats:
     steps: int = 0
     order_changes: int = 0
     deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
-    resident_forwards: int = 0  # forwards run with every block resident and no block hooks (not in hits)
+    resident_forwards: int = 0  # forwards run with every block resident and no block hooks
+    resident_uses: int = 0  # their block uses (as many as the last hooked step had), not in `hits`
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property
@@ -71,8 +72,9 @@ class Stats:
 
     @property
     def hit_rate(self) -> float:
-        uses = self.hits + self.misses
-        return self.hits / uses if uses else 1.0
+        """Share of block uses that found the block on the device (unhooked uses count)."""
+        uses = self.hits + self.misses + self.resident_uses
+        return (self.hits + self.resident_uses) / uses if uses else 1.0
 
     def __str__(self) -> str:
         return (
@@ -82,6 +84,8 @@ class Stats:
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
             + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")
+            + (f"; {self.resident_forwards} forwards ran with every block resident, unhooked"
+               if self.resident_forwards else "")
         )
 
     def report(self) -> str:

@@ -361,6 +361,8 @@ def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():
         for _ in range(3):
             assert_same(model(ids), ref(ids))
         assert _pager_hooks_on_blocks(model) == 0 and pg.stats().resident_forwards >= 1
+        s = pg.stats()  # unhooked uses are counted from the last hooked step's order
+        assert s.resident_uses == s.resident_forwards * len(pg.blocks) and s.hit_rate > 0.5
         # A lower budget: blocks must move, so the hooks are back before the forward.
         pg.set_budget(3 * tensor_page_bytes(model.layers[0]) + tensor_page_bytes(model.embed))
         assert_same(model(ids), ref(ids))
