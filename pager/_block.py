@@ -105,9 +105,6 @@ class Segment:
     params: list = field(default_factory=list)
     names: list = field(default_factory=list)
     pending_scale: dict = field(default_factory=dict)
-    # grads segments only: the page holds the gradients of a deferred
-    # optimizer update (see _optim.py), so it is fetched whatever param.grad says.
-    held_for_step: bool = False
 
     def host_views(self) -> list[torch.Tensor]:
         return [s.view_of(self.host) for s in self.slots]

@@ -57,7 +57,7 @@ class HooksMixin:
     def _can_sleep(self) -> bool:
         return (
             not torch.is_grad_enabled()
-            and self.resident_bytes == self.total_bytes
+            and self.all_resident
             and not self.tracer.enabled
             and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.blocks)
         )

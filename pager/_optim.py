@@ -126,10 +126,12 @@ class OptimizerLink:
                 owner = pager._param_block.get(id(p))
                 if owner is not None and id(owner) in shares:
                     shares[id(owner)][gi].append(p)
-        now = []
+        now, options = [], None
         for block in blocks:
             if self._can_defer(block):
-                self._defer(block, shares[id(block)])
+                if options is None:  # the groups' options as they are now, once per step
+                    options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in groups]
+                self._defer(block, shares[id(block)], options)
             else:
                 now.append(block)
         pager.scheduler.expect([(b, STEP) for b in now])
@@ -174,13 +176,13 @@ class OptimizerLink:
             return False  # GradScaler hands fused optimizers a scale that step() reads
         return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
 
-    def _defer(self, block: Block, shares: list) -> None:
+    def _defer(self, block: Block, shares: list, options: list) -> None:
+        # While the update is pending, the grads page is fetched and kept
+        # whatever param.grad says (Pager._check_grads_present, _page_out_grads).
         seg = block.segments["grads"]
         grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
-        options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         block.deferred_steps.append(Deferred(self, shares, options, grads, dict(seg.pending_scale)))
         seg.pending_scale.clear()  # what is recorded from now on applies after the update
-        seg.held_for_step = True
         self.pager._stats.deferred_steps += 1
 
     def apply(self, block: Block, d: Deferred) -> None:

@@ -113,6 +113,11 @@ class Pager(HooksMixin, StateDictMixin):
                 block.parent, enclosing = enclosing, block
             stack += [(child, enclosing) for child in module.children()]
 
+    @property
+    def all_resident(self) -> bool:
+        """Every page of every block is on the device: nothing to fetch or evict."""
+        return self.resident_bytes == self.total_bytes
+
     def all_blocks(self):
         return self.blocks + ([self.remainder] if self.remainder is not None else [])
 
@@ -188,7 +193,7 @@ class Pager(HooksMixin, StateDictMixin):
             self._unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
-        missing = 0 if self.resident_bytes == self.total_bytes else block.missing_bytes(kinds)
+        missing = 0 if self.all_resident else block.missing_bytes(kinds)
         block.pins += 1
         try:
             if missing:
@@ -200,14 +205,7 @@ class Pager(HooksMixin, StateDictMixin):
             block.pins -= 1
             raise
         if record:
-            block.uses += 1
-        if missing and block.fetched_data and record:
-            block.stats.misses += 1
-            self._stats.misses += 1
-            self._step_misses += 1
-        elif record:
-            block.stats.hits += 1
-            self._stats.hits += 1
+            self._count_use(block, miss=bool(missing and block.fetched_data))
         self._wait_for(block)
         if block.deferred_steps:
             self._run_deferred(block)
@@ -230,7 +228,7 @@ class Pager(HooksMixin, StateDictMixin):
         does just that. A model that fits its budget then pays for two hook
         calls per block and no CUDA call."""
         return (
-            self.resident_bytes == self.total_bytes
+            self.all_resident
             and block.settled
             and not block.deps
             and not block.deferred_steps
@@ -241,11 +239,19 @@ class Pager(HooksMixin, StateDictMixin):
         self.scheduler.observe(block, WEIGHTS)
         self._unguard(block)
         block.pins += 1
-        block.uses += 1
-        block.stats.hits += 1
-        self._stats.hits += 1
+        self._count_use(block, miss=False)
         self._tick += 1
         block.last_use_tick = self._tick
+
+    def _count_use(self, block: Block, miss: bool) -> None:
+        block.uses += 1
+        if miss:
+            block.stats.misses += 1
+            self._stats.misses += 1
+            self._step_misses += 1
+        else:
+            block.stats.hits += 1
+            self._stats.hits += 1
 
     def _wait_for(self, block: Block) -> None:
         if block.fetch_event is None:
@@ -271,7 +277,6 @@ class Pager(HooksMixin, StateDictMixin):
                 d = block.deferred_steps[0]
                 d.link.apply(block, d)
                 block.deferred_steps.pop(0)
-        block.segments["grads"].held_for_step = False
 
     def _apply_pending(self, block: Block) -> None:
         seg = block.segments.get("grads")
@@ -288,7 +293,7 @@ class Pager(HooksMixin, StateDictMixin):
             self._release(dep)
         block.pins -= 1
         if block.pins == 0:
-            if self.resident_bytes == self.total_bytes and not self.tracer.enabled:
+            if self.all_resident and not self.tracer.enabled:
                 # Everything is on the device, so nothing is fetched and nothing
                 # evicted; an eviction after all (set_budget, a new segment) orders
                 # itself after a fresh event (_evict). Saves an event per use.
@@ -313,7 +318,7 @@ class Pager(HooksMixin, StateDictMixin):
             allocated = True
             self.resident_bytes += seg.nbytes
             if kind == "grads":
-                self._check_grads_present(seg)
+                self._check_grads_present(block, seg)
             if seg.host_valid:
                 start, end = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
                 first = first if moved else start
@@ -385,7 +390,7 @@ class Pager(HooksMixin, StateDictMixin):
         setattr(block.stats, field, getattr(block.stats, field) + seconds)
         setattr(self._stats, field, getattr(self._stats, field) + seconds)
 
-    def _check_grads_present(self, seg: Segment) -> None:
+    def _check_grads_present(self, block: Block, seg: Segment) -> None:
         """Before fetching a grads page: is any gradient in it still wanted?
 
         [Note: gradients are exposed only after compute waits]
@@ -399,7 +404,7 @@ class Pager(HooksMixin, StateDictMixin):
                 present = True
             else:
                 seg.pending_scale.pop(i, None)
-        seg.host_valid = present or seg.held_for_step
+        seg.host_valid = present or bool(block.deferred_steps)  # a deferred update reads the page
 
     def _expose_grads(self, block: Block) -> None:
         seg = block.segments.get("grads")
@@ -437,7 +442,7 @@ class Pager(HooksMixin, StateDictMixin):
                     continue
                 writeback = None
                 if kind == "grads":
-                    self._page_out_grads(seg)  # host_valid now says if any gradient is still wanted
+                    self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
                 if seg.is_dirty() and (kind != "grads" or seg.host_valid):
                     start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
                     writeback = end if self.transport.is_cuda else None
@@ -465,7 +470,7 @@ class Pager(HooksMixin, StateDictMixin):
                     seg.tensors[i].copy_(g)
                 p.grad = seg.tensors[i]
 
-    def _page_out_grads(self, seg: Segment) -> None:
+    def _page_out_grads(self, block: Block, seg: Segment) -> None:
         present = False
         for i, p in enumerate(seg.params):
             if p.grad is seg.tensors[i]:
@@ -473,7 +478,7 @@ class Pager(HooksMixin, StateDictMixin):
                 present = True
             elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 present = True  # fetched but never exposed: the page still holds it
-        seg.host_valid = present or seg.held_for_step
+        seg.host_valid = present or bool(block.deferred_steps)
 
     def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
@@ -507,7 +512,7 @@ class Pager(HooksMixin, StateDictMixin):
         )
 
     def _prefetch(self) -> None:
-        if not self.prefetch_depth or self.resident_bytes == self.total_bytes:
+        if not self.prefetch_depth or self.all_resident:
             return  # off, or nothing left to fetch
         fetched = 0
         for distance, (block, kinds) in enumerate(islice(self.scheduler.upcoming(), PREFETCH_WINDOW)):
