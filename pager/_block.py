@@ -100,11 +100,20 @@ class Segment:
     force_dirty: bool = False
     writeback_event: object = None     # last write-back of this page, if any
     host_valid: bool = True            # the host page holds data worth fetching
-    # grads segments only: the parameters, their names, and zeroing/scaling
-    # recorded while paged out (slot index -> factor), applied on return.
+    # While paged out, each tensor's own class (see [Note: paged-out tensors]
+    # in _paged.py), and views handed out by served accesses: (weakref, class).
+    classes: list = field(default_factory=list)
+    aliases: list = field(default_factory=list)
+    exposed: bool = True               # tensors have their own class (resident, compute waited on the fetch)
+    storage_key: int = 0               # the flat storage's address (_paged registry)
+    # grads segments only: the parameters, their names, zeroing/scaling
+    # recorded while paged out (slot index -> [(op, factor)], replayed on
+    # return), and per-slot norms computed as the gradients left.
     params: list = field(default_factory=list)
     names: list = field(default_factory=list)
-    pending_scale: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)
+    summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
+    summary_event: object = None       # on the d2h stream: the summaries are computed
 
     def host_views(self) -> list[torch.Tensor]:
         return [s.view_of(self.host) for s in self.slots]
@@ -115,11 +124,13 @@ class Segment:
         return self.tensors if self.resident else self.host_views()
 
     def snapshot_versions(self) -> None:
-        self.versions = [t._version for t in self.tensors]
+        with torch._C.DisableTorchFunctionSubclass():
+            self.versions = [t._version for t in self.tensors]
         self.force_dirty = False
 
     def is_dirty(self) -> bool:
-        return self.force_dirty or any(t._version != v for t, v in zip(self.tensors, self.versions))
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.force_dirty or any(t._version != v for t, v in zip(self.tensors, self.versions))
 
 
 class Block:
@@ -176,9 +187,10 @@ class Block:
     def versions(self) -> list:
         """Version counters of its resident tensors."""
         out = []
-        for seg in self.segments.values():
-            if seg.resident:
-                out += [t._version for t in seg.tensors]
+        with torch._C.DisableTorchFunctionSubclass():
+            for seg in self.segments.values():
+                if seg.resident:
+                    out += [t._version for t in seg.tensors]
         return out
 
     def mark_dirty(self, kinds=None) -> None:

@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from ._block import Block
 from ._common import WEIGHTS, _locked
-from ._grads import PagedOutGrad
+from . import _paged
+from ._grads import PagedOutGrad, replay
 
 
 class StateDictMixin:
@@ -91,6 +92,9 @@ def close(pager) -> None:
         for h in block.hook_handles:
             h.remove()
         block.hook_handles = []
+    for block in pager.all_blocks():
+        for seg in block.segments.values():
+            _paged.release(seg)  # tensors get their own class back; views handed out are told
     for opt_link in list(pager._optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():
@@ -104,8 +108,7 @@ def close(pager) -> None:
                 g = p.grad
                 if isinstance(g, PagedOutGrad):
                     value = host[i].clone()
-                    if g.segment.pending_scale.get(i) is not None:
-                        value.mul_(g.segment.pending_scale[i])
+                    replay(value, g.segment.pending.get(i, ()))
                     grad_values.append((p, value))
                 elif g is not None:
                     grad_values.append((p, g))

@@ -46,7 +46,7 @@ import torch
 
 from ._block import Block
 from ._common import STEP
-from ._grads import PagedOutGrad
+from ._grads import PagedOutGrad, replay
 from ._pager import Pager
 
 
@@ -58,7 +58,7 @@ class Deferred:
     shares: list   # the block's parameters in each param group
     options: list  # each group's options (lr, betas, ...) at step time
     grads: set     # slots of the grads segment whose gradients the update reads
-    scales: dict   # slot -> scaling recorded on that gradient before the step
+    scales: dict   # slot -> zeroing/scaling recorded on that gradient before the step
 
 
 class OptimizerLink:
@@ -181,8 +181,8 @@ class OptimizerLink:
         # whatever param.grad says (Pager._check_grads_present, _page_out_grads).
         seg = block.segments["grads"]
         grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
-        block.deferred_steps.append(Deferred(self, shares, options, grads, dict(seg.pending_scale)))
-        seg.pending_scale.clear()  # what is recorded from now on applies after the update
+        block.deferred_steps.append(Deferred(self, shares, options, grads, {i: list(ops) for i, ops in seg.pending.items()}))
+        seg.pending.clear()  # what is recorded from now on applies after the update
         self.pager._stats.deferred_steps += 1
 
     def apply(self, block: Block, d: Deferred) -> None:
@@ -197,8 +197,8 @@ class OptimizerLink:
         saved_groups = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
         try:
             with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
-                for i, scale in d.scales.items():
-                    seg.tensors[i].mul_(scale) if scale != 0.0 else seg.tensors[i].zero_()
+                for i, ops in d.scales.items():
+                    replay(seg.tensors[i], ops)
                 for p in params:
                     i = pager._owner.get(id(p), (None, None))[1]
                     p.grad = seg.tensors[i] if i in d.grads else None

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from itertools import islice
 
 import torch
@@ -15,7 +16,9 @@ from ._block import Block, Residency, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
 from ._common import BACKWARD, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
-from ._grads import PagedOutGrad
+from . import _paged
+from ._grad_ops import GradOpsMixin
+from ._grads import PagedOutGrad, replay
 from ._hooks import HooksMixin
 from ._host import HostArena
 from ._schedule import Scheduler
@@ -26,7 +29,7 @@ from ._transport import CpuTransport, CudaTransport
 log = logging.getLogger("pager")
 
 
-class Pager(HooksMixin, StateDictMixin):
+class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     """Pages one model's blocks between host pages and a device under a budget.
 
     Made by `pager.wrap`; reach it with `pager.of(model)`.
@@ -69,6 +72,7 @@ class Pager(HooksMixin, StateDictMixin):
         self._held_for_graph = False
         self._thread_state = threading.local()
         self._expect_used = False
+        self._summarize_grads = False  # norms of gradients computed as they leave (a clip or unscale asked)
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._closed = False
         self._named_blocks = named_blocks
@@ -136,6 +140,8 @@ class Pager(HooksMixin, StateDictMixin):
             t.data = slot.view_of(flat)
         seg.tensors = tensors
         self.transport.free(flat)
+        _paged.register(self, block, seg)
+        _paged.page_out(seg)
         block.segments["weights"] = seg
         block.params = [t for _n, t, is_param in named if is_param]
         block.param_names = [n for n, _t, is_param in named if is_param]
@@ -153,6 +159,8 @@ class Pager(HooksMixin, StateDictMixin):
         self.transport.allocate(flat, nbytes)
         seg.tensors = [s.view_of(flat) for s in slots]
         self.transport.free(flat)
+        _paged.register(self, block, seg)
+        _paged.page_out(seg)
         block.segments[kind] = seg
         block.stats.nbytes = block.nbytes()
         return seg
@@ -254,8 +262,10 @@ class Pager(HooksMixin, StateDictMixin):
             self._stats.hits += 1
 
     def _wait_for(self, block: Block) -> None:
+        """Order compute after the block's fetch; its tensors may be touched from here on."""
         if block.fetch_event is None:
             block.residency = Residency.DEVICE
+            self._expose(block)
             return
         with _record_range(f"pager::wait[{block.name}]"):
             if self.transport.is_cuda:
@@ -268,6 +278,12 @@ class Pager(HooksMixin, StateDictMixin):
             self.transport.compute_waits(block.fetch_event)
         block.fetch_event = None
         block.residency = Residency.DEVICE
+        self._expose(block)
+
+    def _expose(self, block: Block) -> None:
+        for seg in block.segments.values():
+            if seg.resident and not seg.exposed:
+                _paged.expose(seg)
 
     def _run_deferred(self, block: Block) -> None:
         """Apply the optimizer updates deferred to this use of `block` (resident,
@@ -280,13 +296,13 @@ class Pager(HooksMixin, StateDictMixin):
 
     def _apply_pending(self, block: Block) -> None:
         seg = block.segments.get("grads")
-        if seg is None or not seg.resident or not seg.pending_scale:
+        if seg is None or not seg.resident or not seg.pending:
             return
         with torch.no_grad():
-            for i, scale in seg.pending_scale.items():
+            for i, ops in seg.pending.items():
                 if seg.params[i].grad is seg.tensors[i]:
-                    seg.tensors[i].mul_(scale) if scale != 0.0 else seg.tensors[i].zero_()
-        seg.pending_scale.clear()
+                    replay(seg.tensors[i], ops)
+        seg.pending.clear()
 
     def _release(self, block: Block) -> None:
         for dep in block.deps:
@@ -403,8 +419,10 @@ class Pager(HooksMixin, StateDictMixin):
             if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 present = True
             else:
-                seg.pending_scale.pop(i, None)
+                seg.pending.pop(i, None)
         seg.host_valid = present or bool(block.deferred_steps)  # a deferred update reads the page
+        if not seg.host_valid:
+            seg.summaries = {}  # the device copy will hold no gradient worth describing
 
     def _expose_grads(self, block: Block) -> None:
         seg = block.segments.get("grads")
@@ -444,6 +462,8 @@ class Pager(HooksMixin, StateDictMixin):
                 if kind == "grads":
                     self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
                 if seg.is_dirty() and (kind != "grads" or seg.host_valid):
+                    if kind == "grads" and self._summarize_grads:
+                        self._summarize(seg, ready)
                     start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
                     writeback = end if self.transport.is_cuda else None
                     seg.writeback_event = writeback
@@ -452,6 +472,7 @@ class Pager(HooksMixin, StateDictMixin):
                     self.tracer.span("writeback", block.name, start, end, seg.nbytes)
                 self.transport.free(seg.flat, after=(ready, writeback))
                 seg.resident = False
+                _paged.page_out(seg)  # every later access is served: [Note: paged-out tensors]
                 self.resident_bytes -= seg.nbytes
         block.residency = Residency.HOST
         block.fetch_event = None
@@ -474,7 +495,7 @@ class Pager(HooksMixin, StateDictMixin):
         present = False
         for i, p in enumerate(seg.params):
             if p.grad is seg.tensors[i]:
-                p.grad = PagedOutGrad(p, seg.names[i], seg, i)
+                p.grad = PagedOutGrad(p, seg.names[i], self, block, seg, i)
                 present = True
             elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 present = True  # fetched but never exposed: the page still holds it
@@ -713,62 +734,14 @@ class Pager(HooksMixin, StateDictMixin):
 
         attach(self, optimizer)
 
-    @_locked
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the model's gradients, wherever they are.
-
-        Use it instead of torch's when a step's blocks do not fit the budget
-        (gradients of blocks that left are in host pages: torch's raises an
-        error on them). Resident gradients are scaled in place; paged-out ones
-        when they return.
-
-        Args:
-            max_norm: the largest total norm allowed.
-            norm_type: the p of the p-norm (inf for the max-norm).
-
-        Returns:
-            The total norm before clipping, as a 0-dim tensor.
+        """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`; kept for
+        code written against earlier versions: torch's own works at any budget.
 
         Example:
-            >>> loss.backward()
             >>> pager.of(model).clip_grad_norm_(1.0)
-            >>> opt.step(); opt.zero_grad()
         """
-        # Mirrors torch.nn.utils.clip_grad_norm_ (norms of each gradient, in
-        # model.parameters() order, then the norm of those), so that on the CPU
-        # device the result is bitwise the same.
-        # A gradient kept since a deferred update is read as that update left it.
-        self._apply_deferred([b for b in self.blocks if b.deferred_steps and any(
-            isinstance(p.grad, PagedOutGrad) for p in b.params)])
-        values, targets = [], []
-        with torch.no_grad():
-            for p in self.model.parameters():
-                g = p.grad
-                if g is None:
-                    continue
-                if isinstance(g, PagedOutGrad):
-                    seg, i = g.segment, g.index
-                    if seg.writeback_event is not None and self.transport.is_cuda:
-                        seg.writeback_event.synchronize()  # the page must hold the bytes
-                    value = seg.slots[i].view_of(seg.host)
-                    if i in seg.pending_scale:
-                        value = value * seg.pending_scale[i]
-                    values.append(value)
-                else:
-                    values.append(g)
-                targets.append(p)
-            if not values:
-                return torch.tensor(0.0, device=self.device)
-            norms = [n.to(self.device) for n in _norms_by_device(values, norm_type)]
-            total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in targets:
-                g = p.grad
-                if isinstance(g, PagedOutGrad):
-                    g.segment.pending_scale[g.index] = g.segment.pending_scale.get(g.index, 1.0) * float(coef)
-                else:
-                    g.mul_(coef.to(g.dtype))
-        return total
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
 
     @_locked
     def set_budget(self, budget) -> None:
@@ -827,15 +800,3 @@ def _encloses(outer, block) -> bool:
         if block is outer:
             return True
     return False
-
-
-def _norms_by_device(values, norm_type):
-    """Per-tensor norms, computed with foreach kernels per (device, dtype) run."""
-    out = [None] * len(values)
-    groups: dict = {}
-    for i, v in enumerate(values):
-        groups.setdefault((v.device, v.dtype), []).append(i)
-    for idx in groups.values():
-        for i, n in zip(idx, torch._foreach_norm([values[i] for i in idx], norm_type)):
-            out[i] = n
-    return out

@@ -18,6 +18,7 @@ class BlockStats:
     misses: int = 0
     evictions: int = 0
     prefetches: int = 0
+    on_demand: int = 0  # accesses to its tensors outside its use that fetched it
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     h2d_seconds: float = 0.0
@@ -57,6 +58,7 @@ class Stats:
     steps: int = 0
     order_changes: int = 0
     deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
+    on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
     resident_forwards: int = 0  # forwards run with every block resident and no block hooks
     resident_uses: int = 0  # their block uses (as many as the last hooked step had), not in `hits`
     blocks: list[BlockStats] = field(default_factory=list)
@@ -84,6 +86,7 @@ class Stats:
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
             + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")
+            + (f"; {self.on_demand} accesses to paged-out tensors fetched their block" if self.on_demand else "")
             + (f"; {self.resident_forwards} forwards ran with every block resident, unhooked"
                if self.resident_forwards else "")
         )

@@ -46,6 +46,10 @@ class CpuTransport:
         host.copy_(device_flat)
         return t0, time.perf_counter()
 
+    def side(self, fn, after=()):
+        """Run `fn` (device work) off the compute stream; here: now."""
+        return fn(), None
+
     def record_compute(self):
         return None
 
@@ -105,6 +109,16 @@ class CudaTransport:
             start = self._record(self.d2h_stream, timing=True)
             host.copy_(device_flat, non_blocking=True)
             return start, self._record(self.d2h_stream, timing=True)
+
+    def side(self, fn, after=()):
+        """Run `fn` (small kernels, e.g. norms of gradients about to leave) on
+        the d2h stream; returns its result and an event after it."""
+        for event in after:
+            # fn reads tensors that compute may still be writing.
+            if event is not None:
+                self.d2h_stream.wait_event(event)
+        with torch.cuda.stream(self.d2h_stream):
+            return fn(), self._record(self.d2h_stream)
 
     def record_compute(self):
         return self._record(torch.cuda.current_stream(self.device), timing=True)

@@ -1,0 +1,240 @@
+"""Serving accesses to paged-out tensors, and the training loop's gradient
+operations that need no bytes moved (mixed into `Pager`).
+
+See [Note: paged-out tensors] in _paged.py and [Note: a stand-in for
+gradients that are not on the device] in _grads.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import _paged
+from ._budget import format_bytes
+from ._grads import ZERO, PagedOutGrad, record
+
+log = logging.getLogger("pager")
+KINDS_ORDER = ("weights", "grads", "state")
+INF = float("inf")
+
+
+class GradOpsMixin:
+    """Served accesses and gradient summaries (mixed into `Pager`)."""
+
+    # ------------------------------------------------------------ serving
+    @contextmanager
+    def _serving(self, wanted: dict):
+        """Hold the blocks in `wanted` ({block: kinds}) on the device for one access."""
+        held = []
+        with self._lock:
+            self._check_open()
+            try:
+                for block, kinds in wanted.items():
+                    kinds = tuple(k for k in KINDS_ORDER if k in kinds)
+                    missing = block.missing_bytes(kinds)
+                    self._acquire(block, kinds, record=False)
+                    held.append(block)
+                    if missing:
+                        self._count_on_demand(block, missing)
+            except BaseException:
+                for block in held:
+                    self._release(block)
+                raise
+        try:
+            yield
+        finally:
+            with self._lock:
+                for block in held:
+                    self._release(block)
+
+    def _served(self, wanted: dict, result) -> None:
+        """After an access: remember views it handed out; if it built a graph,
+        bring its blocks back before that graph's backward."""
+        for seg, t in _paged.aliases_in(result, wanted):
+            _paged.remember_alias(seg, t)
+        if torch.is_grad_enabled():
+            for block in wanted:
+                if block.trainable:
+                    self._register_pre_backward(block, result)
+
+    def _count_on_demand(self, block, nbytes: int) -> None:
+        block.stats.on_demand += 1
+        self._stats.on_demand += 1
+        self._warn_once(
+            f"on_demand:{block.name}", "pager: a tensor of block %r was used while the block was paged out, "
+            "so it was fetched on demand (%s; compute waits for the copy). This is how reads between steps "
+            "(logging, EMA, a debugger) are served; in a hot loop, touch blocks' tensors inside their "
+            "forward, or raise the budget so they stay resident.", block.name, format_bytes(nbytes))
+
+    # ------------------------------------------- gradients between steps
+    def _grad_op(self, func, args, kwargs, wanted):
+        """Answer a zeroing, scaling, norm or GradScaler unscale of paged-out
+        gradients without fetching them; NotImplemented when it cannot."""
+        op, reads = _GRAD_OPS.get(func, (None, False))
+        if op is None:
+            return NotImplemented
+        leaves = tree_leaves((args, kwargs))
+        grads = [t for t in leaves if isinstance(t, PagedOutGrad)]
+        if not grads or any(type(t) in _paged.GUARD_TYPES for t in leaves):
+            return NotImplemented
+        with self._lock:
+            if any(not g.is_current() for g in grads):
+                return NotImplemented
+            if reads and any(g.block.deferred_steps for g in grads):
+                # The gradient as its pending update left it: served by
+                # fetching (the block applies its update first). Zeroing and
+                # scaling are recorded to apply after the update.
+                return NotImplemented
+            return op(self, *args, **kwargs)
+
+    def _summarize(self, seg, ready) -> None:
+        """Norms of a grads segment's gradients, computed on the device as they
+        leave (on the write-back stream, after compute is done with them)."""
+        views = seg.tensors
+        pairs, event = self.transport.side(
+            lambda: list(zip(_norms(views, 2.0), _norms(views, INF))), after=(ready,))
+        seg.summaries = dict(enumerate(pairs))
+        seg.summary_event = event
+
+    def _derived_norm(self, g: PagedOutGrad, ord: float):
+        """The `ord`-norm of paged-out gradient `g` as it is now (its summary
+        and the operations recorded since), or None if it cannot be exact."""
+        seg, i = g.segment, g.index
+        summary = seg.summaries.get(i)
+        if summary is None or ord not in (2.0, INF):
+            self._summarize_grads = True  # from now on, gradients leave with their norms
+            return None
+        if self.transport.is_cuda and seg.summary_event is not None:
+            self.transport.compute_waits(seg.summary_event)  # computed on the write-back stream
+        value = summary[0] if ord == 2.0 else summary[1]
+        if self.transport.is_cuda:
+            value.record_stream(torch.cuda.current_stream(self.device))  # read here, allocated there
+        for op, factor in seg.pending.get(i, ()):
+            if op == "zero":
+                value = torch.zeros_like(value)
+            elif ord == 2.0 and not self._exact_scale(factor):
+                return None
+            else:
+                value = value * (factor.abs() if isinstance(factor, torch.Tensor) else abs(factor))
+        return value
+
+    def _exact_scale(self, factor) -> bool:
+        """Is norm(g * f) == norm(g) * |f| bit for bit? True for powers of two
+        (GradScaler's scales). On a GPU any factor is taken (the kernels'
+        rounding differs anyway, and checking would sync the host); on the CPU
+        device, whose results must be bitwise, others are served by fetching."""
+        if self.transport.is_cuda:
+            return True
+        f = float(factor)
+        return f == 0.0 or (math.isfinite(f) and math.frexp(abs(f))[0] == 0.5)
+
+
+def _split(tensors):
+    paged = [(i, t) for i, t in enumerate(tensors) if isinstance(t, PagedOutGrad)]
+    rest = [(i, t) for i, t in enumerate(tensors) if not isinstance(t, PagedOutGrad)]
+    return paged, rest
+
+
+def _is_scale(factor) -> bool:
+    return isinstance(factor, (int, float)) or (isinstance(factor, torch.Tensor) and factor.numel() == 1)
+
+
+def _zero(pager, t):
+    record(t.segment.pending.setdefault(t.index, []), ZERO)
+    return t
+
+
+def _foreach_zero(pager, tensors):
+    paged, rest = _split(tensors)
+    for _i, t in paged:
+        _zero(pager, t)
+    if rest:
+        torch._foreach_zero_([t for _i, t in rest])
+
+
+def _mul(pager, t, other):
+    if not _is_scale(other) or isinstance(other, PagedOutGrad):
+        return NotImplemented
+    record(t.segment.pending.setdefault(t.index, []), ("mul", other))
+    return t
+
+
+def _foreach_mul(pager, tensors, other):
+    if not _is_scale(other):
+        return NotImplemented
+    paged, rest = _split(tensors)
+    for _i, t in paged:
+        record(t.segment.pending.setdefault(t.index, []), ("mul", other))
+    if rest:
+        torch._foreach_mul_([t for _i, t in rest], other)
+
+
+def _foreach_norm(pager, tensors, ord=2.0, dtype=None):
+    if dtype is not None:
+        return NotImplemented
+    paged, rest = _split(tensors)
+    out = [None] * len(tensors)
+    for i, t in paged:
+        out[i] = pager._derived_norm(t, float(ord))
+        if out[i] is None:
+            return NotImplemented
+    if rest:
+        for (i, _t), n in zip(rest, torch._foreach_norm([t for _i, t in rest], ord)):
+            out[i] = n
+    return out
+
+
+def _vector_norm(pager, t, ord=2.0, dim=None, keepdim=False, *, dtype=None, out=None):
+    if dim is not None or keepdim or dtype is not None or out is not None or not isinstance(t, PagedOutGrad):
+        return NotImplemented
+    value = pager._derived_norm(t, float(ord))
+    return NotImplemented if value is None else value
+
+
+def _unscale(pager, tensors, found_inf, inv_scale):
+    """GradScaler's `_amp_foreach_non_finite_check_and_unscale_`: the check
+    reads each gradient as it is now (its inf-norm is non-finite exactly when
+    an element is), and the unscaling is recorded."""
+    paged, rest = _split(tensors)
+    flags = []
+    for _i, t in paged:
+        norm = pager._derived_norm(t, INF)
+        if norm is None:
+            return NotImplemented
+        flags.append(~torch.isfinite(norm))
+    if flags:
+        found = torch.stack(flags).any()
+        found_inf.copy_(torch.where(found, torch.ones_like(found_inf), found_inf))
+    for _i, t in paged:
+        record(t.segment.pending.setdefault(t.index, []), ("mul", inv_scale))
+    if rest:
+        torch._amp_foreach_non_finite_check_and_unscale_([t for _i, t in rest], found_inf, inv_scale)
+
+
+def _norms(values, ord):
+    """Per-tensor norms as torch's clip_grad_norm_ computes them (foreach
+    kernels per (device, dtype) run)."""
+    out = [None] * len(values)
+    groups: dict = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.device, v.dtype), []).append(i)
+    for idx in groups.values():
+        for i, n in zip(idx, torch._foreach_norm([values[i] for i in idx], ord)):
+            out[i] = n
+    return out
+
+
+_GRAD_OPS = {  # func -> (answer, whether it reads values)
+    torch.Tensor.zero_: (_zero, False),
+    torch._foreach_zero_: (_foreach_zero, False),
+    torch.Tensor.mul_: (_mul, False),
+    torch._foreach_mul_: (_foreach_mul, False),
+    torch._foreach_norm: (_foreach_norm, True),
+    torch.linalg.vector_norm: (_vector_norm, True),
+    torch._amp_foreach_non_finite_check_and_unscale_: (_unscale, True),
+}
