@@ -51,7 +51,8 @@ class StateDictMixin:
             key = prefix + name
             if key not in state_dict:
                 continue
-            state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
+            with _paged.unguarded():
+                state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
@@ -118,9 +119,9 @@ def close(pager) -> None:
             p.grad = _restore(g, p.device)
     for block in pager.all_blocks():  # everything above holds its own copy now
         for seg in block.segments.values():
-            if seg.resident:
+            if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
                 pager.transport.free(seg.flat)
-                seg.resident = False
+            seg.resident = False
     pager.arena.close()
     pager.resident.clear()
     pager.resident_bytes = 0

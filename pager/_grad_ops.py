@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import contextmanager
 
 import torch
@@ -16,11 +17,13 @@ from torch.utils._pytree import tree_leaves
 
 from . import _paged
 from ._budget import format_bytes
+from ._common import BudgetError
 from ._grads import ZERO, PagedOutGrad, record
 
 log = logging.getLogger("pager")
 KINDS_ORDER = ("weights", "grads", "state")
 INF = float("inf")
+SERVE_WAIT_SECONDS = 60.0  # an access waits this long for room held by other threads, then fails
 
 
 class GradOpsMixin:
@@ -28,33 +31,74 @@ class GradOpsMixin:
 
     # ------------------------------------------------------------ serving
     @contextmanager
-    def _serving(self, wanted: dict):
-        """Hold the blocks in `wanted` ({block: kinds}) on the device for one access."""
-        held = []
+    def _serving(self, wanted: dict, expose: bool = False):
+        """Hold the blocks in `wanted` ({block: kinds}) on the device for one
+        access (their tensors stay guarded unless `expose`)."""
         with self._lock:
             self._check_open()
-            try:
-                for block, kinds in wanted.items():
-                    kinds = tuple(k for k in KINDS_ORDER if k in kinds)
-                    missing = block.missing_bytes(kinds)
-                    self._acquire(block, kinds, record=False)
-                    held.append(block)
-                    if missing:
-                        self._count_on_demand(block, missing)
-            except BaseException:
-                for block in held:
-                    self._release(block)
-                raise
+            deadline = time.monotonic() + SERVE_WAIT_SECONDS
+            while True:
+                try:
+                    held = self._acquire_all(wanted, expose)
+                    break
+                except BudgetError:
+                    # The room may be held by other threads' accesses or
+                    # forwards: wait for a release, unless this thread holds
+                    # blocks itself (then waiting could deadlock).
+                    if not self._may_wait() or not self._wait_for_room(deadline):
+                        raise
+            self._thread_state.serving = getattr(self._thread_state, "serving", 0) + 1
         try:
             yield
         finally:
             with self._lock:
+                self._thread_state.serving -= 1
                 for block in held:
                     self._release(block)
 
-    def _served(self, wanted: dict, result) -> None:
-        """After an access: remember views it handed out; if it built a graph,
-        bring its blocks back before that graph's backward."""
+    def _acquire_all(self, wanted: dict, expose: bool) -> list:
+        held = []
+        try:
+            for block, kinds in wanted.items():
+                kinds = tuple(k for k in KINDS_ORDER if k in kinds)
+                missing = block.missing_bytes(kinds)
+                self._acquire(block, kinds, record=False, expose=expose)
+                held.append(block)
+                if missing:
+                    self._count_on_demand(block, missing)
+        except BaseException:
+            for block in held:
+                self._release(block)
+            raise
+        return held
+
+    def _may_wait(self) -> bool:
+        return not getattr(self._thread_state, "serving", 0) and not self._forward_marks() and any(
+            b.pins > b.resident_for_life for b in self.all_blocks())
+
+    def _wait_for_room(self, deadline: float) -> bool:
+        """Wait (the lock released) until a block is released; False on timeout."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self._room_waiters += 1
+        try:
+            self._room.wait(left)
+        finally:
+            self._room_waiters -= 1
+        return True
+
+    def _served(self, wanted: dict, result, writes: bool = False) -> None:
+        """After an access: mark what it wrote dirty (some in-place ops, such as
+        GradScaler's unscale, do not move version counters), remember views it
+        handed out; if it built a graph, bring its blocks back before that
+        graph's backward."""
+        if writes:
+            for block, kinds in wanted.items():
+                for kind in kinds:
+                    seg = block.segments.get(kind)
+                    if seg is not None and seg.resident:
+                        seg.force_dirty = True
         for seg, t in _paged.aliases_in(result, wanted):
             _paged.remember_alias(seg, t)
         if torch.is_grad_enabled():
@@ -83,7 +127,9 @@ class GradOpsMixin:
         if not grads or any(type(t) in _paged.GUARD_TYPES for t in leaves):
             return NotImplemented
         with self._lock:
-            if any(not g.is_current() for g in grads):
+            if any(g.segment.params[g.index].grad is not g for g in grads):
+                # Stale, or back on the device since (its recorded operations
+                # were applied): the operation runs on the gradient itself.
                 return NotImplemented
             if reads and any(g.block.deferred_steps for g in grads):
                 # The gradient as its pending update left it: served by
@@ -96,8 +142,12 @@ class GradOpsMixin:
         """Norms of a grads segment's gradients, computed on the device as they
         leave (on the write-back stream, after compute is done with them)."""
         views = seg.tensors
-        pairs, event = self.transport.side(
-            lambda: list(zip(_norms(views, 2.0), _norms(views, INF))), after=(ready,))
+
+        def norms():
+            with _paged.unguarded():
+                return list(zip(_norms(views, 2.0), _norms(views, INF)))
+
+        pairs, event = self.transport.side(norms, after=(ready,))
         seg.summaries = dict(enumerate(pairs))
         seg.summary_event = event
 

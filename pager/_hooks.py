@@ -10,6 +10,7 @@ from operator import is_not
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _paged
 from ._block import Block
 from ._budget import format_bytes
 from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
@@ -68,12 +69,15 @@ class HooksMixin:
                 for h in block.hook_handles:
                     h.remove()
                 block.hook_handles = []
+                self._expose(block)  # nothing leaves while asleep: the tensors need no guard
             self._asleep = True
 
     def _wake(self) -> None:
         if self._asleep:
             for block in self.blocks:
                 self._install_block_hooks(block)
+                if block.pins == 0:
+                    self._guard_idle(block)
             self._asleep = False
 
     def _evictions_blocked(self) -> bool:
@@ -376,7 +380,7 @@ class HooksMixin:
         try:
             view = seg.tensors[i]
             if param.grad is not view:
-                with torch.no_grad():
+                with torch.no_grad(), _paged.unguarded():
                     view.copy_(param.grad)
                 param.grad = view
         finally:

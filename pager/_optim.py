@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _paged
 from ._block import Block
 from ._common import STEP
 from ._grads import PagedOutGrad, replay
@@ -264,6 +265,7 @@ class OptimizerLink:
         # copied), and compute waits before filling it from the optimizer's state.
         pager._fetch(block, ("state",))
         pager._wait_for(block)
+        pager._expose(block)  # the block is in use: its new state tensors too
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):
                 view.copy_(opt_state[p][key])
@@ -286,7 +288,8 @@ class OptimizerLink:
                 continue
             for (p, key), value in zip(seg.keys, seg.current_views()):
                 self._swapped.append((p, key, optimizer.state[p][key]))
-                optimizer.state[p][key] = value.detach().to("cpu", copy=True)
+                with _paged.unguarded():
+                    optimizer.state[p][key] = value.detach().to("cpu", copy=True)
 
     def _after_state_dict(self, optimizer, state_dict):
         # The packed state holds the very dicts of optimizer.state: detach the
@@ -311,7 +314,7 @@ class OptimizerLink:
             seg = block.segments.get("state")
             if seg is None:
                 continue
-            with torch.no_grad():
+            with torch.no_grad(), _paged.unguarded():
                 for (p, key), target, view in zip(seg.keys, seg.current_views(), seg.tensors):
                     target.copy_(optimizer.state[p][key])
                     optimizer.state[p][key] = view

@@ -63,6 +63,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._original_device: dict[int, torch.device] = {}
         self._optimizers: list = []
         self._lock = threading.RLock()  # see _locked
+        self._room = threading.Condition(self._lock)  # notified when a block is released (served accesses wait)
+        self._room_waiters = 0
         self._warned: set[str] = set()
         self._step_misses = 0
         self._unsaid_change = False  # the last step's order changed, unannounced, with misses
@@ -141,7 +143,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         seg.tensors = tensors
         self.transport.free(flat)
         _paged.register(self, block, seg)
-        _paged.page_out(seg)
+        _paged.guard(seg)
         block.segments["weights"] = seg
         block.params = [t for _n, t, is_param in named if is_param]
         block.param_names = [n for n, _t, is_param in named if is_param]
@@ -160,7 +162,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         seg.tensors = [s.view_of(flat) for s in slots]
         self.transport.free(flat)
         _paged.register(self, block, seg)
-        _paged.page_out(seg)
+        _paged.guard(seg)
         block.segments[kind] = seg
         block.stats.nbytes = block.nbytes()
         return seg
@@ -178,22 +180,24 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self._owner[id(p)] = (block, i)
 
     # ------------------------------------------------------------ residency
-    def _acquire(self, block: Block, kinds, record: bool = True) -> None:
+    def _acquire(self, block: Block, kinds, record: bool = True, expose: bool = True) -> None:
         """Make `kinds` of `block` (and its deps) usable by compute; pin them.
+        With `expose`, its tensors get their own class while it stays pinned
+        (a use); a served access keeps them guarded ([Note: paged-out tensors]).
 
         On failure nothing stays pinned."""
         done = []
         try:
             for dep in block.deps:
-                self._acquire(dep, kinds, record)
+                self._acquire(dep, kinds, record, expose)
                 done.append(dep)
-            self._acquire_one(block, kinds, record)
+            self._acquire_one(block, kinds, record, expose)
         except BaseException:
             for dep in done:
                 self._release(dep)
             raise
 
-    def _acquire_one(self, block: Block, kinds, record: bool) -> None:
+    def _acquire_one(self, block: Block, kinds, record: bool, expose: bool) -> None:
         if "grads" in kinds:
             self._ensure_grads_segment(block)
         if record:
@@ -215,8 +219,12 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if record:
             self._count_use(block, miss=bool(missing and block.fetched_data))
         self._wait_for(block)
+        if expose or block.deferred_steps:
+            self._expose(block)  # (the optimizer's update runs on the tensors themselves)
         if block.deferred_steps:
             self._run_deferred(block)
+            if not expose and block.pins == 1:
+                self._guard_idle(block)
         self._expose_grads(block)
         self._apply_pending(block)
         if block.pins == 1:
@@ -246,6 +254,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def _use_resident(self, block: Block) -> None:
         self.scheduler.observe(block, WEIGHTS)
         self._unguard(block)
+        self._expose(block)
         block.pins += 1
         self._count_use(block, miss=False)
         self._tick += 1
@@ -265,7 +274,6 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         """Order compute after the block's fetch; its tensors may be touched from here on."""
         if block.fetch_event is None:
             block.residency = Residency.DEVICE
-            self._expose(block)
             return
         with _record_range(f"pager::wait[{block.name}]"):
             if self.transport.is_cuda:
@@ -278,12 +286,18 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self.transport.compute_waits(block.fetch_event)
         block.fetch_event = None
         block.residency = Residency.DEVICE
-        self._expose(block)
 
     def _expose(self, block: Block) -> None:
+        """Its resident tensors get their own class: only while it is in use
+        (see [Note: paged-out tensors] in _paged.py)."""
         for seg in block.segments.values():
             if seg.resident and not seg.exposed:
                 _paged.expose(seg)
+
+    def _guard_idle(self, block: Block) -> None:
+        if not block.resident_for_life:
+            for seg in block.segments.values():
+                _paged.guard(seg)
 
     def _run_deferred(self, block: Block) -> None:
         """Apply the optimizer updates deferred to this use of `block` (resident,
@@ -298,7 +312,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         seg = block.segments.get("grads")
         if seg is None or not seg.resident or not seg.pending:
             return
-        with torch.no_grad():
+        with torch.no_grad(), _paged.unguarded():
             for i, ops in seg.pending.items():
                 if seg.params[i].grad is seg.tensors[i]:
                     replay(seg.tensors[i], ops)
@@ -309,6 +323,10 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self._release(dep)
         block.pins -= 1
         if block.pins == 0:
+            if not self._asleep:
+                self._guard_idle(block)  # from now on, accesses from outside are served
+            if self._room_waiters:
+                self._room.notify_all()
             if self.all_resident and not self.tracer.enabled:
                 # Everything is on the device, so nothing is fetched and nothing
                 # evicted; an eviction after all (set_budget, a new segment) orders
@@ -434,12 +452,25 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
 
     def _evict(self, block: Block) -> None:
         assert block.pins == 0 and not block.resident_for_life, block
+        if self._asleep:
+            self._wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
+        if not self.transport.can_free(block):
+            block.resident_for_life = True
+            self._warn_once(
+                f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
+                "of its tensors shares its memory, which therefore cannot be paged. Use "
+                "`tensor.detach().clone().numpy()` for a copy.", block.name)
+            return
         if block.deferred_steps and not block.missing_bytes(STEP):
             # Prefetched for an update, but leaving unused: the bytes are here, so
             # apply it now (a gradient the user sets meanwhile must not overwrite its page).
             self._wait_for(block)
+            self._expose(block)  # (guarded again as it leaves)
             self._run_deferred(block)
         with _record_range(f"pager::evict[{block.name}]"):
+            for kind in ("weights", "state"):
+                if kind in block.segments and block.segments[kind].resident:
+                    self._readopt(block, block.segments[kind])
             grads = block.segments.get("grads")
             if grads is not None and grads.resident:
                 self._gather_grads(grads)
@@ -462,8 +493,9 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                 if kind == "grads":
                     self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
                 if seg.is_dirty() and (kind != "grads" or seg.host_valid):
-                    if kind == "grads" and self._summarize_grads:
-                        self._summarize(seg, ready)
+                    if kind == "grads":
+                        # New values: describe them as they leave, or forget the old description.
+                        self._summarize(seg, ready) if self._summarize_grads else seg.summaries.clear()
                     start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
                     writeback = end if self.transport.is_cuda else None
                     seg.writeback_event = writeback
@@ -472,7 +504,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                     self.tracer.span("writeback", block.name, start, end, seg.nbytes)
                 self.transport.free(seg.flat, after=(ready, writeback))
                 seg.resident = False
-                _paged.page_out(seg)  # every later access is served: [Note: paged-out tensors]
+                _paged.guard(seg)  # (already: idle) every later access is served
                 self.resident_bytes -= seg.nbytes
         block.residency = Residency.HOST
         block.fetch_event = None
@@ -482,12 +514,31 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         block.stats.evictions += 1
         self._stats.evictions += 1
 
+    def _readopt(self, block: Block, seg: Segment) -> None:
+        """Tensors given new memory by `t.data = new` since their fetch: copy
+        the new value into the page and make them views of it again (else the
+        page would keep the old bytes)."""
+        for slot, t in zip(seg.slots, seg.tensors):
+            if _paged.storage_key(t) == seg.storage_key:
+                continue
+            with torch._C.DisableTorchFunctionSubclass():
+                if t.shape != slot.shape or t.dtype != slot.dtype:
+                    raise RuntimeError(
+                        f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
+                        f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
+                        f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
+                    )
+                view = slot.view_of(seg.flat)
+                view.copy_(t.detach())
+                t.data = view
+            seg.force_dirty = True
+
     def _gather_grads(self, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
         for i, p in enumerate(seg.params):
             g = p.grad
             if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
-                with torch.no_grad():
+                with torch.no_grad(), _paged.unguarded():
                     seg.tensors[i].copy_(g)
                 p.grad = seg.tensors[i]
 

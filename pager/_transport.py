@@ -36,6 +36,11 @@ class CpuTransport:
     def free(self, flat: torch.Tensor, after=()) -> None:
         flat.untyped_storage().resize_(0)
 
+    def can_free(self, block) -> bool:
+        """False once `numpy()` of one of the block's tensors shared its memory
+        (torch then forbids resizing the storage): it must stay."""
+        return all(seg.flat.untyped_storage().resizable() for seg in block.segments.values() if seg.resident)
+
     def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
         t0 = time.perf_counter()
         device_flat.copy_(host)
@@ -79,6 +84,9 @@ class CudaTransport:
         # Allocate on the h2d stream so the memory belongs to its pool (see Note).
         with torch.cuda.stream(self.h2d_stream):
             flat.untyped_storage().resize_(nbytes)
+
+    def can_free(self, block) -> bool:
+        return True  # a CUDA tensor's memory cannot be shared with numpy
 
     def free(self, flat: torch.Tensor, after=()) -> None:
         # The next allocation on the h2d stream may reuse this memory at once:
