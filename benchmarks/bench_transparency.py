@@ -1,0 +1,158 @@
+"""What transparency costs: torch's clip_grad_norm_ and GradScaler in a
+training step whose blocks do not fit the budget, and an on-demand access of a
+paged-out block.
+
+1. The ~1B fp32 decoder of bench_train (AdamW, 4x1024 tokens), budget 40% of
+   the all-on-GPU peak. Steps: plain; + torch.nn.utils.clip_grad_norm_;
+   fp16 autocast with GradScaler (unscale_, clip, step, update). Each on all
+   on GPU and paged, interleaved, so the extra time of clip and GradScaler
+   under pager is read against the same extra time all on GPU.
+2. `layer.weight.sum()` on a block that was evicted: the time of the access
+   (a synchronous fetch of the block) against the block's bytes.
+
+    python -m benchmarks.bench_transparency [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pager
+from benchmarks.bench_train import VOCAB, cpu_copy, decoder_1b
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
+
+
+def make_step(model, opt, ids, tgt, variant, scaler):
+    def step():
+        if variant == "fp16 + GradScaler + clip":
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss = F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
+            loss.backward()
+            if variant == "+ clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+VARIANTS = ("plain", "+ clip", "fp16 + GradScaler + clip")
+
+
+def timed(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def bench_steps(reps, rows):
+    w = "1B decoder AdamW step 4x1024"
+    ids = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    tgt = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    gpu = decoder_1b("cuda")
+    cpu_ref = cpu_copy(decoder_1b, gpu)
+    results = {}
+    for where in ("all on GPU", "pager"):
+        model = gpu if where == "all on GPU" else copy.deepcopy(cpu_ref)
+        if where == "pager":
+            budget = int(0.4 * peak_gib * GiB)
+            pager.wrap(model, budget=budget, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler("cuda")
+        steps = {v: make_step(model, opt, ids, tgt, v, scaler) for v in VARIANTS}
+        for v in VARIANTS:  # warm-up: state exists, summaries are being taken
+            steps[v]()
+            steps[v]()
+        torch.cuda.synchronize()
+        if where == "all on GPU":
+            torch.cuda.reset_peak_memory_stats()
+        times = {v: [] for v in VARIANTS}
+        for _ in range(reps):  # interleaved, so drift hits every variant alike
+            for v in VARIANTS:
+                times[v].append(timed(steps[v]))
+        if where == "all on GPU":
+            peak_gib = torch.cuda.max_memory_allocated() / GiB
+        results[where] = {v: statistics.median(t) for v, t in times.items()}
+        note = ""
+        if where == "pager":
+            pg = pager.of(model)
+            pg.reset()
+            steps["fp16 + GradScaler + clip"]()
+            s = pg.stats()
+            note = (f"budget {budget / GiB:.1f} GiB; a GradScaler step moved {s.h2d_bytes / 1e9:.1f} GB in, "
+                    f"{s.d2h_bytes / 1e9:.1f} GB out, {s.on_demand} on-demand fetches")
+            pager.unwrap(model)
+        for v in VARIANTS:
+            base = results[where]["plain"]
+            rows.append(Row(w, f"{where}, {v}", results[where][v], None, results[where][v] / base,
+                            f"{where}, plain", note if v == VARIANTS[-1] else ""))
+            print(rows[-1])
+        del model, opt, steps
+        if where == "all on GPU":
+            del gpu
+        free_cuda()
+    for v in VARIANTS[1:]:
+        extra_pager = results["pager"][v] - results["pager"]["plain"]
+        extra_gpu = results["all on GPU"][v] - results["all on GPU"]["plain"]
+        rows.append(Row(w, f"cost of '{v}' under pager, beyond its cost all on GPU", extra_pager - extra_gpu, None,
+                        (extra_pager - extra_gpu) / results["pager"]["plain"], "pager, plain step",
+                        f"extra ms: pager {extra_pager:.1f}, all on GPU {extra_gpu:.1f}"))
+        print(rows[-1])
+
+
+def bench_on_demand(rows):
+    from benchmarks.models import build
+
+    model = build("cpu", n_layers=4)  # 7B-shaped bf16 layers, 405 MB each
+    pager.wrap(model, budget=int(2.2 * sum(p.numel() * 2 for p in model.layers[0].parameters())), device="cuda")
+    x = torch.randn(1, 16, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x)
+    pg = pager.of(model)
+    block = pg.blocks[0]
+    times = []
+    for _ in range(5):
+        with pg._lock:
+            if block in pg.resident and block.pins == 0:
+                pg._evict(block)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.layers[0].up.weight.sum().item()
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    nbytes = block.nbytes()
+    rows.append(Row("on-demand access", f"layers[0].up.weight.sum() with its block paged out ({nbytes / 1e6:.0f} MB)",
+                    ms, None, None, "", f"{nbytes / ms / 1e6:.1f} GB/s; link {pinned_h2d_gbps():.1f} GB/s"))
+    print(rows[-1])
+    pager.unwrap(model)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    rows: list[Row] = []
+    env = environment()
+    bench_on_demand(rows)
+    bench_steps(args.reps, rows)
+    save(rows, "transparency", env)
+
+
+if __name__ == "__main__":
+    main()
