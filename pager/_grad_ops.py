@@ -124,7 +124,12 @@ class GradOpsMixin:
             return NotImplemented
         leaves = tree_leaves((args, kwargs))
         grads = [t for t in leaves if isinstance(t, PagedOutGrad)]
-        if not grads or any(type(t) in _paged.GUARD_TYPES for t in leaves):
+        if not grads:
+            return NotImplemented
+        # The other tensors (resident gradients, guarded while idle) run for
+        # real, their blocks pinned for it.
+        others = _paged.owners_of([t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)])
+        if set(others) - {self}:
             return NotImplemented
         with self._lock:
             if any(g.segment.params[g.index].grad is not g for g in grads):
@@ -136,7 +141,8 @@ class GradOpsMixin:
                 # fetching (the block applies its update first). Zeroing and
                 # scaling are recorded to apply after the update.
                 return NotImplemented
-            return op(self, *args, **kwargs)
+            with self._serving(others.get(self, {})), _paged.unguarded():
+                return op(self, *args, **kwargs)
 
     def _summarize(self, seg, ready) -> None:
         """Norms of a grads segment's gradients, computed on the device as they

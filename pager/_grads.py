@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import increment_version
 
+from . import _paged
 from ._paged import handle
 
 aten = torch.ops.aten
@@ -98,6 +99,9 @@ class PagedOutGrad(torch.Tensor):
             f"below Python (from C++); read it from Python (param.grad), or raise the budget so "
             f"that a step's blocks fit."
         )
+
+
+_paged.allow_foreach(PagedOutGrad)
 
 
 def _flat(args):

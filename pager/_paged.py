@@ -141,6 +141,25 @@ class GuardedParameter(nn.Parameter):
 
 _GUARDS: dict = {torch.Tensor: GuardedTensor, nn.Parameter: GuardedParameter}
 GUARD_TYPES = {GuardedTensor, GuardedParameter}
+
+
+def allow_foreach(*classes) -> None:
+    """Let torch's foreach paths (clip_grad_norm_, optimizers) take our
+    classes: `_has_foreach_support` accepts only exact Tensor and Parameter
+    types, and would send a list holding one guarded tensor down a per-tensor
+    path, one served call per tensor (measured: clip 30 ms instead of 1 ms on
+    a 1B model). The foreach kernels never see them: the list is answered or
+    run by `handle` with the tensors as they are."""
+    try:
+        from torch.utils import _foreach_utils
+    except ImportError:
+        return
+    supported = getattr(_foreach_utils, "_foreach_supported_types", None)
+    if isinstance(supported, list):
+        supported.extend(c for c in classes if c not in supported)
+
+
+allow_foreach(GuardedTensor, GuardedParameter)
 _PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
 
@@ -232,7 +251,7 @@ def handle(func, args, kwargs):
             f"`with torch.no_grad(): tensor.copy_(new)`, or unwrap, change, and wrap again."
         )
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(type(t) in GUARD_TYPES and not _owners([t]) for t in tensors):
+    if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
         raise RuntimeError(
             "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
             "model's tensors have their own memory since, and this view has none. Take the view again "
@@ -250,7 +269,7 @@ def handle(func, args, kwargs):
         array = serve(lambda: func(_unguarded_clone(args[0]), *args[1:], **kwargs), [args[0]])
         array.flags.writeable = False
         return array
-    owners = _owners(tensors)
+    owners = owners_of(tensors)
     if len(owners) == 1:
         pager, wanted = next(iter(owners.items()))
         answer = pager._grad_op(func, args, kwargs, wanted)
@@ -274,7 +293,7 @@ def _serve_foreach(func, args, kwargs):
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == n]
     groups: dict = {}
     for k in range(n):
-        owners = _owners([args[i][k] for i in lists if isinstance(args[i][k], torch.Tensor)])
+        owners = owners_of([args[i][k] for i in lists if isinstance(args[i][k], torch.Tensor)])
         key = tuple((id(p), id(b)) for p, w in owners.items() for b in w)
         groups.setdefault(key, []).append(k)
     out = [None] * n
@@ -282,7 +301,7 @@ def _serve_foreach(func, args, kwargs):
     for idx in groups.values():
         part = [[args[i][k] for k in idx] if i in lists else a for i, a in enumerate(args)]
         tensors = [t for i in lists for t in part[i] if isinstance(t, torch.Tensor)]
-        result = _serve_owners(_owners(tensors), lambda part=part: _call(func, part, kwargs), func)
+        result = _serve_owners(owners_of(tensors), lambda part=part: _call(func, part, kwargs), func)
         if isinstance(result, (list, tuple)):
             returns_list = True
             for k, r in zip(idx, result):
@@ -314,7 +333,7 @@ def _unguarded_clone(t, keep_requires_grad=False):
 
 def serve(fn, tensors, expose: bool = False):
     """Run `fn()` with the blocks of `tensors` acquired (fetched on demand)."""
-    return _serve_owners(_owners(tensors), fn, expose=expose)
+    return _serve_owners(owners_of(tensors), fn, expose=expose)
 
 
 def _serve_owners(owners, fn, func=None, expose: bool = False):
@@ -337,7 +356,7 @@ _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrue
                      "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 
 
-def _owners(tensors) -> dict:
+def owners_of(tensors) -> dict:
     """{pager: {block: set of segment kinds}} for the tensors that belong to a block."""
     from ._grads import PagedOutGrad
 

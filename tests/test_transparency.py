@@ -263,19 +263,28 @@ def test_grad_scaler_at_a_budget_where_the_step_does_not_fit(init_scale):
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     scalers = [torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2) for _ in range(2)]
     data = batches(8)
+    on_demand = []
     for step, (ids, tgt) in enumerate(data):
         for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
             loss = lm_loss(m, ids, tgt)
             if step == 3:
                 loss = loss * float("inf")  # an overflowing step: skipped by both
             scaler.scale(loss).backward()
+            before = pager.of(model).stats().on_demand
             scaler.unscale_(o)
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            if m is model:
+                on_demand.append(pager.of(model).stats().on_demand - before)
             scaler.step(o)
             scaler.update()
             o.zero_grad()
         assert scalers[0].get_scale() == scalers[1].get_scale()
     assert scalers[0].get_scale() != init_scale  # it grew and backed off
+    if init_scale == 2.0**10:
+        # Powers of two (GradScaler's own scales) keep the norms exact: after
+        # the first step, unscaling and clipping move no bytes. Other scales
+        # are served by fetching on the CPU device, whose results are bitwise.
+        assert on_demand[0] > 0 and on_demand[2:] == [0] * (len(on_demand) - 2), on_demand
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
