@@ -94,17 +94,23 @@ class GradOpsMixin:
         handed out; if it built a graph, bring its blocks back before that
         graph's backward."""
         if writes:
-            for block, kinds in wanted.items():
-                for kind in kinds:
-                    seg = block.segments.get(kind)
-                    if seg is not None and seg.resident:
-                        seg.force_dirty = True
+            self._mark_written(wanted)
         for seg, t in _paged.aliases_in(result, wanted):
             _paged.remember_alias(seg, t)
         if torch.is_grad_enabled():
             for block in wanted:
                 if block.trainable:
                     self._register_pre_backward(block, result)
+
+    def _mark_written(self, wanted: dict) -> None:
+        """The segments of `wanted` were written in place: write them back when
+        they leave, whatever their version counters say (CUDA's foreach zero
+        and GradScaler's unscale leave them alone)."""
+        for block, kinds in wanted.items():
+            for kind in kinds:
+                seg = block.segments.get(kind)
+                if seg is not None and seg.resident:
+                    seg.force_dirty = True
 
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
@@ -141,8 +147,12 @@ class GradOpsMixin:
                 # fetching (the block applies its update first). Zeroing and
                 # scaling are recorded to apply after the update.
                 return NotImplemented
-            with self._serving(others.get(self, {})), _paged.unguarded():
-                return op(self, *args, **kwargs)
+            wanted = others.get(self, {})
+            with self._serving(wanted), _paged.unguarded():
+                answer = op(self, *args, **kwargs)
+                if answer is not NotImplemented and not reads:
+                    self._mark_written(wanted)
+                return answer
 
     def _summarize(self, seg, ready) -> None:
         """Norms of a grads segment's gradients, computed on the device as they
