@@ -125,7 +125,7 @@ class GradOpsMixin:
     def _grad_op(self, func, args, kwargs, wanted):
         """Answer a zeroing, scaling, norm or GradScaler unscale of paged-out
         gradients without fetching them; NotImplemented when it cannot."""
-        op, reads = _GRAD_OPS.get(func, (None, False))
+        op, reads, writes = _GRAD_OPS.get(func, (None, False, False))
         if op is None:
             return NotImplemented
         leaves = tree_leaves((args, kwargs))
@@ -150,7 +150,7 @@ class GradOpsMixin:
             wanted = others.get(self, {})
             with self._serving(wanted), _paged.unguarded():
                 answer = op(self, *args, **kwargs)
-                if answer is not NotImplemented and not reads:
+                if answer is not NotImplemented and writes:
                     self._mark_written(wanted)
                 return answer
 
@@ -295,12 +295,12 @@ def _norms(values, ord):
     return out
 
 
-_GRAD_OPS = {  # func -> (answer, whether it reads values)
-    torch.Tensor.zero_: (_zero, False),
-    torch._foreach_zero_: (_foreach_zero, False),
-    torch.Tensor.mul_: (_mul, False),
-    torch._foreach_mul_: (_foreach_mul, False),
-    torch._foreach_norm: (_foreach_norm, True),
-    torch.linalg.vector_norm: (_vector_norm, True),
-    torch._amp_foreach_non_finite_check_and_unscale_: (_unscale, True),
+_GRAD_OPS = {  # func -> (answer, whether it reads values, whether it writes them)
+    torch.Tensor.zero_: (_zero, False, True),
+    torch._foreach_zero_: (_foreach_zero, False, True),
+    torch.Tensor.mul_: (_mul, False, True),
+    torch._foreach_mul_: (_foreach_mul, False, True),
+    torch._foreach_norm: (_foreach_norm, True, False),
+    torch.linalg.vector_norm: (_vector_norm, True, False),
+    torch._amp_foreach_non_finite_check_and_unscale_: (_unscale, True, True),
 }
