@@ -78,6 +78,10 @@ class HooksMixin:
                 self._install_block_hooks(block)
                 if block.pins == 0:
                     self._guard_idle(block)
+                # Writes while asleep reached the tensors directly, and some
+                # (CUDA's foreach zero) move no version counter: if the block
+                # ever leaves, it is written back.
+                block.mark_dirty()
             self._asleep = False
 
     def _evictions_blocked(self) -> bool:
