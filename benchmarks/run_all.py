@@ -1,8 +1,10 @@
-"""Every benchmark in one command that fits a 10-minute device call:
-forward (with the compute-bound case), the budget sweep and its plot, and
-training (decoder vs peers, NAS supernet). Results land in $OUT (or .).
+"""Every benchmark: forward (with the compute-bound case), the budget sweep
+and its plot, training (decoder vs peers, NAS supernet), and what
+transparency costs (clip, GradScaler, on-demand access). Results land in $OUT
+(or .). All of it takes longer than one 10-minute device call: split it.
 
-    python -m benchmarks.run_all [--skip sweep,train]
+    python -m benchmarks.run_all --skip transparency   # ~9 min
+    python -m benchmarks.run_all --skip forward,sweep,train
 
 Peers that are not installed are skipped and say so. To install the wheels
 fetched by ../shared/tools/peer-wheels.sh into .peers/:
@@ -21,8 +23,10 @@ STEPS = {
     "forward": ["-m", "benchmarks.bench_forward", "--compute-bound"],
     "sweep": ["-m", "benchmarks.bench_sweep"],
     "train": ["-m", "benchmarks.bench_train"],
+    "transparency": ["-m", "benchmarks.bench_transparency"],
 }
-LIMITS = {"forward": 120, "sweep": 170, "train": 300}  # seconds: 590 in all (measured ~75, ~110, ~260)
+# seconds (measured ~75, ~110, ~260, ~100)
+LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170}
 
 
 def main():

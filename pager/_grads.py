@@ -61,12 +61,6 @@ class PagedOutGrad(torch.Tensor):
 
     __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: handle(func, args, kwargs or {}))
 
-    def is_current(self) -> bool:
-        """Does this object still stand for its parameter's gradient?"""
-        g = self.segment.params[self.index].grad
-        return g is self or g is self.segment.tensors[self.index] or (
-            isinstance(g, PagedOutGrad) and g.segment is self.segment and g.index == self.index)
-
     def current(self) -> torch.Tensor:
         """The gradient on the device (its block acquired)."""
         seg = self.segment
@@ -102,6 +96,7 @@ class PagedOutGrad(torch.Tensor):
 
 
 _paged.allow_foreach(PagedOutGrad)
+_paged.STAND_INS.add(PagedOutGrad)
 
 
 def _flat(args):

@@ -94,11 +94,10 @@ _METADATA = _names("__get__", [
     "__dir__", "__hash__", "_fix_weakref",
 ] if hasattr(torch.Tensor, n)} | {
     torch.numel, torch.is_floating_point, torch.is_complex,
-    getattr(torch._C, "_group_tensors_by_device_and_dtype", None),
-}
+} | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
 _DATA_SET = torch.Tensor.data.__set__
 # Views that read no element: answered without a fetch by a view that is
-# itself paged out (and remembered with its segment, so it never dangles).
+# itself guarded (and remembered with its segment, so it never dangles).
 _VIEWS = _names("__get__", ["data", "T", "mT"]) | {getattr(torch.Tensor, n) for n in [
     "detach", "view", "view_as", "t", "transpose", "swapaxes", "permute", "movedim", "unsqueeze",
     "squeeze", "expand", "expand_as", "narrow", "select", "unflatten", "as_strided", "unbind", "split",
@@ -124,7 +123,7 @@ def _reduce_ex(self, proto):
 
 
 class GuardedTensor(torch.Tensor):
-    """The class of a buffer or optimizer-state tensor while its block is paged out."""
+    """The class of a buffer, optimizer-state tensor, gradient or view while its block is not in use."""
 
     __torch_function__ = classmethod(_torch_function)
     __deepcopy__ = _deepcopy
@@ -132,7 +131,7 @@ class GuardedTensor(torch.Tensor):
 
 
 class GuardedParameter(nn.Parameter):
-    """The class of a Parameter while its block is paged out (still a Parameter)."""
+    """The class of a Parameter while its block is not in use (still a Parameter)."""
 
     __torch_function__ = classmethod(_torch_function)
     __deepcopy__ = _deepcopy
@@ -141,6 +140,8 @@ class GuardedParameter(nn.Parameter):
 
 _GUARDS: dict = {torch.Tensor: GuardedTensor, nn.Parameter: GuardedParameter}
 GUARD_TYPES = {GuardedTensor, GuardedParameter}
+STAND_INS: set = set()  # classes that stand for a tensor with no storage (PagedOutGrad, _grads.py)
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
 
 def allow_foreach(*classes) -> None:
@@ -160,12 +161,11 @@ def allow_foreach(*classes) -> None:
 
 
 allow_foreach(GuardedTensor, GuardedParameter)
-_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
 
-def paged_out_class(cls):
-    """The paged-out class for tensors of class `cls` (None if `cls` runs its
-    own `__torch_function__`, which a guard would bypass)."""
+def guard_class(cls):
+    """The guard class for tensors of class `cls` (None if `cls` runs its own
+    `__torch_function__`, which a guard would bypass)."""
     guard = _GUARDS.get(cls)
     if guard is None and cls not in GUARD_TYPES:
         tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
@@ -230,7 +230,7 @@ def release(seg) -> None:
 
 def _swap_to_guard(t):
     cls = type(t)
-    guard = paged_out_class(cls)
+    guard = guard_class(cls)
     if guard is None:
         return None
     t.__class__ = guard
@@ -246,8 +246,8 @@ def handle(func, args, kwargs):
     if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
         name = _name_of(args[0])
         raise RuntimeError(
-            f"pager: assigning `.data` of {name} while its block is paged out would take it out of its "
-            f"page (pager would keep paging the old bytes). Copy into it instead: "
+            f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
+            f"(pager would keep paging the old bytes). Copy into it instead: "
             f"`with torch.no_grad(): tensor.copy_(new)`, or unwrap, change, and wrap again."
         )
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -257,7 +257,7 @@ def handle(func, args, kwargs):
             "model's tensors have their own memory since, and this view has none. Take the view again "
             "from the unwrapped model."
         )
-    if func in _VIEWS and not any(type(t).__name__ == "PagedOutGrad" for t in tensors):
+    if func in _VIEWS and not any(type(t) in STAND_INS for t in tensors):
         return _paged_out_view(func, args, kwargs)
     if func is torch.Tensor.__repr__:
         # Printed from a copy, so the guard's class name does not show.
@@ -426,7 +426,7 @@ def aliases_in(result, wanted) -> list:
     """(segment, tensor) for results that alias the storage of a block in `wanted`."""
     out = []
     for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r).__name__ == "PagedOutGrad":
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS:
             continue
         try:
             entry = _SEGMENTS.get(storage_key(r))

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from itertools import islice
 
 import torch
