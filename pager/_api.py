@@ -71,8 +71,12 @@ def wrap(
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
     _check_fits(budget, budget_bytes, sizing)
+    min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
+    parts = set()
+    if blocks is None:
+        sizing, parts = _discover.split_large(model, sizing, budget_bytes)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step)
-    pager.min_budget_bytes = sizing.min_budget
+    pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
     if total >= PIN_PROGRESS_BYTES:
@@ -85,7 +89,7 @@ def wrap(
             "after the first forward); training pages gradients and optimizer state only if they do not fit "
             "beside it.", format_bytes(total), format_bytes(budget_bytes)
         )
-    pager.build(sizing.owned, sizing.uses)
+    pager.build(sizing.owned, sizing.uses, parts)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)

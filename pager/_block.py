@@ -169,6 +169,9 @@ class Block:
         self.guard_handles = None     # installed while the block is paged out
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
         self.deferred_steps: list = []  # optimizer updates applied at its next use (_optim.Deferred)
+        self.part = False             # a part of a large block, split off (_discover.split_large)
+        self.parts_merged = False     # its parts are to be fetched with it (Pager._merge_parts)...
+        self.merged_deps = False      # ...and are among its deps
 
     # -- sizes -------------------------------------------------------------
     @property

@@ -12,6 +12,18 @@ but with nothing to name:
   own, nested in its layer, so only the ones that run are fetched;
 * everything else (embeddings, heads, final norms) is the *remainder*: it
   stays resident on the device and counts against the budget.
+
+[Note: splitting large blocks]
+When the model does not fit and two of the largest blocks take a quarter of
+the room the budget leaves for blocks (every block that is not kept streams
+through two such slots), `split_large` makes the large parts of each block
+(submodules that own at least SPLIT_MIN_BYTES themselves: its projections)
+nested blocks of their own, fetched when they are called, so the slots are
+part-sized and more of the budget keeps blocks resident. This is safe even if
+a block's forward reads a part's weights without calling it (a fused QKV
+concatenation): that read is served like any access to an idle block's tensor
+([Note: paged-out tensors] in _paged.py), and the pager then fetches the
+block's parts together with it from its next use on (`Pager._merge_parts`).
 """
 
 from __future__ import annotations
@@ -190,6 +202,37 @@ class Sizing:
     @property
     def total(self) -> int:
         return self.remainder + sum(self.own)
+
+
+SPLIT_MIN_BYTES = 1 << 20  # a part smaller than this stays with its block
+
+
+def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int) -> tuple[Sizing, set]:
+    """`sizing` with the large parts of its blocks as nested blocks, when two
+    of the largest blocks take a quarter of the room for blocks (see the
+    Note); also the ids of those parts. Unchanged (and an empty set) otherwise."""
+    named, own, remainder = sizing.named, sizing.own, sizing.remainder
+    room = budget_bytes - remainder
+    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or 4 * 2 * max(own) < room:
+        return sizing, set()
+    modules = [m for _n, m in named]
+    block_ids = {id(m) for m in modules}
+    parts = []
+    for block in modules:
+        inner = [m for m in block.modules() if m is not block]
+        if any(id(m) in block_ids for m in inner):
+            continue  # holds blocks already (a layer of NAS candidates)
+        large = [m for m in inner if _own_bytes(m) >= SPLIT_MIN_BYTES]
+        if len(large) >= 2:
+            parts += large
+    if not parts:
+        return sizing, set()
+    return size_up(model, modules + parts), {id(m) for m in parts}
+
+
+def _own_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(m._parameters.values()) + list(m._buffers.values())
+               if t is not None)
 
 
 def size_up(model: nn.Module, spec=None) -> Sizing:

@@ -60,6 +60,9 @@ class GradOpsMixin:
         held = []
         try:
             for block, kinds in wanted.items():
+                if (block.part and block.parent is not None and block.parent.pins and not block.parent.parts_merged
+                        and self._forward_marks()):  # read during the parent's forward, not by another access
+                    self._merge_parts(block.parent, block)
                 kinds = tuple(k for k in KINDS_ORDER if k in kinds)
                 missing = block.missing_bytes(kinds)
                 self._acquire(block, kinds, record=False, expose=expose)
@@ -112,6 +115,17 @@ class GradOpsMixin:
                 if seg is not None and seg.resident:
                     seg.force_dirty = True
 
+    def _merge_parts(self, parent, part) -> None:
+        """`parent`'s forward read `part`'s tensors without calling it: from its
+        next use on, its parts are acquired (and prefetched) with it, as one
+        block ([Note: splitting large blocks] in _discover.py)."""
+        # Taken up at the parent's next acquisition: it is pinned now, and its
+        # release must let go of exactly what its acquisition took.
+        parent.parts_merged = True
+        self._warn_once(
+            f"merge:{parent.name}", "pager: the forward of block %r reads the tensors of %r without calling it; "
+            "its parts are fetched together with it from now on (as one block).", parent.name, part.name)
+
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
         self._stats.on_demand += 1
@@ -135,8 +149,9 @@ class GradOpsMixin:
         # The other tensors (resident gradients, guarded while idle) run for
         # real, their blocks pinned for it.
         others = _paged.owners_of([t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)])
-        if set(others) - {self}:
-            return NotImplemented
+        if set(others) - {self} or any(
+                block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(self, {}).items()):
+            return NotImplemented  # they would not all fit at once: served one block at a time
         with self._lock:
             if any(g.segment.params[g.index].grad is not g for g in grads):
                 # Stale, or back on the device since (its recorded operations

@@ -82,11 +82,12 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self.min_budget_bytes = 0
 
     # ------------------------------------------------------------------ build
-    def build(self, owned, uses) -> None:
+    def build(self, owned, uses, parts=frozenset()) -> None:
         order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
         self.arena.reserve([layout([(n, t) for n, t, _p in named])[1] for named in order if named])
         for i, (name, module) in enumerate(self._named_blocks):
             self.blocks.append(Block(name, module, i))
+            self.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in _discover.py
         for i, block in enumerate(self.blocks):
             self._build_weights(block, owned.get(i, []))
         self._link_parents()
@@ -185,6 +186,9 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         (a use); a served access keeps them guarded ([Note: paged-out tensors]).
 
         On failure nothing stays pinned."""
+        if block.parts_merged and block.pins == 0 and not block.merged_deps:
+            block.merged_deps = True  # its parts come with it from now on (GradOpsMixin._merge_parts)
+            block.deps = block.deps + [b for b in self.blocks if b.part and b.parent is block and b not in block.deps]
         done = []
         try:
             for dep in block.deps:

@@ -101,6 +101,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     device = _resolve_device(device)
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
+    min_budget = sizing.min_budget
+    parts = set()
+    if blocks is None:  # as wrap does: [Note: splitting large blocks] in _discover.py
+        sizing, parts = _discover.split_large(model, sizing, budget_bytes)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
     def trainable(i):
@@ -130,6 +134,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     else:
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
     notes = []
+    if parts:
+        notes.append(f"two of the largest blocks take a quarter of the room for blocks: they stream as their "
+                     f"{len(parts)} parts (submodules of at least {format_bytes(_discover.SPLIT_MIN_BYTES)})")
     if names and remainder > budget_bytes // 2:
         notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
     room = budget_bytes - remainder
@@ -140,7 +147,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
             f"submodules rather than reading their weights)")
     return Plan(
-        str(device), budget_bytes, sizing.min_budget, remainder, list(zip(names, own)),
+        str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
         sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
     )
 
