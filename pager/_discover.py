@@ -14,7 +14,7 @@ but with nothing to name:
   stays resident on the device and counts against the budget.
 
 [Note: splitting large blocks]
-When the model does not fit and two of the largest blocks take a quarter of
+When the model does not fit and two of the largest blocks take an eighth of
 the room the budget leaves for blocks (every block that is not kept streams
 through two such slots), `split_large` makes the large parts of each block
 (submodules that own at least SPLIT_MIN_BYTES themselves: its projections)
@@ -205,15 +205,16 @@ class Sizing:
 
 
 SPLIT_MIN_BYTES = 1 << 20  # a part smaller than this stays with its block
+SPLIT_SHARE = 8  # split when two of the largest blocks take 1/SPLIT_SHARE of the room for blocks
 
 
 def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int) -> tuple[Sizing, set]:
     """`sizing` with the large parts of its blocks as nested blocks, when two
-    of the largest blocks take a quarter of the room for blocks (see the
+    of the largest blocks take 1/SPLIT_SHARE of the room for blocks (see the
     Note); also the ids of those parts. Unchanged (and an empty set) otherwise."""
     named, own, remainder = sizing.named, sizing.own, sizing.remainder
     room = budget_bytes - remainder
-    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or 4 * 2 * max(own) < room:
+    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or SPLIT_SHARE * 2 * max(own) < room:
         return sizing, set()
     modules = [m for _n, m in named]
     block_ids = {id(m) for m in modules}

@@ -135,7 +135,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
     notes = []
     if parts:
-        notes.append(f"two of the largest blocks take a quarter of the room for blocks: they stream as their "
+        notes.append(f"two of the largest blocks take a large share of the room for blocks: they stream as their "
                      f"{len(parts)} parts (submodules of at least {format_bytes(_discover.SPLIT_MIN_BYTES)})")
     if names and remainder > budget_bytes // 2:
         notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
