@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from . import _paged
 from ._budget import format_bytes
 from ._common import BudgetError
-from ._grads import ZERO, PagedOutGrad, record
+from ._grads import ZERO, PagedOutGrad
 
 log = logging.getLogger("pager")
 KINDS_ORDER = ("weights", "grads", "state")
@@ -226,7 +226,7 @@ def _is_scale(factor) -> bool:
 
 
 def _zero(pager, t):
-    record(t.segment.pending.setdefault(t.index, []), ZERO)
+    t.record(ZERO)
     return t
 
 
@@ -241,7 +241,7 @@ def _foreach_zero(pager, tensors):
 def _mul(pager, t, other):
     if not _is_scale(other) or isinstance(other, PagedOutGrad):
         return NotImplemented
-    record(t.segment.pending.setdefault(t.index, []), ("mul", other))
+    t.record(("mul", other))
     return t
 
 
@@ -250,7 +250,7 @@ def _foreach_mul(pager, tensors, other):
         return NotImplemented
     paged, rest = _split(tensors)
     for _i, t in paged:
-        record(t.segment.pending.setdefault(t.index, []), ("mul", other))
+        t.record(("mul", other))
     if rest:
         torch._foreach_mul_([t for _i, t in rest], other)
 
@@ -292,7 +292,7 @@ def _unscale(pager, tensors, found_inf, inv_scale):
         found = torch.stack(flags).any()
         found_inf.copy_(torch.where(found, torch.ones_like(found_inf), found_inf))
     for _i, t in paged:
-        record(t.segment.pending.setdefault(t.index, []), ("mul", inv_scale))
+        t.record(("mul", inv_scale))
     if rest:
         torch._amp_foreach_non_finite_check_and_unscale_([t for _i, t in rest], found_inf, inv_scale)
 

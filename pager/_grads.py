@@ -61,6 +61,10 @@ class PagedOutGrad(torch.Tensor):
 
     __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: handle(func, args, kwargs or {}))
 
+    def record(self, op) -> None:
+        """Record zeroing or scaling of this gradient, replayed when it returns."""
+        record(self.segment.pending.setdefault(self.index, []), op)
+
     def current(self) -> torch.Tensor:
         """The gradient on the device (its block acquired)."""
         seg = self.segment
@@ -78,7 +82,7 @@ class PagedOutGrad(torch.Tensor):
             tensors = args[0] if func is aten._foreach_zero_.default else [args[0]]
             for t in tensors:
                 if isinstance(t, PagedOutGrad):
-                    record(t.segment.pending.setdefault(t.index, []), ZERO)
+                    t.record(ZERO)
                 else:
                     # Below the dispatcher's version-counter layer here: bump it
                     # by hand, or the page would not know the gradient changed.

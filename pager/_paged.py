@@ -318,10 +318,8 @@ def _paged_out_view(func, args, kwargs):
     for r in tree_leaves(result):
         if isinstance(r, torch.Tensor):
             entry = _SEGMENTS.get(storage_key(r))
-            if entry is not None and not entry[2].exposed:
-                cls = _swap_to_guard(r)
-                if cls is not None:
-                    entry[2].aliases.append((weakref.ref(r), cls))
+            if entry is not None:
+                remember_alias(entry[2], r)
     return result
 
 
@@ -441,6 +439,10 @@ def aliases_in(result, wanted) -> list:
 
 
 def remember_alias(seg, t) -> None:
+    """Track a view of `seg`'s storage: guarded while the segment is, and,
+    while it is exposed, a reason to write the segment back (a write through
+    `.data` moves no version counter of the segment's tensors; writes through
+    a guarded view are served and marked then)."""
     if not any(ref() is t for ref, _cls in seg.aliases):
         cls = type(t)
         if not seg.exposed:  # the block is idle: so is the view
@@ -448,7 +450,8 @@ def remember_alias(seg, t) -> None:
             if cls is None:
                 return
         seg.aliases.append((weakref.ref(t), cls))
-    seg.force_dirty = True
+    if seg.exposed:
+        seg.force_dirty = True
 
 
 def _name_of(t) -> str:

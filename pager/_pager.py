@@ -274,7 +274,9 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self._stats.hits += 1
 
     def _wait_for(self, block: Block) -> None:
-        """Order compute after the block's fetch; its tensors may be touched from here on."""
+        """Order compute after the block's fetch: from here on its device bytes
+        may be read on the compute stream (its tensors get their own class in
+        `_expose`, for a use)."""
         if block.fetch_event is None:
             block.residency = Residency.DEVICE
             return
