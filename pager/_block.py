@@ -105,7 +105,11 @@ class Segment:
     classes: list = field(default_factory=list)
     aliases: list = field(default_factory=list)
     exposed: bool = True               # tensors have their own class (resident, compute waited on the fetch)
+    open: bool = False                 # guarded, but the threads pinning its block pass unserved (shared mode)
     storage_key: int = 0               # the flat storage's address (_paged registry)
+    storage: object = None             # the flat storage (held: see _paged.register)
+    base_refs: int = 0                 # references to it from pager's own objects
+    expected_refs: dict = field(default_factory=dict)  # kind of use -> views autograd keeps (_paged Note)
     # grads segments only: the parameters, their names, zeroing/scaling
     # recorded while paged out (slot index -> [(op, factor)], replayed on
     # return), and per-slot norms computed as the gradients left.
@@ -150,6 +154,7 @@ class Block:
         self.residency = Residency.HOST
         self.fetch_event = None
         self.pins = 0
+        self.thread_pins: dict = {}   # thread id -> pins it holds (see Pager._unpin)
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
         self.parent: Block | None = None  # the nearest block whose module holds this one's
         self.resident_for_life = False

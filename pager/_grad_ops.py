@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import _paged
 from ._budget import format_bytes
-from ._common import BudgetError
+from ._common import EVERYONE, BudgetError
 from ._grads import ZERO, PagedOutGrad
 
 log = logging.getLogger("pager")
@@ -36,10 +36,11 @@ class GradOpsMixin:
         access (their tensors stay guarded unless `expose`)."""
         with self._lock:
             self._check_open()
+            self._note_threads()
             deadline = time.monotonic() + SERVE_WAIT_SECONDS
             while True:
                 try:
-                    held = self._acquire_all(wanted, expose)
+                    held = self._acquire_all(wanted, EVERYONE if expose else False)
                     break
                 except BudgetError:
                     # The room may be held by other threads' accesses or

@@ -69,12 +69,13 @@ class HooksMixin:
                 for h in block.hook_handles:
                     h.remove()
                 block.hook_handles = []
-                self._expose(block)  # nothing leaves while asleep: the tensors need no guard
+                self._expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
             self._asleep = True
 
     def _wake(self) -> None:
         if self._asleep:
             for block in self.blocks:
+                self._track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
                 self._install_block_hooks(block)
                 if block.pins == 0:
                     self._guard_idle(block)
@@ -315,6 +316,7 @@ class HooksMixin:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
+                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled()))
                 self._release(block)
             if torch.is_grad_enabled():
                 self._register_pre_backward(block, output)
@@ -360,12 +362,14 @@ class HooksMixin:
     def _post_backward(self, block: Block) -> None:
         if self._backward_holds.get(block, 0) > 0:
             self._backward_holds[block] -= 1
+            self._track_kept_views(block, (), ("backward",))
             self._release(block)
 
     @_locked
     def _end_of_backward(self) -> None:
         self._final_callback_queued = False
         for block, holds in list(self._backward_holds.items()):
+            self._track_kept_views(block, (), ("backward",))
             for _ in range(holds):
                 self._release(block)
         self._backward_holds.clear()

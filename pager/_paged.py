@@ -30,9 +30,9 @@ The class is given back when compute has waited on the fetch (`expose`), not
 when the copy is enqueued: a prefetched block's tensors stay guarded, so a
 user's access between prefetch and use cannot race the copy.
 
-Left alone: a view taken with the block in use (inside its forward) without a
-served access is an ordinary tensor; kept past the block's eviction it would
-see freed memory. Views taken outside a use are served and safe.
+A view taken while the block is in use (inside its forward, or while the
+pager sleeps) is made by PyTorch alone, so pager learns of it afterwards:
+see [Note: views kept from a use] below.
 
 Gradients that left with their block are `PagedOutGrad`s (`_grads.py`); their
 accesses are served the same way, except the ones a training loop makes
@@ -42,6 +42,8 @@ which `Pager._grad_op` answers without moving bytes.
 
 from __future__ import annotations
 
+import gc
+import threading
 import weakref
 from contextlib import ExitStack
 
@@ -52,6 +54,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 # Storage (StorageImpl address) -> (pager, block, segment), for every segment
 # of every wrapped model: how a served access finds what a tensor belongs to.
 _SEGMENTS: dict = {}
+# id(tensor) -> the same, for each segment's own tensors (found even while a
+# `.data =` in a use has them on other memory, and faster).
+_TENSORS: dict = {}
 
 
 def unguarded():
@@ -66,12 +71,31 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def register(pager, block, seg) -> None:
-    seg.storage_key = storage_key(seg.flat)
+    with torch._C.DisableTorchFunctionSubclass():
+        seg.storage = seg.flat.untyped_storage()  # held, so the count of references to it is stable
+    seg.storage_key = seg.storage._cdata
+    seg.base_refs = torch._C._storage_Use_Count(seg.storage_key)  # the flat tensor, its tensors, `storage`
     _SEGMENTS[seg.storage_key] = (pager, block, seg)
+    for t in seg.tensors:
+        _TENSORS[id(t)] = (pager, block, seg)
 
 
 def unregister(seg) -> None:
     _SEGMENTS.pop(seg.storage_key, None)
+    for t in seg.tensors:
+        if _TENSORS.get(id(t), (None, None, None))[2] is seg:
+            del _TENSORS[id(t)]
+
+
+def entry_of(t):
+    """(pager, block, segment) that `t` belongs to (its own tensor or a view), or None."""
+    entry = _TENSORS.get(id(t))
+    if entry is None:
+        try:
+            entry = _SEGMENTS.get(storage_key(t))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # a tensor with no storage of its own (another subclass)
+    return entry
 
 
 # ------------------------------------------------------------- the classes
@@ -182,6 +206,7 @@ def guard_class(cls):
 def guard(seg) -> None:
     """Swap the class of every tensor of `seg` (and its live aliases) for its
     guard. Idempotent."""
+    seg.open = False
     if not seg.exposed:
         return
     seg.exposed = False
@@ -211,6 +236,14 @@ def expose(seg) -> None:
     if live:
         seg.force_dirty = True  # see the Note: writes through .data escape the version counter
     seg.exposed = True
+
+
+def open_to_pinning_threads(seg) -> None:
+    """Shared mode: `seg` stays guarded, but the threads that pinned its block
+    pass the guard unserved ([Note: tensors and threads])."""
+    seg.open = True
+    if any(ref() is not None for ref, _cls in seg.aliases):
+        seg.force_dirty = True  # as in `expose`: writes through .data escape the version counter
 
 
 def release(seg) -> None:
@@ -243,6 +276,10 @@ def handle(func, args, kwargs):
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if _open_to_this_thread(tensors):
+        with unguarded():
+            return func(*args, **kwargs)
     if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
         name = _name_of(args[0])
         raise RuntimeError(
@@ -250,7 +287,6 @@ def handle(func, args, kwargs):
             f"(pager would keep paging the old bytes). Copy into it instead: "
             f"`with torch.no_grad(): tensor.copy_(new)`, or unwrap, change, and wrap again."
         )
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
         raise RuntimeError(
             "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
@@ -278,6 +314,39 @@ def handle(func, args, kwargs):
     if _is_foreach(func, args) and sum(map(len, owners.values())) > 1:
         return _serve_foreach(func, args, kwargs)
     return _serve_owners(owners, lambda: _call(func, args, kwargs), func)
+
+
+# [Note: tensors and threads]
+# Exposing a block in use (its tensors' own class) exposes it to every
+# thread: another thread's read would run unserved, unpinned, and could still
+# be reading when the block is released and evicted. While the process has one
+# Python thread that cannot happen, and a use pays only for the class swaps.
+# Once a second thread exists (checked at each use and served access;
+# `Pager._note_threads`), the pager is in the shared mode for good: a block in
+# use keeps its guard, and the threads that pinned it (`Block.thread_pins`)
+# pass it here unserved (a few microseconds per operation), while any other
+# thread is served (the block pinned for its operation, so it cannot leave
+# under it). A sleeping pager (every block resident, nothing can leave until
+# it wakes) still exposes its tensors to all threads.
+
+def _open_to_this_thread(tensors) -> bool:
+    """Shared mode: are all the guarded `tensors` open to this thread (their
+    blocks pinned by it)?"""
+    tid = None
+    for t in tensors:
+        kind = type(t)
+        if kind in STAND_INS:
+            return False
+        if kind not in GUARD_TYPES:
+            continue
+        entry = entry_of(t)
+        if entry is None or not entry[2].open:
+            return False
+        if tid is None:
+            tid = threading.get_ident()
+        if not entry[1].thread_pins.get(tid):
+            return False
+    return tid is not None
 
 
 def _is_foreach(func, args) -> bool:
@@ -363,10 +432,7 @@ def owners_of(tensors) -> dict:
         if isinstance(t, PagedOutGrad):
             pager, block, kind = t.pager, t.block, "grads"
         else:
-            try:
-                entry = _SEGMENTS.get(storage_key(t))
-            except (RuntimeError, NotImplementedError, TypeError):
-                entry = None  # a tensor with no storage of its own (another subclass)
+            entry = entry_of(t)
             if entry is None:
                 continue
             pager, block, seg = entry
@@ -406,7 +472,7 @@ def _call_pinned(func, args, kwargs):
     by_block: dict = {}
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            entry = _SEGMENTS.get(storage_key(t))
+            entry = entry_of(t)
             if entry is not None and entry[1].trainable:
                 by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
     swap, back = {}, {}
@@ -455,11 +521,7 @@ def remember_alias(seg, t) -> None:
 
 
 def _name_of(t) -> str:
-    entry = None
-    try:
-        entry = _SEGMENTS.get(storage_key(t))
-    except (RuntimeError, NotImplementedError, TypeError):
-        pass
+    entry = entry_of(t)
     if entry is None:
         return "a tensor"
     _pager, block, seg = entry
@@ -468,3 +530,92 @@ def _name_of(t) -> str:
             return f"{slot.name!r} (block {block.name!r})"
     return f"a view of block {block.name!r}"
 
+
+
+# ------------------------------------------------------------- kept views
+# [Note: views kept from a use]
+# While a block is in use its tensors have their own class, so a view taken
+# then (`self.cache = self.weight.t()` in a forward, `w[:10]` returned as an
+# output, `m.weight.detach()` kept by a forward hook or while the pager
+# sleeps) is an ordinary tensor on the block's storage: after an eviction it
+# would read freed memory. Nothing intercepts its creation (that would cost
+# a Python call per operation of every forward), but every view holds a
+# reference to the storage, so after a use the storage's reference count
+# says how many views exist beyond the block's own tensors and the views
+# pager knows of. Those are either autograd's saved views (F.linear saves
+# `weight.t()`; they are read only by the block's backward, which fetches it)
+# or views a user holds, which must be found and remembered (`remember_alias`:
+# guarded while the block is idle, served like any access). So, when the
+# count exceeds what this kind of use left before: the places a forward keeps
+# things (its outputs, its modules' attributes) are searched, then, if views
+# are still unaccounted for, every Python object (gc; ~10-50 ms, hence only
+# then). What remains is held by autograd (or other C++ code) and becomes the
+# expected excess for this kind of use: a training forward pays for one full
+# search per block, the first time, and then only a reference count.
+
+def untracked_refs(seg) -> int:
+    """References to `seg`'s storage beyond its own tensors and known views."""
+    alive = sum(1 for ref, _cls in seg.aliases if ref() is not None)
+    return torch._C._storage_Use_Count(seg.storage_key) - seg.base_refs - alive
+
+
+def track_kept_views(segs, places, use) -> int:
+    """Find and remember views of `segs` made during a use of kind `use`
+    (see the Note); `places` are where to look first (outputs, modules).
+    Returns how many were found."""
+    pending = [seg for seg in segs if untracked_refs(seg) > seg.expected_refs.get(use, 0)]
+    if not pending:
+        return 0
+    found = _adopt(pending, _tensors_in(places))
+    pending = [seg for seg in pending if untracked_refs(seg) > seg.expected_refs.get(use, 0)]
+    if pending:
+        found += _adopt(pending, _python_tensors())
+    for seg in pending:
+        seg.expected_refs[use] = max(seg.expected_refs.get(use, 0), untracked_refs(seg))
+    return found
+
+
+def _adopt(segs, tensors) -> int:
+    by_key = {seg.storage_key: seg for seg in segs}
+    found = 0
+    for t in tensors:
+        try:
+            seg = by_key.get(storage_key(t))
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a tensor with no storage of its own
+        if seg is None or t is seg.flat or any(t is own for own in seg.tensors):
+            continue
+        if not any(ref() is t for ref, _cls in seg.aliases):
+            remember_alias(seg, t)
+            found += 1
+    return found
+
+
+def _tensors_in(places):
+    """Tensors among `places`: leaves of outputs, and each module's tensor
+    attributes (directly or in a list, tuple or dict)."""
+    for place in places:
+        if isinstance(place, nn.Module):
+            for key, value in vars(place).items():
+                if key in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    yield value
+                elif isinstance(value, (list, tuple)):
+                    yield from (v for v in value if isinstance(v, torch.Tensor))
+                elif isinstance(value, dict):
+                    yield from (v for v in value.values() if isinstance(v, torch.Tensor))
+        else:
+            yield from (t for t in tree_leaves(place) if isinstance(t, torch.Tensor))
+
+
+def _python_tensors():
+    """Every tensor object alive in Python."""
+    is_tensor: dict = {}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        flag = is_tensor.get(kind)
+        if flag is None:
+            flag = is_tensor[kind] = issubclass(kind, torch._C.TensorBase)
+        if flag:
+            yield obj

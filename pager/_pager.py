@@ -7,14 +7,14 @@ import dataclasses
 import logging
 import threading
 import time
-from itertools import islice
+from itertools import chain, islice
 
 import torch
 
 from ._block import Block, Residency, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
-from ._common import BACKWARD, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
+from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
 from . import _paged
 from ._grad_ops import GradOpsMixin
 from ._grads import PagedOutGrad, replay
@@ -69,6 +69,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._unsaid_change = False  # the last step's order changed, unannounced, with misses
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
+        self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
         self._sleeping_forwards = 0
         self._held_for_graph = False
         self._thread_state = threading.local()
@@ -180,10 +181,11 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self._owner[id(p)] = (block, i)
 
     # ------------------------------------------------------------ residency
-    def _acquire(self, block: Block, kinds, record: bool = True, expose: bool = True) -> None:
+    def _acquire(self, block: Block, kinds, record: bool = True, expose=True) -> None:
         """Make `kinds` of `block` (and its deps) usable by compute; pin them.
-        With `expose`, its tensors get their own class while it stays pinned
-        (a use); a served access keeps them guarded ([Note: paged-out tensors]).
+        With `expose`, its tensors are open to this thread while it stays
+        pinned (a use; `EVERYONE`: they get their own class whatever the
+        threads); a served access keeps them guarded ([Note: paged-out tensors]).
 
         On failure nothing stays pinned."""
         if block.parts_merged and block.pins == 0 and not block.merged_deps:
@@ -200,7 +202,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                 self._release(dep)
             raise
 
-    def _acquire_one(self, block: Block, kinds, record: bool, expose: bool) -> None:
+    def _acquire_one(self, block: Block, kinds, record: bool, expose) -> None:
         if "grads" in kinds:
             self._ensure_grads_segment(block)
         if record:
@@ -209,7 +211,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
         missing = 0 if self.all_resident else block.missing_bytes(kinds)
-        block.pins += 1
+        self._pin(block)
         try:
             if missing:
                 with _record_range(f"pager::fetch[{block.name}]"):
@@ -217,13 +219,14 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                         self._raise_no_room(block, missing)
                     self._fetch(block, kinds)
         except BaseException:
-            block.pins -= 1
+            self._unpin(block)
             raise
         if record:
             self._count_use(block, miss=bool(missing and block.fetched_data))
         self._wait_for(block)
         if expose or block.deferred_steps:
-            self._expose(block)  # (the optimizer's update runs on the tensors themselves)
+            # (the optimizer's update runs on the tensors themselves)
+            self._expose(block, everyone=expose == EVERYONE)
         if block.deferred_steps:
             self._run_deferred(block)
             if not expose and block.pins == 1:
@@ -257,8 +260,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def _use_resident(self, block: Block) -> None:
         self.scheduler.observe(block, WEIGHTS)
         self._unguard(block)
+        self._pin(block)
         self._expose(block)
-        block.pins += 1
         self._count_use(block, miss=False)
         self._tick += 1
         block.last_use_tick = self._tick
@@ -292,12 +295,51 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         block.fetch_event = None
         block.residency = Residency.DEVICE
 
-    def _expose(self, block: Block) -> None:
-        """Its resident tensors get their own class: only while it is in use
-        (see [Note: paged-out tensors] in _paged.py)."""
+    def _pin(self, block: Block) -> None:
+        block.pins += 1
+        tid = threading.get_ident()
+        block.thread_pins[tid] = block.thread_pins.get(tid, 0) + 1
+
+    def _unpin(self, block: Block) -> None:
+        block.pins -= 1
+        tid = threading.get_ident()
+        n = block.thread_pins.pop(tid, 0)
+        if n > 1:
+            block.thread_pins[tid] = n - 1
+        elif n == 0 or block.pins == 0:
+            # Released by another thread than took it (or by the last): no
+            # thread keeps the unserved path it may no longer have.
+            block.thread_pins.clear()
+
+    def _expose(self, block: Block, everyone: bool = False) -> None:
+        """Its resident tensors are open to the threads using it: they get
+        their own class, only while it is in use (see [Note: paged-out
+        tensors] in _paged.py). With other threads about, they keep the guard
+        and only the threads that pinned the block pass it unserved ([Note:
+        tensors and threads]); `everyone` (the pager going to sleep) gives
+        them their own class all the same."""
+        if not everyone:
+            self._note_threads()
         for seg in block.segments.values():
             if seg.resident and not seg.exposed:
-                _paged.expose(seg)
+                if self._shared and not everyone:
+                    _paged.open_to_pinning_threads(seg)
+                else:
+                    _paged.expose(seg)
+
+    def _note_threads(self) -> None:
+        """Enter the shared mode once a second Python thread exists; blocks in
+        use then stop being exposed to every thread ([Note: tensors and threads])."""
+        if self._shared or threading.active_count() == 1:
+            return
+        self._shared = True
+        if not self._asleep:
+            for block in self.all_blocks():
+                if block.pins > 0 and not block.resident_for_life:
+                    for seg in block.segments.values():
+                        if seg.resident and seg.exposed:
+                            _paged.guard(seg)
+                            _paged.open_to_pinning_threads(seg)
 
     def _guard_idle(self, block: Block) -> None:
         if not block.resident_for_life:
@@ -326,7 +368,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def _release(self, block: Block) -> None:
         for dep in block.deps:
             self._release(dep)
-        block.pins -= 1
+        self._unpin(block)
         if block.pins == 0:
             if not self._asleep:
                 self._guard_idle(block)  # from now on, accesses from outside are served
@@ -345,6 +387,20 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             if self.tracer.enabled:
                 end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
                 self.tracer.span("compute", block.name, block.compute_start, end)
+
+    def _track_kept_views(self, block: Block, places, use) -> None:
+        """Remember views of `block`'s weights that its use left behind (an
+        output, an attribute, a list a hook keeps): they are guarded with the
+        block from now on. See [Note: views kept from a use] in _paged.py."""
+        seg = block.segments.get("weights")
+        if block.module is None or block.resident_for_life or seg is None or not seg.resident:
+            return
+        if _paged.track_kept_views([seg], chain(places, block.module.modules()), use):
+            self._warn_once(
+                f"kept:{block.name}", "pager: a view of block %r's weights was kept from its %s (an output, "
+                "an attribute or a list that holds it); it is served from now on, and fetches the block on "
+                "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
+                use[0])
 
     def _fetch(self, block: Block, kinds) -> None:
         block.settled = False  # until an acquire has ordered compute after this fetch
@@ -470,8 +526,12 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             # Prefetched for an update, but leaving unused: the bytes are here, so
             # apply it now (a gradient the user sets meanwhile must not overwrite its page).
             self._wait_for(block)
-            self._expose(block)  # (guarded again as it leaves)
-            self._run_deferred(block)
+            self._pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
+            try:
+                self._expose(block)  # (guarded again as it leaves)
+                self._run_deferred(block)
+            finally:
+                self._unpin(block)
         with _record_range(f"pager::evict[{block.name}]"):
             for kind in ("weights", "state"):
                 if kind in block.segments and block.segments[kind].resident:

@@ -59,7 +59,9 @@ def test_reading_a_paged_out_weight_fetches_it():
     model.layers[1].register_forward_pre_hook(lambda m, args: seen.append(type(m.mlp[0].weight)))
     with torch.no_grad():
         model(batches(1)[0][0])
-    assert seen == [nn.Parameter]  # in use: its own class
+    # In use: its own class; with other threads about, the guard, which the
+    # thread using the block passes unserved ([Note: tensors and threads]).
+    assert seen == [type(w) if pager.of(model)._shared else nn.Parameter]
     page_out_everything(model)
     assert isinstance(weight(model), nn.Parameter) and weight(model) is w
     assert weight(model).shape == weight(ref).shape and weight(model).dtype == torch.float32

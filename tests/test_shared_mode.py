@@ -1,0 +1,83 @@
+"""With a second Python thread alive, every pager is in the shared mode
+([Note: tensors and threads] in pager/_paged.py): a block in use stays guarded
+and only the threads that pinned it pass unserved. The transparency, kept-view
+and training suites run again here in that mode, and another thread reads every
+tensor while the model trains under a tight budget."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import pager
+from helpers import assert_models_equal
+from models import TinyLM
+from test_kept_views import *  # noqa: F401,F403 - run again in the shared mode
+from test_training import batches, lm_loss, regime_budget
+from test_training import test_training_matches_unwrapped_bit_for_bit  # noqa: F401
+from test_training import test_supernet_random_paths_train_like_unwrapped  # noqa: F401
+from test_training import test_deferred_updates_equal_immediate_ones_with_a_schedule_clip_and_eval  # noqa: F401
+from test_transparency import *  # noqa: F401,F403
+
+
+@pytest.fixture(autouse=True)
+def _second_thread():
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait, daemon=True)
+    idle.start()
+    yield
+    stop.set()
+    idle.join()
+
+
+def test_the_shared_mode_is_on_and_the_forward_thread_is_not_served():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for ids, tgt in batches(3):
+        for m, o in zip((model, ref), opts):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+    p = pager.of(model)
+    assert p._shared
+    assert p.stats().on_demand == 0  # the blocks' own uses passed the guard unserved
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_another_thread_reads_every_tensor_while_the_model_trains():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    done, errors, reads = threading.Event(), [], [0]
+
+    def reader():
+        params = list(model.parameters()) + list(model.buffers())
+        try:
+            while not done.is_set():
+                for t in params:
+                    if not torch.isfinite(t.detach().sum()):
+                        raise AssertionError("a read saw a non-finite sum")
+                    reads[0] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for ids, tgt in batches(6):
+            for m, o in zip((model, ref), opts):
+                lm_loss(m, ids, tgt).backward()
+                o.step()
+                o.zero_grad()
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors
+    assert reads[0] > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)  # the reads changed nothing
