@@ -175,13 +175,17 @@ def allow_foreach(*classes) -> None:
     path, one served call per tensor (measured: clip 30 ms instead of 1 ms on
     a 1B model). The foreach kernels never see them: the list is answered or
     run by `handle` with the tensors as they are."""
-    try:
-        from torch.utils import _foreach_utils
-    except ImportError:
-        return
-    supported = getattr(_foreach_utils, "_foreach_supported_types", None)
-    if isinstance(supported, list):
-        supported.extend(c for c in classes if c not in supported)
+    import importlib
+
+    # Each keeps its own list (torch.optim's decides foreach vs a loop per
+    # tensor: without ours it would loop, slower and not bitwise the same).
+    for module in ("torch.utils._foreach_utils", "torch.optim.optimizer"):
+        try:
+            supported = getattr(importlib.import_module(module), "_foreach_supported_types", None)
+        except ImportError:
+            continue
+        if isinstance(supported, list):
+            supported.extend(c for c in classes if c not in supported)
 
 
 allow_foreach(GuardedTensor, GuardedParameter)

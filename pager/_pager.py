@@ -622,21 +622,20 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         next use is further than `within` uses away, and never kept ones."""
         if self.resident_bytes + nbytes <= self.budget_bytes:
             return True
-        inf = float("inf")
-        distance = self.scheduler.next_use()
-        kept = self.scheduler.kept
         if self._evictions_blocked():
             return False
-        candidates = [
-            b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect
-        ]
-        candidates.sort(key=lambda b: (b in kept, -distance.get(b, inf), b.last_use_tick))
-        for b in candidates:
-            if within is not None and (b in kept or distance.get(b, inf) <= within):
-                return False
-            self._evict(b)
-            if self.resident_bytes + nbytes <= self.budget_bytes:
-                return True
+        kept, distance_to = self.scheduler.kept, self.scheduler.distance_to
+        idle = [b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect]
+        # Streamed blocks first, furthest next use first; kept ones only for a
+        # use that needs the room now (never for a prefetch).
+        for group in ([b for b in idle if b not in kept], [] if within is not None else [b for b in idle if b in kept]):
+            ranked = sorted(((distance_to(b), -b.last_use_tick, b) for b in group), key=lambda r: r[:2], reverse=True)
+            for distance, _tick, b in ranked:
+                if within is not None and distance <= within:
+                    return False
+                self._evict(b)
+                if self.resident_bytes + nbytes <= self.budget_bytes:
+                    return True
         return False
 
     def _raise_no_room(self, block: Block, missing: int):

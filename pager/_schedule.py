@@ -21,7 +21,10 @@ with one block of look-ahead can move.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import chain, islice
+
+INF = float("inf")
 
 
 class Scheduler:
@@ -31,6 +34,8 @@ class Scheduler:
         self.pos = 0
         self.expected: list = []
         self.kept: set = set()
+        self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
+        self._positions_of = None       # the plan they index
 
     def start_step(self) -> bool:
         """Make the last step's recording the plan. True if the order changed."""
@@ -70,13 +75,25 @@ class Scheduler:
         """Predicted (block, kinds) uses from now on, nearest first (lazy)."""
         return chain(self.expected, islice(self.plan, self.pos, None), self.plan)
 
-    def next_use(self, horizon: int | None = None) -> dict:
-        """Distance (in acquisitions) to each block's next predicted use."""
-        distance: dict = {}
-        limit = horizon if horizon is not None else len(self.expected) + 2 * len(self.plan)
-        for i, (block, _kinds) in enumerate(islice(self.upcoming(), limit)):
-            distance.setdefault(block, i)
-        return distance
+    def distance_to(self, block) -> float:
+        """Acquisitions until `block`'s next predicted use: its first index in
+        `upcoming()` (inf if none). A bisection in the plan, so that choosing a
+        victim costs no walk of the plan (which made a forward of many small
+        blocks host-bound)."""
+        for i, (b, _kinds) in enumerate(self.expected):
+            if b is block:
+                return i
+        if self._positions_of is not self.plan:
+            self._positions = {}
+            for i, (b, _kinds) in enumerate(self.plan):
+                self._positions.setdefault(b, []).append(i)
+            self._positions_of = self.plan
+        positions = self._positions.get(block)
+        if not positions:
+            return INF
+        k = bisect_left(positions, self.pos)
+        ahead = positions[k] - self.pos if k < len(positions) else len(self.plan) - self.pos + positions[0]
+        return len(self.expected) + ahead
 
     def choose_kept(self, budget_bytes: int, size_of, fixed_bytes: int) -> None:
         """Pick the blocks of the plan that stay resident across steps."""

@@ -81,3 +81,15 @@ def test_another_thread_reads_every_tensor_while_the_model_trains():
     assert reads[0] > 0
     pager.unwrap(model)
     assert_models_equal(model, ref)  # the reads changed nothing
+
+
+def test_guarded_parameters_keep_torch_optims_foreach_path():
+    """torch.optim picks its foreach implementation by the exact class of each
+    parameter; in the shared mode they are guarded during the step, and must
+    not fall back to the per-tensor loop (slower, and not bitwise the same)."""
+    import torch.optim.optimizer as optimizer
+
+    from pager._paged import GuardedParameter, GuardedTensor
+
+    assert GuardedParameter in optimizer._foreach_supported_types
+    assert GuardedTensor in optimizer._foreach_supported_types
