@@ -195,7 +195,7 @@ class GradOpsMixin:
             self.transport.compute_waits(seg.summary_event)  # computed on the write-back stream
         value = summary[0] if ord == 2.0 else summary[1]
         if self.transport.is_cuda:
-            value.record_stream(torch.cuda.current_stream(self.device))  # read here, allocated there
+            value.record_stream(self.transport.compute_stream())  # read here, allocated there
         for op, factor in seg.pending.get(i, ()):
             if op == "zero":
                 value = torch.zeros_like(value)

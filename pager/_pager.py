@@ -286,7 +286,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         with _record_range(f"pager::wait[{block.name}]"):
             if self.transport.is_cuda:
                 arrive = torch.cuda.Event(enable_timing=True)
-                arrive.record()
+                arrive.record(self.transport.compute_stream())
                 self._pending_stalls.append((block, arrive, block.fetch_event))
                 self.tracer.span("wait", block.name, arrive, block.fetch_event)
                 if len(self._pending_stalls) > 1024:

@@ -77,8 +77,21 @@ class CudaTransport:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_stream = torch.cuda.Stream(device)
+        self._streams: dict = {}  # stream id -> Stream, for `compute_stream`
+
+    def compute_stream(self):
+        """The caller's current stream (compute). `torch.cuda.current_stream`
+        resolves the device anew on each call (~15 us; a quarter of the host
+        time of a forward of many small blocks), so the index is kept here and
+        Stream objects reused."""
+        stream_id, index, kind = torch._C._cuda_getCurrentStream(self.index)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+        return stream
 
     def allocate(self, flat: torch.Tensor, nbytes: int) -> None:
         # Allocate on the h2d stream so the memory belongs to its pool (see Note).
@@ -129,7 +142,7 @@ class CudaTransport:
             return fn(), self._record(self.d2h_stream)
 
     def record_compute(self):
-        return self._record(torch.cuda.current_stream(self.device), timing=True)
+        return self._record(self.compute_stream(), timing=True)
 
     def mark_h2d(self):
         # Memory allocated on the h2d stream may have been freed by another
@@ -140,7 +153,7 @@ class CudaTransport:
     def compute_waits(self, event) -> None:
         # Compute must not read a block before its fetch has landed.
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.compute_stream().wait_event(event)
 
     def new_flat(self, nbytes: int) -> torch.Tensor:
         with torch.cuda.stream(self.h2d_stream):
