@@ -62,6 +62,7 @@ def main(argv=None):
     cpu_model = build("meta", n_layers=args.layers).to_empty(device="cpu").eval()
     cpu_model.load_state_dict(gpu_model.state_dict())
     peers_cpu = {name: copy.deepcopy(cpu_model) for name in args.peers.split(",") if name}
+    twins = [copy.deepcopy(cpu_model) for _ in range(2)]  # for the interleaved half-budget rows
     pager.wrap(cpu_model, budget="20GiB", device="cuda")
     paged = cpu_model
     slack = 64 << 20  # the remainder (final norm) and allocator rounding
@@ -118,8 +119,9 @@ def main(argv=None):
             print(rows[-1])
         free_cuda()
         if not wname.startswith("compute"):
-            rows.append(finer_blocks(paged, x, per_layer, slack, bw, args))
-            print(rows[-1])
+            for row in half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
+                rows.append(row)
+                print(row)
 
         for name, model in peers_cpu.items():
             if wname.startswith("compute"):
@@ -132,23 +134,54 @@ def main(argv=None):
     return rows
 
 
-def finer_blocks(paged, x, per_layer, slack, bw, args):
-    """Half budget with every nn.Linear a block: the two streaming slots
-    shrink from two layers to two projections, so more layers stay."""
-    pager.unwrap(paged)
-    pager.wrap(paged, budget="20GiB", device="cuda", blocks=lambda name, m: isinstance(m, torch.nn.Linear))
+def half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
+    """Half budget, three ways, run in turns (interleaved, so drift hits all
+    alike): default blocks (layers split into their parts at wrap), every
+    nn.Linear a block, and default blocks in the shared mode (as when another
+    Python thread exists: blocks in use stay guarded and the forward's
+    operations pass the guard one by one)."""
     k = args.layers // 2
-    ms, s = run_pager(paged, x, k * per_layer + slack, args.reps)
+    budget = k * per_layer + slack
+    pager.wrap(twins[0], budget=budget, device="cuda")
+    pager.wrap(twins[1], budget=budget, device="cuda", blocks=lambda name, m: isinstance(m, torch.nn.Linear))
+
+    def fwd(model):
+        def run():
+            with torch.no_grad():
+                model(x)
+        return run
+
+    # The shared mode is sticky per pager: the first two columns are measured
+    # first, in turns, then the default-blocks model again, shared, in turns
+    # with the Linear one (which stays unshared: its flag is kept off).
+    (parts_ms, parts_host), (lin_ms, lin_host) = interleaved_ms([fwd(twins[0]), fwd(twins[1])], reps=15)
+    stats = []
+    for model in twins:
+        pg = pager.of(model)
+        pg.reset()
+        fwd(model)()
+        torch.cuda.synchronize()
+        stats.append(pg.stats())
+    pager.of(twins[0])._shared = True  # as `_note_threads` does when a second thread appears
+    (shared_ms, shared_host), (lin2_ms, _h) = interleaved_ms([fwd(twins[0]), fwd(twins[1])], reps=15)
     must = (args.layers - k) * per_layer
     floor = must / (bw * 1e9) * 1e3
-    pager.unwrap(paged)
-    pager.wrap(paged, budget="20GiB", device="cuda")
-    return Row(
-        f"7B-shape fwd {args.batch}x{args.tokens}", "pager, budget half, blocks=nn.Linear", ms, None, ms / floor,
-        f"floor: {args.layers - k} layers must move",
-        f"moved {s.h2d_bytes / 1e9:.2f} GB/fwd, {s.h2d_bytes / (ms / 1e3) / 1e9:.1f} GB/s, hits {s.hits} misses {s.misses}",
-        {"h2d_bytes": s.h2d_bytes},
-    )
+    parts = sum(b.part for b in pager.of(twins[0]).blocks)
+    rows = []
+    for label, ms, host, s in [
+        (f"pager, budget half, default blocks (split into {parts} parts), in turns", parts_ms, parts_host, stats[0]),
+        ("pager, budget half, blocks=nn.Linear, in turns", lin_ms, lin_host, stats[1]),
+    ]:
+        rows.append(Row(wname, label, ms, None, ms / floor, f"floor: {args.layers - k} layers must move",
+                        f"moved {s.h2d_bytes / 1e9:.2f} GB/fwd, {s.h2d_bytes / (ms / 1e3) / 1e9:.1f} GB/s; "
+                        f"host enqueue {host:.1f} ms", {"h2d_bytes": s.h2d_bytes, "host_ms": host}))
+    rows.append(Row(wname, "pager, budget half, default blocks, shared mode (in turns with nn.Linear)", shared_ms,
+                    None, shared_ms / floor, f"floor: {args.layers - k} layers must move",
+                    f"host enqueue {shared_host:.1f} ms; nn.Linear in the same turns {lin2_ms:.1f} ms",
+                    {"host_ms": shared_host}))
+    for model in twins:
+        pager.unwrap(model)
+    return rows
 
 
 def run_peer(name, model, x, floor_ms, wname, reps):

@@ -70,6 +70,7 @@ def bench_steps(reps, rows):
     gpu = decoder_1b("cuda")
     cpu_ref = cpu_copy(decoder_1b, gpu)
     results = {}
+    shared_rows = []
     for where in ("all on GPU", "pager"):
         model = gpu if where == "all on GPU" else copy.deepcopy(cpu_ref)
         if where == "pager":
@@ -103,6 +104,20 @@ def bench_steps(reps, rows):
             note = (f"budget {budget / GiB:.1f} GiB; a GradScaler step moved {s.h2d_bytes / 1e9:.1f} GB in, "
                     f"{s.d2h_bytes / 1e9:.1f} GB out; on-demand fetches: {s.on_demand} in a GradScaler step, "
                     f"{clip_on_demand} in a clipped one")
+            # The shared mode (another Python thread exists: blocks in use stay
+            # guarded, the step's operations pass the guard one by one). Sticky
+            # per pager, so timed after the rest, fp32 and fp32 + clip in turns.
+            pg._shared = True  # as `_note_threads` does when a second thread appears
+            shared = {v: [] for v in ("fp32", "fp32 + clip")}
+            for v in shared:
+                steps[v]()
+            for _ in range(reps):
+                for v in shared:
+                    shared[v].append(timed(steps[v]))
+            for v, t in shared.items():
+                ms = statistics.median(t)
+                shared_rows.append(Row(w, f"pager, {v}, shared mode (timed after the others)", ms, None,
+                                       ms / results["pager"][v], f"pager, {v}", ""))
             pager.unwrap(model)
         for v in VARIANTS:
             base = results["all on GPU"][v]
@@ -113,6 +128,9 @@ def bench_steps(reps, rows):
         if where == "all on GPU":
             del gpu
         free_cuda()
+    rows += shared_rows
+    for row in shared_rows:
+        print(row)
     for v, base in VARIANTS.items():
         if base is None:
             continue
