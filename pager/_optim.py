@@ -189,13 +189,21 @@ class OptimizerLink:
     def apply(self, block: Block, d: Deferred) -> None:
         """Run deferred update `d` of `block` (resident, compute ordered after
         its fetch): the optimizer's own step over the block's parameters, with
-        the gradients and group options it had at step time."""
+        the gradients and group options it had at step time.
+
+        [Note: a deferred update touches nothing the user holds]
+        It may run on any thread (the one whose access needs the block), while
+        the thread that stepped calls zero_grad(), a scheduler or step() again.
+        So the optimizer's step runs on a shadow of it (its own param groups,
+        with this block's parameters and the step-time options; the same state
+        dict), never narrowing the user's groups; and the parameters' `.grad`,
+        set to the step-time gradients for the step, is only set under the
+        pager's lock, which a `.grad =` on a guarded parameter takes too
+        (`_paged.handle`)."""
         pager, optimizer = self.pager, self.optimizer
         seg = block.segments["grads"]
         params = [p for share in d.shares for p in share]
         saved_grads = [p.grad for p in params]
-        groups = optimizer.param_groups
-        saved_groups = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
         try:
             with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
                 for i, ops in d.scales.items():
@@ -203,18 +211,34 @@ class OptimizerLink:
                 for p in params:
                     i = pager._owner.get(id(p), (None, None))[1]
                     p.grad = seg.tensors[i] if i in d.grads else None
-                for g, share, options in zip(groups, d.shares, d.options):
-                    g["params"] = share
-                    g.update(options)
-                self._step_once(optimizer)
+                self._step_shadow(d)
         finally:
-            for g, (share, options) in zip(groups, saved_groups):
-                g["params"] = share
-                g.update(options)
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
         self._adopt_state(block)
         block.mark_dirty(("weights", "state"))
+
+    def _step_shadow(self, d: Deferred) -> None:
+        optimizer = self.optimizer
+        if self._raw_step is None:  # not a torch.optim.Optimizer: its groups are narrowed for the call
+            groups = optimizer.param_groups
+            saved = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
+            try:
+                for g, share, options in zip(groups, d.shares, d.options):
+                    g["params"] = share
+                    g.update(options)
+                optimizer.step()
+            finally:
+                for g, (share, options) in zip(groups, saved):
+                    g["params"] = share
+                    g.update(options)
+            return
+        shadow = object.__new__(type(optimizer))
+        shadow.__dict__.update(optimizer.__dict__)
+        shadow.param_groups = [
+            {**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)
+        ]
+        self._raw_step(shadow)
 
     def _blocks_to_step(self) -> list[Block]:
         """Blocks with a gradient: resident ones first, then in next-forward order."""

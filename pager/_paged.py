@@ -120,6 +120,7 @@ _METADATA = _names("__get__", [
     torch.numel, torch.is_floating_point, torch.is_complex,
 } | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
 _DATA_SET = torch.Tensor.data.__set__
+_GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
 # Views that read no element: answered without a fetch by a view that is
 # itself guarded (and remembered with its segment, so it never dangles).
 _VIEWS = _names("__get__", ["data", "T", "mT"]) | {getattr(torch.Tensor, n) for n in [
@@ -278,8 +279,12 @@ def _swap_to_guard(t):
 def handle(func, args, kwargs):
     """`__torch_function__` of every paged-out tensor (PagedOutGrad too)."""
     if func in _METADATA:
+        entry = entry_of(args[0]) if func in _GRAD_SETTERS else None
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            if entry is None:
+                return func(*args, **kwargs)
+            with entry[0]._lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
+                return func(*args, **kwargs)
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if _open_to_this_thread(tensors):
         with unguarded():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pager
-from helpers import assert_models_equal
+from helpers import assert_models_equal, assert_same
 from models import TinyLM
 from test_kept_views import *  # noqa: F401,F403 - run again in the shared mode
 from test_training import batches, lm_loss, regime_budget
@@ -93,3 +93,37 @@ def test_guarded_parameters_keep_torch_optims_foreach_path():
 
     assert GuardedParameter in optimizer._foreach_supported_types
     assert GuardedTensor in optimizer._foreach_supported_types
+
+
+def test_another_threads_read_applies_a_pending_update_without_touching_the_optimizer():
+    """A read from another thread of a block whose optimizer update is still
+    deferred applies it ([Note: a deferred update touches nothing the user
+    holds]): the read sees the updated weight, the training thread's optimizer
+    groups and gradients are untouched, and training goes on bit for bit."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(4)
+    for ids, tgt in data[:2]:
+        for m, o in zip((model, ref), opts):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+    pending = [b for b in pager.of(model).blocks if b.deferred_steps]
+    assert pending, "the budget should leave some updates deferred"
+    groups = [list(g["params"]) for g in opts[0].param_groups]
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(float(p.sum()) for p in model.parameters()))
+    reader.start()
+    reader.join(timeout=60)
+    assert seen == [float(q.sum()) for q in ref.parameters()]
+    assert [list(g["params"]) for g in opts[0].param_groups] == groups
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad.clone(), q.grad)  # the step-time gradients are still the user's
+    for ids, tgt in data[2:]:
+        for m, o in zip((model, ref), opts):
+            o.zero_grad()
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
