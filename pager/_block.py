@@ -155,6 +155,7 @@ class Block:
         self.fetch_event = None
         self.pins = 0
         self.thread_pins: dict = {}   # thread id -> pins it holds (see Pager._unpin)
+        self.unaccounted_use = None   # a use that left views pager could not look for (Pager._keeps_unknown_views)
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
         self.parent: Block | None = None  # the nearest block whose module holds this one's
         self.resident_for_life = False

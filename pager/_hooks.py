@@ -69,11 +69,15 @@ class HooksMixin:
                 for h in block.hook_handles:
                     h.remove()
                 block.hook_handles = []
-                self._expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
+                if not self._shared:
+                    self._expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
             self._asleep = True
 
     def _wake(self) -> None:
         if self._asleep:
+            self._asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
+            while self._asleep_readers:  # ...and those that began while asleep finish before anything leaves
+                time.sleep(1e-5)
             for block in self.blocks:
                 self._track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
                 self._install_block_hooks(block)
@@ -83,7 +87,6 @@ class HooksMixin:
                 # (CUDA's foreach zero) move no version counter: if the block
                 # ever leaves, it is written back.
                 block.mark_dirty()
-            self._asleep = False
 
     def _evictions_blocked(self) -> bool:
         return self._sleeping_forwards > 0 or self._held_for_graph
@@ -202,6 +205,7 @@ class HooksMixin:
     @_locked
     def _root_pre_forward(self, module, args):
         self._check_open()
+        self._note_threads()
         if self._root_depth == 0:
             self._check_structure()
             self._release_stale_backward_holds()

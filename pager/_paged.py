@@ -286,9 +286,11 @@ def handle(func, args, kwargs):
             with entry[0]._lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
                 return func(*args, **kwargs)
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if _open_to_this_thread(tensors):
-        with unguarded():
-            return func(*args, **kwargs)
+    sleepers = _unserved(tensors)
+    if sleepers is not None:
+        result = _run_unserved(func, args, kwargs, sleepers)
+        if result is not _WOKE:
+            return result
     if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
         name = _name_of(args[0])
         raise RuntimeError(
@@ -336,26 +338,57 @@ def handle(func, args, kwargs):
 # pass it here unserved (a few microseconds per operation), while any other
 # thread is served (the block pinned for its operation, so it cannot leave
 # under it). A sleeping pager (every block resident, nothing can leave until
-# it wakes) still exposes its tensors to all threads.
+# it wakes) keeps the guard too, and every thread passes it unserved, counted
+# as a reader; waking waits for the readers before anything may leave.
 
-def _open_to_this_thread(tensors) -> bool:
-    """Shared mode: are all the guarded `tensors` open to this thread (their
-    blocks pinned by it)?"""
-    tid = None
+def _unserved(tensors):
+    """Shared mode: may this operation run on `tensors` unserved? Yes if each
+    guarded one's block is pinned by this thread (and open), or its pager
+    sleeps. Returns the sleeping pagers involved (see `_run_unserved`), or
+    None for no."""
+    tid, sleepers, guarded = None, [], False
     for t in tensors:
         kind = type(t)
         if kind in STAND_INS:
-            return False
+            return None
         if kind not in GUARD_TYPES:
             continue
         entry = entry_of(t)
-        if entry is None or not entry[2].open:
-            return False
+        if entry is None:
+            return None
+        pager, block, seg = entry
+        guarded = True
+        if pager._asleep:
+            if pager not in sleepers:
+                sleepers.append(pager)
+            continue
+        if not seg.open:
+            return None
         if tid is None:
             tid = threading.get_ident()
-        if not entry[1].thread_pins.get(tid):
-            return False
-    return tid is not None
+        if not block.thread_pins.get(tid):
+            return None
+    return sleepers if guarded else None
+
+
+_WOKE = object()
+
+
+def _run_unserved(func, args, kwargs, sleepers):
+    """Run an operation unserved. On a sleeping pager it counts as a reader
+    first, then checks the pager still sleeps: `_wake` clears `_asleep` first,
+    then waits for the readers, so no access that began asleep is running when
+    something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
+    for pager in sleepers:
+        pager._asleep_readers.append(None)
+    try:
+        if not all(pager._asleep for pager in sleepers):
+            return _WOKE
+        with unguarded():
+            return func(*args, **kwargs)
+    finally:
+        for pager in sleepers:
+            pager._asleep_readers.pop()
 
 
 def _is_foreach(func, args) -> bool:
@@ -560,7 +593,13 @@ def _name_of(t) -> str:
 # are still unaccounted for, every Python object (gc; ~10-50 ms, hence only
 # then). What remains is held by autograd (or other C++ code) and becomes the
 # expected excess for this kind of use: a training forward pays for one full
-# search per block, the first time, and then only a reference count.
+# search per block, the first time, and then only a reference count. The
+# search of every object needs the process to have one Python thread (see
+# `_python_tensors`). With several, what a use that builds no graph leaves
+# unaccounted for may also be another thread's operation still running on the
+# block, so the block is checked again when it is chosen to leave (nothing
+# runs on it then): if views are still unaccounted for, it stays
+# (`Pager._evict`).
 
 def untracked_refs(seg) -> int:
     """References to `seg`'s storage beyond its own tensors and known views."""
@@ -568,20 +607,28 @@ def untracked_refs(seg) -> int:
     return torch._C._storage_Use_Count(seg.storage_key) - seg.base_refs - alive
 
 
-def track_kept_views(segs, places, use) -> int:
+def track_kept_views(segs, places, use, search_all: bool = True, learn: bool = True):
     """Find and remember views of `segs` made during a use of kind `use`
-    (see the Note); `places` are where to look first (outputs, modules).
-    Returns how many were found."""
-    pending = [seg for seg in segs if untracked_refs(seg) > seg.expected_refs.get(use, 0)]
+    (see the Note); `places` are where to look first (outputs, modules), then,
+    with `search_all`, every Python object. Returns (how many were found, the
+    segments with views still unaccounted for); with `learn`, their count
+    becomes the expected one for this kind of use (autograd's)."""
+    pending = [seg for seg in segs if has_unknown_views(seg, use)]
     if not pending:
-        return 0
+        return 0, []
     found = _adopt(pending, _tensors_in(places))
-    pending = [seg for seg in pending if untracked_refs(seg) > seg.expected_refs.get(use, 0)]
-    if pending:
+    pending = [seg for seg in pending if has_unknown_views(seg, use)]
+    if pending and search_all:
         found += _adopt(pending, _python_tensors())
-    for seg in pending:
-        seg.expected_refs[use] = max(seg.expected_refs.get(use, 0), untracked_refs(seg))
-    return found
+        pending = [seg for seg in pending if has_unknown_views(seg, use)]
+    if learn:
+        for seg in pending:
+            seg.expected_refs[use] = untracked_refs(seg)
+    return found, pending
+
+
+def has_unknown_views(seg, use) -> bool:
+    return untracked_refs(seg) > seg.expected_refs.get(use, 0)
 
 
 def _adopt(segs, tensors) -> int:
@@ -619,7 +666,9 @@ def _tensors_in(places):
 
 
 def _python_tensors():
-    """Every tensor object alive in Python."""
+    """Every tensor object alive in Python. Only with no other Python thread
+    running: `gc.get_objects()` also returns objects another thread is still
+    building (a tuple it will resize), whose construction then fails."""
     is_tensor: dict = {}
     for obj in gc.get_objects():
         kind = type(obj)

@@ -70,6 +70,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
         self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
+        self._asleep_readers: list = []  # one entry per access running unserved on the sleeping pager
         self._sleeping_forwards = 0
         self._held_for_graph = False
         self._thread_state = threading.local()
@@ -333,13 +334,14 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if self._shared or threading.active_count() == 1:
             return
         self._shared = True
-        if not self._asleep:
-            for block in self.all_blocks():
-                if block.pins > 0 and not block.resident_for_life:
-                    for seg in block.segments.values():
-                        if seg.resident and seg.exposed:
-                            _paged.guard(seg)
-                            _paged.open_to_pinning_threads(seg)
+        for block in self.all_blocks():
+            if block.resident_for_life:
+                continue
+            for seg in block.segments.values():
+                if seg.exposed:
+                    _paged.guard(seg)
+                    if block.pins > 0 and seg.resident:
+                        _paged.open_to_pinning_threads(seg)
 
     def _guard_idle(self, block: Block) -> None:
         if not block.resident_for_life:
@@ -395,12 +397,33 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         seg = block.segments.get("weights")
         if block.module is None or block.resident_for_life or seg is None or not seg.resident:
             return
-        if _paged.track_kept_views([seg], chain(places, block.module.modules()), use):
+        alone = threading.active_count() == 1
+        no_graph = use in (("forward", False), ("asleep",))
+        found, unaccounted = _paged.track_kept_views(
+            [seg], chain(places, block.module.modules()), use, search_all=alone, learn=alone or not no_graph)
+        if found:
             self._warn_once(
-                f"kept:{block.name}", "pager: a view of block %r's weights was kept from its %s (an output, "
+                f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
                 "an attribute or a list that holds it); it is served from now on, and fetches the block on "
                 "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
                 use[0])
+        if unaccounted and not alone and no_graph:
+            block.unaccounted_use = use  # checked again when it is to leave (see [Note: views kept from a use])
+
+    def _keeps_unknown_views(self, block: Block) -> bool:
+        """Chosen to leave: are views of its weights still unaccounted for
+        since a use with other threads about? Then it must stay."""
+        use = block.unaccounted_use
+        if use is None:
+            return False
+        if _paged.has_unknown_views(block.weights, use):
+            self._warn_once(
+                f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
+                "from its %s exist somewhere pager cannot search while other threads run. Keep copies "
+                "(`.clone()`) of what a forward keeps.", block.name, use[0])
+            return True
+        block.unaccounted_use = None
+        return False
 
     def _fetch(self, block: Block, kinds) -> None:
         block.settled = False  # until an acquire has ordered compute after this fetch
@@ -522,6 +545,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                 "of its tensors shares its memory, which therefore cannot be paged. Use "
                 "`tensor.detach().clone().numpy()` for a copy.", block.name)
             return
+        if self._keeps_unknown_views(block):
+            return
         if block.deferred_steps and not block.missing_bytes(STEP):
             # Prefetched for an update, but leaving unused: the bytes are here, so
             # apply it now (a gradient the user sets meanwhile must not overwrite its page).
@@ -639,8 +664,9 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         return False
 
     def _raise_no_room(self, block: Block, missing: int):
-        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life]
-        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())})" for b in pinned[:6])
+        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
+        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
+                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
         raise BudgetError(
             f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
             f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "

@@ -142,5 +142,7 @@ def test_a_view_taken_while_the_pager_sleeps_survives_a_later_eviction():
         p.set_budget(2 * one + 4096)
         model(x)  # wakes: the view is found and guarded; the blocks then stream
     page_out(model)
-    assert not p.blocks[1].weights.resident
+    # Alone, the view is found and guarded and its block leaves; with other
+    # threads about (test_shared_mode) it cannot be looked for, so the block stays.
+    assert p.blocks[1].weights.resident == p._shared
     assert_same(view, ref_view)
