@@ -285,7 +285,7 @@ def handle(func, args, kwargs):
                 return func(*args, **kwargs)
             with entry[0]._lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
                 return func(*args, **kwargs)
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = _tensors_of(args, kwargs)
     sleepers = _unserved(tensors)
     if sleepers is not None:
         result = _run_unserved(func, args, kwargs, sleepers)
@@ -389,6 +389,25 @@ def _run_unserved(func, args, kwargs, sleepers):
     finally:
         for pager in sleepers:
             pager._asleep_readers.pop()
+
+
+def _tensors_of(args, kwargs) -> list:
+    """The tensors among an operation's arguments. Flat ones directly (a
+    pytree walk costs more than the operation it guards), nested ones through
+    the pytree."""
+    out = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    out.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _is_foreach(func, args) -> bool:
