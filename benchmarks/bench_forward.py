@@ -122,6 +122,8 @@ def main(argv=None):
             for row in half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
                 rows.append(row)
                 print(row)
+            rows.append(fits_all_shared(twins, x, gpu_fwd, wname))
+            print(rows[-1])
 
         for name, model in peers_cpu.items():
             if wname.startswith("compute"):
@@ -182,6 +184,30 @@ def half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
     for model in twins:
         pager.unwrap(model)
     return rows
+
+
+def fits_all_shared(twins, x, gpu_fwd, wname):
+    """Everything fits and the pager sleeps: plain, and in the shared mode
+    (a second Python thread: the sleeping pager keeps its guards, so every
+    operation on a weight passes one), in turns with all on GPU."""
+    for model in twins:
+        pager.wrap(model, budget=20 * GiB, device="cuda")
+    pager.of(twins[1])._shared = True  # as `_note_threads` does when a second thread appears
+
+    def fwd(model):
+        def run():
+            with torch.no_grad():
+                model(x)
+        return run
+
+    (gpu_ms, _), (plain_ms, plain_host), (shared_ms, shared_host) = interleaved_ms(
+        [gpu_fwd, fwd(twins[0]), fwd(twins[1])])
+    for model in twins:
+        pager.unwrap(model)
+    return Row(wname, "pager, fits all, shared mode (in turns with all on GPU and plain pager)", shared_ms, None,
+               shared_ms / gpu_ms, "all on GPU (same turns)",
+               f"host enqueue {shared_host:.1f} ms; plain pager {plain_ms:.2f} ms ({plain_ms / gpu_ms:.2f}x), "
+               f"all on GPU {gpu_ms:.2f} ms")
 
 
 def run_peer(name, model, x, floor_ms, wname, reps):
