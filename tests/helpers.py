@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import traceback
+
 import torch
 
 from pager._host import align
@@ -28,3 +32,27 @@ def assert_models_equal(m1, m2, exact=True):
     for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert n1 == n2
         assert_same(p1.cpu(), p2.cpu(), exact)
+
+
+@contextlib.contextmanager
+def reading_in_a_thread(tensors, check):
+    """Another thread calls `check(t)` on each of `tensors`, over and over,
+    while the body runs. Yields a dict: 'reads' counted, 'errors' (tracebacks)."""
+    done, log = threading.Event(), {"reads": 0, "errors": []}
+
+    def reader():
+        try:
+            while not done.is_set():
+                for t in tensors:
+                    check(t)
+                    log["reads"] += 1
+        except Exception:  # noqa: BLE001 - reported to the test
+            log["errors"].append(traceback.format_exc())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        yield log
+    finally:
+        done.set()
+        thread.join()

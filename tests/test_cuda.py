@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import tensor_page_bytes
+from helpers import reading_in_a_thread, tensor_page_bytes
 from models import SuperNet, TinyLM, tiny_cnn
 from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
@@ -418,36 +418,23 @@ def test_views_kept_from_a_forward_on_gpu():
 def test_another_thread_reads_while_the_model_trains_on_gpu():
     """The shared mode on a GPU, copies delayed: a reader thread's accesses are
     served (pinned) while the training thread's uses pass the guard."""
-    import threading
-
     model = TinyLM(d=64)
     ref = copy.deepcopy(model).to(GPU)
     pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU)
     _sleepy(pager.of(model).transport)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    done, errors = threading.Event(), []
+    def check(t):
+        if not torch.isfinite(t.detach().float().sum()):
+            raise AssertionError("non-finite read")
 
-    def reader():
-        try:
-            while not done.is_set():
-                for t in list(model.parameters()):
-                    if not torch.isfinite(t.detach().float().sum()):
-                        raise AssertionError("non-finite read")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
+    with reading_in_a_thread(list(model.parameters()), check) as log:
         for ids, tgt in batches(4):
             ids, tgt = ids.to(GPU), tgt.to(GPU)
             for m, o in ((model, opt), (ref, ref_opt)):
                 lm_loss(m, ids, tgt).backward()
                 o.step()
                 o.zero_grad()
-    finally:
-        done.set()
-        thread.join()
+    errors = log["errors"]
     assert not errors, errors
     assert pager.of(model)._shared
     pager.unwrap(model)

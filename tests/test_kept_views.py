@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import pager
 from helpers import assert_same
+from test_transparency import page_out_everything
 from pager import _paged
 
 
@@ -58,11 +59,7 @@ def pair(kept=None, ref_kept=None):
 
 
 def page_out(model):
-    p = pager.of(model)
-    with p._lock:
-        for block in list(p.resident):
-            if block.pins == 0 and not block.resident_for_life:
-                p._evict(block)
+    page_out_everything(model, check=False)
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -6,13 +6,12 @@ tensor while the model trains under a tight budget."""
 
 import copy
 import threading
-import traceback
 
 import pytest
 import torch
 
 import pager
-from helpers import assert_models_equal, assert_same
+from helpers import assert_models_equal, assert_same, reading_in_a_thread
 from models import TinyLM
 from test_kept_views import *  # noqa: F401,F403 - run again in the shared mode
 from test_training import batches, lm_loss, regime_budget
@@ -57,30 +56,17 @@ def test_another_thread_reads_every_tensor_while_the_model_trains():
     ref = copy.deepcopy(model)
     pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
     opts = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    done, errors, reads = threading.Event(), [], [0]
+    def check(t):
+        if not torch.isfinite(t.detach().sum()):
+            raise AssertionError("a read saw a non-finite sum")
 
-    def reader():
-        params = list(model.parameters()) + list(model.buffers())
-        try:
-            while not done.is_set():
-                for t in params:
-                    if not torch.isfinite(t.detach().sum()):
-                        raise AssertionError("a read saw a non-finite sum")
-                    reads[0] += 1
-        except Exception:  # noqa: BLE001 - reported below
-            errors.append(traceback.format_exc())
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
+    with reading_in_a_thread(list(model.parameters()) + list(model.buffers()), check) as log:
         for ids, tgt in batches(6):
             for m, o in zip((model, ref), opts):
                 lm_loss(m, ids, tgt).backward()
                 o.step()
                 o.zero_grad()
-    finally:
-        done.set()
-        thread.join()
+    errors, reads = log["errors"], [log["reads"]]
     assert not errors, errors
     assert reads[0] > 0
     pager.unwrap(model)
@@ -142,24 +128,14 @@ def test_reads_from_another_thread_while_the_pager_sleeps_and_wakes():
     pager.wrap(model, budget="1GiB", device="cpu")
     p = pager.of(model)
     ids = batches(1)[0][0]
-    done, errors, reads = threading.Event(), [], [0]
-    expected = [float(q.sum()) for q in ref.parameters()]
+    expected = {id(p): float(q.sum()) for p, q in zip(model.parameters(), ref.parameters())}
 
-    def reader():
-        params = list(model.parameters())
-        try:
-            while not done.is_set():
-                for t, e in zip(params, expected):
-                    if float(t.sum()) != e:
-                        raise AssertionError("a read saw a wrong value")
-                    reads[0] += 1
-        except Exception:  # noqa: BLE001 - reported below
-            errors.append(traceback.format_exc())
+    def check(t):
+        if float(t.sum()) != expected[id(t)]:
+            raise AssertionError("a read saw a wrong value")
 
-    thread = threading.Thread(target=reader)
-    thread.start()
     slept = 0
-    try:
+    with reading_in_a_thread(list(model.parameters()), check) as log:
         with torch.no_grad():
             for _ in range(6):
                 for _ in range(3):
@@ -168,9 +144,7 @@ def test_reads_from_another_thread_while_the_pager_sleeps_and_wakes():
                 p.set_budget(regime_budget(model, "streams"))  # evicts, from this thread
                 model(ids)
                 p.set_budget("1GiB")
-    finally:
-        done.set()
-        thread.join()
+    errors, reads = log["errors"], [log["reads"]]
     assert not errors, errors
     assert slept and reads[0] > 0 and p.stats().misses > 0  # evicted, and fetched again
     assert_same(model(ids), ref(ids))
@@ -193,7 +167,7 @@ def test_a_view_kept_where_pager_cannot_search_keeps_its_block():
     """With other threads about, every Python object cannot be searched; a
     view a no-grad forward kept somewhere else (here a module-level list)
     keeps its block on the device while it lives, and reads the right values."""
-    from test_kept_views import page_out
+    from test_transparency import page_out_everything
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[KeepsOutside() for _ in range(6)])
@@ -209,7 +183,7 @@ def test_a_view_kept_where_pager_cannot_search_keeps_its_block():
         ref(x)
         ref_kept = list(OUTSIDE)
     OUTSIDE.clear()
-    page_out(model)
+    page_out_everything(model, check=False)
     blocks = pager.of(model).blocks
     assert pager.of(model)._shared
     assert all(b.weights.resident for b in blocks)  # each kept view holds its block
@@ -217,5 +191,5 @@ def test_a_view_kept_where_pager_cannot_search_keeps_its_block():
         assert_same(k, r)
     del k, r
     kept.clear()
-    page_out(model)
+    page_out_everything(model, check=False)
     assert not any(b.weights.resident for b in blocks)  # the views are gone: the blocks may leave
