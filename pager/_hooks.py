@@ -4,6 +4,7 @@ into a paged-out block, the step boundary, and advice."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from operator import is_not
 
@@ -76,7 +77,8 @@ class HooksMixin:
     def _wake(self) -> None:
         if self._asleep:
             self._asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
-            while self._asleep_readers:  # ...and those that began while asleep finish before anything leaves
+            me = threading.get_ident()
+            while any(t != me for t in self._asleep_readers):  # ...and other threads' that began asleep finish
                 time.sleep(1e-5)
             for block in self.blocks:
                 self._track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed

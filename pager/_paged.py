@@ -379,8 +379,9 @@ def _run_unserved(func, args, kwargs, sleepers):
     first, then checks the pager still sleeps: `_wake` clears `_asleep` first,
     then waits for the readers, so no access that began asleep is running when
     something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
+    me = threading.get_ident()
     for pager in sleepers:
-        pager._asleep_readers.append(None)
+        pager._asleep_readers.append(me)
     try:
         if not all(pager._asleep for pager in sleepers):
             return _WOKE
@@ -388,7 +389,7 @@ def _run_unserved(func, args, kwargs, sleepers):
             return func(*args, **kwargs)
     finally:
         for pager in sleepers:
-            pager._asleep_readers.pop()
+            pager._asleep_readers.remove(me)
 
 
 def _tensors_of(args, kwargs) -> list:

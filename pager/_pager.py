@@ -70,7 +70,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
         self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
-        self._asleep_readers: list = []  # one entry per access running unserved on the sleeping pager
+        self._asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self._sleeping_forwards = 0
         self._held_for_graph = False
         self._thread_state = threading.local()
