@@ -200,7 +200,7 @@ class OptimizerLink:
         set to the step-time gradients for the step, is only set under the
         pager's lock, which a `.grad =` on a guarded parameter takes too
         (`_paged.handle`)."""
-        pager, optimizer = self.pager, self.optimizer
+        pager = self.pager
         seg = block.segments["grads"]
         params = [p for share in d.shares for p in share]
         saved_grads = [p.grad for p in params]
