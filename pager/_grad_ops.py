@@ -57,7 +57,7 @@ class GradOpsMixin:
                 for block in held:
                     self._release(block)
 
-    def _acquire_all(self, wanted: dict, expose: bool) -> list:
+    def _acquire_all(self, wanted: dict, expose) -> list:
         held = []
         try:
             for block, kinds in wanted.items():

@@ -7,7 +7,8 @@ would read freed memory (a segfault on the CPU device, an illegal address
 that kills the CUDA context on a GPU). So a block's tensors have their own
 class only while the block is in use (pinned: its forward, backward or
 optimizer update runs) or while every block is resident and the pager sleeps
-(nothing can leave then). Otherwise the class of each is swapped for a
+(nothing can leave then); once the process has several Python threads, not
+even then (see [Note: tensors and threads]). Otherwise the class of each is swapped for a
 subclass (`GuardedParameter` for a Parameter, `GuardedTensor` for a buffer or
 an optimizer state tensor) whose `__torch_function__` serves the access: it
 acquires the block for the operation (a fetch on demand if it is paged out,
@@ -448,8 +449,8 @@ def _paged_out_view(func, args, kwargs):
         result = func(*args, **kwargs)
     for r in tree_leaves(result):
         if isinstance(r, torch.Tensor):
-            entry = _SEGMENTS.get(storage_key(r))
-            if entry is not None:
+            entry = entry_of(r)
+            if entry is not None and id(r) not in _TENSORS:
                 remember_alias(entry[2], r)
     return result
 
@@ -552,34 +553,32 @@ def aliases_in(result, wanted) -> list:
     """(segment, tensor) for results that alias the storage of a block in `wanted`."""
     out = []
     for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS:
-            continue
-        try:
-            entry = _SEGMENTS.get(storage_key(r))
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        if entry is None or entry[1] not in wanted:
-            continue
-        seg = entry[2]
-        if not any(r is t for t in seg.tensors):
-            out.append((seg, r))
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in _TENSORS:
+            continue  # (a segment's own tensor is no alias)
+        entry = entry_of(r)
+        if entry is not None and entry[1] in wanted:
+            out.append((entry[2], r))
     return out
 
 
-def remember_alias(seg, t) -> None:
+def remember_alias(seg, t) -> bool:
     """Track a view of `seg`'s storage: guarded while the segment is, and,
-    while it is exposed, a reason to write the segment back (a write through
+    while it is in use, a reason to write the segment back (a write through
     `.data` moves no version counter of the segment's tensors; writes through
-    a guarded view are served and marked then)."""
-    if not any(ref() is t for ref, _cls in seg.aliases):
+    a guarded view are served and marked then). True if it was new."""
+    new = not any(ref() is t for ref, _cls in seg.aliases)
+    if new:
         cls = type(t)
-        if not seg.exposed:  # the block is idle: so is the view
+        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
             cls = _swap_to_guard(t)
             if cls is None:
-                return
+                return False
+        # Dead entries go as new ones come (a block that never leaves is never guarded again).
+        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
         seg.aliases.append((weakref.ref(t), cls))
-    if seg.exposed:
+    if seg.exposed or seg.open:
         seg.force_dirty = True
+    return new
 
 
 def _name_of(t) -> str:
@@ -659,11 +658,8 @@ def _adopt(segs, tensors) -> int:
             seg = by_key.get(storage_key(t))
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # a tensor with no storage of its own
-        if seg is None or t is seg.flat or any(t is own for own in seg.tensors):
-            continue
-        if not any(ref() is t for ref, _cls in seg.aliases):
-            remember_alias(seg, t)
-            found += 1
+        if seg is not None and t is not seg.flat and id(t) not in _TENSORS:  # (not one of its own)
+            found += remember_alias(seg, t)
     return found
 
 
