@@ -121,6 +121,7 @@ _METADATA = _names("__get__", [
     torch.numel, torch.is_floating_point, torch.is_complex,
 } | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
 _DATA_SET = torch.Tensor.data.__set__
+_DATA_GETTER = torch.Tensor.data.__get__
 _GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
 # Views that read no element: answered without a fetch by a view that is
 # itself guarded (and remembered with its segment, so it never dangles).
@@ -209,6 +210,62 @@ def guard_class(cls):
     return guard
 
 
+# [Note: the class of a tensor in use]
+# A tensor of a block in use has, instead of its own class, a subclass of it
+# that differs in one thing: reading `.data` marks its segment dirty. A write
+# through a `.data` alias (`m.weight.data.mul_(mask)` in a pre-hook) moves no
+# version counter pager sees ([Note: dirty by version counter]), and the alias
+# may be gone before anything could count it, so the read itself is the only
+# sign. The subclass keeps `__torch_function__` disabled, as Parameter does,
+# so every operation takes the same C++ path as on the own class; deepcopy and
+# pickling run with the own class (they build the copy from `type(self)`).
+
+def _data_get(self):
+    entry = _TENSORS.get(id(self))
+    if entry is not None:
+        entry[2].force_dirty = True
+    return _DATA_GETTER(self)
+
+
+def _with_own_class(name):
+    def method(self, *args):
+        in_use = type(self)
+        self.__class__ = in_use.own_class
+        try:
+            return getattr(self, name)(*args)
+        finally:
+            self.__class__ = in_use
+
+    return method
+
+
+_IN_USE: dict = {}
+IN_USE_TYPES: set = set()
+
+
+def in_use_class(cls):
+    """The class a tensor of own class `cls` has while its block is in use
+    (see the Note); `cls` itself if `cls` runs its own `__torch_function__`."""
+    in_use = _IN_USE.get(cls)
+    if in_use is None:
+        in_use = cls
+        if guard_class(cls) is not None:  # (the same test: a plain torch function)
+            in_use = type(cls.__name__, (cls,), {
+                "data": property(_data_get, _DATA_SET),
+                "__torch_function__": torch._C._disabled_torch_function_impl,
+                "__deepcopy__": _with_own_class("__deepcopy__"), "__reduce_ex__": _with_own_class("__reduce_ex__"),
+                "own_class": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            IN_USE_TYPES.add(in_use)
+            allow_foreach(in_use)
+        _IN_USE[cls] = in_use
+    return in_use
+
+
+def own_class(t):
+    cls = type(t)
+    return cls.own_class if cls in IN_USE_TYPES else cls
+
+
 def guard(seg) -> None:
     """Swap the class of every tensor of `seg` (and its live aliases) for its
     guard. Idempotent."""
@@ -231,7 +288,7 @@ def expose(seg) -> None:
         return
     for t, cls in zip(seg.tensors, seg.classes or ()):
         if cls is not None:
-            t.__class__ = cls
+            t.__class__ = in_use_class(cls)
     live = []
     for ref, cls in seg.aliases:
         t = ref()
@@ -257,7 +314,7 @@ def release(seg) -> None:
     handed out by served accesses (they alias storage about to be freed)
     stay guarded with no owner, so using one is a clear error."""
     for t, cls in zip(seg.tensors, seg.classes or ()):
-        if cls is not None and not seg.exposed:
+        if cls is not None:
             t.__class__ = cls
     seg.exposed = True
     for ref, _cls in seg.aliases:
@@ -268,7 +325,7 @@ def release(seg) -> None:
 
 
 def _swap_to_guard(t):
-    cls = type(t)
+    cls = own_class(t)
     guard = guard_class(cls)
     if guard is None:
         return None
@@ -289,6 +346,8 @@ def handle(func, args, kwargs):
     tensors = _tensors_of(args, kwargs)
     sleepers = _unserved(tensors)
     if sleepers is not None:
+        if func == _DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
+            entry_of(args[0])[2].force_dirty = True
         result = _run_unserved(func, args, kwargs, sleepers)
         if result is not _WOKE:
             return result

@@ -59,9 +59,14 @@ def test_reading_a_paged_out_weight_fetches_it():
     model.layers[1].register_forward_pre_hook(lambda m, args: seen.append(type(m.mlp[0].weight)))
     with torch.no_grad():
         model(batches(1)[0][0])
-    # In use: its own class; with other threads about, the guard, which the
-    # thread using the block passes unserved ([Note: tensors and threads]).
-    assert seen == [type(w) if pager.of(model)._shared else nn.Parameter]
+    # In use: its own class's in-use twin (reading `.data` marks the block
+    # dirty; [Note: the class of a tensor in use]); with other threads about,
+    # the guard, which the thread using the block passes unserved ([Note:
+    # tensors and threads]).
+    in_use = pager._paged.in_use_class(nn.Parameter)
+    assert seen == [type(w) if pager.of(model)._shared else in_use]
+    assert in_use is not nn.Parameter and issubclass(in_use, nn.Parameter)
+    assert in_use.__torch_function__ is torch._C._disabled_torch_function_impl  # the C++ path, as Parameter's
     page_out_everything(model)
     assert isinstance(weight(model), nn.Parameter) and weight(model) is w
     assert weight(model).shape == weight(ref).shape and weight(model).dtype == torch.float32
@@ -437,9 +442,6 @@ def test_random_sequences_of_steps_reads_writes_and_evictions(seed, tmp_path):
             assert_same(p.grad, q.grad)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a write through a `.data` alias made and dropped inside the "
-                   "block's own use moves no version counter pager sees, so the block leaves clean and the write "
-                   "is lost (issue 10, open)")
 def test_a_write_through_data_inside_the_blocks_forward_survives_its_eviction():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
@@ -455,3 +457,31 @@ def test_a_write_through_data_inside_the_blocks_forward_survives_its_eviction():
     with torch.no_grad():
         for _ in range(3):
             assert_same(model(x), ref(x))
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_tensor_in_use_copies_and_pickles_as_its_own_class():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    pager.wrap(model, budget="1MiB", device="cpu", blocks=[model[0], model[1], model[2]])
+    made = {}
+
+    def inside(module, args):  # while the block is in use
+        made["copy"] = copy.deepcopy(module.weight)
+        made["buffer"] = copy.deepcopy(module.running_mean)
+        buf = io.BytesIO()
+        torch.save({"w": module.weight, "mean": module.running_mean}, buf)
+        made["saved"] = buf.getvalue()
+
+    model[1].register_forward_pre_hook(inside)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    assert type(made["copy"]) is nn.Parameter and type(made["buffer"]) is torch.Tensor
+    assert_same(made["copy"], model[1].weight) and made["copy"] is not model[1].weight
+    loaded = torch.load(io.BytesIO(made["saved"]), weights_only=True)
+    assert type(loaded["w"]) is nn.Parameter and type(loaded["mean"]) is torch.Tensor
+    assert_same(loaded["mean"], model[1].running_mean)
+    pager.unwrap(model)
+    assert type(model[1].weight) is nn.Parameter and type(model[1].running_mean) is torch.Tensor
