@@ -110,6 +110,7 @@ class Segment:
     storage: object = None             # the flat storage (held: see _paged.register)
     base_refs: int = 0                 # references to it from pager's own objects
     expected_refs: dict = field(default_factory=dict)  # kind of use -> views autograd keeps (_paged Note)
+    saved: list = field(default_factory=list)          # weakrefs: autograd's saved views, counted (_paged Note)
     # grads segments only: the parameters, their names, zeroing/scaling
     # recorded while paged out (slot index -> [(op, factor)], replayed on
     # return), and per-slot norms computed as the gradients left.

@@ -300,6 +300,8 @@ class HooksMixin:
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
+            # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
+            _paged.begin_counting_saved_views(self._shared and torch.is_grad_enabled())
             with self._lock:
                 if self._can_use_resident(block):
                     self._use_resident(block)
@@ -318,11 +320,12 @@ class HooksMixin:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
+            counted = _paged.end_counting_saved_views()
             with self._lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
-                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled()))
+                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), counted))
                 self._release(block)
             if torch.is_grad_enabled():
                 self._register_pre_backward(block, output)

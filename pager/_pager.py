@@ -397,17 +397,21 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         seg = block.segments.get("weights")
         if block.module is None or block.resident_for_life or seg is None or not seg.resident:
             return
+        # Alone, every object is searched, and what stays unaccounted for is
+        # autograd's (learned). With other threads, what stays unaccounted for
+        # is a view kept where pager cannot look (autograd's are counted: see
+        # [Note: autograd's saved views, counted]), or autograd's where they
+        # could not be counted: either way the block must stay while they live.
         alone = threading.active_count() == 1
-        no_graph = use in (("forward", False), ("asleep",))
         found, unaccounted = _paged.track_kept_views(
-            [seg], chain(places, block.module.modules()), use, search_all=alone, learn=alone or not no_graph)
+            [seg], chain(places, block.module.modules()), use, search_all=alone, learn=alone)
         if found:
             self._warn_once(
                 f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
                 "an attribute or a list that holds it); it is served from now on, and fetches the block on "
                 "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
                 use[0])
-        if unaccounted and not alone and no_graph:
+        if unaccounted and not alone:
             block.unaccounted_use = use  # checked again when it is to leave (see [Note: views kept from a use])
 
     def _keeps_unknown_views(self, block: Block) -> bool:
@@ -419,8 +423,9 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if _paged.has_unknown_views(block.weights, use):
             self._warn_once(
                 f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
-                "from its %s exist somewhere pager cannot search while other threads run. Keep copies "
-                "(`.clone()`) of what a forward keeps.", block.name, use[0])
+                "from its %s exist somewhere pager cannot search while other threads run (or autograd's saved "
+                "views, which pager cannot count under other saved-tensor hooks or before torch 2.8). Keep "
+                "copies (`.clone()`) of what a forward keeps.", block.name, use[0])
             return True
         block.unaccounted_use = None
         return False

@@ -143,3 +143,26 @@ def test_a_view_taken_while_the_pager_sleeps_survives_a_later_eviction():
     # threads about (test_shared_mode) it cannot be looked for, so the block stays.
     assert p.blocks[1].weights.resident == p._shared
     assert_same(view, ref_view)
+
+
+class ExpOf(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x).exp()  # exp saves its output
+
+
+def test_an_in_place_change_of_a_saved_tensor_is_still_an_error():
+    """Autograd's check that a saved tensor was not changed in place holds
+    under pager (its saved-tensor hooks check it too: [Note: autograd's saved
+    views, counted])."""
+    model = nn.Sequential(ExpOf(), ExpOf(), ExpOf())
+    one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
+    pager.wrap(model, budget=2 * one + 4096, device="cpu")  # a block's weights and gradients
+    out = model(torch.randn(4, 32) * 0.1)
+    with torch.no_grad():
+        out.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

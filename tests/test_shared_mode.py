@@ -158,8 +158,11 @@ class KeepsOutside(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(d, d)
 
+    keep = True
+
     def forward(self, x):
-        OUTSIDE.append(self.lin.weight[:2])
+        if self.keep:
+            OUTSIDE.append(self.lin.weight[:2])
         return torch.tanh(self.lin(x))
 
 
@@ -193,3 +196,43 @@ def test_a_view_kept_where_pager_cannot_search_keeps_its_block():
     kept.clear()
     page_out_everything(model, check=False)
     assert not any(b.weights.resident for b in blocks)  # the views are gone: the blocks may leave
+
+
+def test_a_view_kept_by_a_training_forward_where_pager_cannot_search_keeps_its_block():
+    """Autograd's saved views are counted ([Note: autograd's saved views,
+    counted]), so blocks still leave between forward and backward; a view a
+    training forward keeps where pager cannot search keeps its block on the
+    device while it lives, and reads the right values."""
+    from test_transparency import page_out_everything
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[KeepsOutside() for _ in range(6)])
+    for layer in model:
+        layer.keep = False
+    ref = copy.deepcopy(model)
+    one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
+    pager.wrap(model, budget=4 * one + 4096, device="cpu")  # a kept block and a step's block fit
+    blocks = pager.of(model).blocks
+    x = torch.randn(4, 32)
+    first_left = []
+    model[5].register_forward_pre_hook(lambda *_: first_left.append(not blocks[0].weights.resident))
+    for m in (model, ref):  # nothing kept: the blocks leave as the forward goes on
+        m(x).pow(2).sum().backward()
+    assert pager.of(model)._shared and first_left == [True]
+    kept = {}
+    for m in (model, ref):
+        m[1].keep = True
+        OUTSIDE.clear()
+        out = m(x)
+        kept[m] = list(OUTSIDE)
+        OUTSIDE.clear()
+        if m is model:
+            page_out_everything(model, check=False)
+            assert blocks[1].weights.resident and not blocks[0].weights.resident and first_left[-1]
+        out.pow(2).sum().backward()
+    assert_same(kept[model][0], kept[ref][0])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
+    del kept, out
+    page_out_everything(model, check=False)
+    assert not blocks[1].weights.resident  # the view is gone: the block may leave
