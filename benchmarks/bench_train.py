@@ -1,13 +1,14 @@
 """Training steps under a budget.
 
 1. A ~1B-parameter fp32 decoder, AdamW, 4x1024 tokens: all-on-GPU, pager at a
-   budget of 40% of the all-on-GPU peak, and the installed peers (torchao
+   budget of 40% of the all-on-GPU peak (activations kept, and offloaded),
+   with activations offloaded at smaller budgets, and the installed peers (torchao
    CPUOffloadOptimizer, FSDP2 CPUOffloadPolicy, DeepSpeed ZeRO-3 offload).
 2. A ProxylessNAS-style supernet (24 layers, a fixed attention and 4
    feed-forward candidates each), one sampled path per step: pager with
    `expect()` vs fully resident.
 
-    python -m benchmarks.bench_train [--only decoder|supernet] [--reps 5]
+    python -m benchmarks.bench_train [--only decoder|supernet] [--reps 5] [--offload-budgets 6 4]
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def bench_decoder(args, rows):
     free_cuda()
 
     budget = int(0.4 * gpu_peak * GiB)
-    for defer in (True, False):
+    configs = [(budget, True, "keep"), (budget, False, "keep"), (budget, True, "offload")]
+    configs += [(int(b * GiB), True, "offload") for b in args.offload_budgets]
+    for budget, defer, activations in configs:
         model = copy.deepcopy(cpu_ref)
-        pager.wrap(model, budget=budget, device="cuda", defer_step=defer)
+        pager.wrap(model, budget=budget, device="cuda", defer_step=defer, activations=activations)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
         pg = pager.of(model)
@@ -88,10 +91,15 @@ def bench_decoder(args, rows):
             make_step(model, opt, ids, tgt)()
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved() / GiB)
+        acts = (f"; activations offloaded: {s.activations_sent_bytes / 1e9:.1f} GB out, "
+                f"{s.activations_brought_bytes / 1e9:.1f} GB back ({s.activations_ahead_bytes / 1e9:.1f} GB ahead)"
+                if activations == "offload" else "")
         rows.append(Row(
-            w, f"pager, budget 40% of peak ({budget / GiB:.1f} GiB){'' if defer else ', defer_step=False'}", ms, peak,
-            ms / gpu_ms, "all on GPU",
-            f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; hit {100 * s.hit_rate:.0f}%; "
+            w, f"pager, budget {budget / GiB:.1f} GiB ({100 * budget / (gpu_peak * GiB):.0f}% of peak)"
+            f"{'' if defer else ', defer_step=False'}{', activations offloaded' if activations == 'offload' else ''}",
+            ms, peak, ms / gpu_ms, "all on GPU",
+            f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out (blocks){acts}; "
+            f"hit {100 * s.hit_rate:.0f}%; "
             f"{s.deferred_steps} block updates deferred; allocator reserved {reserved[0]:.2f} GiB after "
             f"{args.reps + 4} steps, {reserved[1]:.2f} GiB after {args.reps + 4 + LONG_RUN_STEPS}",
             {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes, "stall_s": s.stall_seconds, "reserved_gib": reserved},
@@ -228,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["decoder", "supernet"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
+    ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],
+                    help="extra budgets (GiB) run with activations offloaded")
     args = ap.parse_args(argv)
     env = environment()
     env["pinned_h2d_GBps"] = round(pinned_h2d_gbps(), 1)

@@ -28,6 +28,7 @@ def wrap(
     prefetch: int = 2,
     trace_steps: int = 0,
     defer_step: bool = True,
+    activations: str = "keep",
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -54,6 +55,11 @@ def wrap(
             `opt.step()` when the block is next used (bit for bit the same
             values; its transfers then overlap the next forward). False steps
             every block during `opt.step()`.
+        activations: what a block's training forward saves for its backward:
+            "keep" it on the device (as without pager), or "offload" it: each
+            saved activation of 1 MiB or more goes to pinned host memory as the
+            forward moves on and comes back, a block ahead, for the backward
+            (see [Note: activations off the device] in _saved.py).
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -68,6 +74,9 @@ def wrap(
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
         raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    if activations not in ("keep", "offload"):
+        raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device) or \"offload\" "
+                         "(to pinned host memory until the backward).")
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
     _check_fits(budget, budget_bytes, sizing)
@@ -75,7 +84,8 @@ def wrap(
     parts = set()
     if blocks is None:
         sizing, parts = _discover.split_large(model, sizing, budget_bytes)
-    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step)
+    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
+                  activations=activations)
     pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")

@@ -11,7 +11,7 @@ from operator import is_not
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _paged
+from . import _paged, _saved
 from ._block import Block
 from ._budget import format_bytes
 from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
@@ -301,7 +301,8 @@ class HooksMixin:
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
             # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
-            _paged.begin_counting_saved_views(self._shared and torch.is_grad_enabled())
+            grad = torch.is_grad_enabled()
+            _saved.begin_saving(self._shared and grad, self._activations if grad else None, block)
             with self._lock:
                 if self._can_use_resident(block):
                     self._use_resident(block)
@@ -320,7 +321,7 @@ class HooksMixin:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
-            counted = _paged.end_counting_saved_views()
+            counted = _saved.end_saving()
             with self._lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
@@ -337,11 +338,11 @@ class HooksMixin:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        fired = [False]
+        fired = [-1]  # the backward pass it fired in: once per pass (a retained graph's second pass too)
 
         def pre_backward(grad):
-            if not fired[0]:
-                fired[0] = True
+            if fired[0] != self._backward_passes:
+                fired[0] = self._backward_passes
                 self._pre_backward(block)
             return grad
 
@@ -355,6 +356,8 @@ class HooksMixin:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._acquire(block, BACKWARD)
         self._backward_holds[block] = self._backward_holds.get(block, 0) + 1
+        if self._activations is not None:
+            self._activations.backward_reaches(block)
         self._prefetch()
 
     def _register_post_backward(self, block: Block, args, kwargs):
@@ -377,6 +380,7 @@ class HooksMixin:
     @_locked
     def _end_of_backward(self) -> None:
         self._final_callback_queued = False
+        self._backward_passes += 1
         for block, holds in list(self._backward_holds.items()):
             self._track_kept_views(block, (), ("backward",))
             for _ in range(holds):

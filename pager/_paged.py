@@ -46,7 +46,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import torch
 import torch.nn as nn
@@ -446,7 +446,9 @@ def _run_unserved(func, args, kwargs, sleepers):
         if not all(pager._asleep for pager in sleepers):
             return _WOKE
         if sleepers and torch.is_grad_enabled():  # a graph built outside a forward: count what it saves
-            with unguarded(), counting_saved_views(True):
+            from ._saved import saving
+
+            with unguarded(), saving(count=True):
                 return func(*args, **kwargs)
         with unguarded():
             return func(*args, **kwargs)
@@ -606,7 +608,9 @@ def _call_pinned(func, args, kwargs):
         swap.update(zip(tensors.keys(), outs))
         back.update((id(o), t) for o, t in zip(outs, tensors.values()))
     args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    with counting_saved_views(True):  # what the graph saves is autograd's, not a kept view
+    from ._saved import saving
+
+    with saving(count=True):  # what the graph saves is autograd's, not a kept view
         result = func(*args, **kwargs)
     # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
     return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
@@ -678,7 +682,7 @@ def _name_of(t) -> str:
 # search per block, the first time, and then only a reference count. The
 # search of every object needs the process to have one Python thread (see
 # `_python_tensors`). With several, autograd's saved views are counted as
-# they are saved ([Note: autograd's saved views, counted]), and what remains
+# they are saved ([Note: autograd's saved views, counted] in _saved.py), and what remains
 # unaccounted for is a view kept where pager cannot look (or another thread's
 # operation still running on the block), so the block is checked again when
 # it is chosen to leave (nothing runs on it then): if views are still
@@ -686,85 +690,11 @@ def _name_of(t) -> str:
 
 def untracked_refs(seg) -> int:
     """References to `seg`'s storage beyond its own tensors, known views and
-    the views autograd saved under `count_saved_views`."""
+    the views autograd saved under pager's hooks (_saved.py)."""
     alive = sum(1 for ref, _cls in seg.aliases if ref() is not None)
     if seg.saved:
         seg.saved = [ref for ref in seg.saved if ref() is not None]
     return torch._C._storage_Use_Count(seg.storage_key) - seg.base_refs - alive - len(seg.saved)
-
-
-# [Note: autograd's saved views, counted]
-# With several Python threads the search of every object is out, so what a
-# forward that builds a graph leaves unaccounted for could be autograd's saved
-# views (expected) or a view a user keeps somewhere pager cannot look (which
-# must keep the block on the device). To tell them apart, the forward of a
-# block runs, in the shared mode, under saved-tensor hooks whose pack gives
-# autograd its own detached alias of each tensor it saves and remembers those
-# on a block's storage (`seg.saved`, weakly): they are counted, and what
-# remains is the user's. (Packing the tensor itself would leak: an output
-# saved by its own node would hold itself.) Where other hooks are already on
-# top (torch.utils.checkpoint, save_on_cpu: the user's policy wins), or torch
-# cannot say (before 2.8), nothing is counted, and the block stays until
-# the count drops (its backward).
-
-_counting = threading.local()
-
-
-def _pack_saved(t):
-    with unguarded():
-        saved = t.detach()  # shares the version counter
-    entry = entry_of(t)
-    if entry is not None:
-        entry[2].saved.append(weakref.ref(saved))
-    return saved, saved._version
-
-
-def _unpack_saved(packed):
-    saved, version = packed
-    if saved._version != version:  # autograd checks this itself only without hooks
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
-            f"version {version} instead. (Checked by pager's saved-tensor hooks, as autograd does.)")
-    return saved
-
-
-def begin_counting_saved_views(count: bool) -> None:
-    """In this thread, until the matching `end_`, count autograd's saved
-    views if `count` (see the Note), unless other saved-tensor hooks are on
-    top. Called for every use, so that each `end_` pairs with its `begin_`."""
-    hooks = torch._C._autograd
-    top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
-    pushed = False
-    if count and top is not None and hooks._saved_tensors_hooks_is_enabled():
-        try:
-            current = top(True)
-        except TypeError:  # (no `ignore_is_tracing` argument in some versions)
-            current = top()
-        if current is None:
-            hooks._push_saved_tensors_default_hooks(_pack_saved, _unpack_saved)
-            pushed = True
-    stack = getattr(_counting, "stack", None)
-    if stack is None:
-        stack = _counting.stack = []
-    stack.append(pushed)
-
-
-@contextmanager
-def counting_saved_views(count: bool):
-    begin_counting_saved_views(count)
-    try:
-        yield
-    finally:
-        end_counting_saved_views()
-
-
-def end_counting_saved_views() -> bool:
-    """Close the matching `begin_`; True if saved views were counted."""
-    pushed = _counting.stack.pop()
-    if pushed:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-    return pushed
 
 
 def track_kept_views(segs, places, use, search_all: bool = True, learn: bool = True):

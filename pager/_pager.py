@@ -20,6 +20,7 @@ from ._grad_ops import GradOpsMixin
 from ._grads import PagedOutGrad, replay
 from ._hooks import HooksMixin
 from ._host import HostArena
+from ._saved import ActivationOffload
 from ._schedule import Scheduler
 from ._stats import BlockStats, Stats, zero_counters
 from ._trace import Tracer
@@ -34,7 +35,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     Made by `pager.wrap`; reach it with `pager.of(model)`.
     """
 
-    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True):
+    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
+                 activations="keep"):
         self.model = model
         self.device = device
         self.budget_bytes = budget_bytes
@@ -49,6 +51,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self.resident_bytes = 0
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self._stats = Stats(budget_bytes=budget_bytes)
+        # Blocks' saved activations: None keeps them on the device ([Note: activations off the device]).
+        self._activations = ActivationOffload(self.transport, self._stats) if activations == "offload" else None
         self._hooks: list = []
         self._tick = 0
         self._root_depth = 0
@@ -69,6 +73,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._unsaid_change = False  # the last step's order changed, unannounced, with misses
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
+        self._backward_passes = 0  # ended backward passes (_end_of_backward)
         self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
         self._asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self._sleeping_forwards = 0

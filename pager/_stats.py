@@ -61,6 +61,10 @@ class Stats:
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
     resident_forwards: int = 0  # forwards run with every block resident and no block hooks
     resident_uses: int = 0  # their block uses (as many as the last hooked step had), not in `hits`
+    # activations="offload" ([Note: activations off the device] in _saved.py):
+    activations_sent_bytes: int = 0     # saved activations copied to host memory during forwards
+    activations_brought_bytes: int = 0  # copied back for backwards
+    activations_ahead_bytes: int = 0    # of those, copied back before autograd asked for them
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property

@@ -51,6 +51,14 @@ class CpuTransport:
         host.copy_(device_flat)
         return t0, time.perf_counter()
 
+    def send_to_host(self, t: torch.Tensor):
+        """A host copy of `t` (an activation; see _saved.py) and an event after it."""
+        return t.detach().clone(), None
+
+    def bring_to_device(self, host: torch.Tensor, written=None):
+        """A device copy of `host` and an event after it."""
+        return host.clone(), None
+
     def side(self, fn, after=()):
         """Run `fn` (device work) off the compute stream; here: now."""
         return fn(), None
@@ -130,6 +138,34 @@ class CudaTransport:
             start = self._record(self.d2h_stream, timing=True)
             host.copy_(device_flat, non_blocking=True)
             return start, self._record(self.d2h_stream, timing=True)
+
+    def send_to_host(self, t: torch.Tensor):
+        """Copy activation `t` to pinned host memory on the d2h stream; the
+        host tensor and an event after the copy."""
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator
+        # `t` is final only once compute has written it.
+        self.d2h_stream.wait_event(self._record(self.compute_stream()))
+        with torch.cuda.stream(self.d2h_stream):
+            host.copy_(t, non_blocking=True)
+            # Its memory goes back to compute's pool once this copy has read it
+            # (an activation, not a block's storage: see [Note: events, not record_stream]).
+            t.record_stream(self.d2h_stream)
+            return host, self._record(self.d2h_stream)
+
+    def bring_to_device(self, host: torch.Tensor, written=None):
+        """Copy `host` (written by the d2h copy `written`) to new device memory
+        on the h2d stream; the device tensor and an event after the copy."""
+        device_t = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # compute's pool: used and freed there
+        # The new memory may have been freed by compute work still in flight.
+        self.h2d_stream.wait_event(self._record(self.compute_stream()))
+        if written is not None:
+            # The host copy is complete only once the d2h copy has landed.
+            self.h2d_stream.wait_event(written)
+        with torch.cuda.stream(self.h2d_stream):
+            device_t.copy_(host, non_blocking=True)
+            # Dropped unused (a graph freed before its backward), it must not be reused mid-copy.
+            device_t.record_stream(self.h2d_stream)
+            return device_t, self._record(self.h2d_stream)
 
     def side(self, fn, after=()):
         """Run `fn` (small kernels, e.g. norms of gradients about to leave) on

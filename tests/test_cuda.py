@@ -439,3 +439,64 @@ def test_another_thread_reads_while_the_model_trains_on_gpu():
     assert pager.of(model)._shared
     pager.unwrap(model)
     assert_close_to_reference(model, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_activations_offloaded_on_gpu_parity_races_and_peak():
+    """Saved activations leave for the host as the forward goes on and come
+    back for the backward: the same gradients as all on the GPU, with copies
+    delayed on both streams (a missing wait reads bytes not yet landed), and
+    an allocator peak that no longer grows with the depth."""
+    d, n, rows = 1024, 16, 4096
+    act = rows * d * 4  # one activation, fp32
+    peaks = {}
+    for activations in ("keep", "offload"):
+        torch.manual_seed(0)
+        model = Thin(d=d, n=n)
+        ref = copy.deepcopy(model).to(GPU)
+        budget = regime_budget(model, "streams")
+        pager.wrap(model, budget=budget, device=GPU, activations=activations)
+        p = pager.of(model)
+        if activations == "offload":
+            send, bring = p.transport.send_to_host, p.transport.bring_to_device
+
+            def slow_send(t):
+                with torch.cuda.stream(p.transport.d2h_stream):
+                    torch.cuda._sleep(1_000_000)
+                return send(t)
+
+            def slow_bring(host, written=None):
+                with torch.cuda.stream(p.transport.h2d_stream):
+                    torch.cuda._sleep(1_000_000)
+                return bring(host, written)
+
+            p.transport.send_to_host, p.transport.bring_to_device = slow_send, slow_bring
+        opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+        w = torch.randn(8, 8, device=GPU, requires_grad=True)
+        (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+        peak = 0
+        for step in range(3):
+            x = torch.randn(rows, d, device=GPU)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            if step:  # optimizer state exists from the second step on
+                peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            ref(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        peaks[activations] = peak
+        s = p.stats()
+        assert (s.activations_sent_bytes > 0) == (activations == "offload")
+        pager.unwrap(model)
+        assert_close_to_reference(model, ref)
+        del model, ref, opt, ref_opt, x
+        torch.cuda.empty_cache()
+    # Kept: every layer's input stays until the backward.
+    assert peaks["keep"] >= n * act, (peaks, budget, act)
+    # Offloaded: a few at a time (the one being written, the one being copied
+    # out; in the backward two blocks' worth brought back, and the gradients).
+    assert peaks["offload"] <= budget + 8 * act, (peaks, budget, act)

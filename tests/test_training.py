@@ -460,3 +460,19 @@ def test_expect_predicts_the_backward_of_a_sampled_path():
     assert s.misses <= 8, s  # 39 when the backward followed last step's path
     pager.unwrap(net)
     assert_models_equal(net, ref)
+
+
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_a_second_backward_through_a_retained_graph(regime):
+    """Each backward pass brings the blocks back (the pre-backward hook fires
+    once per pass, not once per forward)."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, regime), device="cpu")
+    ids = batches(1)[0][0]
+    for m in (model, ref):
+        out = m(ids).float().pow(2).mean()
+        out.backward(retain_graph=True)
+        out.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
