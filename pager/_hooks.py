@@ -206,9 +206,14 @@ class HooksMixin:
 
     @_locked
     def _root_pre_forward(self, module, args):
+        # Ops between blocks save activations too; ended by the post-hook,
+        # which is always called ([Note: activations off the device]).
+        _saved.begin_saving(False, self._activations if torch.is_grad_enabled() else None)
         self._check_open()
         self._note_threads()
         if self._root_depth == 0:
+            if self._activations is not None:
+                self._activations.forward_reaches(None)  # ops before the first block
             self._check_structure()
             self._release_stale_backward_holds()
             self._start_step()
@@ -225,6 +230,7 @@ class HooksMixin:
 
     @_locked
     def _root_post_forward(self, module, args, output):
+        _saved.end_saving()
         self._root_depth = max(0, self._root_depth - 1)
         marks = self._forward_marks()
         if marks and marks.pop():
@@ -302,7 +308,10 @@ class HooksMixin:
         def pre_forward(module, args, kwargs):
             # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
             grad = torch.is_grad_enabled()
-            _saved.begin_saving(self._shared and grad, self._activations if grad else None, block)
+            offload = self._activations if grad else None
+            if offload is not None:
+                offload.forward_reaches(block)
+            _saved.begin_saving(self._shared and grad, offload)
             with self._lock:
                 if self._can_use_resident(block):
                     self._use_resident(block)

@@ -22,25 +22,31 @@ cannot say (before 2.8), nothing is counted, and the block stays until the
 count drops (its backward).
 
 [Note: activations off the device]
-With `activations="offload"`, each activation a block's forward saves (a
-contiguous tensor on the device of at least `OFFLOAD_MIN_BYTES`; not the
+With `activations="offload"`, each activation a training forward saves (a
+contiguous tensor on the device of at least `OFFLOAD_MIN_BYTES`; not a
 block's own weights, which page with the block) is copied to pinned host
-memory on the d2h stream as soon as compute has written it, and its device
-memory goes back to the allocator once that copy has read it (record_stream:
-these tensors belong to the compute stream's pool, unlike blocks' storage).
-The graph holds a `Sent` instead. When the backward reaches a block (its
-pre-backward hook), the activations of that block and of the block before it
-(the next one backward) are copied back on the h2d stream, so the copy of one
-overlaps the backward of the other; an activation that was not brought ahead
-is brought when autograd asks for it. A copy on the host is the value as it
-was saved, so an in-place change after the forward cannot corrupt the
-gradient (autograd would refuse it; here it is simply not seen).
+memory on the d2h stream as soon as compute has written it. The graph holds
+a `Sent` instead; it belongs to the block whose forward ran last (ops between
+blocks too: a `tanh` after a block is undone right before that block's
+backward). Its device memory is let go once the copy has read it: when its
+event is seen complete, or, once more than a block's worth is being copied
+out, at once after making compute wait for the copy (compute is the only
+stream that allocates from that memory's pool, so reuse is then ordered after
+the copy; `record_stream` would hold it until a later allocation happens to
+notice, and the allocator reserves more meanwhile). When the backward reaches
+a block (its pre-backward hook), the activations of that block and of the
+block before it (the next one backward) are copied back on the h2d stream, so
+the copy of one overlaps the backward of the other; an activation that was
+not brought ahead is brought when autograd asks for it. A copy on the host is
+the value as it was saved, so an in-place change after the forward cannot
+corrupt the gradient (autograd would refuse it; here it is simply not seen).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -48,48 +54,51 @@ import torch
 from ._paged import entry_of, unguarded
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
+IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
 
 
 class _Frame:
-    """One `begin_saving` in a thread: whether it pushed the hooks, and what
-    its pack does with activations."""
+    """One `begin_saving` in a thread: whether it pushed the hooks, whether
+    pager's hooks are on top while it lasts, and what pack does with activations."""
 
-    __slots__ = ("pushed", "offload", "block", "below")
+    __slots__ = ("pushed", "ours", "offload", "below")
 
-    def __init__(self, pushed, offload, block, below):
-        self.pushed, self.offload, self.block, self.below = pushed, offload, block, below
+    def __init__(self, pushed, ours, offload, below):
+        self.pushed, self.ours, self.offload, self.below = pushed, ours, offload, below
 
 
 _tls = threading.local()
 
 
-def begin_saving(count: bool, offload=None, block=None) -> None:
+def begin_saving(count: bool, offload=None) -> None:
     """In this thread, until the matching `end_saving`, run what autograd
     saves through pager's hooks if `count` (saved views of blocks' storage
-    are counted) or `offload` (an `ActivationOffload`: `block`'s activations
-    leave the device), unless other saved-tensor hooks are on top (see the
-    Notes). Called for every use, so that each `end_` pairs with its `begin_`."""
-    pushed = False
-    if (count or offload is not None) and _no_other_hooks():
+    are counted) or `offload` (an `ActivationOffload`: activations leave the
+    device), unless other saved-tensor hooks are on top (see the Notes).
+    Called for every use, so that each `end_` pairs with its `begin_`."""
+    top = _top_hooks()
+    active = getattr(_tls, "active", None)
+    ours = top is not _UNKNOWN and top is not None and top[0] is _pack
+    pushed = bool((count or offload is not None) and top is None)
+    if pushed:
         torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
-        pushed = True
+    frame = _Frame(pushed, pushed or ours, offload, active)
+    if pushed:
+        _tls.active = frame
     stack = getattr(_tls, "stack", None)
     if stack is None:
         stack = _tls.stack = []
-    active = getattr(_tls, "active", None)
-    frame = _Frame(pushed, offload, block, active)
-    if pushed:
-        _tls.active = frame
     stack.append(frame)
 
 
 def end_saving() -> bool:
-    """Close the matching `begin_saving`; True if the hooks were on."""
+    """Close the matching `begin_saving`; True if pager's hooks were on
+    (autograd's saved views of blocks were counted)."""
     frame = _tls.stack.pop()
     if frame.pushed:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         _tls.active = frame.below
-    return frame.pushed
+    return frame.ours
 
 
 @contextmanager
@@ -101,22 +110,27 @@ def saving(count: bool):
         end_saving()
 
 
-def _no_other_hooks() -> bool:
+_UNKNOWN = object()
+
+
+def _top_hooks():
+    """The saved-tensor hooks on top in this thread (None: none), or
+    `_UNKNOWN` where torch cannot say or hooks are disabled."""
     hooks = torch._C._autograd
     top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
     if top is None or not hooks._saved_tensors_hooks_is_enabled():
-        return False
+        return _UNKNOWN
     try:
-        return top(True) is None
+        return top(True)
     except TypeError:  # (no `ignore_is_tracing` argument in some versions)
-        return top() is None
+        return top()
 
 
 def _pack(t):
     frame = _tls.active
     entry = entry_of(t)
     if entry is None and frame.offload is not None and frame.offload.wants(t):
-        return frame.offload.send(t, frame.block)
+        return frame.offload.send(t)
     with unguarded():
         saved = t.detach()  # shares the version counter
     if entry is not None:
@@ -146,10 +160,14 @@ class Sent:
         self.device = None       # brought back ahead of the backward, not yet asked for
         self.ready_event = None  # on the h2d stream: `device` holds the bytes
 
+    def __del__(self):
+        if self.device is not None:  # brought, never asked for (the graph went): may still be landing
+            self.offload.transport.forget_brought(self.device)
+
 
 class ActivationOffload:
-    """Sends the activations blocks' forwards save to pinned host memory and
-    brings them back for their backward ([Note: activations off the device]).
+    """Sends the activations that forwards save to pinned host memory and
+    brings them back for the backward ([Note: activations off the device]).
 
     Args:
         transport: the pager's transport (its streams and copies).
@@ -162,23 +180,53 @@ class ActivationOffload:
         self.stats = stats
         self.min_bytes = min_bytes
         self._lock = threading.Lock()  # unpack runs on autograd's threads
-        self._groups: list = []  # [block, [weakref to Sent]] per forward of a block, in forward order
+        self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
+        self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
+        # Device tensors being copied out, oldest first: (tensor, event, bytes).
+        self._in_flight: deque = deque()
+        self._in_flight_bytes = 0
+        self._in_flight_cap = IN_FLIGHT_MIN_BYTES  # grows to the largest block's activations
+
+    def forward_reaches(self, block) -> None:
+        self._forward_block = block
 
     def wants(self, t) -> bool:
         return (t.device == self.transport.device and t.layout == torch.strided and t.is_contiguous()
                 and _nbytes(t) >= self.min_bytes)
 
-    def send(self, t, block) -> Sent:
+    def send(self, t) -> Sent:
         with unguarded():
             host, written = self.transport.send_to_host(t)
         sent = Sent(self, host, written)
+        nbytes = _nbytes(host)
         with self._lock:
+            block = self._forward_block
             if not self._groups or self._groups[-1][0] is not block:
                 self._prune()
-                self._groups.append((block, []))
-            self._groups[-1][1].append(weakref.ref(sent))
-            self.stats.activations_sent_bytes += _nbytes(host)
+                self._groups.append([block, [], 0])
+            group = self._groups[-1]
+            group[1].append(weakref.ref(sent))
+            group[2] += nbytes
+            self._in_flight_cap = max(self._in_flight_cap, group[2])
+            self.stats.activations_sent_bytes += nbytes
+            if written is not None:
+                self._in_flight.append((t, written, nbytes))
+                self._in_flight_bytes += nbytes
+            self._settle()
         return sent
+
+    def _settle(self) -> None:
+        """Let go of device tensors whose copy out is done; past the cap, of the
+        oldest ones anyway, compute first waiting for their copy (so that the
+        memory may be reused at once: see [Note: activations off the device])."""
+        q = self._in_flight
+        while q and q[0][1].query():
+            self._in_flight_bytes -= q.popleft()[2]
+        while self._in_flight_bytes > self._in_flight_cap:
+            _t, event, nbytes = q.popleft()
+            # Compute reuses this memory only after the copy out has read it.
+            self.transport.compute_waits(event)
+            self._in_flight_bytes -= nbytes
 
     def bring(self, sent: Sent) -> torch.Tensor:
         with self._lock:
@@ -188,22 +236,24 @@ class ActivationOffload:
                 self.stats.activations_ahead_bytes += _nbytes(sent.host)
             device, event = sent.device, sent.ready_event
             sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
-        self.transport.compute_waits(event)
+        self.transport.compute_waits(event)  # the bytes must have landed
         return device
 
     def backward_reaches(self, block) -> None:
         """`block`'s backward is about to run: bring its activations and the
         previous block's (next backward) ahead of autograd's asking."""
         with self._lock:
+            self._settle()
             i = next((i for i in range(len(self._groups) - 1, -1, -1) if self._groups[i][0] is block), None)
             if i is None:
                 return
-            for _block, refs in self._groups[max(i - 1, 0): i + 1]:
+            for _block, refs, _nbytes_ in self._groups[max(i - 1, 0): i + 1]:
                 for ref in refs:
                     sent = ref()
                     if sent is not None and sent.device is None:
                         self._start_bringing(sent)
-            del self._groups[i]
+            # Done with; so is the one before, if it is of ops before the first block.
+            del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i: i + 1]
 
     def _start_bringing(self, sent: Sent) -> None:
         sent.device, sent.ready_event = self.transport.bring_to_device(sent.host, sent.written_event)
@@ -211,7 +261,7 @@ class ActivationOffload:
 
     def _prune(self) -> None:
         """Forget forwards whose graph is gone (no backward came)."""
-        self._groups = [(b, refs) for b, refs in self._groups if any(r() is not None for r in refs)]
+        self._groups = [g for g in self._groups if any(r() is not None for r in g[1])]
 
 
 def _nbytes(t) -> int:

@@ -59,6 +59,9 @@ class CpuTransport:
         """A device copy of `host` and an event after it."""
         return host.clone(), None
 
+    def forget_brought(self, device_t: torch.Tensor) -> None:
+        pass
+
     def side(self, fn, after=()):
         """Run `fn` (device work) off the compute stream; here: now."""
         return fn(), None
@@ -147,9 +150,7 @@ class CudaTransport:
         self.d2h_stream.wait_event(self._record(self.compute_stream()))
         with torch.cuda.stream(self.d2h_stream):
             host.copy_(t, non_blocking=True)
-            # Its memory goes back to compute's pool once this copy has read it
-            # (an activation, not a block's storage: see [Note: events, not record_stream]).
-            t.record_stream(self.d2h_stream)
+            # The caller holds `t` until this event (see [Note: activations off the device]).
             return host, self._record(self.d2h_stream)
 
     def bring_to_device(self, host: torch.Tensor, written=None):
@@ -163,9 +164,13 @@ class CudaTransport:
             self.h2d_stream.wait_event(written)
         with torch.cuda.stream(self.h2d_stream):
             device_t.copy_(host, non_blocking=True)
-            # Dropped unused (a graph freed before its backward), it must not be reused mid-copy.
-            device_t.record_stream(self.h2d_stream)
+            # Used, compute waits for this event first; dropped unused: `forget_brought`.
             return device_t, self._record(self.h2d_stream)
+
+    def forget_brought(self, device_t: torch.Tensor) -> None:
+        """`device_t` (from `bring_to_device`) is dropped unused: its memory
+        must not be reused before the copy into it is done."""
+        device_t.record_stream(self.h2d_stream)
 
     def side(self, fn, after=()):
         """Run `fn` (small kernels, e.g. norms of gradients about to leave) on

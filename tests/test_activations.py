@@ -91,7 +91,7 @@ def test_a_graph_kept_for_a_second_backward_and_one_dropped_unused():
     sent = s.activations_sent_bytes
     out = model(ids)  # a graph no backward comes for: its host copies go with it
     assert p.stats().activations_sent_bytes > sent
-    copies = [r for _b, refs in p._activations._groups for r in refs]
+    copies = [r for _block, refs, _bytes in p._activations._groups for r in refs]
     assert copies and all(r() is not None for r in copies)
     del out
     gc.collect()
