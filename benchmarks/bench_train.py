@@ -2,7 +2,8 @@
 
 1. A ~1B-parameter fp32 decoder, AdamW, 4x1024 tokens: all-on-GPU, pager at a
    budget of 40% of the all-on-GPU peak (activations kept, and offloaded),
-   with activations offloaded at smaller budgets, and the installed peers (torchao
+   with activations offloaded or recomputed (the model's gradient checkpointing)
+   at smaller budgets, and the installed peers (torchao
    CPUOffloadOptimizer, FSDP2 CPUOffloadPolicy, DeepSpeed ZeRO-3 offload).
 2. A ProxylessNAS-style supernet (24 layers, a fixed attention and 4
    feed-forward candidates each), one sampled path per step: pager with
@@ -73,11 +74,15 @@ def bench_decoder(args, rows):
     free_cuda()
 
     budget = int(0.4 * gpu_peak * GiB)
-    configs = [(budget, True, "keep"), (budget, False, "keep"), (budget, True, "offload")]
-    configs += [(int(b * GiB), True, "offload") for b in args.offload_budgets]
+    configs = [(budget, True, "keep"), (budget, False, "keep"), (budget, True, "offload"), (budget, True, "recompute")]
+    for b in args.offload_budgets:
+        configs += [(int(b * GiB), True, "offload"), (int(b * GiB), True, "recompute")]
     for budget, defer, activations in configs:
         model = copy.deepcopy(cpu_ref)
-        pager.wrap(model, budget=budget, device="cuda", defer_step=defer, activations=activations)
+        # "recompute": the model's own gradient checkpointing (torch.utils.checkpoint per layer), under pager.
+        model.gradient_checkpointing = activations == "recompute"
+        pager.wrap(model, budget=budget, device="cuda", defer_step=defer,
+                   activations="offload" if activations == "offload" else "keep")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
         pg = pager.of(model)
@@ -96,7 +101,8 @@ def bench_decoder(args, rows):
                 if activations == "offload" else "")
         rows.append(Row(
             w, f"pager, budget {budget / GiB:.1f} GiB ({100 * budget / (gpu_peak * GiB):.0f}% of peak)"
-            f"{'' if defer else ', defer_step=False'}{', activations offloaded' if activations == 'offload' else ''}",
+            f"{'' if defer else ', defer_step=False'}"
+            f"{ {'offload': ', activations offloaded', 'recompute': ', gradient checkpointing'}.get(activations, '')}",
             ms, peak, ms / gpu_ms, "all on GPU",
             f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out (blocks){acts}; "
             f"hit {100 * s.hit_rate:.0f}%; "
@@ -109,7 +115,7 @@ def bench_decoder(args, rows):
         del model, opt
         free_cuda()
 
-    for peer in args.peers.split(","):
+    for peer in filter(None, args.peers.split(",")):
         try:
             row = PEERS[peer](cpu_ref, ids, tgt, gpu_ms, args.reps, w)
         except ImportError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -42,12 +43,16 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(d, ff, heads) for _ in range(n_layers))
         self.norm = RMSNorm(d)
         self.head = nn.Linear(d, vocab, bias=False) if vocab else None
+        self.gradient_checkpointing = False  # as Hugging Face models: each layer recomputed in the backward
 
     def forward(self, x):
         if self.embed is not None:
             x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         x = self.norm(x)
         return self.head(x) if self.head is not None else x
 

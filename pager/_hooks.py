@@ -330,12 +330,12 @@ class HooksMixin:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
-            counted = _saved.end_saving()
+            hooks = _saved.end_saving()
             with self._lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
-                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), counted))
+                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
                 self._release(block)
             if torch.is_grad_enabled():
                 self._register_pre_backward(block, output)

@@ -15,7 +15,7 @@ from ._block import Block, Residency, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
 from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
-from . import _paged
+from . import _paged, _saved
 from ._grad_ops import GradOpsMixin
 from ._grads import PagedOutGrad, replay
 from ._hooks import HooksMixin
@@ -407,16 +407,20 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         # is a view kept where pager cannot look (autograd's are counted: see
         # [Note: autograd's saved views, counted]), or autograd's where they
         # could not be counted: either way the block must stay while they live.
+        # Under other saved-tensor hooks (checkpointing's recomputation in the
+        # backward) the excess is what they hold, found by a search too: so no
+        # search, and the block stays while the excess lives (its backward).
         alone = threading.active_count() == 1
+        searchable = alone and use[-1] != _saved.OTHERS
         found, unaccounted = _paged.track_kept_views(
-            [seg], chain(places, block.module.modules()), use, search_all=alone, learn=alone)
+            [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
         if found:
             self._warn_once(
                 f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
                 "an attribute or a list that holds it); it is served from now on, and fetches the block on "
                 "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
                 use[0])
-        if unaccounted and not alone:
+        if unaccounted and not searchable:
             block.unaccounted_use = use  # checked again when it is to leave (see [Note: views kept from a use])
 
     def _keeps_unknown_views(self, block: Block) -> bool:

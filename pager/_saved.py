@@ -54,17 +54,18 @@ import torch
 from ._paged import entry_of, unguarded
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
+KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device
 IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
 
 
 class _Frame:
-    """One `begin_saving` in a thread: whether it pushed the hooks, whether
-    pager's hooks are on top while it lasts, and what pack does with activations."""
+    """One `begin_saving` in a thread: whether it pushed the hooks, whose
+    hooks are on top while it lasts, and what pack does with activations."""
 
-    __slots__ = ("pushed", "ours", "offload", "below")
+    __slots__ = ("pushed", "hooks", "offload", "below")
 
-    def __init__(self, pushed, ours, offload, below):
-        self.pushed, self.ours, self.offload, self.below = pushed, ours, offload, below
+    def __init__(self, pushed, hooks, offload, below):
+        self.pushed, self.hooks, self.offload, self.below = pushed, hooks, offload, below
 
 
 _tls = threading.local()
@@ -78,11 +79,14 @@ def begin_saving(count: bool, offload=None) -> None:
     Called for every use, so that each `end_` pairs with its `begin_`."""
     top = _top_hooks()
     active = getattr(_tls, "active", None)
-    ours = top is not _UNKNOWN and top is not None and top[0] is _pack
     pushed = bool((count or offload is not None) and top is None)
     if pushed:
         torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
-    frame = _Frame(pushed, pushed or ours, offload, active)
+    if pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack):
+        hooks = OURS
+    else:
+        hooks = OTHERS if top is not None and top is not _UNKNOWN else None
+    frame = _Frame(pushed, hooks, offload, active)
     if pushed:
         _tls.active = frame
     stack = getattr(_tls, "stack", None)
@@ -91,14 +95,15 @@ def begin_saving(count: bool, offload=None) -> None:
     stack.append(frame)
 
 
-def end_saving() -> bool:
-    """Close the matching `begin_saving`; True if pager's hooks were on
-    (autograd's saved views of blocks were counted)."""
+def end_saving():
+    """Close the matching `begin_saving`. Returns which hooks were on: `OURS`
+    (autograd's saved views of blocks were counted), `OTHERS` (the user's,
+    e.g. checkpointing's recomputation: what they hold is unknown), or None."""
     frame = _tls.stack.pop()
     if frame.pushed:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         _tls.active = frame.below
-    return frame.ours
+    return frame.hooks
 
 
 @contextmanager
@@ -111,6 +116,7 @@ def saving(count: bool):
 
 
 _UNKNOWN = object()
+OURS, OTHERS = "ours", "others"
 
 
 def _top_hooks():
@@ -173,12 +179,17 @@ class ActivationOffload:
         transport: the pager's transport (its streams and copies).
         stats: the pager's `Stats` (activations_* counters).
         min_bytes: activations smaller than this stay on the device.
+        keep_last: the last blocks of a forward (in the previous forward's
+            order) whose activations stay on the device.
     """
 
-    def __init__(self, transport, stats, min_bytes: int = OFFLOAD_MIN_BYTES):
+    def __init__(self, transport, stats, min_bytes: int = OFFLOAD_MIN_BYTES, keep_last: int = KEEP_LAST_BLOCKS):
         self.transport = transport
         self.stats = stats
         self.min_bytes = min_bytes
+        self.keep_last = keep_last
+        self._order: list = []  # blocks in the order this forward reached them
+        self._stay: set = set()  # blocks whose activations stay (the last ones of the previous forward)
         self._lock = threading.Lock()  # unpack runs on autograd's threads
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
         self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
@@ -188,11 +199,19 @@ class ActivationOffload:
         self._in_flight_cap = IN_FLIGHT_MIN_BYTES  # grows to the largest block's activations
 
     def forward_reaches(self, block) -> None:
+        """The forward enters `block` (None: a new forward, before its first block)."""
+        if block is None:
+            # The last blocks' activations are the backward's first need:
+            # sending them out and straight back would only cost link time.
+            self._stay = set(self._order[-self.keep_last:]) if self.keep_last and self._order else set()
+            self._order = []
+        elif not self._order or self._order[-1] is not block:
+            self._order.append(block)
         self._forward_block = block
 
     def wants(self, t) -> bool:
-        return (t.device == self.transport.device and t.layout == torch.strided and t.is_contiguous()
-                and _nbytes(t) >= self.min_bytes)
+        return (self._forward_block not in self._stay and t.device == self.transport.device
+                and t.layout == torch.strided and t.is_contiguous() and _nbytes(t) >= self.min_bytes)
 
     def send(self, t) -> Sent:
         with unguarded():

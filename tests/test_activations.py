@@ -135,3 +135,17 @@ def test_user_saved_tensor_hooks_win():
     assert p.stats().activations_sent_bytes == 0
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
+
+
+def test_the_last_blocks_activations_stay_on_the_device():
+    """The backward needs the last block's activations first: from the second
+    forward on (the order is known), they are not sent out and straight back."""
+    model = TinyLM()
+    p = offloading(model, regime_budget(model, "streams"))
+    ids = batches(1)[0][0]
+    block_of = {b.module: b for b in p.blocks}
+    model(ids).sum().backward()
+    out = model(ids)
+    sent_for = [g[0] for g in p._activations._groups]
+    assert block_of[model.layers[4]] in sent_for and block_of[model.layers[5]] not in sent_for
+    out.sum().backward()

@@ -3,6 +3,7 @@ model trained unwrapped."""
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -292,7 +293,7 @@ def test_step_with_closure_is_refused():
         opt.step(lambda: lm_loss(model, *batches(1)[0]))
 
 
-def test_activation_checkpointing():
+def test_activation_checkpointing(caplog):
     from torch.utils.checkpoint import checkpoint
 
     class Ckpt(TinyLM):
@@ -307,8 +308,14 @@ def test_activation_checkpointing():
     pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     data = batches(4)
-    train(model, opt, data, accumulate=False)
+    with caplog.at_level(logging.WARNING, logger="pager"):
+        train(model, opt, data, accumulate=False)
     train(ref, ref_opt, data, accumulate=False)
+    # What the recomputation in the backward saves is checkpointing's, not a
+    # view kept by the user: nothing adopted (it would be written back at
+    # every eviction), no warning.
+    assert not any("was kept from its forward" in r.getMessage() for r in caplog.records)
+    assert not any(ref() is not None for b in pager.of(model).blocks for ref, _cls in b.weights.aliases)
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
