@@ -54,6 +54,7 @@ import torch
 from ._paged import entry_of, unguarded
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
+BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many blocks before it come back too
 KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device
 IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
 
@@ -188,6 +189,7 @@ class ActivationOffload:
         self.stats = stats
         self.min_bytes = min_bytes
         self.keep_last = keep_last
+        self.bring_ahead = BRING_AHEAD_BLOCKS
         self._order: list = []  # blocks in the order this forward reached them
         self._stay: set = set()  # blocks whose activations stay (the last ones of the previous forward)
         self._lock = threading.Lock()  # unpack runs on autograd's threads
@@ -266,7 +268,7 @@ class ActivationOffload:
             i = next((i for i in range(len(self._groups) - 1, -1, -1) if self._groups[i][0] is block), None)
             if i is None:
                 return
-            for _block, refs, _nbytes_ in self._groups[max(i - 1, 0): i + 1]:
+            for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]:
                 for ref in refs:
                     sent = ref()
                     if sent is not None and sent.device is None:
