@@ -1,9 +1,9 @@
 """Training steps under a budget.
 
 1. A ~1B-parameter fp32 decoder, AdamW, 4x1024 tokens: all-on-GPU, pager at a
-   budget of 40% of the all-on-GPU peak (activations kept, and offloaded),
-   with activations offloaded or recomputed (the model's gradient checkpointing)
-   at smaller budgets, and the installed peers (torchao
+   budget of 40% of the all-on-GPU peak with activations kept, offloaded,
+   recomputed (pager's, and the model's own gradient checkpointing) and
+   "auto", the same at smaller budgets, and the installed peers (torchao
    CPUOffloadOptimizer, FSDP2 CPUOffloadPolicy, DeepSpeed ZeRO-3 offload).
 2. A ProxylessNAS-style supernet (24 layers, a fixed attention and 4
    feed-forward candidates each), one sampled path per step: pager with
@@ -25,7 +25,10 @@ from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps
 from benchmarks.models import Decoder, SuperNet
 
 VOCAB = 32000
+LABELS = {"offload": ", activations offloaded", "recompute": ", activations recomputed",
+          "checkpoint": ", the model's gradient checkpointing", "auto": ", activations auto"}
 LONG_RUN_STEPS = 20  # extra steps before reading the allocator's reserved bytes again
+AUTO_MAX_TRIAL_STEPS = 12  # steps run before timing while activations="auto" has not chosen
 
 
 def decoder_1b(device):
@@ -74,18 +77,22 @@ def bench_decoder(args, rows):
     free_cuda()
 
     budget = int(0.4 * gpu_peak * GiB)
-    configs = [(budget, True, "keep"), (budget, False, "keep"), (budget, True, "offload"), (budget, True, "recompute")]
-    for b in args.offload_budgets:
-        configs += [(int(b * GiB), True, "offload"), (int(b * GiB), True, "recompute")]
+    configs = [(budget, True, "keep"), (budget, False, "keep")]
+    for b in [budget / GiB, *args.offload_budgets]:
+        configs += [(int(b * GiB), True, a) for a in ("offload", "recompute", "checkpoint", "auto")]
     for budget, defer, activations in configs:
         model = copy.deepcopy(cpu_ref)
-        # "recompute": the model's own gradient checkpointing (torch.utils.checkpoint per layer), under pager.
-        model.gradient_checkpointing = activations == "recompute"
+        # "checkpoint": the model's own gradient checkpointing (torch.utils.checkpoint per layer), under pager.
+        model.gradient_checkpointing = activations == "checkpoint"
         pager.wrap(model, budget=budget, device="cuda", defer_step=defer,
-                   activations="offload" if activations == "offload" else "keep")
+                   activations="keep" if activations == "checkpoint" else activations)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
         pg = pager.of(model)
+        for _ in range(AUTO_MAX_TRIAL_STEPS):  # "auto" tries both policies first: not timed
+            if pg.stats().activations_policy != "auto":
+                break
+            make_step(model, opt, ids, tgt)()
+        ms, peak = measure(make_step(model, opt, ids, tgt), args.reps)
         pg.reset()
         make_step(model, opt, ids, tgt)()
         s = pg.stats()
@@ -98,11 +105,14 @@ def bench_decoder(args, rows):
         reserved.append(torch.cuda.memory_reserved() / GiB)
         acts = (f"; activations offloaded: {s.activations_sent_bytes / 1e9:.1f} GB out, "
                 f"{s.activations_brought_bytes / 1e9:.1f} GB back ({s.activations_ahead_bytes / 1e9:.1f} GB ahead)"
-                if activations == "offload" else "")
+                if s.activations_sent_bytes else "")
+        acts += (f"; {s.recomputes} blocks recomputed ({s.activations_recomputed_bytes / 1e9:.1f} GB)"
+                 if s.recomputes else "")
+        acts += f"; auto chose {s.activations_policy}" if activations == "auto" else ""
         rows.append(Row(
             w, f"pager, budget {budget / GiB:.1f} GiB ({100 * budget / (gpu_peak * GiB):.0f}% of peak)"
             f"{'' if defer else ', defer_step=False'}"
-            f"{ {'offload': ', activations offloaded', 'recompute': ', gradient checkpointing'}.get(activations, '')}",
+            f"{LABELS.get(activations, '')}",
             ms, peak, ms / gpu_ms, "all on GPU",
             f"per step: {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out (blocks){acts}; "
             f"hit {100 * s.hit_rate:.0f}%; "
@@ -243,7 +253,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
     ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],
-                    help="extra budgets (GiB) run with activations offloaded")
+                    help="extra budgets (GiB) run with activations offloaded, recomputed, checkpointed and auto")
     args = ap.parse_args(argv)
     env = environment()
     env["pinned_h2d_GBps"] = round(pinned_h2d_gbps(), 1)

@@ -56,10 +56,16 @@ def wrap(
             values; its transfers then overlap the next forward). False steps
             every block during `opt.step()`.
         activations: what a block's training forward saves for its backward:
-            "keep" it on the device (as without pager), or "offload" it: each
+            "keep" it on the device (as without pager); "offload" it: each
             saved activation of 1 MiB or more goes to pinned host memory as the
             forward moves on and comes back, a block ahead, for the backward
-            (see [Note: activations off the device] in _saved.py).
+            (see [Note: activations off the device] in _saved.py); or
+            "recompute" it: a block keeps only its inputs, and its forward runs
+            again (same dropout masks) when its backward needs what it saved:
+            checkpointing without changing the model (see [Note: activations
+            recomputed]); or "auto": offload and recompute are each timed on a
+            few training passes and the faster stays (see [Note: activations,
+            the automatic choice]). The last block of a forward keeps its own.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -74,9 +80,10 @@ def wrap(
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
         raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
-    if activations not in ("keep", "offload"):
-        raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device) or \"offload\" "
-                         "(to pinned host memory until the backward).")
+    if activations not in ("keep", "offload", "recompute", "auto"):
+        raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
+                         "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
+                         "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
     _check_fits(budget, budget_bytes, sizing)

@@ -206,9 +206,14 @@ class HooksMixin:
 
     @_locked
     def _root_pre_forward(self, module, args):
+        if _saved.recomputing():
+            return  # a block whose forward runs again is not a new forward
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
-        _saved.begin_saving(False, self._activations if torch.is_grad_enabled() else None)
+        acts = self._activations if torch.is_grad_enabled() else None
+        if acts is not None and self._root_depth == 0:
+            acts.pass_starts()
+        _saved.begin_saving(False, acts.between_blocks() if acts is not None else None)
         self._check_open()
         self._note_threads()
         if self._root_depth == 0:
@@ -230,6 +235,8 @@ class HooksMixin:
 
     @_locked
     def _root_post_forward(self, module, args, output):
+        if _saved.recomputing():
+            return
         _saved.end_saving()
         self._root_depth = max(0, self._root_depth - 1)
         marks = self._forward_marks()
@@ -244,7 +251,7 @@ class HooksMixin:
         # still held. No backward runs across a new root forward, so let go.
         if self._backward_holds:
             log.debug("pager: releasing blocks held by a backward that did not finish")
-            self._end_of_backward()
+            self._end_of_backward(finished=False)
 
     def _start_step(self) -> None:
         self.tracer.new_step()
@@ -306,23 +313,26 @@ class HooksMixin:
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
-            # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
-            grad = torch.is_grad_enabled()
-            offload = self._activations if grad else None
-            if offload is not None:
-                offload.forward_reaches(block)
-            _saved.begin_saving(self._shared and grad, offload)
+            again = _saved.recomputing()  # its forward again, in its backward: the block is held
+            grad = torch.is_grad_enabled() and not again
+            if not again:
+                # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
+                acts = self._activations if grad else None
+                if acts is not None:
+                    acts.forward_reaches(block)
+                _saved.begin_saving(self._shared and grad,
+                                    *(acts.for_block(block, args, kwargs) if acts is not None else ()))
             with self._lock:
-                if self._can_use_resident(block):
+                if self._can_use_resident(block) and not again:
                     self._use_resident(block)
                 else:
                     try:
-                        self._acquire(block, WEIGHTS)
+                        self._acquire(block, WEIGHTS, record=not again)
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
                     self._prefetch()
-            if block.trainable and torch.is_grad_enabled():
+            if block.trainable and grad:
                 return self._register_post_backward(block, args, kwargs)
             return None
 
@@ -330,14 +340,16 @@ class HooksMixin:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
-            hooks = _saved.end_saving()
+            again = _saved.recomputing()
+            hooks = None if again else _saved.end_saving()
             with self._lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
-                self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
+                if not again:
+                    self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
                 self._release(block)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not again:
                 self._register_pre_backward(block, output)
             return None
 
@@ -387,9 +399,11 @@ class HooksMixin:
             self._release(block)
 
     @_locked
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, finished: bool = True) -> None:
         self._final_callback_queued = False
         self._backward_passes += 1
+        if self._activations is not None and finished:
+            self._activations.pass_ends()
         for block, holds in list(self._backward_holds.items()):
             self._track_kept_views(block, (), ("backward",))
             for _ in range(holds):

@@ -20,7 +20,7 @@ from ._grad_ops import GradOpsMixin
 from ._grads import PagedOutGrad, replay
 from ._hooks import HooksMixin
 from ._host import HostArena
-from ._saved import ActivationOffload
+from ._saved import KEEP, Activations
 from ._schedule import Scheduler
 from ._stats import BlockStats, Stats, zero_counters
 from ._trace import Tracer
@@ -51,8 +51,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self.resident_bytes = 0
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self._stats = Stats(budget_bytes=budget_bytes)
-        # Blocks' saved activations: None keeps them on the device ([Note: activations off the device]).
-        self._activations = ActivationOffload(self.transport, self._stats) if activations == "offload" else None
+        # Blocks' saved activations: None keeps them on the device (see _saved.py).
+        self._activations = Activations(activations, self.transport, self._stats) if activations != KEEP else None
         self._hooks: list = []
         self._tick = 0
         self._root_depth = 0

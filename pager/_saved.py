@@ -1,4 +1,4 @@
-"""What a block's forward saves for its backward: counted, kept, or sent to host memory.
+"""What a block's forward saves for its backward: counted, kept, sent to host memory, or dropped and recomputed.
 
 A block's forward that builds a graph may run under pager's saved-tensor
 hooks (`saving`): autograd hands each tensor it saves to `_pack`, which
@@ -40,16 +40,36 @@ the copy of one overlaps the backward of the other; an activation that was
 not brought ahead is brought when autograd asks for it. A copy on the host is
 the value as it was saved, so an in-place change after the forward cannot
 corrupt the gradient (autograd would refuse it; here it is simply not seen).
+
+[Note: activations recomputed]
+With `activations="recompute"` (pager's own checkpointing: the model's code
+does not change), a block's training forward keeps only its inputs (detached,
+with their version), the RNG states and the autocast state (`Recompute`);
+each activation it saves is dropped and the graph holds a `Dropped` instead
+(index and metadata). The first `Dropped` of a block that its backward asks for
+runs the block's forward again (the block is resident: its pre-backward hook
+acquired it), in autograd's thread, with the forward's RNG states (dropout
+draws the same masks) and autocast, under hooks that keep the i-th saved tensor
+for the i-th `Dropped` still alive; pager's own forward hooks then only
+acquire and release (`recomputing()`). The forward stops (an exception
+from the hook) once it has saved as many tensors as the first time: what
+follows, often the block's last matmul, saved nothing. Each value is handed out once (a
+second backward through a retained graph runs the forward again). A saved
+tensor of another shape or dtype than in the forward, or an input changed in
+place since, is an error (the recomputation would differ). The block's own
+weights are saved as they are: they page with the block.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._paged import entry_of, unguarded
 
@@ -58,36 +78,139 @@ BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many bl
 KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device
 IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
 
+KEEP, OFFLOAD, RECOMPUTE, AUTO = "keep", "offload", "recompute", "auto"
+POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
+AUTO_WARMUP_PASSES = 2  # training passes (forward and backward) before trying: cold start, optimizer state
+AUTO_TRIAL_PASSES = 2   # passes timed under each policy; the one with the faster best pass stays
+
+log = logging.getLogger("pager")
+
+
+class Activations:
+    """What each block's training forward does with what it saves (the
+    `activations=` of `wrap`): keep it, send it to host memory, or drop it
+    and recompute it. Gives `begin_saving` its arguments.
+
+    [Note: activations, the automatic choice]
+    Which of offload and recompute is faster depends on the link's load (the
+    blocks' own traffic grows as the budget shrinks) against the compute a
+    forward costs again; measured on the 1B decoder, mixing them block by
+    block costs the weighted sum of the two, never less. So "auto" tries both
+    on whole training passes: after `AUTO_WARMUP_PASSES`, each policy runs
+    `AUTO_TRIAL_PASSES` passes (alternating, so that both see the same drift)
+    timed on compute's clock from the root forward's start to the backward's
+    end (events: no synchronization), and the one with the faster best pass
+    stays (`stats().activations_policy`); the best, as a policy's first pass
+    pays one-time costs (lazy imports, the allocator growing). Values are the
+    same under both (bit for bit on the CPU device), so trying costs time only.
+
+    Args:
+        policy: "offload", "recompute" or "auto" (see the Notes).
+        transport: the pager's transport.
+        stats: the pager's `Stats`.
+    """
+
+    def __init__(self, policy: str, transport, stats):
+        self.stats, self.transport = stats, transport
+        self.offload = ActivationOffload(transport, stats)  # also keeps the forward's order of blocks
+        self.of_block: dict = {}  # block -> policy, where it differs from `policy`
+        self.policy = OFFLOAD if policy == AUTO else policy
+        self._choosing = policy == AUTO
+        self._passes = 0  # training passes started
+        self._start = None  # (policy, clock) of the trial pass under way
+        self._timed: list = []  # (policy, start, end) of trial passes whose time is not known yet
+        self._seconds: dict = {OFFLOAD: [], RECOMPUTE: []}
+        stats.activations_policy = policy
+
+    def pass_starts(self) -> None:
+        """A training forward starts at the root ("auto": a trial may start)."""
+        if not self._choosing:
+            return
+        self._settle_trials()
+        if self._choosing and self._passes >= AUTO_WARMUP_PASSES:
+            tried = {p: len(v) + sum(t[0] == p for t in self._timed) for p, v in self._seconds.items()}
+            if min(tried.values()) < AUTO_TRIAL_PASSES:  # (else: the last ones' times are on their way)
+                self.policy = min((OFFLOAD, RECOMPUTE), key=tried.get)  # alternating
+                self._start = (self.policy, self.transport.clock())
+        self._passes += 1
+
+    def pass_ends(self) -> None:
+        """A backward ended ("auto": the trial pass under way ends)."""
+        if self._start is not None:
+            self._timed.append((*self._start, self.transport.clock()))
+            self._start = None
+
+    def _settle_trials(self) -> None:
+        """Read the times now known; once each policy has its passes, keep the faster."""
+        self._start = None  # a pass without a backward is no trial
+        still = []
+        for policy, start, end in self._timed:
+            seconds = self.transport.seconds_between(start, end)
+            if seconds is None:
+                still.append((policy, start, end))
+            else:
+                self._seconds[policy].append(seconds)
+        self._timed = still
+        if all(len(v) >= AUTO_TRIAL_PASSES for v in self._seconds.values()):
+            best = {p: min(v) for p, v in self._seconds.items()}
+            self.policy = min(best, key=best.get)
+            self.stats.activations_policy = self.policy
+            self._choosing = False
+            log.info("pager: activations=\"auto\" chose %r (a training pass took %.1f ms with activations offloaded, "
+                     "%.1f ms recomputed)", self.policy, 1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE])
+
+    def forward_reaches(self, block) -> None:
+        """The forward enters `block` (None: a new forward, before its first block)."""
+        self.offload.forward_reaches(block)
+
+    def between_blocks(self):
+        """The `offload` of ops outside blocks (what they save belongs to the block before)."""
+        return self.offload if self.policy == OFFLOAD else None
+
+    def for_block(self, block, args, kwargs):
+        """The `offload` and `recompute` of `block`'s training forward."""
+        policy = self.of_block.get(block, self.policy)
+        if policy == KEEP or self.offload.stays(block):
+            return None, None
+        if policy == RECOMPUTE:
+            return None, Recompute(block, args, kwargs, self.stats)
+        return self.offload, None
+
+    def backward_reaches(self, block) -> None:
+        self.offload.backward_reaches(block)
+
 
 class _Frame:
     """One `begin_saving` in a thread: whether it pushed the hooks, whose
     hooks are on top while it lasts, and what pack does with activations."""
 
-    __slots__ = ("pushed", "hooks", "offload", "below")
+    __slots__ = ("pushed", "hooks", "offload", "recompute", "below")
 
-    def __init__(self, pushed, hooks, offload, below):
-        self.pushed, self.hooks, self.offload, self.below = pushed, hooks, offload, below
+    def __init__(self, pushed, hooks, offload, recompute, below):
+        self.pushed, self.hooks, self.below = pushed, hooks, below
+        self.offload, self.recompute = offload, recompute
 
 
 _tls = threading.local()
 
 
-def begin_saving(count: bool, offload=None) -> None:
+def begin_saving(count: bool, offload=None, recompute=None) -> None:
     """In this thread, until the matching `end_saving`, run what autograd
     saves through pager's hooks if `count` (saved views of blocks' storage
-    are counted) or `offload` (an `ActivationOffload`: activations leave the
-    device), unless other saved-tensor hooks are on top (see the Notes).
+    are counted), `offload` (an `ActivationOffload`: activations leave the
+    device) or `recompute` (a `Recompute`: they are dropped and computed
+    again), unless other saved-tensor hooks are on top (see the Notes).
     Called for every use, so that each `end_` pairs with its `begin_`."""
     top = _top_hooks()
     active = getattr(_tls, "active", None)
-    pushed = bool((count or offload is not None) and top is None)
+    pushed = bool((count or offload is not None or recompute is not None) and top is None)
     if pushed:
         torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
     if pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack):
         hooks = OURS
     else:
         hooks = OTHERS if top is not None and top is not _UNKNOWN else None
-    frame = _Frame(pushed, hooks, offload, active)
+    frame = _Frame(pushed, hooks, offload, recompute, active)
     if pushed:
         _tls.active = frame
     stack = getattr(_tls, "stack", None)
@@ -136,6 +259,8 @@ def _top_hooks():
 def _pack(t):
     frame = _tls.active
     entry = entry_of(t)
+    if entry is None and frame.recompute is not None:
+        return frame.recompute.drop(t)
     if entry is None and frame.offload is not None and frame.offload.wants(t):
         return frame.offload.send(t)
     with unguarded():
@@ -148,6 +273,8 @@ def _pack(t):
 def _unpack(packed):
     if isinstance(packed, Sent):
         return packed.offload.bring(packed)
+    if isinstance(packed, Dropped):
+        return packed.recompute.value(packed)
     saved, version = packed
     if saved._version != version:  # autograd checks this itself only without hooks
         raise RuntimeError(
@@ -210,6 +337,10 @@ class ActivationOffload:
         elif not self._order or self._order[-1] is not block:
             self._order.append(block)
         self._forward_block = block
+
+    def stays(self, block) -> bool:
+        """Whether `block`'s activations stay on the device (one of the last of a forward)."""
+        return block in self._stay
 
     def wants(self, t) -> bool:
         return (self._forward_block not in self._stay and t.device == self.transport.device
@@ -283,6 +414,154 @@ class ActivationOffload:
     def _prune(self) -> None:
         """Forget forwards whose graph is gone (no backward came)."""
         self._groups = [g for g in self._groups if any(r() is not None for r in g[1])]
+
+
+class Dropped:
+    """A dropped activation, as the graph holds it ([Note: activations recomputed])."""
+
+    __slots__ = ("recompute", "index", "shape", "dtype", "__weakref__")
+
+    def __init__(self, recompute, index, shape, dtype):
+        self.recompute, self.index, self.shape, self.dtype = recompute, index, shape, dtype
+
+
+def recomputing() -> bool:
+    """True in a thread that runs a block's forward again for its backward."""
+    return getattr(_tls, "recording", None) is not None
+
+
+class Recompute:
+    """One training forward of a block, to run again in its backward for the
+    activations it dropped ([Note: activations recomputed]).
+
+    Args:
+        block: the block (its `module` is called again; `name` in errors).
+        args, kwargs: what its forward was called with.
+        stats: the pager's `Stats` (recomputes, activations_recomputed_bytes).
+    """
+
+    def __init__(self, block, args, kwargs, stats):
+        self.block, self.stats = block, stats
+        flat, self.spec = tree_flatten((args, kwargs))
+        with unguarded():
+            self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
+        self.devices = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
+        self.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
+        self.values: dict = {}   # index -> recomputed tensor, until handed out
+        self.lock = threading.Lock()  # unpack runs on autograd's threads
+
+    def drop(self, t) -> Dropped:
+        dropped = Dropped(self, len(self.holders), t.shape, t.dtype)
+        self.holders.append(weakref.ref(dropped))
+        return dropped
+
+    def value(self, dropped: Dropped) -> torch.Tensor:
+        with self.lock:
+            if dropped.index not in self.values:
+                self._run()
+            return self.values.pop(dropped.index)
+
+    def _run(self) -> None:
+        """Run the block's forward again, keeping what it saves for the
+        `Dropped` still alive (and not yet handed out)."""
+        args, kwargs = tree_unflatten([x.get(self.block) if isinstance(x, _Input) else x for x in self.inputs],
+                                      self.spec)
+        rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        _set_rng(self.rng, self.devices)
+        _tls.recording = (self, [0])
+        torch._C._autograd._push_saved_tensors_default_hooks(_pack_again, _unpack_again)
+        try:
+            with torch.enable_grad(), _autocast(self.autocast, self.autocast_cache):
+                self.block.module(*args, **kwargs)
+        except _AllSaved:
+            pass
+        finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _tls.recording = None
+            _set_rng(rng_now, self.devices)
+        missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
+        if missing:
+            raise RuntimeError(
+                f"pager: block {self.block.name!r} saved {len(self.holders)} tensors for its backward in its "
+                f"forward but fewer when run again (activations=\"recompute\"): its forward must save the same "
+                "tensors each time it runs (no control flow on values or on global state that changes); use "
+                "activations=\"offload\" or \"keep\" for this model.")
+        self.stats.recomputes += 1
+
+    def keep(self, i: int, t) -> None:
+        """The recomputation saved `t` as its `i`-th tensor."""
+        ref = self.holders[i]() if i < len(self.holders) else None
+        if ref is None or i in self.values:
+            return
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise RuntimeError(
+                f"pager: block {self.block.name!r} saved a tensor of shape {list(ref.shape)} and {ref.dtype} as its "
+                f"#{i} for its backward in its forward, but {list(t.shape)} and {t.dtype} when run again "
+                "(activations=\"recompute\"): its forward must save the same tensors each time it runs; use "
+                "activations=\"offload\" or \"keep\" for this model.")
+        self.values[i] = t
+        self.stats.activations_recomputed_bytes += _nbytes(t)
+
+
+class _Input:
+    """An input of a recomputed forward: a detached alias and its version
+    (a block's own weights and other paged tensors: the tensor itself)."""
+
+    __slots__ = ("tensor", "version", "requires_grad")
+
+    def __init__(self, t):
+        self.tensor = t if entry_of(t) is not None else t.detach()
+        self.version, self.requires_grad = t._version, t.requires_grad
+
+    def get(self, block) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"pager: an input of block {block.name!r} of shape {list(self.tensor.shape)} was changed in place "
+                "after its forward, and the block's activations are recomputed from it (activations=\"recompute\"): "
+                "change a copy (`.clone()`) instead, or use activations=\"offload\" or \"keep\".")
+        if entry_of(self.tensor) is not None:
+            return self.tensor
+        return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+def _pack_again(t):
+    recompute, counter = _tls.recording
+    paged = entry_of(t) is not None  # saved as itself in the forward (`_pack`): not counted
+    with unguarded():
+        t = t.detach()
+    if not paged:
+        recompute.keep(counter[0], t)
+        counter[0] += 1
+        if counter[0] == len(recompute.holders):
+            raise _AllSaved  # the rest of the forward saves nothing the backward needs
+    return t
+
+
+class _AllSaved(Exception):
+    """Ends a recomputation once it has saved all that the forward saved."""
+
+
+def _unpack_again(t):
+    return t
+
+
+def _set_rng(states, devices) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1]):
+        torch.cuda.set_rng_state(state, d)
+
+
+@contextmanager
+def _autocast(states, cache: bool):
+    """The forward's autocast state (autograd's thread has its own)."""
+    with ExitStack() as stack:
+        for kind, enabled, dtype in states:
+            stack.enter_context(torch.amp.autocast(kind, enabled=enabled, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def _nbytes(t) -> int:

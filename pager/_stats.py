@@ -65,6 +65,10 @@ class Stats:
     activations_sent_bytes: int = 0     # saved activations copied to host memory during forwards
     activations_brought_bytes: int = 0  # copied back for backwards
     activations_ahead_bytes: int = 0    # of those, copied back before autograd asked for them
+    activations_policy: str = "keep"  # "auto" until it has chosen ([Note: activations, the automatic choice])
+    # activations="recompute" ([Note: activations recomputed] in _saved.py):
+    recomputes: int = 0                      # blocks' forwards run again in a backward
+    activations_recomputed_bytes: int = 0    # what they saved again for the backward
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property

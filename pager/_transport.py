@@ -69,6 +69,15 @@ class CpuTransport:
     def record_compute(self):
         return None
 
+    def clock(self):
+        """A point in compute's time, for `seconds_between`."""
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds_between(start, end):
+        """Compute time from `start` to `end` (`clock` points); None while unknown."""
+        return end - start
+
     def mark_h2d(self):
         return None
 
@@ -184,6 +193,13 @@ class CudaTransport:
 
     def record_compute(self):
         return self._record(self.compute_stream(), timing=True)
+
+    def clock(self):
+        return self.record_compute()
+
+    @staticmethod
+    def seconds_between(start, end):
+        return start.elapsed_time(end) / 1e3 if end.query() else None
 
     def mark_h2d(self):
         # Memory allocated on the h2d stream may have been freed by another

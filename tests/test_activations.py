@@ -1,43 +1,66 @@
 """activations="offload": what blocks' training forwards save goes to host
 memory and comes back for the backward ([Note: activations off the device]
-in pager/_saved.py). CPU device, bit for bit against the model trained
-unwrapped; every test checks that activations did leave, so none can pass
-with the offload doing nothing."""
+in pager/_saved.py); activations="recompute": it is dropped and each block's
+forward runs again in its backward ([Note: activations recomputed]). CPU
+device, bit for bit against the model trained unwrapped; every test checks
+that activations did leave (or were recomputed), so none can pass with the
+policy doing nothing."""
 
 import copy
 import gc
+import time
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 
 import pager
-from helpers import assert_models_equal, assert_same
+from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import TinyLM
 from test_training import batches, regime_budget, torch_clip, train
 
 
-def offloading(model, budget, **kwargs):
-    pager.wrap(model, budget=budget, device="cpu", activations="offload", **kwargs)
-    pager.of(model)._activations.min_bytes = 0  # these models' activations are a few KiB
+def offloading(model, budget, policy="offload", **kwargs):
+    pager.wrap(model, budget=budget, device="cpu", activations=policy, **kwargs)
+    pager.of(model)._activations.offload.min_bytes = 0  # these models' activations are a few KiB
     return pager.of(model)
 
 
+def assert_acted(p, policy, backwards=1):
+    """The policy did its work: activations left and came back (each once per
+    backward), or blocks' forwards ran again in the backward."""
+    s = p.stats()
+    if policy in ("offload", "auto"):
+        assert s.activations_sent_bytes > 0 and (s.recomputes == 0) == (policy == "offload")
+        assert s.activations_brought_bytes == backwards * s.activations_sent_bytes
+    if policy in ("recompute", "auto"):
+        assert s.recomputes > 0 and s.activations_recomputed_bytes > 0
+        assert (s.activations_sent_bytes == 0) == (policy == "recompute")
+    if policy == "auto":
+        assert s.activations_policy in ("offload", "recompute")  # tried both, chose
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
 @pytest.mark.parametrize("regime", ["fits", "streams"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
-def test_training_with_activations_offloaded_matches_unwrapped(regime, autocast):
+def test_training_with_activations_paged_matches_unwrapped(policy, regime, autocast):
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, regime))
+    p = offloading(model, regime_budget(model, regime), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = batches(6)
     train(model, opt, data, clip=torch_clip, autocast=autocast)  # with accumulation
     train(ref, ref_opt, data, clip=torch_clip, autocast=autocast)
+    assert_acted(p, policy)
     s = p.stats()
-    assert s.activations_sent_bytes > 0
-    assert s.activations_brought_bytes == s.activations_sent_bytes  # each came back once
-    assert s.activations_ahead_bytes > 0  # brought at the block's pre-backward, before autograd asked
+    if policy != "recompute":
+        assert s.activations_ahead_bytes > 0  # brought at the block's pre-backward, before autograd asked
+    if policy == "recompute":
+        # Every layer but the last (its activations stay: the backward needs them
+        # first) ran again in each of the 9 backwards but the first (nothing known yet).
+        assert s.recomputes == 8 * (len(model.layers) - 1) + len(model.layers)
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
@@ -57,55 +80,72 @@ class SavesViews(nn.Module):
         return self.drop(torch.tanh(self.lin(y))) + x.sin()
 
 
-def test_views_outputs_and_dropout_masks_under_offload():
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_views_outputs_and_dropout_masks(policy):
+    """Recomputed, a block draws the same dropout mask as in its forward, and
+    the global RNG goes on as if nothing had run again."""
     torch.manual_seed(0)
     model = nn.Sequential(*[SavesViews() for _ in range(5)])
     ref = copy.deepcopy(model)
     one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
-    p = offloading(model, 4 * one + 4096)
-    x = torch.randn(6, 32, requires_grad=True)
-    rx = x.detach().clone().requires_grad_(True)
-    torch.manual_seed(1)
-    model(x).pow(2).sum().backward()
-    torch.manual_seed(1)
-    ref(rx).pow(2).sum().backward()
-    assert p.stats().activations_sent_bytes > 0
-    assert_same(x.grad, rx.grad)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        assert_same(a.grad, b.grad)
+    p = offloading(model, 4 * one + 4096, policy)
+    for step in range(2):  # the second knows the last block (its activations stay)
+        x = torch.randn(6, 32, requires_grad=True)
+        rx = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(1 + step)
+        model(x).pow(2).sum().backward()
+        after = torch.rand(3)
+        torch.manual_seed(1 + step)
+        ref(rx).pow(2).sum().backward()
+        assert_same(after, torch.rand(3))
+        assert_same(x.grad, rx.grad)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_same(a.grad, b.grad)
+    assert_acted(p, policy)
 
 
-def test_a_graph_kept_for_a_second_backward_and_one_dropped_unused():
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_a_graph_kept_for_a_second_backward(policy):
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), policy)
     ids = batches(1)[0][0]
     for m in (model, ref):
         out = m(ids).float().pow(2).mean()
-        out.backward(retain_graph=True)  # a second backward brings the activations again
+        out.backward(retain_graph=True)  # a second backward brings (or recomputes) the activations again
         out.backward()
-    s = p.stats()
-    assert s.activations_brought_bytes == 2 * s.activations_sent_bytes
+    assert_acted(p, policy, backwards=2)
+    if policy == "recompute":
+        assert p.stats().recomputes == 2 * len(model.layers)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
+
+
+def test_a_graph_dropped_unused_takes_its_host_copies():
+    model = TinyLM()
+    p = offloading(model, regime_budget(model, "streams"))
+    ids = batches(1)[0][0]
+    model(ids).sum().backward()
+    s = p.stats()
     sent = s.activations_sent_bytes
     out = model(ids)  # a graph no backward comes for: its host copies go with it
     assert p.stats().activations_sent_bytes > sent
-    copies = [r for _block, refs, _bytes in p._activations._groups for r in refs]
+    copies = [r for _block, refs, _bytes in p._activations.offload._groups for r in refs]
     assert copies and all(r() is not None for r in copies)
     del out
     gc.collect()
     assert all(r() is None for r in copies)
     model(ids).sum().backward()
-    assert not p._activations._groups  # forgotten, and this step's were each reached by its backward
+    assert not p._activations.offload._groups  # forgotten, and this step's were each reached by its backward
 
 
-def test_no_grad_forwards_and_the_keep_policy_send_nothing():
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_no_grad_forwards_and_the_keep_policy_send_nothing(policy):
     model = TinyLM()
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), policy)
     with torch.no_grad():
         model(batches(1)[0][0])
-    assert p.stats().activations_sent_bytes == 0
+    assert p.stats().activations_sent_bytes == 0 and p.stats().recomputes == 0
     kept = TinyLM()
     pager.wrap(kept, budget=regime_budget(kept, "streams"), device="cpu")
     kept(batches(1)[0][0]).sum().backward()
@@ -115,24 +155,25 @@ def test_no_grad_forwards_and_the_keep_policy_send_nothing():
 def test_an_unknown_policy_is_refused_before_anything_changes():
     model = TinyLM()
     before = [t.clone() for t in model.state_dict().values()]
-    with pytest.raises(ValueError, match="activations='gpu'.*keep.*offload"):
+    with pytest.raises(ValueError, match="activations='gpu'.*keep.*offload.*recompute.*auto"):
         pager.wrap(model, budget="1GiB", device="cpu", activations="gpu")
     assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
     with pytest.raises(ValueError, match="not wrapped"):
         pager.of(model)
 
 
-def test_user_saved_tensor_hooks_win():
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_user_saved_tensor_hooks_win(policy):
     """Inside the user's own saved-tensor hooks (here save_on_cpu's), pager's
     stand aside: the user's policy applies, and nothing is offloaded twice."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), policy)
     ids = batches(1)[0][0]
     for m in (model, ref):
         with torch.autograd.graph.save_on_cpu():
             m(ids).pow(2).sum().backward()
-    assert p.stats().activations_sent_bytes == 0
+    assert p.stats().activations_sent_bytes == 0 and p.stats().recomputes == 0
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
 
@@ -146,6 +187,121 @@ def test_the_last_blocks_activations_stay_on_the_device():
     block_of = {b.module: b for b in p.blocks}
     model(ids).sum().backward()
     out = model(ids)
-    sent_for = [g[0] for g in p._activations._groups]
+    sent_for = [g[0] for g in p._activations.offload._groups]
     assert block_of[model.layers[4]] in sent_for and block_of[model.layers[5]] not in sent_for
     out.sum().backward()
+
+
+class Wide(nn.Module):
+    """A block whose intermediate (4x wider) is saved for its backward."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+def streams(model):
+    """A budget for about 2.5 of the Sequential's blocks with their grads and Adam state."""
+    return int(2.5 * 4 * tensor_page_bytes(model[0]))
+
+
+def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward():
+    """What a recomputed block's forward saved is gone once the forward has
+    moved on (the last block's stays: its backward comes first)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    p = offloading(model, streams(model), "recompute")
+    wides = []
+    for layer in model:
+        layer.act.register_forward_hook(lambda m, a, out: wides.append(weakref.ref(out)))
+    x = torch.randn(8, 32)
+    model(x).sum().backward()  # learns the order: the last block is known from now on
+    wides.clear()
+    out = model(x)
+    gc.collect()
+    assert [r() is not None for r in wides] == [False, False, False, True]
+    out.sum().backward()
+    for _ in range(2):
+        ref(x).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert_same(a.grad, b.grad)
+    assert p.stats().recomputes == 4 + 3
+
+
+def test_an_input_changed_in_place_before_its_recomputation_is_an_error():
+    model = nn.Sequential(*[Wide() for _ in range(3)])
+    offloading(model, streams(model), "recompute")
+    x = torch.randn(8, 32, requires_grad=True)
+    h = x * 1.0
+    out = model(h)
+    with torch.no_grad():
+        h.mul_(2.0)  # the first block's input
+    with pytest.raises(RuntimeError, match=r"input of block '0'.*changed in place.*clone"):
+        out.sum().backward()
+
+
+class SavesOtherTensors(nn.Module):
+    """Saves a narrower slice on every second call: not the same when run again."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        if self.calls % 2:
+            return x + torch.tanh(y)
+        return x + torch.cat([torch.tanh(y[:, :16]), y[:, 16:]], 1)
+
+
+def test_a_block_that_saves_other_tensors_when_run_again_is_an_error():
+    model = nn.Sequential(*[SavesOtherTensors() for _ in range(3)])
+    offloading(model, streams(model), "recompute")
+    out = model(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match=r"block '\d'.*saved a tensor of shape.*when run again.*offload"):
+        out.sum().backward()
+
+
+class SlowAgain(nn.Module):
+    """A layer that is slow only when run again for its backward."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        if pager._saved.recomputing():
+            time.sleep(0.01)
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("slow", ["recompute", "offload"])
+def test_auto_tries_both_and_keeps_the_faster(slow, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SlowAgain() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    p = offloading(model, streams(model), "auto")
+    if slow == "offload":
+        send = p.transport.send_to_host
+
+        def slow_send(t):
+            time.sleep(0.01)
+            return send(t)
+
+        monkeypatch.setattr(p.transport, "send_to_host", slow_send)
+    assert p.stats().activations_policy == "auto"
+    for step in range(8):
+        x = torch.randn(8, 32)
+        for m in (model, ref):
+            m(x).pow(2).sum().backward()
+    s = p.stats()
+    assert s.activations_policy == {"recompute": "offload", "offload": "recompute"}[slow]
+    assert s.activations_sent_bytes > 0 and s.recomputes > 0  # both were tried
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert_same(a.grad, b.grad)

@@ -500,3 +500,68 @@ def test_activations_offloaded_on_gpu_parity_races_and_peak():
     # Offloaded: a few at a time (the one being written, the one being copied
     # out; in the backward two blocks' worth brought back, and the gradients).
     assert peaks["offload"] <= budget + 8 * act, (peaks, budget, act)
+
+
+class WideDrop(nn.Module):
+    """An MLP block with dropout: it saves about ten inputs' worth."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.down(self.drop(torch.relu(self.up(x))))
+
+
+def test_activations_recomputed_on_gpu_same_masks_and_peak():
+    """Recomputed in the backward, with the blocks' fetches delayed (a missing
+    wait reads weights not yet landed): the same dropout masks and gradients
+    as all on the GPU, and an allocator peak of the blocks' inputs plus a few
+    blocks' activations instead of all of them. "auto" switches between
+    offload and recompute while it tries them, with the same results."""
+    d, n, rows = 1024, 12, 2048
+    act = rows * d * 4  # a block's input, fp32
+    peaks = {}
+    for activations in ("keep", "recompute", "auto"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
+        ref = copy.deepcopy(model).to(GPU)
+        budget = int(2.5 * 4 * tensor_page_bytes(model[0]))
+        pager.wrap(model, budget=budget, device=GPU, activations=activations)
+        p = pager.of(model)
+        _sleepy(p.transport)
+        opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+        w = torch.randn(8, 8, device=GPU, requires_grad=True)
+        (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+        peak = 0
+        for step in range(9 if activations == "auto" else 3):  # auto: 2 passes, 2 of each policy, the choice
+            x = torch.randn(rows, d, device=GPU)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.manual_seed(10 + step)
+            model(x).pow(2).mean().backward()
+            after = torch.rand(4, device=GPU)  # the generator goes on as if nothing ran again
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            if step:
+                peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            torch.manual_seed(10 + step)
+            ref(x).pow(2).mean().backward()
+            assert torch.equal(after, torch.rand(4, device=GPU))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        peaks[activations] = peak
+        s = p.stats()
+        assert (s.recomputes > 0) == (activations != "keep")
+        assert (s.activations_sent_bytes > 0) == (activations == "auto")  # auto tried both
+        assert s.activations_policy in ({"offload", "recompute"} if activations == "auto" else {activations})
+        pager.unwrap(model)
+        assert_close_to_reference(model, ref)
+        del model, ref, opt, ref_opt, x
+        torch.cuda.empty_cache()
+    assert peaks["keep"] >= n * 10 * act, (peaks, budget, act)
+    # Recomputed: every block's input, the last block's activations, and in
+    # the backward one block's recomputed activations and their gradients.
+    assert peaks["recompute"] <= budget + n * act + 3 * 10 * act, (peaks, budget, act)

@@ -1,7 +1,7 @@
 """With a second Python thread alive, every pager is in the shared mode
 ([Note: tensors and threads] in pager/_paged.py): a block in use stays guarded
-and only the threads that pinned it pass unserved. The transparency, kept-view
-and training suites run again here in that mode, and another thread reads every
+and only the threads that pinned it pass unserved. The transparency, kept-view,
+training and activation suites run again here in that mode, and another thread reads every
 tensor while the model trains under a tight budget."""
 
 import copy
@@ -19,6 +19,8 @@ from test_training import test_training_matches_unwrapped_bit_for_bit  # noqa: F
 from test_training import test_supernet_random_paths_train_like_unwrapped  # noqa: F401
 from test_training import test_deferred_updates_equal_immediate_ones_with_a_schedule_clip_and_eval  # noqa: F401
 from test_transparency import *  # noqa: F401,F403
+from test_activations import test_training_with_activations_paged_matches_unwrapped  # noqa: F401
+from test_activations import test_views_outputs_and_dropout_masks  # noqa: F401
 
 # Not in the shared mode: every object is searched only with one Python thread.
 del test_training_steps_search_python_objects_only_when_something_new_is_kept  # noqa: F821
