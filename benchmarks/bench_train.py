@@ -10,6 +10,11 @@
    `expect()` vs fully resident.
 
     python -m benchmarks.bench_train [--only decoder|supernet] [--reps 5] [--offload-budgets 6 4]
+    python -m benchmarks.bench_train --only sweep [--shares 0.25 0.4 0.6 0.8 1.0] [--policies offload recompute]
+
+3. (--only sweep) The 1B step against the budget, which then bounds blocks
+   and activations together, from 25% to 100% of weights + grads + AdamW
+   state, beside all on GPU and the peers.
 """
 
 from __future__ import annotations
@@ -126,15 +131,8 @@ def bench_decoder(args, rows):
         free_cuda()
 
     for peer in filter(None, args.peers.split(",")):
-        try:
-            row = PEERS[peer](cpu_ref, ids, tgt, gpu_ms, args.reps, w)
-        except ImportError as e:
-            row = Row(w, peer, None, note=f"skipped: not installed ({e.name})")
-        except Exception as e:  # a peer failing must not hide the others
-            row = Row(w, peer, None, note=f"failed: {type(e).__name__}: {str(e)[:120]}")
-        rows.append(row)
-        print(row)
-        free_cuda()
+        rows.append(run_peer(peer, cpu_ref, ids, tgt, gpu_ms, args.reps, w))
+        print(rows[-1])
 
 
 def peer_torchao(cpu_ref, ids, tgt, gpu_ms, reps, w):
@@ -183,6 +181,72 @@ def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
 
 
 PEERS = {"torchao": peer_torchao, "fsdp2": peer_fsdp2, "deepspeed": peer_deepspeed}
+
+
+def bench_train_sweep(args, rows):
+    """The 1B step against the budget, the budget being the whole of what
+    pager holds ([Note: one budget]: blocks and activations), as a share of
+    weights + gradients + AdamW state; all on GPU and the installed peers in
+    the same run. Peak: the allocator's, over the timed steps."""
+    w = "1B decoder AdamW step 4x1024, budget sweep"
+    ids = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    tgt = torch.randint(0, VOCAB, (4, 1024), device="cuda")
+    gpu = decoder_1b("cuda")
+    state_bytes = 16 * sum(p.numel() for p in gpu.parameters())  # fp32 weights, grads, AdamW's two states
+    cpu_ref = cpu_copy(decoder_1b, gpu)
+    opt = torch.optim.AdamW(gpu.parameters(), lr=1e-4)
+    gpu_ms, gpu_peak = measure(make_step(gpu, opt, ids, tgt), args.reps)
+    rows.append(Row(w, f"all on GPU (weights+grads+AdamW {state_bytes / GiB:.1f} GiB)", gpu_ms, gpu_peak, 1.0,
+                    "itself"))
+    print(rows[-1])
+    del gpu, opt
+    free_cuda()
+    for peer in filter(None, args.peers.split(",")):
+        rows.append(run_peer(peer, cpu_ref, ids, tgt, gpu_ms, args.reps, w))
+        print(rows[-1])
+    for share in args.shares:
+        for activations in args.policies:
+            budget = int(share * state_bytes)
+            model = copy.deepcopy(cpu_ref)
+            pager.wrap(model, budget=budget, device="cuda", activations=activations)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            pg = pager.of(model)
+            step = make_step(model, opt, ids, tgt)
+            for _ in range(AUTO_MAX_TRIAL_STEPS if activations == "auto" else 0):
+                if pg.stats().activations_policy != "auto":
+                    break
+                step()
+            torch.cuda.reset_peak_memory_stats()
+            pg.reset()
+            ms, peak = measure(step, args.reps)
+            s = pg.stats()
+            rows.append(Row(
+                w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {s.activations_policy}",
+                ms, peak, ms / gpu_ms, "all on GPU",
+                f"allocator peak {peak / (budget / GiB):.2f}x the budget; pager's own peak "
+                f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
+                f"{s.activation_reserve_bytes / GiB:.2f} GiB of the budget set aside); per step "
+                f"{s.h2d_bytes / 1e9 / (args.reps + 3):.1f} GB in, {s.d2h_bytes / 1e9 / (args.reps + 3):.1f} GB out "
+                f"(blocks), activations {s.activations_sent_bytes / 1e9 / (args.reps + 3):.1f} GB out",
+                {"budget": budget, "share": share, "peak_device": s.peak_device_bytes,
+                 "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes},
+            ))
+            print(rows[-1])
+            pager.unwrap(model)
+            del model, opt, step
+            free_cuda()
+
+
+def run_peer(peer, cpu_ref, ids, tgt, gpu_ms, reps, w):
+    """A peer's row; one that is not installed, or fails, says so (and hides no other)."""
+    try:
+        return PEERS[peer](cpu_ref, ids, tgt, gpu_ms, reps, w)
+    except ImportError as e:
+        return Row(w, peer, None, note=f"skipped: not installed ({e.name})")
+    except Exception as e:  # noqa: BLE001 - a peer failing must not hide the others
+        return Row(w, peer, None, note=f"failed: {type(e).__name__}: {str(e)[:120]}")
+    finally:
+        free_cuda()
 
 
 def bench_supernet(args, rows):
@@ -249,7 +313,10 @@ def bench_supernet(args, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decoder", "supernet"])
+    ap.add_argument("--only", choices=["decoder", "supernet", "sweep"])
+    ap.add_argument("--shares", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.8, 1.0],
+                    help="sweep: budgets as shares of weights + grads + AdamW state")
+    ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
     ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],
@@ -262,7 +329,9 @@ def main(argv=None):
         bench_decoder(args, rows)
     if args.only in (None, "supernet"):
         bench_supernet(args, rows)
-    save(rows, "train", env)
+    if args.only == "sweep":
+        bench_train_sweep(args, rows)
+    save(rows, "train_sweep" if args.only == "sweep" else "train", env)
 
 
 if __name__ == "__main__":

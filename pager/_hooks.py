@@ -213,7 +213,8 @@ class HooksMixin:
         acts = self._activations if torch.is_grad_enabled() else None
         if acts is not None and self._root_depth == 0:
             acts.pass_starts()
-        _saved.begin_saving(False, acts.between_blocks() if acts is not None else None)
+        _saved.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
+                            ledger=acts.ledger if acts is not None else None)
         self._check_open()
         self._note_threads()
         if self._root_depth == 0:
@@ -269,17 +270,32 @@ class HooksMixin:
         self._unsaid_change = unsaid
         self._step_misses, self._expect_used = 0, False
         self._advise()
-        # The kept set depends on the plan, the budget and the blocks' sizes:
-        # chosen again only when one of them changed.
-        key = (len(self.scheduler.plan), self.budget_bytes, self.total_bytes)
+        # The kept set depends on the plan, the room for blocks and the
+        # blocks' sizes: chosen again only when one of them changed (the room
+        # in steps of 1/64 of the budget: activations vary a little by pass).
+        if self.total_bytes != (self._kept_key or (0,) * 4)[3]:
+            self._least_room = self.least_room_bytes()
+        room = self.room_bytes()
+        key = (len(self.scheduler.plan), self.budget_bytes, room * 64 // max(self.budget_bytes, 1), self.total_bytes)
         if changed or key != self._kept_key:
             fixed = self.remainder.device_bytes() if self.remainder is not None else 0
             for b in self.blocks:
                 if b.resident_for_life:
                     fixed += b.nbytes()
-            self.scheduler.choose_kept(self.budget_bytes, lambda b: b.nbytes(), fixed)
+            self.scheduler.choose_kept(room, lambda b: b.nbytes(), fixed)
             self._kept_key = key
+            self._warn_if_activations_crowd(room)
         self._stats.steps += 1
+
+    def _warn_if_activations_crowd(self, room: int) -> None:
+        if self._activations is None or self.budget_bytes - self._activations.ledger.reserve() >= self._least_room:
+            return
+        self._warn_once(
+            "activations_crowd", "pager: activations held %s on the device in the last training pass, which leaves "
+            "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
+            "step exceeds the budget. Raise the budget, use activations=\"recompute\" (it holds least), or "
+            "a smaller batch.", format_bytes(self._activations.ledger.reserve()), format_bytes(self.budget_bytes),
+            format_bytes(self._least_room))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -321,7 +337,8 @@ class HooksMixin:
                 if acts is not None:
                     acts.forward_reaches(block)
                 _saved.begin_saving(self._shared and grad,
-                                    *(acts.for_block(block, args, kwargs) if acts is not None else ()))
+                                    *(acts.for_block(block, args, kwargs) if acts is not None else ()),
+                                    ledger=acts.ledger if acts is not None else None)
             with self._lock:
                 if self._can_use_resident(block) and not again:
                     self._use_resident(block)

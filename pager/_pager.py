@@ -53,6 +53,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         self._stats = Stats(budget_bytes=budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see _saved.py).
         self._activations = Activations(activations, self.transport, self._stats) if activations != KEEP else None
+        if self._activations is not None:
+            self._activations.ledger.note_blocks(0)
         self._hooks: list = []
         self._tick = 0
         self._root_depth = 0
@@ -87,6 +89,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
+        self._least_room = 0  # least_room_bytes(), as of the last change of sizes (_start_step)
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses, parts=frozenset()) -> None:
@@ -475,6 +478,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self.tracer.span("fetch", block.name, first, end, nbytes)
         self.resident[block] = None
         self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
+        if self._activations is not None:
+            self._activations.ledger.note_blocks(self.resident_bytes)
         block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
 
     def _allocate(self, block: Block, seg: Segment) -> None:
@@ -613,6 +618,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         block.residency = Residency.HOST
         block.fetch_event = None
         self.resident.pop(block, None)
+        if self._activations is not None:
+            self._activations.ledger.note_blocks(self.resident_bytes)
         if block.module is not None:
             self._guard(block)
         block.stats.evictions += 1
@@ -656,15 +663,38 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                 present = True  # fetched but never exposed: the page still holds it
         seg.host_valid = present or bool(block.deferred_steps)
 
+    def room_bytes(self) -> int:
+        """What blocks may hold on the device: the budget, less the share that
+        activations take where pager handles them ([Note: one budget] in
+        _saved.py), never less than the least that runs (`least_room_bytes`;
+        `_start_step` warns when activations leave less than that)."""
+        if self._activations is None:
+            return self.budget_bytes
+        return max(self.budget_bytes - self._activations.ledger.reserve(), self._least_room)
+
+    def least_room_bytes(self) -> int:
+        """The least room for blocks that runs now: what stays resident, and
+        the largest block with the blocks it borrows from, each with every
+        segment it has (gradients and optimizer state, once they exist)."""
+        fixed = sum(b.nbytes() for b in self.all_blocks() if b.resident_for_life)
+        largest = max((b.nbytes() + sum(d.nbytes() for d in b.deps) for b in self.blocks if not b.resident_for_life),
+                      default=0)
+        return max(fixed + largest, self.min_budget_bytes)
+
     def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
         next use is further than `within` uses away, and never kept ones."""
-        if self.resident_bytes + nbytes <= self.budget_bytes:
+        room = self.room_bytes()
+        if self.resident_bytes + nbytes <= room:
             return True
         if self._evictions_blocked():
             return False
         kept, distance_to = self.scheduler.kept, self.scheduler.distance_to
         idle = [b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect]
+        if room < self.budget_bytes and within is None:
+            # Activations crowd the blocks: what is in use must still run
+            # (over the budget; `_start_step` says so) rather than fail.
+            room = min(self.budget_bytes, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
         # Streamed blocks first, furthest next use first; kept ones only for a
         # use that needs the room now (never for a prefetch).
         for group in ([b for b in idle if b not in kept], [] if within is not None else [b for b in idle if b in kept]):
@@ -673,7 +703,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                 if within is not None and distance <= within:
                     return False
                 self._evict(b)
-                if self.resident_bytes + nbytes <= self.budget_bytes:
+                if self.resident_bytes + nbytes <= room:
                     return True
         return False
 
@@ -681,10 +711,13 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
         held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
                          f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
+        acts = self.budget_bytes - self.room_bytes()
         raise BudgetError(
             f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
             f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
-            f"by blocks in use: {held}. Raise the budget, or use smaller blocks (blocks=...)."
+            f"by blocks in use: {held}"
+            + (f" (and activations take {format_bytes(acts)} of it)" if acts > 0 else "")
+            + ". Raise the budget, or use smaller blocks (blocks=...)."
         )
 
     def _prefetch(self) -> None:
@@ -721,7 +754,16 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         a snapshot, which later steps do not change."""
         self._resolve_events()
         blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
-        return dataclasses.replace(self._stats, resident_bytes=self.resident_bytes, blocks=blocks)
+        memory = {}
+        if self._activations is not None:
+            ledger = self._activations.ledger
+            memory = dict(activation_bytes=ledger.live, peak_activation_bytes=ledger.peak,
+                          activation_reserve_bytes=self.budget_bytes - self.room_bytes(),
+                          peak_device_bytes=ledger.peak_with_blocks)
+        if self.transport.is_cuda:
+            memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device),
+                          allocator_reserved_bytes=torch.cuda.memory_reserved(self.device))
+        return dataclasses.replace(self._stats, resident_bytes=self.resident_bytes, blocks=blocks, **memory)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory
@@ -761,6 +803,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             zero_counters(b.stats)
             b.stats.peak_resident_bytes = b.device_bytes()
         self._stats.peak_resident_bytes = self.resident_bytes
+        if self._activations is not None:
+            self._activations.ledger.reset_peak()
 
     def _resolve_events(self, wait: bool = True) -> None:
         """Turn timing-event pairs into seconds: stalls (compute arrived, fetch

@@ -58,6 +58,20 @@ second backward through a retained graph runs the forward again). A saved
 tensor of another shape or dtype than in the forward, or an input changed in
 place since, is an error (the recomputation would differ). The block's own
 weights are saved as they are: they page with the block.
+
+[Note: one budget]
+With `activations` other than "keep", the budget bounds blocks and
+activations together: what pager's hooks hold on the device for a backward
+(activations kept, being copied out, brought back, recomputed, and the inputs
+a recomputation keeps) is counted in a `Ledger`, by storage (two views of one
+storage count once), as it is saved and until it is freed (a brought or
+recomputed activation: until it is handed to autograd). Blocks get the budget
+less the most the activations held in the last training pass (`reserve`;
+during the first pass, what they hold so far), so from the second training
+step on, blocks and activations stay within the budget together. What stays
+outside: a block's temporaries while it runs, the loss and the gradients
+flowing between blocks in the backward, and the allocator's rounding: the
+slack (`stats()` gives the allocator's own peak beside pager's).
 """
 
 from __future__ import annotations
@@ -86,6 +100,72 @@ AUTO_TRIAL_PASSES = 2   # passes timed under each policy; the one with the faste
 log = logging.getLogger("pager")
 
 
+class Ledger:
+    """Device bytes of activations that pager's saved-tensor hooks hold
+    ([Note: one budget]): now (`live`), at most since `reset_peak` (`peak`),
+    and at most in the last finished training pass (`last_pass_peak`).
+    Safe from autograd's threads."""
+
+    def __init__(self, device):
+        self.device = device
+        self.live = self.peak = self.pass_peak = self.last_pass_peak = 0
+        self.blocks = 0  # device bytes of blocks now (`note_blocks`)
+        self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
+        self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes
+            if self.live > self.pass_peak:
+                self.pass_peak = self.live
+                self.peak = max(self.peak, self.live)
+            self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
+
+    def note_blocks(self, nbytes: int) -> None:
+        """Blocks hold `nbytes` on the device now (for `peak_with_blocks`)."""
+        self.blocks = nbytes
+        self.peak_with_blocks = max(self.peak_with_blocks, self.live + nbytes)
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_with_blocks = self.live, self.live + self.blocks
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+    def hold(self, t) -> int:
+        """Count `t`'s storage (once, however many tensors hold it); the key to `let_go`."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is not None:
+                entry[0] += 1
+                return key
+            self._storages[key] = [1, storage.nbytes()]
+        self.add(storage.nbytes())
+        return key
+
+    def let_go(self, key: int) -> None:
+        with self._lock:
+            entry = self._storages[key]
+            entry[0] -= 1
+            if entry[0]:
+                return
+            del self._storages[key]
+        self.sub(entry[1])
+
+    def pass_ends(self) -> None:
+        """A training pass (forward and backward) ended: its peak is the reserve now."""
+        with self._lock:
+            self.last_pass_peak, self.pass_peak = self.pass_peak, self.live
+
+    def reserve(self) -> int:
+        """The share of the budget that activations take from blocks."""
+        return max(self.last_pass_peak, self.live)
+
+
 class Activations:
     """What each block's training forward does with what it saves (the
     `activations=` of `wrap`): keep it, send it to host memory, or drop it
@@ -112,7 +192,8 @@ class Activations:
 
     def __init__(self, policy: str, transport, stats):
         self.stats, self.transport = stats, transport
-        self.offload = ActivationOffload(transport, stats)  # also keeps the forward's order of blocks
+        self.ledger = Ledger(transport.device)
+        self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.of_block: dict = {}  # block -> policy, where it differs from `policy`
         self.policy = OFFLOAD if policy == AUTO else policy
         self._choosing = policy == AUTO
@@ -136,6 +217,7 @@ class Activations:
 
     def pass_ends(self) -> None:
         """A backward ended ("auto": the trial pass under way ends)."""
+        self.ledger.pass_ends()
         if self._start is not None:
             self._timed.append((*self._start, self.transport.clock()))
             self._start = None
@@ -164,8 +246,8 @@ class Activations:
         self.offload.forward_reaches(block)
 
     def between_blocks(self):
-        """The `offload` of ops outside blocks (what they save belongs to the block before)."""
-        return self.offload if self.policy == OFFLOAD else None
+        """The `offload` and `recompute` of ops outside blocks (what they save belongs to the block before)."""
+        return (self.offload if self.policy == OFFLOAD else None), None
 
     def for_block(self, block, args, kwargs):
         """The `offload` and `recompute` of `block`'s training forward."""
@@ -173,7 +255,7 @@ class Activations:
         if policy == KEEP or self.offload.stays(block):
             return None, None
         if policy == RECOMPUTE:
-            return None, Recompute(block, args, kwargs, self.stats)
+            return None, Recompute(block, args, kwargs, self.stats, self.ledger)
         return self.offload, None
 
     def backward_reaches(self, block) -> None:
@@ -181,37 +263,43 @@ class Activations:
 
 
 class _Frame:
-    """One `begin_saving` in a thread: whether it pushed the hooks, whose
-    hooks are on top while it lasts, and what pack does with activations."""
+    """One `begin_saving` in a thread: whether it pushed the hooks, whether
+    it is the active frame (what `_pack` reads) while it lasts, whose hooks
+    are on top, and what pack does with activations."""
 
-    __slots__ = ("pushed", "hooks", "offload", "recompute", "below")
+    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below")
 
-    def __init__(self, pushed, hooks, offload, recompute, below):
-        self.pushed, self.hooks, self.below = pushed, hooks, below
-        self.offload, self.recompute = offload, recompute
+    def __init__(self, pushed, activates, hooks, offload, recompute, ledger, below):
+        self.pushed, self.activates, self.hooks, self.below = pushed, activates, hooks, below
+        self.offload, self.recompute, self.ledger = offload, recompute, ledger
 
 
 _tls = threading.local()
 
 
-def begin_saving(count: bool, offload=None, recompute=None) -> None:
+def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None:
     """In this thread, until the matching `end_saving`, run what autograd
     saves through pager's hooks if `count` (saved views of blocks' storage
     are counted), `offload` (an `ActivationOffload`: activations leave the
-    device) or `recompute` (a `Recompute`: they are dropped and computed
-    again), unless other saved-tensor hooks are on top (see the Notes).
+    device), `recompute` (a `Recompute`: they are dropped and computed
+    again) or `ledger` (a `Ledger`: what stays on the device is counted),
+    unless other saved-tensor hooks are on top (see the Notes).
     Called for every use, so that each `end_` pairs with its `begin_`."""
     top = _top_hooks()
     active = getattr(_tls, "active", None)
-    pushed = bool((count or offload is not None or recompute is not None) and top is None)
+    wants = bool(count or offload is not None or recompute is not None or ledger is not None)
+    pushed = wants and top is None
     if pushed:
         torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
-    if pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack):
+    ours = pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack)
+    if ours:
         hooks = OURS
     else:
         hooks = OTHERS if top is not None and top is not _UNKNOWN else None
-    frame = _Frame(pushed, hooks, offload, recompute, active)
-    if pushed:
+    # A block's forward inside the root's (whose hooks are ours) decides for
+    # what it saves: its frame is the active one until it ends.
+    frame = _Frame(pushed, ours and wants, hooks, offload, recompute, ledger, active)
+    if frame.activates:
         _tls.active = frame
     stack = getattr(_tls, "stack", None)
     if stack is None:
@@ -224,9 +312,10 @@ def end_saving():
     (autograd's saved views of blocks were counted), `OTHERS` (the user's,
     e.g. checkpointing's recomputation: what they hold is unknown), or None."""
     frame = _tls.stack.pop()
+    if frame.activates:
+        _tls.active = frame.below
     if frame.pushed:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        _tls.active = frame.below
     return frame.hooks
 
 
@@ -267,6 +356,8 @@ def _pack(t):
         saved = t.detach()  # shares the version counter
     if entry is not None:
         entry[2].saved.append(weakref.ref(saved))
+    elif frame.ledger is not None and t.device == frame.ledger.device:
+        return Kept(saved, frame.ledger)
     return saved, saved._version
 
 
@@ -275,6 +366,8 @@ def _unpack(packed):
         return packed.offload.bring(packed)
     if isinstance(packed, Dropped):
         return packed.recompute.value(packed)
+    if isinstance(packed, Kept):
+        packed = packed.saved, packed.version
     saved, version = packed
     if saved._version != version:  # autograd checks this itself only without hooks
         raise RuntimeError(
@@ -282,6 +375,20 @@ def _unpack(packed):
             f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
             f"version {version} instead. (Checked by pager's saved-tensor hooks, as autograd does.)")
     return saved
+
+
+class Kept:
+    """An activation kept on the device, as the graph holds it: counted in
+    the ledger until autograd lets go of it ([Note: one budget])."""
+
+    __slots__ = ("saved", "version", "ledger", "key")
+
+    def __init__(self, saved, ledger):
+        self.saved, self.version, self.ledger = saved, saved._version, ledger
+        self.key = ledger.hold(saved)
+
+    def __del__(self):
+        self.ledger.let_go(self.key)
 
 
 class Sent:
@@ -297,6 +404,7 @@ class Sent:
     def __del__(self):
         if self.device is not None:  # brought, never asked for (the graph went): may still be landing
             self.offload.transport.forget_brought(self.device)
+            self.offload.ledger.sub(_nbytes(self.device))
 
 
 class ActivationOffload:
@@ -306,14 +414,17 @@ class ActivationOffload:
     Args:
         transport: the pager's transport (its streams and copies).
         stats: the pager's `Stats` (activations_* counters).
+        ledger: the `Ledger` of device bytes (being copied out, brought back).
         min_bytes: activations smaller than this stay on the device.
         keep_last: the last blocks of a forward (in the previous forward's
             order) whose activations stay on the device.
     """
 
-    def __init__(self, transport, stats, min_bytes: int = OFFLOAD_MIN_BYTES, keep_last: int = KEEP_LAST_BLOCKS):
+    def __init__(self, transport, stats, ledger, min_bytes: int = OFFLOAD_MIN_BYTES,
+                 keep_last: int = KEEP_LAST_BLOCKS):
         self.transport = transport
         self.stats = stats
+        self.ledger = ledger
         self.min_bytes = min_bytes
         self.keep_last = keep_last
         self.bring_ahead = BRING_AHEAD_BLOCKS
@@ -364,6 +475,7 @@ class ActivationOffload:
             if written is not None:
                 self._in_flight.append((t, written, nbytes))
                 self._in_flight_bytes += nbytes
+                self.ledger.add(nbytes)
             self._settle()
         return sent
 
@@ -373,12 +485,15 @@ class ActivationOffload:
         memory may be reused at once: see [Note: activations off the device])."""
         q = self._in_flight
         while q and q[0][1].query():
-            self._in_flight_bytes -= q.popleft()[2]
+            nbytes = q.popleft()[2]
+            self._in_flight_bytes -= nbytes
+            self.ledger.sub(nbytes)
         while self._in_flight_bytes > self._in_flight_cap:
             _t, event, nbytes = q.popleft()
             # Compute reuses this memory only after the copy out has read it.
             self.transport.compute_waits(event)
             self._in_flight_bytes -= nbytes
+            self.ledger.sub(nbytes)
 
     def bring(self, sent: Sent) -> torch.Tensor:
         with self._lock:
@@ -388,6 +503,7 @@ class ActivationOffload:
                 self.stats.activations_ahead_bytes += _nbytes(sent.host)
             device, event = sent.device, sent.ready_event
             sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
+            self.ledger.sub(_nbytes(device))
         self.transport.compute_waits(event)  # the bytes must have landed
         return device
 
@@ -410,6 +526,7 @@ class ActivationOffload:
     def _start_bringing(self, sent: Sent) -> None:
         sent.device, sent.ready_event = self.transport.bring_to_device(sent.host, sent.written_event)
         self.stats.activations_brought_bytes += _nbytes(sent.host)
+        self.ledger.add(_nbytes(sent.host))
 
     def _prune(self) -> None:
         """Forget forwards whose graph is gone (no backward came)."""
@@ -438,13 +555,17 @@ class Recompute:
         block: the block (its `module` is called again; `name` in errors).
         args, kwargs: what its forward was called with.
         stats: the pager's `Stats` (recomputes, activations_recomputed_bytes).
+        ledger: the `Ledger` (the inputs kept, values recomputed and not yet handed out).
     """
 
-    def __init__(self, block, args, kwargs, stats):
-        self.block, self.stats = block, stats
+    def __init__(self, block, args, kwargs, stats, ledger):
+        self.block, self.stats, self.ledger = block, stats, ledger
+        self.held, self.values = [], {}  # (for __del__, should what follows raise)
         flat, self.spec = tree_flatten((args, kwargs))
         with unguarded():
             self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
+            self.held = [ledger.hold(x.tensor) for x in self.inputs
+                         if isinstance(x, _Input) and entry_of(x.tensor) is None and x.tensor.device == ledger.device]
         self.devices = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
         self.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
@@ -463,7 +584,15 @@ class Recompute:
         with self.lock:
             if dropped.index not in self.values:
                 self._run()
-            return self.values.pop(dropped.index)
+            t = self.values.pop(dropped.index)
+        self.ledger.sub(_nbytes(t))  # autograd holds it now
+        return t
+
+    def __del__(self):  # the graph let go of every `Dropped`: the inputs and unused values go
+        for key in self.held:
+            self.ledger.let_go(key)
+        for t in self.values.values():
+            self.ledger.sub(_nbytes(t))
 
     def _run(self) -> None:
         """Run the block's forward again, keeping what it saves for the
@@ -504,6 +633,7 @@ class Recompute:
                 "(activations=\"recompute\"): its forward must save the same tensors each time it runs; use "
                 "activations=\"offload\" or \"keep\" for this model.")
         self.values[i] = t
+        self.ledger.add(_nbytes(t))
         self.stats.activations_recomputed_bytes += _nbytes(t)
 
 

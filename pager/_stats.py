@@ -69,6 +69,17 @@ class Stats:
     # activations="recompute" ([Note: activations recomputed] in _saved.py):
     recomputes: int = 0                      # blocks' forwards run again in a backward
     activations_recomputed_bytes: int = 0    # what they saved again for the backward
+    # Device memory by kind. Activations under the budget ([Note: one budget]
+    # in _saved.py; 0 with activations="keep", where the budget bounds blocks only):
+    activation_bytes: int = 0           # activations pager holds on the device now
+    peak_activation_bytes: int = 0      # the most at once
+    activation_reserve_bytes: int = 0   # the share of the budget they take from blocks now
+    peak_device_bytes: int = 0          # the most that blocks and activations held together
+    # The caching allocator's own figures (CUDA; 0 on the CPU device), which
+    # also hold what pager does not: a block's temporaries while it runs, the
+    # loss, gradients between blocks, the user's tensors, rounding:
+    allocator_peak_bytes: int = 0       # torch.cuda.max_memory_allocated (since the user's last reset of it)
+    allocator_reserved_bytes: int = 0   # torch.cuda.memory_reserved now (less the peak: fragmentation and cache)
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property
@@ -97,6 +108,12 @@ class Stats:
             + (f"; {self.on_demand} accesses to paged-out tensors fetched their block" if self.on_demand else "")
             + (f"; {self.resident_forwards} forwards ran with every block resident, unhooked"
                if self.resident_forwards else "")
+            + (f"; blocks and activations peaked at {format_bytes(self.peak_device_bytes)} together "
+               f"(activations {format_bytes(self.peak_activation_bytes)} at most, "
+               f"{format_bytes(self.activation_reserve_bytes)} of the budget set aside for them)"
+               if self.peak_device_bytes else "")
+            + (f"; the allocator peaked at {format_bytes(self.allocator_peak_bytes)} "
+               f"({format_bytes(self.allocator_reserved_bytes)} reserved)" if self.allocator_peak_bytes else "")
         )
 
     def report(self) -> str:
@@ -118,6 +135,7 @@ class Stats:
 def zero_counters(obj) -> None:
     """Reset the counting fields of a Stats or BlockStats in place."""
     for f in fields(obj):
-        if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes", "peak_resident_bytes"):
-            continue
+        if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes", "peak_resident_bytes",
+                      "activations_policy", "activation_bytes", "activation_reserve_bytes"):
+            continue  # state, not counters (peaks restart in `Pager.reset`)
         setattr(obj, f.name, type(getattr(obj, f.name))())

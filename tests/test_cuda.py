@@ -565,3 +565,48 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
     # Recomputed: every block's input, the last block's activations, and in
     # the backward one block's recomputed activations and their gradients.
     assert peaks["recompute"] <= budget + n * act + 3 * 10 * act, (peaks, budget, act)
+
+
+@pytest.mark.parametrize("activations", ["offload", "recompute"])
+def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
+    """[Note: one budget]: with activations paged, blocks get the budget less
+    what activations held in the last pass, so the allocator's peak of a
+    training step is the budget plus the documented slack (a block's
+    temporaries while it runs and its gradients in the backward: here three
+    blocks' activations), where blocks alone would fill the budget."""
+    d, n, rows = 1024, 12, 2048
+    act = rows * d * 4  # a block's input, fp32
+    torch.manual_seed(0)
+    model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
+    ref = copy.deepcopy(model).to(GPU)
+    training_block = 4 * tensor_page_bytes(model[0])  # weights, grads, Adam's two states
+    budget = 3 * training_block + 40 * act  # room for 3 blocks with about 4 blocks' activations
+    assert n * training_block > budget  # blocks alone would fill it
+    pager.wrap(model, budget=budget, device=GPU, activations=activations)
+    p = pager.of(model)
+    _sleepy(p.transport)
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+    w = torch.randn(8, 8, device=GPU, requires_grad=True)
+    (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+    peak = 0
+    for step in range(4):
+        x = torch.randn(rows, d, device=GPU)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() - p.resident_bytes  # what is not pager's
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(10 + step)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        if step >= 2:  # the second pass knows the first's activations, and state exists
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        torch.manual_seed(10 + step)
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    s = p.stats()
+    assert s.activation_reserve_bytes > 0 and s.peak_device_bytes <= budget, s
+    assert peak <= budget + 3 * 10 * act, (peak, budget, act, s.peak_device_bytes)
+    pager.unwrap(model)
+    assert_close_to_reference(model, ref)
