@@ -39,8 +39,9 @@ def wrap(
 
     Args:
         model: the model, on the CPU or already on the device.
-        budget: device bytes for blocks: an int, "10GiB", "512MiB", "1.5GB",
-            "60%" of the device's memory, or "auto" (free memory less a margin).
+        budget: device bytes for blocks (and activations, see `activations`):
+            an int, "10GiB", "512MiB", "1.5GB", "60%" of the device's memory,
+            or "auto" (free memory less a margin).
         device: where to run; defaults to the current CUDA device, else "cpu"
             (a separate host copy stands for device memory: same paging, no GPU).
         blocks: None (discover: the elements of the layer stacks, NAS candidate
@@ -66,6 +67,9 @@ def wrap(
             recomputed]); or "auto": offload and recompute are each timed on a
             few training passes and the faster stays (see [Note: activations,
             the automatic choice]). The last block of a forward keeps its own.
+            With "offload", "recompute" or "auto" the budget bounds blocks and
+            activations together ([Note: one budget] in _saved.py); with
+            "keep", blocks only.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")

@@ -8,6 +8,8 @@ import torch
 
 from . import _discover
 from ._budget import format_bytes, parse_budget
+from ._fake import SavedBytes, measure_saved
+from ._saved import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
 from ._schedule import Scheduler
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
@@ -36,6 +38,11 @@ class Plan:
     link_gbps: float
     link_measured: bool
     notes: list[str] = field(default_factory=list)
+    # With `inputs` (see `plan`): what a training forward saves, per block,
+    # and per `activations=` policy the most that activations, and blocks and
+    # activations together, hold on the device in a training step.
+    saved: SavedBytes | None = None
+    training_peaks: dict = field(default_factory=dict)  # policy -> (activation bytes, blocks + activations)
 
     @property
     def fits_all(self) -> bool:
@@ -78,12 +85,24 @@ class Plan:
             f"{format_bytes(self.train_d2h_bytes)} out, floor {1e3 * self.train_floor_seconds:.1f} ms; "
             f"{len(self.train_kept)} of {len(self.blocks)} blocks stay with their gradients and state"
         )
+        if self.saved is not None:
+            sb = self.saved
+            out.append(
+                f"  a training forward with these inputs saves {format_bytes(sb.total)} for its backward "
+                f"(the largest block {format_bytes(max(sb.saved, default=0))}, outside blocks "
+                f"{format_bytes(sb.outside)}); a training step holds at most:")
+            for policy, (acts, together) in self.training_peaks.items():
+                over = "" if together <= self.budget_bytes else f", {format_bytes(together - self.budget_bytes)} over"
+                bound = " (the budget bounds blocks only)" if policy == "keep" else ""
+                out.append(f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
+                           f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}")
+            out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)
 
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
-         link_gbps: float | None = None, defer_step: bool = True) -> Plan:
+         link_gbps: float | None = None, defer_step: bool = True, inputs=None) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
@@ -92,9 +111,15 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
             momentum 1) for the training estimate.
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
+        inputs: a batch as the model's forward takes it (a tensor, a tuple of
+            positional arguments or a dict of keyword arguments; values do
+            not matter, only shapes and dtypes): the forward then runs on fake
+            tensors (nothing is computed) to measure what a training step
+            saves for its backward per block, and the plan predicts the
+            step's peak for each `activations=` policy of `wrap`.
 
     Example:
-        >>> print(pager.plan(model, budget="10GiB"))
+        >>> print(pager.plan(model, budget="10GiB", inputs=torch.zeros(4, 1024, dtype=torch.long)))
     """
     from ._api import _resolve_device
 
@@ -146,10 +171,61 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             f"room the budget leaves for blocks, and every block that is not kept streams through that room: "
             f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
             f"submodules rather than reading their weights)")
+    saved, peaks = None, {}
+    if inputs is not None:
+        saved = measure_saved(model, sizing.named, inputs)
+        least = fixed + max(step_sizes, default=0)
+        peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
+        notes += _activation_notes(peaks, budget_bytes, least)
     return Plan(
         str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
         sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
+        saved, peaks,
     )
+
+
+def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True) -> dict:
+    """Per `activations=` policy: (the most activations hold on the device in
+    a training pass, blocks and activations together), by the rules of
+    _saved.py. `blocks_bytes`: every block with its gradients and state;
+    `least`: the least room for blocks that runs; `copies`: copies out run
+    behind compute (CUDA) and hold device memory until done."""
+    if not sb.order:
+        return {"keep": (sb.total, min(budget, blocks_bytes) + sb.total)}
+    last = sb.names.index(sb.order[-1])  # its activations stay ([Note: activations off the device])
+    largest, largest_packed = max(sb.saved), max(sb.packed)
+    in_flight = min(sum(sb.packed) - sb.packed[last], max(IN_FLIGHT_MIN_BYTES, largest_packed)) if copies else 0
+    acts = {
+        "keep": sb.total,
+        # The last block's own, what is being copied out, this block's and the
+        # next one's brought back (a storage that autograd saves twice is
+        # copied twice: see [Note: activations off the device]).
+        "offload": sb.saved[last] + in_flight + (1 + BRING_AHEAD_BLOCKS) * largest_packed,
+        # every block's inputs, the last block's own, one block's recomputed, and what ops outside blocks keep
+        "recompute": sum(n for i, n in enumerate(sb.inputs) if i != last) + sb.saved[last] + largest + sb.outside,
+    }
+    acts["auto"] = max(acts["offload"], acts["recompute"])  # it tries both
+    peaks = {"keep": (acts["keep"], min(budget, blocks_bytes) + acts["keep"])}
+    for policy in ("offload", "recompute", "auto"):
+        room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
+        peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])
+    return peaks
+
+
+def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
+    notes = []
+    keep_acts, keep_total = peaks["keep"]
+    if keep_total > budget:
+        notes.append(
+            f"with activations kept (the default), a training step holds {format_bytes(keep_acts)} of them beside "
+            f"the blocks' budget: activations=\"auto\" (or \"offload\", \"recompute\") puts them under it")
+    fitting = [p for p in ("offload", "recompute") if peaks[p][1] <= budget]
+    if not fitting:
+        need = least + min(peaks["offload"][0], peaks["recompute"][0])
+        notes.append(
+            f"activations leave blocks less than the {format_bytes(least)} they need at least under every policy: "
+            f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)")
+    return notes
 
 
 def _kept(names, sizes, budget, fixed) -> set:

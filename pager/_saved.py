@@ -40,6 +40,8 @@ the copy of one overlaps the backward of the other; an activation that was
 not brought ahead is brought when autograd asks for it. A copy on the host is
 the value as it was saved, so an in-place change after the forward cannot
 corrupt the gradient (autograd would refuse it; here it is simply not seen).
+A storage that autograd saves twice (a norm's output saved by the q, k and v
+projections) is copied out and back once per save: what `plan` predicts.
 
 [Note: activations recomputed]
 With `activations="recompute"` (pager's own checkpointing: the model's code

@@ -408,3 +408,52 @@ class _captured:
 
     def __exit__(self, *exc):
         self.logger.removeHandler(self.handler)
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_plan_predicts_what_activations_hold_in_a_training_step(policy):
+    """`pager.plan(..., inputs=)` measures what each block's forward saves on
+    fake tensors (nothing computed) and predicts, per policy, the most that
+    activations hold: an upper bound of what the ledger then counts, and
+    not a loose one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(6)])
+    budget = int(7 * 4 * tensor_page_bytes(model[0]))
+    x = torch.randn(256, 32)
+    plan = pager.plan(model, budget, device="cpu", inputs=x)
+    assert plan.saved.order == [str(i) for i in range(6)]
+    # Each Wide saves its input (256x32) and ReLU's output (256x128, which `down` saves too: one storage).
+    assert plan.saved.saved == [256 * (32 + 128) * 4] * 6 and plan.saved.inputs == [256 * 32 * 4] * 6
+    assert plan.saved.packed == [256 * (32 + 2 * 128) * 4] * 6
+    predicted = plan.training_peaks[policy][0]
+    p = offloading(model, budget, policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    wide_steps(model, opt, 3)
+    measured = p.stats().peak_activation_bytes
+    assert predicted / 2 <= measured <= predicted, (measured, predicted)
+    assert "activations=recompute:" in str(plan) and "saves 960.00 KiB" in str(plan)
+
+
+def test_plan_of_a_forward_that_reads_values_says_why_it_cannot_measure():
+    class ReadsValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, x):
+            if x.sum().item() > 0:  # a value: fake tensors have none
+                x = x * 2
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = ReadsValues()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="could not run on fake tensors.*leave `inputs` out"):
+        pager.plan(model, "1MiB", device="cpu", inputs=torch.randn(4, 8))
+    assert_same_state(model.state_dict(), before)  # nothing changed
+    assert pager.plan(model, "1MiB", device="cpu").saved is None
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

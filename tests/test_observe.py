@@ -130,8 +130,8 @@ def test_plan_command_line(tmp_path):
     (tmp_path / "mymodels.py").write_text(
         "import torch.nn as nn\ndef build():\n    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])\n"
     )
-    run = lambda budget: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "pager", "plan", "mymodels:build", "--budget", budget, "--device", "cpu"],
+    run = lambda budget, *more: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "pager", "plan", "mymodels:build", "--budget", budget, "--device", "cpu", *more],
         cwd=tmp_path, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])},
     )
@@ -140,6 +140,11 @@ def test_plan_command_line(tmp_path):
     assert "per forward" in ok.stdout and "streams" in ok.stdout
     bad = run("1KiB")
     assert bad.returncode == 1 and "WILL NOT RUN" in bad.stdout
+    batch = run("40KiB", "--inputs", "32x64")  # 6 Linear blocks each save their 32x64 fp32 input
+    assert batch.returncode == 0, batch.stderr
+    assert "saves 48.00 KiB for its backward" in batch.stdout and "activations=recompute:" in batch.stdout
+    wrong = run("40KiB", "--inputs", "32x64:float99")
+    assert wrong.returncode == 2 and "'float99' is not a torch dtype" in wrong.stderr
 
 
 # ------------------------------------------------------------------ warnings
