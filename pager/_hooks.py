@@ -273,8 +273,8 @@ class HooksMixin:
         # The kept set depends on the plan, the room for blocks and the
         # blocks' sizes: chosen again only when one of them changed (the room
         # in steps of 1/64 of the budget: activations vary a little by pass).
-        if self.total_bytes != (self._kept_key or (0,) * 4)[3]:
-            self._least_room = self.least_room_bytes()
+        if self._least_room_of != self.total_bytes:  # a segment appeared (grads, optimizer state)
+            self._least_room, self._least_room_of = self.least_room_bytes(), self.total_bytes
         room = self.room_bytes()
         key = (len(self.scheduler.plan), self.budget_bytes, room * 64 // max(self.budget_bytes, 1), self.total_bytes)
         if changed or key != self._kept_key:

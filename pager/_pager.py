@@ -89,7 +89,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
-        self._least_room = 0  # least_room_bytes(), as of the last change of sizes (_start_step)
+        self._least_room, self._least_room_of = 0, None  # least_room_bytes(), and the total_bytes it was for
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses, parts=frozenset()) -> None:
