@@ -27,14 +27,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 class SavedBytes:
     """Bytes a training forward saves for its backward.
 
-    `saved[i]` (each storage once), `packed[i]` (each time autograd saves
-    it: what offloading copies today) and `inputs[i]` are per block, in the
+    `saved[i]` (each storage once) and `inputs[i]` are per block, in the
     order of `names`; `outside` is what ops outside every block save
     (embeddings, heads)."""
 
     names: list[str]
     saved: list[int]
-    packed: list[int]
     inputs: list[int]
     outside: int
     order: list[str]  # blocks in the order their forwards ran (innermost)
@@ -68,7 +66,7 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
         fake_args, fake_kwargs = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                                           (args, kwargs))
     own = {_key(t) for t in fakes.values()}
-    saved, packed, block_inputs, seen = [0] * len(names), [0] * len(names), [0] * len(names), set()
+    saved, block_inputs, seen = [0] * len(names), [0] * len(names), set()
     stack: list[int] = []
     order: list[str] = []
     outside = [0]
@@ -85,8 +83,6 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
 
     def pack(t):
         key = _key(t)
-        if key not in own and stack:
-            packed[stack[-1]] += _nbytes(t)
         if key not in own and key not in seen:
             seen.add(key)
             nbytes = t.untyped_storage().nbytes()
@@ -111,7 +107,7 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
     finally:
         for h in handles:
             h.remove()
-    return SavedBytes(names, saved, packed, block_inputs, outside[0], order)
+    return SavedBytes(names, saved, block_inputs, outside[0], order)
 
 
 def _as_call(inputs):

@@ -193,14 +193,12 @@ def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, c
     if not sb.order:
         return {"keep": (sb.total, min(budget, blocks_bytes) + sb.total)}
     last = sb.names.index(sb.order[-1])  # its activations stay ([Note: activations off the device])
-    largest, largest_packed = max(sb.saved), max(sb.packed)
-    in_flight = min(sum(sb.packed) - sb.packed[last], max(IN_FLIGHT_MIN_BYTES, largest_packed)) if copies else 0
+    largest = max(sb.saved)
+    in_flight = min(sb.total - sb.saved[last], max(IN_FLIGHT_MIN_BYTES, largest)) if copies else 0
     acts = {
         "keep": sb.total,
-        # The last block's own, what is being copied out, this block's and the
-        # next one's brought back (a storage that autograd saves twice is
-        # copied twice: see [Note: activations off the device]).
-        "offload": sb.saved[last] + in_flight + (1 + BRING_AHEAD_BLOCKS) * largest_packed,
+        # the last block's own, what is being copied out, this block's and the next one's brought back
+        "offload": sb.saved[last] + in_flight + (1 + BRING_AHEAD_BLOCKS) * largest,
         # every block's inputs, the last block's own, one block's recomputed, and what ops outside blocks keep
         "recompute": sum(n for i, n in enumerate(sb.inputs) if i != last) + sb.saved[last] + largest + sb.outside,
     }

@@ -40,8 +40,9 @@ the copy of one overlaps the backward of the other; an activation that was
 not brought ahead is brought when autograd asks for it. A copy on the host is
 the value as it was saved, so an in-place change after the forward cannot
 corrupt the gradient (autograd would refuse it; here it is simply not seen).
-A storage that autograd saves twice (a norm's output saved by the q, k and v
-projections) is copied out and back once per save: what `plan` predicts.
+A tensor that a block's forward saves several times (a norm's output saved
+by the q, k and v projections) is copied out once and brought back once; its
+device copy stays while later saves' unpacks are still to ask for it.
 
 [Note: activations recomputed]
 With `activations="recompute"` (pager's own checkpointing: the model's code
@@ -394,19 +395,25 @@ class Kept:
 
 
 class Sent:
-    """An activation on the host, as the graph holds it (see the Note)."""
+    """An activation on the host, as the graph holds it (see the Note); one
+    for every save of the same tensor in a block's forward."""
 
-    __slots__ = ("offload", "host", "written_event", "device", "ready_event", "__weakref__")
+    __slots__ = ("offload", "host", "written_event", "device", "ready_event", "saves", "left", "handed",
+                 "__weakref__")
 
     def __init__(self, offload, host, written_event):
         self.offload, self.host, self.written_event = offload, host, written_event
         self.device = None       # brought back ahead of the backward, not yet asked for
         self.ready_event = None  # on the h2d stream: `device` holds the bytes
+        self.saves = self.left = 1  # saves that hold it; of those, unpacks still to come in this backward
+        self.handed = None       # the device copy given to autograd, while other saves will ask for it
 
     def __del__(self):
         if self.device is not None:  # brought, never asked for (the graph went): may still be landing
             self.offload.transport.forget_brought(self.device)
             self.offload.ledger.sub(_nbytes(self.device))
+        elif self.handed is not None:
+            self.offload.ledger.sub(_nbytes(self.handed))
 
 
 class ActivationOffload:
@@ -435,6 +442,7 @@ class ActivationOffload:
         self._lock = threading.Lock()  # unpack runs on autograd's threads
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
         self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
+        self._by_view: dict = {}  # what the last group sent, by view (`_sent_already`)
         # Device tensors being copied out, oldest first: (tensor, event, bytes).
         self._in_flight: deque = deque()
         self._in_flight_bytes = 0
@@ -460,6 +468,9 @@ class ActivationOffload:
                 and t.layout == torch.strided and t.is_contiguous() and _nbytes(t) >= self.min_bytes)
 
     def send(self, t) -> Sent:
+        again = self._sent_already(t)
+        if again is not None:
+            return again
         with unguarded():
             host, written = self.transport.send_to_host(t)
         sent = Sent(self, host, written)
@@ -469,6 +480,8 @@ class ActivationOffload:
             if not self._groups or self._groups[-1][0] is not block:
                 self._prune()
                 self._groups.append([block, [], 0])
+                self._by_view.clear()
+            self._by_view[_view_key(t)] = (weakref.ref(t.untyped_storage()), t._version, weakref.ref(sent))
             group = self._groups[-1]
             group[1].append(weakref.ref(sent))
             group[2] += nbytes
@@ -480,6 +493,22 @@ class ActivationOffload:
                 self.ledger.add(nbytes)
             self._settle()
         return sent
+
+    def _sent_already(self, t):
+        """The `Sent` of the same view of the same storage, unchanged, saved
+        before in this block's forward (a norm's output saved by q, k and v):
+        it is copied once and brought back once for all of its saves."""
+        with self._lock:
+            if not self._groups or self._groups[-1][0] is not self._forward_block:
+                return None
+            entry = self._by_view.get(_view_key(t))
+            # The storage object itself (not its address, which a new tensor may reuse) and its version.
+            sent = entry[2]() if entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version \
+                else None
+            if sent is not None:
+                sent.saves += 1
+                sent.left += 1
+            return sent
 
     def _settle(self) -> None:
         """Let go of device tensors whose copy out is done; past the cap, of the
@@ -499,14 +528,21 @@ class ActivationOffload:
 
     def bring(self, sent: Sent) -> torch.Tensor:
         with self._lock:
-            if sent.device is None:
-                self._start_bringing(sent)
-            else:
-                self.stats.activations_ahead_bytes += _nbytes(sent.host)
-            device, event = sent.device, sent.ready_event
-            sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
-            self.ledger.sub(_nbytes(device))
-        self.transport.compute_waits(event)  # the bytes must have landed
+            device = sent.handed
+            if device is None:
+                if sent.device is None:
+                    self._start_bringing(sent)
+                else:
+                    self.stats.activations_ahead_bytes += _nbytes(sent.host)
+                device, event = sent.device, sent.ready_event
+                sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
+                # The bytes must have landed (a later save's unpack gets it after this wait).
+                self.transport.compute_waits(event)
+            sent.left -= 1
+            sent.handed = device if sent.left > 0 else None  # kept for the saves still to ask
+            if sent.left <= 0:
+                sent.left = sent.saves  # (a retained graph's next backward asks again)
+                self.ledger.sub(_nbytes(device))
         return device
 
     def backward_reaches(self, block) -> None:
@@ -520,7 +556,7 @@ class ActivationOffload:
             for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]:
                 for ref in refs:
                     sent = ref()
-                    if sent is not None and sent.device is None:
+                    if sent is not None and sent.device is None and sent.handed is None:
                         self._start_bringing(sent)
             # Done with; so is the one before, if it is of ops before the first block.
             del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i: i + 1]
@@ -694,6 +730,10 @@ def _autocast(states, cache: bool):
         for kind, enabled, dtype in states:
             stack.enter_context(torch.amp.autocast(kind, enabled=enabled, dtype=dtype, cache_enabled=cache))
         yield
+
+
+def _view_key(t) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 def _nbytes(t) -> int:
