@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._saved import _nbytes
+
 
 @dataclass
 class SavedBytes:
@@ -120,7 +122,3 @@ def _as_call(inputs):
 
 def _key(t) -> int:
     return t.untyped_storage()._cdata
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()

@@ -120,9 +120,8 @@ class Ledger:
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.live += nbytes
-            if self.live > self.pass_peak:
-                self.pass_peak = self.live
-                self.peak = max(self.peak, self.live)
+            self.pass_peak = max(self.pass_peak, self.live)
+            self.peak = max(self.peak, self.live)
             self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
 
     def note_blocks(self, nbytes: int) -> None:

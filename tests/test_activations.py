@@ -481,3 +481,14 @@ def test_a_tensor_saved_twice_leaves_once_and_comes_back_once():
     assert p._activations.ledger.live == 0
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
+
+
+def test_the_ledgers_peak_after_a_reset_counts_a_rise_below_the_passs_peak():
+    ledger = pager._saved.Ledger(torch.device("cpu"))
+    ledger.add(100)
+    ledger.sub(100)
+    ledger.reset_peak()  # stats reset mid-pass: the pass's peak (100) stays for the reserve
+    ledger.add(50)
+    assert ledger.peak == 50
+    ledger.pass_ends()  # the pass's own peak (100) becomes the reserve
+    assert ledger.reserve() == 100
