@@ -152,12 +152,12 @@ def bench_on_demand(rows):
         model(x)
     pg = pager.of(model)
     weight = model.layers[0].up.weight
-    block = pg._param_block[id(weight)]  # the layer, or its `up` part when layers are split
+    block = pg.param_blocks[id(weight)]  # the layer, or its `up` part when layers are split
     times = []
     for _ in range(5):
-        with pg._lock:
+        with pg.lock:
             if block in pg.resident and block.pins == 0:
-                pg._evict(block)
+                pg.engine.evict(block)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         weight.sum().item()

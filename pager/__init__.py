@@ -5,7 +5,8 @@
 
 from ._api import of, unwrap, wrap
 from ._budget import parse_budget
-from ._pager import BudgetError, Pager
+from ._common import BudgetError
+from ._pager import Pager
 from ._plan import Plan, plan
 from ._optim import install_global_hook as _install_global_hook
 from ._stats import BlockStats, Stats

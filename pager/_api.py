@@ -12,6 +12,7 @@ from ._budget import format_bytes, parse_budget
 from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
 from ._common import _PAGERS
+from ._engine import Engine
 from ._pager import Pager
 
 log = logging.getLogger("pager")
@@ -41,7 +42,11 @@ def wrap(
         model: the model, on the CPU or already on the device.
         budget: device bytes for blocks (and activations, see `activations`):
             an int, "10GiB", "512MiB", "1.5GB", "60%" of the device's memory,
-            or "auto" (free memory less a margin).
+            or "auto" (free memory less a margin). Or the residency engine
+            of another wrapped model, `pager.of(other).engine`: the two
+            models then share one budget (either one's blocks may evict the
+            other's idle ones), the copy streams and one lock; each keeps its
+            own host pages, hooks and schedule.
         device: where to run; defaults to the current CUDA device, else "cpu"
             (a separate host copy stands for device memory: same paging, no GPU).
         blocks: None (discover: the elements of the layer stacks, NAS candidate
@@ -77,7 +82,8 @@ def wrap(
         ...     y = model(x.cuda())
         >>> print(pager.of(model).stats())
     """
-    device = _resolve_device(device)
+    engine = budget if isinstance(budget, Engine) else None
+    device = _shared_device(engine, device) if engine is not None else _resolve_device(device)
     _check_not_wrapped(model)
     _check_tensors(model, device)
     if not isinstance(prefetch, int) or prefetch < 0:
@@ -88,15 +94,21 @@ def wrap(
         raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
                          "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
                          "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
-    budget_bytes = parse_budget(budget, device)
+    budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
+    if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
+        raise ValueError(
+            f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
+            f"and largest block), but the shared {engine!r} has {format_bytes(engine.fixed_bytes())} of its "
+            f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
+        )
     _check_fits(budget, budget_bytes, sizing)
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
     if blocks is None:
         sizing, parts = _discover.split_large(model, sizing, budget_bytes)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations)
+                  activations=activations, engine=engine)
     pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
@@ -110,7 +122,11 @@ def wrap(
             "after the first forward); training pages gradients and optimizer state only if they do not fit "
             "beside it.", format_bytes(total), format_bytes(budget_bytes)
         )
-    pager.build(sizing.owned, sizing.uses, parts)
+    try:
+        pager.build(sizing.owned, sizing.uses, parts)
+    except BaseException:
+        pager.engine.leave(pager)  # a shared engine forgets the model it could not page
+        raise
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)
@@ -167,6 +183,17 @@ def _resolve_device(device) -> torch.device:
     if dev.type != "cpu":
         raise ValueError(f"pager: device={device!r} is not supported; use a CUDA device or \"cpu\".")
     return dev
+
+
+def _shared_device(engine: Engine, device) -> torch.device:
+    """The device of a shared engine; `device`, if given, must be it."""
+    if not engine.owners:
+        raise ValueError("pager: budget= got the engine of a model that was unwrapped; pass "
+                         "pager.of(model).engine of a model that is still wrapped, or a budget.")
+    if device is not None and _resolve_device(device) != engine.device:
+        raise ValueError(f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
+                         f"pass device={str(engine.device)!r} (or leave device out) to share it.")
+    return engine.device
 
 
 def _check_not_wrapped(model: nn.Module) -> None:

@@ -38,10 +38,19 @@ import torch
 from ._host import align
 
 
-class Residency(enum.Enum):
-    HOST = "host"          # only the host page holds the bytes
-    FETCHING = "fetching"  # a copy to the device is enqueued; compute has not waited on it yet
-    DEVICE = "device"      # the compute stream is ordered after the fetch
+class PageState(enum.Enum):
+    """Where a segment's bytes are (see [Note: the residency engine] in _engine.py)."""
+
+    HOST = "host"                  # only the host page holds them
+    FETCHING = "fetching"          # device memory allocated, the copy up enqueued; compute has not waited on it
+    RESIDENT = "resident"          # compute is ordered after the fetch
+    WRITING_BACK = "writing back"  # left the device; its write-back to the page may still be running
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage (whatever its class)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.untyped_storage()._cdata
 
 
 @dataclass
@@ -95,7 +104,7 @@ class Segment:
     host: torch.Tensor                 # uint8 page in a host arena
     flat: torch.Tensor                 # uint8 on the device; storage is 0 or nbytes
     tensors: list[torch.Tensor] = field(default_factory=list)  # the bound device views
-    resident: bool = False
+    state: PageState = PageState.HOST
     versions: list[int] = field(default_factory=list)
     force_dirty: bool = False
     writeback_event: object = None     # last write-back of this page, if any
@@ -119,6 +128,11 @@ class Segment:
     pending: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
     summary_event: object = None       # on the d2h stream: the summaries are computed
+
+    @property
+    def resident(self) -> bool:
+        """Device memory holds (or is receiving) its bytes."""
+        return self.state is PageState.FETCHING or self.state is PageState.RESIDENT
 
     def host_views(self) -> list[torch.Tensor]:
         return [s.view_of(self.host) for s in self.slots]
@@ -145,17 +159,18 @@ class Block:
         name: the module's qualified name ("" for the root), used in stats and errors.
         module: the module whose hooks bring this block in (None for the remainder).
         index: position in the pager's block list.
+        owner: the pager whose model it belongs to (see `Owner` in _engine.py).
     """
 
-    def __init__(self, name: str, module: torch.nn.Module | None, index: int):
+    def __init__(self, name: str, module: torch.nn.Module | None, index: int, owner=None):
         self.name = name or "<root>"
         self.module = module
         self.index = index
+        self.owner = owner
         self.segments: dict[str, Segment] = {}
-        self.residency = Residency.HOST
-        self.fetch_event = None
+        self.fetch_event = None       # the fetch compute has still to wait on (FETCHING)
         self.pins = 0
-        self.thread_pins: dict = {}   # thread id -> pins it holds (see Pager._unpin)
+        self.thread_pins: dict = {}   # thread id -> pins it holds (see Engine.unpin)
         self.unaccounted_use = None   # a use that left views pager could not look for (Pager._keeps_unknown_views)
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
         self.parent: Block | None = None  # the nearest block whose module holds this one's
@@ -181,6 +196,11 @@ class Block:
         self.merged_deps = False      # ...and are among its deps
 
     # -- sizes -------------------------------------------------------------
+    @property
+    def residency(self) -> PageState:
+        """Its weights' state (other segments follow them in and out)."""
+        return self.segments["weights"].state if "weights" in self.segments else PageState.HOST
+
     @property
     def weights(self) -> Segment:
         return self.segments["weights"]

@@ -56,15 +56,15 @@ class StateDictMixin:
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
-            with self._lock:
-                self._acquire(block, WEIGHTS, record=False)
+            with self.lock:
+                self.acquire(block, WEIGHTS, record=False)
 
         return load_pre
 
     def _make_load_post(self, block: Block):
         def load_post(module, incompatible_keys):
-            with self._lock:
-                self._release(block)
+            with self.lock:
+                self.release(block)
 
         return load_post
 
@@ -96,11 +96,11 @@ def close(pager) -> None:
     for block in pager.all_blocks():
         for seg in block.segments.values():
             _paged.release(seg)  # tensors get their own class back; views handed out are told
-    for opt_link in list(pager._optimizers):  # detach() removes the link from the list
+    for opt_link in list(pager.optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():
         w = block.weights
-        values = [_restore(v, pager._original_device[id(t)]) for v, t in zip(w.current_views(), w.tensors)]
+        values = [_restore(v, pager.original_device[id(t)]) for v, t in zip(w.current_views(), w.tensors)]
         grads = block.segments.get("grads")
         grad_values = []
         if grads is not None:
@@ -117,12 +117,5 @@ def close(pager) -> None:
             t.data = v
         for p, g in grad_values:
             p.grad = _restore(g, p.device)
-    for block in pager.all_blocks():  # everything above holds its own copy now
-        for seg in block.segments.values():
-            if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
-                pager.transport.free(seg.flat)
-            seg.resident = False
-    pager.arena.close()
-    pager.resident.clear()
-    pager.resident_bytes = 0
+    pager.engine.leave(pager)  # everything above holds its own copy now
     pager._closed = True

@@ -31,10 +31,10 @@ class GradOpsMixin:
 
     # ------------------------------------------------------------ serving
     @contextmanager
-    def _serving(self, wanted: dict, expose: bool = False):
+    def serving(self, wanted: dict, expose: bool = False):
         """Hold the blocks in `wanted` ({block: kinds}) on the device for one
         access (their tensors stay guarded unless `expose`)."""
-        with self._lock:
+        with self.lock:
             self._check_open()
             self._note_threads()
             deadline = time.monotonic() + SERVE_WAIT_SECONDS
@@ -52,10 +52,10 @@ class GradOpsMixin:
         try:
             yield
         finally:
-            with self._lock:
+            with self.lock:
                 self._thread_state.serving -= 1
                 for block in held:
-                    self._release(block)
+                    self.release(block)
 
     def _acquire_all(self, wanted: dict, expose) -> list:
         held = []
@@ -66,13 +66,13 @@ class GradOpsMixin:
                     self._merge_parts(block.parent, block)
                 kinds = tuple(k for k in KINDS_ORDER if k in kinds)
                 missing = block.missing_bytes(kinds)
-                self._acquire(block, kinds, record=False, expose=expose)
+                self.acquire(block, kinds, record=False, expose=expose)
                 held.append(block)
                 if missing:
                     self._count_on_demand(block, missing)
         except BaseException:
             for block in held:
-                self._release(block)
+                self.release(block)
             raise
         return held
 
@@ -85,14 +85,15 @@ class GradOpsMixin:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        self._room_waiters += 1
+        engine = self.engine
+        engine.room_waiters += 1
         try:
-            self._room.wait(left)
+            engine.room.wait(left)
         finally:
-            self._room_waiters -= 1
+            engine.room_waiters -= 1
         return True
 
-    def _served(self, wanted: dict, result, writes: bool = False) -> None:
+    def served(self, wanted: dict, result, writes: bool = False) -> None:
         """After an access: mark what it wrote dirty (some in-place ops, such as
         GradScaler's unscale, do not move version counters), remember views it
         handed out; if it built a graph, bring its blocks back before that
@@ -123,21 +124,21 @@ class GradOpsMixin:
         # Taken up at the parent's next acquisition: it is pinned now, and its
         # release must let go of exactly what its acquisition took.
         parent.parts_merged = True
-        self._warn_once(
+        self.warn_once(
             f"merge:{parent.name}", "pager: the forward of block %r reads the tensors of %r without calling it; "
             "its parts are fetched together with it from now on (as one block).", parent.name, part.name)
 
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
-        self._stats.on_demand += 1
-        self._warn_once(
+        self.counters.on_demand += 1
+        self.warn_once(
             f"on_demand:{block.name}", "pager: a tensor of block %r was used while the block was paged out, "
             "so it was fetched on demand (%s; compute waits for the copy). This is how reads between steps "
             "(logging, EMA, a debugger) are served; in a hot loop, touch blocks' tensors inside their "
             "forward, or raise the budget so they stay resident.", block.name, format_bytes(nbytes))
 
     # ------------------------------------------- gradients between steps
-    def _grad_op(self, func, args, kwargs, wanted):
+    def grad_op(self, func, args, kwargs, wanted):
         """Answer a zeroing, scaling, norm or GradScaler unscale of paged-out
         gradients without fetching them; NotImplemented when it cannot."""
         op, reads, writes = _GRAD_OPS.get(func, (None, False, False))
@@ -153,7 +154,7 @@ class GradOpsMixin:
         if set(others) - {self} or any(
                 block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(self, {}).items()):
             return NotImplemented  # they would not all fit at once: served one block at a time
-        with self._lock:
+        with self.lock:
             if any(g.segment.params[g.index].grad is not g for g in grads):
                 # Stale, or back on the device since (its recorded operations
                 # were applied): the operation runs on the gradient itself.
@@ -164,7 +165,7 @@ class GradOpsMixin:
                 # scaling are recorded to apply after the update.
                 return NotImplemented
             wanted = others.get(self, {})
-            with self._serving(wanted), _paged.unguarded():
+            with self.serving(wanted), _paged.unguarded():
                 answer = op(self, *args, **kwargs)
                 if answer is not NotImplemented and writes:
                     self._mark_written(wanted)

@@ -52,7 +52,7 @@ class HooksMixin:
     # forward, so a model that fits its budget runs at the speed of the bare
     # model (a module with hooks takes PyTorch's slow call path; a host-bound
     # forward pays for it). Nothing may leave while such a forward runs
-    # (`_evictions_blocked`); the next forward that needs the hooks (grad
+    # (`evictions_blocked`); the next forward that needs the hooks (grad
     # enabled, a block to fetch) installs them again before it starts. If grad
     # was enabled inside and the output carries a graph, the blocks stay put
     # until the next forward, since their backward hooks were not there.
@@ -65,20 +65,20 @@ class HooksMixin:
         )
 
     def _sleep(self) -> None:
-        if not self._asleep:
+        if not self.asleep:
             for block in self.blocks:
                 for h in block.hook_handles:
                     h.remove()
                 block.hook_handles = []
                 if not self._shared:
-                    self._expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
-            self._asleep = True
+                    self.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
+            self.asleep = True
 
     def _wake(self) -> None:
-        if self._asleep:
-            self._asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
+        if self.asleep:
+            self.asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
             me = threading.get_ident()
-            while any(t != me for t in self._asleep_readers):  # ...and other threads' that began asleep finish
+            while any(t != me for t in self.asleep_readers):  # ...and other threads' that began asleep finish
                 time.sleep(1e-5)
             for block in self.blocks:
                 self._track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
@@ -89,9 +89,6 @@ class HooksMixin:
                 # (CUDA's foreach zero) move no version counter: if the block
                 # ever leaves, it is written back.
                 block.mark_dirty()
-
-    def _evictions_blocked(self) -> bool:
-        return self._sleeping_forwards > 0 or self._held_for_graph
 
     def _forward_marks(self) -> list:
         # Per thread: whether each root forward in flight started asleep.
@@ -130,8 +127,8 @@ class HooksMixin:
             if block.pins > 0:  # called from within its block
                 held.append(False)
                 return
-            with self._lock:
-                self._acquire(block, WEIGHTS, record=False)
+            with self.lock:
+                self.acquire(block, WEIGHTS, record=False)
             held.append(True)
 
         return inner_pre
@@ -139,8 +136,8 @@ class HooksMixin:
     def _make_inner_post(self, block: Block, held: list):
         def inner_post(module, args, output):
             if held and held.pop():
-                with self._lock:
-                    self._release(block)
+                with self.lock:
+                    self.release(block)
                     if torch.is_grad_enabled():
                         self._register_pre_backward(block, output)
 
@@ -225,13 +222,13 @@ class HooksMixin:
             self._start_step()
             self._held_for_graph = False
             self._sleep() if self._can_sleep() else self._wake()
-        elif self._asleep and torch.is_grad_enabled():
+        elif self.asleep and torch.is_grad_enabled():
             self._wake()  # another thread's forward builds a graph: its blocks need their hooks
-        self._forward_marks().append(self._asleep)
-        if self._asleep:
+        self._forward_marks().append(self.asleep)
+        if self.asleep:
             self._sleeping_forwards += 1
-            self._stats.resident_forwards += 1
-            self._stats.resident_uses += len(self.scheduler.plan)
+            self.counters.resident_forwards += 1
+            self.counters.resident_uses += len(self.scheduler.plan)
         self._root_depth += 1
 
     @_locked
@@ -258,12 +255,12 @@ class HooksMixin:
         self.tracer.new_step()
         changed = self.scheduler.start_step()
         if changed:
-            self._stats.order_changes += 1
+            self.counters.order_changes += 1
         # A change that costs fetches on demand two steps running is a pattern
         # (one alone is often the first step, before optimizer state exists).
         unsaid = changed and self._step_misses > 0 and not self._expect_used
         if unsaid and self._unsaid_change:
-            self._warn_once(
+            self.warn_once(
                 "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
                 "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
                 "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
@@ -274,7 +271,7 @@ class HooksMixin:
         # blocks' sizes: chosen again only when one of them changed (the room
         # in steps of 1/64 of the budget: activations vary a little by pass).
         if self._least_room_of != self.total_bytes:  # a segment appeared (grads, optimizer state)
-            self._least_room, self._least_room_of = self.least_room_bytes(), self.total_bytes
+            self.least_room, self._least_room_of = self.least_room_bytes(), self.total_bytes
         room = self.room_bytes()
         key = (len(self.scheduler.plan), self.budget_bytes, room * 64 // max(self.budget_bytes, 1), self.total_bytes)
         if changed or key != self._kept_key:
@@ -285,30 +282,30 @@ class HooksMixin:
             self.scheduler.choose_kept(room, lambda b: b.nbytes(), fixed)
             self._kept_key = key
             self._warn_if_activations_crowd(room)
-        self._stats.steps += 1
+        self.counters.steps += 1
 
     def _warn_if_activations_crowd(self, room: int) -> None:
-        if self._activations is None or self.budget_bytes - self._activations.ledger.reserve() >= self._least_room:
+        if self._activations is None or self.budget_bytes - self._activations.ledger.reserve() >= self.least_room:
             return
-        self._warn_once(
+        self.warn_once(
             "activations_crowd", "pager: activations held %s on the device in the last training pass, which leaves "
             "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
             "step exceeds the budget. Raise the budget, use activations=\"recompute\" (it holds least), or "
             "a smaller batch.", format_bytes(self._activations.ledger.reserve()), format_bytes(self.budget_bytes),
-            format_bytes(self._least_room))
+            format_bytes(self.least_room))
 
-    def _warn_once(self, key: str, msg: str, *args) -> None:
+    def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
 
     def _advise(self) -> None:
         """Warnings that need a few steps of history (each at most once)."""
-        steps = self._stats.steps
+        steps = self.counters.steps
         if steps == NEVER_RAN_STEPS + 1:
             idle = [b for b in self.blocks if b.uses == 0]
             if idle:
-                self._warn_once(
+                self.warn_once(
                     "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
                     "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
                     len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
@@ -319,9 +316,9 @@ class HooksMixin:
             if self.transport.is_cuda:
                 self._resolve_events(wait=False)
             start, stall_at_start = self._window
-            now, stall = time.perf_counter(), self._stats.stall_seconds
+            now, stall = time.perf_counter(), self.counters.stall_seconds
             if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
-                self._warn_once(
+                self.warn_once(
                     "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
                     "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
                     "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
@@ -339,16 +336,16 @@ class HooksMixin:
                 _saved.begin_saving(self._shared and grad,
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
-            with self._lock:
+            with self.lock:
                 if self._can_use_resident(block) and not again:
                     self._use_resident(block)
                 else:
                     try:
-                        self._acquire(block, WEIGHTS, record=not again)
+                        self.acquire(block, WEIGHTS, record=not again)
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
-                    self._prefetch()
+                    self.prefetch()
             if block.trainable and grad:
                 return self._register_post_backward(block, args, kwargs)
             return None
@@ -359,13 +356,13 @@ class HooksMixin:
         def post_forward(module, args, output):
             again = _saved.recomputing()
             hooks = None if again else _saved.end_saving()
-            with self._lock:
+            with self.lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
                 if not again:
                     self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
-                self._release(block)
+                self.release(block)
             if torch.is_grad_enabled() and not again:
                 self._register_pre_backward(block, output)
             return None
@@ -392,28 +389,28 @@ class HooksMixin:
         if not self._final_callback_queued:
             self._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._acquire(block, BACKWARD)
+        self.acquire(block, BACKWARD)
         self._backward_holds[block] = self._backward_holds.get(block, 0) + 1
         if self._activations is not None:
             self._activations.backward_reaches(block)
-        self._prefetch()
+        self.prefetch()
 
     def _register_post_backward(self, block: Block, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        outs = _PostBackward.apply(self, block, *[flat[i] for i in idx])
+        outs = _paged.PostBackward.apply(self, block, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
 
     @_locked
-    def _post_backward(self, block: Block) -> None:
+    def post_backward(self, block: Block) -> None:
         if self._backward_holds.get(block, 0) > 0:
             self._backward_holds[block] -= 1
             self._track_kept_views(block, (), ("backward",))
-            self._release(block)
+            self.release(block)
 
     @_locked
     def _end_of_backward(self, finished: bool = True) -> None:
@@ -424,20 +421,20 @@ class HooksMixin:
         for block, holds in list(self._backward_holds.items()):
             self._track_kept_views(block, (), ("backward",))
             for _ in range(holds):
-                self._release(block)
+                self.release(block)
         self._backward_holds.clear()
 
     @_locked
     def _on_grad(self, param: torch.Tensor) -> None:
-        block, i = self._owner.get(id(param), (None, None))
+        block, i = self.grad_slots.get(id(param), (None, None))
         if block is None:
-            block = self._param_block[id(param)]
+            block = self.param_blocks[id(param)]
             self._ensure_grads_segment(block)
-            block, i = self._owner[id(param)]
+            block, i = self.grad_slots[id(param)]
         seg = block.segments["grads"]
         acquired = not seg.resident  # a gradient for a block not acquired for backward
         if acquired:
-            self._acquire(block, ("grads",), record=False)
+            self.acquire(block, ("grads",), record=False)
         try:
             view = seg.tensors[i]
             if param.grad is not view:
@@ -446,18 +443,4 @@ class HooksMixin:
                 param.grad = view
         finally:
             if acquired:
-                self._release(block)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a block's inputs whose backward runs once the block's is done."""
-
-    @staticmethod
-    def forward(ctx, pager, block, *tensors):
-        ctx.pager, ctx.block = pager, block
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.pager._post_backward(ctx.block)
-        return (None, None, *grads)
+                self.release(block)

@@ -48,7 +48,6 @@ from . import _paged
 from ._block import Block
 from ._common import STEP
 from ._grads import PagedOutGrad, replay
-from ._pager import Pager
 
 
 @dataclass
@@ -65,7 +64,7 @@ class Deferred:
 class OptimizerLink:
     """The pager's hold on one attached optimizer."""
 
-    def __init__(self, pager: Pager, optimizer: torch.optim.Optimizer):
+    def __init__(self, pager, optimizer: torch.optim.Optimizer):
         self.pager = pager
         self.optimizer = optimizer
         self._saved_params: list | None = None
@@ -95,8 +94,8 @@ class OptimizerLink:
             for (p, key), value in zip(seg.keys, seg.current_views()):
                 st = self.optimizer.state.get(p)
                 if st is not None and key in st:
-                    st[key] = value.detach().to(pager._original_device[id(p)], copy=True)
-        pager._optimizers.remove(self)
+                    st[key] = value.detach().to(pager.original_device[id(p)], copy=True)
+        pager.optimizers.remove(self)
 
     # --------------------------------------------------------------- step
     def _pre_step(self, optimizer, args, kwargs):
@@ -106,7 +105,7 @@ class OptimizerLink:
                 "pager: optimizer.step(closure) is not supported on a paged model (the closure would "
                 "re-run forward inside the streamed step); call step() without a closure."
             )
-        with self.pager._lock:
+        with self.pager.lock:
             try:
                 self._stream_step(optimizer)
             except BaseException:
@@ -124,7 +123,7 @@ class OptimizerLink:
         shares = {id(b): [[] for _ in groups] for b in blocks}
         for gi, params in enumerate(self._saved_params):
             for p in params:
-                owner = pager._param_block.get(id(p))
+                owner = pager.param_blocks.get(id(p))
                 if owner is not None and id(owner) in shares:
                     shares[id(owner)][gi].append(p)
         now, options = [], None
@@ -138,12 +137,12 @@ class OptimizerLink:
         pager.scheduler.expect([(b, STEP) for b in now])
         try:
             for block in now:
-                pager._acquire(block, STEP)
+                pager.acquire(block, STEP)
                 if "state" not in block.segments:
                     # The optimizer is about to create this block's state on the
                     # device (outside the pages): make room for it first.
-                    pager._make_room(self._state_estimate(block), protect={block})
-                pager._prefetch()
+                    pager.engine.make_room(self._state_estimate(block), protect={block})
+                pager.prefetch()
                 try:
                     for g, share in zip(groups, shares[id(block)]):
                         g["params"] = share
@@ -151,9 +150,9 @@ class OptimizerLink:
                     self._adopt_state(block)
                     block.mark_dirty(("weights", "state"))
                 finally:
-                    pager._release(block)
+                    pager.release(block)
         finally:
-            managed = pager._param_block
+            managed = pager.param_blocks
             for g, params in zip(groups, self._saved_params):
                 g["params"] = [p for p in params if id(p) not in managed]
 
@@ -184,7 +183,7 @@ class OptimizerLink:
         grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
         block.deferred_steps.append(Deferred(self, shares, options, grads, {i: list(ops) for i, ops in seg.pending.items()}))
         seg.pending.clear()  # what is recorded from now on applies after the update
-        self.pager._stats.deferred_steps += 1
+        self.pager.counters.deferred_steps += 1
 
     def apply(self, block: Block, d: Deferred) -> None:
         """Run deferred update `d` of `block` (resident, compute ordered after
@@ -209,7 +208,7 @@ class OptimizerLink:
                 for i, ops in d.scales.items():
                     replay(seg.tensors[i], ops)
                 for p in params:
-                    i = pager._owner.get(id(p), (None, None))[1]
+                    i = pager.grad_slots.get(id(p), (None, None))[1]
                     p.grad = seg.tensors[i] if i in d.grads else None
                 self._step_shadow(d)
         finally:
@@ -281,15 +280,15 @@ class OptimizerLink:
         if not named:
             return
         pager = self.pager
-        seg = pager._new_segment(block, "state", named)
+        seg = pager.new_segment(block, "state", named)
         seg.keys = keys
-        if not pager._make_room(seg.nbytes, protect={block}):
-            pager._raise_no_room(block, seg.nbytes)
+        if not pager.engine.make_room(seg.nbytes, protect={block}):
+            pager.engine.raise_no_room(block, seg.nbytes)
         # Allocated like any fetch (its page holds nothing yet, so nothing is
         # copied), and compute waits before filling it from the optimizer's state.
-        pager._fetch(block, ("state",))
-        pager._wait_for(block)
-        pager._expose(block)  # the block is in use: its new state tensors too
+        pager.engine.fetch(block, ("state",))
+        pager.engine.wait(block)
+        pager.expose(block)  # the block is in use: its new state tensors too
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):
                 view.copy_(opt_state[p][key])
@@ -360,9 +359,9 @@ def _auto_attach(optimizer, args, kwargs) -> None:
     from ._common import _PAGERS
 
     for pager in list(_PAGERS.values()):
-        if any(link.optimizer is optimizer for link in pager._optimizers):
+        if any(link.optimizer is optimizer for link in pager.optimizers):
             continue
-        managed = pager._param_block
+        managed = pager.param_blocks
         if any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
             attach(pager, optimizer)
 
@@ -378,16 +377,17 @@ def install_global_hook() -> None:
         _global_hook = register_optimizer_step_pre_hook(_auto_attach)
 
 
-def attach(pager: Pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
-    for link in pager._optimizers:
+def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
+    """Link `optimizer` to `pager` (a `Pager`); see `Pager.attach`."""
+    for link in pager.optimizers:
         if link.optimizer is optimizer:
             return link  # idempotent
-    managed = pager._param_block
+    managed = pager.param_blocks
     if not any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
         raise ValueError(
             "pager: attach() got an optimizer that holds none of this model's parameters; build it "
             "from model.parameters()."
         )
     link = OptimizerLink(pager, optimizer)
-    pager._optimizers.append(link)
+    pager.optimizers.append(link)
     return link

@@ -38,7 +38,7 @@ see [Note: views kept from a use] below.
 Gradients that left with their block are `PagedOutGrad`s (`_grads.py`); their
 accesses are served the same way, except the ones a training loop makes
 between backward and step (zeroing, scaling, norms, GradScaler's unscale),
-which `Pager._grad_op` answers without moving bytes.
+which `Pager.grad_op` answers without moving bytes.
 """
 
 from __future__ import annotations
@@ -52,52 +52,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-# Storage (StorageImpl address) -> (pager, block, segment), for every segment
-# of every wrapped model: how a served access finds what a tensor belongs to.
-_SEGMENTS: dict = {}
-# id(tensor) -> the same, for each segment's own tensors (found even while a
-# `.data =` in a use has them on other memory, and faster).
-_TENSORS: dict = {}
-
-
-def unguarded():
-    """For pager's own work on its tensors (the lock held, the block going
-    nowhere): operations run on them as they are, never served."""
-    return torch._C.DisableTorchFunctionSubclass()
-
-
-def storage_key(t: torch.Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.untyped_storage()._cdata
-
-
-def register(pager, block, seg) -> None:
-    with torch._C.DisableTorchFunctionSubclass():
-        seg.storage = seg.flat.untyped_storage()  # held, so the count of references to it is stable
-    seg.storage_key = seg.storage._cdata
-    seg.base_refs = torch._C._storage_Use_Count(seg.storage_key)  # the flat tensor, its tensors, `storage`
-    _SEGMENTS[seg.storage_key] = (pager, block, seg)
-    for t in seg.tensors:
-        _TENSORS[id(t)] = (pager, block, seg)
-
-
-def unregister(seg) -> None:
-    _SEGMENTS.pop(seg.storage_key, None)
-    for t in seg.tensors:
-        if _TENSORS.get(id(t), (None, None, None))[2] is seg:
-            del _TENSORS[id(t)]
-
-
-def entry_of(t):
-    """(pager, block, segment) that `t` belongs to (its own tensor or a view), or None."""
-    entry = _TENSORS.get(id(t))
-    if entry is None:
-        try:
-            entry = _SEGMENTS.get(storage_key(t))
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None  # a tensor with no storage of its own (another subclass)
-    return entry
-
+from ._block import storage_key
+from ._registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
+from ._saved import saving
 
 # ------------------------------------------------------------- the classes
 def _names(kind, names):
@@ -221,7 +178,7 @@ def guard_class(cls):
 # pickling run with the own class (they build the copy from `type(self)`).
 
 def _data_get(self):
-    entry = _TENSORS.get(id(self))
+    entry = TENSORS.get(id(self))
     if entry is not None:
         entry[2].force_dirty = True
     return _DATA_GETTER(self)
@@ -341,7 +298,7 @@ def handle(func, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             if entry is None:
                 return func(*args, **kwargs)
-            with entry[0]._lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
+            with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
                 return func(*args, **kwargs)
     tensors = _tensors_of(args, kwargs)
     sleepers = _unserved(tensors)
@@ -379,7 +336,7 @@ def handle(func, args, kwargs):
     owners = owners_of(tensors)
     if len(owners) == 1:
         pager, wanted = next(iter(owners.items()))
-        answer = pager._grad_op(func, args, kwargs, wanted)
+        answer = pager.grad_op(func, args, kwargs, wanted)
         if answer is not NotImplemented:
             return answer
     if _is_foreach(func, args) and sum(map(len, owners.values())) > 1:
@@ -418,7 +375,7 @@ def _unserved(tensors):
             return None
         pager, block, seg = entry
         guarded = True
-        if pager._asleep:
+        if pager.asleep:
             if pager not in sleepers:
                 sleepers.append(pager)
             continue
@@ -436,25 +393,23 @@ _WOKE = object()
 
 def _run_unserved(func, args, kwargs, sleepers):
     """Run an operation unserved. On a sleeping pager it counts as a reader
-    first, then checks the pager still sleeps: `_wake` clears `_asleep` first,
+    first, then checks the pager still sleeps: `_wake` clears `asleep` first,
     then waits for the readers, so no access that began asleep is running when
     something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
     me = threading.get_ident()
     for pager in sleepers:
-        pager._asleep_readers.append(me)
+        pager.asleep_readers.append(me)
     try:
-        if not all(pager._asleep for pager in sleepers):
+        if not all(pager.asleep for pager in sleepers):
             return _WOKE
         if sleepers and torch.is_grad_enabled():  # a graph built outside a forward: count what it saves
-            from ._saved import saving
-
             with unguarded(), saving(count=True):
                 return func(*args, **kwargs)
         with unguarded():
             return func(*args, **kwargs)
     finally:
         for pager in sleepers:
-            pager._asleep_readers.remove(me)
+            pager.asleep_readers.remove(me)
 
 
 def _tensors_of(args, kwargs) -> list:
@@ -514,7 +469,7 @@ def _paged_out_view(func, args, kwargs):
     for r in tree_leaves(result):
         if isinstance(r, torch.Tensor):
             entry = entry_of(r)
-            if entry is not None and id(r) not in _TENSORS:
+            if entry is not None and id(r) not in TENSORS:
                 remember_alias(entry[2], r)
     return result
 
@@ -533,10 +488,10 @@ def serve(fn, tensors, expose: bool = False):
 def _serve_owners(owners, fn, func=None, expose: bool = False):
     with ExitStack() as stack:
         for pager, wanted in owners.items():
-            stack.enter_context(pager._serving(wanted, expose))
+            stack.enter_context(pager.serving(wanted, expose))
         result = fn()
         for pager, wanted in owners.items():
-            pager._served(wanted, result, writes=func is not None and writes_in_place(func))
+            pager.served(wanted, result, writes=func is not None and writes_in_place(func))
         return result
 
 
@@ -552,11 +507,9 @@ _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrue
 
 def owners_of(tensors) -> dict:
     """{pager: {block: set of segment kinds}} for the tensors that belong to a block."""
-    from ._grads import PagedOutGrad
-
     owners: dict = {}
     for t in tensors:
-        if isinstance(t, PagedOutGrad):
+        if type(t) in STAND_INS:
             pager, block, kind = t.pager, t.block, "grads"
         else:
             entry = entry_of(t)
@@ -570,9 +523,7 @@ def owners_of(tensors) -> dict:
 
 def _real(tree):
     """Replace every PagedOutGrad by the gradient it stands for (its block acquired)."""
-    from ._grads import PagedOutGrad
-
-    return tree_map(lambda t: t.current() if isinstance(t, PagedOutGrad) else t, tree)
+    return tree_map(lambda t: t.current() if type(t) in STAND_INS else t, tree)
 
 
 # Reads that build no graph (and whose output would show the identity node).
@@ -583,7 +534,7 @@ _NO_GRAPH = {"__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__
 
 def _call(func, args, kwargs):
     """Run `func` on the acquired blocks' tensors. If it builds a graph, its
-    inputs from blocks pass through `_PostBackward` (an identity whose backward
+    inputs from blocks pass through `PostBackward` (an identity whose backward
     releases the block), so the backward of this operation holds the block
     only while it runs, as a block's own forward does."""
     with unguarded():  # the tensors stay guarded for other threads; this thread's access is pinned
@@ -594,8 +545,6 @@ def _call_pinned(func, args, kwargs):
     args, kwargs = _real(args), _real(kwargs)
     if not torch.is_grad_enabled() or writes_in_place(func) or getattr(func, "__name__", "") in _NO_GRAPH:
         return func(*args, **kwargs)
-    from ._hooks import _PostBackward
-
     by_block: dict = {}
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -604,12 +553,10 @@ def _call_pinned(func, args, kwargs):
                 by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
     swap, back = {}, {}
     for (pager, block), tensors in by_block.items():
-        outs = _PostBackward.apply(pager, block, *tensors.values())
+        outs = PostBackward.apply(pager, block, *tensors.values())
         swap.update(zip(tensors.keys(), outs))
         back.update((id(o), t) for o, t in zip(outs, tensors.values()))
     args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    from ._saved import saving
-
     with saving(count=True):  # what the graph saves is autograd's, not a kept view
         result = func(*args, **kwargs)
     # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
@@ -620,7 +567,7 @@ def aliases_in(result, wanted) -> list:
     """(segment, tensor) for results that alias the storage of a block in `wanted`."""
     out = []
     for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in _TENSORS:
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in TENSORS:
             continue  # (a segment's own tensor is no alias)
         entry = entry_of(r)
         if entry is not None and entry[1] in wanted:
@@ -729,7 +676,7 @@ def _adopt(segs, tensors) -> int:
             seg = by_key.get(storage_key(t))
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # a tensor with no storage of its own
-        if seg is not None and t is not seg.flat and id(t) not in _TENSORS:  # (not one of its own)
+        if seg is not None and t is not seg.flat and id(t) not in TENSORS:  # (not one of its own)
             found += remember_alias(seg, t)
     return found
 
@@ -764,3 +711,18 @@ def _python_tensors():
             flag = is_tensor[kind] = issubclass(kind, torch._C.TensorBase)
         if flag:
             yield obj
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward runs once the block's is
+    done: it lets the block go (`Pager.post_backward`)."""
+
+    @staticmethod
+    def forward(ctx, pager, block, *tensors):
+        ctx.pager, ctx.block = pager, block
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.pager.post_backward(ctx.block)
+        return (None, None, *grads)

@@ -11,20 +11,19 @@ from itertools import chain, islice
 
 import torch
 
-from ._block import Block, Residency, Segment, layout
+from ._block import Block, Segment, layout
 from ._budget import format_bytes
 from ._checkpoint import StateDictMixin
-from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, BudgetError, _locked, _record_range
+from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
 from . import _paged, _saved
 from ._grad_ops import GradOpsMixin
 from ._grads import PagedOutGrad, replay
 from ._hooks import HooksMixin
-from ._host import HostArena
+from ._engine import Engine
 from ._saved import KEEP, Activations
 from ._schedule import Scheduler
 from ._stats import BlockStats, Stats, zero_counters
 from ._trace import Tracer
-from ._transport import CpuTransport, CudaTransport
 
 log = logging.getLogger("pager")
 
@@ -36,48 +35,44 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     """
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
-                 activations="keep"):
+                 activations="keep", engine: Engine | None = None):
         self.model = model
         self.device = device
-        self.budget_bytes = budget_bytes
         self.prefetch_depth = prefetch_depth
         self.defer_step = defer_step  # see [Note: deferred updates] in _optim.py
-        self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
-        self.arena = HostArena(pin=pin and device.type == "cuda")
+        # The budget, what is resident, the copy streams and the host tier
+        # (shared with other models when `engine` is given).
+        self.engine = engine if engine is not None else Engine(device, budget_bytes, pin=pin)
+        self.transport = self.engine.transport
         self.scheduler = Scheduler()
         self.blocks: list[Block] = []
         self.remainder: Block | None = None
-        self.resident: dict[Block, None] = {}  # ordered set of blocks with device bytes
-        self.resident_bytes = 0
+        self.resident_bytes = 0  # this model's share of the engine's (kept by the engine)
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
-        self._stats = Stats(budget_bytes=budget_bytes)
+        self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see _saved.py).
-        self._activations = Activations(activations, self.transport, self._stats) if activations != KEEP else None
+        self._activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
         if self._activations is not None:
             self._activations.ledger.note_blocks(0)
         self._hooks: list = []
         self._tick = 0
         self._root_depth = 0
-        self._pending_stalls: list = []   # (block, compute arrived, fetch landed)
-        self._pending_copies: list = []   # (block, direction, start, end, nbytes)
         self.tracer = Tracer(cuda=device.type == "cuda")
         self._backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
-        self._owner: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
-        self._param_block: dict[int, Block] = {}
-        self._original_device: dict[int, torch.device] = {}
-        self._optimizers: list = []
-        self._lock = threading.RLock()  # see _locked
-        self._room = threading.Condition(self._lock)  # notified when a block is released (served accesses wait)
-        self._room_waiters = 0
+        self.grad_slots: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
+        self.param_blocks: dict[int, Block] = {}
+        self.original_device: dict[int, torch.device] = {}
+        self.optimizers: list = []
+        self.lock = self.engine.lock  # see _locked: one for every model sharing the engine
         self._warned: set[str] = set()
         self._step_misses = 0
         self._unsaid_change = False  # the last step's order changed, unannounced, with misses
         self._kept_key = None  # what the kept set was chosen for (_start_step)
-        self._asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
+        self.asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
         self._backward_passes = 0  # ended backward passes (_end_of_backward)
         self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
-        self._asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
+        self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self._sleeping_forwards = 0
         self._held_for_graph = False
         self._thread_state = threading.local()
@@ -89,20 +84,21 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
-        self._least_room, self._least_room_of = 0, None  # least_room_bytes(), and the total_bytes it was for
+        self.least_room, self._least_room_of = 0, None  # least_room_bytes(), and the total_bytes it was for
+        self.engine.join(self)
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses, parts=frozenset()) -> None:
         order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
-        self.arena.reserve([layout([(n, t) for n, t, _p in named])[1] for named in order if named])
+        self.engine.host.reserve(self, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
         for i, (name, module) in enumerate(self._named_blocks):
-            self.blocks.append(Block(name, module, i))
+            self.blocks.append(Block(name, module, i, owner=self))
             self.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in _discover.py
         for i, block in enumerate(self.blocks):
             self._build_weights(block, owned.get(i, []))
         self._link_parents()
         if owned.get(None):
-            self.remainder = Block("<remainder>", None, len(self.blocks))
+            self.remainder = Block("<remainder>", None, len(self.blocks), owner=self)
             self._build_weights(self.remainder, owned[None])
         for i, deps in uses.items():
             user = self.blocks[i] if i is not None else self.remainder
@@ -115,7 +111,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         for block in self.all_blocks():
             if block.resident_for_life or block is self.remainder:
                 block.resident_for_life = True
-                self._acquire(block, WEIGHTS, record=False)
+                self.acquire(block, WEIGHTS, record=False)
         self._install_hooks()
 
     def _link_parents(self) -> None:
@@ -134,46 +130,43 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         """Every page of every block is on the device: nothing to fetch or evict."""
         return self.resident_bytes == self.total_bytes
 
+    @property
+    def budget_bytes(self) -> int:
+        """Device bytes for blocks (and paged activations): the engine's budget."""
+        return self.engine.budget_bytes
+
+    @property
+    def arena(self):
+        """This model's pinned host pages (its share of the engine's host tier)."""
+        return self.engine.host.arena_of(self)
+
+    @property
+    def resident(self) -> dict:
+        """This model's blocks with device bytes, oldest first (an ordered set)."""
+        return {b: None for b in self.engine.resident if b.owner is self}
+
     def all_blocks(self):
         return self.blocks + ([self.remainder] if self.remainder is not None else [])
 
     def _build_weights(self, block: Block, named: list) -> None:
-        tensors = [t for _n, t, _p in named]
-        slots, nbytes = layout([(n, t) for n, t, _p in named])
-        host = self.arena.allocate(nbytes)
-        for slot, t in zip(slots, tensors):
-            slot.view_of(host).copy_(t.detach())
-            self._original_device[id(t)] = t.device
-        flat = self.transport.new_flat(nbytes)
-        seg = Segment("weights", slots, nbytes, host, flat)
-        self.total_bytes += nbytes
-        self.transport.allocate(flat, nbytes)
-        for slot, t in zip(slots, tensors):
-            t.data = slot.view_of(flat)
-        seg.tensors = tensors
-        self.transport.free(flat)
+        for _n, t, _p in named:
+            self.original_device[id(t)] = t.device
+        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=True)
         _paged.register(self, block, seg)
         _paged.guard(seg)
-        block.segments["weights"] = seg
         block.params = [t for _n, t, is_param in named if is_param]
         block.param_names = [n for n, _t, is_param in named if is_param]
         block.trainable = any(p.requires_grad for p in block.params)
-        block.stats = BlockStats(block.name, nbytes)
+        block.stats = BlockStats(block.name, seg.nbytes)
         for p in block.params:
-            self._param_block[id(p)] = block
+            self.param_blocks[id(p)] = block
 
-    def _new_segment(self, block: Block, kind: str, named: list) -> Segment:
-        slots, nbytes = layout(named)
-        host = self.arena.allocate(nbytes)
-        flat = self.transport.new_flat(nbytes)
-        seg = Segment(kind, slots, nbytes, host, flat, host_valid=False)
-        self.total_bytes += nbytes
-        self.transport.allocate(flat, nbytes)
-        seg.tensors = [s.view_of(flat) for s in slots]
-        self.transport.free(flat)
+    def new_segment(self, block: Block, kind: str, named: list) -> Segment:
+        """A new segment `kind` of `block` for tensors shaped like `named`
+        (gradients, optimizer state): its page holds nothing yet."""
+        seg = self.engine.add_segment(block, kind, named, values=False)
         _paged.register(self, block, seg)
         _paged.guard(seg)
-        block.segments[kind] = seg
         block.stats.nbytes = block.nbytes()
         return seg
 
@@ -183,14 +176,14 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
         if not trainable:
             return
-        seg = self._new_segment(block, "grads", trainable)
+        seg = self.new_segment(block, "grads", trainable)
         seg.params = [p for _n, p in trainable]
         seg.names = [n for n, _p in trainable]
         for i, p in enumerate(seg.params):
-            self._owner[id(p)] = (block, i)
+            self.grad_slots[id(p)] = (block, i)
 
     # ------------------------------------------------------------ residency
-    def _acquire(self, block: Block, kinds, record: bool = True, expose=True) -> None:
+    def acquire(self, block: Block, kinds, record: bool = True, expose=True) -> None:
         """Make `kinds` of `block` (and its deps) usable by compute; pin them.
         With `expose`, its tensors are open to this thread while it stays
         pinned (a use; `EVERYONE`: they get their own class whatever the
@@ -203,12 +196,12 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         done = []
         try:
             for dep in block.deps:
-                self._acquire(dep, kinds, record, expose)
+                self.acquire(dep, kinds, record, expose)
                 done.append(dep)
             self._acquire_one(block, kinds, record, expose)
         except BaseException:
             for dep in done:
-                self._release(dep)
+                self.release(dep)
             raise
 
     def _acquire_one(self, block: Block, kinds, record: bool, expose) -> None:
@@ -219,23 +212,12 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             self._unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
-        missing = 0 if self.all_resident else block.missing_bytes(kinds)
-        self._pin(block)
-        try:
-            if missing:
-                with _record_range(f"pager::fetch[{block.name}]"):
-                    if not self._make_room(missing, protect={block}):
-                        self._raise_no_room(block, missing)
-                    self._fetch(block, kinds)
-        except BaseException:
-            self._unpin(block)
-            raise
+        miss = self.engine.bring(block, kinds, all_resident=self.all_resident)
         if record:
-            self._count_use(block, miss=bool(missing and block.fetched_data))
-        self._wait_for(block)
+            self._count_use(block, miss=miss)
         if expose or block.deferred_steps:
             # (the optimizer's update runs on the tensors themselves)
-            self._expose(block, everyone=expose == EVERYONE)
+            self.expose(block, everyone=expose == EVERYONE)
         if block.deferred_steps:
             self._run_deferred(block)
             if not expose and block.pins == 1:
@@ -269,8 +251,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def _use_resident(self, block: Block) -> None:
         self.scheduler.observe(block, WEIGHTS)
         self._unguard(block)
-        self._pin(block)
-        self._expose(block)
+        self.engine.pin(block)
+        self.expose(block)
         self._count_use(block, miss=False)
         self._tick += 1
         block.last_use_tick = self._tick
@@ -279,48 +261,13 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         block.uses += 1
         if miss:
             block.stats.misses += 1
-            self._stats.misses += 1
+            self.counters.misses += 1
             self._step_misses += 1
         else:
             block.stats.hits += 1
-            self._stats.hits += 1
+            self.counters.hits += 1
 
-    def _wait_for(self, block: Block) -> None:
-        """Order compute after the block's fetch: from here on its device bytes
-        may be read on the compute stream (its tensors get their own class in
-        `_expose`, for a use)."""
-        if block.fetch_event is None:
-            block.residency = Residency.DEVICE
-            return
-        with _record_range(f"pager::wait[{block.name}]"):
-            if self.transport.is_cuda:
-                arrive = torch.cuda.Event(enable_timing=True)
-                arrive.record(self.transport.compute_stream())
-                self._pending_stalls.append((block, arrive, block.fetch_event))
-                self.tracer.span("wait", block.name, arrive, block.fetch_event)
-                if len(self._pending_stalls) > 1024:
-                    self._resolve_events(wait=False)
-            self.transport.compute_waits(block.fetch_event)
-        block.fetch_event = None
-        block.residency = Residency.DEVICE
-
-    def _pin(self, block: Block) -> None:
-        block.pins += 1
-        tid = threading.get_ident()
-        block.thread_pins[tid] = block.thread_pins.get(tid, 0) + 1
-
-    def _unpin(self, block: Block) -> None:
-        block.pins -= 1
-        tid = threading.get_ident()
-        n = block.thread_pins.pop(tid, 0)
-        if n > 1:
-            block.thread_pins[tid] = n - 1
-        elif n == 0 or block.pins == 0:
-            # Released by another thread than took it (or by the last): no
-            # thread keeps the unserved path it may no longer have.
-            block.thread_pins.clear()
-
-    def _expose(self, block: Block, everyone: bool = False) -> None:
+    def expose(self, block: Block, everyone: bool = False) -> None:
         """Its resident tensors are open to the threads using it: they get
         their own class, only while it is in use (see [Note: paged-out
         tensors] in _paged.py). With other threads about, they keep the guard
@@ -375,25 +322,17 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                     replay(seg.tensors[i], ops)
         seg.pending.clear()
 
-    def _release(self, block: Block) -> None:
+    def release(self, block: Block) -> None:
         for dep in block.deps:
-            self._release(dep)
-        self._unpin(block)
+            self.release(dep)
+        self.engine.unpin(block)
         if block.pins == 0:
-            if not self._asleep:
+            if not self.asleep:
                 self._guard_idle(block)  # from now on, accesses from outside are served
-            if self._room_waiters:
-                self._room.notify_all()
-            if self.all_resident and not self.tracer.enabled:
-                # Everything is on the device, so nothing is fetched and nothing
-                # evicted; an eviction after all (set_budget, a new segment) orders
-                # itself after a fresh event (_evict). Saves an event per use.
-                block.last_use_event = None
-                return
-            # Memory of this block may be reused once compute is past this point
-            # (unless its tensors change after it: see _evict).
-            block.last_use_event = self.transport.record_compute()
-            block.release_versions = block.versions()
+            # Everything on the device: nothing is fetched and nothing evicted;
+            # an eviction after all (set_budget, a new segment) orders itself
+            # after a fresh event. Saves an event per use.
+            self.engine.idle(block, mark=not (self.all_resident and not self.tracer.enabled))
             if self.tracer.enabled:
                 end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
                 self.tracer.span("compute", block.name, block.compute_start, end)
@@ -418,7 +357,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         found, unaccounted = _paged.track_kept_views(
             [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
         if found:
-            self._warn_once(
+            self.warn_once(
                 f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
                 "an attribute or a list that holds it); it is served from now on, and fetches the block on "
                 "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
@@ -433,7 +372,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if use is None:
             return False
         if _paged.has_unknown_views(block.weights, use):
-            self._warn_once(
+            self.warn_once(
                 f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
                 "from its %s exist somewhere pager cannot search while other threads run (or autograd's saved "
                 "views, which pager cannot count under other saved-tensor hooks or before torch 2.8). Keep "
@@ -442,92 +381,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         block.unaccounted_use = None
         return False
 
-    def _fetch(self, block: Block, kinds) -> None:
-        block.settled = False  # until an acquire has ordered compute after this fetch
-        allocated, moved, nbytes, first, end = False, False, 0, None, None
-        for kind in kinds:
-            seg = block.segments.get(kind)
-            if seg is None or seg.resident:
-                continue
-            self._allocate(block, seg)
-            allocated = True
-            self.resident_bytes += seg.nbytes
-            if kind == "grads":
-                self._check_grads_present(block, seg)
-            if seg.host_valid:
-                start, end = self.transport.h2d(seg.flat, seg.host, after=(seg.writeback_event,))
-                first = first if moved else start
-                moved = True
-                nbytes += seg.nbytes
-                self._copied(block, "h2d", start, end, seg.nbytes)
-            seg.resident = True
-            seg.snapshot_versions()
-        block.fetched_data = moved
-        if moved:
-            block.stats.fetches += 1
-        if allocated:
-            # One mark after every allocation and copy: compute waits on it.
-            event = self.transport.mark_h2d()
-            end = event if event is not None else time.perf_counter()
-            if event is not None:
-                block.fetch_event = event
-                block.residency = Residency.FETCHING
-            elif block.residency is Residency.HOST:
-                block.residency = Residency.DEVICE
-        if moved:
-            self.tracer.span("fetch", block.name, first, end, nbytes)
-        self.resident[block] = None
-        self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self.resident_bytes)
-        if self._activations is not None:
-            self._activations.ledger.note_blocks(self.resident_bytes)
-        block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
-
-    def _allocate(self, block: Block, seg: Segment) -> None:
-        """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
-        try:
-            self.transport.allocate(seg.flat, seg.nbytes)
-            return
-        except torch.cuda.OutOfMemoryError:
-            pass
-        for other in list(self.resident):
-            if other is not block and other.pins == 0 and not other.resident_for_life and not self._evictions_blocked():
-                self._evict(other)
-        if self.transport.is_cuda:
-            torch.cuda.synchronize(self.device)  # error path: let freed memory settle
-            torch.cuda.empty_cache()
-        try:
-            self.transport.allocate(seg.flat, seg.nbytes)
-            log.warning("pager: out of device memory fetching %r; evicted idle blocks and retried", block.name)
-        except torch.cuda.OutOfMemoryError:
-            from ._budget import device_memory
-
-            free, total = device_memory(self.device)
-            raise BudgetError(
-                f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
-                f"even after evicting every idle block: budget {format_bytes(self.budget_bytes)}, pager holds "
-                f"{format_bytes(self.resident_bytes)}, the device has {format_bytes(free)} free of "
-                f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
-                f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
-            ) from None
-
-    def _copied(self, block: Block, direction: str, start, end, nbytes: int) -> None:
-        """Count a copy's bytes now and its duration when its events resolve."""
-        setattr(block.stats, f"{direction}_bytes", getattr(block.stats, f"{direction}_bytes") + nbytes)
-        setattr(self._stats, f"{direction}_bytes", getattr(self._stats, f"{direction}_bytes") + nbytes)
-        if self.transport.is_cuda:
-            self._pending_copies.append((block, direction, start, end))
-            if len(self._pending_copies) > 1024:
-                self._resolve_events(wait=False)
-        else:
-            self._add_seconds(block, f"{direction}_seconds", end - start)
-            if direction == "h2d":  # the CPU device copies synchronously: compute waited
-                self._add_seconds(block, "stall_seconds", end - start)
-
-    def _add_seconds(self, block: Block, field: str, seconds: float) -> None:
-        setattr(block.stats, field, getattr(block.stats, field) + seconds)
-        setattr(self._stats, field, getattr(self._stats, field) + seconds)
-
-    def _check_grads_present(self, block: Block, seg: Segment) -> None:
+    def grads_arriving(self, block: Block, seg: Segment) -> None:
         """Before fetching a grads page: is any gradient in it still wanted?
 
         [Note: gradients are exposed only after compute waits]
@@ -553,96 +407,56 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 p.grad = seg.tensors[i]
 
-    def _evict(self, block: Block) -> None:
-        assert block.pins == 0 and not block.resident_for_life, block
-        if self._asleep:
+    # ------------------------------------- leaving (called by the engine)
+    def evictions_blocked(self) -> bool:
+        return self._sleeping_forwards > 0 or self._held_for_graph
+
+    def may_leave(self, block: Block) -> bool:
+        """Chosen to leave: False if it must stay (views of it kept where pager
+        cannot look); a deferred update whose bytes are here is applied now."""
+        if self.asleep:
             self._wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
-        if not self.transport.can_free(block):
-            block.resident_for_life = True
-            self._warn_once(
-                f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
-                "of its tensors shares its memory, which therefore cannot be paged. Use "
-                "`tensor.detach().clone().numpy()` for a copy.", block.name)
-            return
         if self._keeps_unknown_views(block):
-            return
+            return False
         if block.deferred_steps and not block.missing_bytes(STEP):
             # Prefetched for an update, but leaving unused: the bytes are here, so
             # apply it now (a gradient the user sets meanwhile must not overwrite its page).
-            self._wait_for(block)
-            self._pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
+            self.engine.wait(block)
+            self.engine.pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
             try:
-                self._expose(block)  # (guarded again as it leaves)
+                self.expose(block)  # (guarded again as it leaves)
                 self._run_deferred(block)
             finally:
-                self._unpin(block)
-        with _record_range(f"pager::evict[{block.name}]"):
-            for kind in ("weights", "state"):
-                if kind in block.segments and block.segments[kind].resident:
-                    self._readopt(block, block.segments[kind])
-            grads = block.segments.get("grads")
-            if grads is not None and grads.resident:
-                self._gather_grads(grads)
-            # [Note: the last use, or a fresh event]
-            # The write-back and the reuse of the memory are ordered after the
-            # block's last use. If its tensors changed after that release (the
-            # user's zero_grad(set_to_none=False), clip_grad_norm_, gathered
-            # gradients: version counters tell), they are ordered after
-            # everything enqueued on the compute stream so far instead. Always
-            # taking a fresh event would be safe too, but it serialises each
-            # prefetch behind current compute (measured: NAS step 1.20x -> 1.35x).
-            if block.last_use_event is None or block.versions() != block.release_versions:
-                ready = self.transport.record_compute()
-            else:
-                ready = block.last_use_event
-            for kind, seg in block.segments.items():
-                if not seg.resident:
-                    continue
-                writeback = None
-                if kind == "grads":
-                    self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
-                if seg.is_dirty() and (kind != "grads" or seg.host_valid):
-                    if kind == "grads":
-                        # New values: describe them as they leave, or forget the old description.
-                        self._summarize(seg, ready) if self._summarize_grads else seg.summaries.clear()
-                    start, end = self.transport.d2h(seg.host, seg.flat, after=(ready,))
-                    writeback = end if self.transport.is_cuda else None
-                    seg.writeback_event = writeback
-                    seg.host_valid = True
-                    self._copied(block, "d2h", start, end, seg.nbytes)
-                    self.tracer.span("writeback", block.name, start, end, seg.nbytes)
-                self.transport.free(seg.flat, after=(ready, writeback))
-                seg.resident = False
-                _paged.guard(seg)  # (already: idle) every later access is served
-                self.resident_bytes -= seg.nbytes
-        block.residency = Residency.HOST
-        block.fetch_event = None
-        self.resident.pop(block, None)
-        if self._activations is not None:
-            self._activations.ledger.note_blocks(self.resident_bytes)
+                self.engine.unpin(block)
+        return True
+
+    def pages_leaving(self, block: Block) -> None:
+        grads = block.segments.get("grads")
+        if grads is not None and grads.resident:
+            self._gather_grads(grads)
+
+    def page_leaving(self, block: Block, seg: Segment, ready, dirty: bool) -> bool:
+        if seg.kind != "grads":
+            return dirty
+        self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
+        if not (dirty and seg.host_valid):
+            return False
+        # New values: describe them as they leave, or forget the old description.
+        self._summarize(seg, ready) if self._summarize_grads else seg.summaries.clear()
+        return True
+
+    def left(self, block: Block) -> None:
+        for seg in block.segments.values():
+            _paged.guard(seg)  # (already: idle) every later access is served
         if block.module is not None:
             self._guard(block)
-        block.stats.evictions += 1
-        self._stats.evictions += 1
 
-    def _readopt(self, block: Block, seg: Segment) -> None:
-        """Tensors given new memory by `t.data = new` since their fetch: copy
-        the new value into the page and make them views of it again (else the
-        page would keep the old bytes)."""
-        for slot, t in zip(seg.slots, seg.tensors):
-            if _paged.storage_key(t) == seg.storage_key:
-                continue
-            with torch._C.DisableTorchFunctionSubclass():
-                if t.shape != slot.shape or t.dtype != slot.dtype:
-                    raise RuntimeError(
-                        f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
-                        f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
-                        f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
-                    )
-                view = slot.view_of(seg.flat)
-                view.copy_(t.detach())
-                t.data = view
-            seg.force_dirty = True
+    def blocks_moved(self) -> None:
+        if self._activations is not None:
+            self._activations.ledger.note_blocks(self.engine.resident_bytes)
+
+    def activation_reserve_bytes(self):
+        return None if self._activations is None else self._activations.ledger.reserve()
 
     def _gather_grads(self, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
@@ -668,9 +482,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         activations take where pager handles them ([Note: one budget] in
         _saved.py), never less than the least that runs (`least_room_bytes`;
         `_start_step` warns when activations leave less than that)."""
-        if self._activations is None:
-            return self.budget_bytes
-        return max(self.budget_bytes - self._activations.ledger.reserve(), self._least_room)
+        return self.engine.room_bytes()
 
     def least_room_bytes(self) -> int:
         """The least room for blocks that runs now: what stays resident, and
@@ -681,46 +493,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
                       default=0)
         return max(fixed + largest, self.min_budget_bytes)
 
-    def _make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
-        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
-        next use is further than `within` uses away, and never kept ones."""
-        room = self.room_bytes()
-        if self.resident_bytes + nbytes <= room:
-            return True
-        if self._evictions_blocked():
-            return False
-        kept, distance_to = self.scheduler.kept, self.scheduler.distance_to
-        idle = [b for b in self.resident if b.pins == 0 and not b.resident_for_life and b not in protect]
-        if room < self.budget_bytes and within is None:
-            # Activations crowd the blocks: what is in use must still run
-            # (over the budget; `_start_step` says so) rather than fail.
-            room = min(self.budget_bytes, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
-        # Streamed blocks first, furthest next use first; kept ones only for a
-        # use that needs the room now (never for a prefetch).
-        for group in ([b for b in idle if b not in kept], [] if within is not None else [b for b in idle if b in kept]):
-            ranked = sorted(((distance_to(b), -b.last_use_tick, b) for b in group), key=lambda r: r[:2], reverse=True)
-            for distance, _tick, b in ranked:
-                if within is not None and distance <= within:
-                    return False
-                self._evict(b)
-                if self.resident_bytes + nbytes <= room:
-                    return True
-        return False
-
-    def _raise_no_room(self, block: Block, missing: int):
-        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
-        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
-                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
-        acts = self.budget_bytes - self.room_bytes()
-        raise BudgetError(
-            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
-            f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
-            f"by blocks in use: {held}"
-            + (f" (and activations take {format_bytes(acts)} of it)" if acts > 0 else "")
-            + ". Raise the budget, or use smaller blocks (blocks=...)."
-        )
-
-    def _prefetch(self) -> None:
+    def prefetch(self) -> None:
         if not self.prefetch_depth or self.all_resident:
             return  # off, or nothing left to fetch
         fetched = 0
@@ -736,15 +509,15 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
             if not missing:
                 continue
-            if not self._make_room(missing, protect={block, *block.deps}, within=distance):
+            if not self.engine.make_room(missing, protect={block, *block.deps}, within=distance):
                 return
             for dep in block.deps:
                 if dep.missing_bytes(WEIGHTS):
-                    self._fetch(dep, WEIGHTS)
+                    self.engine.fetch(dep, WEIGHTS)
             with _record_range(f"pager::prefetch[{block.name}]"):
-                self._fetch(block, kinds)
+                self.engine.fetch(block, kinds)
             block.stats.prefetches += 1
-            self._stats.prefetches += 1
+            self.counters.prefetches += 1
             fetched += 1
 
     # ---------------------------------------------------------------- public
@@ -752,7 +525,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def stats(self) -> Stats:
         """Counters since the last `reset()` (see `Stats`), with per-block rows:
         a snapshot, which later steps do not change."""
-        self._resolve_events()
+        self.engine.resolve_events()
         blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
         memory = {}
         if self._activations is not None:
@@ -763,7 +536,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         if self.transport.is_cuda:
             memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device),
                           allocator_reserved_bytes=torch.cuda.memory_reserved(self.device))
-        return dataclasses.replace(self._stats, resident_bytes=self.resident_bytes, blocks=blocks, **memory)
+        return dataclasses.replace(self.counters, resident_bytes=self.resident_bytes, blocks=blocks, **memory)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory
@@ -797,36 +570,14 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     @_locked
     def reset(self) -> None:
         """Zero every counter (peak resident bytes restart from what is resident now)."""
-        self._resolve_events()
-        zero_counters(self._stats)
+        self.engine.resolve_events()
+        zero_counters(self.counters)
         for b in self.all_blocks():
             zero_counters(b.stats)
             b.stats.peak_resident_bytes = b.device_bytes()
-        self._stats.peak_resident_bytes = self.resident_bytes
+        self.counters.peak_resident_bytes = self.resident_bytes
         if self._activations is not None:
             self._activations.ledger.reset_peak()
-
-    def _resolve_events(self, wait: bool = True) -> None:
-        """Turn timing-event pairs into seconds: stalls (compute arrived, fetch
-        landed) and copy durations. With wait=False only pairs already complete
-        are taken (no host sync)."""
-        stalls, copies = [], []
-        for block, arrive, done in self._pending_stalls:
-            if not wait and not (arrive.query() and done.query()):
-                stalls.append((block, arrive, done))
-                continue
-            arrive.synchronize()  # both ends must have completed
-            done.synchronize()
-            ms = arrive.elapsed_time(done)
-            if ms > 0:
-                self._add_seconds(block, "stall_seconds", ms / 1e3)
-        for block, direction, start, end in self._pending_copies:
-            if not wait and not end.query():
-                copies.append((block, direction, start, end))
-                continue
-            end.synchronize()
-            self._add_seconds(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
-        self._pending_stalls, self._pending_copies = stalls, copies
 
     @_locked
     def start_trace(self, steps: int = 4) -> None:
@@ -893,7 +644,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         # Blocks kept for last step's order but not on this path may go.
         self.scheduler.kept &= {b for b, _kinds in uses}
         self._expect_used = True
-        self._prefetch()
+        self.prefetch()
 
     def apply_deferred(self) -> None:
         """Apply every optimizer update deferred to a block's next use now.
@@ -912,8 +663,8 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def _apply_deferred(self, blocks) -> None:
         for block in blocks:
             if block.deferred_steps:
-                self._acquire(block, STEP, record=False)
-                self._release(block)
+                self.acquire(block, STEP, record=False)
+                self.release(block)
 
     def attach(self, optimizer) -> None:
         """Page `optimizer`'s state with its blocks and stream its `step()` per block.
@@ -955,23 +706,13 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
         from ._budget import parse_budget
 
         nbytes = parse_budget(budget, self.device)
-        if nbytes < self.min_budget_bytes:
+        least = max(o.min_budget_bytes for o in self.engine.owners)
+        if nbytes < least:
             raise ValueError(
-                f"pager: budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(self.min_budget_bytes)} "
+                f"pager: budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(least)} "
                 f"this model needs (the remainder and its largest block); give at least that."
             )
-        for block in list(self.resident):
-            if self.resident_bytes <= nbytes or self._evictions_blocked():
-                break
-            if block.pins == 0 and not block.resident_for_life:
-                self._evict(block)
-        if self.resident_bytes > nbytes:
-            raise ValueError(
-                f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
-                f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
-            )
-        self.budget_bytes = nbytes
-        self._stats.budget_bytes = nbytes
+        self.engine.set_budget(nbytes)
 
     def block_names(self) -> list[str]:
         """The qualified names of the blocks, in model order."""

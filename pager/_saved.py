@@ -88,7 +88,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._paged import entry_of, unguarded
+from ._registry import entry_of, unguarded
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many blocks before it come back too

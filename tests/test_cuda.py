@@ -309,10 +309,10 @@ def test_state_dict_is_on_the_host_and_needs_no_device_room():
 
 def _page_out_everything(model):
     p = pager.of(model)
-    with p._lock:
+    with p.lock:
         for block in list(p.resident):
             if block.pins == 0 and not block.resident_for_life:
-                p._evict(block)
+                p.engine.evict(block)
 
 
 def test_reads_and_writes_of_paged_out_tensors_on_gpu():

@@ -132,7 +132,7 @@ def test_a_view_taken_while_the_pager_sleeps_survives_a_later_eviction():
     with torch.no_grad():
         for _ in range(3):
             model(x)
-        assert p._asleep
+        assert p.asleep
         view = model.layers[1].lin.weight.detach()[0]  # taken with the tensors exposed, no fetch
         ref_view = ref.layers[1].lin.weight.detach()[0]
         one = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())

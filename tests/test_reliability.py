@@ -180,9 +180,9 @@ def test_a_submodule_called_directly_trains():
         m(torch.randint(0, 64, (2, 8)))
         m.layers[0].mlp(x).sum().backward()
     for p, q in zip(model.layers[0].mlp.parameters(), ref.layers[0].mlp.parameters()):
-        pager.of(model)._acquire(pager.of(model).blocks[0], ("weights", "grads"), record=False)
+        pager.of(model).acquire(pager.of(model).blocks[0], ("weights", "grads"), record=False)
         assert_same(p.grad, q.grad)
-        pager.of(model)._release(pager.of(model).blocks[0])
+        pager.of(model).release(pager.of(model).blocks[0])
 
 
 def test_replaced_parameter_or_added_module_is_refused():
@@ -320,13 +320,13 @@ def test_out_of_memory_while_fetching_evicts_and_retries(monkeypatch, caplog):
         real(flat, nbytes)
 
     monkeypatch.setattr(transport, "allocate", flaky)
-    pg._evict(pg.blocks[2])
+    pg.engine.evict(pg.blocks[2])
     with torch.no_grad():
         assert_same(model(ids), ref(ids))
     assert "evicted idle blocks and retried" in caplog.text
     consistent(model)
     failures["left"] = 10
-    pg._evict(pg.blocks[4])
+    pg.engine.evict(pg.blocks[4])
     with pytest.raises(pager.BudgetError, match="out of device memory fetching 'layers.4'.*even after evicting"):
         with torch.no_grad():
             model(ids)

@@ -145,7 +145,7 @@ def test_reads_from_another_thread_while_the_pager_sleeps_and_wakes():
             for rounds in range(100):
                 for _ in range(3):
                     model(ids)
-                slept += p._asleep
+                slept += p.asleep
                 p.set_budget(streams)  # evicts, from this thread
                 model(ids)
                 p.set_budget("1GiB")

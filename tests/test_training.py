@@ -146,7 +146,7 @@ def test_bf16_autocast(regime):
     ref = copy.deepcopy(model)
     budget = regime_budget(model, regime)
     pager.wrap(model, budget=budget, device="cpu", optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
-    opt = pager.of(model)._optimizers[0].optimizer
+    opt = pager.of(model).optimizers[0].optimizer
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     data = batches(6)
     train(model, opt, data, autocast=torch.bfloat16)
@@ -334,7 +334,7 @@ def test_unwrap_with_two_optimizers_detaches_both_and_frees_device_memory():
     flats = [seg.flat for b in pg.all_blocks() for seg in b.segments.values()]
     assert any(f.untyped_storage().nbytes() > 0 for f in flats)
     pager.unwrap(model)
-    assert not pg._optimizers  # both detached: their state is theirs again
+    assert not pg.optimizers  # both detached: their state is theirs again
     assert all(f.untyped_storage().nbytes() == 0 for f in flats)  # device memory given back
     for opt in (opt_a, opt_b):
         for st in opt.state.values():

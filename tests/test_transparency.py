@@ -35,10 +35,10 @@ def wrapped_pair(steps=2, opt=torch.optim.AdamW):
 def page_out_everything(model, check=True):
     """Evict every block that may leave (what a tight budget does between steps)."""
     p = pager.of(model)
-    with p._lock:
+    with p.lock:
         for block in list(p.resident):
             if block.pins == 0 and not block.resident_for_life:
-                p._evict(block)
+                p.engine.evict(block)
     assert not check or not p.blocks[1].weights.resident or p.blocks[1].resident_for_life
 
 

@@ -1,0 +1,512 @@
+"""The residency engine: what is where, what is in flight, what may leave,
+and how bytes move. One per device budget; several pagers (models) may share it.
+
+[Note: the residency engine]
+The engine owns the budget, the bytes resident and in flight, the ordered set
+of resident blocks, the copy streams (through the transport) and the tier
+under the device (`_tiers.py`). Each segment's residency is one explicit state:
+
+    HOST --fetch--> FETCHING --wait--> RESIDENT --evict--> WRITING_BACK --fetch--> FETCHING
+                                                  \\--evict (clean, or CPU)--> HOST
+
+`fetch` allocates device memory and enqueues the copy up; `wait` orders
+compute after it; `evict` writes dirty pages back and frees the memory; a
+fetch of a page still being written back orders its copy after the write-back.
+Pins (a block in use) keep a block from leaving. Every transition is one
+method, and each is a no-op on a segment already in the state it leads to.
+
+What a block's bytes mean (guards on its tensors, gradients paged out as
+stand-ins, deferred optimizer updates, activations that share the budget) is
+its owner's business: the engine calls the owner (`block.owner`, a `Pager`)
+through the few methods listed in `Owner`, and never the other way round
+except through the public methods here.
+
+[Note: stream discipline]
+Written once, in `_transport.py` ([Note: events, not record_stream]): device
+memory of a block is allocated on the h2d stream and freed from the host
+after the h2d stream has waited for the block's last use on compute and its
+write-back on the d2h stream; compute waits on a block's fetch event before
+reading it (`wait`); a write-back waits on the block's last use (`evict`).
+No host synchronisation in any of it, except on the out-of-memory path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from ._block import PageState, Segment, layout, storage_key
+from ._budget import format_bytes
+from ._common import BudgetError, _record_range
+from ._tiers import HostTier
+from ._transport import CpuTransport, CudaTransport
+
+log = logging.getLogger("pager")
+
+
+class Owner:
+    """What the engine asks of a block's owner (a `Pager`); documentation of
+    the interface, implemented by `Pager`.
+
+    Attributes the engine keeps up to date: `resident_bytes`, `total_bytes`
+    (the owner's share of the engine's). Attributes it reads: `counters` (a
+    `Stats`: copy bytes and seconds, evictions, peaks), `tracer`, `scheduler`
+    (`distance_to`, `kept`) and `least_room` (the least room its blocks run in).
+    """
+
+    def evictions_blocked(self) -> bool:
+        """Nothing of this owner may leave now (a forward runs without hooks)."""
+
+    def activation_reserve_bytes(self):
+        """Device bytes its activations take from the budget, or None if it
+        does not page activations (the budget is then its blocks')."""
+
+    def may_leave(self, block) -> bool:
+        """`block` was chosen to leave: False if it must stay after all."""
+
+    def pages_leaving(self, block) -> None:
+        """Before the write-back is ordered: put values that live elsewhere
+        (gradients autograd put beside the page) into the pages."""
+
+    def page_leaving(self, block, seg, ready, dirty: bool) -> bool:
+        """Whether `seg`'s device bytes must be written back (`dirty`: they
+        changed since the fetch); `ready` orders reads after compute."""
+
+    def left(self, block) -> None:
+        """`block` has left the device."""
+
+    def blocks_moved(self) -> None:
+        """The engine's resident bytes changed."""
+
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        """Log a warning once per owner."""
+
+
+class Engine:
+    """The budget and the residency of every block of its owners.
+
+    Args:
+        device: the device the blocks run on ("cpu" stands for a device with a
+            separate host copy: same code, synchronous copies).
+        budget_bytes: device bytes for blocks (and, where owners page them,
+            activations).
+        pin: page-lock the host tier (CUDA only).
+    """
+
+    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True):
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
+        self.host = HostTier(self.transport, pin=pin and device.type == "cuda")
+        self.owners: list = []
+        self.resident: dict = {}  # ordered set of blocks with device bytes, oldest first
+        self.resident_bytes = 0
+        self.total_bytes = 0      # of every segment of every owner
+        # One lock for every owner (see [Note: threads] in _common.py): a
+        # transition of one owner's block may evict another's.
+        self.lock = threading.RLock()
+        self.room = threading.Condition(self.lock)  # notified when a block goes idle
+        self.room_waiters = 0
+        self._pending_stalls: list = []   # (block, compute arrived, fetch landed)
+        self._pending_copies: list = []   # (block, direction, start, end)
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.device}, budget {format_bytes(self.budget_bytes)}, "
+                f"{len(self.owners)} model(s), {format_bytes(self.resident_bytes)} resident)")
+
+    def fixed_bytes(self) -> int:
+        """Device bytes that stay for life (owners' remainders and the blocks they use)."""
+        return sum(b.nbytes() for o in self.owners for b in o.all_blocks() if b.resident_for_life)
+
+    # ---------------------------------------------------------- segments
+    def add_segment(self, block, kind: str, named: list, values: bool) -> Segment:
+        """A new segment of `block` for `named` tensors: a page in the host tier
+        and an empty device storage of the same layout. With `values`, the
+        tensors' current values go into the page and the tensors become views
+        of the device storage ([Note: identity by storage resize] in _block.py);
+        without, the segment's own tensors are new views of it (gradients,
+        optimizer state), its page holding nothing yet."""
+        slots, nbytes = layout(named)
+        host = self.host.hold(block.owner, nbytes)
+        if values:
+            for slot, (_n, t) in zip(slots, named):
+                slot.view_of(host).copy_(t.detach())
+        flat = self.transport.new_flat(nbytes)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values)
+        self.transport.allocate(flat, nbytes)
+        if values:
+            for slot, (_n, t) in zip(slots, named):
+                t.data = slot.view_of(flat)
+            seg.tensors = [t for _n, t in named]
+        else:
+            seg.tensors = [s.view_of(flat) for s in slots]
+        self.transport.free(flat)
+        block.segments[kind] = seg
+        self._count_total(block.owner, nbytes)
+        return seg
+
+    def _count_total(self, owner, nbytes: int) -> None:
+        self.total_bytes += nbytes
+        owner.total_bytes += nbytes
+
+    def _count_resident(self, block, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        block.owner.resident_bytes += nbytes
+
+    # ---------------------------------------------------------- pins
+    def pin(self, block) -> None:
+        block.pins += 1
+        tid = threading.get_ident()
+        block.thread_pins[tid] = block.thread_pins.get(tid, 0) + 1
+
+    def unpin(self, block) -> None:
+        block.pins -= 1
+        tid = threading.get_ident()
+        n = block.thread_pins.pop(tid, 0)
+        if n > 1:
+            block.thread_pins[tid] = n - 1
+        elif n == 0 or block.pins == 0:
+            # Released by another thread than took it (or by the last): no
+            # thread keeps the unserved path it may no longer have.
+            block.thread_pins.clear()
+
+    def idle(self, block, mark: bool = True) -> None:
+        """`block`'s last pin is gone: from the end of compute enqueued so far,
+        its memory may be reused (`mark`; without, an eviction orders itself
+        after a fresh event: see [Note: the last use, or a fresh event])."""
+        if self.room_waiters:
+            self.room.notify_all()
+        block.last_use_event = self.transport.record_compute() if mark else None
+        if mark:
+            block.release_versions = block.versions()
+
+    # ---------------------------------------------------------- transitions
+    def bring(self, block, kinds, all_resident: bool = False) -> bool:
+        """Pin `block` and make `kinds` of it usable by compute: room made,
+        fetched, compute ordered after the fetch. True if bytes were copied
+        for this call (a miss). On failure nothing stays pinned."""
+        missing = 0 if all_resident else block.missing_bytes(kinds)
+        self.pin(block)
+        try:
+            if missing:
+                with _record_range(f"pager::fetch[{block.name}]"):
+                    if not self.make_room(missing, protect={block}):
+                        self.raise_no_room(block, missing)
+                    self.fetch(block, kinds)
+        except BaseException:
+            self.unpin(block)
+            raise
+        moved = bool(missing and block.fetched_data)
+        self.wait(block)
+        return moved
+
+    def fetch(self, block, kinds) -> None:
+        """HOST or WRITING_BACK -> FETCHING for each of `kinds` not on the
+        device: memory allocated (the room made by the caller), the page's
+        copy up enqueued. Compute has not waited yet (`wait`)."""
+        block.settled = False  # until an acquire has ordered compute after this fetch
+        owner = block.owner
+        allocated, moved, nbytes, first, end = False, False, 0, None, None
+        for kind in kinds:
+            seg = block.segments.get(kind)
+            if seg is None or seg.resident:
+                continue
+            self._allocate(block, seg)
+            allocated = True
+            self._count_resident(block, seg.nbytes)
+            if kind == "grads":
+                owner.grads_arriving(block, seg)  # host_valid: is a gradient in the page still wanted?
+            if seg.host_valid:
+                # A page still being written back is final only once that copy is done.
+                after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
+                start, end = self.host.up(seg.flat, seg.host, after=after)
+                first = first if moved else start
+                moved = True
+                nbytes += seg.nbytes
+                self._copied(block, "h2d", start, end, seg.nbytes)
+            seg.state = PageState.FETCHING
+            seg.snapshot_versions()
+        block.fetched_data = moved
+        if moved:
+            block.stats.fetches += 1
+        if allocated:
+            # One mark after every allocation and copy: compute waits on it.
+            event = self.transport.mark_h2d()
+            end = event if event is not None else time.perf_counter()
+            block.fetch_event = event
+        if moved:
+            owner.tracer.span("fetch", block.name, first, end, nbytes)
+        self.resident[block] = None
+        owner.counters.peak_resident_bytes = max(owner.counters.peak_resident_bytes, owner.resident_bytes)
+        block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
+        self._moved()
+
+    def wait(self, block) -> None:
+        """FETCHING -> RESIDENT: compute is ordered after the block's fetch;
+        from here on its device bytes may be read on the compute stream."""
+        if block.fetch_event is not None:
+            with _record_range(f"pager::wait[{block.name}]"):
+                if self.transport.is_cuda:
+                    arrive = torch.cuda.Event(enable_timing=True)
+                    arrive.record(self.transport.compute_stream())
+                    self._pending_stalls.append((block, arrive, block.fetch_event))
+                    block.owner.tracer.span("wait", block.name, arrive, block.fetch_event)
+                    if len(self._pending_stalls) > 1024:
+                        self.resolve_events(wait=False)
+                # Compute must not read the block before its fetch has landed.
+                self.transport.compute_waits(block.fetch_event)
+            block.fetch_event = None
+        for seg in block.segments.values():
+            if seg.state is PageState.FETCHING:
+                seg.state = PageState.RESIDENT
+
+    def evict(self, block) -> bool:
+        """What happens when a block leaves: RESIDENT -> WRITING_BACK (dirty
+        pages) or HOST (clean ones; the CPU device), memory freed. False if
+        its owner keeps it (a view of it kept elsewhere, numpy sharing it)."""
+        assert block.pins == 0 and not block.resident_for_life, block
+        owner = block.owner
+        if not self.transport.can_free(block):
+            block.resident_for_life = True
+            owner.warn_once(
+                f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
+                "of its tensors shares its memory, which therefore cannot be paged. Use "
+                "`tensor.detach().clone().numpy()` for a copy.", block.name)
+            return False
+        if not owner.may_leave(block):
+            return False
+        with _record_range(f"pager::evict[{block.name}]"):
+            for kind in ("weights", "state"):
+                if kind in block.segments and block.segments[kind].resident:
+                    self._readopt(block, block.segments[kind])
+            owner.pages_leaving(block)
+            ready = self._ready_event(block)
+            for seg in block.segments.values():
+                if seg.resident:
+                    self._leave(block, seg, ready, owner.page_leaving(block, seg, ready, seg.is_dirty()))
+        block.fetch_event = None
+        self.resident.pop(block, None)
+        self._moved()
+        block.stats.evictions += 1
+        owner.counters.evictions += 1
+        owner.left(block)
+        return True
+
+    def _ready_event(self, block):
+        # [Note: the last use, or a fresh event]
+        # The write-back and the reuse of the memory are ordered after the
+        # block's last use. If its tensors changed after that release (the
+        # user's zero_grad(set_to_none=False), clip_grad_norm_, gathered
+        # gradients: version counters tell), they are ordered after
+        # everything enqueued on the compute stream so far instead. Always
+        # taking a fresh event would be safe too, but it serialises each
+        # prefetch behind current compute (measured: NAS step 1.20x -> 1.35x).
+        if block.last_use_event is None or block.versions() != block.release_versions:
+            return self.transport.record_compute()
+        return block.last_use_event
+
+    def _leave(self, block, seg: Segment, ready, write: bool) -> None:
+        writeback = None
+        if write:
+            start, end = self.host.down(seg.host, seg.flat, after=(ready,))
+            writeback = end if self.transport.is_cuda else None
+            seg.writeback_event = writeback
+            seg.host_valid = True
+            self._copied(block, "d2h", start, end, seg.nbytes)
+            block.owner.tracer.span("writeback", block.name, start, end, seg.nbytes)
+        self.transport.free(seg.flat, after=(ready, writeback))
+        seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
+        self._count_resident(block, -seg.nbytes)
+
+    def _readopt(self, block, seg: Segment) -> None:
+        """Tensors given new memory by `t.data = new` since their fetch: copy
+        the new value into the page and make them views of it again (else the
+        page would keep the old bytes)."""
+        for slot, t in zip(seg.slots, seg.tensors):
+            if storage_key(t) == seg.storage_key:
+                continue
+            with torch._C.DisableTorchFunctionSubclass():
+                if t.shape != slot.shape or t.dtype != slot.dtype:
+                    raise RuntimeError(
+                        f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
+                        f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
+                        f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
+                    )
+                view = slot.view_of(seg.flat)
+                view.copy_(t.detach())
+                t.data = view
+            seg.force_dirty = True
+
+    def _allocate(self, block, seg: Segment) -> None:
+        """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            return
+        except torch.cuda.OutOfMemoryError:
+            pass
+        for other in list(self.resident):
+            if other is not block and self._may_evict(other):
+                self.evict(other)
+        if self.transport.is_cuda:
+            torch.cuda.synchronize(self.device)  # error path: let freed memory settle
+            torch.cuda.empty_cache()
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            log.warning("pager: out of device memory fetching %r; evicted idle blocks and retried", block.name)
+        except torch.cuda.OutOfMemoryError:
+            from ._budget import device_memory
+
+            free, total = device_memory(self.device)
+            raise BudgetError(
+                f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
+                f"even after evicting every idle block: budget {format_bytes(self.budget_bytes)}, pager holds "
+                f"{format_bytes(self.resident_bytes)}, the device has {format_bytes(free)} free of "
+                f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
+                f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
+            ) from None
+
+    @staticmethod
+    def _may_evict(block) -> bool:
+        return block.pins == 0 and not block.resident_for_life and not block.owner.evictions_blocked()
+
+    def _moved(self) -> None:
+        for owner in self.owners:
+            owner.blocks_moved()
+
+    # ---------------------------------------------------------- room
+    def room_bytes(self) -> int:
+        """What blocks may hold on the device: the budget, less what owners'
+        activations take ([Note: one budget] in _saved.py), never less than
+        the least that runs (the largest owner's `least_room`)."""
+        reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
+        if not reserves:
+            return self.budget_bytes
+        return max(self.budget_bytes - sum(reserves), max(o.least_room for o in self.owners))
+
+    def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
+        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
+        next use is further than `within` uses away (by their owner's
+        schedule), and never kept ones."""
+        room = self.room_bytes()
+        if self.resident_bytes + nbytes <= room:
+            return True
+        idle = [b for b in self.resident if self._may_evict(b) and b not in protect]
+        if room < self.budget_bytes and within is None:
+            # Activations crowd the blocks: what is in use must still run
+            # (over the room, within the budget; the owner warns) rather than fail.
+            room = min(self.budget_bytes, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+        # Streamed blocks first, furthest next use first; kept ones only for a
+        # use that needs the room now (never for a prefetch).
+        streamed = [b for b in idle if b not in b.owner.scheduler.kept]
+        kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
+        for group in (streamed, kept):
+            ranked = sorted(((b.owner.scheduler.distance_to(b), -b.last_use_tick, b) for b in group),
+                            key=lambda r: r[:2], reverse=True)
+            for distance, _tick, b in ranked:
+                if within is not None and distance <= within:
+                    return False
+                self.evict(b)
+                if self.resident_bytes + nbytes <= room:
+                    return True
+        return False
+
+    def raise_no_room(self, block, missing: int):
+        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
+        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
+                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
+        acts = self.budget_bytes - self.room_bytes()
+        raise BudgetError(
+            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
+            f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
+            f"by blocks in use: {held}"
+            + (f" (and activations take {format_bytes(acts)} of it)" if acts > 0 else "")
+            + ". Raise the budget, or use smaller blocks (blocks=...)."
+        )
+
+    def set_budget(self, nbytes: int) -> None:
+        """Blocks leave until `nbytes` holds them; then it is the budget.
+        Raises (the budget unchanged) if blocks in use hold more."""
+        for block in list(self.resident):
+            if self.resident_bytes <= nbytes:
+                break
+            if self._may_evict(block):
+                self.evict(block)
+        if self.resident_bytes > nbytes:
+            raise ValueError(
+                f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
+                f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
+            )
+        self.budget_bytes = nbytes
+        for owner in self.owners:
+            owner.counters.budget_bytes = nbytes
+
+    # ---------------------------------------------------------- accounting
+    def _copied(self, block, direction: str, start, end, nbytes: int) -> None:
+        """Count a copy's bytes now and its duration when its events resolve."""
+        _add(block, f"{direction}_bytes", nbytes)
+        if self.transport.is_cuda:
+            self._pending_copies.append((block, direction, start, end))
+            if len(self._pending_copies) > 1024:
+                self.resolve_events(wait=False)
+        else:
+            _add(block, f"{direction}_seconds", end - start)
+            if direction == "h2d":  # the CPU device copies synchronously: compute waited
+                _add(block, "stall_seconds", end - start)
+
+    def resolve_events(self, wait: bool = True) -> None:
+        """Turn timing-event pairs into seconds: stalls (compute arrived, fetch
+        landed) and copy durations. With wait=False only pairs already complete
+        are taken (no host sync)."""
+        stalls, copies = [], []
+        for block, arrive, done in self._pending_stalls:
+            if not wait and not (arrive.query() and done.query()):
+                stalls.append((block, arrive, done))
+                continue
+            arrive.synchronize()  # both ends must have completed
+            done.synchronize()
+            ms = arrive.elapsed_time(done)
+            if ms > 0:
+                _add(block, "stall_seconds", ms / 1e3)
+        for block, direction, start, end in self._pending_copies:
+            if not wait and not end.query():
+                copies.append((block, direction, start, end))
+                continue
+            end.synchronize()
+            _add(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
+        self._pending_stalls, self._pending_copies = stalls, copies
+
+    # ---------------------------------------------------------- owners
+    def join(self, owner) -> None:
+        """`owner` (a new Pager) shares this engine from now on."""
+        self.owners.append(owner)
+
+    def leave(self, owner) -> None:
+        """Forget `owner` (unwrapped): free its device memory and its pages.
+        Its tensors must hold their own copies by now."""
+        self.resolve_events()
+        for block in [b for b in self.resident if b.owner is owner]:
+            for seg in block.segments.values():
+                if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
+                    self.transport.free(seg.flat)
+                    self._count_resident(block, -seg.nbytes)
+                seg.state = PageState.HOST
+            self.resident.pop(block)
+        for block in owner.all_blocks():
+            for seg in block.segments.values():
+                seg.state = PageState.HOST
+        self.resident_bytes -= owner.resident_bytes  # what numpy still shares is the user's now
+        self.total_bytes -= owner.total_bytes
+        owner.resident_bytes = owner.total_bytes = 0
+        self.host.release(owner)
+        if owner in self.owners:
+            self.owners.remove(owner)
+
+
+def _add(block, field: str, value) -> None:
+    """Add to a counter of `block` and the same one of its owner."""
+    setattr(block.stats, field, getattr(block.stats, field) + value)
+    counters = block.owner.counters
+    setattr(counters, field, getattr(counters, field) + value)

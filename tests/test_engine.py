@@ -1,0 +1,186 @@
+"""The residency engine on its own terms: explicit page states, idempotent
+transitions, models sharing one engine (one budget), and the package's layers."""
+
+import ast
+import copy
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pager
+from pager._block import PageState
+from helpers import assert_models_equal, assert_same, tensor_page_bytes
+from models import TinyLM
+
+
+def stack(n=6, width=32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(n)])
+
+
+def states(block):
+    return {kind: seg.state for kind, seg in block.segments.items()}
+
+
+def test_a_block_walks_host_fetching_resident_host_and_each_step_is_idempotent():
+    model = stack()
+    layer = tensor_page_bytes(model[0])
+    pager.wrap(model, budget=3 * layer, device="cpu", prefetch=0)
+    p = pager.of(model)
+    engine, block = p.engine, p.blocks[2]
+    assert states(block) == {"weights": PageState.HOST}
+    with p.lock:
+        engine.fetch(block, ("weights",))
+        assert states(block) == {"weights": PageState.FETCHING} and engine.resident_bytes == layer
+        engine.fetch(block, ("weights",))  # already there: nothing moves
+        assert engine.resident_bytes == layer and p.stats().h2d_bytes == layer
+        engine.wait(block)
+        engine.wait(block)
+        assert states(block) == {"weights": PageState.RESIDENT}
+        assert engine.evict(block)
+        assert states(block) == {"weights": PageState.HOST} and engine.resident_bytes == 0
+        assert p.stats().d2h_bytes == 0  # clean: left for free
+    model(torch.randn(2, 32))  # and it still runs, bit for bit below
+    assert_same(model(torch.ones(2, 32)), pager.unwrap(model)(torch.ones(2, 32)))
+
+
+def test_a_dirty_page_is_written_back_as_it_leaves():
+    model = stack()
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu", prefetch=0)
+    p = pager.of(model)
+    block = p.blocks[0]
+    with torch.no_grad():
+        model[0][0].weight.add_(1.0)  # served: fetched, changed, version moved
+    with p.lock:
+        if block.weights.resident:
+            assert p.engine.evict(block)
+    assert block.weights.state is PageState.HOST and p.stats().d2h_bytes == block.weights.nbytes
+
+
+def test_two_models_share_one_budget_bit_for_bit():
+    a, b = stack(seed=1), stack(seed=2)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    budget = 4 * tensor_page_bytes(a[0])
+    pager.wrap(a, budget=budget, device="cpu")
+    pager.wrap(b, budget=pager.of(a).engine)
+    engine = pager.of(a).engine
+    assert pager.of(b).engine is engine and engine.owners == [pager.of(a), pager.of(b)]
+    peaks = []
+    for m in list(a) + list(b):
+        m.register_forward_hook(lambda *_: peaks.append(engine.resident_bytes))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(a(x), ref_a(x))
+            assert_same(b(x), ref_b(x))
+    assert max(peaks) <= budget
+    assert pager.of(a).stats().evictions > 0 and pager.of(b).stats().evictions > 0
+    assert engine.resident_bytes == pager.of(a).resident_bytes + pager.of(b).resident_bytes
+
+
+def test_two_models_sharing_an_engine_train_bit_for_bit():
+    torch.manual_seed(0)
+    a, b = TinyLM(), TinyLM()
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    budget = 6 * max(tensor_page_bytes(layer) for layer in a.layers) + 3 * (
+        tensor_page_bytes(a) - sum(tensor_page_bytes(layer) for layer in a.layers))
+    pager.wrap(a, budget=budget, device="cpu")
+    pager.wrap(b, budget=pager.of(a).engine)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b, ref_a, ref_b)]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids, tgt = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+        for m, opt in zip((a, b, ref_a, ref_b), opts):
+            F.cross_entropy(m(ids).flatten(0, 1), tgt.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    engine = pager.of(a).engine
+    assert engine.resident_bytes <= budget
+    assert pager.of(a).stats().evictions > 0 and pager.of(b).stats().evictions > 0
+    assert_models_equal(a, ref_a)
+    assert_models_equal(b, ref_b)
+
+
+def test_unwrapping_one_model_frees_only_its_own():
+    a, b = stack(seed=1), stack(seed=2)
+    ref_b = copy.deepcopy(b)
+    pager.wrap(a, budget=4 * tensor_page_bytes(a[0]), device="cpu")
+    pager.wrap(b, budget=pager.of(a).engine)
+    engine, pb = pager.of(a).engine, pager.of(b)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        a(x), b(x)
+        pager.unwrap(a)
+        assert engine.owners == [pb] and engine.total_bytes == pb.total_bytes
+        assert engine.resident_bytes == pb.resident_bytes
+        assert all(blk.owner is pb for blk in engine.resident)
+        for _ in range(2):
+            assert_same(b(x), ref_b(x))
+    pager.unwrap(b)
+    assert engine.resident_bytes == 0 and engine.total_bytes == 0 and not engine.owners
+
+
+def test_a_shared_budget_refuses_a_model_that_cannot_run_beside_the_others():
+    a, b = stack(seed=1), stack(n=2, width=256, seed=2)
+    pager.wrap(a, budget=4 * tensor_page_bytes(a[0]), device="cpu")
+    before = [t.clone() for t in b.parameters()]
+    with pytest.raises(ValueError, match="largest block"):
+        pager.wrap(b, budget=pager.of(a).engine)
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(b)
+    assert all(torch.equal(t, u) for t, u in zip(b.parameters(), before))
+    engine = pager.of(a).engine
+    assert engine.owners == [pager.of(a)]
+    pager.unwrap(a)
+    with pytest.raises(ValueError, match="unwrapped"):
+        pager.wrap(stack(), budget=engine)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second kind of device")
+def test_a_shared_engine_names_its_device():
+    a = stack()
+    pager.wrap(a, budget=4 * tensor_page_bytes(a[0]), device="cpu")
+    with pytest.raises(ValueError, match="shares an engine on cpu"):
+        pager.wrap(stack(), budget=pager.of(a).engine, device="cuda")
+
+
+# ------------------------------------------------------------------ layers
+PACKAGE = pathlib.Path(pager.__file__).parent
+# Lower layers never import higher ones: api -> per-model pager -> engine -> tiers / transport.
+LOWER = {"_engine", "_tiers", "_transport", "_host", "_block", "_budget", "_common", "_stats"}
+UPPER = {"_api", "_pager", "_hooks", "_optim", "_checkpoint", "_grad_ops", "_saved", "_paged", "_grads"}
+
+
+def imports_of(module: str) -> set:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    out = set()
+    for node in ast.walk(tree):  # function-level imports too
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out |= {node.module} if node.module else {a.name for a in node.names}
+    return out
+
+
+def test_the_engine_layer_imports_nothing_above_it():
+    for module in LOWER:
+        assert not imports_of(module) & UPPER, module
+
+
+def test_the_package_has_no_import_circle():
+    modules = [f.stem for f in PACKAGE.glob("_*.py") if f.stem != "__init__" and f.stem != "__main__"]
+    graph = {m: imports_of(m) & set(modules) for m in modules}
+    seen, done = set(), set()
+
+    def visit(m, path):
+        assert m not in path, " -> ".join(path + [m])
+        if m in done:
+            return
+        for n in graph[m]:
+            visit(n, path + [m])
+        done.add(m)
+
+    for m in modules:
+        visit(m, [])
