@@ -41,6 +41,7 @@ import torch
 from ._block import PageState, Segment, layout, storage_key
 from ._budget import format_bytes
 from ._common import BudgetError, _record_range
+from ._meter import Meter
 from ._tiers import HostTier
 from ._transport import CpuTransport, CudaTransport
 
@@ -63,6 +64,10 @@ class Owner:
     def activation_reserve_bytes(self):
         """Device bytes its activations take from the budget, or None if it
         does not page activations (the budget is then its blocks')."""
+
+    def grads_arriving(self, block, seg) -> None:
+        """A grads page is about to be fetched: set `seg.host_valid` to whether
+        its page holds a gradient still wanted (else nothing is copied)."""
 
     def may_leave(self, block) -> bool:
         """`block` was chosen to leave: False if it must stay after all."""
@@ -110,8 +115,7 @@ class Engine:
         self.lock = threading.RLock()
         self.room = threading.Condition(self.lock)  # notified when a block goes idle
         self.room_waiters = 0
-        self._pending_stalls: list = []   # (block, compute arrived, fetch landed)
-        self._pending_copies: list = []   # (block, direction, start, end)
+        self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
         return (f"Engine({self.device}, budget {format_bytes(self.budget_bytes)}, "
@@ -226,7 +230,7 @@ class Engine:
                 first = first if moved else start
                 moved = True
                 nbytes += seg.nbytes
-                self._copied(block, "h2d", start, end, seg.nbytes)
+                self.meter.copied(block, "h2d", start, end, seg.nbytes)
             seg.state = PageState.FETCHING
             seg.snapshot_versions()
         block.fetched_data = moved
@@ -250,12 +254,9 @@ class Engine:
         if block.fetch_event is not None:
             with _record_range(f"pager::wait[{block.name}]"):
                 if self.transport.is_cuda:
-                    arrive = torch.cuda.Event(enable_timing=True)
-                    arrive.record(self.transport.compute_stream())
-                    self._pending_stalls.append((block, arrive, block.fetch_event))
+                    arrive = self.transport.record_compute()
+                    self.meter.stalled(block, arrive, block.fetch_event)
                     block.owner.tracer.span("wait", block.name, arrive, block.fetch_event)
-                    if len(self._pending_stalls) > 1024:
-                        self.resolve_events(wait=False)
                 # Compute must not read the block before its fetch has landed.
                 self.transport.compute_waits(block.fetch_event)
             block.fetch_event = None
@@ -315,7 +316,7 @@ class Engine:
             writeback = end if self.transport.is_cuda else None
             seg.writeback_event = writeback
             seg.host_valid = True
-            self._copied(block, "d2h", start, end, seg.nbytes)
+            self.meter.copied(block, "d2h", start, end, seg.nbytes)
             block.owner.tracer.span("writeback", block.name, start, end, seg.nbytes)
         self.transport.free(seg.flat, after=(ready, writeback))
         seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
@@ -357,16 +358,7 @@ class Engine:
             self.transport.allocate(seg.flat, seg.nbytes)
             log.warning("pager: out of device memory fetching %r; evicted idle blocks and retried", block.name)
         except torch.cuda.OutOfMemoryError:
-            from ._budget import device_memory
-
-            free, total = device_memory(self.device)
-            raise BudgetError(
-                f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
-                f"even after evicting every idle block: budget {format_bytes(self.budget_bytes)}, pager holds "
-                f"{format_bytes(self.resident_bytes)}, the device has {format_bytes(free)} free of "
-                f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
-                f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
-            ) from None
+            raise _out_of_memory(self, block, seg) from None
 
     @staticmethod
     def _may_evict(block) -> bool:
@@ -398,6 +390,8 @@ class Engine:
             # Activations crowd the blocks: what is in use must still run
             # (over the room, within the budget; the owner warns) rather than fail.
             room = min(self.budget_bytes, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+            if self.resident_bytes + nbytes <= room:
+                return True
         # Streamed blocks first, furthest next use first; kept ones only for a
         # use that needs the room now (never for a prefetch).
         streamed = [b for b in idle if b not in b.owner.scheduler.kept]
@@ -414,6 +408,8 @@ class Engine:
         return False
 
     def raise_no_room(self, block, missing: int):
+        """Raise the BudgetError for `block`, which needs `missing` bytes that
+        the blocks in use (named in it) do not leave."""
         pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
         held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
                          f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
@@ -443,41 +439,6 @@ class Engine:
         for owner in self.owners:
             owner.counters.budget_bytes = nbytes
 
-    # ---------------------------------------------------------- accounting
-    def _copied(self, block, direction: str, start, end, nbytes: int) -> None:
-        """Count a copy's bytes now and its duration when its events resolve."""
-        _add(block, f"{direction}_bytes", nbytes)
-        if self.transport.is_cuda:
-            self._pending_copies.append((block, direction, start, end))
-            if len(self._pending_copies) > 1024:
-                self.resolve_events(wait=False)
-        else:
-            _add(block, f"{direction}_seconds", end - start)
-            if direction == "h2d":  # the CPU device copies synchronously: compute waited
-                _add(block, "stall_seconds", end - start)
-
-    def resolve_events(self, wait: bool = True) -> None:
-        """Turn timing-event pairs into seconds: stalls (compute arrived, fetch
-        landed) and copy durations. With wait=False only pairs already complete
-        are taken (no host sync)."""
-        stalls, copies = [], []
-        for block, arrive, done in self._pending_stalls:
-            if not wait and not (arrive.query() and done.query()):
-                stalls.append((block, arrive, done))
-                continue
-            arrive.synchronize()  # both ends must have completed
-            done.synchronize()
-            ms = arrive.elapsed_time(done)
-            if ms > 0:
-                _add(block, "stall_seconds", ms / 1e3)
-        for block, direction, start, end in self._pending_copies:
-            if not wait and not end.query():
-                copies.append((block, direction, start, end))
-                continue
-            end.synchronize()
-            _add(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
-        self._pending_stalls, self._pending_copies = stalls, copies
-
     # ---------------------------------------------------------- owners
     def join(self, owner) -> None:
         """`owner` (a new Pager) shares this engine from now on."""
@@ -486,7 +447,7 @@ class Engine:
     def leave(self, owner) -> None:
         """Forget `owner` (unwrapped): free its device memory and its pages.
         Its tensors must hold their own copies by now."""
-        self.resolve_events()
+        self.meter.resolve()
         for block in [b for b in self.resident if b.owner is owner]:
             for seg in block.segments.values():
                 if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
@@ -505,8 +466,14 @@ class Engine:
             self.owners.remove(owner)
 
 
-def _add(block, field: str, value) -> None:
-    """Add to a counter of `block` and the same one of its owner."""
-    setattr(block.stats, field, getattr(block.stats, field) + value)
-    counters = block.owner.counters
-    setattr(counters, field, getattr(counters, field) + value)
+def _out_of_memory(engine: Engine, block, seg: Segment) -> BudgetError:
+    from ._budget import device_memory
+
+    free, total = device_memory(engine.device)
+    return BudgetError(
+        f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
+        f"even after evicting every idle block: budget {format_bytes(engine.budget_bytes)}, pager holds "
+        f"{format_bytes(engine.resident_bytes)}, the device has {format_bytes(free)} free of "
+        f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
+        f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
+    )

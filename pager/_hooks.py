@@ -314,7 +314,7 @@ class HooksMixin:
         # the first step (whose fetches are the unavoidable cold start).
         if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
             if self.transport.is_cuda:
-                self._resolve_events(wait=False)
+                self.engine.meter.resolve(wait=False)
             start, stall_at_start = self._window
             now, stall = time.perf_counter(), self.counters.stall_seconds
             if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):

@@ -525,7 +525,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     def stats(self) -> Stats:
         """Counters since the last `reset()` (see `Stats`), with per-block rows:
         a snapshot, which later steps do not change."""
-        self.engine.resolve_events()
+        self.engine.meter.resolve()
         blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
         memory = {}
         if self._activations is not None:
@@ -570,7 +570,7 @@ class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
     @_locked
     def reset(self) -> None:
         """Zero every counter (peak resident bytes restart from what is resident now)."""
-        self.engine.resolve_events()
+        self.engine.meter.resolve()
         zero_counters(self.counters)
         for b in self.all_blocks():
             zero_counters(b.stats)

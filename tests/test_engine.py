@@ -184,3 +184,22 @@ def test_the_package_has_no_import_circle():
 
     for m in modules:
         visit(m, [])
+
+
+def test_a_use_that_activations_crowd_runs_within_the_budget():
+    """Activations hold part of the budget: a block in use that fits the
+    budget (not the room left) still runs rather than failing."""
+    model = stack()
+    layer = tensor_page_bytes(model[0])
+    pager.wrap(model, budget=4 * layer, device="cpu", activations="recompute", prefetch=0)
+    p = pager.of(model)
+    engine = p.engine
+    p._activations.ledger.last_pass_peak = 2 * layer  # the last pass's activations took half the budget
+    assert engine.room_bytes() == 2 * layer
+    with p.lock:
+        for block in p.blocks[:3]:
+            engine.bring(block, ("weights",))  # in use: none may leave
+        assert engine.make_room(layer, protect=set())  # 4 layers: over the room, within the budget
+        assert not engine.make_room(layer + 1, protect=set())
+        for block in p.blocks[:3]:
+            p.release(block)
