@@ -523,16 +523,8 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
     act = rows * d * 4  # a block's input, fp32
     peaks = {}
     for activations in ("keep", "recompute", "auto"):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
-        ref = copy.deepcopy(model).to(GPU)
-        budget = int(2.5 * 4 * tensor_page_bytes(model[0]))
-        pager.wrap(model, budget=budget, device=GPU, activations=activations)
-        p = pager.of(model)
-        _sleepy(p.transport)
-        opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
-        w = torch.randn(8, 8, device=GPU, requires_grad=True)
-        (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+        model, ref, p, opt, ref_opt, budget = _wide_drop_training(
+            d, n, activations, lambda m: int(2.5 * 4 * tensor_page_bytes(m[0])))
         peak = 0
         for step in range(9 if activations == "auto" else 3):  # auto: 2 passes, 2 of each policy, the choice
             x = torch.randn(rows, d, device=GPU)
@@ -567,6 +559,22 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
     assert peaks["recompute"] <= budget + n * act + 3 * 10 * act, (peaks, budget, act)
 
 
+def _wide_drop_training(d, n, activations, budget_of):
+    """`n` WideDrop blocks wrapped with `budget_of(model)` and `activations`,
+    a reference copy on the GPU, and an Adam for each; cuBLAS workspaces made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
+    ref = copy.deepcopy(model).to(GPU)
+    budget = budget_of(model)
+    pager.wrap(model, budget=budget, device=GPU, activations=activations)
+    p = pager.of(model)
+    _sleepy(p.transport)
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+    w = torch.randn(8, 8, device=GPU, requires_grad=True)
+    (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+    return model, ref, p, opt, ref_opt, budget
+
+
 @pytest.mark.parametrize("activations", ["offload", "recompute"])
 def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     """[Note: one budget]: with activations paged, blocks get the budget less
@@ -576,18 +584,10 @@ def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     blocks' activations), where blocks alone would fill the budget."""
     d, n, rows = 1024, 12, 2048
     act = rows * d * 4  # a block's input, fp32
-    torch.manual_seed(0)
-    model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
-    ref = copy.deepcopy(model).to(GPU)
-    training_block = 4 * tensor_page_bytes(model[0])  # weights, grads, Adam's two states
-    budget = 3 * training_block + 40 * act  # room for 3 blocks with about 4 blocks' activations
+    training_block = 4 * tensor_page_bytes(WideDrop(d))  # weights, grads, Adam's two states
+    # Room for 3 blocks with about 4 blocks' activations.
+    model, ref, p, opt, ref_opt, budget = _wide_drop_training(d, n, activations, lambda m: 3 * training_block + 40 * act)
     assert n * training_block > budget  # blocks alone would fill it
-    pager.wrap(model, budget=budget, device=GPU, activations=activations)
-    p = pager.of(model)
-    _sleepy(p.transport)
-    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
-    w = torch.randn(8, 8, device=GPU, requires_grad=True)
-    (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
     peak = 0
     for step in range(4):
         x = torch.randn(rows, d, device=GPU)
