@@ -6,65 +6,69 @@ import torch
 import torch.nn as nn
 
 from ._block import Block
-from ._common import WEIGHTS, _locked
+from ._common import WEIGHTS
 from . import _paged
 from ._grads import PagedOutGrad, replay
 
 
-class StateDictMixin:
-    """`state_dict()` / `load_state_dict()` hooks (mixed into `Pager`)."""
+class StateDicts:
+    """`state_dict()` / `load_state_dict()` of one wrapped model: host copies
+    out, fetches in.
 
-    def _install_state_dict_hooks(self) -> None:
-        """`state_dict()` returns host copies; `load_state_dict()` fetches each block.
+    Args:
+        pager: the model's `Pager` (used through its public methods).
 
-        [Note: state dicts of a paged model]
-        Module.state_dict() returns references to the tensors, and a paged-out
-        block's tensors have no memory behind them; a post-hook on the root
-        replaces every paged entry with a host copy of its current value (so a
-        checkpoint needs no room on the device and loads without a GPU).
-        load_state_dict() copies into the tensors in place: a pre-hook on each
-        block module fetches the block, a post-hook releases it, and the copies
-        bump the version counters, so the block is written back when it leaves.
-        """
-        names = {}
-        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
-            self.model.named_buffers(remove_duplicate=False)
-        ):
-            names[name] = t
-        index = {}
-        for block in self.all_blocks():
-            for i, t in enumerate(block.weights.tensors):
-                index[id(t)] = (block, i)
-        self._state_names = {n: index[id(t)] for n, t in names.items() if id(t) in index}
-        post = getattr(self.model, "register_state_dict_post_hook", None) or self.model._register_state_dict_hook
-        self._hooks.append(post(lambda *a: self._state_dict_post(*a)))
-        for block in self.blocks:
-            self._hooks.append(_load_pre_hook(block.module, self._make_load_pre(block)))
-            self._hooks.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+    [Note: state dicts of a paged model]
+    Module.state_dict() returns references to the tensors, and a paged-out
+    block's tensors have no memory behind them; a post-hook on the root
+    replaces every paged entry with a host copy of its current value (so a
+    checkpoint needs no room on the device and loads without a GPU).
+    load_state_dict() copies into the tensors in place: a pre-hook on each
+    block module fetches the block, a post-hook releases it, and the copies
+    bump the version counters, so the block is written back when it leaves.
+    """
 
-    @_locked
+    def __init__(self, pager):
+        self.pager = pager
+        self._names: dict = {}  # state-dict name -> (block, slot) of every paged tensor
+
+    def install(self) -> list:
+        """Install the hooks; returns their handles."""
+        pager, model = self.pager, self.pager.model
+        index = {id(t): (block, i) for block in pager.all_blocks() for i, t in enumerate(block.weights.tensors)}
+        named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        self._names = {n: index[id(t)] for n, t in named if id(t) in index}
+        post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
+        handles = [post(lambda *a: self._state_dict_post(*a))]
+        for block in pager.blocks:
+            handles.append(_load_pre_hook(block.module, self._make_load_pre(block)))
+            handles.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+        return handles
+
     def _state_dict_post(self, module, state_dict, prefix, local_metadata):
-        self.apply_deferred()  # the weights as the steps taken so far left them
-        if self.transport.is_cuda:
-            torch.cuda.synchronize(self.device)  # write-backs in flight must land first
-        for name, (block, i) in self._state_names.items():
-            key = prefix + name
-            if key not in state_dict:
-                continue
-            with _paged.unguarded():
-                state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
+        pager = self.pager
+        with pager.lock:
+            pager.apply_deferred()  # the weights as the steps taken so far left them
+            if pager.transport.is_cuda:
+                torch.cuda.synchronize(pager.device)  # write-backs in flight must land first
+            for name, (block, i) in self._names.items():
+                key = prefix + name
+                if key not in state_dict:
+                    continue
+                with _paged.unguarded():
+                    state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
-            with self.lock:
-                self.acquire(block, WEIGHTS, record=False)
+            with self.pager.lock:
+                self.pager.acquire(block, WEIGHTS, record=False)
 
         return load_pre
 
     def _make_load_post(self, block: Block):
         def load_post(module, incompatible_keys):
-            with self.lock:
-                self.release(block)
+            with self.pager.lock:
+                self.pager.release(block)
 
         return load_post
 

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _paged, _saved
 from ._block import Block
 from ._budget import format_bytes
+from ._checkpoint import StateDicts
 from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
 
 log = logging.getLogger("pager")
@@ -35,7 +36,7 @@ class HooksMixin:
             for p in block.params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._install_state_dict_hooks()
+        self._hooks += StateDicts(self).install()
 
     def _install_block_hooks(self, block: Block) -> None:
         # Ours first among pre-hooks (a user's hook on the block may read its

@@ -13,7 +13,6 @@ import torch
 
 from ._block import Block, Segment, layout
 from ._budget import format_bytes
-from ._checkpoint import StateDictMixin
 from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
 from . import _paged, _saved
 from ._grad_ops import GradOpsMixin
@@ -28,7 +27,7 @@ from ._trace import Tracer
 log = logging.getLogger("pager")
 
 
-class Pager(HooksMixin, StateDictMixin, GradOpsMixin):
+class Pager(HooksMixin, GradOpsMixin):
     """Pages one model's blocks between host pages and a device under a budget.
 
     Made by `pager.wrap`; reach it with `pager.of(model)`.
