@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
 import torch
 
@@ -48,15 +49,19 @@ from ._transport import CpuTransport, CudaTransport
 log = logging.getLogger("pager")
 
 
-class Owner:
-    """What the engine asks of a block's owner (a `Pager`); documentation of
-    the interface, implemented by `Pager`.
+class Owner(Protocol):
+    """What the engine asks of a block's owner; `Pager` implements it.
 
-    Attributes the engine keeps up to date: `resident_bytes`, `total_bytes`
-    (the owner's share of the engine's). Attributes it reads: `counters` (a
-    `Stats`: copy bytes and seconds, evictions, peaks), `tracer`, `scheduler`
-    (`distance_to`, `kept`) and `least_room` (the least room its blocks run in).
+    The engine keeps `resident_bytes` and `total_bytes` (the owner's share of
+    its own) up to date, and reads the rest.
     """
+
+    resident_bytes: int
+    total_bytes: int
+    counters: object   # a `Stats`: copy bytes and seconds, evictions, peaks
+    tracer: object     # a `Tracer`: spans of fetches, waits and write-backs
+    scheduler: object  # a `Scheduler`: `distance_to(block)`, `kept`
+    least_room: int    # the least room its blocks run in
 
     def evictions_blocked(self) -> bool:
         """Nothing of this owner may leave now (a forward runs without hooks)."""
@@ -453,7 +458,6 @@ class Engine:
                 if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
                     self.transport.free(seg.flat)
                     self._count_resident(block, -seg.nbytes)
-                seg.state = PageState.HOST
             self.resident.pop(block)
         for block in owner.all_blocks():
             for seg in block.segments.values():

@@ -247,8 +247,8 @@ class OptimizerLink:
         for block in pager.all_blocks():
             if any(id(p) in in_opt and p.grad is not None for p in block.params):
                 wanted.append(block)
-        resident = [b for b in wanted if b in pager.resident]
-        return resident + [b for b in wanted if b not in pager.resident]
+        resident = pager.engine.resident  # (an ordered set: read once, not rebuilt per block)
+        return [b for b in wanted if b in resident] + [b for b in wanted if b not in resident]
 
     def _state_estimate(self, block: Block) -> int:
         """Bytes of state the first update of `block` will create (learned from
