@@ -127,3 +127,13 @@ def free_cuda() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks torch's host allocator keeps
+    if host_empty is not None:
+        host_empty()
+
+
+def host_rss_gib() -> float:
+    """This process's resident host memory."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30

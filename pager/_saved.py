@@ -347,11 +347,19 @@ def _top_hooks():
         return top()
 
 
+def _next_save() -> int:
+    """Number this thread's next save (see [Note: saves counted across nested blocks])."""
+    number = getattr(_tls, "saves", 0)
+    _tls.saves = number + 1
+    return number
+
+
 def _pack(t):
     frame = _tls.active
+    number = _next_save()
     entry = entry_of(t)
     if entry is None and frame.recompute is not None:
-        return frame.recompute.drop(t)
+        return frame.recompute.drop(t, number)
     if entry is None and frame.offload is not None and frame.offload.wants(t):
         return frame.offload.send(t)
     with unguarded():
@@ -609,11 +617,15 @@ class Recompute:
                          for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
+        self.first_save = getattr(_tls, "saves", 0)  # this thread's saves before the forward's first
+        self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
         self.values: dict = {}   # index -> recomputed tensor, until handed out
         self.lock = threading.Lock()  # unpack runs on autograd's threads
 
-    def drop(self, t) -> Dropped:
+    def drop(self, t, number: int) -> Dropped:
+        """Drop `t`, the thread's `number`-th save."""
         dropped = Dropped(self, len(self.holders), t.shape, t.dtype)
+        self.index_of[number - self.first_save] = dropped.index
         self.holders.append(weakref.ref(dropped))
         return dropped
 
@@ -696,14 +708,21 @@ class _Input:
 
 
 def _pack_again(t):
+    # [Note: saves counted across nested blocks]
+    # A block's forward may run blocks inside it (a layer's parts): what
+    # those save is theirs (their own `Recompute`, offload or ledger), not
+    # the outer block's. Running the outer forward again runs the inner ones
+    # too, under these hooks alone, so its saves are matched by number: the
+    # n-th save since the forward began, whoever's frame took it, both times.
     recompute, counter = _tls.recording
-    paged = entry_of(t) is not None  # saved as itself in the forward (`_pack`): not counted
+    n = counter[0]
+    counter[0] += 1
     with unguarded():
         t = t.detach()
-    if not paged:
-        recompute.keep(counter[0], t)
-        counter[0] += 1
-        if counter[0] == len(recompute.holders):
+    index = recompute.index_of.get(n)
+    if index is not None:
+        recompute.keep(index, t)
+        if index == len(recompute.holders) - 1:
             raise _AllSaved  # the rest of the forward saves nothing the backward needs
     return t
 

@@ -234,6 +234,30 @@ def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward()
     assert p.stats().recomputes == 4 + 3
 
 
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_layers_split_into_parts_recompute_their_own_saves(policy):
+    """A layer split into parts (its Linears blocks of their own inside it):
+    running the layer's forward again runs its parts too, whose saves are
+    theirs; the layer keeps only its own (the ReLU's), matched by number
+    ([Note: saves counted across nested blocks])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide(256) for _ in range(12)])  # parts of 1 MiB and more get blocks of their own
+    ref = copy.deepcopy(model)
+    p = offloading(model, streams(model), policy)
+    assert {"1", "1.up", "1.down"} <= {b.name for b in p.blocks}, [b.name for b in p.blocks]  # parts inside the layer
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):  # ("auto" tries both)
+        x = torch.randn(32, 256, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_acted(p, policy)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 def test_an_input_changed_in_place_before_its_recomputation_is_an_error():
     model = nn.Sequential(*[Wide() for _ in range(3)])
     offloading(model, streams(model), "recompute")
