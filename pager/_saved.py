@@ -55,8 +55,11 @@ acquired it), in autograd's thread, with the forward's RNG states (dropout
 draws the same masks) and autocast, under hooks that keep the i-th saved tensor
 for the i-th `Dropped` still alive; pager's own forward hooks then only
 acquire and release (`recomputing()`). The forward stops (an exception
-from the hook) once it has saved as many tensors as the first time: what
-follows, often the block's last matmul, saved nothing. Each value is handed out once (a
+from the hook, as torch's checkpoint stops early) once it has saved its last
+tensor: what follows, often the block's last matmul, saved nothing. Not under
+torch's CUDA sanitizer: its trace hooks run inside the op that raises, with
+the exception already set, and fail (a SystemError out of the backward); the
+forward then runs to its end, to the same values. Each value is handed out once (a
 second backward through a retained graph runs the forward again). A saved
 tensor of another shape or dtype than in the forward, or an input changed in
 place since, is an error (the recomputation would differ). The block's own
@@ -80,6 +83,7 @@ slack (`stats()` gives the allocator's own peak beside pager's).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections import deque
@@ -722,9 +726,15 @@ def _pack_again(t):
     index = recompute.index_of.get(n)
     if index is not None:
         recompute.keep(index, t)
-        if index == len(recompute.holders) - 1:
+        if index == len(recompute.holders) - 1 and not _cuda_trace_hooks_on():
             raise _AllSaved  # the rest of the forward saves nothing the backward needs
     return t
+
+
+def _cuda_trace_hooks_on() -> bool:
+    """Whether torch's CUDA sanitizer watches (see [Note: activations recomputed])."""
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    return sanitizer is not None and getattr(getattr(sanitizer, "cuda_sanitizer", None), "enabled", False)
 
 
 class _AllSaved(Exception):

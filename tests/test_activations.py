@@ -234,12 +234,17 @@ def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward()
     assert p.stats().recomputes == 4 + 3
 
 
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "to-the-end"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_layers_split_into_parts_recompute_their_own_saves(policy):
+def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, monkeypatch):
     """A layer split into parts (its Linears blocks of their own inside it):
     running the layer's forward again runs its parts too, whose saves are
     theirs; the layer keeps only its own (the ReLU's), matched by number
-    ([Note: saves counted across nested blocks])."""
+    ([Note: saves counted across nested blocks]). Also run to the forward's
+    end, as under torch's CUDA sanitizer ([Note: activations recomputed])."""
+    from pager import _saved
+
+    monkeypatch.setattr(_saved, "_cuda_trace_hooks_on", lambda: not early_stop)
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide(256) for _ in range(12)])  # parts of 1 MiB and more get blocks of their own
     ref = copy.deepcopy(model)

@@ -612,3 +612,23 @@ def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     assert peak <= budget + 3 * 10 * act, (peak, budget, act, s.peak_device_bytes)
     pager.unwrap(model)
     assert_close_to_reference(model, ref)
+
+
+@pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
+def test_unwrap_lets_the_pager_and_its_pinned_pages_go(activations):
+    """A process that wraps models one after another gets its pinned host
+    memory back: after unwrap, nothing holds the pager or its arena."""
+    import gc
+    import weakref
+
+    model, ref, p, opt, ref_opt, budget = _wide_drop_training(
+        512, 6, activations, lambda m: int(2.5 * 4 * tensor_page_bytes(m[0])))
+    for _ in range(2):
+        model(torch.randn(256, 512, device=GPU)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    alive, arena = weakref.ref(p), weakref.ref(p.arena)
+    pager.unwrap(model)
+    del p, model, opt
+    gc.collect()
+    assert alive() is None and arena() is None, [type(r).__name__ for r in gc.get_referrers(alive())][:8]
