@@ -223,6 +223,7 @@ class Activations:
 
     def pass_ends(self) -> None:
         """A backward ended ("auto": the trial pass under way ends)."""
+        self.offload.pass_ends()
         self.ledger.pass_ends()
         if self._start is not None:
             self._timed.append((*self._start, self.transport.clock()))
@@ -499,7 +500,10 @@ class ActivationOffload:
             self._in_flight_cap = max(self._in_flight_cap, group[2])
             self.stats.activations_sent_bytes += nbytes
             if written is not None:
-                self._in_flight.append((t, written, nbytes))
+                # Its memory, not its graph: a graph node's hooks hold the pager,
+                # which holds this queue (a cycle through C++ that gc cannot break).
+                with unguarded():
+                    self._in_flight.append((t.detach(), written, nbytes))
                 self._in_flight_bytes += nbytes
                 self.ledger.add(nbytes)
             self._settle()
@@ -536,6 +540,17 @@ class ActivationOffload:
             self.transport.compute_waits(event)
             self._in_flight_bytes -= nbytes
             self.ledger.sub(nbytes)
+
+    def pass_ends(self) -> None:
+        """The backward ended: every copy out was ordered before it; compute
+        waits for those still under way, and their device memory is let go."""
+        with self._lock:
+            while self._in_flight:
+                _t, event, nbytes = self._in_flight.popleft()
+                # Compute may reuse this memory only after the copy out has read it.
+                self.transport.compute_waits(event)
+                self.ledger.sub(nbytes)
+            self._in_flight_bytes = 0
 
     def bring(self, sent: Sent) -> torch.Tensor:
         with self._lock:

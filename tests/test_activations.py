@@ -521,3 +521,37 @@ def test_the_ledgers_peak_after_a_reset_counts_a_rise_below_the_passs_peak():
     assert ledger.peak == 50
     ledger.pass_ends()  # the pass's own peak (100) becomes the reserve
     assert ledger.reserve() == 100
+
+
+class _CopyUnderWay:
+    """An event of a copy out that has not landed (as on a GPU)."""
+
+    def query(self):
+        return False
+
+
+def test_activations_being_copied_out_do_not_hold_the_graph_or_the_pager():
+    """Device activations wait in a queue while their copy out is under way
+    (on a GPU); the queue must hold their memory, not their autograd graph:
+    a graph node's hooks hold the pager, which holds the queue, a cycle
+    through C++ that the garbage collector cannot break (the H100 kept every
+    unwrapped pager and its pinned arena, ~16 GiB a model). And what a
+    backward leaves in the queue is let go of when the pass ends."""
+    model = nn.Sequential(*[Wide() for _ in range(4)])
+    p = offloading(model, streams(model), "offload")
+    send = p.transport.send_to_host
+    p.transport.send_to_host = lambda t: (send(t)[0], _CopyUnderWay())
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 32)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        assert p.stats().activation_bytes == 0  # nothing counted after the pass
+    out = model(x)  # a forward whose backward never comes: its graph goes with `out`
+    assert p.stats().activations_sent_bytes > 0
+    alive = weakref.ref(p)
+    del out, p
+    pager.unwrap(model)
+    del model, opt
+    gc.collect()
+    assert alive() is None
