@@ -164,7 +164,7 @@ def half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
         fwd(model)()
         torch.cuda.synchronize()
         stats.append(pg.stats())
-    pager.of(twins[0])._shared = True  # as `_note_threads` does when a second thread appears
+    pager.of(twins[0]).shared_mode = True  # as `note_threads` does when a second thread appears
     (shared_ms, shared_host), (lin2_ms, _h) = interleaved_ms([fwd(twins[0]), fwd(twins[1])], reps=15)
     must = (args.layers - k) * per_layer
     floor = must / (bw * 1e9) * 1e3
@@ -192,7 +192,7 @@ def fits_all_shared(twins, x, gpu_fwd, wname):
     operation on a weight passes one), in turns with all on GPU."""
     for model in twins:
         pager.wrap(model, budget=20 * GiB, device="cuda")
-    pager.of(twins[1])._shared = True  # as `_note_threads` does when a second thread appears
+    pager.of(twins[1]).shared_mode = True  # as `note_threads` does when a second thread appears
 
     def fwd(model):
         def run():

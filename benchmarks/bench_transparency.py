@@ -107,7 +107,7 @@ def bench_steps(reps, rows):
             # The shared mode (another Python thread exists: blocks in use stay
             # guarded, the step's operations pass the guard one by one). Sticky
             # per pager, so timed after the rest, fp32 and fp32 + clip in turns.
-            pg._shared = True  # as `_note_threads` does when a second thread appears
+            pg.shared_mode = True  # as `note_threads` does when a second thread appears
             shared = {v: [] for v in ("fp32", "fp32 + clip")}
             for v in shared:
                 steps[v]()

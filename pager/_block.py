@@ -177,7 +177,7 @@ class Block:
         self.resident_for_life = False
         self.last_use_tick = 0
         self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
-        self.settled = False          # acquired since its last fetch (see Pager._can_use_resident)
+        self.settled = False          # acquired since its last fetch (see Pager.can_use_resident)
         self.params: list = []        # its parameters (in the weights segment), and their names
         self.param_names: list = []
         self.trainable = False        # any of its parameters requires grad

@@ -89,11 +89,9 @@ def close(pager) -> None:
     pager.apply_deferred()
     if pager.transport.is_cuda:
         torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
-    for h in pager._hooks:
-        h.remove()
-    pager._hooks.clear()
+    pager.hooks.remove()
     for block in pager.blocks:
-        pager._unguard(block)
+        pager.hooks.unguard(block)
         for h in block.hook_handles:
             h.remove()
         block.hook_handles = []

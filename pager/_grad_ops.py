@@ -1,5 +1,6 @@
-"""Serving accesses to paged-out tensors, and the training loop's gradient
-operations that need no bytes moved (mixed into `Pager`).
+"""Serving accesses to paged-out tensors (`Serving`), and the training
+loop's gradient operations that need no bytes moved (`GradOps`): two
+objects each `Pager` holds.
 
 See [Note: paged-out tensors] in _paged.py and [Note: a stand-in for
 gradients that are not on the device] in _grads.py.
@@ -26,17 +27,25 @@ INF = float("inf")
 SERVE_WAIT_SECONDS = 60.0  # an access waits this long for room held by other threads, then fails
 
 
-class GradOpsMixin:
-    """Served accesses and gradient summaries (mixed into `Pager`)."""
+class Serving:
+    """Accesses to a model's paged-out tensors, served: the blocks held on
+    the device for the access, then released ([Note: paged-out tensors]).
 
-    # ------------------------------------------------------------ serving
+    Args:
+        pager: the model's `Pager` (its lock, uses and hooks).
+    """
+
+    def __init__(self, pager):
+        self.pager = pager
+
     @contextmanager
     def serving(self, wanted: dict, expose: bool = False):
         """Hold the blocks in `wanted` ({block: kinds}) on the device for one
         access (their tensors stay guarded unless `expose`)."""
-        with self.lock:
-            self._check_open()
-            self._note_threads()
+        pager = self.pager
+        with pager.lock:
+            pager.check_open()
+            pager.note_threads()
             deadline = time.monotonic() + SERVE_WAIT_SECONDS
             while True:
                 try:
@@ -48,44 +57,45 @@ class GradOpsMixin:
                     # blocks itself (then waiting could deadlock).
                     if not self._may_wait() or not self._wait_for_room(deadline):
                         raise
-            self._thread_state.serving = getattr(self._thread_state, "serving", 0) + 1
+            pager.thread_state.serving = getattr(pager.thread_state, "serving", 0) + 1
         try:
             yield
         finally:
-            with self.lock:
-                self._thread_state.serving -= 1
+            with pager.lock:
+                pager.thread_state.serving -= 1
                 for block in held:
-                    self.release(block)
+                    pager.release(block)
 
     def _acquire_all(self, wanted: dict, expose) -> list:
-        held = []
+        pager, held = self.pager, []
         try:
             for block, kinds in wanted.items():
                 if (block.part and block.parent is not None and block.parent.pins and not block.parent.parts_merged
-                        and self._forward_marks()):  # read during the parent's forward, not by another access
+                        and pager.hooks.forward_marks()):  # read during the parent's forward, not by another access
                     self._merge_parts(block.parent, block)
                 kinds = tuple(k for k in KINDS_ORDER if k in kinds)
                 missing = block.missing_bytes(kinds)
-                self.acquire(block, kinds, record=False, expose=expose)
+                pager.acquire(block, kinds, record=False, expose=expose)
                 held.append(block)
                 if missing:
                     self._count_on_demand(block, missing)
         except BaseException:
             for block in held:
-                self.release(block)
+                pager.release(block)
             raise
         return held
 
     def _may_wait(self) -> bool:
-        return not getattr(self._thread_state, "serving", 0) and not self._forward_marks() and any(
-            b.pins > b.resident_for_life for b in self.all_blocks())
+        pager = self.pager
+        return not getattr(pager.thread_state, "serving", 0) and not pager.hooks.forward_marks() and any(
+            b.pins > b.resident_for_life for b in pager.all_blocks())
 
     def _wait_for_room(self, deadline: float) -> bool:
         """Wait (the lock released) until a block is released; False on timeout."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        engine = self.engine
+        engine = self.pager.engine
         engine.room_waiters += 1
         try:
             engine.room.wait(left)
@@ -99,15 +109,16 @@ class GradOpsMixin:
         handed out; if it built a graph, bring its blocks back before that
         graph's backward."""
         if writes:
-            self._mark_written(wanted)
+            self.mark_written(wanted)
         for seg, t in _paged.aliases_in(result, wanted):
             _paged.remember_alias(seg, t)
         if torch.is_grad_enabled():
             for block in wanted:
                 if block.trainable:
-                    self._register_pre_backward(block, result)
+                    self.pager.hooks.register_pre_backward(block, result)
 
-    def _mark_written(self, wanted: dict) -> None:
+    @staticmethod
+    def mark_written(wanted: dict) -> None:
         """The segments of `wanted` were written in place: write them back when
         they leave, whatever their version counters say (CUDA's foreach zero
         and GradScaler's unscale leave them alone)."""
@@ -124,20 +135,33 @@ class GradOpsMixin:
         # Taken up at the parent's next acquisition: it is pinned now, and its
         # release must let go of exactly what its acquisition took.
         parent.parts_merged = True
-        self.warn_once(
+        self.pager.warn_once(
             f"merge:{parent.name}", "pager: the forward of block %r reads the tensors of %r without calling it; "
             "its parts are fetched together with it from now on (as one block).", parent.name, part.name)
 
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
-        self.counters.on_demand += 1
-        self.warn_once(
+        self.pager.counters.on_demand += 1
+        self.pager.warn_once(
             f"on_demand:{block.name}", "pager: a tensor of block %r was used while the block was paged out, "
             "so it was fetched on demand (%s; compute waits for the copy). This is how reads between steps "
             "(logging, EMA, a debugger) are served; in a hot loop, touch blocks' tensors inside their "
             "forward, or raise the budget so they stay resident.", block.name, format_bytes(nbytes))
 
-    # ------------------------------------------- gradients between steps
+class GradOps:
+    """The training loop's operations on paged-out gradients between steps
+    (zeroing, scaling, norms, GradScaler's unscale), answered without moving
+    their bytes ([Note: a stand-in for gradients that are not on the device]).
+
+    Args:
+        pager: the model's `Pager`.
+        serve: its `Serving` (other tensors of an operation run for real).
+    """
+
+    def __init__(self, pager, serve: Serving):
+        self.pager, self.serve = pager, serve
+        self.summarize_on_leave = False  # norms of gradients computed as they leave (a clip or unscale asked)
+
     def grad_op(self, func, args, kwargs, wanted):
         """Answer a zeroing, scaling, norm or GradScaler unscale of paged-out
         gradients without fetching them; NotImplemented when it cannot."""
@@ -151,10 +175,11 @@ class GradOpsMixin:
         # The other tensors (resident gradients, guarded while idle) run for
         # real, their blocks pinned for it.
         others = _paged.owners_of([t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)])
-        if set(others) - {self} or any(
-                block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(self, {}).items()):
+        pager = self.pager
+        if set(others) - {pager} or any(
+                block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(pager, {}).items()):
             return NotImplemented  # they would not all fit at once: served one block at a time
-        with self.lock:
+        with pager.lock:
             if any(g.segment.params[g.index].grad is not g for g in grads):
                 # Stale, or back on the device since (its recorded operations
                 # were applied): the operation runs on the gradient itself.
@@ -164,14 +189,14 @@ class GradOpsMixin:
                 # fetching (the block applies its update first). Zeroing and
                 # scaling are recorded to apply after the update.
                 return NotImplemented
-            wanted = others.get(self, {})
-            with self.serving(wanted), _paged.unguarded():
+            wanted = others.get(pager, {})
+            with self.serve.serving(wanted), _paged.unguarded():
                 answer = op(self, *args, **kwargs)
                 if answer is not NotImplemented and writes:
-                    self._mark_written(wanted)
+                    self.serve.mark_written(wanted)
                 return answer
 
-    def _summarize(self, seg, ready) -> None:
+    def summarize(self, seg, ready) -> None:
         """Norms of a grads segment's gradients, computed on the device as they
         leave (on the write-back stream, after compute is done with them)."""
         views = seg.tensors
@@ -180,23 +205,24 @@ class GradOpsMixin:
             with _paged.unguarded():
                 return list(zip(_norms(views, 2.0), _norms(views, INF)))
 
-        pairs, event = self.transport.side(norms, after=(ready,))
+        pairs, event = self.pager.transport.side(norms, after=(ready,))
         seg.summaries = dict(enumerate(pairs))
         seg.summary_event = event
 
-    def _derived_norm(self, g: PagedOutGrad, ord: float):
+    def derived_norm(self, g: PagedOutGrad, ord: float):
         """The `ord`-norm of paged-out gradient `g` as it is now (its summary
         and the operations recorded since), or None if it cannot be exact."""
         seg, i = g.segment, g.index
         summary = seg.summaries.get(i)
         if summary is None or ord not in (2.0, INF):
-            self._summarize_grads = True  # from now on, gradients leave with their norms
+            self.summarize_on_leave = True  # from now on, gradients leave with their norms
             return None
-        if self.transport.is_cuda and seg.summary_event is not None:
-            self.transport.compute_waits(seg.summary_event)  # computed on the write-back stream
+        transport = self.pager.transport
+        if transport.is_cuda and seg.summary_event is not None:
+            transport.compute_waits(seg.summary_event)  # computed on the write-back stream
         value = summary[0] if ord == 2.0 else summary[1]
-        if self.transport.is_cuda:
-            value.record_stream(self.transport.compute_stream())  # read here, allocated there
+        if transport.is_cuda:
+            value.record_stream(transport.compute_stream())  # read here, allocated there
         for op, factor in seg.pending.get(i, ()):
             if op == "zero":
                 value = torch.zeros_like(value)
@@ -211,7 +237,7 @@ class GradOpsMixin:
         (GradScaler's scales). On a GPU any factor is taken (the kernels'
         rounding differs anyway, and checking would sync the host); on the CPU
         device, whose results must be bitwise, others are served by fetching."""
-        if self.transport.is_cuda:
+        if self.pager.transport.is_cuda:
             return True
         f = float(factor)
         return f == 0.0 or (math.isfinite(f) and math.frexp(abs(f))[0] == 0.5)
@@ -227,27 +253,27 @@ def _is_scale(factor) -> bool:
     return isinstance(factor, (int, float)) or (isinstance(factor, torch.Tensor) and factor.numel() == 1)
 
 
-def _zero(pager, t):
+def _zero(ops, t):
     t.record(ZERO)
     return t
 
 
-def _foreach_zero(pager, tensors):
+def _foreach_zero(ops, tensors):
     paged, rest = _split(tensors)
     for _i, t in paged:
-        _zero(pager, t)
+        _zero(ops, t)
     if rest:
         torch._foreach_zero_([t for _i, t in rest])
 
 
-def _mul(pager, t, other):
+def _mul(ops, t, other):
     if not _is_scale(other) or isinstance(other, PagedOutGrad):
         return NotImplemented
     t.record(("mul", other))
     return t
 
 
-def _foreach_mul(pager, tensors, other):
+def _foreach_mul(ops, tensors, other):
     if not _is_scale(other):
         return NotImplemented
     paged, rest = _split(tensors)
@@ -257,13 +283,13 @@ def _foreach_mul(pager, tensors, other):
         torch._foreach_mul_([t for _i, t in rest], other)
 
 
-def _foreach_norm(pager, tensors, ord=2.0, dtype=None):
+def _foreach_norm(ops, tensors, ord=2.0, dtype=None):
     if dtype is not None:
         return NotImplemented
     paged, rest = _split(tensors)
     out = [None] * len(tensors)
     for i, t in paged:
-        out[i] = pager._derived_norm(t, float(ord))
+        out[i] = ops.derived_norm(t, float(ord))
         if out[i] is None:
             return NotImplemented
     if rest:
@@ -272,21 +298,21 @@ def _foreach_norm(pager, tensors, ord=2.0, dtype=None):
     return out
 
 
-def _vector_norm(pager, t, ord=2.0, dim=None, keepdim=False, *, dtype=None, out=None):
+def _vector_norm(ops, t, ord=2.0, dim=None, keepdim=False, *, dtype=None, out=None):
     if dim is not None or keepdim or dtype is not None or out is not None or not isinstance(t, PagedOutGrad):
         return NotImplemented
-    value = pager._derived_norm(t, float(ord))
+    value = ops.derived_norm(t, float(ord))
     return NotImplemented if value is None else value
 
 
-def _unscale(pager, tensors, found_inf, inv_scale):
+def _unscale(ops, tensors, found_inf, inv_scale):
     """GradScaler's `_amp_foreach_non_finite_check_and_unscale_`: the check
     reads each gradient as it is now (its inf-norm is non-finite exactly when
     an element is), and the unscaling is recorded."""
     paged, rest = _split(tensors)
     flags = []
     for _i, t in paged:
-        norm = pager._derived_norm(t, INF)
+        norm = ops.derived_norm(t, INF)
         if norm is None:
             return NotImplemented
         flags.append(~torch.isfinite(norm))

@@ -20,23 +20,52 @@ from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS,
 log = logging.getLogger("pager")
 
 
-class HooksMixin:
-    """The Pager's hooks (mixed into `Pager`)."""
+class Hooks:
+    """One model's hooks: the root's forward (the step boundary), each
+    block's forward and backward, guards for direct calls into a paged-out
+    block, gradients as they accumulate, and advice. Held by its `Pager`.
 
-    def _install_hooks(self) -> None:
-        root = self.model
-        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(root.register_forward_hook(self._root_post_forward, always_call=True))
-        for block in self.blocks:
+    Args:
+        pager: the model's `Pager` (its blocks, uses and engine).
+    """
+
+    def __init__(self, pager):
+        self.pager = pager
+        self.lock = pager.lock  # (for `_locked`) the engine's, shared by its models
+        self.handles: list = []  # every hook handle but the blocks' own (`Block.hook_handles`)
+        self._root_depth = 0
+        self.backward_holds: dict[Block, int] = {}
+        self._final_callback_queued = False
+        self._backward_passes = 0  # ended backward passes (end_of_backward)
+        self.step_misses = 0
+        self.expect_used = False  # `expect` was called this step
+        self._unsaid_change = False  # the last step's order changed, unannounced, with misses
+        self._kept_key = None  # what the kept set was chosen for (_start_step)
+        self.sleeping_forwards = 0
+        self.held_for_graph = False
+        self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
+        self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
+
+    def remove(self) -> None:
+        """Take every hook off (unwrap)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def install(self) -> None:
+        root = self.pager.model
+        self.handles.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self.handles.append(root.register_forward_hook(self._root_post_forward, always_call=True))
+        for block in self.pager.blocks:
             self._install_block_hooks(block)
         self._install_inner_hooks()
-        self._known = {id(t) for b in self.all_blocks() for t in b.weights.tensors}
+        self._known = {id(t) for b in self.pager.all_blocks() for t in b.weights.tensors}
         self._snapshot_structure()
-        for block in self.all_blocks():
+        for block in self.pager.all_blocks():
             for p in block.params:
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._hooks += StateDicts(self).install()
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.handles += StateDicts(self.pager).install()
 
     def _install_block_hooks(self, block: Block) -> None:
         # Ours first among pre-hooks (a user's hook on the block may read its
@@ -60,42 +89,42 @@ class HooksMixin:
     def _can_sleep(self) -> bool:
         return (
             not torch.is_grad_enabled()
-            and self.all_resident
-            and not self.tracer.enabled
-            and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.blocks)
+            and self.pager.all_resident
+            and not self.pager.tracer.enabled
+            and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.pager.blocks)
         )
 
-    def _sleep(self) -> None:
-        if not self.asleep:
-            for block in self.blocks:
+    def sleep(self) -> None:
+        if not self.pager.asleep:
+            for block in self.pager.blocks:
                 for h in block.hook_handles:
                     h.remove()
                 block.hook_handles = []
-                if not self._shared:
-                    self.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
-            self.asleep = True
+                if not self.pager.shared_mode:
+                    self.pager.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
+            self.pager.asleep = True
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
+    def wake(self) -> None:
+        if self.pager.asleep:
+            self.pager.asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
             me = threading.get_ident()
-            while any(t != me for t in self.asleep_readers):  # ...and other threads' that began asleep finish
+            while any(t != me for t in self.pager.asleep_readers):  # ...and other threads' that began asleep finish
                 time.sleep(1e-5)
-            for block in self.blocks:
-                self._track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
+            for block in self.pager.blocks:
+                self.pager.track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
                 self._install_block_hooks(block)
                 if block.pins == 0:
-                    self._guard_idle(block)
+                    self.pager.guard_idle(block)
                 # Writes while asleep reached the tensors directly, and some
                 # (CUDA's foreach zero) move no version counter: if the block
                 # ever leaves, it is written back.
                 block.mark_dirty()
 
-    def _forward_marks(self) -> list:
+    def forward_marks(self) -> list:
         # Per thread: whether each root forward in flight started asleep.
-        marks = getattr(self._thread_state, "marks", None)
+        marks = getattr(self.pager.thread_state, "marks", None)
         if marks is None:
-            marks = self._thread_state.marks = []
+            marks = self.pager.thread_state.marks = []
         return marks
 
     def _install_inner_hooks(self) -> None:
@@ -108,8 +137,8 @@ class HooksMixin:
         and a direct call on a resident block is safe anyway. So a block's
         guards are installed when it is evicted and removed when it is next
         used through its own hooks: a model that stays resident pays nothing."""
-        block_of = {id(b.module): b for b in self.blocks}
-        for block in self.blocks:
+        block_of = {id(b.module): b for b in self.pager.blocks}
+        for block in self.pager.blocks:
             stack = [block.module]
             while stack:
                 for child in stack.pop().children():
@@ -121,15 +150,15 @@ class HooksMixin:
                         block.guards.append(
                             (child, self._make_inner_pre(block, held), self._make_inner_post(block, held))
                         )
-            self._guard(block)
+            self.guard(block)
 
     def _make_inner_pre(self, block: Block, held: list):
         def inner_pre(module, args):
             if block.pins > 0:  # called from within its block
                 held.append(False)
                 return
-            with self.lock:
-                self.acquire(block, WEIGHTS, record=False)
+            with self.pager.lock:
+                self.pager.acquire(block, WEIGHTS, record=False)
             held.append(True)
 
         return inner_pre
@@ -137,14 +166,14 @@ class HooksMixin:
     def _make_inner_post(self, block: Block, held: list):
         def inner_post(module, args, output):
             if held and held.pop():
-                with self.lock:
-                    self.release(block)
+                with self.pager.lock:
+                    self.pager.release(block)
                     if torch.is_grad_enabled():
-                        self._register_pre_backward(block, output)
+                        self.register_pre_backward(block, output)
 
         return inner_post
 
-    def _guard(self, block: Block) -> None:
+    def guard(self, block: Block) -> None:
         if block.guard_handles is None:
             block.guard_handles = [
                 h
@@ -152,18 +181,18 @@ class HooksMixin:
                 for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
             ]
 
-    def _unguard(self, block: Block) -> None:
+    def unguard(self, block: Block) -> None:
         if block.guard_handles is not None:
             for h in block.guard_handles:
                 h.remove()
             block.guard_handles = None
 
     def _snapshot_structure(self) -> None:
-        self._tables = [t for m in self.model.modules() for t in (m._parameters, m._buffers, m._modules)]
+        self._tables = [t for m in self.pager.model.modules() for t in (m._parameters, m._buffers, m._modules)]
         self._table_lens = list(map(len, self._tables))
         entries = [
             (table, name, t)
-            for m in self.model.modules()
+            for m in self.pager.model.modules()
             for table in (m._parameters, m._buffers)
             for name, t in table.items()
             if t is not None
@@ -171,7 +200,7 @@ class HooksMixin:
         # Columns, so the per-forward identity check runs in C (map/operator).
         self._entry_tables, self._entry_names, self._entry_tensors = (list(c) for c in zip(*entries)) if entries else ([], [], [])
         # Gradients are paged by hooks installed at wrap for trainable parameters.
-        self._frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+        self._frozen = [(n, p) for n, p in self.pager.model.named_parameters() if not p.requires_grad]
 
     def _check_structure(self) -> None:
         """Refuse to run on parameters or buffers pager does not manage
@@ -188,8 +217,8 @@ class HooksMixin:
         )
         if not changed:
             return
-        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
-            self.model.named_buffers(remove_duplicate=False)
+        for name, t in list(self.pager.model.named_parameters(remove_duplicate=False)) + list(
+            self.pager.model.named_buffers(remove_duplicate=False)
         ):
             if id(t) not in self._known:
                 raise RuntimeError(
@@ -208,28 +237,28 @@ class HooksMixin:
             return  # a block whose forward runs again is not a new forward
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
-        acts = self._activations if torch.is_grad_enabled() else None
+        acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self._root_depth == 0:
             acts.pass_starts()
         _saved.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
                             ledger=acts.ledger if acts is not None else None)
-        self._check_open()
-        self._note_threads()
+        self.pager.check_open()
+        self.pager.note_threads()
         if self._root_depth == 0:
-            if self._activations is not None:
-                self._activations.forward_reaches(None)  # ops before the first block
+            if self.pager.activations is not None:
+                self.pager.activations.forward_reaches(None)  # ops before the first block
             self._check_structure()
             self._release_stale_backward_holds()
             self._start_step()
-            self._held_for_graph = False
-            self._sleep() if self._can_sleep() else self._wake()
-        elif self.asleep and torch.is_grad_enabled():
-            self._wake()  # another thread's forward builds a graph: its blocks need their hooks
-        self._forward_marks().append(self.asleep)
-        if self.asleep:
-            self._sleeping_forwards += 1
-            self.counters.resident_forwards += 1
-            self.counters.resident_uses += len(self.scheduler.plan)
+            self.held_for_graph = False
+            self.sleep() if self._can_sleep() else self.wake()
+        elif self.pager.asleep and torch.is_grad_enabled():
+            self.wake()  # another thread's forward builds a graph: its blocks need their hooks
+        self.forward_marks().append(self.pager.asleep)
+        if self.pager.asleep:
+            self.sleeping_forwards += 1
+            self.pager.counters.resident_forwards += 1
+            self.pager.counters.resident_uses += len(self.pager.scheduler.plan)
         self._root_depth += 1
 
     @_locked
@@ -238,75 +267,71 @@ class HooksMixin:
             return
         _saved.end_saving()
         self._root_depth = max(0, self._root_depth - 1)
-        marks = self._forward_marks()
+        marks = self.forward_marks()
         if marks and marks.pop():
-            self._sleeping_forwards -= 1
+            self.sleeping_forwards -= 1
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
-                self._wake()
-                self._held_for_graph = True  # see [Note: asleep]
+                self.wake()
+                self.held_for_graph = True  # see [Note: asleep]
 
     def _release_stale_backward_holds(self) -> None:
         # A backward that raised never ran its final callback: its blocks are
         # still held. No backward runs across a new root forward, so let go.
-        if self._backward_holds:
+        if self.backward_holds:
             log.debug("pager: releasing blocks held by a backward that did not finish")
-            self._end_of_backward(finished=False)
+            self.end_of_backward(finished=False)
 
     def _start_step(self) -> None:
-        self.tracer.new_step()
-        changed = self.scheduler.start_step()
+        self.pager.tracer.new_step()
+        changed = self.pager.scheduler.start_step()
         if changed:
-            self.counters.order_changes += 1
+            self.pager.counters.order_changes += 1
         # A change that costs fetches on demand two steps running is a pattern
         # (one alone is often the first step, before optimizer state exists).
-        unsaid = changed and self._step_misses > 0 and not self._expect_used
+        unsaid = changed and self.step_misses > 0 and not self.expect_used
         if unsaid and self._unsaid_change:
-            self.warn_once(
+            self.pager.warn_once(
                 "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
                 "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
-                "pager.of(model).expect(modules) so it is prefetched.", self._step_misses)
+                "pager.of(model).expect(modules) so it is prefetched.", self.step_misses)
         self._unsaid_change = unsaid
-        self._step_misses, self._expect_used = 0, False
+        self.step_misses, self.expect_used = 0, False
         self._advise()
         # The kept set depends on the plan, the room for blocks and the
         # blocks' sizes: chosen again only when one of them changed (the room
         # in steps of 1/64 of the budget: activations vary a little by pass).
-        if self._least_room_of != self.total_bytes:  # a segment appeared (grads, optimizer state)
-            self.least_room, self._least_room_of = self.least_room_bytes(), self.total_bytes
-        room = self.room_bytes()
-        key = (len(self.scheduler.plan), self.budget_bytes, room * 64 // max(self.budget_bytes, 1), self.total_bytes)
+        if self._least_room_of != self.pager.total_bytes:  # a segment appeared (grads, optimizer state)
+            self.pager.least_room, self._least_room_of = self.pager.least_room_bytes(), self.pager.total_bytes
+        room = self.pager.room_bytes()
+        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1), self.pager.total_bytes)
         if changed or key != self._kept_key:
-            fixed = self.remainder.device_bytes() if self.remainder is not None else 0
-            for b in self.blocks:
+            fixed = self.pager.remainder.device_bytes() if self.pager.remainder is not None else 0
+            for b in self.pager.blocks:
                 if b.resident_for_life:
                     fixed += b.nbytes()
-            self.scheduler.choose_kept(room, lambda b: b.nbytes(), fixed)
+            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), fixed)
             self._kept_key = key
             self._warn_if_activations_crowd(room)
-        self.counters.steps += 1
+        self.pager.counters.steps += 1
 
     def _warn_if_activations_crowd(self, room: int) -> None:
-        if self._activations is None or self.budget_bytes - self._activations.ledger.reserve() >= self.least_room:
+        if self.pager.activations is None or self.pager.budget_bytes - self.pager.activations.ledger.reserve() >= self.pager.least_room:
             return
-        self.warn_once(
+        self.pager.warn_once(
             "activations_crowd", "pager: activations held %s on the device in the last training pass, which leaves "
             "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
             "step exceeds the budget. Raise the budget, use activations=\"recompute\" (it holds least), or "
-            "a smaller batch.", format_bytes(self._activations.ledger.reserve()), format_bytes(self.budget_bytes),
-            format_bytes(self.least_room))
+            "a smaller batch.", format_bytes(self.pager.activations.ledger.reserve()), format_bytes(self.pager.budget_bytes),
+            format_bytes(self.pager.least_room))
 
-    def warn_once(self, key: str, msg: str, *args) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg, *args)
 
     def _advise(self) -> None:
         """Warnings that need a few steps of history (each at most once)."""
-        steps = self.counters.steps
+        steps = self.pager.counters.steps
         if steps == NEVER_RAN_STEPS + 1:
-            idle = [b for b in self.blocks if b.uses == 0]
+            idle = [b for b in self.pager.blocks if b.uses == 0]
             if idle:
-                self.warn_once(
+                self.pager.warn_once(
                     "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
                     "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
                     len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
@@ -314,12 +339,12 @@ class HooksMixin:
         # Stalls are judged over windows of steps, the first one starting after
         # the first step (whose fetches are the unavoidable cold start).
         if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
-            if self.transport.is_cuda:
-                self.engine.meter.resolve(wait=False)
+            if self.pager.transport.is_cuda:
+                self.pager.engine.meter.resolve(wait=False)
             start, stall_at_start = self._window
-            now, stall = time.perf_counter(), self.counters.stall_seconds
+            now, stall = time.perf_counter(), self.pager.counters.stall_seconds
             if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
-                self.warn_once(
+                self.pager.warn_once(
                     "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
                     "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
                     "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
@@ -331,22 +356,22 @@ class HooksMixin:
             grad = torch.is_grad_enabled() and not again
             if not again:
                 # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
-                acts = self._activations if grad else None
+                acts = self.pager.activations if grad else None
                 if acts is not None:
                     acts.forward_reaches(block)
-                _saved.begin_saving(self._shared and grad,
+                _saved.begin_saving(self.pager.shared_mode and grad,
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
-            with self.lock:
-                if self._can_use_resident(block) and not again:
-                    self._use_resident(block)
+            with self.pager.lock:
+                if self.pager.can_use_resident(block) and not again:
+                    self.pager.use_resident(block)
                 else:
                     try:
-                        self.acquire(block, WEIGHTS, record=not again)
+                        self.pager.acquire(block, WEIGHTS, record=not again)
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
-                    self.prefetch()
+                    self.pager.prefetch()
             if block.trainable and grad:
                 return self._register_post_backward(block, args, kwargs)
             return None
@@ -357,20 +382,20 @@ class HooksMixin:
         def post_forward(module, args, output):
             again = _saved.recomputing()
             hooks = None if again else _saved.end_saving()
-            with self.lock:
+            with self.pager.lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
                 if not again:
-                    self._track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
-                self.release(block)
+                    self.pager.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
+                self.pager.release(block)
             if torch.is_grad_enabled() and not again:
-                self._register_pre_backward(block, output)
+                self.register_pre_backward(block, output)
             return None
 
         return post_forward
 
-    def _register_pre_backward(self, block: Block, output) -> None:
+    def register_pre_backward(self, block: Block, output) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
@@ -389,12 +414,12 @@ class HooksMixin:
     def _pre_backward(self, block: Block) -> None:
         if not self._final_callback_queued:
             self._final_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self.acquire(block, BACKWARD)
-        self._backward_holds[block] = self._backward_holds.get(block, 0) + 1
-        if self._activations is not None:
-            self._activations.backward_reaches(block)
-        self.prefetch()
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        self.pager.acquire(block, BACKWARD)
+        self.backward_holds[block] = self.backward_holds.get(block, 0) + 1
+        if self.pager.activations is not None:
+            self.pager.activations.backward_reaches(block)
+        self.pager.prefetch()
 
     def _register_post_backward(self, block: Block, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
@@ -408,34 +433,34 @@ class HooksMixin:
 
     @_locked
     def post_backward(self, block: Block) -> None:
-        if self._backward_holds.get(block, 0) > 0:
-            self._backward_holds[block] -= 1
-            self._track_kept_views(block, (), ("backward",))
-            self.release(block)
+        if self.backward_holds.get(block, 0) > 0:
+            self.backward_holds[block] -= 1
+            self.pager.track_kept_views(block, (), ("backward",))
+            self.pager.release(block)
 
     @_locked
-    def _end_of_backward(self, finished: bool = True) -> None:
+    def end_of_backward(self, finished: bool = True) -> None:
         self._final_callback_queued = False
         self._backward_passes += 1
-        if self._activations is not None and finished:
-            self._activations.pass_ends()
-        for block, holds in list(self._backward_holds.items()):
-            self._track_kept_views(block, (), ("backward",))
+        if self.pager.activations is not None and finished:
+            self.pager.activations.pass_ends()
+        for block, holds in list(self.backward_holds.items()):
+            self.pager.track_kept_views(block, (), ("backward",))
             for _ in range(holds):
-                self.release(block)
-        self._backward_holds.clear()
+                self.pager.release(block)
+        self.backward_holds.clear()
 
     @_locked
     def _on_grad(self, param: torch.Tensor) -> None:
-        block, i = self.grad_slots.get(id(param), (None, None))
+        block, i = self.pager.grad_slots.get(id(param), (None, None))
         if block is None:
-            block = self.param_blocks[id(param)]
-            self._ensure_grads_segment(block)
-            block, i = self.grad_slots[id(param)]
+            block = self.pager.param_blocks[id(param)]
+            self.pager.ensure_grads_segment(block)
+            block, i = self.pager.grad_slots[id(param)]
         seg = block.segments["grads"]
         acquired = not seg.resident  # a gradient for a block not acquired for backward
         if acquired:
-            self.acquire(block, ("grads",), record=False)
+            self.pager.acquire(block, ("grads",), record=False)
         try:
             view = seg.tensors[i]
             if param.grad is not view:
@@ -444,4 +469,4 @@ class HooksMixin:
                 param.grad = view
         finally:
             if acquired:
-                self.release(block)
+                self.pager.release(block)

@@ -336,7 +336,7 @@ def handle(func, args, kwargs):
     owners = owners_of(tensors)
     if len(owners) == 1:
         pager, wanted = next(iter(owners.items()))
-        answer = pager.grad_op(func, args, kwargs, wanted)
+        answer = pager.grad_ops.grad_op(func, args, kwargs, wanted)
         if answer is not NotImplemented:
             return answer
     if _is_foreach(func, args) and sum(map(len, owners.values())) > 1:
@@ -350,7 +350,7 @@ def handle(func, args, kwargs):
 # be reading when the block is released and evicted. While the process has one
 # Python thread that cannot happen, and a use pays only for the class swaps.
 # Once a second thread exists (checked at each use and served access;
-# `Pager._note_threads`), the pager is in the shared mode for good: a block in
+# `Pager.note_threads`), the pager is in the shared mode for good: a block in
 # use keeps its guard, and the threads that pinned it (`Block.thread_pins`)
 # pass it here unserved (a few microseconds per operation), while any other
 # thread is served (the block pinned for its operation, so it cannot leave
@@ -393,7 +393,7 @@ _WOKE = object()
 
 def _run_unserved(func, args, kwargs, sleepers):
     """Run an operation unserved. On a sleeping pager it counts as a reader
-    first, then checks the pager still sleeps: `_wake` clears `asleep` first,
+    first, then checks the pager still sleeps: `Hooks.wake` clears `asleep` first,
     then waits for the readers, so no access that began asleep is running when
     something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
     me = threading.get_ident()
@@ -488,10 +488,10 @@ def serve(fn, tensors, expose: bool = False):
 def _serve_owners(owners, fn, func=None, expose: bool = False):
     with ExitStack() as stack:
         for pager, wanted in owners.items():
-            stack.enter_context(pager.serving(wanted, expose))
+            stack.enter_context(pager.serve.serving(wanted, expose))
         result = fn()
         for pager, wanted in owners.items():
-            pager.served(wanted, result, writes=func is not None and writes_in_place(func))
+            pager.serve.served(wanted, result, writes=func is not None and writes_in_place(func))
         return result
 
 
@@ -553,7 +553,7 @@ def _call_pinned(func, args, kwargs):
                 by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
     swap, back = {}, {}
     for (pager, block), tensors in by_block.items():
-        outs = PostBackward.apply(pager, block, *tensors.values())
+        outs = PostBackward.apply(pager.hooks, block, *tensors.values())
         swap.update(zip(tensors.keys(), outs))
         back.update((id(o), t) for o, t in zip(outs, tensors.values()))
     args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -715,14 +715,14 @@ def _python_tensors():
 
 class PostBackward(torch.autograd.Function):
     """Identity on a block's inputs whose backward runs once the block's is
-    done: it lets the block go (`Pager.post_backward`)."""
+    done: it lets the block go (`Hooks.post_backward`)."""
 
     @staticmethod
-    def forward(ctx, pager, block, *tensors):
-        ctx.pager, ctx.block = pager, block
+    def forward(ctx, hooks, block, *tensors):
+        ctx.hooks, ctx.block = hooks, block
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.pager.post_backward(ctx.block)
+        ctx.hooks.post_backward(ctx.block)
         return (None, None, *grads)

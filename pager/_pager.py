@@ -1,5 +1,7 @@
-"""The Pager: one per wrapped model. Builds blocks and moves bytes; its hooks
-(`_hooks.py`) and state-dict handling (`_checkpoint.py`) are mixed in."""
+"""The Pager: one per wrapped model. Builds its blocks and uses them through
+the residency engine; holds the objects that do the rest for it: its hooks
+(`_hooks.Hooks`), served accesses and gradient operations (`_grad_ops`),
+state dicts (`_checkpoint.StateDicts`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from ._block import Block, Segment, layout
 from ._budget import format_bytes
 from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
 from . import _paged, _saved
-from ._grad_ops import GradOpsMixin
+from ._grad_ops import GradOps, Serving
 from ._grads import PagedOutGrad, replay
-from ._hooks import HooksMixin
+from ._hooks import Hooks
 from ._engine import Engine
 from ._saved import KEEP, Activations
 from ._schedule import Scheduler
@@ -27,7 +29,7 @@ from ._trace import Tracer
 log = logging.getLogger("pager")
 
 
-class Pager(HooksMixin, GradOpsMixin):
+class Pager:
     """Pages one model's blocks between host pages and a device under a budget.
 
     Made by `pager.wrap`; reach it with `pager.of(model)`.
@@ -50,40 +52,30 @@ class Pager(HooksMixin, GradOpsMixin):
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see _saved.py).
-        self._activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
-        if self._activations is not None:
-            self._activations.ledger.note_blocks(0)
-        self._hooks: list = []
+        self.activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
+        if self.activations is not None:
+            self.activations.ledger.note_blocks(0)
         self._tick = 0
-        self._root_depth = 0
         self.tracer = Tracer(cuda=device.type == "cuda")
-        self._backward_holds: dict[Block, int] = {}
-        self._final_callback_queued = False
         self.grad_slots: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
         self.param_blocks: dict[int, Block] = {}
         self.original_device: dict[int, torch.device] = {}
         self.optimizers: list = []
         self.lock = self.engine.lock  # see _locked: one for every model sharing the engine
         self._warned: set[str] = set()
-        self._step_misses = 0
-        self._unsaid_change = False  # the last step's order changed, unannounced, with misses
-        self._kept_key = None  # what the kept set was chosen for (_start_step)
         self.asleep = False  # block hooks removed: see [Note: asleep] in _hooks.py
-        self._backward_passes = 0  # ended backward passes (_end_of_backward)
-        self._shared = False  # other threads exist: uses open tensors to their threads only (_expose)
+        self.shared_mode = False  # other threads exist: uses open tensors to their threads only (_expose)
         self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
-        self._sleeping_forwards = 0
-        self._held_for_graph = False
-        self._thread_state = threading.local()
-        self._expect_used = False
-        self._summarize_grads = False  # norms of gradients computed as they leave (a clip or unscale asked)
-        self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
+        self.thread_state = threading.local()
         self._closed = False
         self._named_blocks = named_blocks
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
-        self.least_room, self._least_room_of = 0, None  # least_room_bytes(), and the total_bytes it was for
+        self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Hooks.start_step)
+        self.hooks = Hooks(self)
+        self.serve = Serving(self)
+        self.grad_ops = GradOps(self, self.serve)
         self.engine.join(self)
 
     # ------------------------------------------------------------------ build
@@ -111,7 +103,7 @@ class Pager(HooksMixin, GradOpsMixin):
             if block.resident_for_life or block is self.remainder:
                 block.resident_for_life = True
                 self.acquire(block, WEIGHTS, record=False)
-        self._install_hooks()
+        self.hooks.install()
 
     def _link_parents(self) -> None:
         """Each block's nearest enclosing block (NAS candidates: their layer)."""
@@ -169,7 +161,7 @@ class Pager(HooksMixin, GradOpsMixin):
         block.stats.nbytes = block.nbytes()
         return seg
 
-    def _ensure_grads_segment(self, block: Block) -> None:
+    def ensure_grads_segment(self, block: Block) -> None:
         if "grads" in block.segments:
             return
         trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
@@ -190,7 +182,7 @@ class Pager(HooksMixin, GradOpsMixin):
 
         On failure nothing stays pinned."""
         if block.parts_merged and block.pins == 0 and not block.merged_deps:
-            block.merged_deps = True  # its parts come with it from now on (GradOpsMixin._merge_parts)
+            block.merged_deps = True  # its parts come with it from now on (Serving._merge_parts)
             block.deps = block.deps + [b for b in self.blocks if b.part and b.parent is block and b not in block.deps]
         done = []
         try:
@@ -205,10 +197,10 @@ class Pager(HooksMixin, GradOpsMixin):
 
     def _acquire_one(self, block: Block, kinds, record: bool, expose) -> None:
         if "grads" in kinds:
-            self._ensure_grads_segment(block)
+            self.ensure_grads_segment(block)
         if record:
             self.scheduler.observe(block, kinds)
-            self._unguard(block)  # used through its own hooks: guards not needed while resident
+            self.hooks.unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
         miss = self.engine.bring(block, kinds, all_resident=self.all_resident)
@@ -220,7 +212,7 @@ class Pager(HooksMixin, GradOpsMixin):
         if block.deferred_steps:
             self._run_deferred(block)
             if not expose and block.pins == 1:
-                self._guard_idle(block)
+                self.guard_idle(block)
         self._expose_grads(block)
         self._apply_pending(block)
         if block.pins == 1:
@@ -229,14 +221,14 @@ class Pager(HooksMixin, GradOpsMixin):
         block.last_use_tick = self._tick
         block.settled = True
 
-    def _can_use_resident(self, block: Block) -> bool:
+    def can_use_resident(self, block: Block) -> bool:
         """True when a forward use of `block` is bookkeeping only.
 
         [Note: the resident fast path]
         When every page of every block is on the device, this block has been
         acquired since its last fetch (compute waited, gradients exposed,
         pending scaling applied) and it has no deps, deferred update or trace
-        to keep, acquiring it changes nothing but counters: `_use_resident`
+        to keep, acquiring it changes nothing but counters: `use_resident`
         does just that. A model that fits its budget then pays for two hook
         calls per block and no CUDA call."""
         return (
@@ -247,9 +239,9 @@ class Pager(HooksMixin, GradOpsMixin):
             and not self.tracer.enabled
         )
 
-    def _use_resident(self, block: Block) -> None:
+    def use_resident(self, block: Block) -> None:
         self.scheduler.observe(block, WEIGHTS)
-        self._unguard(block)
+        self.hooks.unguard(block)
         self.engine.pin(block)
         self.expose(block)
         self._count_use(block, miss=False)
@@ -261,7 +253,7 @@ class Pager(HooksMixin, GradOpsMixin):
         if miss:
             block.stats.misses += 1
             self.counters.misses += 1
-            self._step_misses += 1
+            self.hooks.step_misses += 1
         else:
             block.stats.hits += 1
             self.counters.hits += 1
@@ -274,20 +266,20 @@ class Pager(HooksMixin, GradOpsMixin):
         tensors and threads]); `everyone` (the pager going to sleep) gives
         them their own class all the same."""
         if not everyone:
-            self._note_threads()
+            self.note_threads()
         for seg in block.segments.values():
             if seg.resident and not seg.exposed:
-                if self._shared and not everyone:
+                if self.shared_mode and not everyone:
                     _paged.open_to_pinning_threads(seg)
                 else:
                     _paged.expose(seg)
 
-    def _note_threads(self) -> None:
+    def note_threads(self) -> None:
         """Enter the shared mode once a second Python thread exists; blocks in
         use then stop being exposed to every thread ([Note: tensors and threads])."""
-        if self._shared or threading.active_count() == 1:
+        if self.shared_mode or threading.active_count() == 1:
             return
-        self._shared = True
+        self.shared_mode = True
         for block in self.all_blocks():
             if block.resident_for_life:
                 continue
@@ -297,7 +289,7 @@ class Pager(HooksMixin, GradOpsMixin):
                     if block.pins > 0 and seg.resident:
                         _paged.open_to_pinning_threads(seg)
 
-    def _guard_idle(self, block: Block) -> None:
+    def guard_idle(self, block: Block) -> None:
         if not block.resident_for_life:
             for seg in block.segments.values():
                 _paged.guard(seg)
@@ -327,7 +319,7 @@ class Pager(HooksMixin, GradOpsMixin):
         self.engine.unpin(block)
         if block.pins == 0:
             if not self.asleep:
-                self._guard_idle(block)  # from now on, accesses from outside are served
+                self.guard_idle(block)  # from now on, accesses from outside are served
             # Everything on the device: nothing is fetched and nothing evicted;
             # an eviction after all (set_budget, a new segment) orders itself
             # after a fresh event. Saves an event per use.
@@ -336,7 +328,7 @@ class Pager(HooksMixin, GradOpsMixin):
                 end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
                 self.tracer.span("compute", block.name, block.compute_start, end)
 
-    def _track_kept_views(self, block: Block, places, use) -> None:
+    def track_kept_views(self, block: Block, places, use) -> None:
         """Remember views of `block`'s weights that its use left behind (an
         output, an attribute, a list a hook keeps): they are guarded with the
         block from now on. See [Note: views kept from a use] in _paged.py."""
@@ -408,13 +400,13 @@ class Pager(HooksMixin, GradOpsMixin):
 
     # ------------------------------------- leaving (called by the engine)
     def evictions_blocked(self) -> bool:
-        return self._sleeping_forwards > 0 or self._held_for_graph
+        return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph
 
     def may_leave(self, block: Block) -> bool:
         """Chosen to leave: False if it must stay (views of it kept where pager
         cannot look); a deferred update whose bytes are here is applied now."""
         if self.asleep:
-            self._wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
+            self.hooks.wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
         if self._keeps_unknown_views(block):
             return False
         if block.deferred_steps and not block.missing_bytes(STEP):
@@ -441,21 +433,21 @@ class Pager(HooksMixin, GradOpsMixin):
         if not (dirty and seg.host_valid):
             return False
         # New values: describe them as they leave, or forget the old description.
-        self._summarize(seg, ready) if self._summarize_grads else seg.summaries.clear()
+        self.grad_ops.summarize(seg, ready) if self.grad_ops.summarize_on_leave else seg.summaries.clear()
         return True
 
     def left(self, block: Block) -> None:
         for seg in block.segments.values():
             _paged.guard(seg)  # (already: idle) every later access is served
         if block.module is not None:
-            self._guard(block)
+            self.hooks.guard(block)
 
     def blocks_moved(self) -> None:
-        if self._activations is not None:
-            self._activations.ledger.note_blocks(self.engine.resident_bytes)
+        if self.activations is not None:
+            self.activations.ledger.note_blocks(self.engine.resident_bytes)
 
     def activation_reserve_bytes(self):
-        return None if self._activations is None else self._activations.ledger.reserve()
+        return None if self.activations is None else self.activations.ledger.reserve()
 
     def _gather_grads(self, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
@@ -480,7 +472,7 @@ class Pager(HooksMixin, GradOpsMixin):
         """What blocks may hold on the device: the budget, less the share that
         activations take where pager handles them ([Note: one budget] in
         _saved.py), never less than the least that runs (`least_room_bytes`;
-        `_start_step` warns when activations leave less than that)."""
+        `Hooks.start_step` warns when activations leave less than that)."""
         return self.engine.room_bytes()
 
     def least_room_bytes(self) -> int:
@@ -504,7 +496,7 @@ class Pager(HooksMixin, GradOpsMixin):
             elif kinds is WEIGHTS and block.weights.resident and not block.deps:
                 continue  # the common case once the working set is resident
             if "grads" in kinds:
-                self._ensure_grads_segment(block)
+                self.ensure_grads_segment(block)
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
             if not missing:
                 continue
@@ -527,8 +519,8 @@ class Pager(HooksMixin, GradOpsMixin):
         self.engine.meter.resolve()
         blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
         memory = {}
-        if self._activations is not None:
-            ledger = self._activations.ledger
+        if self.activations is not None:
+            ledger = self.activations.ledger
             memory = dict(activation_bytes=ledger.live, peak_activation_bytes=ledger.peak,
                           activation_reserve_bytes=self.budget_bytes - self.room_bytes(),
                           peak_device_bytes=ledger.peak_with_blocks)
@@ -575,8 +567,8 @@ class Pager(HooksMixin, GradOpsMixin):
             zero_counters(b.stats)
             b.stats.peak_resident_bytes = b.device_bytes()
         self.counters.peak_resident_bytes = self.resident_bytes
-        if self._activations is not None:
-            self._activations.ledger.reset_peak()
+        if self.activations is not None:
+            self.activations.ledger.reset_peak()
 
     @_locked
     def start_trace(self, steps: int = 4) -> None:
@@ -642,7 +634,7 @@ class Pager(HooksMixin, GradOpsMixin):
         self.scheduler.expect(uses)
         # Blocks kept for last step's order but not on this path may go.
         self.scheduler.kept &= {b for b, _kinds in uses}
-        self._expect_used = True
+        self.hooks.expect_used = True
         self.prefetch()
 
     def apply_deferred(self) -> None:
@@ -717,7 +709,13 @@ class Pager(HooksMixin, GradOpsMixin):
         """The qualified names of the blocks, in model order."""
         return [b.name for b in self.blocks]
 
-    def _check_open(self) -> None:
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        """Log `msg` at WARNING the first time `key` is seen for this model."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def check_open(self) -> None:
         if self._closed:
             raise RuntimeError("pager: this model was unwrapped; wrap it again to page it.")
 

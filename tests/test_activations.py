@@ -24,7 +24,7 @@ from test_training import batches, regime_budget, torch_clip, train
 
 def offloading(model, budget, policy="offload", **kwargs):
     pager.wrap(model, budget=budget, device="cpu", activations=policy, **kwargs)
-    pager.of(model)._activations.offload.min_bytes = 0  # these models' activations are a few KiB
+    pager.of(model).activations.offload.min_bytes = 0  # these models' activations are a few KiB
     return pager.of(model)
 
 
@@ -131,13 +131,13 @@ def test_a_graph_dropped_unused_takes_its_host_copies():
     sent = s.activations_sent_bytes
     out = model(ids)  # a graph no backward comes for: its host copies go with it
     assert p.stats().activations_sent_bytes > sent
-    copies = [r for _block, refs, _bytes in p._activations.offload._groups for r in refs]
+    copies = [r for _block, refs, _bytes in p.activations.offload._groups for r in refs]
     assert copies and all(r() is not None for r in copies)
     del out
     gc.collect()
     assert all(r() is None for r in copies)
     model(ids).sum().backward()
-    assert not p._activations.offload._groups  # forgotten, and this step's were each reached by its backward
+    assert not p.activations.offload._groups  # forgotten, and this step's were each reached by its backward
 
 
 @pytest.mark.parametrize("policy", ["offload", "recompute"])
@@ -150,7 +150,7 @@ def test_no_grad_forwards_and_the_keep_policy_send_nothing(policy):
     kept = TinyLM()
     pager.wrap(kept, budget=regime_budget(kept, "streams"), device="cpu")
     kept(batches(1)[0][0]).sum().backward()
-    assert pager.of(kept)._activations is None and pager.of(kept).stats().activations_sent_bytes == 0
+    assert pager.of(kept).activations is None and pager.of(kept).stats().activations_sent_bytes == 0
 
 
 def test_an_unknown_policy_is_refused_before_anything_changes():
@@ -188,7 +188,7 @@ def test_the_last_blocks_activations_stay_on_the_device():
     block_of = {b.module: b for b in p.blocks}
     model(ids).sum().backward()
     out = model(ids)
-    sent_for = [g[0] for g in p._activations.offload._groups]
+    sent_for = [g[0] for g in p.activations.offload._groups]
     assert block_of[model.layers[4]] in sent_for and block_of[model.layers[5]] not in sent_for
     out.sum().backward()
 
@@ -380,7 +380,7 @@ def test_the_ledger_counts_a_storage_once_and_lets_go_when_the_graph_goes(policy
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide() for _ in range(4)])
     p = offloading(model, 10 * 4 * tensor_page_bytes(model[0]), policy)
-    ledger = p._activations.ledger
+    ledger = p.activations.ledger
     x = torch.randn(64, 32)
     model(x).sum().backward()  # learns the order
     out = model(x)
@@ -507,7 +507,7 @@ def test_a_tensor_saved_twice_leaves_once_and_comes_back_once():
     s = p.stats()
     once = 5 * 256 * (32 + 128) * 4  # each block but the last: its input and ReLU's output
     assert s.activations_sent_bytes == once and s.activations_brought_bytes == 2 * once
-    assert p._activations.ledger.live == 0
+    assert p.activations.ledger.live == 0
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
 

@@ -436,7 +436,7 @@ def test_another_thread_reads_while_the_model_trains_on_gpu():
                 o.zero_grad()
     errors = log["errors"]
     assert not errors, errors
-    assert pager.of(model)._shared
+    assert pager.of(model).shared_mode
     pager.unwrap(model)
     assert_close_to_reference(model, ref, rtol=1e-4, atol=1e-5)
 

@@ -194,7 +194,7 @@ def test_a_use_that_activations_crowd_runs_within_the_budget():
     pager.wrap(model, budget=4 * layer, device="cpu", activations="recompute", prefetch=0)
     p = pager.of(model)
     engine = p.engine
-    p._activations.ledger.last_pass_peak = 2 * layer  # the last pass's activations took half the budget
+    p.activations.ledger.last_pass_peak = 2 * layer  # the last pass's activations took half the budget
     assert engine.room_bytes() == 2 * layer
     with p.lock:
         for block in p.blocks[:3]:

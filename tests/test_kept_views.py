@@ -141,7 +141,7 @@ def test_a_view_taken_while_the_pager_sleeps_survives_a_later_eviction():
     page_out(model)
     # Alone, the view is found and guarded and its block leaves; with other
     # threads about (test_shared_mode) it cannot be looked for, so the block stays.
-    assert p.blocks[1].weights.resident == p._shared
+    assert p.blocks[1].weights.resident == p.shared_mode
     assert_same(view, ref_view)
 
 

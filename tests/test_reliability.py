@@ -36,7 +36,7 @@ def consistent(model):
         assert b.pins == (1 if b.resident_for_life else 0), b
     assert pg.resident_bytes == sum(b.device_bytes() for b in pg.all_blocks())
     assert pg.resident_bytes <= pg.budget_bytes
-    assert not pg._backward_holds
+    assert not pg.hooks.backward_holds
 
 
 # ------------------------------------------------------------ bad input

@@ -47,7 +47,7 @@ def test_the_shared_mode_is_on_and_the_forward_thread_is_not_served():
             o.step()
             o.zero_grad()
     p = pager.of(model)
-    assert p._shared
+    assert p.shared_mode
     assert p.stats().on_demand == 0  # the blocks' own uses passed the guard unserved
     pager.unwrap(model)
     assert_models_equal(model, ref)
@@ -197,7 +197,7 @@ def test_a_view_kept_where_pager_cannot_search_keeps_its_block():
     OUTSIDE.clear()
     page_out_everything(model, check=False)
     blocks = pager.of(model).blocks
-    assert pager.of(model)._shared
+    assert pager.of(model).shared_mode
     assert all(b.weights.resident for b in blocks)  # each kept view holds its block
     for k, r in zip(kept, ref_kept):
         assert_same(k, r)
@@ -227,7 +227,7 @@ def test_a_view_kept_by_a_training_forward_where_pager_cannot_search_keeps_its_b
     model[5].register_forward_pre_hook(lambda *_: first_left.append(not blocks[0].weights.resident))
     for m in (model, ref):  # nothing kept: the blocks leave as the forward goes on
         m(x).pow(2).sum().backward()
-    assert pager.of(model)._shared and first_left == [True]
+    assert pager.of(model).shared_mode and first_left == [True]
     kept = {}
     for m in (model, ref):
         m[1].keep = True
