@@ -525,16 +525,17 @@ class ActivationOffload:
                 sent.left += 1
             return sent
 
-    def _settle(self) -> None:
-        """Let go of device tensors whose copy out is done; past the cap, of the
-        oldest ones anyway, compute first waiting for their copy (so that the
-        memory may be reused at once: see [Note: activations off the device])."""
+    def _settle(self, cap: int | None = None) -> None:
+        """Let go of device tensors whose copy out is done; past `cap` (the
+        in-flight cap by default), of the oldest ones anyway, compute first
+        waiting for their copy (so that the memory may be reused at once: see
+        [Note: activations off the device])."""
         q = self._in_flight
         while q and q[0][1].query():
             nbytes = q.popleft()[2]
             self._in_flight_bytes -= nbytes
             self.ledger.sub(nbytes)
-        while self._in_flight_bytes > self._in_flight_cap:
+        while self._in_flight_bytes > (self._in_flight_cap if cap is None else cap):
             _t, event, nbytes = q.popleft()
             # Compute reuses this memory only after the copy out has read it.
             self.transport.compute_waits(event)
@@ -545,12 +546,7 @@ class ActivationOffload:
         """The backward ended: every copy out was ordered before it; compute
         waits for those still under way, and their device memory is let go."""
         with self._lock:
-            while self._in_flight:
-                _t, event, nbytes = self._in_flight.popleft()
-                # Compute may reuse this memory only after the copy out has read it.
-                self.transport.compute_waits(event)
-                self.ledger.sub(nbytes)
-            self._in_flight_bytes = 0
+            self._settle(cap=0)
 
     def bring(self, sent: Sent) -> torch.Tensor:
         with self._lock:
