@@ -157,7 +157,7 @@ class Hooks:
             if block.pins > 0:  # called from within its block
                 held.append(False)
                 return
-            with self.pager.lock:
+            with self.lock:
                 self.pager.acquire(block, WEIGHTS, record=False)
             held.append(True)
 
@@ -166,7 +166,7 @@ class Hooks:
     def _make_inner_post(self, block: Block, held: list):
         def inner_post(module, args, output):
             if held and held.pop():
-                with self.pager.lock:
+                with self.lock:
                     self.pager.release(block)
                     if torch.is_grad_enabled():
                         self.register_pre_backward(block, output)
@@ -362,7 +362,7 @@ class Hooks:
                 _saved.begin_saving(self.pager.shared_mode and grad,
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
-            with self.pager.lock:
+            with self.lock:
                 if self.pager.can_use_resident(block) and not again:
                     self.pager.use_resident(block)
                 else:
@@ -382,7 +382,7 @@ class Hooks:
         def post_forward(module, args, output):
             again = _saved.recomputing()
             hooks = None if again else _saved.end_saving()
-            with self.pager.lock:
+            with self.lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
