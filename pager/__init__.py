@@ -8,10 +8,12 @@ from ._budget import parse_budget
 from ._common import BudgetError
 from ._pager import Pager
 from ._plan import Plan, plan
+from ._pool import Pool
 from ._optim import install_global_hook as _install_global_hook
-from ._stats import BlockStats, Stats
+from ._stats import BlockStats, PoolStats, Stats
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "plan", "Plan", "Pager", "Stats", "BlockStats", "BudgetError", "parse_budget"]
+__all__ = ["wrap", "unwrap", "of", "plan", "Plan", "Pager", "Pool", "Stats", "PoolStats", "BlockStats", "BudgetError",
+           "parse_budget"]
 __version__ = "0.1.0"

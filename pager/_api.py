@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from . import _discover
-from ._budget import format_bytes, parse_budget
+from ._budget import format_bytes, parse_budget, resolve_device
 from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
 from ._common import _PAGERS
@@ -20,8 +20,10 @@ log = logging.getLogger("pager")
 
 def wrap(
     model: nn.Module,
-    budget,
+    budget=None,
     *,
+    pool=None,
+    name: str | None = None,
     device=None,
     blocks=None,
     optimizer=None,
@@ -82,8 +84,12 @@ def wrap(
         ...     y = model(x.cuda())
         >>> print(pager.of(model).stats())
     """
-    engine = budget if isinstance(budget, Engine) else None
-    device = _shared_device(engine, device) if engine is not None else _resolve_device(device)
+    engine = _engine_of(budget, pool)
+    device = _shared_device(engine, device) if engine is not None else resolve_device(device)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"pager: name={name!r} must be a non-empty string.")
+    if name is not None and engine is not None and any(o.name == name for o in engine.owners):
+        raise ValueError(f"pager: name={name!r} is taken by another model of this pool; give another.")
     _check_not_wrapped(model)
     _check_tensors(model, device)
     if not isinstance(prefetch, int) or prefetch < 0:
@@ -108,7 +114,7 @@ def wrap(
     if blocks is None:
         sizing, parts = _discover.split_large(model, sizing, budget_bytes)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations, engine=engine)
+                  activations=activations, engine=engine, name=name)
     pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")
@@ -160,37 +166,29 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"pager: device={device!r} is not a device; use \"cuda\", \"cuda:0\" or \"cpu\".") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"pager: device={device!r} but CUDA is not available here; use device=\"cpu\" "
-                f"(the same paging with host memory standing for the GPU) or run on a CUDA machine."
-            )
-        count = torch.cuda.device_count()
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= count:
-            raise ValueError(
-                f"pager: device={device!r} but this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})."
-            )
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise ValueError(f"pager: device={device!r} is not supported; use a CUDA device or \"cpu\".")
-    return dev
+def _engine_of(budget, pool) -> Engine | None:
+    """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
+    from ._pool import Pool
+
+    if pool is not None:
+        if not isinstance(pool, Pool):
+            raise ValueError(f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with "
+                             f"pager.Pool(budget=...).")
+        if budget is not None:
+            raise ValueError("pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
+                             "change it with pool.set_budget(...)).")
+        return pool.engine
+    if budget is None:
+        raise ValueError("pager: wrap needs budget= (e.g. budget=\"10GiB\") or pool= (a pager.Pool to share).")
+    return budget if isinstance(budget, Engine) else None
 
 
 def _shared_device(engine: Engine, device) -> torch.device:
     """The device of a shared engine; `device`, if given, must be it."""
-    if not engine.owners:
+    if not engine.owners and engine.pool is None:
         raise ValueError("pager: budget= got the engine of a model that was unwrapped; pass "
                          "pager.of(model).engine of a model that is still wrapped, or a budget.")
-    if device is not None and _resolve_device(device) != engine.device:
+    if device is not None and resolve_device(device) != engine.device:
         raise ValueError(f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
                          f"pass device={str(engine.device)!r} (or leave device out) to share it.")
     return engine.device

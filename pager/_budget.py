@@ -112,3 +112,29 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def resolve_device(device) -> torch.device:
+    """`device` checked, as a torch.device; None: the current CUDA device, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"pager: device={device!r} is not a device; use \"cuda\", \"cuda:0\" or \"cpu\".") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"pager: device={device!r} but CUDA is not available here; use device=\"cpu\" "
+                f"(the same paging with host memory standing for the GPU) or run on a CUDA machine."
+            )
+        count = torch.cuda.device_count()
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise ValueError(
+                f"pager: device={device!r} but this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})."
+            )
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"pager: device={device!r} is not supported; use a CUDA device or \"cpu\".")
+    return dev

@@ -17,6 +17,8 @@ PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
 NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
 STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
 STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
+ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads' uses, then fails
+SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
 
 _PAGERS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
@@ -43,7 +45,8 @@ def _locked(method):
     point (a block's use or release, a backward hook, a step) atomic, so two
     threads running forward on one model interleave at block granularity
     with correct pin counts; if their blocks together exceed the budget, one
-    of them gets a BudgetError, never a corrupted state.
+    waits for the other's ([Note: waiting for room] in _engine.py), never a
+    corrupted state.
     """
 
     def locked(self, *args, **kwargs):

@@ -28,6 +28,31 @@ after the h2d stream has waited for the block's last use on compute and its
 write-back on the d2h stream; compute waits on a block's fetch event before
 reading it (`wait`); a write-back waits on the block's last use (`evict`).
 No host synchronisation in any of it, except on the out-of-memory path.
+
+[Note: waiting for room]
+Several threads may use blocks at once (a server's requests, one model or
+several on one engine). A use that needs room which blocks in use by other
+threads hold waits for them (the lock let go) instead of failing: the room
+comes back as soon as one of them is released. Waiters are served in the
+order they came (a first-come queue), except that a thread holding blocks
+itself goes first (it is mid-use; making it queue behind a thread that waits
+for its room would deadlock). A use fails at once with a BudgetError where
+waiting cannot help: the room is held by this thread alone, or by nothing
+that will be released (views kept, a graph held), or every thread holding
+room is itself waiting (a deadlock, broken by failing the thread that finds
+it); and after `wait_seconds` with a BudgetError that says who holds what.
+
+[Note: sharing the room]
+With several models on one engine, each model's kept set (the blocks that
+stay across its forwards, [Note: why next use, and a kept set]) is chosen in
+its share of the room: what every model holds for life, plus a streaming
+window of two of the largest blocks, plus the rest in proportion to the
+bytes each model used in the last `SHARE_WINDOW` requests (requests counted
+as root forwards, each weighed by the model's bytes). A model that sits idle
+drops out of the window and lends its room; alternating models get equal
+shares. Blocks of a model with no forward in flight are evicted before those
+of one running, so the streamed blocks an idle model left behind make room
+first.
 """
 
 from __future__ import annotations
@@ -35,13 +60,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import torch
 
 from ._block import PageState, Segment, layout, storage_key
 from ._budget import format_bytes
-from ._common import BudgetError, _record_range
+from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
 from ._meter import Meter
 from ._tiers import HostTier
 from ._transport import CpuTransport, CudaTransport
@@ -62,9 +88,22 @@ class Owner(Protocol):
     tracer: object     # a `Tracer`: spans of fetches, waits and write-backs
     scheduler: object  # a `Scheduler`: `distance_to(block)`, `kept`
     least_room: int    # the least room its blocks run in
+    min_budget_bytes: int  # the least budget it runs in alone
+    name: str          # how messages and the pool name it
+    carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
+
+    def fixed_bytes(self) -> int:
+        """Device bytes of its blocks that stay for life (its remainder, blocks it uses)."""
 
     def evictions_blocked(self) -> bool:
         """Nothing of this owner may leave now (a forward runs without hooks)."""
+
+    def busy(self) -> bool:
+        """A forward (or backward) of this owner is in flight."""
+
+    def blocking_threads(self) -> set:
+        """Threads whose forwards keep this owner's blocks from leaving
+        (`evictions_blocked`) until they end."""
 
     def activation_reserve_bytes(self):
         """Device bytes its activations take from the budget, or None if it
@@ -104,11 +143,16 @@ class Engine:
         budget_bytes: device bytes for blocks (and, where owners page them,
             activations).
         pin: page-lock the host tier (CUDA only).
+        wait_seconds: how long a use waits for room held by other threads
+            before it fails ([Note: waiting for room]).
     """
 
-    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True):
+    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
+                 wait_seconds: float = ROOM_WAIT_SECONDS):
         self.device = device
         self.budget_bytes = budget_bytes
+        self.wait_seconds = wait_seconds
+        self.pool = None  # the `Pool` this engine serves, if it was made for one
         self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
         self.host = HostTier(self.transport, pin=pin and device.type == "cuda")
         self.owners: list = []
@@ -118,8 +162,14 @@ class Engine:
         # One lock for every owner (see [Note: threads] in _common.py): a
         # transition of one owner's block may evict another's.
         self.lock = threading.RLock()
-        self.room = threading.Condition(self.lock)  # notified when a block goes idle
-        self.room_waiters = 0
+        self.room = threading.Condition(self.lock)  # notified when room may have come back
+        self.queue: deque = deque()  # threads waiting for room, first come first ([Note: waiting for room])
+        self.waiting: set = set()  # the same, as a set
+        self.waits = 0  # uses that waited for room
+        self.waited_seconds = 0.0
+        self.timeouts = 0
+        self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
+        self.peak_resident_bytes = 0
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
@@ -128,7 +178,13 @@ class Engine:
 
     def fixed_bytes(self) -> int:
         """Device bytes that stay for life (owners' remainders and the blocks they use)."""
-        return sum(b.nbytes() for o in self.owners for b in o.all_blocks() if b.resident_for_life)
+        return sum(o.fixed_bytes() for o in self.owners)
+
+    def least_budget(self) -> int:
+        """The least budget its owners run in together: what each holds for
+        life, and room for the one whose largest use needs most beside it."""
+        return self.fixed_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners),
+                                        default=0)
 
     # ---------------------------------------------------------- segments
     def add_segment(self, block, kind: str, named: list, values: bool) -> Segment:
@@ -164,6 +220,7 @@ class Engine:
     def _count_resident(self, block, nbytes: int) -> None:
         self.resident_bytes += nbytes
         block.owner.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     # ---------------------------------------------------------- pins
     def pin(self, block) -> None:
@@ -186,8 +243,7 @@ class Engine:
         """`block`'s last pin is gone: from the end of compute enqueued so far,
         its memory may be reused (`mark`; without, an eviction orders itself
         after a fresh event: see [Note: the last use, or a fresh event])."""
-        if self.room_waiters:
-            self.room.notify_all()
+        self.room_may_be_back()
         block.last_use_event = self.transport.record_compute() if mark else None
         if mark:
             block.release_versions = block.versions()
@@ -202,8 +258,7 @@ class Engine:
         try:
             if missing:
                 with _record_range(f"pager::fetch[{block.name}]"):
-                    if not self.make_room(missing, protect={block}):
-                        self.raise_no_room(block, missing)
+                    missing = self._room_for_use(block, kinds)
                     self.fetch(block, kinds)
         except BaseException:
             self.unpin(block)
@@ -373,15 +428,97 @@ class Engine:
         for owner in self.owners:
             owner.blocks_moved()
 
+    # ---------------------------------------------------------- waiting for room
+    def room_may_be_back(self) -> None:
+        """Wake the uses waiting for room (a block went idle or left, a
+        forward that kept blocks from leaving ended)."""
+        if self.waiting:
+            self.room.notify_all()
+
+    def _room_for_use(self, block, kinds) -> int:
+        """Make room for what `block` misses of `kinds`, waiting while other
+        threads' uses hold it ([Note: waiting for room]). Returns the bytes
+        still missing (0 if another thread fetched them meanwhile)."""
+        me = threading.get_ident()
+        started = None
+        try:
+            while True:
+                missing = block.missing_bytes(kinds)
+                mine = self._held_by(me)
+                if not missing:
+                    return 0
+                if not self.queue or self.queue[0] == me or mine:
+                    if self.make_room(missing, protect={block}):
+                        return missing
+                    holders = self._holders(me)
+                    if not holders or holders <= self.waiting:
+                        self.raise_no_room(block, missing, deadlock=bool(holders))
+                if started is None:
+                    started = time.monotonic()
+                    self.queue.append(me)
+                    self.waiting.add(me)
+                    self.waits += 1
+                left = started + self.wait_seconds - time.monotonic()
+                if left <= 0:
+                    self.timeouts += 1
+                    self.raise_no_room(block, missing, waited=time.monotonic() - started)
+                self.room.wait(left)
+        finally:
+            if started is not None:
+                self.waited_seconds += time.monotonic() - started
+                self.waiting.discard(me)
+                self.queue.remove(me)
+                self.room.notify_all()  # the next in the queue may try now
+
+    def _held_by(self, thread) -> bool:
+        return any(thread in b.thread_pins for b in self.resident if not b.resident_for_life)
+
+    def _holders(self, me) -> set:
+        """Threads other than `me` whose uses hold room that they will give
+        back (None: blocks in use by a thread not known)."""
+        out = set()
+        for b in self.resident:
+            if b.pins > 0 and not b.resident_for_life:
+                out |= set(b.thread_pins) if b.thread_pins else {None}
+        for owner in self.owners:
+            if owner.evictions_blocked():
+                out |= owner.blocking_threads()
+        out.discard(me)
+        return out
+
     # ---------------------------------------------------------- room
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less what owners'
         activations take ([Note: one budget] in _saved.py), never less than
         the least that runs (the largest owner's `least_room`)."""
         reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
+        reserves += [o.carried_bytes for o in self.owners if o.carried_bytes]
         if not reserves:
             return self.budget_bytes
         return max(self.budget_bytes - sum(reserves), max(o.least_room for o in self.owners))
+
+    def note_request(self, owner) -> None:
+        """A root forward of `owner` starts: it counts towards its share of
+        the room ([Note: sharing the room])."""
+        if len(self.owners) > 1:
+            self.requests.append(owner)
+
+    def kept_room(self, owner, fixed_bytes: int) -> int:
+        """The room `owner` chooses its kept set in ([Note: sharing the
+        room]); `fixed_bytes`: what it holds for life."""
+        room = self.room_bytes()
+        if len(self.owners) == 1:
+            return room
+        fixed = self.fixed_bytes()
+        window = 2 * max((b.nbytes() for o in self.owners for b in o.blocks if not b.resident_for_life), default=0)
+        spare = max(0, room - fixed - window)
+        weight = {o: 0 for o in self.owners}
+        for o in self.requests:
+            if o in weight:
+                weight[o] += o.total_bytes
+        total = sum(weight.values())
+        share = spare * weight[owner] // total if total else spare // len(self.owners)
+        return fixed_bytes + window + share
 
     def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
@@ -402,9 +539,9 @@ class Engine:
         streamed = [b for b in idle if b not in b.owner.scheduler.kept]
         kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
         for group in (streamed, kept):
-            ranked = sorted(((b.owner.scheduler.distance_to(b), -b.last_use_tick, b) for b in group),
-                            key=lambda r: r[:2], reverse=True)
-            for distance, _tick, b in ranked:
+            ranked = sorted(((not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+                             for b in group), key=lambda r: r[:3], reverse=True)
+            for _idle, distance, _tick, b in ranked:
                 if within is not None and distance <= within:
                     return False
                 self.evict(b)
@@ -412,19 +549,29 @@ class Engine:
                     return True
         return False
 
-    def raise_no_room(self, block, missing: int):
+    def raise_no_room(self, block, missing: int, *, waited: float | None = None, deadlock: bool = False):
         """Raise the BudgetError for `block`, which needs `missing` bytes that
-        the blocks in use (named in it) do not leave."""
+        the blocks in use (named in it) do not leave; `waited`: after waiting
+        that long for them; `deadlock`: their threads all wait for room too."""
         pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
-        held = ", ".join(f"{b.name} ({format_bytes(b.device_bytes())}"
+        several = len(self.owners) > 1
+        held = ", ".join(f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
                          f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
         acts = self.budget_bytes - self.room_bytes()
+        why = ""
+        if waited is not None:
+            why = (f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
+                   f"{self.wait_seconds:g})")
+        elif deadlock:
+            why = " by requests that all wait for room themselves (each holds blocks the others need)"
         raise BudgetError(
             f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
             f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
-            f"by blocks in use: {held}"
-            + (f" (and activations take {format_bytes(acts)} of it)" if acts > 0 else "")
-            + ". Raise the budget, or use smaller blocks (blocks=...)."
+            f"by blocks in use{why}: {held}"
+            + (f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
+               if acts > 0 else "")
+            + ". Raise the budget, " + ("run fewer requests at once or allow a longer wait, " if why else "")
+            + "or use smaller blocks (blocks=...)."
         )
 
     def set_budget(self, nbytes: int) -> None:
@@ -436,6 +583,7 @@ class Engine:
             if self._may_evict(block):
                 self.evict(block)
         if self.resident_bytes > nbytes:
+            self.room_may_be_back()
             raise ValueError(
                 f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
                 f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
@@ -443,6 +591,7 @@ class Engine:
         self.budget_bytes = nbytes
         for owner in self.owners:
             owner.counters.budget_bytes = nbytes
+        self.room_may_be_back()
 
     # ---------------------------------------------------------- owners
     def join(self, owner) -> None:
@@ -468,6 +617,9 @@ class Engine:
         self.host.release(owner)
         if owner in self.owners:
             self.owners.remove(owner)
+        while owner in self.requests:
+            self.requests.remove(owner)
+        self.room_may_be_back()
 
 
 def _out_of_memory(engine: Engine, block, seg: Segment) -> BudgetError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from contextlib import contextmanager
 
 import torch
@@ -18,13 +17,12 @@ from torch.utils._pytree import tree_leaves
 
 from . import _paged
 from ._budget import format_bytes
-from ._common import EVERYONE, BudgetError
+from ._common import EVERYONE
 from ._grads import ZERO, PagedOutGrad
 
 log = logging.getLogger("pager")
 KINDS_ORDER = ("weights", "grads", "state")
 INF = float("inf")
-SERVE_WAIT_SECONDS = 60.0  # an access waits this long for room held by other threads, then fails
 
 
 class Serving:
@@ -46,17 +44,8 @@ class Serving:
         with pager.lock:
             pager.check_open()
             pager.note_threads()
-            deadline = time.monotonic() + SERVE_WAIT_SECONDS
-            while True:
-                try:
-                    held = self._acquire_all(wanted, EVERYONE if expose else False)
-                    break
-                except BudgetError:
-                    # The room may be held by other threads' accesses or
-                    # forwards: wait for a release, unless this thread holds
-                    # blocks itself (then waiting could deadlock).
-                    if not self._may_wait() or not self._wait_for_room(deadline):
-                        raise
+            # (a use waits for room other threads hold: [Note: waiting for room] in _engine.py)
+            held = self._acquire_all(wanted, EVERYONE if expose else False)
             pager.thread_state.serving = getattr(pager.thread_state, "serving", 0) + 1
         try:
             yield
@@ -84,24 +73,6 @@ class Serving:
                 pager.release(block)
             raise
         return held
-
-    def _may_wait(self) -> bool:
-        pager = self.pager
-        return not getattr(pager.thread_state, "serving", 0) and not pager.hooks.forward_marks() and any(
-            b.pins > b.resident_for_life for b in pager.all_blocks())
-
-    def _wait_for_room(self, deadline: float) -> bool:
-        """Wait (the lock released) until a block is released; False on timeout."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        engine = self.pager.engine
-        engine.room_waiters += 1
-        try:
-            engine.room.wait(left)
-        finally:
-            engine.room_waiters -= 1
-        return True
 
     def served(self, wanted: dict, result, writes: bool = False) -> None:
         """After an access: mark what it wrote dirty (some in-place ops, such as

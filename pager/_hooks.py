@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _paged, _saved
 from ._block import Block
 from ._budget import format_bytes
+from ._carried import carried_bytes
 from ._checkpoint import StateDicts
 from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
 
@@ -33,7 +34,7 @@ class Hooks:
         self.pager = pager
         self.lock = pager.lock  # (for `_locked`) the engine's, shared by its models
         self.handles: list = []  # every hook handle but the blocks' own (`Block.hook_handles`)
-        self._root_depth = 0
+        self.root_depth = 0
         self.backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
         self._backward_passes = 0  # ended backward passes (end_of_backward)
@@ -42,6 +43,7 @@ class Hooks:
         self._unsaid_change = False  # the last step's order changed, unannounced, with misses
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self.sleeping_forwards = 0
+        self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
         self.held_for_graph = False
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
@@ -55,7 +57,7 @@ class Hooks:
     def install(self) -> None:
         root = self.pager.model
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self.handles.append(root.register_forward_hook(self._root_post_forward, always_call=True))
+        self.handles.append(root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True))
         for block in self.pager.blocks:
             self._install_block_hooks(block)
         self._install_inner_hooks()
@@ -238,17 +240,18 @@ class Hooks:
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
         acts = self.pager.activations if torch.is_grad_enabled() else None
-        if acts is not None and self._root_depth == 0:
+        if acts is not None and self.root_depth == 0:
             acts.pass_starts()
         _saved.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
                             ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
         self.pager.note_threads()
-        if self._root_depth == 0:
+        if self.root_depth == 0:
             if self.pager.activations is not None:
                 self.pager.activations.forward_reaches(None)  # ops before the first block
             self._check_structure()
             self._release_stale_backward_holds()
+            self.pager.engine.note_request(self.pager)
             self._start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
@@ -257,22 +260,50 @@ class Hooks:
         self.forward_marks().append(self.pager.asleep)
         if self.pager.asleep:
             self.sleeping_forwards += 1
+            me = threading.get_ident()
+            self.sleeping_threads[me] = self.sleeping_threads.get(me, 0) + 1
             self.pager.counters.resident_forwards += 1
             self.pager.counters.resident_uses += len(self.pager.scheduler.plan)
-        self._root_depth += 1
+        self.root_depth += 1
 
     @_locked
-    def _root_post_forward(self, module, args, output):
+    def _root_post_forward(self, module, args, kwargs, output):
         if _saved.recomputing():
             return
         _saved.end_saving()
-        self._root_depth = max(0, self._root_depth - 1)
+        self.root_depth = max(0, self.root_depth - 1)
+        if self.root_depth == 0:
+            self._note_carried(args, kwargs)
         marks = self.forward_marks()
         if marks and marks.pop():
             self.sleeping_forwards -= 1
+            me = threading.get_ident()
+            if self.sleeping_threads.get(me, 0) > 1:
+                self.sleeping_threads[me] -= 1
+            else:
+                self.sleeping_threads.pop(me, None)
+            self.pager.engine.room_may_be_back()  # its blocks may leave again
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
                 self.wake()
                 self.held_for_graph = True  # see [Note: asleep]
+
+    def _note_carried(self, args, kwargs) -> None:
+        """The state this forward carried on the device counts against the
+        budget from now on ([Note: carried state] in _carried.py)."""
+        nbytes = carried_bytes((*args, *kwargs.values()), self.pager.device.type)
+        if nbytes != self.pager.carried_bytes:
+            grew = nbytes > self.pager.carried_bytes
+            self.pager.carried_bytes = nbytes
+            self.pager.counters.peak_carried_bytes = max(self.pager.counters.peak_carried_bytes, nbytes)
+            if grew:
+                self.pager.engine.make_room(0, protect=())  # idle blocks leave until blocks and state fit
+            if self.pager.budget_bytes < self.pager.least_room + nbytes:
+                self.pager.warn_once(
+                    "carried_crowd", "pager: the state a forward carries on the device (a KV cache: %s) leaves "
+                    "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, "
+                    "so the model holds more than the budget. Raise the budget, or use a smaller batch or a "
+                    "shorter context.", format_bytes(nbytes), format_bytes(self.pager.budget_bytes),
+                    format_bytes(self.pager.least_room))
 
     def _release_stale_backward_holds(self) -> None:
         # A backward that raised never ran its final callback: its blocks are
@@ -302,14 +333,14 @@ class Hooks:
         # in steps of 1/64 of the budget: activations vary a little by pass).
         if self._least_room_of != self.pager.total_bytes:  # a segment appeared (grads, optimizer state)
             self.pager.least_room, self._least_room_of = self.pager.least_room_bytes(), self.pager.total_bytes
-        room = self.pager.room_bytes()
+        # With other models on the engine, in this one's share of the room
+        # ([Note: sharing the room] in _engine.py).
+        engine = self.pager.engine
+        fixed = self.pager.fixed_bytes() if len(engine.owners) > 1 else 0
+        room = engine.kept_room(self.pager, fixed)
         key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1), self.pager.total_bytes)
         if changed or key != self._kept_key:
-            fixed = self.pager.remainder.device_bytes() if self.pager.remainder is not None else 0
-            for b in self.pager.blocks:
-                if b.resident_for_life:
-                    fixed += b.nbytes()
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), fixed)
+            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes())
             self._kept_key = key
             self._warn_if_activations_crowd(room)
         self.pager.counters.steps += 1

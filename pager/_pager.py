@@ -36,7 +36,7 @@ class Pager:
     """
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
-                 activations="keep", engine: Engine | None = None):
+                 activations="keep", engine: Engine | None = None, name: str | None = None):
         self.model = model
         self.device = device
         self.prefetch_depth = prefetch_depth
@@ -50,6 +50,9 @@ class Pager:
         self.remainder: Block | None = None
         self.resident_bytes = 0  # this model's share of the engine's (kept by the engine)
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
+        self.carried_bytes = 0  # state the last forward carried on the device (a KV cache): see _carried.py
+        # How the pool and the engine's messages name this model.
+        self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see _saved.py).
         self.activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
@@ -402,6 +405,16 @@ class Pager:
     def evictions_blocked(self) -> bool:
         return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph
 
+    def fixed_bytes(self) -> int:
+        """What this model holds on the device for life (its remainder, and blocks it uses)."""
+        return sum(b.nbytes() for b in self.all_blocks() if b.resident_for_life)
+
+    def busy(self) -> bool:
+        return self.hooks.root_depth > 0 or bool(self.hooks.backward_holds)
+
+    def blocking_threads(self) -> set:
+        return set(self.hooks.sleeping_threads)
+
     def may_leave(self, block: Block) -> bool:
         """Chosen to leave: False if it must stay (views of it kept where pager
         cannot look); a deferred update whose bytes are here is applied now."""
@@ -527,7 +540,8 @@ class Pager:
         if self.transport.is_cuda:
             memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device),
                           allocator_reserved_bytes=torch.cuda.memory_reserved(self.device))
-        return dataclasses.replace(self.counters, resident_bytes=self.resident_bytes, blocks=blocks, **memory)
+        return dataclasses.replace(self.counters, resident_bytes=self.resident_bytes, blocks=blocks,
+                                   carried_bytes=self.carried_bytes, **memory)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory
@@ -697,11 +711,13 @@ class Pager:
         from ._budget import parse_budget
 
         nbytes = parse_budget(budget, self.device)
-        least = max(o.min_budget_bytes for o in self.engine.owners)
+        least = self.engine.least_budget()
         if nbytes < least:
             raise ValueError(
                 f"pager: budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(least)} "
-                f"this model needs (the remainder and its largest block); give at least that."
+                f"this model needs (the remainder and its largest block"
+                + (", beside what the models sharing its budget hold for life" if len(self.engine.owners) > 1 else "")
+                + "); give at least that."
             )
         self.engine.set_budget(nbytes)
 
@@ -718,6 +734,15 @@ class Pager:
     def check_open(self) -> None:
         if self._closed:
             raise RuntimeError("pager: this model was unwrapped; wrap it again to page it.")
+
+
+def _unique_name(base: str, owners) -> str:
+    """`base`, or `base#2`, `base#3`... if a model sharing the engine has it."""
+    names, name, k = {o.name for o in owners}, base, 1
+    while name in names:
+        k += 1
+        name = f"{base}#{k}"
+    return name
 
 
 def _finish_order(blocks):

@@ -121,9 +121,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     Example:
         >>> print(pager.plan(model, budget="10GiB", inputs=torch.zeros(4, 1024, dtype=torch.long)))
     """
-    from ._api import _resolve_device
+    from ._budget import resolve_device
 
-    device = _resolve_device(device)
+    device = resolve_device(device)
     budget_bytes = parse_budget(budget, device)
     sizing = _discover.size_up(model, blocks)
     min_budget = sizing.min_budget

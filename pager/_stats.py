@@ -75,6 +75,10 @@ class Stats:
     peak_activation_bytes: int = 0      # the most at once
     activation_reserve_bytes: int = 0   # the share of the budget they take from blocks now
     peak_device_bytes: int = 0          # the most that blocks and activations held together
+    # State the last forward carried on the device (a KV cache), held out of
+    # the blocks' room ([Note: carried state] in _carried.py):
+    carried_bytes: int = 0
+    peak_carried_bytes: int = 0
     # The caching allocator's own figures (CUDA; 0 on the CPU device), which
     # also hold what pager does not: a block's temporaries while it runs, the
     # loss, gradients between blocks, the user's tensors, rounding:
@@ -112,6 +116,8 @@ class Stats:
                f"(activations {format_bytes(self.peak_activation_bytes)} at most, "
                f"{format_bytes(self.activation_reserve_bytes)} of the budget set aside for them)"
                if self.peak_device_bytes else "")
+            + (f"; a forward carried {format_bytes(self.carried_bytes)} of state (a KV cache; at most "
+               f"{format_bytes(self.peak_carried_bytes)}), held out of the blocks' room" if self.peak_carried_bytes else "")
             + (f"; the allocator peaked at {format_bytes(self.allocator_peak_bytes)} "
                f"({format_bytes(self.allocator_reserved_bytes)} reserved)" if self.allocator_peak_bytes else "")
         )
@@ -132,10 +138,35 @@ class Stats:
         return "\n".join(rows)
 
 
+@dataclass
+class PoolStats:
+    """A pool's totals since its last `reset()`, and each model's `Stats`."""
+
+    budget_bytes: int = 0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0  # the most the pool's blocks held at once
+    carried_bytes: int = 0  # state the models' last forwards carried (KV caches), held out of the room
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    waits: int = 0  # uses that waited for room held by other requests
+    waited_seconds: float = 0.0
+    timeouts: int = 0  # uses that waited `wait_seconds` and failed
+    models: dict = field(default_factory=dict)  # name -> Stats
+
+    def __str__(self) -> str:
+        return (
+            f"pool: {len(self.models)} model(s), resident {format_bytes(self.resident_bytes)} (peak "
+            f"{format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
+            + (f", carried state {format_bytes(self.carried_bytes)}" if self.carried_bytes else "")
+            + f"; moved {format_bytes(self.h2d_bytes)} to device, {format_bytes(self.d2h_bytes)} back; "
+            f"{self.waits} waits for room ({self.waited_seconds * 1e3:.1f} ms), {self.timeouts} timed out"
+        )
+
+
 def zero_counters(obj) -> None:
     """Reset the counting fields of a Stats or BlockStats in place."""
     for f in fields(obj):
         if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes", "peak_resident_bytes",
-                      "activations_policy", "activation_bytes", "activation_reserve_bytes"):
+                      "activations_policy", "activation_bytes", "activation_reserve_bytes", "carried_bytes"):
             continue  # state, not counters (peaks restart in `Pager.reset`)
         setattr(obj, f.name, type(getattr(obj, f.name))())
