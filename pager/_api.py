@@ -122,7 +122,7 @@ def wrap(
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
         log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
                     format_bytes(total), kind, len(named), seconds * total / 2**30)
-    if total <= budget_bytes:
+    if total <= budget_bytes and engine is None:  # (sharing a budget: the others' blocks count too)
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
             "after the first forward); training pages gradients and optimizer state only if they do not fit "

@@ -52,7 +52,12 @@ as root forwards, each weighed by the model's bytes). A model that sits idle
 drops out of the window and lends its room; alternating models get equal
 shares. Blocks of a model with no forward in flight are evicted before those
 of one running, so the streamed blocks an idle model left behind make room
-first.
+first. A model's prefetch, once its own step holds nothing more to fetch,
+goes on into the plan of the model predicted to come next (the one that
+followed it last time), and kept sets sit at the end of each plan: the
+streamed blocks of the next request land while this one runs its kept tail
+(on the H100, two 7B-shaped models alternating under 1.5 models' budget,
+the copy engine had idled through each request's kept stretch).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ import torch
 
 from ._block import PageState, Segment, layout, storage_key
 from ._budget import format_bytes
-from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
+from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, STREAM_WINDOW_SECONDS, BudgetError, _record_range
 from ._meter import Meter
 from ._tiers import HostTier
 from ._transport import CpuTransport, CudaTransport
@@ -170,6 +175,7 @@ class Engine:
         self.timeouts = 0
         self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
         self.peak_resident_bytes = 0
+        self.h2d_rate = 0.0  # bytes/s the copies up achieved (once known)
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
@@ -496,6 +502,27 @@ class Engine:
         if not reserves:
             return self.budget_bytes
         return max(self.budget_bytes - sum(reserves), max(o.least_room for o in self.owners))
+
+    def stream_window_bytes(self) -> int:
+        """The least streaming room: `STREAM_WINDOW_SECONDS` of copying at
+        the rate the copies so far achieved (0 until known, and on the CPU
+        device). See [Note: a streaming window in time] in _schedule.py."""
+        if not self.transport.is_cuda:
+            return 0
+        copied = sum(o.counters.h2d_bytes for o in self.owners)
+        seconds = sum(o.counters.h2d_seconds for o in self.owners)
+        if seconds > 0:
+            self.h2d_rate = copied / seconds  # kept across counter resets
+        return int(STREAM_WINDOW_SECONDS * self.h2d_rate)
+
+    def next_owner(self, owner):
+        """The owner whose request is predicted to follow `owner`'s current
+        one: the one that followed it last time (itself if none did)."""
+        requests = self.requests
+        for i in range(len(requests) - 2, -1, -1):
+            if requests[i] is owner:
+                return requests[i + 1] if requests[i + 1] in self.owners else owner
+        return owner
 
     def note_request(self, owner) -> None:
         """A root forward of `owner` starts: it counts towards its share of

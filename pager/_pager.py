@@ -501,7 +501,7 @@ class Pager:
         if not self.prefetch_depth or self.all_resident:
             return  # off, or nothing left to fetch
         fetched = 0
-        for distance, (block, kinds) in enumerate(islice(self.scheduler.upcoming(), PREFETCH_WINDOW)):
+        for distance, (block, kinds) in enumerate(islice(self._upcoming(), PREFETCH_WINDOW)):
             if fetched >= self.prefetch_depth:
                 return
             if block.deferred_steps:
@@ -509,7 +509,7 @@ class Pager:
             elif kinds is WEIGHTS and block.weights.resident and not block.deps:
                 continue  # the common case once the working set is resident
             if "grads" in kinds:
-                self.ensure_grads_segment(block)
+                block.owner.ensure_grads_segment(block)
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
             if not missing:
                 continue
@@ -521,8 +521,20 @@ class Pager:
             with _record_range(f"pager::prefetch[{block.name}]"):
                 self.engine.fetch(block, kinds)
             block.stats.prefetches += 1
-            self.counters.prefetches += 1
+            block.owner.counters.prefetches += 1
             fetched += 1
+
+    def _upcoming(self):
+        """The uses to prefetch for: this model's; with other models on the
+        engine, the rest of this step, then the plan of the model predicted
+        to run next ([Note: sharing the room] in _engine.py)."""
+        if len(self.engine.owners) == 1:
+            return self.scheduler.upcoming()
+        after = self.engine.next_owner(self)
+        if after is self:
+            return self.scheduler.upcoming()
+        theirs = ((b, k) for b, k in after.scheduler.plan if k is WEIGHTS and not b.deferred_steps)
+        return chain(self.scheduler.upcoming_this_step(), theirs)
 
     # ---------------------------------------------------------------- public
     @_locked

@@ -391,3 +391,53 @@ def test_generate_sampling_in_a_pool_beside_another_model_matches_unwrapped():
     s = pool.stats()
     assert s.peak_resident_bytes <= pool.budget_bytes
     assert s.models["chat"].misses > 0 and s.models["other"].misses > 0
+
+
+def test_the_next_models_streamed_blocks_are_prefetched_during_this_ones_kept_tail():
+    """Alternating models: kept blocks sit at the end of each plan, and a
+    request's prefetch goes on into the next model's plan, so every use of
+    both models finds its block already fetched."""
+    a, b = stack(n=8, seed=1), stack(n=8, seed=2)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    pool = pool_of([a, b], 10)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        for _ in range(6):
+            a(x), b(x)
+        pool.reset()
+        for _ in range(2):
+            assert_same(a(x), ref_a(x))
+            assert_same(b(x), ref_b(x))
+    s = pool.stats()
+    for name, m in (("m0", a), ("m1", b)):
+        kept = pager.of(m).scheduler.kept
+        assert {blk.name for blk in kept} == {str(i) for i in range(8 - len(kept), 8)}  # the last ones
+        assert 0 < len(kept) < 8
+        assert s.models[name].misses == 0 and s.models[name].prefetches > 0
+    assert s.peak_resident_bytes <= pool.budget_bytes
+
+
+def test_the_streaming_room_is_at_least_the_window_asked_for():
+    from pager._schedule import Scheduler
+
+    sched = Scheduler()
+    blocks = [f"b{i}" for i in range(8)]
+    sched.plan = [(blk, ("weights",)) for blk in blocks]
+    sched.choose_kept(60, lambda blk: 10, 0)  # two blocks of streaming room
+    assert sched.kept == set(blocks[:4])
+    sched.choose_kept(60, lambda blk: 10, 0, window_bytes=35)  # a window of 3.5 blocks
+    assert sched.kept == set(blocks[:2])
+    sched.choose_kept(60, lambda blk: 10, 0, late_first=True)
+    assert sched.kept == set(blocks[4:])
+
+
+def test_the_example_server_answers_both_models_bit_for_bit():
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "serve.py"
+    run = subprocess.run([sys.executable, str(example), "--demo", "4", "--layers", "4"], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("(equal to unwrapped: True)") == 4 and "pool: 2 model(s)" in run.stdout
