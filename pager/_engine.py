@@ -175,7 +175,6 @@ class Engine:
         self.timeouts = 0
         self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
         self.peak_resident_bytes = 0
-        self.h2d_rate = 0.0  # bytes/s the copies up achieved (once known)
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
@@ -505,15 +504,11 @@ class Engine:
 
     def stream_window_bytes(self) -> int:
         """The least streaming room: `STREAM_WINDOW_SECONDS` of copying at
-        the rate the copies so far achieved (0 until known, and on the CPU
-        device). See [Note: a streaming window in time] in _schedule.py."""
+        the rate the timed copies so far achieved (0 until known, and on the
+        CPU device). See [Note: a streaming window in time] in _schedule.py."""
         if not self.transport.is_cuda:
             return 0
-        copied = sum(o.counters.h2d_bytes for o in self.owners)
-        seconds = sum(o.counters.h2d_seconds for o in self.owners)
-        if seconds > 0:
-            self.h2d_rate = copied / seconds  # kept across counter resets
-        return int(STREAM_WINDOW_SECONDS * self.h2d_rate)
+        return int(STREAM_WINDOW_SECONDS * self.meter.h2d_rate())
 
     def next_owner(self, owner):
         """The owner whose request is predicted to follow `owner`'s current
