@@ -14,7 +14,6 @@ BACKWARD = ("weights", "grads")
 STEP = ("weights", "grads", "state")
 EVERYONE = "everyone"  # Pager.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
 PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
-STREAM_WINDOW_SECONDS = 0.008  # the streaming room holds at least this much copying ([Note: a streaming window in time])
 NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
 STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
 STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time

@@ -72,7 +72,7 @@ import torch
 
 from ._block import PageState, Segment, layout, storage_key
 from ._budget import format_bytes
-from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, STREAM_WINDOW_SECONDS, BudgetError, _record_range
+from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
 from ._meter import Meter
 from ._tiers import HostTier
 from ._transport import CpuTransport, CudaTransport
@@ -501,14 +501,6 @@ class Engine:
         if not reserves:
             return self.budget_bytes
         return max(self.budget_bytes - sum(reserves), max(o.least_room for o in self.owners))
-
-    def stream_window_bytes(self) -> int:
-        """The least streaming room: `STREAM_WINDOW_SECONDS` of copying at
-        the rate the timed copies so far achieved (0 until known, and on the
-        CPU device). See [Note: a streaming window in time] in _schedule.py."""
-        if not self.transport.is_cuda:
-            return 0
-        return int(STREAM_WINDOW_SECONDS * self.meter.h2d_rate())
 
     def next_owner(self, owner):
         """The owner whose request is predicted to follow `owner`'s current

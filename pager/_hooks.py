@@ -338,15 +338,12 @@ class Hooks:
         engine = self.pager.engine
         shared = len(engine.owners) > 1
         room = engine.kept_room(self.pager, self.pager.fixed_bytes() if shared else 0)
-        window = engine.stream_window_bytes() if self.pager.scheduler.reads_only else 0
-        step = max(self.pager.budget_bytes // 64, 1)
-        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room // step, window // step,
+        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
                self.pager.total_bytes)
         if changed or key != self._kept_key:
             # Sharing: kept blocks last, so that a request's kept tail overlaps
             # the next request's fetches ([Note: sharing the room]).
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes(), window,
-                                             late_first=shared)
+            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes(), late_first=shared)
             self._kept_key = key
             self._warn_if_activations_crowd(room)
         self.pager.counters.steps += 1

@@ -17,26 +17,17 @@ class Meter:
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self._stalls: list = []  # (block, compute arrived, fetch landed)
-        self._copies: list = []  # (block, direction, start, end, nbytes)
-        # Copies up whose seconds are known (never reset): the link's achieved rate.
-        self.h2d_timed_bytes = 0
-        self.h2d_timed_seconds = 0.0
-
-    def h2d_rate(self) -> float:
-        """Bytes per second that the copies up achieved, from those already
-        timed (bytes are counted at once, seconds only when their events are
-        resolved: mixing the two would overstate the rate); 0 until known."""
-        return self.h2d_timed_bytes / self.h2d_timed_seconds if self.h2d_timed_seconds > 0 else 0.0
+        self._copies: list = []  # (block, direction, start, end)
 
     def copied(self, block, direction: str, start, end, nbytes: int) -> None:
         """A copy of `nbytes` of `block`, "h2d" or "d2h", from `start` to `end`."""
         _add(block, f"{direction}_bytes", nbytes)
         if self.cuda:
-            self._copies.append((block, direction, start, end, nbytes))
+            self._copies.append((block, direction, start, end))
             if len(self._copies) > EVENTS_BEFORE_RESOLVE:
                 self.resolve(wait=False)
         else:
-            self._timed(block, direction, nbytes, end - start)
+            _add(block, f"{direction}_seconds", end - start)
             if direction == "h2d":  # the CPU device copies synchronously: compute waited
                 _add(block, "stall_seconds", end - start)
 
@@ -60,19 +51,13 @@ class Meter:
             ms = arrive.elapsed_time(done)
             if ms > 0:
                 _add(block, "stall_seconds", ms / 1e3)
-        for block, direction, start, end, nbytes in self._copies:
+        for block, direction, start, end in self._copies:
             if not wait and not end.query():
-                copies.append((block, direction, start, end, nbytes))
+                copies.append((block, direction, start, end))
                 continue
             end.synchronize()
-            self._timed(block, direction, nbytes, start.elapsed_time(end) / 1e3)
+            _add(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
         self._stalls, self._copies = stalls, copies
-
-    def _timed(self, block, direction: str, nbytes: int, seconds: float) -> None:
-        _add(block, f"{direction}_seconds", seconds)
-        if direction == "h2d":
-            self.h2d_timed_bytes += nbytes
-            self.h2d_timed_seconds += seconds
 
 
 def _add(block, field: str, value) -> None:

@@ -18,20 +18,6 @@ and the one in flight) through which all other blocks pass. Bytes moved per
 step are then the plan's bytes less the kept bytes, the least that any schedule
 with one block of look-ahead can move.
 
-[Note: a streaming window in time]
-Two blocks of streaming room keep the copy engine busy only while the host
-releases a block before the other one has landed. Where blocks are small
-(a layer split into its parts, 33-90 MB on a 7B-shaped model: 0.6-1.7 ms of
-copy each) and the host has stretches of its own (kept blocks used one after
-the other, a decode step's sampling between tokens), the copies drain while
-the host works: on the H100, a decode step copied 5.1 GB in 93 ms of copy
-time and took 110 ms. So the streaming room is also at least
-`STREAM_WINDOW_SECONDS` of copying at the link's achieved rate (measured from
-the copies so far): a few blocks more move per step, and the copy engine
-works through the host's stretches. Only where the plan only reads weights:
-in training a streamed block also writes its gradients and state back, and
-the room is what activations leave (widening it moved the one-budget test's
-peak over its budget on the H100).
 """
 
 from __future__ import annotations
@@ -49,7 +35,6 @@ class Scheduler:
         self.pos = 0
         self.expected: list = []
         self.kept: set = set()
-        self.reads_only = True  # the plan only reads weights (inference): no gradients, no optimizer state
         self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
         self._positions_of = None       # the plan they index
 
@@ -58,7 +43,6 @@ class Scheduler:
         changed = bool(self.plan) and bool(self.recording) and self.recording != self.plan
         if self.recording:
             self.plan = self.recording
-            self.reads_only = all(kinds == ("weights",) for _b, kinds in self.plan)
         self.recording = []
         self.pos = 0
         return changed
@@ -116,12 +100,11 @@ class Scheduler:
         ahead = positions[k] - self.pos if k < len(positions) else len(self.plan) - self.pos + positions[0]
         return len(self.expected) + ahead
 
-    def choose_kept(self, budget_bytes: int, size_of, fixed_bytes: int, window_bytes: int = 0,
-                    late_first: bool = False) -> None:
+    def choose_kept(self, budget_bytes: int, size_of, fixed_bytes: int, late_first: bool = False) -> None:
         """Pick the blocks of the plan that stay resident across steps: the
         largest first (ties: the earliest in the plan, or with `late_first`
         the latest), leaving a streaming room of two of the largest streamed
-        blocks, and at least `window_bytes`."""
+        blocks."""
         blocks = list(dict.fromkeys(b for b, _k in self.plan))
         if not blocks:
             self.kept = set()
@@ -135,7 +118,7 @@ class Scheduler:
         kept, kept_bytes, largest_streamed = set(), 0, 0
         for i, block in enumerate(by_size):
             next_size = size_of(by_size[i + 1]) if i + 1 < len(by_size) else 0
-            room = max(2 * max(largest_streamed, next_size), window_bytes)
+            room = 2 * max(largest_streamed, next_size)
             if fixed_bytes + kept_bytes + size_of(block) + room <= budget_bytes:
                 kept.add(block)
                 kept_bytes += size_of(block)

@@ -204,35 +204,3 @@ def test_a_use_that_activations_crowd_runs_within_the_budget():
         for block in p.blocks[:3]:
             p.release(block)
 
-
-def test_the_link_rate_counts_only_copies_already_timed():
-    """Bytes are counted when a copy is enqueued, seconds when its events are
-    resolved: the achieved rate must pair them copy for copy (mixing the
-    totals overstated it on the H100, and the streaming window with it)."""
-    from pager._meter import Meter
-
-    class Stub:
-        def __init__(self):
-            self.stats = pager.BlockStats("b")
-            self.owner = self
-            self.counters = pager.Stats()
-
-    class Event:
-        def __init__(self, t, done=True):
-            self.t, self.done = t, done
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return end.t - self.t
-
-    meter, block = Meter(cuda=True), Stub()
-    meter.copied(block, "h2d", Event(0.0), Event(2.0), 100_000_000)  # 100 MB in 2 ms: 50 GB/s
-    meter.copied(block, "h2d", Event(2.0), Event(4.0, done=False), 100_000_000)  # not landed yet
-    assert meter.h2d_rate() == 0.0
-    meter.resolve(wait=False)
-    assert meter.h2d_rate() == pytest.approx(50e9) and block.counters.h2d_bytes == 200_000_000
