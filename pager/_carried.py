@@ -10,9 +10,10 @@ forward, the device tensors held inside the objects and containers among
 the forward's arguments are counted (by storage, once each); blocks get the
 budget less that from then on, like activations ([Note: one budget] in
 _saved.py), and when it grew, idle blocks leave at once until blocks and
-state fit the budget together. Plain tensor arguments (token ids, masks, hidden states) are the
-caller's and are not counted. The walk follows containers and objects'
-attributes a few levels deep and never enters modules.
+state fit the budget together. Plain tensor arguments (token ids, masks,
+hidden states) are the caller's and are not counted. The walk follows
+containers and objects' attributes a few levels deep and never enters
+modules.
 """
 
 from __future__ import annotations

@@ -449,10 +449,9 @@ class Engine:
         try:
             while True:
                 missing = block.missing_bytes(kinds)
-                mine = self._held_by(me)
                 if not missing:
                     return 0
-                if not self.queue or self.queue[0] == me or mine:
+                if not self.queue or self.queue[0] == me or self._held_by(me):  # (no scan while none waits)
                     if self.make_room(missing, protect={block}):
                         return missing
                     holders = self._holders(me)

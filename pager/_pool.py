@@ -13,7 +13,6 @@ failing ([Note: waiting for room]).
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 from ._budget import format_bytes, parse_budget, resolve_device
