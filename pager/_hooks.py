@@ -341,9 +341,11 @@ class Hooks:
         key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
                self.pager.total_bytes)
         if changed or key != self._kept_key:
-            # Sharing: kept blocks last, so that a request's kept tail overlaps
-            # the next request's fetches ([Note: sharing the room]).
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes(), late_first=shared)
+            # Sharing: kept blocks last, so that a request's kept tail overlaps the next
+            # request's fetches ([Note: sharing the room]); inference alone: spread out
+            # ([Note: kept blocks spread out] in _schedule.py).
+            order = "late" if shared else ("spread" if self.pager.scheduler.reads_only else "early")
+            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes(), order)
             self._kept_key = key
             self._warn_if_activations_crowd(room)
         self.pager.counters.steps += 1

@@ -417,7 +417,7 @@ def test_the_next_models_streamed_blocks_are_prefetched_during_this_ones_kept_ta
     assert s.peak_resident_bytes <= pool.budget_bytes
 
 
-def test_kept_sets_take_the_earliest_blocks_alone_and_the_latest_when_sharing():
+def test_kept_sets_early_late_or_spread_through_the_plan():
     from pager._schedule import Scheduler
 
     sched = Scheduler()
@@ -425,8 +425,12 @@ def test_kept_sets_take_the_earliest_blocks_alone_and_the_latest_when_sharing():
     sched.plan = [(blk, ("weights",)) for blk in blocks]
     sched.choose_kept(60, lambda blk: 10, 0)  # two blocks of streaming room
     assert sched.kept == set(blocks[:4])
-    sched.choose_kept(60, lambda blk: 10, 0, late_first=True)
+    sched.choose_kept(60, lambda blk: 10, 0, order="late")
     assert sched.kept == set(blocks[4:])
+    sched.choose_kept(60, lambda blk: 10, 0, order="spread")  # no run of kept blocks longer than one
+    assert sched.kept == {"b0", "b2", "b4", "b6"}
+    sched.choose_kept(50, lambda blk: 10, 0, order="spread")
+    assert sched.kept == {"b0", "b4", "b2"}
 
 
 def test_the_example_server_answers_both_models_bit_for_bit():
