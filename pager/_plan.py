@@ -136,7 +136,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         return sum(_discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
 
     names = [n for n, _m in sizing.named]
-    kept = _kept(names, own, budget_bytes, remainder)
+    kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
     forward = sum(n for name, n in zip(names, own) if name not in kept)
     grads = [trainable(i) for i in range(len(names))]
     step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, grads)]
@@ -226,10 +226,11 @@ def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
     return notes
 
 
-def _kept(names, sizes, budget, fixed) -> set:
-    """The blocks the scheduler keeps resident for a cyclic order (the same rule)."""
+def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
+    """The blocks the scheduler keeps resident for a cyclic order (the same
+    rule, and the same `order` as the run: [Note: kept blocks spread out])."""
     scheduler = Scheduler()
     scheduler.plan = [(name, None) for name in names]
     size = dict(zip(names, sizes))
-    scheduler.choose_kept(budget, lambda name: size[name], fixed)
+    scheduler.choose_kept(budget, lambda name: size[name], fixed, order)
     return scheduler.kept
