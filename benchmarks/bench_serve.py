@@ -9,7 +9,11 @@
    against the PCIe floor of the bytes each decoded token moved and against
    all on the GPU; the KV cache counted in the budget.
 
-    python -m benchmarks.bench_serve [--only pool|generate] [--reps 5]
+3. `--only kept-order`: decode at batch 1 with the kept set spread through
+   the plan (the policy) and with the earliest blocks kept (the one before),
+   in turns in one process ([Note: kept blocks spread out] in pager/_schedule.py).
+
+    python -m benchmarks.bench_serve [--only pool|generate|kept-order] [--reps 5]
 """
 
 from __future__ import annotations
@@ -218,6 +222,69 @@ def generate_rows(args, bw):
     return rows
 
 
+def kept_order_rows(args, bw):
+    """Decode per token with each order of the kept set, in turns (the order
+    is forced by wrapping the scheduler's choice: an A/B, not an option)."""
+    from pager._schedule import Scheduler
+
+    try:
+        gpu = llama(args.layers)
+    except ImportError:
+        return [Row("kept order", "pager", None, note="skipped: transformers not installed")]
+    model = copy.deepcopy(gpu).to("cpu")
+    del gpu
+    free_cuda()
+    pager.wrap(model, budget="2GiB", device="cuda")
+    pg = pager.of(model)
+    ids = torch.randint(0, 32000, (1, args.prompt), device="cuda")
+    choose, forced = Scheduler.choose_kept, {"order": "spread"}
+
+    def choose_forced(self, budget, size_of, fixed, order="early"):
+        return choose(self, budget, size_of, fixed, forced["order"])
+
+    def gen_ms(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    rows, new = [], args.new_tokens
+    Scheduler.choose_kept = choose_forced
+    try:
+        for budget in args.budgets.split(","):
+            pg.set_budget(budget)
+            times = {"spread": [], "early": []}
+            for _ in range(args.reps):
+                for order in times:
+                    forced["order"] = order
+                    pg.hooks._kept_key = None  # choose again at the next step
+                    gen_ms(2)
+                    prefill = gen_ms(1)
+                    times[order].append((gen_ms(1 + new) - prefill) / new)
+            pg.reset()
+            forced["order"] = "spread"
+            pg.hooks._kept_key = None
+            gen_ms(2)
+            pg.reset()
+            gen_ms(1)
+            prefill_bytes = pg.stats().h2d_bytes
+            pg.reset()
+            gen_ms(1 + new)
+            per_token = (pg.stats().h2d_bytes - prefill_bytes) / new
+            floor = per_token / (bw * 1e9) * 1e3
+            spread, early = (statistics.median(times[k]) for k in ("spread", "early"))
+            rows.append(Row(f"decode, batch 1, budget {budget}, in turns", "kept spread through the plan", spread,
+                            None, spread / floor, "PCIe floor of bytes per token",
+                            f"kept earliest: {early:.1f} ms ({early / floor:.2f}x); {per_token / 1e9:.2f} GB/token"))
+            print(rows[-1], flush=True)
+    finally:
+        Scheduler.choose_kept = choose
+    pager.unwrap(model)
+    free_cuda()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="pool or generate")
@@ -237,6 +304,8 @@ def main(argv=None):
         rows += pool_rows(args, bw)
     if args.only in ("", "generate"):
         rows += generate_rows(args, bw)
+    if args.only == "kept-order":
+        rows += kept_order_rows(args, bw)
     save(rows, "serve" + (f"_{args.only}" if args.only else ""), env)
     return rows
 
