@@ -44,6 +44,7 @@ class Hooks:
         self._kept_key = None  # what the kept set was chosen for (_start_step)
         self.sleeping_forwards = 0
         self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
+        self.recorder = None  # the thread whose forward this step records ([Note: one recorded request at a time])
         self.held_for_graph = False
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
@@ -246,17 +247,22 @@ class Hooks:
                             ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
         self.pager.note_threads()
+        outermost = not self.forward_marks()  # this thread's own request starts
+        if outermost:
+            self.pager.engine.note_request(self.pager)
         if self.root_depth == 0:
             if self.pager.activations is not None:
                 self.pager.activations.forward_reaches(None)  # ops before the first block
             self._check_structure()
             self._release_stale_backward_holds()
-            self.pager.engine.note_request(self.pager)
             self._start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
-        elif self.pager.asleep and torch.is_grad_enabled():
-            self.wake()  # another thread's forward builds a graph: its blocks need their hooks
+        else:
+            if outermost:
+                self._another_request()
+            if self.pager.asleep and torch.is_grad_enabled():
+                self.wake()  # another thread's forward builds a graph: its blocks need their hooks
         self.forward_marks().append(self.pager.asleep)
         if self.pager.asleep:
             self.sleeping_forwards += 1
@@ -272,9 +278,12 @@ class Hooks:
             return
         _saved.end_saving()
         self.root_depth = max(0, self.root_depth - 1)
-        if self.root_depth == 0:
-            self._note_carried(args, kwargs)
         marks = self.forward_marks()
+        if len(marks) <= 1:  # this thread's request ends
+            self._note_carried(args, kwargs)
+            self.pager.thread_state.unrecorded = False
+            if self.recorder == threading.get_ident():
+                self.recorder = None
         if marks and marks.pop():
             self.sleeping_forwards -= 1
             me = threading.get_ident()
@@ -286,6 +295,28 @@ class Hooks:
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
                 self.wake()
                 self.held_for_graph = True  # see [Note: asleep]
+
+    # [Note: one recorded request at a time]
+    # A step's recording is the order of one forward (and what follows it),
+    # the plan of the next. Forwards of one model from several threads (a
+    # server's requests) interleave block by block: recorded together, the
+    # plan is a mix of two orders, and when the model is never idle (some
+    # forward always in flight, so the root depth never returns to 0) no
+    # step ever starts and the recording grows without bound. So the thread
+    # whose forward starts a step is its recorder; another thread's forward
+    # that starts while a recorded one is in flight runs unrecorded (its uses
+    # are counted, not observed), and one that starts while none is starts
+    # the next step.
+    def _another_request(self) -> None:
+        """A thread's forward starts while other forwards of this model run."""
+        if self.recorder is None:
+            self._start_step()
+        else:
+            self.pager.thread_state.unrecorded = True
+
+    def recording(self) -> bool:
+        """Uses on this thread go into the step's recording."""
+        return not getattr(self.pager.thread_state, "unrecorded", False)
 
     def _note_carried(self, args, kwargs) -> None:
         """The state this forward carried on the device counts against the
@@ -313,6 +344,7 @@ class Hooks:
             self.end_of_backward(finished=False)
 
     def _start_step(self) -> None:
+        self.recorder = threading.get_ident()  # [Note: one recorded request at a time]
         self.pager.tracer.new_step()
         changed = self.pager.scheduler.start_step()
         if changed:

@@ -202,7 +202,8 @@ class Pager:
         if "grads" in kinds:
             self.ensure_grads_segment(block)
         if record:
-            self.scheduler.observe(block, kinds)
+            if self.hooks.recording():  # (not another request's: [Note: one recorded request at a time])
+                self.scheduler.observe(block, kinds)
             self.hooks.unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
@@ -243,7 +244,8 @@ class Pager:
         )
 
     def use_resident(self, block: Block) -> None:
-        self.scheduler.observe(block, WEIGHTS)
+        if self.hooks.recording():
+            self.scheduler.observe(block, WEIGHTS)
         self.hooks.unguard(block)
         self.engine.pin(block)
         self.expose(block)

@@ -56,3 +56,21 @@ def reading_in_a_thread(tensors, check):
     finally:
         done.set()
         thread.join()
+
+
+def run_threads(target, n):
+    """Run `target(i)` on `n` threads at once; return the exceptions they raised."""
+    errors = []
+
+    def guarded(i):
+        try:
+            target(i)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import reading_in_a_thread, tensor_page_bytes
+from helpers import reading_in_a_thread, run_threads, tensor_page_bytes
 from models import SuperNet, TinyLM, tiny_cnn
 from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
@@ -649,25 +649,14 @@ def test_a_pool_serves_two_models_from_threads_on_gpu_with_delayed_copies():
     xs = [torch.randn(16, 1024, device=GPU) for _ in range(3)]
     with torch.no_grad():
         want = [[r(x) for x in xs] for r in refs]
-    errors = []
 
     def serve(t):
-        try:
-            for k in range(12):
-                i, j = (t + k) % 2, k % 3
-                with torch.no_grad():
-                    torch.testing.assert_close(models[i](xs[j]), want[i][j], rtol=0, atol=0)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        for k in range(12):
+            i, j = (t + k) % 2, k % 3
+            with torch.no_grad():
+                torch.testing.assert_close(models[i](xs[j]), want[i][j], rtol=0, atol=0)
 
-    import threading
-
-    threads = [threading.Thread(target=serve, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_threads(serve, 4) == []
     s = pool.stats()
     assert s.peak_resident_bytes <= pool.budget_bytes and s.timeouts == 0
     assert s.models["m0"].misses > 0 and s.models["m1"].misses > 0

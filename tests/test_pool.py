@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pager
-from helpers import assert_same, tensor_page_bytes
+from helpers import assert_same, run_threads, tensor_page_bytes
 from models import TinyLM
 
 
@@ -36,23 +36,6 @@ def watch_peak(pool, models):
         for layer in model:
             layer.register_forward_hook(lambda *_: peaks.append(pool.engine.resident_bytes))
     return peaks
-
-
-def run_threads(target, n):
-    errors = []
-
-    def guarded(i):
-        try:
-            target(i)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 @pytest.mark.parametrize("n_models", [2, 3])
@@ -129,8 +112,9 @@ def hold_block_in_a_thread(model, layer_index, x):
     inside, release, errors = threading.Event(), threading.Event(), []
 
     def stop(module, args):
-        inside.set()
-        release.wait(30)
+        if threading.current_thread() is thread:  # (other threads' forwards pass)
+            inside.set()
+            release.wait(30)
 
     handle = model[layer_index].register_forward_pre_hook(stop)
 
@@ -443,3 +427,34 @@ def test_the_example_server_answers_both_models_bit_for_bit():
                          text=True, timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("(equal to unwrapped: True)") == 4 and "pool: 2 model(s)" in run.stdout
+
+
+def test_concurrent_forwards_of_one_model_record_one_step_at_a_time(pager_log):
+    """While one request's forward is in flight, other threads' forwards of the
+    same model run (and count as requests) without writing into its step's
+    recording: the plan stays one forward's order, and a server whose model is
+    never idle does not grow its recording without bound."""
+    model = stack()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=3 * tensor_page_bytes(model[0]), device="cpu")
+    p = pager.of(model)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x), model(x)
+    order = [blk.name for blk, _k in p.scheduler.plan]
+    thread, handle, release, errors = hold_block_in_a_thread(model, 2, x)  # a request stops inside layer 2
+    try:
+        with torch.no_grad():
+            for _ in range(5):  # others run meanwhile
+                assert_same(model(x), ref(x))
+                assert len(p.scheduler.recording) <= len(order)
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    assert errors == []
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert [blk.name for blk, _k in p.scheduler.plan] == order
+    assert "order of blocks changed" not in pager_log.text
