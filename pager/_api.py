@@ -14,6 +14,7 @@ from ._checkpoint import close
 from ._common import _PAGERS
 from ._engine import Engine
 from ._pager import Pager
+from ._pool import Pool
 
 log = logging.getLogger("pager")
 
@@ -168,8 +169,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _engine_of(budget, pool) -> Engine | None:
     """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
-    from ._pool import Pool
-
     if pool is not None:
         if not isinstance(pool, Pool):
             raise ValueError(f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with "

@@ -169,7 +169,6 @@ class Engine:
         self.lock = threading.RLock()
         self.room = threading.Condition(self.lock)  # notified when room may have come back
         self.queue: deque = deque()  # threads waiting for room, first come first ([Note: waiting for room])
-        self.waiting: set = set()  # the same, as a set
         self.waits = 0  # uses that waited for room
         self.waited_seconds = 0.0
         self.timeouts = 0
@@ -434,10 +433,15 @@ class Engine:
             owner.blocks_moved()
 
     # ---------------------------------------------------------- waiting for room
+    @property
+    def waiting(self) -> set:
+        """The threads waiting for room."""
+        return set(self.queue)
+
     def room_may_be_back(self) -> None:
         """Wake the uses waiting for room (a block went idle or left, a
         forward that kept blocks from leaving ended)."""
-        if self.waiting:
+        if self.queue:
             self.room.notify_all()
 
     def _room_for_use(self, block, kinds) -> int:
@@ -460,7 +464,6 @@ class Engine:
                 if started is None:
                     started = time.monotonic()
                     self.queue.append(me)
-                    self.waiting.add(me)
                     self.waits += 1
                 left = started + self.wait_seconds - time.monotonic()
                 if left <= 0:
@@ -470,7 +473,6 @@ class Engine:
         finally:
             if started is not None:
                 self.waited_seconds += time.monotonic() - started
-                self.waiting.discard(me)
                 self.queue.remove(me)
                 self.room.notify_all()  # the next in the queue may try now
 
@@ -516,9 +518,10 @@ class Engine:
         if len(self.owners) > 1:
             self.requests.append(owner)
 
-    def kept_room(self, owner, fixed_bytes: int) -> int:
+    def kept_room(self, owner, fixed_bytes: int | None) -> int:
         """The room `owner` chooses its kept set in ([Note: sharing the
-        room]); `fixed_bytes`: what it holds for life."""
+        room]); `fixed_bytes`: what it holds for life (needed only when
+        sharing)."""
         room = self.room_bytes()
         if len(self.owners) == 1:
             return room
@@ -551,8 +554,9 @@ class Engine:
         # use that needs the room now (never for a prefetch).
         streamed = [b for b in idle if b not in b.owner.scheduler.kept]
         kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
+        several = len(self.owners) > 1  # (alone, every block's owner is as busy as the others')
         for group in (streamed, kept):
-            ranked = sorted(((not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+            ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
                              for b in group), key=lambda r: r[:3], reverse=True)
             for _idle, distance, _tick, b in ranked:
                 if within is not None and distance <= within:

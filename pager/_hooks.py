@@ -369,15 +369,17 @@ class Hooks:
         # ([Note: sharing the room] in _engine.py).
         engine = self.pager.engine
         shared = len(engine.owners) > 1
-        room = engine.kept_room(self.pager, self.pager.fixed_bytes() if shared else 0)
+        fixed = self.pager.fixed_bytes() if shared else None
+        room = engine.kept_room(self.pager, fixed)
         key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
                self.pager.total_bytes)
         if changed or key != self._kept_key:
             # Sharing: kept blocks last, so that a request's kept tail overlaps the next
             # request's fetches ([Note: sharing the room]); inference alone: spread out
             # ([Note: kept blocks spread out] in _schedule.py).
-            order = "late" if shared else ("spread" if self.pager.scheduler.reads_only else "early")
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(), self.pager.fixed_bytes(), order)
+            order = "late" if shared else ("spread" if self.pager.scheduler.reads_only() else "early")
+            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(),
+                                             fixed if fixed is not None else self.pager.fixed_bytes(), order)
             self._kept_key = key
             self._warn_if_activations_crowd(room)
         self.pager.counters.steps += 1

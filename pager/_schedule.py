@@ -48,7 +48,6 @@ class Scheduler:
         self.pos = 0
         self.expected: list = []
         self.kept: set = set()
-        self.reads_only = True  # the plan only reads weights (inference)
         self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
         self._positions_of = None       # the plan they index
 
@@ -57,7 +56,6 @@ class Scheduler:
         changed = bool(self.plan) and bool(self.recording) and self.recording != self.plan
         if self.recording:
             self.plan = self.recording
-            self.reads_only = all(kinds == ("weights",) for _b, kinds in self.plan)
         self.recording = []
         self.pos = 0
         return changed
@@ -90,6 +88,10 @@ class Scheduler:
     def upcoming(self):
         """Predicted (block, kinds) uses from now on, nearest first (lazy)."""
         return chain(self.expected, islice(self.plan, self.pos, None), self.plan)
+
+    def reads_only(self) -> bool:
+        """The plan only reads weights (inference: no gradients, no optimizer state)."""
+        return all(kinds == ("weights",) for _b, kinds in self.plan)
 
     def upcoming_this_step(self):
         """The predicted uses left in this step (lazy)."""
