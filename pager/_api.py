@@ -12,6 +12,7 @@ from ._budget import format_bytes, parse_budget, resolve_device
 from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
 from ._common import _PAGERS
+from ._compress import check_codec, min_part_bytes
 from ._engine import Engine
 from ._pager import Pager
 from ._pool import Pool
@@ -33,6 +34,7 @@ def wrap(
     trace_steps: int = 0,
     defer_step: bool = True,
     activations: str = "keep",
+    compress: str | None = None,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -78,6 +80,16 @@ def wrap(
             With "offload", "recompute" or "auto" the budget bounds blocks and
             activations together ([Note: one budget] in _saved.py); with
             "keep", blocks only.
+        compress: store blocks' weights compressed in their host pages and
+            decode them on the device after each copy, so fetches move fewer
+            bytes ([Note: compressed pages] in _compress.py). None: plain
+            pages. "lossless": bf16 weights in about 0.75x the bytes, decoded
+            exactly (other dtypes stay plain). "fp8" (about 0.52x of bf16) and
+            "int4" (about 0.28x): lossy, for inference; the model's weights
+            become the decoded values (`state_dict()` and `unwrap` give those).
+            A block whose weights change later (a training step) is stored
+            plain from then on. On CUDA a ring of staging buffers (3x the
+            largest piece, at most 3 x 32 MiB) comes out of the budget.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -97,6 +109,7 @@ def wrap(
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
         raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    check_codec(compress)
     if activations not in ("keep", "offload", "recompute", "auto"):
         raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
                          "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
@@ -113,9 +126,10 @@ def wrap(
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
     if blocks is None:
-        sizing, parts = _discover.split_large(model, sizing, budget_bytes)
+        least = min_part_bytes(compress) if compress else _discover.SPLIT_MIN_BYTES
+        sizing, parts = _discover.split_large(model, sizing, budget_bytes, least)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations, engine=engine, name=name)
+                  activations=activations, engine=engine, name=name, compress=compress)
     pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
     pager.arena.check_room(total, f"the model ({len(named)} blocks)")

@@ -109,6 +109,7 @@ class Segment:
     force_dirty: bool = False
     writeback_event: object = None     # last write-back of this page, if any
     host_valid: bool = True            # the host page holds data worth fetching
+    encoded: object = None             # how the page is compressed (`_compress.Encoded`), None: plain
     # While paged out, each tensor's own class (see [Note: paged-out tensors]
     # in _paged.py), and views handed out by served accesses: (weakref, class).
     classes: list = field(default_factory=list)
@@ -134,7 +135,18 @@ class Segment:
         """Device memory holds (or is receiving) its bytes."""
         return self.state is PageState.FETCHING or self.state is PageState.RESIDENT
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of its page, as stored (what a fetch moves)."""
+        return self.encoded.page_bytes if self.encoded is not None else self.nbytes
+
     def host_views(self) -> list[torch.Tensor]:
+        """Its tensors' values in the host page (of a compressed page: decoded copies)."""
+        if self.encoded is not None:
+            from ._kernels import decoded_copy_from
+
+            plain = decoded_copy_from(self.host, self.encoded, self.flat.device)
+            return [s.view_of(plain) for s in self.slots]
         return [s.view_of(self.host) for s in self.slots]
 
     def current_views(self) -> list[torch.Tensor]:

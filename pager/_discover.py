@@ -208,10 +208,12 @@ SPLIT_MIN_BYTES = 1 << 20  # a part smaller than this stays with its block
 SPLIT_SHARE = 8  # split when two of the largest blocks take 1/SPLIT_SHARE of the room for blocks
 
 
-def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int) -> tuple[Sizing, set]:
-    """`sizing` with the large parts of its blocks as nested blocks, when two
-    of the largest blocks take 1/SPLIT_SHARE of the room for blocks (see the
-    Note); also the ids of those parts. Unchanged (and an empty set) otherwise."""
+def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
+                min_part_bytes: int = SPLIT_MIN_BYTES) -> tuple[Sizing, set]:
+    """`sizing` with the large parts (of `min_part_bytes` or more) of its
+    blocks as nested blocks, when two of the largest blocks take
+    1/SPLIT_SHARE of the room for blocks (see the Note); also the ids of
+    those parts. Unchanged (and an empty set) otherwise."""
     named, own, remainder = sizing.named, sizing.own, sizing.remainder
     room = budget_bytes - remainder
     if not named or remainder + sum(own) <= budget_bytes or room <= 0 or SPLIT_SHARE * 2 * max(own) < room:
@@ -223,7 +225,7 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int) -> tuple[Si
         inner = [m for m in block.modules() if m is not block]
         if any(id(m) in block_ids for m in inner):
             continue  # holds blocks already (a layer of NAS candidates)
-        large = [m for m in inner if _own_bytes(m) >= SPLIT_MIN_BYTES]
+        large = [m for m in inner if _own_bytes(m) >= min_part_bytes]
         if len(large) >= 2:
             parts += large
     if not parts:

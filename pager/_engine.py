@@ -73,6 +73,7 @@ import torch
 from ._block import PageState, Segment, layout, storage_key
 from ._budget import format_bytes
 from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
+from ._compress import encode
 from ._meter import Meter
 from ._tiers import HostTier
 from ._transport import CpuTransport, CudaTransport
@@ -191,20 +192,19 @@ class Engine:
                                         default=0)
 
     # ---------------------------------------------------------- segments
-    def add_segment(self, block, kind: str, named: list, values: bool) -> Segment:
+    def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None) -> Segment:
         """A new segment of `block` for `named` tensors: a page in the host tier
         and an empty device storage of the same layout. With `values`, the
-        tensors' current values go into the page and the tensors become views
-        of the device storage ([Note: identity by storage resize] in _block.py);
-        without, the segment's own tensors are new views of it (gradients,
-        optimizer state), its page holding nothing yet."""
+        tensors' current values go into the page (encoded by `codec`, if it
+        makes the page smaller: [Note: compressed pages] in _compress.py) and
+        the tensors become views of the device storage ([Note: identity by
+        storage resize] in _block.py); without, the segment's own tensors are
+        new views of it (gradients, optimizer state), its page holding nothing yet."""
         slots, nbytes = layout(named)
-        host = self.host.hold(block.owner, nbytes)
-        if values:
-            for slot, (_n, t) in zip(slots, named):
-                slot.view_of(host).copy_(t.detach())
+        host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
+            self.host.hold(block.owner, nbytes), None)
         flat = self.transport.new_flat(nbytes)
-        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values, encoded=encoded)
         self.transport.allocate(flat, nbytes)
         if values:
             for slot, (_n, t) in zip(slots, named):
@@ -216,6 +216,27 @@ class Engine:
         block.segments[kind] = seg
         self._count_total(block.owner, nbytes)
         return seg
+
+    def _page_of(self, block, slots, nbytes: int, named: list, codec):
+        """A page holding `named` tensors' values, and how it is encoded (None: plain)."""
+        if codec is None:
+            host = self.host.hold(block.owner, nbytes)
+            for slot, (_n, t) in zip(slots, named):
+                slot.view_of(host).copy_(t.detach())
+            return host, None
+        plain = torch.zeros(nbytes, dtype=torch.uint8)
+        for slot, (_n, t) in zip(slots, named):
+            slot.view_of(plain).copy_(t.detach())
+        done = encode(codec, slots, plain, self.device if self.transport.is_cuda else None)
+        if done is None:  # it would not be smaller: plain
+            host = self.host.hold(block.owner, nbytes)
+            host[:nbytes].copy_(plain)
+            return host, None
+        encoded, page = done
+        host = self.host.hold(block.owner, encoded.page_bytes)
+        host[: encoded.page_bytes].copy_(page)
+        self.transport.ensure_staging(encoded.staging_bytes)
+        return host, encoded
 
     def _count_total(self, owner, nbytes: int) -> None:
         self.total_bytes += nbytes
@@ -290,11 +311,11 @@ class Engine:
             if seg.host_valid:
                 # A page still being written back is final only once that copy is done.
                 after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
-                start, end = self.host.up(seg.flat, seg.host, after=after)
+                start, end = self.host.up(seg.flat, seg.host, after=after, encoded=seg.encoded)
                 first = first if moved else start
                 moved = True
-                nbytes += seg.nbytes
-                self.meter.copied(block, "h2d", start, end, seg.nbytes)
+                nbytes += seg.page_bytes
+                self.meter.copied(block, "h2d", start, end, seg.page_bytes)
             seg.state = PageState.FETCHING
             seg.snapshot_versions()
         block.fetched_data = moved
@@ -376,15 +397,29 @@ class Engine:
     def _leave(self, block, seg: Segment, ready, write: bool) -> None:
         writeback = None
         if write:
+            if seg.encoded is not None:
+                self._store_plain(block, seg)
             start, end = self.host.down(seg.host, seg.flat, after=(ready,))
             writeback = end if self.transport.is_cuda else None
             seg.writeback_event = writeback
             seg.host_valid = True
             self.meter.copied(block, "d2h", start, end, seg.nbytes)
             block.owner.tracer.span("writeback", block.name, start, end, seg.nbytes)
-        self.transport.free(seg.flat, after=(ready, writeback))
+        # (block.fetch_event: a fetch compute never waited on may still be
+        # decoding into this memory; see [Note: staging and decoding compressed pages].)
+        self.transport.free(seg.flat, after=(ready, writeback, block.fetch_event))
         seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
         self._count_resident(block, -seg.nbytes)
+
+    def _store_plain(self, block, seg: Segment) -> None:
+        """`seg`'s page is compressed and its values changed: they go to a
+        new plain page, where they stay ([Note: compressed pages])."""
+        block.owner.warn_once(
+            f"plain:{block.name}", "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
+            "running statistics); its compressed page is replaced by a plain one (%s more host memory), "
+            "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
+        seg.host = self.host.hold(block.owner, seg.nbytes)
+        seg.encoded = None
 
     def _readopt(self, block, seg: Segment) -> None:
         """Tensors given new memory by `t.data = new` since their fetch: copy
@@ -500,8 +535,16 @@ class Engine:
         reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
         reserves += [o.carried_bytes for o in self.owners if o.carried_bytes]
         if not reserves:
+            return self.usable_bytes()
+        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.owners))
+
+    def usable_bytes(self) -> int:
+        """The budget less the staging ring of compressed pages (if any), never
+        less than the least room that runs."""
+        staging = self.transport.staging_bytes
+        if not staging:
             return self.budget_bytes
-        return max(self.budget_bytes - sum(reserves), max(o.least_room for o in self.owners))
+        return max(self.budget_bytes - staging, max((o.least_room for o in self.owners), default=0))
 
     def next_owner(self, owner):
         """The owner whose request is predicted to follow `owner`'s current
@@ -544,10 +587,11 @@ class Engine:
         if self.resident_bytes + nbytes <= room:
             return True
         idle = [b for b in self.resident if self._may_evict(b) and b not in protect]
-        if room < self.budget_bytes and within is None:
+        usable = self.usable_bytes()
+        if room < usable and within is None:
             # Activations crowd the blocks: what is in use must still run
             # (over the room, within the budget; the owner warns) rather than fail.
-            room = min(self.budget_bytes, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+            room = min(usable, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
             if self.resident_bytes + nbytes <= room:
                 return True
         # Streamed blocks first, furthest next use first; kept ones only for a
@@ -634,6 +678,8 @@ class Engine:
         self.host.release(owner)
         if owner in self.owners:
             self.owners.remove(owner)
+        if not any(seg.encoded is not None for o in self.owners for b in o.all_blocks() for seg in b.segments.values()):
+            self.transport.release_staging()  # no page left to stage
         while owner in self.requests:
             self.requests.remove(owner)
         self.room_may_be_back()

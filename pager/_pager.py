@@ -36,10 +36,12 @@ class Pager:
     """
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
-                 activations="keep", engine: Engine | None = None, name: str | None = None):
+                 activations="keep", engine: Engine | None = None, name: str | None = None,
+                 compress: str | None = None):
         self.model = model
         self.device = device
         self.prefetch_depth = prefetch_depth
+        self.compress = compress  # how blocks' weights pages are encoded ([Note: compressed pages] in _compress.py)
         self.defer_step = defer_step  # see [Note: deferred updates] in _optim.py
         # The budget, what is resident, the copy streams and the host tier
         # (shared with other models when `engine` is given).
@@ -145,7 +147,8 @@ class Pager:
     def _build_weights(self, block: Block, named: list) -> None:
         for _n, t, _p in named:
             self.original_device[id(t)] = t.device
-        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=True)
+        codec = self.compress if block.module is not None else None  # (the remainder is fetched once)
+        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=True, codec=codec)
         _paged.register(self, block, seg)
         _paged.guard(seg)
         block.params = [t for _n, t, is_param in named if is_param]
@@ -554,8 +557,11 @@ class Pager:
         if self.transport.is_cuda:
             memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device),
                           allocator_reserved_bytes=torch.cuda.memory_reserved(self.device))
+        weights = [b.weights for b in self.all_blocks()]
         return dataclasses.replace(self.counters, resident_bytes=self.resident_bytes, blocks=blocks,
-                                   carried_bytes=self.carried_bytes, **memory)
+                                   carried_bytes=self.carried_bytes, page_bytes=sum(w.page_bytes for w in weights),
+                                   plain_page_bytes=sum(w.nbytes for w in weights),
+                                   compressed_blocks=sum(w.encoded is not None for w in weights), **memory)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory

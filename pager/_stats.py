@@ -84,6 +84,11 @@ class Stats:
     # loss, gradients between blocks, the user's tensors, rounding:
     allocator_peak_bytes: int = 0       # torch.cuda.max_memory_allocated (since the user's last reset of it)
     allocator_reserved_bytes: int = 0   # torch.cuda.memory_reserved now (less the peak: fragmentation and cache)
+    # Weights pages as stored now, and as they would be plain (`compress=`;
+    # [Note: compressed pages] in _compress.py):
+    page_bytes: int = 0
+    plain_page_bytes: int = 0
+    compressed_blocks: int = 0
     blocks: list[BlockStats] = field(default_factory=list)
 
     @property
@@ -118,6 +123,9 @@ class Stats:
                if self.peak_device_bytes else "")
             + (f"; a forward carried {format_bytes(self.carried_bytes)} of state (a KV cache; at most "
                f"{format_bytes(self.peak_carried_bytes)}), held out of the blocks' room" if self.peak_carried_bytes else "")
+            + (f"; {self.compressed_blocks} blocks' weights compressed: pages of {format_bytes(self.page_bytes)} "
+               f"for {format_bytes(self.plain_page_bytes)} ({self.page_bytes / self.plain_page_bytes:.2f}x)"
+               if self.compressed_blocks else "")
             + (f"; the allocator peaked at {format_bytes(self.allocator_peak_bytes)} "
                f"({format_bytes(self.allocator_reserved_bytes)} reserved)" if self.allocator_peak_bytes else "")
         )

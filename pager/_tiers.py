@@ -6,8 +6,10 @@ moves them one tier up or down on the copy streams of a transport. The
 residency engine (`_engine.py`) knows tiers only through this interface:
 
     hold(owner, nbytes)             a page for one segment of `owner`'s
-    up(device_flat, page, after)    copy a page to the tier above (here the
-                                    device), ordered after the events `after`;
+    up(device_flat, page, after, encoded)
+                                    copy a page to the tier above (here the
+                                    device), ordered after the events `after`,
+                                    decoding it if it is compressed (`encoded`);
                                     returns (start, end) timing marks
     down(page, device_flat, after)  the write-back, the other way
     release(owner)                  give back every page `owner` holds
@@ -52,7 +54,9 @@ class HostTier:
         """A page of `nbytes` for one of `owner`'s segments."""
         return self.arena_of(owner).allocate(nbytes)
 
-    def up(self, device_flat, page, after=()):
+    def up(self, device_flat, page, after=(), encoded=None):
+        if encoded is not None:  # a compressed page: decoded on the way ([Note: compressed pages])
+            return self.transport.h2d_encoded(device_flat, page, encoded, after=after)
         return self.transport.h2d(device_flat, page, after=after)
 
     def down(self, page, device_flat, after=()):

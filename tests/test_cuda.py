@@ -685,3 +685,116 @@ def test_generate_on_gpu_in_a_pool_matches_unwrapped():
     s = pool.stats()
     assert s.models["chat"].misses > 0 and s.models["chat"].peak_carried_bytes > 0
     assert s.peak_resident_bytes <= pool.budget_bytes
+
+
+# ------------------------------------------------------------ compressed pages
+def _codec_segment():
+    """Tensors of every kind a codec meets: trained-like bf16 with escapes
+    (and non-finite values: raw under the lossy codecs) sprinkled in, and
+    without, an odd length, fp32 and fp16 matrices, and small tensors."""
+    from test_compress import _bf16_patterns
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(700, 513, generator=g) * 0.02).bfloat16().flatten()
+    w[::101] = _bf16_patterns(w[::101].numel())
+    named = [("w", w.view(700, 513)), ("v", (torch.randn(600, 512, generator=g) * 0.02).bfloat16()),
+             ("odd", (torch.randn(3, 4099, generator=g) * 0.1).bfloat16()),
+             ("f32", torch.randn(300, 64, generator=g)), ("f16", torch.randn(128, 96, generator=g).half()),
+             ("norm", torch.ones(513, dtype=torch.bfloat16)), ("ids", torch.arange(9))]
+    from pager._block import layout
+
+    slots, nbytes = layout(named)
+    plain = torch.zeros(nbytes, dtype=torch.uint8)
+    for slot, (_n, t) in zip(slots, named):
+        slot.view_of(plain).copy_(t)
+    return slots, plain
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "int4"])
+def test_compressed_pages_decode_on_gpu_as_the_cpu_reference(codec, monkeypatch):
+    """The Triton decoders give the reference decoder's bytes on the same
+    pages (several pieces each), and encoding on the GPU gives the CPU's page."""
+    import pager._compress as C
+    from pager._kernels import decode_on_device, triton
+
+    assert triton is not None  # the kernels are under test, not the fallback
+    monkeypatch.setattr(C, "PIECE_BYTES", 1 << 16)
+    slots, plain = _codec_segment()
+    encoded, page = C.encode(codec, slots, plain)
+    on_gpu, gpu_page = C.encode(codec, slots, plain, device=GPU)
+    assert on_gpu == encoded and torch.equal(gpu_page, page)
+    assert len([p for p in encoded.pieces if p.kind != "raw"]) > 5
+    if codec == "lossless":
+        assert sum(p.escapes for p in encoded.pieces) > 1000
+    want = C.decoded_copy(page, encoded)
+    staged = page.to(GPU)
+    out = torch.zeros(plain.numel(), dtype=torch.uint8, device=GPU)
+    for piece in encoded.pieces:
+        decode_on_device(staged[piece.src: piece.src + piece.src_bytes], piece,
+                         out[piece.dst: piece.dst + piece.dst_bytes])
+    assert torch.equal(out.cpu(), want)
+    if codec == "lossless":
+        assert torch.equal(want, plain)
+
+
+def _slow_decodes(transport, cycles=1_000_000):
+    """Delay each compressed fetch's copies and its decodes: a missing wait
+    reads a staging slot not yet filled, or storage not yet decoded."""
+    h2d_encoded = transport.h2d_encoded
+
+    def slow(device_flat, page, encoded, after=()):
+        with torch.cuda.stream(transport.h2d_stream):
+            torch.cuda._sleep(cycles)
+        with torch.cuda.stream(transport.decode_stream):
+            torch.cuda._sleep(cycles)
+        return h2d_encoded(device_flat, page, encoded, after)
+
+    transport.h2d_encoded = slow
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "int4"])
+def test_compressed_forward_on_gpu_with_delayed_copies_and_the_budget(codec, monkeypatch):
+    import pager._compress as C
+
+    monkeypatch.setattr(C, "PIECE_BYTES", 1 << 19)  # several pieces a layer: the staging ring turns over
+    model = Thin(n=10).bfloat16().eval()
+    layer = tensor_page_bytes(model.layers[0])
+    budget = 3 * layer + 3 * (1 << 19) + 4096  # two or three layers and the staging ring
+    pager.wrap(model, budget=budget, device=GPU, compress=codec)
+    p = pager.of(model)
+    assert p.transport.staging_bytes > 0 and p.stats().compressed_blocks == 10
+    ref = Thin(n=10).bfloat16().to(GPU).eval()
+    ref.load_state_dict(model.state_dict())  # the decoded weights (exactly the originals for lossless)
+    _slow_decodes(p.transport)
+    xs = [torch.randn(8, 1024, device=GPU, dtype=torch.bfloat16) for _ in range(4)]
+    with torch.no_grad():
+        model(xs[0]), ref(xs[0])  # (kernels compiled, workspaces made)
+    p.reset()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    s = p.stats()
+    assert s.evictions > 0 and s.prefetches > 0
+    assert s.h2d_bytes < 0.8 * 4 * 10 * layer  # what crossed the link is the compressed pages
+    # The staging ring is inside the budget; beside it only the small activations.
+    assert s.peak_resident_bytes + p.transport.staging_bytes <= budget
+    assert peak <= budget + 8 * 8 * 1024 * 2 * 4, (peak, budget, torch.cuda.memory_summary())
+
+
+def test_training_on_gpu_with_compressed_pages():
+    model = TinyLM().bfloat16()
+    ref = copy.deepcopy(model).to(GPU)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, compress="lossless")
+    assert pager.of(model).stats().compressed_blocks == len(model.layers)
+    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
+    data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    assert pager.of(model).stats().compressed_blocks < len(model.layers)
+    pager.unwrap(model)
+    assert_close_to_reference(model, ref, rtol=None, atol=None)  # (bf16's tolerance)
