@@ -9,6 +9,7 @@ The weights are random, drawn as trained weights are distributed at init
 (normal, std 0.02, Hugging Face's initializer_range), not nn.Linear's uniform.
 
     python -m benchmarks.bench_compress [--layers 16] [--tokens 512] [--reps 5]
+    python -m benchmarks.bench_compress --sweep   # other budgets, token counts and shapes
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def main(argv=None):
     ap.add_argument("--codecs", default="plain,lossless,fp8,int4")
     ap.add_argument("--whole-layers", action="store_true",
                     help="also run each codec with whole layers as blocks (blocks=layers: no parts split off)")
+    ap.add_argument("--sweep", action="store_true", help="budgets, token counts and shapes (no error figures)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
     env = environment()
     bw = pinned_h2d_gbps()
     env["pinned_h2d_GBps"] = round(bw, 1)
@@ -157,6 +161,68 @@ def main(argv=None):
         del model, p
         free_cuda()
     save(rows, "compress", env)
+    return rows
+
+
+SWEEP = [  # (name, layers, d, ff, heads, layers of room (None: half the model), tokens)
+    ("7B-shape, half budget, 1x512", 16, 4096, 11008, 32, None, 512),
+    ("7B-shape, 2 layers, 1 token (decode-like)", 16, 4096, 11008, 32, 2, 1),
+    ("7B-shape, 2 layers, 8x2048 (compute-heavy)", 16, 4096, 11008, 32, 2, 2048),
+    ("1B-shape (d 2048, ff 5632), 2 layers, 1x512", 22, 2048, 5632, 16, 2, 512),
+    ("13B-shape (d 5120, ff 13824), 2 layers, 1x512", 10, 5120, 13824, 40, 2, 512),
+]
+
+
+def sweep(args):
+    """Each codec against plain pages at other budgets, token counts and
+    shapes; the ratio is to the PCIe floor of the bytes plain pages must move
+    at that budget (what the plain row moved)."""
+    env = environment()
+    bw = pinned_h2d_gbps()
+    env["pinned_h2d_GBps"] = round(bw, 1)
+    rows = []
+    for name, layers, d, ff, heads, room_layers, tokens in SWEEP:
+        torch.manual_seed(0)
+        gpu_model = build("cuda", n_layers=layers, d=d, ff=ff, heads=heads).eval()
+        init_like_trained(gpu_model)
+        per_layer = layer_bytes(gpu_model)
+        cpu_model = build("meta", n_layers=layers, d=d, ff=ff, heads=heads).to_empty(device="cpu").eval()
+        cpu_model.load_state_dict(gpu_model.state_dict())
+        del gpu_model
+        free_cuda()
+        batch = 8 if tokens == 2048 else 1
+        x = torch.randn(batch, tokens, d, device="cuda", dtype=torch.bfloat16)
+        room = room_layers * per_layer if room_layers else layers * per_layer // 2
+        budget = room + STAGING_SLOTS * PIECE_BYTES + (64 << 20)
+        plain_bytes = None
+        for codec in (None, "lossless", "fp8", "int4"):
+            model = copy.deepcopy(cpu_model)
+            pager.wrap(model, budget=budget, device="cuda", compress=codec)
+            p = pager.of(model)
+
+            def fwd():
+                with torch.no_grad():
+                    model(x)
+
+            fwd()
+            (ms, host_ms), = interleaved_ms([fwd], warmup=2, reps=args.reps)
+            p.reset()
+            fwd()
+            torch.cuda.synchronize()
+            st = p.stats()
+            plain_bytes = plain_bytes or st.h2d_bytes
+            floor_ms = plain_bytes / (bw * 1e9) * 1e3
+            rows.append(Row(name, f"pager, {codec or 'plain'} pages", ms, None, ms / floor_ms,
+                            "floor of the bytes plain pages move",
+                            f"{len(p.blocks)} blocks; moved {st.h2d_bytes / 1e9:.2f} GB/fwd at "
+                            f"{st.h2d_bytes / (ms / 1e3) / 1e9:.1f} GB/s; host enqueue {host_ms:.1f} ms",
+                            {"h2d_bytes": st.h2d_bytes, "host_ms": host_ms, "budget": budget}))
+            print(rows[-1], flush=True)
+            pager.unwrap(model)
+            del model, p
+            free_cuda()
+        del cpu_model
+    save(rows, "compress_sweep", env)
     return rows
 
 
