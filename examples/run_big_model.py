@@ -30,6 +30,9 @@ def main():
     cuda = torch.cuda.is_available()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--budget", default="2GiB" if cuda else None)
+    ap.add_argument("--compress", choices=["lossless", "fp8", "int4"], default=None,
+                    help="weights compressed in their host pages, decoded on the device (bf16 models; on the CPU "
+                         "the example's model is bf16 then)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -42,15 +45,18 @@ def main():
                 p.normal_(0, 0.02)
         reference = None
     else:
-        device, dims, dtype = "cpu", {"d": 256, "ff": 688, "heads": 4}, torch.float32
-        x = torch.randn(2, 64, 256)
+        device, dims = "cpu", {"d": 256, "ff": 688, "heads": 4}
+        dtype = torch.bfloat16 if args.compress else torch.float32
+        x = torch.randn(2, 64, 256, dtype=dtype)
         model = build("cpu", dtype=dtype, n_layers=args.layers, **dims).eval()
         reference = copy.deepcopy(model)
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = args.budget or 3 * layer_bytes(model)
-    pager.wrap(model, budget=budget, device=device)
+    pager.wrap(model, budget=budget, device=device, compress=args.compress)
     pg = pager.of(model)
+    if reference is not None and args.compress in ("fp8", "int4"):
+        reference.load_state_dict(model.state_dict())  # lossy: the model computes with the decoded weights
     print(f"model: {len(pg.blocks)} blocks, {format_bytes(weights)} of weights; budget {format_bytes(pg.budget_bytes)} on {device}")
 
     with torch.no_grad():
