@@ -21,12 +21,16 @@ page once, at wrap, into pieces of at most `PIECE_BYTES`:
     int4   lossy: 4-bit codes with a bf16 scale and minimum per `INT4_GROUP`
            consecutive elements (FlexGen's group-wise scheme): ~0.28x of bf16
 
-Groups run over the storage order, so a transposed weight is encoded as it
-lies. Lossy codecs apply to floating tensors of two or more dimensions whose
-values are all finite; the rest of the block is raw (lossless mode: raw for
-anything but bf16). A tensor whose exp4 encoding is over `TENSOR_KEEP_RATIO`
-of its bytes (data without structure) is raw, and a block whose page is over
-`BLOCK_KEEP_RATIO` stays a plain page (and fetches as before).
+Coded are floating tensors of two or more dimensions (weight matrices):
+bf16 ones under lossless (if their exponents compress: under
+`TENSOR_KEEP_RATIO` of their bytes with their own table), and under the
+lossy codecs those of bf16, fp16 or fp32 whose values are all finite; the
+rest of the block (norms, biases, integer buffers, data without structure)
+is raw. Consecutive coded tensors of one dtype are coded as one run, the
+zeros between them included (one table, one set of pieces: each piece costs
+host work at every fetch). Groups run over the storage order, so a
+transposed weight is encoded as it lies. A block whose page is over
+`BLOCK_KEEP_RATIO` of its bytes stays a plain page (and fetches as before).
 
 Splitting a large block into parts ([Note: splitting large blocks] in
 _discover.py) pays a block use's host work (~0.5 ms on the H100 host) for
@@ -124,23 +128,31 @@ def _align(n: int, to: int = 16) -> int:
 
 # ------------------------------------------------------------------ encoding
 def encode(codec: str, slots, plain: torch.Tensor, device=None):
-    """Encode a segment's `plain` bytes (uint8, on the CPU) laid out by
-    `slots`, computing on `device` (default: the CPU; same bytes on any).
+    """Encode a segment's `plain` bytes (uint8, on the CPU; zeros between
+    tensors) laid out by `slots`, computing on `device` (default: the CPU;
+    same bytes on any). Consecutive coded tensors of one dtype are coded as
+    one run (with the zeros between them): fewer pieces, fewer launches.
     Returns (Encoded, page as a CPU uint8 tensor), or None if the page would
     not be smaller than `BLOCK_KEEP_RATIO` of the plain one."""
     device = torch.device("cpu") if device is None else device
-    parts: list = []  # (Piece without src, [CPU uint8 tensors of its bytes])
+    parts: list = []  # (Piece without src, [(offset in the piece, CPU uint8 tensor)])
     raw = None  # [start, end) of the current run of raw bytes in the storage
+    run: list = []  # the current run of coded tensors (slots of one dtype)
     for slot in slots:
-        region = plain[slot.offset: slot.offset + slot.nbytes]
-        encoded = _encode_tensor(codec, slot, region, device)
-        if encoded is None:
-            raw = [slot.offset, slot.offset + slot.nbytes] if raw is None else [raw[0], slot.offset + slot.nbytes]
+        coded = _coded(codec, slot, plain[slot.offset: slot.offset + slot.nbytes], device)
+        if coded and not (run and run[0].dtype == slot.dtype):
+            parts += _encode_run(codec, plain, run, device)
+            run = []
+        if coded:
+            if raw is not None:
+                parts += _raw_pieces(plain, *raw)
+                raw = None
+            run.append(slot)
             continue
-        if raw is not None:
-            parts += _raw_pieces(plain, *raw)
-            raw = None
-        parts += encoded
+        parts += _encode_run(codec, plain, run, device)
+        run = []
+        raw = [slot.offset, slot.offset + slot.nbytes] if raw is None else [raw[0], slot.offset + slot.nbytes]
+    parts += _encode_run(codec, plain, run, device)
     if raw is not None:
         parts += _raw_pieces(plain, *raw)
     pieces, offset = [], 0
@@ -171,28 +183,45 @@ def _raw_pieces(plain, start: int, end: int) -> list:
     return out
 
 
-def _encode_tensor(codec, slot, region, device):
-    """Pieces of one tensor, or None to keep it raw."""
+def _coded(codec, slot, region, device) -> bool:
+    """Whether one tensor is coded (else raw): a floating matrix (2 or more
+    dimensions) of `MIN_ENCODED_ELEMENTS` or more; for lossless, bf16 whose
+    exponents compress (under `TENSOR_KEEP_RATIO` with its own table); for the
+    lossy codecs, with finite values."""
     n = slot.nbytes // slot.dtype.itemsize
-    if n < MIN_ENCODED_ELEMENTS:
-        return None
+    if n < MIN_ENCODED_ELEMENTS or len(slot.shape) < 2:
+        return False
     if codec == "lossless":
         if slot.dtype != torch.bfloat16:
-            return None
-        pieces = _exp4(region.view(torch.int16).to(device), slot.offset)
-        if sum(p.src_bytes for p, _c in pieces) > TENSOR_KEEP_RATIO * slot.nbytes:
-            return None
+            return False
+        counts = torch.bincount(_exponents(region.view(torch.int16).to(device)), minlength=256)
+        escapes = n - int(counts.sort(descending=True).values[:15].sum())
+        return 1.5 * n + 6 * escapes <= TENSOR_KEEP_RATIO * slot.nbytes
+    return slot.dtype in LOSSY_DTYPES and bool(torch.isfinite(region.view(slot.dtype).to(device)).all())
+
+
+def _exponents(words: torch.Tensor) -> torch.Tensor:
+    return ((words >> 7) & 0xFF).to(torch.uint8)  # (16-bit operations: int32 ones are slower)
+
+
+def _encode_run(codec, plain, run: list, device) -> list:
+    """Pieces of a run of coded tensors of one dtype (none for an empty run)."""
+    if not run:
+        return []
+    start, end = run[0].offset, run[-1].offset + run[-1].nbytes
+    region = plain[start:end]
+    if codec == "lossless":
+        pieces = _exp4(region.view(torch.int16).to(device), start)
+        if len(run) > 1 and sum(p.src_bytes for p, _c in pieces) > TENSOR_KEEP_RATIO * (end - start):
+            # One table does not fit them all (exponent ranges apart): a table each.
+            return [piece for slot in run for piece in _encode_run(codec, plain, [slot], device)]
         return pieces
-    if slot.dtype not in LOSSY_DTYPES or len(slot.shape) < 2:
-        return None
-    x = region.view(slot.dtype).to(device).float()
-    if not bool(torch.isfinite(x).all()):
-        return None
-    return _fp8(x, slot) if codec == "fp8" else _int4(x, slot)
+    x = region.view(run[0].dtype).to(device).float()
+    return _fp8(x, run[0].dtype, start) if codec == "fp8" else _int4(x, run[0].dtype, start)
 
 
 def _exp4(words: torch.Tensor, dst: int) -> list:
-    exponent = ((words >> 7) & 0xFF).to(torch.uint8)  # (16-bit operations: int32 ones are slower)
+    exponent = _exponents(words)
     counts = torch.bincount(exponent, minlength=256).tolist()
     top = sorted(range(256), key=lambda e: (-counts[e], e))[:15]
     code_of = torch.full((256,), 15, dtype=torch.uint8, device=words.device)
@@ -235,24 +264,24 @@ def _pieces_of_groups(n: int, group: int, bytes_per_group: int):
     return [(k0, min(n, k0 + per_piece) - k0) for k0 in range(0, n, per_piece)]
 
 
-def _fp8(x: torch.Tensor, slot) -> list:
+def _fp8(x: torch.Tensor, dtype: torch.dtype, dst: int) -> list:
     g = _groups(x, FP8_GROUP)
     # (Multiplications by constants, never a division by a scalar: CUDA turns
     # that into a multiplication by its reciprocal, which rounds otherwise.)
     scale = (g.abs().amax(dim=1) * (1.0 / FP8_MAX)).clamp_min(LEAST_SCALE)
     q = (g / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten()
-    out, size = [], slot.dtype.itemsize
+    out, size = [], dtype.itemsize
     for k0, n in _pieces_of_groups(x.numel(), FP8_GROUP, FP8_GROUP + 4):
         groups = -(-n // FP8_GROUP)
         s = scale[k0 // FP8_GROUP: k0 // FP8_GROUP + groups]
         q_at = _align(4 * groups)
         chunks = [(0, s.cpu().view(torch.uint8)), (q_at, q[k0: k0 + n].cpu().view(torch.uint8))]
-        out.append((Piece("fp8", 0, _align(q_at + n), slot.offset + k0 * size, n * size, n, slot.dtype,
+        out.append((Piece("fp8", 0, _align(q_at + n), dst + k0 * size, n * size, n, dtype,
                           at=(q_at,)), chunks))
     return out
 
 
-def _int4(x: torch.Tensor, slot) -> list:
+def _int4(x: torch.Tensor, dtype: torch.dtype, dst: int) -> list:
     g = _groups(x, INT4_GROUP)
     low, high = g.amin(dim=1), g.amax(dim=1)
     minimum = low.to(torch.bfloat16)
@@ -263,7 +292,7 @@ def _int4(x: torch.Tensor, slot) -> list:
     codes = codes.flatten()[: x.numel()]
     padded = torch.cat([codes, codes.new_zeros(codes.numel() % 2)])
     packed = padded[0::2] | (padded[1::2] << 4)
-    out, size = [], slot.dtype.itemsize
+    out, size = [], dtype.itemsize
     for k0, n in _pieces_of_groups(x.numel(), INT4_GROUP, INT4_GROUP // 2 + 4):
         groups = -(-n // INT4_GROUP)
         first = k0 // INT4_GROUP
@@ -272,8 +301,8 @@ def _int4(x: torch.Tensor, slot) -> list:
         chunks = [(0, scale[first: first + groups].cpu().view(torch.uint8)),
                   (min_at, minimum[first: first + groups].cpu().view(torch.uint8)),
                   (q_at, packed[k0 // 2: k0 // 2 + (n + 1) // 2].cpu())]
-        out.append((Piece("int4", 0, _align(q_at + (n + 1) // 2), slot.offset + k0 * size, n * size, n,
-                          slot.dtype, at=(min_at, q_at)), chunks))
+        out.append((Piece("int4", 0, _align(q_at + (n + 1) // 2), dst + k0 * size, n * size, n,
+                          dtype, at=(min_at, q_at)), chunks))
     return out
 
 

@@ -274,3 +274,50 @@ def test_compressed_models_split_only_parts_whose_page_is_worth_a_use():
     x = torch.randn(4, 1024).bfloat16()
     with torch.no_grad():
         assert_same(packed(x), plain(x))
+
+
+def test_models_with_different_codecs_share_a_pool():
+    plain, lossless, lossy = _lm(), _lm(), _lm()
+    refs = [copy.deepcopy(m) for m in (plain, lossless)]
+    pool = pager.Pool(budget=2 * _streaming_budget(plain), device="cpu")
+    pager.wrap(plain, pool=pool, name="plain")
+    pager.wrap(lossless, pool=pool, name="lossless", compress="lossless")
+    pager.wrap(lossy, pool=pool, name="int4", compress="int4")
+    lossy_ref = _lm()
+    lossy_ref.load_state_dict(lossy.state_dict())
+    refs.append(lossy_ref)
+    for step in range(6):
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        for model, ref in zip((plain, lossless, lossy), refs):
+            with torch.no_grad():
+                assert_same(model(ids), ref(ids))
+    s = pool.stats()
+    assert s.models["lossless"].compressed_blocks == 6 and s.models["int4"].compressed_blocks == 6
+    assert s.models["plain"].compressed_blocks == 0 and s.peak_resident_bytes <= pool.budget_bytes
+    assert s.models["int4"].h2d_bytes < 0.4 * s.models["plain"].h2d_bytes
+    pager.unwrap(lossless)
+    assert_same(lossless.state_dict()["layers.3.attn.qkv.weight"], refs[1].state_dict()["layers.3.attn.qkv.weight"])
+
+
+def test_consecutive_matrices_are_coded_as_one_run():
+    g = torch.Generator().manual_seed(0)
+    mats = [(f"w{i}", (torch.randn(100 + i, 77, generator=g) * 0.02).bfloat16()) for i in range(5)]
+    named = mats[:3] + [("norm", torch.ones(77, dtype=torch.bfloat16))] + mats[3:]
+    slots, plain = _segment(named)
+    for codec in ("lossless", "fp8", "int4"):
+        encoded, page = encode(codec, slots, plain)
+        kind = "exp4" if codec == "lossless" else codec
+        assert [p.kind for p in encoded.pieces] == [kind, "raw", kind], codec  # a run, the norm, a run
+        out = decoded_copy(page, encoded)
+        if codec == "lossless":
+            for slot, (_n, t) in zip(slots, named):
+                assert torch.equal(slot.view_of(out), t)
+    # Wide exponent ranges far apart: one table would escape much of each; a table each.
+    cauchy = torch.distributions.StudentT(1.0)
+    far = [("small", (cauchy.sample((300, 64)) * 1e-10).bfloat16()),
+           ("large", (cauchy.sample((300, 64)) * 1e10).bfloat16())]
+    slots, plain = _segment(far)
+    encoded, page = encode("lossless", slots, plain)
+    assert [p.kind for p in encoded.pieces] == ["exp4", "exp4"]
+    assert encoded.page_bytes < 0.8 * plain.numel()
+    assert torch.equal(decoded_copy(page, encoded), plain)
