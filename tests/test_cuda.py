@@ -723,7 +723,7 @@ def test_compressed_pages_decode_on_gpu_as_the_cpu_reference(codec, monkeypatch)
     encoded, page = C.encode(codec, slots, plain)
     on_gpu, gpu_page = C.encode(codec, slots, plain, device=GPU)
     assert on_gpu == encoded and torch.equal(gpu_page, page)
-    assert len([p for p in encoded.pieces if p.kind != "raw"]) > 5
+    assert len([p for p in encoded.pieces if p.kind != "raw"]) >= 4  # several pieces, through the ring
     if codec == "lossless":
         assert sum(p.escapes for p in encoded.pieces) > 1000
     want = C.decoded_copy(page, encoded)
