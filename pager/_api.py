@@ -88,8 +88,8 @@ def wrap(
             "int4" (about 0.28x): lossy, for inference; the model's weights
             become the decoded values (`state_dict()` and `unwrap` give those).
             A block whose weights change later (a training step) is stored
-            plain from then on. On CUDA a ring of staging buffers (3x the
-            largest piece, at most 3 x 32 MiB) comes out of the budget.
+            plain from then on. On CUDA a ring of staging buffers (3 slots of
+            the largest piece, about 32 MiB each at most) comes out of the budget.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -148,6 +148,7 @@ def wrap(
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
         raise
+    _warn_if_staging_crowds(pager)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)
@@ -246,6 +247,20 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
     bad = {d for d in devices if d.type not in ("cpu", device.type)}
     if bad:
         raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
+
+
+def _warn_if_staging_crowds(pager) -> None:
+    """Compressed pages' staging ring comes out of the budget; if what is left
+    cannot hold the largest block, the block runs anyway (over the budget)."""
+    staging = pager.transport.staging_bytes
+    if staging and pager.budget_bytes - staging < pager.min_budget_bytes:
+        log.warning(
+            "pager: the staging ring of compressed pages (%s) leaves %s of the %s budget, less than the %s the "
+            "largest block needs beside the remainder; it runs over the budget by up to %s. Raise the budget to "
+            "%s or more.", format_bytes(staging), format_bytes(pager.budget_bytes - staging),
+            format_bytes(pager.budget_bytes), format_bytes(pager.min_budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging - pager.budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging))
 
 
 def _check_fits(budget, budget_bytes, sizing) -> None:

@@ -798,3 +798,15 @@ def test_training_on_gpu_with_compressed_pages():
     assert pager.of(model).stats().compressed_blocks < len(model.layers)
     pager.unwrap(model)
     assert_close_to_reference(model, ref, rtol=None, atol=None)  # (bf16's tolerance)
+
+
+def test_a_budget_the_staging_ring_crowds_warns_and_runs(pager_log):
+    model = Thin(n=4).bfloat16().eval()
+    ref = Thin(n=4).bfloat16().to(GPU).eval()
+    layer = tensor_page_bytes(model.layers[0])
+    pager.wrap(model, budget=layer + 4096, device=GPU, compress="lossless")
+    assert "staging ring of compressed pages" in pager_log.text
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 1024, device=GPU, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
