@@ -148,6 +148,10 @@ def wrap(
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
         raise
+    if compress and pager.transport.is_cuda:
+        # Encoding ran on the device: its temporaries (a few times a block)
+        # would stay in the allocator's cache, outside the budget.
+        torch.cuda.empty_cache()
     _warn_if_staging_crowds(pager)
     _PAGERS[model] = pager
     if trace_steps:
