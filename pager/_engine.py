@@ -298,7 +298,7 @@ class Engine:
         copy up enqueued. Compute has not waited yet (`wait`)."""
         block.settled = False  # until an acquire has ordered compute after this fetch
         owner = block.owner
-        allocated, moved, nbytes, first, end = False, False, 0, None, None
+        allocated, moved, decoded, nbytes, first, end = False, False, False, 0, None, None
         for kind in kinds:
             seg = block.segments.get(kind)
             if seg is None or seg.resident:
@@ -314,6 +314,7 @@ class Engine:
                 start, end = self.host.up(seg.flat, seg.host, after=after, encoded=seg.encoded)
                 first = first if moved else start
                 moved = True
+                decoded = decoded or seg.encoded is not None
                 nbytes += seg.page_bytes
                 self.meter.copied(block, "h2d", start, end, seg.page_bytes)
             seg.state = PageState.FETCHING
@@ -323,7 +324,7 @@ class Engine:
             block.stats.fetches += 1
         if allocated:
             # One mark after every allocation and copy: compute waits on it.
-            event = self.transport.mark_h2d()
+            event = self.transport.mark_h2d(decoded)
             end = event if event is not None else time.perf_counter()
             block.fetch_event = event
         if moved:

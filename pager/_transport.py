@@ -22,7 +22,7 @@ taken from the budget), then decoded from there into the block's storage by a
 kernel on the decode stream, which has a high priority so that its short
 kernels do not queue behind compute. The copy engine runs on while pieces are
 decoded: a slot is overwritten only after the decode that read it (its event).
-The fetch ends on the decode stream (`mark_h2d`), so compute waits for the
+The fetch ends on the decode stream (`mark_h2d(decoded=True)`), so compute waits for the
 last decode, and a block evicted before compute waited on its fetch is freed
 only after the h2d stream waited on it too (the decode stream writes memory
 that the h2d stream hands out).
@@ -110,7 +110,7 @@ class CpuTransport:
         """Compute time from `start` to `end` (`clock` points); None while unknown."""
         return end - start
 
-    def mark_h2d(self):
+    def mark_h2d(self, decoded: bool = False):
         return None
 
     def compute_waits(self, event) -> None:
@@ -141,7 +141,6 @@ class CudaTransport:
         # fp8 conversion in the decoder needs sm_89 (else the reference decoder runs).
         self.fp8_kernels = torch.cuda.get_device_capability(device) >= (8, 9)
         self.staging_slot_bytes = 0
-        self._decoding = False  # the fetch being enqueued decodes: it ends on the decode stream
 
     def compute_stream(self):
         """The caller's current stream (compute). `torch.cuda.current_stream`
@@ -215,7 +214,6 @@ class CudaTransport:
                 self._staging_used[i] = True
         # The end: every piece decoded and every raw piece copied.
         decoder.wait_event(self._record(h2d))
-        self._decoding = True
         return start, self._record(decoder, timing=True)
 
     def on(self, stream) -> "_Current":
@@ -306,14 +304,13 @@ class CudaTransport:
     def seconds_between(start, end):
         return start.elapsed_time(end) / 1e3 if end.query() else None
 
-    def mark_h2d(self):
+    def mark_h2d(self, decoded: bool = False):
         # Memory allocated on the h2d stream may have been freed by another
         # block whose write-back or last use the h2d stream waited for: compute
         # must wait on this mark before touching it, even when nothing was copied.
         mark = self._record(self.h2d_stream, timing=True)
-        if self._decoding:
+        if decoded:
             # The fetch decoded pages: it ends when the decode stream (after this mark) does.
-            self._decoding = False
             self.decode_stream.wait_event(mark)
             mark = self._record(self.decode_stream, timing=True)
         return mark
