@@ -130,29 +130,30 @@ def _align(n: int, to: int = 16) -> int:
 def encode(codec: str, slots, plain: torch.Tensor, device=None):
     """Encode a segment's `plain` bytes (uint8, on the CPU; zeros between
     tensors) laid out by `slots`, computing on `device` (default: the CPU;
-    same bytes on any). Consecutive coded tensors of one dtype are coded as
-    one run (with the zeros between them): fewer pieces, fewer launches.
-    Returns (Encoded, page as a CPU uint8 tensor), or None if the page would
-    not be smaller than `BLOCK_KEEP_RATIO` of the plain one."""
-    device = torch.device("cpu") if device is None else device
+    same bytes on any; a GPU takes the segment's bytes once, no more than
+    the block takes when it runs). Consecutive coded tensors of one dtype are
+    coded as one run (with the zeros between them): fewer pieces, fewer
+    launches. Returns (Encoded, page as a CPU uint8 tensor), or None if the
+    page would not be smaller than `BLOCK_KEEP_RATIO` of the plain one."""
+    there = plain.to(device) if device is not None else plain
     parts: list = []  # (Piece without src, [(offset in the piece, CPU uint8 tensor)])
     raw = None  # [start, end) of the current run of raw bytes in the storage
-    run: list = []  # the current run of coded tensors (slots of one dtype)
+    run: list = []  # the current run of coded tensors: (slot, its exponent counts under lossless)
     for slot in slots:
-        coded = _coded(codec, slot, plain[slot.offset: slot.offset + slot.nbytes], device)
-        if coded and not (run and run[0].dtype == slot.dtype):
-            parts += _encode_run(codec, plain, run, device)
+        coded = _coded(codec, slot, there[slot.offset: slot.offset + slot.nbytes])
+        if coded is not None and not (run and run[0][0].dtype == slot.dtype):
+            parts += _encode_run(codec, there, run)
             run = []
-        if coded:
+        if coded is not None:
             if raw is not None:
                 parts += _raw_pieces(plain, *raw)
                 raw = None
-            run.append(slot)
+            run.append((slot, coded))
             continue
-        parts += _encode_run(codec, plain, run, device)
+        parts += _encode_run(codec, there, run)
         run = []
         raw = [slot.offset, slot.offset + slot.nbytes] if raw is None else [raw[0], slot.offset + slot.nbytes]
-    parts += _encode_run(codec, plain, run, device)
+    parts += _encode_run(codec, there, run)
     if raw is not None:
         parts += _raw_pieces(plain, *raw)
     pieces, offset = [], 0
@@ -183,46 +184,54 @@ def _raw_pieces(plain, start: int, end: int) -> list:
     return out
 
 
-def _coded(codec, slot, region, device) -> bool:
-    """Whether one tensor is coded (else raw): a floating matrix (2 or more
-    dimensions) of `MIN_ENCODED_ELEMENTS` or more; for lossless, bf16 whose
-    exponents compress (under `TENSOR_KEEP_RATIO` with its own table); for the
-    lossy codecs, with finite values."""
+def _coded(codec, slot, region):
+    """None if one tensor stays raw, else what its coding needs (its exponent
+    counts under lossless). Coded: a floating matrix (2 or more dimensions)
+    of `MIN_ENCODED_ELEMENTS` or more; for lossless, bf16 whose exponents
+    compress (under `TENSOR_KEEP_RATIO` with its own table); for the lossy
+    codecs, with finite values."""
     n = slot.nbytes // slot.dtype.itemsize
     if n < MIN_ENCODED_ELEMENTS or len(slot.shape) < 2:
-        return False
+        return None
     if codec == "lossless":
         if slot.dtype != torch.bfloat16:
-            return False
-        counts = torch.bincount(_exponents(region.view(torch.int16).to(device)), minlength=256)
+            return None
+        counts = torch.bincount(_exponents(region.view(torch.int16)), minlength=256)
         escapes = n - int(counts.sort(descending=True).values[:15].sum())
-        return 1.5 * n + 6 * escapes <= TENSOR_KEEP_RATIO * slot.nbytes
-    return slot.dtype in LOSSY_DTYPES and bool(torch.isfinite(region.view(slot.dtype).to(device)).all())
+        return counts if 1.5 * n + 6 * escapes <= TENSOR_KEEP_RATIO * slot.nbytes else None
+    finite = slot.dtype in LOSSY_DTYPES and bool(torch.isfinite(region.view(slot.dtype)).all())
+    return True if finite else None
 
 
 def _exponents(words: torch.Tensor) -> torch.Tensor:
     return ((words >> 7) & 0xFF).to(torch.uint8)  # (16-bit operations: int32 ones are slower)
 
 
-def _encode_run(codec, plain, run: list, device) -> list:
-    """Pieces of a run of coded tensors of one dtype (none for an empty run)."""
+def _encode_run(codec, there, run: list) -> list:
+    """Pieces of a run of coded tensors of one dtype (none for an empty run);
+    `there`: the segment's bytes on the device that computes."""
     if not run:
         return []
-    start, end = run[0].offset, run[-1].offset + run[-1].nbytes
-    region = plain[start:end]
+    start, end = run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes
+    region = there[start:end]
     if codec == "lossless":
-        pieces = _exp4(region.view(torch.int16).to(device), start)
+        # The zeros between the tensors are exponent 0: counted with them.
+        counts = sum(c for _s, c in run)  # (a new tensor: the tensors' own stay as they are)
+        gaps = (end - start) // 2 - sum(s.nbytes // 2 for s, _c in run)
+        counts[0] += gaps
+        pieces = _exp4(region.view(torch.int16), start, counts)
         if len(run) > 1 and sum(p.src_bytes for p, _c in pieces) > TENSOR_KEEP_RATIO * (end - start):
             # One table does not fit them all (exponent ranges apart): a table each.
-            return [piece for slot in run for piece in _encode_run(codec, plain, [slot], device)]
+            return [piece for one in run for piece in _encode_run(codec, there, [one])]
         return pieces
-    x = region.view(run[0].dtype).to(device).float()
-    return _fp8(x, run[0].dtype, start) if codec == "fp8" else _int4(x, run[0].dtype, start)
+    x = region.view(run[0][0].dtype).float()
+    return _fp8(x, run[0][0].dtype, start) if codec == "fp8" else _int4(x, run[0][0].dtype, start)
 
 
-def _exp4(words: torch.Tensor, dst: int) -> list:
+def _exp4(words: torch.Tensor, dst: int, counts: torch.Tensor) -> list:
+    """Pieces of exp4 words; `counts`: how often each exponent occurs in them."""
     exponent = _exponents(words)
-    counts = torch.bincount(exponent, minlength=256).tolist()
+    counts = counts.tolist()
     top = sorted(range(256), key=lambda e: (-counts[e], e))[:15]
     code_of = torch.full((256,), 15, dtype=torch.uint8, device=words.device)
     code_of[torch.tensor(top, device=words.device)] = torch.arange(15, dtype=torch.uint8, device=words.device)
