@@ -51,12 +51,15 @@ class StateDicts:
             pager.apply_deferred()  # the weights as the steps taken so far left them
             if pager.transport.is_cuda:
                 torch.cuda.synchronize(pager.device)  # write-backs in flight must land first
+            views = {}  # block -> its weights' current values (a compressed page decodes once)
             for name, (block, i) in self._names.items():
                 key = prefix + name
                 if key not in state_dict:
                     continue
                 with _paged.unguarded():
-                    state_dict[key] = block.weights.current_views()[i].detach().to("cpu", copy=True)
+                    if block not in views:
+                        views[block] = block.weights.current_views()
+                    state_dict[key] = views[block][i].detach().to("cpu", copy=True)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
