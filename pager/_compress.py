@@ -102,7 +102,6 @@ class Piece:
 class Encoded:
     """A segment's page as stored: its pieces, in page order."""
 
-    codec: str
     pieces: list
     page_bytes: int
     plain_bytes: int
@@ -168,7 +167,7 @@ def encode(codec: str, slots, plain: torch.Tensor, device=None):
         at = piece.src
         for offset_in_piece, chunk in chunks:
             page[at + offset_in_piece: at + offset_in_piece + chunk.numel()].copy_(chunk)
-    return Encoded(codec, pieces, offset, plain.numel()), page
+    return Encoded(pieces, offset, plain.numel()), page
 
 
 def _with_src(piece: Piece, src: int) -> Piece:
