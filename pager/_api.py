@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from . import _discover
+from . import _discover, _rows
 from ._budget import format_bytes, parse_budget, resolve_device
 from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
@@ -35,6 +35,8 @@ def wrap(
     defer_step: bool = True,
     activations: str = "keep",
     compress: str | None = None,
+    rows=None,
+    row_cache=None,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -90,6 +92,19 @@ def wrap(
             A block whose weights change later (a training step) is stored
             plain from then on. On CUDA a ring of staging buffers (3 slots of
             the largest piece, about 32 MiB each at most) comes out of the budget.
+        rows: embedding tables to page by rows instead of as blocks
+            ([Note: row tables] in _rows.py): None (none), "auto" (every
+            `nn.Embedding` / `nn.EmbeddingBag` whose weight is larger than a
+            quarter of the budget), or a list of such modules or their
+            qualified names. A row table stays in host memory; a lookup brings
+            only its batch's rows to the device, and `opt.step()` updates only
+            the rows the gradient touches (lazy for Adam-like optimizers, see
+            [Note: exact updates of touched rows]). `weight.grad` is a sparse
+            COO tensor on the CPU.
+        row_cache: device bytes for the row tables' caches of recently used
+            rows (and their slot maps), out of the budget: an int or a string
+            like `budget`. Default: a quarter of the budget, at most what the
+            blocks leave. 0 reads every row from the host.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -115,7 +130,8 @@ def wrap(
                          "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
                          "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
-    sizing = _discover.size_up(model, blocks)
+    tables = _rows.choose(model, rows, budget_bytes)
+    sizing = _discover.size_up(model, blocks, [m for _n, m in tables])
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
@@ -123,6 +139,7 @@ def wrap(
             f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
         )
     _check_fits(budget, budget_bytes, sizing)
+    cache_bytes = _row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
     if blocks is None:
@@ -137,7 +154,7 @@ def wrap(
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
         log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
                     format_bytes(total), kind, len(named), seconds * total / 2**30)
-    if total <= budget_bytes and engine is None:  # (sharing a budget: the others' blocks count too)
+    if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
             "after the first forward); training pages gradients and optimizer state only if they do not fit "
@@ -145,6 +162,7 @@ def wrap(
         )
     try:
         pager.build(sizing.owned, sizing.uses, parts)
+        pager.add_row_tables(tables, cache_bytes)
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
         raise
@@ -251,6 +269,25 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
     bad = {d for d in devices if d.type not in ("cpu", device.type)}
     if bad:
         raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
+
+
+def _row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> int:
+    """Device bytes for the row tables' caches: `row_cache`, or a quarter of
+    the budget at most what the blocks leave."""
+    if row_cache is None:
+        return max(0, min(budget_bytes // 4, budget_bytes - min_budget))
+    if isinstance(row_cache, int) and not isinstance(row_cache, bool) and row_cache == 0:
+        return 0
+    try:
+        nbytes = parse_budget(row_cache, device)
+    except ValueError as e:
+        raise ValueError(str(e).replace("budget=", "row_cache=", 1)) from None
+    if min_budget + nbytes > budget_bytes:
+        raise ValueError(
+            f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
+            f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
+            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget.")
+    return nbytes
 
 
 def _warn_if_staging_crowds(pager) -> None:

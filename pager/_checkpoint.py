@@ -101,6 +101,8 @@ def close(pager) -> None:
     for block in pager.all_blocks():
         for seg in block.segments.values():
             _paged.release(seg)  # tensors get their own class back; views handed out are told
+    for table in pager.row_tables:
+        table.restore([link.optimizer for link in pager.optimizers])
     for opt_link in list(pager.optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():

@@ -143,13 +143,14 @@ def _alternatives(block: nn.Module) -> list[nn.Module]:
     return []
 
 
-def owners(model: nn.Module, block_modules: list[nn.Module]):
+def owners(model: nn.Module, block_modules: list[nn.Module], exclude: frozenset = frozenset()):
     """Map each tensor to the innermost block holding it.
 
     Returns `(owned, uses)`: `owned[i]` lists `(qualified name, tensor, is_param)`
     owned by block i (None for the remainder); `uses[i]` is the set of other
     block indices (or None) whose tensors block i's modules also hold (tied
-    weights), so block i depends on them.
+    weights), so block i depends on them. Tensors whose id is in `exclude`
+    (row tables' weights) belong to no block.
     """
     index = {id(m): i for i, m in enumerate(block_modules)}
     owned: dict = {}
@@ -160,7 +161,7 @@ def owners(model: nn.Module, block_modules: list[nn.Module]):
         current = index.get(id(m), current)
         for kind, table in (("param", m._parameters), ("buffer", m._buffers)):
             for name, t in table.items():
-                if t is None:
+                if t is None or id(t) in exclude:
                     continue
                 qual = f"{prefix}{name}"
                 if id(t) in owner_of:
@@ -193,6 +194,7 @@ class Sizing:
     own: list              # page bytes each block owns
     sizes: list            # bytes on the device to run each block (with its deps and ancestors)
     remainder: int         # page bytes outside every block (stays resident)
+    tables: tuple = ()     # row-paged modules, outside every block ([Note: row tables] in _rows.py)
 
     @property
     def min_budget(self) -> int:
@@ -225,12 +227,12 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
         inner = [m for m in block.modules() if m is not block]
         if any(id(m) in block_ids for m in inner):
             continue  # holds blocks already (a layer of NAS candidates)
-        large = [m for m in inner if _own_bytes(m) >= min_part_bytes]
+        large = [m for m in inner if _own_bytes(m) >= min_part_bytes and m not in sizing.tables]
         if len(large) >= 2:
             parts += large
     if not parts:
         return sizing, set()
-    return size_up(model, modules + parts), {id(m) for m in parts}
+    return size_up(model, modules + parts, sizing.tables), {id(m) for m in parts}
 
 
 def _own_bytes(m: nn.Module) -> int:
@@ -238,11 +240,14 @@ def _own_bytes(m: nn.Module) -> int:
                if t is not None)
 
 
-def size_up(model: nn.Module, spec=None) -> Sizing:
-    """Discover the blocks of `model` and size them; nothing is changed."""
-    named = discover(model, spec)
+def size_up(model: nn.Module, spec=None, tables=()) -> Sizing:
+    """Discover the blocks of `model` and size them; nothing is changed.
+    `tables` are row-paged modules ([Note: row tables] in _rows.py): neither
+    blocks nor their weights in one."""
+    skip = {id(m) for m in tables}
+    named = [(n, m) for n, m in discover(model, spec) if id(m) not in skip]
     modules = [m for _n, m in named]
-    owned, uses = owners(model, modules)
+    owned, uses = owners(model, modules, frozenset(id(m.weight) for m in tables))
     own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
     inside = [{id(m) for m in outer.modules()} for outer in modules]
     sizes = []
@@ -251,4 +256,4 @@ def size_up(model: nn.Module, spec=None) -> Sizing:
         with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors) - {i}
         sizes.append(own[i] + sum(own[j] for j in with_))
     remainder = sum(aligned_bytes(t) for _n, t, _p in owned.get(None, []))
-    return Sizing(named, owned, uses, own, sizes, remainder)
+    return Sizing(named, owned, uses, own, sizes, remainder, tuple(tables))

@@ -97,6 +97,7 @@ class Owner(Protocol):
     min_budget_bytes: int  # the least budget it runs in alone
     name: str          # how messages and the pool name it
     carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
+    row_bytes: int  # device bytes of its row tables' caches, held out of the room
 
     def fixed_bytes(self) -> int:
         """Device bytes of its blocks that stay for life (its remainder, blocks it uses)."""
@@ -535,6 +536,7 @@ class Engine:
         the least that runs (the largest owner's `least_room`)."""
         reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
         reserves += [o.carried_bytes for o in self.owners if o.carried_bytes]
+        reserves += [o.row_bytes for o in self.owners if o.row_bytes]
         if not reserves:
             return self.usable_bytes()
         return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.owners))

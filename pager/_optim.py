@@ -118,6 +118,7 @@ class OptimizerLink:
         pager = self.pager
         groups = optimizer.param_groups
         self._saved_params = [g["params"] for g in groups]
+        self._step_row_tables(optimizer)
         blocks = self._blocks_to_step()
         # Each block's share of each group, in the group's order (one pass).
         shares = {id(b): [[] for _ in groups] for b in blocks}
@@ -152,9 +153,18 @@ class OptimizerLink:
                 finally:
                     pager.release(block)
         finally:
-            managed = pager.param_blocks
             for g, params in zip(groups, self._saved_params):
-                g["params"] = [p for p in params if id(p) not in managed]
+                g["params"] = [p for p in params if not pager.managed(p)]
+
+    def _step_row_tables(self, optimizer) -> None:
+        """Update the rows each row table's gradient touches ([Note: exact
+        updates of touched rows] in _rows.py)."""
+        tables = self.pager.row_params
+        for gi, params in enumerate(self._saved_params):
+            for p in params:
+                table = tables.get(id(p))
+                if table is not None and p.grad is not None:
+                    table.step(optimizer, gi, self._step_once)
 
     def _post_step(self, optimizer, args, kwargs):
         if self._saved_params is not None:
@@ -361,8 +371,7 @@ def _auto_attach(optimizer, args, kwargs) -> None:
     for pager in list(_PAGERS.values()):
         if any(link.optimizer is optimizer for link in pager.optimizers):
             continue
-        managed = pager.param_blocks
-        if any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
+        if any(pager.managed(p) for g in optimizer.param_groups for p in g["params"]):
             attach(pager, optimizer)
 
 
@@ -382,8 +391,7 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
     for link in pager.optimizers:
         if link.optimizer is optimizer:
             return link  # idempotent
-    managed = pager.param_blocks
-    if not any(id(p) in managed for g in optimizer.param_groups for p in g["params"]):
+    if not any(pager.managed(p) for g in optimizer.param_groups for p in g["params"]):
         raise ValueError(
             "pager: attach() got an optimizer that holds none of this model's parameters; build it "
             "from model.parameters()."

@@ -53,6 +53,9 @@ class Pager:
         self.resident_bytes = 0  # this model's share of the engine's (kept by the engine)
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self.carried_bytes = 0  # state the last forward carried on the device (a KV cache): see _carried.py
+        self.row_tables: list = []  # embedding tables paged by rows ([Note: row tables] in _rows.py)
+        self.row_params: dict = {}  # id(weight) -> its RowTable
+        self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
         # How the pool and the engine's messages name this model.
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
@@ -109,6 +112,24 @@ class Pager:
                 block.resident_for_life = True
                 self.acquire(block, WEIGHTS, record=False)
         self.hooks.install()
+
+    def add_row_tables(self, tables: list, cache_bytes: int) -> None:
+        """Page each (name, module) of `tables` by rows, their caches sharing
+        `cache_bytes` in proportion to their sizes."""
+        from ._rows import RowTable
+
+        total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)
+        for name, module in tables:
+            share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)
+            table = RowTable(self, name, module, share)
+            self.row_tables.append(table)
+            self.row_params[id(table.param)] = table
+            self.original_device[id(table.param)] = table.original_device
+        self.row_bytes = cache_bytes
+
+    def managed(self, p) -> bool:
+        """Whether the pager updates `p` in `opt.step()` (a block's parameter or a row table's)."""
+        return id(p) in self.param_blocks or id(p) in self.row_params
 
     def _link_parents(self) -> None:
         """Each block's nearest enclosing block (NAS candidates: their layer)."""

@@ -810,3 +810,55 @@ def test_a_budget_the_staging_ring_crowds_warns_and_runs(pager_log):
     x = torch.randn(2, 1024, device=GPU, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------- row tables
+@pytest.mark.parametrize("cache", [0, 200 * 64 * 4, 10**7])
+def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
+    """Rows read from the mapped host table, from the device cache, and written through: the same
+    training as the model with its table on the GPU (SparseAdam and Adam, sparse and dense tables)."""
+    from pager._rows import RowTableParameter
+
+    torch.manual_seed(0)
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5000, 64, sparse=True, padding_idx=0)
+            self.bag = nn.EmbeddingBag(3000, 64, mode="mean")
+            self.mlp = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+
+        def forward(self, ids, bag_ids, offsets):
+            return self.mlp(self.emb(ids).sum(1) + self.bag(bag_ids, offsets)).square().mean()
+
+    ref = Rec().to(GPU)
+    model = copy.deepcopy(ref).cpu()
+    pager.wrap(model, budget="64MiB", rows=["emb", "bag"], row_cache=cache)
+    assert type(model.emb.weight) is RowTableParameter and model.emb.weight.device.type == "cpu"
+
+    def opts(m):
+        return [torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2),
+                torch.optim.Adam(list(m.bag.parameters()) + list(m.mlp.parameters()), lr=1e-2)]
+
+    ro, po = opts(ref), opts(model)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids = torch.randint(0, 600, (32, 8), generator=g).to(GPU)  # rows come back: cache hits
+        ids[0, 0] = 0
+        bag_ids = torch.arange(3000, device=GPU)[torch.randperm(3000, generator=g).to(GPU)][:96]
+        bag_ids = torch.cat([bag_ids, torch.arange(3000, device=GPU)])  # every bag row, every step: lazy = dense
+        offsets = torch.arange(0, bag_ids.numel(), bag_ids.numel() // 32, device=GPU)[:32]
+        for m, os_ in ((ref, ro), (model, po)):
+            m(ids, bag_ids, offsets).backward()
+            for o in os_:
+                o.step()
+            for o in os_:
+                o.zero_grad()
+    for name in ("emb", "bag"):
+        torch.testing.assert_close(getattr(model, name).weight.detach(), getattr(ref, name).weight.detach().cpu(),
+                                   rtol=1e-4, atol=1e-5)
+    for a, b in zip(model.mlp.parameters(), ref.mlp.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-4, atol=1e-5)
+    s = pager.of(model).stats()
+    assert s.row_misses > 0 and (cache < 200 * 64 * 4 * 3 or s.row_hits > 0)
+    pager.unwrap(model)

@@ -1,0 +1,697 @@
+"""Embedding tables paged by rows: a host table, a device cache of rows, and
+updates applied to the rows a batch touched.
+
+[Note: row tables]
+An `nn.Embedding` or `nn.EmbeddingBag` named by `wrap(..., rows=...)` is not a
+block: its weight (and the optimizer's state rows, once they exist) stays in
+host pages, pinned on CUDA, and only the rows a batch looks up cross the link.
+The weight stays the same Parameter object; its class is `RowTableParameter`
+while wrapped (a Parameter still), whose `__torch_function__` sends
+`F.embedding` / `F.embedding_bag` calls that read it to `RowTable.lookup` and
+lets every other operation run on the host table as it is (so `state_dict()`,
+reads, `load_state_dict()` and in-place initialisation see and change the real
+values). A lookup:
+
+1. takes the batch's rows, sorted and unique (`torch.unique`), and the index of
+   each lookup among them;
+2. gathers those rows into a compact batch tensor on the device: rows in the
+   device cache are copied from it, the others read from the host table by a
+   kernel on the compute stream (on CUDA the pinned table is mapped into the
+   device's address space, so `index_select` reads the rows over the link
+   itself: no staging copy, see `host_view`);
+3. runs torch's own `F.embedding` / `F.embedding_bag` on the batch tensor with
+   the lookups renumbered (and `padding_idx` renumbered), so every option
+   (padding, `max_norm`, `scale_grad_by_freq`, bag modes, per-sample weights)
+   has torch's semantics; a `max_norm` renormalisation is written back.
+
+The numbering is monotone (row r is the r-th smallest row of the batch), so
+every reduction over duplicate lookups (the backward's sums, a sparse
+gradient's coalescing) meets its terms in the order it meets them in the
+unpaged table: the results are equal bit for bit.
+
+The batch tensor is a leaf; its gradient (dense, or sparse when the module has
+`sparse=True`) is kept on the device as a piece `(rows, grad)` of the table's
+gradient. `weight.grad` is a `RowGrad`: a sparse COO tensor of the table's
+shape on the CPU, that stands for those pieces. Zeroing and scaling it (what
+`zero_grad`, `clip_grad_norm_`'s scaling do) act on the pieces; any other
+operation on it makes the real sparse gradient (the pieces copied to the host)
+and runs on that, which then is `weight.grad`.
+
+[Note: exact updates of touched rows]
+`opt.step()` (through the pager's step pre-hook, `_optim.py`) updates a row
+table with the user's own optimizer, on a view of the rows the gradient
+touches: a temporary Parameter holding those rows (from the cache or the host
+table), the gradient renumbered to them, and the state rows of each state
+tensor of the table's shape, gathered the same way (scalars such as Adam's
+`step` are the table's own). The optimizer's step runs on that view alone,
+with the group's options as they are, and the rows (and state rows) are then
+written back to the host table and to the cache (write-through: the host table
+is current whenever `step()` has returned, so nothing is lost when a row
+leaves the cache). torch.optim's updates are per element, so for every row
+the gradient touches the result is the optimizer's on the whole table; rows it
+does not touch are not updated. That is the dense result for SGD without
+momentum or weight decay, Adagrad and `SparseAdam` (whose updates leave such
+rows unchanged); for SGD with momentum, Adam, AdamW, RMSprop and the others it
+is the lazy variant (as `SparseAdam` is of Adam): untouched rows keep their
+values and their state rows, which start at zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._budget import format_bytes
+
+log = logging.getLogger("pager")
+
+WEIGHT = "weight"
+# A table's gradient arrives as pieces; one piece per lookup whose backward ran.
+_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
+             "per_sample_weights", "include_last_offset", "padding_idx")
+_LOOKUPS = {F.embedding: _EMBEDDING_ARGS, F.embedding_bag: _BAG_ARGS}
+# Optimizers whose update of one element reads only that element's gradient
+# and state (and the group's options and the parameter's step count).
+ROW_WISE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam", "Adam", "AdamW", "RMSprop", "Adamax", "Adadelta", "NAdam",
+                       "RAdam", "ASGD")
+
+
+# ------------------------------------------------------------- the classes
+def _table_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    names = _LOOKUPS.get(func)
+    if names is not None:
+        bound = dict(zip(names, args)) | kwargs
+        weight = bound.get("weight")
+        if isinstance(weight, RowTableParameter):
+            return weight._row_table.lookup(func, bound)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if func == _DATA_GET and isinstance(args[0], RowTableParameter):
+        args[0]._row_table.note_alias(out)
+    return out
+
+
+_DATA_GET = torch.Tensor.data.__get__
+
+
+def _as_parameter(self, fn):
+    # Pickled and deep-copied as the plain Parameter it is.
+    self.__class__ = nn.Parameter
+    try:
+        return fn()
+    finally:
+        self.__class__ = RowTableParameter
+
+
+class RowTableParameter(nn.Parameter):
+    """The class of a row table's weight while wrapped (see [Note: row tables])."""
+
+    __torch_function__ = classmethod(_table_function)
+
+    def __deepcopy__(self, memo):
+        return _as_parameter(self, lambda: self.__deepcopy__(memo))
+
+    def __reduce_ex__(self, proto):
+        return _as_parameter(self, lambda: self.__reduce_ex__(proto))
+
+
+class RowGrad(torch.Tensor):
+    """`weight.grad` of a row table: its gradient, kept on the device until
+    something reads it (see [Note: row tables])."""
+
+    @staticmethod
+    def __new__(cls, table: "RowTable"):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, table.shape, dtype=table.dtype, device=table.host.device, layout=torch.sparse_coo,
+            requires_grad=False)
+        t.table = table
+        # sparse=True tables: the table's sparse gradient on the device,
+        # accumulated as autograd accumulates one. Dense tables: one piece
+        # (rows, dense gradient of those rows) per backward.
+        t.acc = None
+        t.pieces = []
+        t.made = None  # the real sparse tensor on the CPU, once made
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from ._paged import _METADATA
+
+        me = args[0] if args and isinstance(args[0], RowGrad) and args[0].made is None else None
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if me is not None and func in _KEEPS_SELF:
+            return me
+        if me is not None and func in _SCALES and len(args) == 2 and not kwargs:
+            me.scale(args[1])
+            return me
+        if me is not None and func is torch.Tensor.zero_:
+            me.acc, me.pieces = None, []
+            return me
+        if me is not None and func is torch.linalg.vector_norm:
+            return me.norm(*args[1:], **kwargs)
+        args, kwargs = _replace_grads((args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"pager: {func} reached a row table's gradient below Python (from C++); read it from Python "
+            f"(weight.grad), which gives the real sparse gradient.")
+
+    def add(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Accumulate the gradient `grad` of the batch rows `rows`."""
+        if not grad.is_sparse:
+            self.pieces.append((rows, grad))
+            return
+        piece = torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)
+        if self.acc is None:
+            self.acc = piece
+        else:
+            self.acc += piece  # (what autograd does with a second sparse gradient)
+
+    def scale(self, factor) -> None:
+        factor = factor.to(self.table.device) if isinstance(factor, torch.Tensor) else factor
+        if self.acc is not None:
+            self.acc.mul_(factor)
+        for _rows, g in self.pieces:
+            g.mul_(factor)
+
+    def rows_and_grad(self):
+        """(rows, their gradient) with rows sorted: dense pieces summed per row
+        in the order they arrived, or the sparse gradient renumbered."""
+        if self.acc is not None:
+            table_rows = self.acc._indices()[0]
+            rows = torch.unique(table_rows, sorted=True)
+            # Monotone renumbering: coalescing meets the terms in the same order.
+            slots = torch.searchsorted(rows, table_rows)
+            return rows, torch.sparse_coo_tensor(slots[None], self.acc._values(), (rows.numel(), self.shape[1]))
+        if self.pieces:
+            return _join_pieces(self.pieces, self.shape[1])
+        return None
+
+    def norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+        """The gradient's norm (what clip_grad_norm_ asks of each gradient),
+        computed on the device: no copy to the host."""
+        joined = self.rows_and_grad()
+        if dim is not None or keepdim or joined is None:
+            return torch.linalg.vector_norm(self.make_real().to_dense(), ord, dim, keepdim, dtype=dtype)
+        g = joined[1]
+        values = g.coalesce()._values() if g.is_sparse else g
+        return torch.linalg.vector_norm(values, ord, dtype=dtype).to(self.device)
+
+    def make_real(self) -> torch.Tensor:
+        """The sparse COO gradient of the table on the CPU (made once); it
+        becomes `weight.grad` if this stand-in still is."""
+        if self.made is None:
+            table = self.table
+            if self.acc is not None:
+                made = self.acc.cpu()
+            elif self.pieces:
+                rows, g = _join_pieces(self.pieces, self.shape[1])
+                made = torch.sparse_coo_tensor(rows[None].cpu(), g.cpu(), self.shape)
+            else:
+                made = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
+                                               torch.zeros(0, self.shape[1], dtype=self.dtype), self.shape)
+            self.made, self.acc, self.pieces = made, None, []
+            if table.param.grad is self:
+                table.param.grad = made
+        return self.made
+
+
+_SCALES = {torch.Tensor.mul_, torch.Tensor.__imul__}
+_KEEPS_SELF = {torch.Tensor.detach_, torch.Tensor.requires_grad_}
+
+
+def _replace_grads(tree):
+    if isinstance(tree, RowGrad):
+        return tree.make_real()
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_replace_grads(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _replace_grads(v) for k, v in tree.items()}
+    return tree
+
+
+def host_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (page-locked) as a tensor on `device`: kernels read and write it
+    over the link (mapped pinned memory: CUDA's unified addressing makes the
+    host address valid on the device, so no staging copy is needed)."""
+    if device.type != "cuda":
+        return host
+    raw = host.view(torch.uint8)
+
+    class _Interface:  # what torch.as_tensor reads a foreign device buffer from
+        __cuda_array_interface__ = {"shape": tuple(raw.shape), "strides": None, "version": 3,
+                                    "data": (raw.data_ptr(), False), "typestr": "|u1"}
+
+    return torch.as_tensor(_Interface(), device=device).view(host.dtype)
+
+
+# ------------------------------------------------------------- the cache
+class RowCache:
+    """Rows of one table kept on the device: each slot holds a row's weight and
+    its state rows (one column per kind), replaced least recently used first.
+
+    Args:
+        rows: the table's number of rows.
+        row_bytes: bytes of one row of one kind.
+        nbytes: device bytes for the cache and its row-to-slot map.
+        device: where.
+    """
+
+    def __init__(self, rows: int, row_bytes: int, nbytes: int, device: torch.device):
+        self.n_rows, self.row_bytes, self.nbytes, self.device = rows, row_bytes, nbytes, device
+        self.map_bytes = 4 * (rows + 1)
+        self.kinds: tuple = (WEIGHT,)
+        self.columns: dict = {}
+        self.capacity = 0
+        self.tick = 0
+        self.shape_columns(self.kinds, None, None)
+
+    def shape_columns(self, kinds: tuple, dim, dtype) -> None:
+        """Empty the cache and size it for one column per kind."""
+        self.kinds = tuple(kinds)
+        per_row = self.row_bytes * len(self.kinds)
+        capacity = max(0, (self.nbytes - self.map_bytes) // per_row) if self.nbytes > self.map_bytes else 0
+        self.capacity = min(capacity, self.n_rows)
+        self.columns = {}
+        if self.capacity == 0:
+            self.slot_of_row = None
+            return
+        # Row n_rows is a dummy: an empty slot's row, so that clearing the map
+        # entries of evicted slots needs no mask (no host sync).
+        self.slot_of_row = torch.full((self.n_rows + 1,), -1, dtype=torch.int32, device=self.device)
+        self.row_of_slot = torch.full((self.capacity,), self.n_rows, dtype=torch.long, device=self.device)
+        self.last_use = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        if dim is not None:
+            self.columns = {k: torch.empty(self.capacity, dim, dtype=dtype, device=self.device) for k in self.kinds}
+
+    def clear(self) -> None:
+        if self.capacity:
+            self.slot_of_row.fill_(-1)
+            self.row_of_slot.fill_(self.n_rows)
+            self.last_use.fill_(-1)
+
+    def find(self, rows: torch.Tensor):
+        """(slots of `rows`' hits, their positions in `rows`, positions of misses)."""
+        if self.capacity == 0:
+            return None, None, torch.arange(rows.numel(), device=rows.device)
+        slots = self.slot_of_row[rows].long()
+        hit = slots >= 0
+        hit_pos = hit.nonzero().squeeze(1)
+        miss_pos = (~hit).nonzero().squeeze(1)
+        return slots.index_select(0, hit_pos), hit_pos, miss_pos
+
+    def touch(self, slots: torch.Tensor) -> None:
+        self.tick += 1
+        self.last_use.index_fill_(0, slots, self.tick)
+
+    def insert(self, rows: torch.Tensor, values: dict) -> int:
+        """Put `rows` (not cached) with `values` {kind: [n, dim]} in the least
+        recently used slots not touched since the last `touch`; returns how many fit."""
+        if self.capacity == 0 or rows.numel() == 0:
+            return 0
+        free = int((self.last_use < self.tick).sum())
+        n = min(free, rows.numel())
+        if n == 0:
+            return 0
+        victims = torch.topk(self.last_use, n, largest=False).indices
+        self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), -1)
+        rows = rows[:n]
+        self.row_of_slot.index_copy_(0, victims, rows)
+        self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
+        self.last_use.index_fill_(0, victims, self.tick)
+        for kind, column in self.columns.items():
+            column.index_copy_(0, victims, values[kind][:n])
+        return n
+
+    def update(self, rows: torch.Tensor, values: dict) -> None:
+        """Write `values` of those `rows` that are cached into their slots."""
+        if self.capacity == 0 or not self.columns:
+            return
+        slots, hit_pos, _miss = self.find(rows)
+        for kind, v in values.items():
+            self.columns[kind].index_copy_(0, slots, v.index_select(0, hit_pos))
+
+
+# ------------------------------------------------------------- one table
+class RowTable:
+    """One row-paged embedding table: its host tables (weight and state rows),
+    its device cache, its lookups and its gradient pieces.
+
+    Args:
+        pager: the model's `Pager`.
+        name: the module's qualified name.
+        module: the `nn.Embedding` / `nn.EmbeddingBag`.
+        cache_bytes: device bytes for its cache.
+    """
+
+    def __init__(self, pager, name: str, module: nn.Module, cache_bytes: int):
+        self.pager, self.name, self.module = pager, name, module
+        self.param = param = module.weight
+        self.device = pager.device
+        self.original_device = param.device
+        self.shape, self.dtype = param.shape, param.dtype
+        self.row_bytes = param.shape[1] * param.element_size()
+        self._registered = None  # a CPU table page-locked where it is (unregistered at restore)
+        adopted = self._adopt_in_place(param.detach())
+        self._adopted = adopted is not None
+        self.host = adopted if adopted is not None else self._new_host_table(param.detach())
+        self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
+        self.views = {WEIGHT: host_view(self.host, self.device)}
+        self.state_of: dict = {}  # kind -> the tensor object in opt.state[param] it stands for
+        self.cache = RowCache(self.shape[0], self.row_bytes, cache_bytes, self.device)
+        self.cache.shape_columns((WEIGHT,), self.shape[1], self.dtype)
+        self._aliases = weakref.WeakSet()  # `.data` results: writes through them skip the version counter
+        with torch.no_grad():
+            param.data = self.host
+        param.__class__ = RowTableParameter
+        param._row_table = self
+        self._version = param._version
+
+    def _adopt_in_place(self, value: torch.Tensor):
+        """A CPU table that owns its whole storage is used where it is (and
+        page-locked there on CUDA): a 40 GB table needs no second copy."""
+        storage = value.untyped_storage()
+        if (value.device.type != "cpu" or not value.is_contiguous() or value.storage_offset() != 0
+                or storage.nbytes() != value.numel() * value.element_size()):
+            return None
+        if self.device.type == "cuda" and self.pager.arena.pin:
+            err = torch.cuda.cudart().cudaHostRegister(value.data_ptr(), storage.nbytes(), 0)
+            if int(getattr(err, "value", err)) != 0:
+                return None  # (already page-locked, or not lockable here: copied into the arena instead)
+            self._registered = value
+        return value
+
+    def _new_host_table(self, value: torch.Tensor) -> torch.Tensor:
+        nbytes = value.numel() * value.element_size()
+        arena = self.pager.arena
+        arena.check_room(nbytes, f"row table {self.name!r}")
+        page = arena.allocate(nbytes)[:nbytes]
+        host = page.view(value.dtype).view(value.shape)
+        host.copy_(value)
+        return host
+
+    # ------------------------------------------------------------ lookups
+    def note_alias(self, alias) -> None:
+        self._aliases.add(alias)
+
+    def _check_current(self) -> None:
+        """Forget cached rows if the table was written from outside (the
+        Parameter's version counter moved, or a `.data` alias is alive)."""
+        if self.param._version != self._version or len(self._aliases):
+            self.cache.clear()
+            self._version = self.param._version
+
+    def lookup(self, func, bound: dict) -> torch.Tensor:
+        """`func` (F.embedding or F.embedding_bag) with the table's rows: see [Note: row tables]."""
+        pager = self.pager
+        with pager.lock:
+            self._check_current()
+            index = bound["input"]
+            if index.device != self.device:
+                index = index.to(self.device)
+            rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
+            if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.shape[0]):
+                raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for row "
+                                 f"{int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])}.")
+            training = torch.is_grad_enabled() and self.param.requires_grad
+            batch = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1)[WEIGHT]
+            bound = dict(bound, input=inverse, weight=batch)
+            pad = bound.get("padding_idx")
+            if pad is not None:
+                bound["padding_idx"] = self._renumber(rows, pad if pad >= 0 else self.shape[0] + pad)
+            if bound.get("offsets") is not None and bound["offsets"].device != self.device:
+                bound["offsets"] = bound["offsets"].to(self.device)
+            if training:
+                batch.requires_grad_(True)
+                batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf))
+        out = func(**bound)
+        if bound.get("max_norm") is not None:
+            with pager.lock, torch.no_grad():
+                self.write(rows, {WEIGHT: batch.detach()})  # renormalised rows are the table's now
+        return out
+
+    @staticmethod
+    def _renumber(rows: torch.Tensor, row: int):
+        i = int(torch.searchsorted(rows, torch.tensor(row, device=rows.device)))
+        return i if i < rows.numel() and int(rows[i]) == row else None
+
+    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True) -> dict:
+        """{kind: the rows of that kind on the device}, from the cache or the host tables."""
+        cache, counters = self.cache, self.pager.counters
+        slots, hit_pos, miss_pos = cache.find(rows)
+        n, dim = rows.numel(), self.shape[1]
+        out = {}
+        miss_rows = rows.index_select(0, miss_pos)
+        for kind in kinds:
+            values = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
+            if slots is not None and slots.numel():
+                values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
+            values.index_copy_(0, miss_pos, self.views[kind].index_select(0, miss_rows))
+            out[kind] = values
+        hits = n - miss_pos.numel()
+        counters.row_hits += hits
+        counters.row_misses += miss_pos.numel()
+        counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes * len(kinds)
+        if cache.capacity:
+            cache.touch(slots)
+            if insert and miss_pos.numel():
+                fill = dict(out)
+                missing = [k for k in cache.kinds if k not in fill]
+                for kind in missing:  # a slot holds every kind
+                    fill[kind] = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
+                    fill[kind].index_copy_(0, miss_pos, self.views[kind].index_select(0, miss_rows))
+                    counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes
+                cache.insert(miss_rows, {k: v.index_select(0, miss_pos) for k, v in fill.items()})
+        return out
+
+    def write(self, rows: torch.Tensor, values: dict) -> None:
+        """Write `values` {kind: [n, dim]} of `rows` through to the host tables
+        and the cache, and wait: the host tables are current on return."""
+        for kind, v in values.items():
+            self.views[kind].index_copy_(0, rows, v)
+            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
+        if self.device.type != "cuda":
+            self._version = self.param._version  # (our own writes moved it on the CPU device)
+        self.cache.update(rows, values)
+        if self.device.type == "cuda":
+            # Host reads of the tables (the user's, the next step's misses) must
+            # see these writes: they are kernel stores into mapped host memory.
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ---------------------------------------------------------- gradients
+    def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        with self.pager.lock:
+            current = self.param.grad
+            if current is None:
+                current = RowGrad(self)
+                self.param.grad = current
+            if isinstance(current, RowGrad) and current.made is None:
+                current.add(rows, grad)
+                return
+            piece = RowGrad(self)
+            piece.add(rows, grad)
+            self.param.grad = current + piece.make_real()
+
+    def take_grad(self):
+        """(rows, gradient of those rows on the device) for the update, or None."""
+        g = self.param.grad
+        if g is None:
+            return None
+        sparse = bool(self.module.sparse)
+        if isinstance(g, RowGrad) and g.made is None:
+            return g.rows_and_grad()
+        if isinstance(g, RowGrad):
+            g = g.made
+        if not g.is_sparse:
+            raise ValueError(
+                f"pager: the gradient of row table {self.name!r} is a dense {tuple(g.shape)} tensor; a row table "
+                f"takes a sparse COO gradient (as autograd gives it): assign one, e.g. dense.to_sparse().")
+        g = g.coalesce()
+        rows = g._indices()[0].to(self.device)
+        values = g._values().to(self.device)
+        if not sparse:
+            return rows, values
+        k = rows.numel()
+        slots = torch.arange(k, device=self.device)[None]
+        return rows, torch.sparse_coo_tensor(slots, values, (k, self.shape[1]), is_coalesced=True)
+
+    # ---------------------------------------------------------- optimizer
+    def step(self, optimizer, group_index: int, run_step) -> None:
+        """Update the rows the gradient touches with `optimizer` (its group
+        `group_index` holds the table): see [Note: exact updates of touched rows]."""
+        taken = self.take_grad()
+        if taken is None:
+            return
+        rows, grad = taken
+        state = optimizer.state[self.param]
+        self._adopt_state(state)
+        row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
+        gathered = self.gather(rows, (WEIGHT,) + row_kinds)
+        view = nn.Parameter(gathered[WEIGHT])
+        view.grad = grad
+        optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
+        groups = optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for i, g in enumerate(groups):
+                g["params"] = [view] if i == group_index else []
+            run_step(optimizer)
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
+            new_state = optimizer.state.pop(view, {})
+        k = rows.numel()
+        values = {WEIGHT: view.detach()}
+        for key, value in new_state.items():
+            if isinstance(value, torch.Tensor) and value.shape == (k, self.shape[1]):
+                if key not in self.hosts:
+                    self._new_state_kind(key, value.dtype, state)
+                values[key] = value.to_dense() if value.is_sparse else value
+            else:
+                state[key] = value
+        self.write(rows, values)
+
+    def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
+        zeros = torch.zeros((), dtype=dtype).expand(self.shape)
+        host = self._new_host_table(zeros)
+        self.hosts[key] = host
+        self.views[key] = host_view(host, self.device)
+        state[key] = host
+        self.state_of[key] = host
+        self.cache.shape_columns(tuple(self.hosts), self.shape[1], self.dtype)
+
+    def _adopt_state(self, state: dict) -> None:
+        """Take state tensors of the table's shape into host tables: ones the
+        optimizer made at construction (Adagrad's sum), or put there by
+        `load_state_dict`."""
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.shape != self.shape or self.state_of.get(key) is value:
+                continue
+            if key not in self.hosts:
+                self._new_state_kind(key, value.dtype, state)
+            with torch.no_grad():
+                self.hosts[key].copy_(value)
+            state[key] = self.hosts[key]
+            self.state_of[key] = self.hosts[key]
+            self.cache.clear()
+
+    # ------------------------------------------------------------- close
+    def restore(self, optimizers) -> None:
+        """Give the Parameter (and the optimizers' state) back as ordinary tensors on the original device."""
+        param = self.param
+        grad = param.grad
+        if isinstance(grad, RowGrad):
+            grad = grad.make_real()
+        param.__class__ = nn.Parameter
+        del param._row_table
+        with torch.no_grad():
+            # (an adopted table is the user's own CPU tensor: it stays; an arena page is copied out)
+            param.data = self.host if self._adopted else self.host.to(self.original_device, copy=True)
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
+        if grad is not None:
+            grad = grad.to(self.original_device)
+            param.grad = grad if self.module.sparse else grad.to_dense()
+        for opt in optimizers:
+            state = opt.state.get(param)
+            for key, value in list((state or {}).items()):
+                if value is self.hosts.get(key):
+                    state[key] = value.to(self.original_device, copy=True)
+
+    def device_bytes(self) -> int:
+        cache = self.cache
+        return (cache.map_bytes if cache.capacity else 0) + cache.capacity * self.row_bytes * len(cache.kinds)
+
+    def __repr__(self) -> str:
+        return (f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "
+                f"{format_bytes(self.device_bytes())} on the device)")
+
+
+def _join_pieces(pieces: list, dim: int):
+    """One dense gradient over the union of the pieces' rows (sorted): the
+    first piece copied, the others added in the order they arrived, as
+    autograd accumulates dense gradients of the whole table."""
+    if len(pieces) == 1:
+        return pieces[0]
+    rows = torch.unique(torch.cat([r for r, _g in pieces]), sorted=True)
+    first = pieces[0][1]
+    total = torch.zeros(rows.numel(), dim, dtype=first.dtype, device=first.device)
+    for i, (r, g) in enumerate(pieces):
+        pos = torch.searchsorted(rows, r)
+        total.index_copy_(0, pos, g) if i == 0 else total.index_add_(0, pos, g)
+    return rows, total
+
+
+# ------------------------------------------------------------- choosing
+def choose(model: nn.Module, spec, budget_bytes: int) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) of each table `wrap(..., rows=spec)` names.
+
+    Args:
+        spec: None (none), "auto" (every plain Embedding / EmbeddingBag whose
+            weight is larger than a quarter of the budget), or a list of
+            modules or qualified names.
+    """
+    if spec is None:
+        return []
+    named = list(model.named_modules())
+    if spec == "auto":
+        found = [(n, m) for n, m in named if _is_table(m) and _nbytes(m.weight) > budget_bytes // 4]
+    elif isinstance(spec, (list, tuple)):
+        by_name = dict(named)
+        by_id = {id(m): n for n, m in named}
+        found = []
+        for item in spec:
+            if isinstance(item, str):
+                if item not in by_name:
+                    raise ValueError(f"pager: rows= names {item!r}, which is not a submodule of the model; give "
+                                     f"qualified names from model.named_modules() (or the modules themselves).")
+                found.append((item, by_name[item]))
+            elif isinstance(item, nn.Module) and id(item) in by_id:
+                found.append((by_id[id(item)], item))
+            else:
+                raise ValueError(f"pager: rows= holds {item!r}, which is not a submodule of the model; pass "
+                                 f"modules taken from the model or their qualified names.")
+    else:
+        raise ValueError(f"pager: rows={spec!r} must be None, \"auto\" or a list of nn.Embedding / "
+                         f"nn.EmbeddingBag modules (or their qualified names).")
+    for name, m in found:
+        _check_table(model, name, m)
+    return found
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_table(m: nn.Module) -> bool:
+    return (isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            and type(m).forward in (nn.Embedding.forward, nn.EmbeddingBag.forward))
+
+
+def _check_table(model: nn.Module, name: str, m: nn.Module) -> None:
+    if not _is_table(m):
+        raise ValueError(f"pager: rows= names {name!r}, a {type(m).__name__}; row paging takes nn.Embedding and "
+                         f"nn.EmbeddingBag modules whose forward is torch's own.")
+    w = m.weight
+    if w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(f"pager: row table {name!r} has a weight of shape {tuple(w.shape)} that is not a contiguous "
+                         f"matrix; make it one (weight.data = weight.data.contiguous()).")
+    holders = [n for n, other in model.named_modules() if other is not m
+               and any(t is w for t in other._parameters.values())]
+    if holders:
+        raise ValueError(f"pager: row table {name!r} shares its weight with {holders[0]!r} (tied weights); a row "
+                         f"table is read by lookups only. Leave it out of rows=.")

@@ -1,0 +1,325 @@
+"""Embedding tables paged by rows ([Note: row tables] in pager/_rows.py), on the CPU device: bit for bit
+with the unwrapped model and the same optimizer."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pager
+from pager._rows import RowGrad, RowTableParameter
+
+ROWS, BAG_ROWS, DIM = 1000, 300, 16
+
+
+class Recommender(nn.Module):
+    def __init__(self, sparse=True, padding_idx=3, max_norm=None, mode="sum", scale_grad_by_freq=False):
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=sparse, padding_idx=padding_idx, max_norm=max_norm,
+                                scale_grad_by_freq=scale_grad_by_freq)
+        self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode=mode, sparse=sparse)
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(3)])
+
+    def forward(self, ids, bag_ids, offsets, weights=None):
+        x = self.emb(ids).sum(1) + self.bag(bag_ids, offsets, per_sample_weights=weights)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).sum()
+
+
+def batches(steps, seed=0, ids_range=ROWS, bag_range=BAG_ROWS):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, ids_range, (4, 6), generator=g)
+        ids[0, 0] = 3  # the padding row
+        ids[1, :] = ids[1, 0]  # a row repeated in a batch
+        bag_ids = torch.randint(0, bag_range, (14,), generator=g)
+        bag_ids[5:9] = bag_ids[4]
+        out.append((ids, bag_ids, torch.tensor([0, 3, 7, 10])))
+    return out
+
+
+def wrap(model, **kw):
+    kw.setdefault("rows", [model.emb, "bag"])
+    kw.setdefault("row_cache", 600 * DIM * 4)
+    # Blocks need about 3 KiB: the layers stream through a budget of a few of them beside the cache.
+    return pager.wrap(model, budget=kw["row_cache"] + 6000, device="cpu", **kw)
+
+
+def sparse_optimizers(model, make):
+    tables = list(model.emb.parameters()) + list(model.bag.parameters())
+    return [make(tables), torch.optim.SGD(model.layers.parameters(), lr=0.05)]
+
+
+def train(model, opts, data, accumulate=1, clip=None):
+    for batch in data:
+        for _ in range(accumulate):
+            model(*batch).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+
+
+def assert_same(ref, model):
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+SPARSE = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01),
+    "sparse_adam": lambda ps: torch.optim.SparseAdam(ps, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(SPARSE))
+def test_sparse_optimizers_equal_unwrapped(opt):
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref))
+    ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
+    data = batches(5)
+    train(ref, ro, data)
+    train(model, po, data)
+    assert_same(ref, model)
+    s = pager.of(model).stats()
+    assert s.row_hits > 0 and s.row_misses > 0  # the cache served some rows, the host the others
+    ref_state, state = ro[0].state_dict()["state"], po[0].state_dict()["state"]
+    for k in ref_state:
+        for key, value in ref_state[k].items():
+            assert (torch.equal(value, state[k][key]) if isinstance(value, torch.Tensor)
+                    else value == state[k][key]), (k, key)
+
+
+@pytest.mark.parametrize("cache", [0, 40 * DIM * 4, 10**6])
+def test_any_cache_size_gives_the_same_values(cache):
+    """Evictions (a cache smaller than a batch), no cache, and a cache holding everything."""
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), row_cache=cache)
+    ro, po = sparse_optimizers(ref, SPARSE["sparse_adam"]), sparse_optimizers(model, SPARSE["sparse_adam"])
+    data = batches(6, ids_range=120, bag_range=60)  # rows come back: hits once cached
+    train(ref, ro, data)
+    train(model, po, data)
+    assert_same(ref, model)
+    if cache == 10**6:
+        assert pager.of(model).stats().row_hits > 0
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw", "rmsprop"])
+def test_dense_optimizers_equal_unwrapped_when_every_row_is_touched(name):
+    """Adam-like optimizers update touched rows only (lazy); where every step touches every row, that is
+    torch's dense update, bit for bit."""
+    make = {"sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+            "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01)}[name]
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(24, DIM), nn.Linear(DIM, 1))
+    model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["0"], row_cache=8 * DIM * 4)
+    ro, po = make(ref.parameters()), make(model.parameters())
+    for step in range(4):
+        ids = torch.randperm(24).view(4, 6)
+        for m, o in ((ref, ro), (model, po)):
+            m(ids).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_same(ref, model)
+
+
+def test_adam_is_lazy_on_untouched_rows():
+    torch.manual_seed(0)
+    model = pager.wrap(nn.Sequential(nn.Embedding(50, DIM), nn.Linear(DIM, 1)), budget=10**6, device="cpu",
+                       rows=["0"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = model[0].weight.detach().clone()
+    model(torch.tensor([4, 5])).sum().backward()
+    opt.step()
+    after = model[0].weight.detach()
+    assert torch.equal(before[1:4], after[1:4])  # momentum does not move rows this step did not touch
+    assert not torch.equal(before[4:6], after[4:6])
+    state = opt.state[model[0].weight]
+    assert int(state["step"]) == 2 and state["exp_avg"][7].abs().sum() == 0 and state["exp_avg"][4].abs().sum() > 0
+
+
+def test_options_padding_max_norm_freq_and_bag_modes():
+    # (sparse=False: dense gradients, which Adagrad's update leaves untouched rows unchanged by; torch has no
+    # sparse gradient with scale_grad_by_freq.)
+    for kw in ({"max_norm": 1.0}, {"scale_grad_by_freq": True, "sparse": False}, {"mode": "mean"},
+               {"mode": "max", "sparse": False}, {"padding_idx": None}):
+        ref = Recommender(**kw)
+        with torch.no_grad():
+            ref.emb.weight.mul_(3)  # rows over max_norm: renormalised by the lookup
+        model = wrap(copy.deepcopy(ref))
+        ro, po = sparse_optimizers(ref, SPARSE["adagrad"]), sparse_optimizers(model, SPARSE["adagrad"])
+        data = batches(3)
+        train(ref, ro, data)
+        train(model, po, data)
+        assert_same(ref, model)
+
+
+def test_per_sample_weights_2d_bags_and_include_last_offset():
+    torch.manual_seed(1)
+    ref = nn.ModuleDict({"a": nn.EmbeddingBag(200, DIM, mode="sum", sparse=True, include_last_offset=True),
+                         "b": nn.EmbeddingBag(200, DIM, mode="mean", sparse=True, padding_idx=0)})
+    model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["a", "b"], row_cache=50 * DIM * 4)
+    ro, po = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        ids = torch.randint(0, 200, (12,))
+        ids[2] = ids[3]
+        w = torch.rand(12)
+        bags = torch.randint(0, 200, (3, 4))
+        bags[0, 0] = 0
+        for m, o in ((ref, ro), (model, po)):
+            out = m["a"](ids, torch.tensor([0, 4, 9, 12]), per_sample_weights=w).sum() + m["b"](bags).pow(2).sum()
+            out.backward()
+            o.step()
+            o.zero_grad()
+    assert_same(ref, model)
+
+
+def test_accumulation_clipping_and_zeroing_without_set_to_none():
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref))
+    make = SPARSE["sgd"]
+    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
+    data = batches(3)
+    train(ref, ro, data, accumulate=2)
+    train(model, po, data, accumulate=2)
+    assert_same(ref, model)
+    # zero_grad(set_to_none=False) zeroes the pieces: the next step applies only what follows.
+    for m, opts in ((ref, ro), (model, po)):
+        m(*data[0]).backward()
+        for o in opts:
+            o.zero_grad(set_to_none=False)
+        m(*data[1]).backward()
+        for o in opts:
+            o.step()
+    assert_same(ref, model)
+    # clip_grad_norm_ works on a row table's gradient (torch cannot take the norm of a sparse one):
+    for o in po:
+        o.zero_grad()
+    model(*data[2]).backward()
+    grad = model.emb.weight.grad
+    assert isinstance(grad, RowGrad) and grad.is_sparse and grad.device.type == "cpu"
+    expected = model.emb.weight.grad.coalesce()  # (made real: the stand-in's values on the host)
+    assert not isinstance(model.emb.weight.grad, RowGrad)
+    for o in po:
+        o.zero_grad()
+    model(*data[2]).backward()
+    norm = torch.linalg.vector_norm(model.emb.weight.grad, 2)
+    assert torch.allclose(norm, torch.linalg.vector_norm(expected._values()), rtol=1e-6, atol=0)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    assert total > 0.01
+    assert torch.allclose(model.emb.weight.grad.coalesce()._values(), expected._values() * (0.01 / (total + 1e-6)),
+                          rtol=1e-5, atol=0)
+
+
+def test_the_gradient_is_the_unwrapped_sparse_gradient():
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref))
+    data = batches(1)[0]
+    ref(*data).backward()
+    model(*data).backward()
+    for name in ("emb", "bag"):
+        a, b = getattr(ref, name).weight.grad, getattr(model, name).weight.grad
+        assert isinstance(b, RowGrad)
+        b = b.coalesce()
+        assert torch.equal(a.coalesce().indices(), b.indices()) and torch.equal(a.coalesce().values(), b.values())
+
+
+def test_checkpoint_round_trip_and_resume():
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref))
+    make = SPARSE["sparse_adam"]
+    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
+    data = batches(6)
+    train(ref, ro, data[:3])
+    train(model, po, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": [o.state_dict() for o in po]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert all(type(v) is torch.Tensor for v in ckpt["model"].values())
+    fresh = wrap(Recommender())
+    fresh.load_state_dict(ckpt["model"])
+    fo = sparse_optimizers(fresh, make)
+    for o, sd in zip(fo, ckpt["opt"]):
+        o.load_state_dict(sd)
+    train(ref, ro, data[3:])
+    train(fresh, fo, data[3:])
+    assert_same(ref, fresh)
+
+
+def test_writes_to_the_table_reach_lookups():
+    """Writes from outside (in place through the Parameter, load_state_dict, through `.data`) are seen by
+    the next lookup, whatever the cache held."""
+    model = wrap(Recommender(), row_cache=10**6)
+    ids = batches(1)[0]
+    model(*ids)
+    with torch.no_grad():
+        model.emb.weight[ids[0][2, 1]] = 7.0
+    out = model.emb(ids[0])
+    assert torch.equal(out[2, 1], torch.full((DIM,), 7.0))
+    data = model.emb.weight.data
+    data[ids[0][2, 2]] = 5.0
+    assert torch.equal(model.emb(ids[0])[2, 2], torch.full((DIM,), 5.0))
+    del data
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd)
+    assert model.emb(ids[0]).abs().sum() == 0
+
+
+def test_identity_class_reads_and_unwrap():
+    ref = Recommender()
+    model = copy.deepcopy(ref)
+    weight = model.emb.weight
+    wrap(model)
+    assert model.emb.weight is weight and isinstance(weight, nn.Parameter) and type(weight) is RowTableParameter
+    assert torch.equal(weight[5], ref.emb.weight[5]) and torch.equal(weight.sum(), ref.emb.weight.sum())
+    opt = sparse_optimizers(model, SPARSE["sparse_adam"])
+    train(model, opt, batches(2))
+    value = weight.detach().clone()
+    model(*batches(1)[0]).backward()
+    pager.unwrap(model)
+    assert type(weight) is nn.Parameter and torch.equal(weight, value)
+    assert weight.grad.is_sparse and not isinstance(weight.grad, RowGrad)
+    assert type(opt[0].state[weight]["exp_avg"]) is torch.Tensor
+    copy.deepcopy(model)
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    model = Recommender()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="not a submodule"):
+        pager.wrap(model, budget=10**6, device="cpu", rows=["nope"])
+    with pytest.raises(ValueError, match="nn.Embedding"):
+        pager.wrap(model, budget=10**6, device="cpu", rows=["layers.0"])
+    with pytest.raises(ValueError, match="row_cache"):
+        pager.wrap(model, budget=10**6, device="cpu", rows=["emb"], row_cache=10**7)
+    with pytest.raises(ValueError, match="rows="):
+        pager.wrap(model, budget=10**6, device="cpu", rows="all")
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="tied"):
+        pager.wrap(tied, budget=10**6, device="cpu", rows=["0"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.emb.weight) is nn.Parameter
+    wrap(model)
+    with pytest.raises(IndexError, match="1000 rows"):
+        model.emb(torch.tensor([1, 1000]))
+
+
+def test_auto_picks_tables_larger_than_a_quarter_of_the_budget():
+    model = Recommender()
+    budget = 4 * ROWS * DIM * 4 - 4  # the emb table is just over a quarter; the bag is under
+    pager.wrap(model, budget=budget, device="cpu", rows="auto")
+    assert type(model.emb.weight) is RowTableParameter and type(model.bag.weight) is not RowTableParameter
+    assert [t.name for t in pager.of(model).row_tables] == ["emb"]
