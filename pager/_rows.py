@@ -418,9 +418,8 @@ class RowTable:
         pager = self.pager
         with pager.lock:
             self._check_current()
-            index = bound["input"]
-            if index.device != self.device:
-                index = index.to(self.device)
+            # (int32 lookups too: rows, their renumbering and the offsets are int64 from here)
+            index = bound["input"].to(self.device, torch.long)
             rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
             if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.shape[0]):
                 raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for row "
@@ -431,8 +430,8 @@ class RowTable:
             pad = bound.get("padding_idx")
             if pad is not None:
                 bound["padding_idx"] = self._renumber(rows, pad if pad >= 0 else self.shape[0] + pad)
-            if bound.get("offsets") is not None and bound["offsets"].device != self.device:
-                bound["offsets"] = bound["offsets"].to(self.device)
+            if bound.get("offsets") is not None:
+                bound["offsets"] = bound["offsets"].to(self.device, torch.long)
             if training:
                 batch.requires_grad_(True)
                 batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf))

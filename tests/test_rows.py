@@ -172,13 +172,14 @@ def test_per_sample_weights_2d_bags_and_include_last_offset():
     model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["a", "b"], row_cache=50 * DIM * 4)
     ro, po = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(3):
-        ids = torch.randint(0, 200, (12,))
+        ids = torch.randint(0, 200, (12,), dtype=torch.int32)  # int32 lookups and offsets
         ids[2] = ids[3]
         w = torch.rand(12)
         bags = torch.randint(0, 200, (3, 4))
         bags[0, 0] = 0
         for m, o in ((ref, ro), (model, po)):
-            out = m["a"](ids, torch.tensor([0, 4, 9, 12]), per_sample_weights=w).sum() + m["b"](bags).pow(2).sum()
+            offsets = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
+            out = m["a"](ids, offsets, per_sample_weights=w).sum() + m["b"](bags).pow(2).sum()
             out.backward()
             o.step()
             o.zero_grad()
