@@ -53,8 +53,7 @@ class Pager:
         self.resident_bytes = 0  # this model's share of the engine's (kept by the engine)
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self.carried_bytes = 0  # state the last forward carried on the device (a KV cache): see _carried.py
-        self.row_tables: list = []  # embedding tables paged by rows ([Note: row tables] in _rows.py)
-        self.row_params: dict = {}  # id(weight) -> its RowTable
+        self.row_params: dict = {}  # id(weight) -> its RowTable ([Note: row tables] in _rows.py)
         self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
         # How the pool and the engine's messages name this model.
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
@@ -122,10 +121,13 @@ class Pager:
         for name, module in tables:
             share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)
             table = RowTable(self, name, module, share)
-            self.row_tables.append(table)
             self.row_params[id(table.param)] = table
-            self.original_device[id(table.param)] = table.original_device
         self.row_bytes = cache_bytes
+
+    @property
+    def row_tables(self) -> list:
+        """The embedding tables paged by rows, in the order `rows=` named them."""
+        return list(self.row_params.values())
 
     def managed(self, p) -> bool:
         """Whether the pager updates `p` in `opt.step()` (a block's parameter or a row table's)."""

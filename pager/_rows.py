@@ -58,7 +58,6 @@ values and their state rows, which start at zero.
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
@@ -66,19 +65,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._budget import format_bytes
-
-log = logging.getLogger("pager")
+from ._paged import _METADATA
 
 WEIGHT = "weight"
-# A table's gradient arrives as pieces; one piece per lookup whose backward ran.
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 _BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
              "per_sample_weights", "include_last_offset", "padding_idx")
 _LOOKUPS = {F.embedding: _EMBEDDING_ARGS, F.embedding_bag: _BAG_ARGS}
-# Optimizers whose update of one element reads only that element's gradient
-# and state (and the group's options and the parameter's step count).
-ROW_WISE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam", "Adam", "AdamW", "RMSprop", "Adamax", "Adadelta", "NAdam",
-                       "RAdam", "ASGD")
 
 
 # ------------------------------------------------------------- the classes
@@ -142,8 +135,6 @@ class RowGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from ._paged import _METADATA
-
         me = args[0] if args and isinstance(args[0], RowGrad) and args[0].made is None else None
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
@@ -264,21 +255,19 @@ class RowCache:
 
     Args:
         rows: the table's number of rows.
-        row_bytes: bytes of one row of one kind.
+        dim, dtype: of a row.
         nbytes: device bytes for the cache and its row-to-slot map.
         device: where.
     """
 
-    def __init__(self, rows: int, row_bytes: int, nbytes: int, device: torch.device):
-        self.n_rows, self.row_bytes, self.nbytes, self.device = rows, row_bytes, nbytes, device
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, nbytes: int, device: torch.device):
+        self.n_rows, self.dim, self.dtype, self.nbytes, self.device = rows, dim, dtype, nbytes, device
+        self.row_bytes = dim * dtype.itemsize
         self.map_bytes = 4 * (rows + 1)
-        self.kinds: tuple = (WEIGHT,)
-        self.columns: dict = {}
-        self.capacity = 0
         self.tick = 0
-        self.shape_columns(self.kinds, None, None)
+        self.shape_columns((WEIGHT,))
 
-    def shape_columns(self, kinds: tuple, dim, dtype) -> None:
+    def shape_columns(self, kinds: tuple) -> None:
         """Empty the cache and size it for one column per kind."""
         self.kinds = tuple(kinds)
         per_row = self.row_bytes * len(self.kinds)
@@ -293,8 +282,8 @@ class RowCache:
         self.slot_of_row = torch.full((self.n_rows + 1,), -1, dtype=torch.int32, device=self.device)
         self.row_of_slot = torch.full((self.capacity,), self.n_rows, dtype=torch.long, device=self.device)
         self.last_use = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
-        if dim is not None:
-            self.columns = {k: torch.empty(self.capacity, dim, dtype=dtype, device=self.device) for k in self.kinds}
+        self.columns = {k: torch.empty(self.capacity, self.dim, dtype=self.dtype, device=self.device)
+                        for k in self.kinds}
 
     def clear(self) -> None:
         if self.capacity:
@@ -307,9 +296,11 @@ class RowCache:
         if self.capacity == 0:
             return None, None, torch.arange(rows.numel(), device=rows.device)
         slots = self.slot_of_row[rows].long()
-        hit = slots >= 0
-        hit_pos = hit.nonzero().squeeze(1)
-        miss_pos = (~hit).nonzero().squeeze(1)
+        miss = slots < 0
+        # Misses first, each part in row order; one host sync (the count).
+        order = torch.argsort(miss.logical_not().to(torch.uint8), stable=True)
+        n_miss = int(miss.sum())
+        hit_pos, miss_pos = order[n_miss:], order[:n_miss]
         return slots.index_select(0, hit_pos), hit_pos, miss_pos
 
     def touch(self, slots: torch.Tensor) -> None:
@@ -369,9 +360,7 @@ class RowTable:
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.views = {WEIGHT: host_view(self.host, self.device)}
-        self.state_of: dict = {}  # kind -> the tensor object in opt.state[param] it stands for
-        self.cache = RowCache(self.shape[0], self.row_bytes, cache_bytes, self.device)
-        self.cache.shape_columns((WEIGHT,), self.shape[1], self.dtype)
+        self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # `.data` results: writes through them skip the version counter
         with torch.no_grad():
             param.data = self.host
@@ -421,9 +410,11 @@ class RowTable:
             # (int32 lookups too: rows, their renumbering and the offsets are int64 from here)
             index = bound["input"].to(self.device, torch.long)
             rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
-            if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.shape[0]):
-                raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for row "
-                                 f"{int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])}.")
+            if rows.numel():
+                low, high = rows[[0, -1]].tolist()  # (sorted: the ends are the extremes)
+                if low < 0 or high >= self.shape[0]:
+                    raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
+                                     f"row {low if low < 0 else high}.")
             training = torch.is_grad_enabled() and self.param.requires_grad
             batch = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1)[WEIGHT]
             bound = dict(bound, input=inverse, weight=batch)
@@ -466,13 +457,14 @@ class RowTable:
         if cache.capacity:
             cache.touch(slots)
             if insert and miss_pos.numel():
-                fill = dict(out)
-                missing = [k for k in cache.kinds if k not in fill]
-                for kind in missing:  # a slot holds every kind
-                    fill[kind] = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
-                    fill[kind].index_copy_(0, miss_pos, self.views[kind].index_select(0, miss_rows))
-                    counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes
-                cache.insert(miss_rows, {k: v.index_select(0, miss_pos) for k, v in fill.items()})
+                fill = {}
+                for kind in cache.kinds:  # a slot holds every kind
+                    if kind in out:
+                        fill[kind] = out[kind].index_select(0, miss_pos)
+                    else:
+                        fill[kind] = self.views[kind].index_select(0, miss_rows)
+                        counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes
+                cache.insert(miss_rows, fill)
         return out
 
     def write(self, rows: torch.Tensor, values: dict) -> None:
@@ -569,22 +561,20 @@ class RowTable:
         self.hosts[key] = host
         self.views[key] = host_view(host, self.device)
         state[key] = host
-        self.state_of[key] = host
-        self.cache.shape_columns(tuple(self.hosts), self.shape[1], self.dtype)
+        self.cache.shape_columns(tuple(self.hosts))
 
     def _adopt_state(self, state: dict) -> None:
         """Take state tensors of the table's shape into host tables: ones the
         optimizer made at construction (Adagrad's sum), or put there by
         `load_state_dict`."""
         for key, value in list(state.items()):
-            if not isinstance(value, torch.Tensor) or value.shape != self.shape or self.state_of.get(key) is value:
+            if not isinstance(value, torch.Tensor) or value.shape != self.shape or self.hosts.get(key) is value:
                 continue
             if key not in self.hosts:
                 self._new_state_kind(key, value.dtype, state)
             with torch.no_grad():
                 self.hosts[key].copy_(value)
             state[key] = self.hosts[key]
-            self.state_of[key] = self.hosts[key]
             self.cache.clear()
 
     # ------------------------------------------------------------- close

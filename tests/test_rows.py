@@ -66,6 +66,16 @@ def train(model, opts, data, accumulate=1, clip=None):
             o.zero_grad()
 
 
+def trained_pair(make, data, **wrap_kw):
+    """An unwrapped model and its wrapped copy, each trained on `data` with optimizers from `make`."""
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), **wrap_kw)
+    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
+    train(ref, ro, data)
+    train(model, po, data)
+    return ref, model, ro, po
+
+
 def assert_same(ref, model):
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -80,12 +90,7 @@ SPARSE = {
 
 @pytest.mark.parametrize("opt", sorted(SPARSE))
 def test_sparse_optimizers_equal_unwrapped(opt):
-    ref = Recommender()
-    model = wrap(copy.deepcopy(ref))
-    ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
-    data = batches(5)
-    train(ref, ro, data)
-    train(model, po, data)
+    ref, model, ro, po = trained_pair(SPARSE[opt], batches(5))
     assert_same(ref, model)
     s = pager.of(model).stats()
     assert s.row_hits > 0 and s.row_misses > 0  # the cache served some rows, the host the others
@@ -99,12 +104,8 @@ def test_sparse_optimizers_equal_unwrapped(opt):
 @pytest.mark.parametrize("cache", [0, 40 * DIM * 4, 10**6])
 def test_any_cache_size_gives_the_same_values(cache):
     """Evictions (a cache smaller than a batch), no cache, and a cache holding everything."""
-    ref = Recommender()
-    model = wrap(copy.deepcopy(ref), row_cache=cache)
-    ro, po = sparse_optimizers(ref, SPARSE["sparse_adam"]), sparse_optimizers(model, SPARSE["sparse_adam"])
-    data = batches(6, ids_range=120, bag_range=60)  # rows come back: hits once cached
-    train(ref, ro, data)
-    train(model, po, data)
+    # (rows come back: hits once cached)
+    ref, model, _ro, _po = trained_pair(SPARSE["sparse_adam"], batches(6, ids_range=120, bag_range=60), row_cache=cache)
     assert_same(ref, model)
     if cache == 10**6:
         assert pager.of(model).stats().row_hits > 0
@@ -237,13 +238,9 @@ def test_the_gradient_is_the_unwrapped_sparse_gradient():
 
 
 def test_checkpoint_round_trip_and_resume():
-    ref = Recommender()
-    model = wrap(copy.deepcopy(ref))
     make = SPARSE["sparse_adam"]
-    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
     data = batches(6)
-    train(ref, ro, data[:3])
-    train(model, po, data[:3])
+    ref, model, ro, po = trained_pair(make, data[:3])
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": [o.state_dict() for o in po]}, buf)
     buf.seek(0)
