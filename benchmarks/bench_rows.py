@@ -1,17 +1,19 @@
 """Embedding tables paged by rows ([Note: row tables] in pager/_rows.py).
 
-1. Gather and write back 131,072 random rows of 128 fp32 (67 MB) of a pinned
-   table: pager's path (a kernel reading the mapped host table; writes the
-   same way), against one contiguous pinned copy of the same bytes (the
-   link's floor), rows gathered by CPU threads into a pinned buffer and
-   copied, and naive indexing.
+1. Gather and write back 131,072 random rows of 128 fp32 (67 MB), sorted as a
+   lookup reads them, of a pinned table of each --gather-gb: pager's read (the
+   learned split between a kernel on the mapped table and CPU threads with a
+   copy, [Note: two paths for scattered rows]) and each path alone, its write
+   back, against one contiguous pinned copy of the same bytes (the link's
+   floor), naive indexing, and SpeedTorch (a pinned cupy table; needs cupy).
 2. Training a recommender-shaped model (an EmbeddingBag table, sparse
-   gradients, and an MLP): the table row-paged under a budget against the same
-   model with its table on the GPU (same batch, same rows touched), per step.
+   gradients, and an MLP): the table row-paged under a budget, without and
+   with `expect_rows` of the next batch, against the same model with its table
+   on the GPU (same batch, same rows touched), and SpeedTorch's loop (SGD).
    With --table-gb above what fits on the GPU, the on-GPU row uses a table of
    --fit-gb with the same number of rows touched per batch.
 
-    python -m benchmarks.bench_rows [--table-gb 40] [--fit-gb 4] [--budget 8GiB] [--optimizer sgd]
+    python -m benchmarks.bench_rows [--table-gb 40] [--fit-gb 4] [--gather-gb 4 40] [--budget 8GiB] [--optimizer sgd]
 """
 
 from __future__ import annotations
@@ -52,40 +54,70 @@ def unique_rows(n_rows: int, k: int, device) -> torch.Tensor:
     return rows[torch.randperm(rows.numel(), device=device)[:k]]
 
 
-def gather_scatter(rows_total: int) -> list[Row]:
-    """Part 1, on a table of `rows_total` rows."""
+def gather_scatter(gb: float) -> list[Row]:
+    """Part 1, on a table of `gb` GB: the rows sorted, as a lookup reads them."""
     dev = torch.device("cuda")
+    rows_total = int(gb * GiB) // (DIM * 4)
     model = pager.wrap(nn.Sequential(nn.Embedding(rows_total, DIM, _weight=big_table(rows_total))),
                        budget="1GiB", rows=["0"], row_cache=0)
     table = pager.of(model).row_tables[0]
-    rows = unique_rows(rows_total, ROWS_TOUCHED, dev)
+    reader = table.readers["weight"]
+    rows = unique_rows(rows_total, ROWS_TOUCHED, dev).sort().values
     nbytes = rows.numel() * DIM * 4
     src = torch.randn(rows.numel(), DIM, device=dev)
+    what = f"gather 131072x128 fp32, {gb:g} GB table"
     out = []
     floor_dst = torch.empty(nbytes // 4, device=dev)
     floor_ms = time_ms(lambda: floor_dst.copy_(table.host.view(-1)[: nbytes // 4], non_blocking=True), reps=20)
-    out.append(Row("gather 131072x128 fp32", "contiguous pinned copy (floor)", floor_ms, ratio=1.0,
-                   note=f"{nbytes / floor_ms / 1e6:.1f} GB/s"))
-    ms = time_ms(lambda: table.gather(rows, ("weight",), insert=False), reps=20)
-    out.append(Row("gather 131072x128 fp32", "pager (mapped host table)", ms, ratio=ms / floor_ms,
-                   reference="floor", note=f"{nbytes / ms / 1e6:.1f} GB/s"))
-    ms = time_ms(lambda: table.write(rows, {"weight": src}), reps=20)
-    out.append(Row("write back 131072x128 fp32", "pager (mapped host table)", ms, ratio=ms / floor_ms,
+    out.append(Row(what, "contiguous pinned copy (floor)", floor_ms, ratio=1.0, note=f"{nbytes / floor_ms / 1e6:.1f} GB/s"))
+    for label, share in (("pager (learned)", None), ("kernel on the mapped table alone", 1.0),
+                         ("CPU threads + copy alone", 0.0)):
+        reader.learn, reader.mapped_share = (True, 0.5) if share is None else (False, share)
+        ms = _wall_ms(lambda: reader.read(rows), warmup=6, reps=20)
+        note = f"{nbytes / ms / 1e6:.1f} GB/s" + (f"; {_learned(reader)}" if share is None else "")
+        out.append(Row(what, label, ms, ratio=ms / floor_ms, reference="floor", note=note))
+    ms = _wall_ms(lambda: table.write(rows, {"weight": src}), reps=20)
+    out.append(Row(what.replace("gather", "write back"), "pager (kernel on the mapped table)", ms, ratio=ms / floor_ms,
                    reference="gather floor", note=f"{nbytes / ms / 1e6:.1f} GB/s; includes the host sync"))
-    staging = torch.empty(rows.numel(), DIM, pin_memory=True)
     rows_cpu = rows.cpu()
-
-    def staged():
-        torch.index_select(table.host, 0, rows_cpu, out=staging)
-        return staging.to(dev, non_blocking=True)
-
-    ms = _wall_ms(staged)
-    out.append(Row("gather 131072x128 fp32", f"CPU index_select ({torch.get_num_threads()} threads) + copy", ms,
-                   ratio=ms / floor_ms, reference="floor"))
     ms = _wall_ms(lambda: table.host[rows_cpu].to(dev), reps=5)
-    out.append(Row("gather 131072x128 fp32", "naive host[rows].to(cuda)", ms, ratio=ms / floor_ms, reference="floor"))
+    out.append(Row(what, "naive host[rows].to(cuda)", ms, ratio=ms / floor_ms, reference="floor"))
     pager.unwrap(model)
+    del model
+    out += speedtorch_gather(rows_total, rows, what, floor_ms)
     return out
+
+
+def _learned(reader) -> str:
+    kernel_s, split_s = reader.row_seconds["kernel"], reader.row_seconds["split"]
+    way = "split" if kernel_s and split_s and split_s < kernel_s else "kernel alone"
+    return f"learned: {way} (split share {reader.mapped_share:.2f})"
+
+
+def _speedtorch():
+    try:
+        import SpeedTorch
+        return SpeedTorch
+    except ImportError as e:  # (it needs cupy)
+        return str(e)
+
+
+def speedtorch_gather(rows_total: int, rows: torch.Tensor, what: str, floor_ms: float) -> list[Row]:
+    """SpeedTorch's recipe: a cupy array in pinned host memory, indexed on the device (ModelFactory, CPUPinn=True)."""
+    st = _speedtorch()
+    if isinstance(st, str):
+        return [Row(what, "SpeedTorch", None, note=f"not installed ({st}): skipped")]
+    holder = nn.Embedding(1, DIM).cuda()
+    factory = st.ModelFactory(holder, rows_total, DIM, CPUPinn=True)
+    factory.zerosInit()
+    rows_np = rows.cpu().numpy()
+    ms = _wall_ms(lambda: factory.beforeForwardPass(rows_np), reps=20)
+    back_ms = _wall_ms(lambda: factory.afterOptimizerStep(rows_np), reps=20)
+    del factory
+    return [Row(what, "SpeedTorch ModelFactory(CPUPinn=True).beforeForwardPass", ms, ratio=ms / floor_ms,
+                reference="floor", note=f"{rows.numel() * DIM * 4 / ms / 1e6:.1f} GB/s"),
+            Row(what.replace("gather", "write back"), "SpeedTorch afterOptimizerStep", back_ms, ratio=back_ms / floor_ms,
+                reference="gather floor")]
 
 
 def _wall_ms(fn, warmup=2, reps=10) -> float:
@@ -108,21 +140,33 @@ def make_optimizers(model, name: str):
     return [table(list(model.table.parameters())), torch.optim.Adam(model.mlp.parameters(), lr=1e-3)]
 
 
-def step_ms(model, opts, n_rows: int, bags: int, steps: int, warmup: int = 3) -> float:
+def step_ms(model, opts, n_rows: int, bags: int, steps: int, warmup: int = 3, ahead=None, around=None) -> float:
+    """Median ms of a training step. `ahead(next_ids)` runs after the forward
+    (pager's expect_rows); `around(ids)` wraps the step (SpeedTorch's
+    before/after calls) and returns the ids the model looks up."""
     dev = torch.device("cuda")
     per_bag = ROWS_TOUCHED // bags
+    # A new batch every step (no row comes back but by chance): the device cache cannot help.
     batches = [(unique_rows(n_rows, ROWS_TOUCHED, dev), torch.arange(0, ROWS_TOUCHED, per_bag, device=dev))
-               for _ in range(4)]
+               for _ in range(warmup + steps + 1)]
     times = []
     for i in range(warmup + steps):
         ids, offsets = batches[i % len(batches)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model(ids, offsets).backward()
+        finish = None
+        if around is not None:
+            ids, finish = around(ids)
+        loss = model(ids, offsets)
+        if ahead is not None:
+            ahead(batches[(i + 1) % len(batches)][0])
+        loss.backward()
         for o in opts:
             o.step()
         for o in opts:
             o.zero_grad()
+        if finish is not None:
+            finish()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
@@ -132,13 +176,13 @@ def step_ms(model, opts, n_rows: int, bags: int, steps: int, warmup: int = 3) ->
 def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: int, steps: int) -> list[Row]:
     dev = torch.device("cuda")
     out = []
+    what = f"train step, {ROWS_TOUCHED} rows x {DIM} fp32 touched, {optimizer}"
     fit_rows = int(fit_gb * GiB) // (DIM * 4)
     torch.manual_seed(0)
     on_gpu = Recommender(fit_rows).to(dev)
     ref_ms = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps)
     peak = torch.cuda.max_memory_allocated() / GiB
-    out.append(Row(f"train step, {ROWS_TOUCHED} rows x {DIM} fp32 touched, {optimizer}", f"table on GPU ({fit_gb:g} GB)",
-                   ref_ms, peak_gib=peak, ratio=1.0))
+    out.append(Row(what, f"table on GPU ({fit_gb:g} GB)", ref_ms, peak_gib=peak, ratio=1.0))
     del on_gpu
     free_cuda()
     for gb in sorted({fit_gb, table_gb}):
@@ -149,42 +193,67 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
         t0 = time.perf_counter()
         pager.wrap(model, budget=budget, rows=["table"])
         wrap_s = time.perf_counter() - t0
-        torch.cuda.reset_peak_memory_stats()
-        ms = step_ms(model, make_optimizers(model, optimizer), n_rows, bags, steps)
-        s = pager.of(model).stats()
-        out.append(Row(f"train step, {ROWS_TOUCHED} rows x {DIM} fp32 touched, {optimizer}",
-                       f"row-paged table ({gb:g} GB), budget {budget}", ms,
-                       peak_gib=torch.cuda.max_memory_allocated() / GiB, ratio=ms / ref_ms, reference="table on GPU",
-                       note=f"cache hits {s.row_hits}, misses {s.row_misses}; build {build_s:.0f} s, wrap {wrap_s:.0f} s"))
+        opts = make_optimizers(model, optimizer)
+        p = pager.of(model)
+        for label, ahead in (("", None), (", expect_rows", lambda ids: p.expect_rows(model.table, ids))):
+            p.reset()
+            torch.cuda.reset_peak_memory_stats()
+            ms = step_ms(model, opts, n_rows, bags, steps, ahead=ahead)
+            s = p.stats()
+            out.append(Row(what, f"row-paged table ({gb:g} GB), budget {budget}{label}", ms,
+                           peak_gib=torch.cuda.max_memory_allocated() / GiB, ratio=ms / ref_ms, reference="table on GPU",
+                           note=f"cache hits {s.row_hits}, misses {s.row_misses} ({s.row_ahead_hits} read ahead); "
+                                f"{_learned(p.row_tables[0].readers['weight'])}; "
+                                f"build {build_s:.0f} s, wrap {wrap_s:.0f} s"))
         pager.unwrap(model)
-        del model
+        del model, opts
         free_cuda()
+        if optimizer == "sgd":
+            out += speedtorch_training(gb, n_rows, bags, steps, what, ref_ms)
     return out
 
 
-def speedtorch_row() -> list[Row]:
-    try:
-        import SpeedTorch  # noqa: F401
-    except ImportError:
-        return [Row("gather 131072x128 fp32", "SpeedTorch", None, note="not installed: skipped")]
-    return [Row("gather 131072x128 fp32", "SpeedTorch", None, note="installed but not benchmarked here")]
+def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, what: str, ref_ms: float) -> list[Row]:
+    """SpeedTorch's loop: the batch's rows become the weight of a batch-sized table
+    on the GPU (beforeForwardPass), SGD updates it, afterOptimizerStep writes it back."""
+    st = _speedtorch()
+    label = f"SpeedTorch ({gb:g} GB pinned cupy table)"
+    if isinstance(st, str):
+        return [Row(what, label, None, note=f"not installed ({st}): skipped")]
+    dev = torch.device("cuda")
+    model = Recommender(ROWS_TOUCHED).to(dev)
+    factory = st.ModelFactory(model.table, n_rows, DIM, CPUPinn=True)
+    factory.zerosInit()
+    positions = torch.arange(ROWS_TOUCHED, device=dev)
+
+    def around(ids):
+        rows_np = ids.cpu().numpy()  # (SpeedTorch takes numpy indices)
+        factory.beforeForwardPass(rows_np)
+        return positions, lambda: factory.afterOptimizerStep(rows_np)
+
+    ms = step_ms(model, make_optimizers(model, "sgd"), n_rows, bags, steps, around=around)
+    del factory, model
+    free_cuda()
+    return [Row(what, label, ms, ratio=ms / ref_ms, reference="table on GPU")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table-gb", type=float, default=40.0)
     ap.add_argument("--fit-gb", type=float, default=4.0)
-    ap.add_argument("--gather-gb", type=float, default=4.0)
+    ap.add_argument("--gather-gb", type=float, nargs="+", default=[4.0, 40.0])
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad", "sparse_adam"])
     ap.add_argument("--bags", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip-gather", action="store_true")
+    ap.add_argument("--skip-training", action="store_true")
     args = ap.parse_args()
     env = environment()
-    rows = [] if args.skip_gather else gather_scatter(int(args.gather_gb * GiB) // (DIM * 4)) + speedtorch_row()
-    rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps)
-    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb", env)
+    rows = [] if args.skip_gather else [r for gb in args.gather_gb for r in gather_scatter(gb)]
+    if not args.skip_training:
+        rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps)
+    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb{'_gather' if args.skip_training else ''}", env)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class Pager:
         self.carried_bytes = 0  # state the last forward carried on the device (a KV cache): see _carried.py
         self.row_params: dict = {}  # id(weight) -> its RowTable ([Note: row tables] in _rows.py)
         self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
+        self.row_stream = None  # the row tables' side stream and staging (_row_reader.py), on CUDA
         # How the pool and the engine's messages name this model.
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
@@ -115,8 +116,11 @@ class Pager:
     def add_row_tables(self, tables: list, cache_bytes: int) -> None:
         """Page each (name, module) of `tables` by rows, their caches sharing
         `cache_bytes` in proportion to their sizes."""
+        from ._row_reader import RowStream
         from ._rows import RowTable
 
+        if self.row_stream is None and self.transport.is_cuda:
+            self.row_stream = RowStream(self.device)
         total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)
         for name, module in tables:
             share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)
@@ -693,6 +697,44 @@ class Pager:
         self.scheduler.kept &= {b for b, _kinds in uses}
         self.hooks.expect_used = True
         self.prefetch()
+
+    def expect_rows(self, table, indices: torch.Tensor) -> None:
+        """Start reading the rows of a row table that `indices` will look up,
+        on a side stream while the model runs on ([Note: rows read ahead] in
+        _row_reader.py): the next lookup takes the rows it misses in the
+        cache from there, where no write has changed them since.
+
+        Call it for the next batch after the current batch's forward (the
+        read then overlaps its backward and step); the rows stay until the
+        next `expect_rows` of that table replaces them.
+
+        Args:
+            table: the row table: its `nn.Embedding` / `nn.EmbeddingBag`, its
+                qualified name, or its weight.
+            indices: the integer tensor of rows the next lookup will take
+                (any shape, on any device).
+
+        Example:
+            >>> loss = model(ids, offsets)
+            >>> pager.of(model).expect_rows(model.table, next_ids)
+            >>> loss.backward(); opt.step(); opt.zero_grad()
+        """
+        self.check_open()
+        row_table = self._row_table(table)
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"pager: expect_rows({row_table.name!r}, indices) takes an int32 or int64 tensor of "
+                            f"rows; got {type(indices).__name__}"
+                            f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}.")
+        row_table.expect(indices)
+
+    def _row_table(self, table):
+        for t in self.row_params.values():
+            if table is t.module or table is t.param or (isinstance(table, str) and table == t.name):
+                return t
+        names = [t.name for t in self.row_params.values()]
+        what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
+        raise ValueError(f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
+                         f"module, its qualified name or its weight, of a table named by wrap(..., rows=...).")
 
     def apply_deferred(self) -> None:
         """Apply every optimizer update deferred to a block's next use now.

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from ._budget import format_bytes
 from ._paged import _METADATA
+from ._row_reader import HostRowReader, ReadAhead
 
 WEIGHT = "weight"
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
@@ -303,6 +304,12 @@ class RowCache:
         hit_pos, miss_pos = order[n_miss:], order[:n_miss]
         return slots.index_select(0, hit_pos), hit_pos, miss_pos
 
+    def has(self, rows: torch.Tensor) -> torch.Tensor:
+        """A bool mask: which of `rows` are cached."""
+        if self.capacity == 0:
+            return torch.zeros_like(rows, dtype=torch.bool)
+        return self.slot_of_row.index_select(0, rows) >= 0
+
     def touch(self, slots: torch.Tensor) -> None:
         self.tick += 1
         self.last_use.index_fill_(0, slots, self.tick)
@@ -360,6 +367,8 @@ class RowTable:
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.views = {WEIGHT: host_view(self.host, self.device)}
+        self.readers = {WEIGHT: HostRowReader(self.host, self.views[WEIGHT], pager.row_stream)}
+        self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # `.data` results: writes through them skip the version counter
         with torch.no_grad():
@@ -400,7 +409,15 @@ class RowTable:
         Parameter's version counter moved, or a `.data` alias is alive)."""
         if self.param._version != self._version or len(self._aliases):
             self.cache.clear()
+            self.ahead = None
             self._version = self.param._version
+
+    def expect(self, indices: torch.Tensor) -> None:
+        """Start reading the rows `indices` will look up (see [Note: rows read ahead] in _row_reader.py)."""
+        with self.pager.lock:
+            self._check_current()
+            self.ahead = ReadAhead.start(indices, self.views[WEIGHT], self.cache.has, self.pager.row_stream)
+            self.pager.counters.row_h2d_bytes += self.ahead.rows.numel() * self.row_bytes
 
     def lookup(self, func, bound: dict) -> torch.Tensor:
         """`func` (F.embedding or F.embedding_bag) with the table's rows: see [Note: row tables]."""
@@ -448,12 +465,10 @@ class RowTable:
             values = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
-            values.index_copy_(0, miss_pos, self.views[kind].index_select(0, miss_rows))
+            values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
             out[kind] = values
-        hits = n - miss_pos.numel()
-        counters.row_hits += hits
+        counters.row_hits += n - miss_pos.numel()
         counters.row_misses += miss_pos.numel()
-        counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes * len(kinds)
         if cache.capacity:
             cache.touch(slots)
             if insert and miss_pos.numel():
@@ -462,9 +477,20 @@ class RowTable:
                     if kind in out:
                         fill[kind] = out[kind].index_select(0, miss_pos)
                     else:
-                        fill[kind] = self.views[kind].index_select(0, miss_rows)
-                        counters.row_h2d_bytes += miss_pos.numel() * self.row_bytes
+                        fill[kind] = self._read_missed(kind, miss_rows)
                 cache.insert(miss_rows, fill)
+        return out
+
+    def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
+        """The host rows `rows` (sorted) of `kind` on the device: from the rows
+        read ahead where they are current, else from the host table."""
+        reader, counters = self.readers[kind], self.pager.counters
+        if kind != WEIGHT or self.ahead is None or rows.numel() == 0:
+            counters.row_h2d_bytes += rows.numel() * self.row_bytes
+            return reader.read(rows)
+        out, served = self.ahead.serve(rows, reader.read)
+        counters.row_ahead_hits += served
+        counters.row_h2d_bytes += (rows.numel() - served) * self.row_bytes
         return out
 
     def write(self, rows: torch.Tensor, values: dict) -> None:
@@ -473,6 +499,8 @@ class RowTable:
         for kind, v in values.items():
             self.views[kind].index_copy_(0, rows, v)
             self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
+        if self.ahead is not None and WEIGHT in values and not self.ahead.note_written(rows):
+            self.ahead = None
         if self.device.type != "cuda":
             self._version = self.param._version  # (our own writes moved it on the CPU device)
         self.cache.update(rows, values)
@@ -560,6 +588,7 @@ class RowTable:
         host = self._new_host_table(zeros)
         self.hosts[key] = host
         self.views[key] = host_view(host, self.device)
+        self.readers[key] = HostRowReader(host, self.views[key], self.pager.row_stream)
         state[key] = host
         self.cache.shape_columns(tuple(self.hosts))
 
@@ -581,6 +610,7 @@ class RowTable:
     def restore(self, optimizers) -> None:
         """Give the Parameter (and the optimizers' state) back as ordinary tensors on the original device."""
         param = self.param
+        self.ahead = None
         grad = param.grad
         if isinstance(grad, RowGrad):
             grad = grad.make_real()

@@ -59,7 +59,8 @@ class Stats:
     order_changes: int = 0
     deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
     row_hits: int = 0  # row tables: rows a lookup or an update found in the device cache
-    row_misses: int = 0  # ... and rows read from the host table
+    row_misses: int = 0  # ... and rows it did not (read ahead, or read from the host table)
+    row_ahead_hits: int = 0  # ... of those, rows taken from rows read ahead (`expect_rows`)
     row_h2d_bytes: int = 0  # row bytes read from host tables (weights and state rows)
     row_d2h_bytes: int = 0  # row bytes written through to host tables
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
@@ -130,8 +131,9 @@ class Stats:
             + (f"; {self.compressed_blocks} blocks' weights compressed: pages of {format_bytes(self.page_bytes)} "
                f"for {format_bytes(self.plain_page_bytes)} ({self.page_bytes / self.plain_page_bytes:.2f}x)"
                if self.compressed_blocks else "")
-            + (f"; row tables: {self.row_hits} rows from the device cache, {self.row_misses} from host memory "
-               f"({format_bytes(self.row_h2d_bytes)} read, {format_bytes(self.row_d2h_bytes)} written through)"
+            + (f"; row tables: {self.row_hits} rows from the device cache, {self.row_misses} not "
+               f"({self.row_ahead_hits} of them read ahead; {format_bytes(self.row_h2d_bytes)} read, "
+               f"{format_bytes(self.row_d2h_bytes)} written through)"
                if self.row_hits or self.row_misses else "")
             + (f"; the allocator peaked at {format_bytes(self.allocator_peak_bytes)} "
                f"({format_bytes(self.allocator_reserved_bytes)} reserved)" if self.allocator_peak_bytes else "")

@@ -862,3 +862,58 @@ def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
     s = pager.of(model).stats()
     assert s.row_misses > 0 and (cache < 200 * 64 * 4 * 3 or s.row_hits > 0)
     pager.unwrap(model)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.9, None])
+def test_row_reads_split_between_kernel_and_cpu_are_exact(share):
+    """Missed rows read by the kernel and by CPU threads at once ([Note: two paths for scattered rows]),
+    at a fixed share and the learned one, with rows read ahead ([Note: rows read ahead]): the same
+    training as the table on the GPU."""
+    from pager._row_reader import SPLIT_MIN_ROWS
+
+    torch.manual_seed(0)
+    n_rows, per_step = 200_000, 3 * SPLIT_MIN_ROWS
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(n_rows, 32, mode="sum", sparse=True)
+            self.head = nn.Linear(32, 1)
+
+        def forward(self, ids, offsets):
+            return self.head(self.emb(ids, offsets)).square().mean()
+
+    ref = Rec().to(GPU)
+    model = copy.deepcopy(ref).cpu()
+    pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=0)
+    p = pager.of(model)
+    reader = p.row_tables[0].readers["weight"]
+    if share is not None:
+        reader.mapped_share, reader.learn = share, False
+    rows = torch.randperm(n_rows, device=GPU)[:per_step].sort().values
+    assert torch.equal(reader.read(rows).cpu(), model.emb.weight.detach()[rows.cpu()])
+
+    def opts(m):
+        return [torch.optim.SGD(m.emb.parameters(), lr=0.5), torch.optim.SGD(m.head.parameters(), lr=0.01)]
+
+    ro, po = opts(ref), opts(model)
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, n_rows, (per_step,), generator=g).to(GPU) for _ in range(5)]
+    offsets = torch.arange(0, per_step, 64, device=GPU)
+    for i, ids in enumerate(data):
+        ref(ids, offsets).backward()
+        loss = model(ids, offsets)
+        if i % 2 == 0 and i + 1 < len(data):
+            p.expect_rows(model.emb, data[i + 1])
+        loss.backward()
+        for o in ro + po:
+            o.step()
+        for o in ro + po:
+            o.zero_grad()
+    torch.testing.assert_close(model.emb.weight.detach(), ref.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    s = p.stats()
+    assert s.row_ahead_hits > 0 and s.row_misses >= 5 * SPLIT_MIN_ROWS
+    if share is None:  # both ways measured on the reads themselves
+        assert all(v is not None and v > 0 for v in reader.row_seconds.values()), reader.row_seconds
+        assert 0.1 <= reader.mapped_share <= 0.9
+    pager.unwrap(model)

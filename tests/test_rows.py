@@ -275,6 +275,51 @@ def test_writes_to_the_table_reach_lookups():
     assert model.emb(ids[0]).abs().sum() == 0
 
 
+@pytest.mark.parametrize("cache", [0, 40 * DIM * 4])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_rows_read_ahead_give_the_same_values(opt, cache):
+    """expect_rows of the next batch between a forward and its backward: the step then writes rows the
+    read ahead holds (consecutive batches share rows: small ranges), and those are read again."""
+    data = batches(6, ids_range=120, bag_range=60)
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), row_cache=cache)
+    ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
+    train(ref, ro, data)
+    p = pager.of(model)
+    for i, batch in enumerate(data):
+        loss = model(*batch)
+        if i + 1 < len(data):
+            ids, bag_ids, _offsets = data[i + 1]
+            p.expect_rows(model.emb, ids)
+            p.expect_rows("bag", bag_ids.int())
+        loss.backward()
+        for o in po:
+            o.step()
+        for o in po:
+            o.zero_grad()
+    assert_same(ref, model)
+    assert p.stats().row_ahead_hits > 0
+
+
+def test_rows_read_ahead_see_later_writes_and_bad_rows():
+    model = wrap(Recommender(), row_cache=0)
+    p = pager.of(model)
+    ids = torch.tensor([[5, 6, 7]])
+    p.expect_rows(model.emb.weight, ids)
+    with torch.no_grad():
+        model.emb.weight[6] = 7.0
+    assert torch.equal(model.emb(ids)[0, 1], torch.full((DIM,), 7.0))
+    p.expect_rows(model.emb, torch.tensor([1, 1000, -4]))  # (read clamped to the table; the lookup checks)
+    with pytest.raises(IndexError, match="1000 rows"):
+        model.emb(torch.tensor([1, 1000]))
+    with pytest.raises(ValueError, match="not a row table"):
+        p.expect_rows(model.layers[0], ids)
+    with pytest.raises(ValueError, match="'nope' is not a row table"):
+        p.expect_rows("nope", ids)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        p.expect_rows(model.emb, ids.float())
+
+
 def test_identity_class_reads_and_unwrap():
     ref = Recommender()
     model = copy.deepcopy(ref)

@@ -1,0 +1,244 @@
+"""Bringing scattered rows of a host table to the device: two paths run at
+once, and the rows a caller said it would need, read ahead.
+
+[Note: two paths for scattered rows]
+The rows a lookup misses in the cache are scattered over the host table. Two
+ways bring them to the device, limited by different things:
+
+- mapped reads: a kernel (`index_select` on the table's `host_view`) reads the
+  rows over the link. Each 512-byte row is its own read that the link's
+  address translation must resolve; on the H100 machine (RESULTS) 131,072
+  sorted rows come at 50 GB/s from a 4 GB table but at 19 GB/s from a 40 GB
+  one (the translation caches cover less of a larger table; huge pages on the
+  host, or the CUDA VMM's 2 MiB host pages, do not change it).
+- staged: CPU threads gather the rows into a pinned staging buffer
+  (`index_select` on the host table), chunk by chunk, and the copy engine
+  copies each chunk while the next is gathered: ~24 GB/s, set by the CPU's
+  memory, not by the table's size.
+
+Where the kernel is slowed by translation, the two together fill the link
+better than either: a split read gives the first `mapped_share` of the rows
+to the kernel on the compute stream and the rest to the CPU and the row
+stream, which the compute stream then waits for. Where the kernel alone runs
+near the link's speed, a split only makes the two compete for the link. So
+both choices are learned, as diffusers learns its execution order: the time
+per row of each way (kernel alone, split) is measured with CUDA events on
+the reads themselves, each read takes the faster way (the other is measured
+again every `_REMEASURE_EVERY` reads), and after a split read the share moves
+halfway to where both paths would finish together (the kernel's rate from
+its events, the CPU's from the clock). A read of fewer than `SPLIT_MIN_ROWS`
+rows takes the kernel alone (the CPU path's fixed costs would dominate).
+
+[Note: rows read ahead]
+`Pager.expect_rows(table, indices)` reads the rows that `indices` will look up
+and the device cache lacks, on the row stream by the kernel, while the compute
+stream runs on. The rows are clamped to the table (the lookup itself checks
+the range and raises). A later lookup takes the rows it
+misses in the cache from there, if they are current: a row written (by a
+step, or a `max_norm` renormalisation) after the read began may have been read
+before or after that write, so it is read again from the host table, where
+the write has landed (writes are synchronous, see `RowTable.write`). Any other
+write to the table drops the rows read ahead (`RowTable._check_current`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+SPLIT_MIN_ROWS = 8192
+_CHUNKS = 8
+_SHARE_BOUNDS = (0.1, 0.9)  # a split keeps some rows on each path, so both keep being measured
+_REMEASURE_EVERY = 16
+
+
+class RowStream:
+    """The row tables' side stream and pinned staging buffer (one per model)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+        self._staging_free = None  # an event: the last copies out of the staging buffer are done
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """The pinned staging buffer, at least `nbytes`, free to write."""
+        if self._staging_free is not None:
+            # The CPU is about to overwrite what the copy engine may still be reading.
+            self._staging_free.synchronize()
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging
+
+    def staging_released(self) -> None:
+        self._staging_free = torch.cuda.Event()
+        self._staging_free.record(self.stream)
+
+
+class HostRowReader:
+    """Reads sorted rows of one host table onto the device (see [Note: two
+    paths for scattered rows]).
+
+    Args:
+        host: the page-locked host table.
+        view: `host` as a device tensor (`_rows.host_view`).
+        rows_stream: the model's `RowStream`, or None on the CPU device.
+    """
+
+    def __init__(self, host: torch.Tensor, view: torch.Tensor, rows_stream: RowStream | None):
+        self.host, self.view, self.rows_stream = host, view, rows_stream
+        self.mapped_share = 0.5  # of a split read, the rows the kernel reads
+        self.learn = True  # False: `mapped_share` as set (1.0: the kernel alone)
+        self.row_seconds = {"kernel": None, "split": None}  # measured per row, each way
+        self._reads = 0
+        self._pending = None  # the last read's events, to learn from
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """The table's `rows` (sorted, on the device) as a new device tensor."""
+        n = rows.numel()
+        if self.rows_stream is None or n < SPLIT_MIN_ROWS:
+            return self.view.index_select(0, rows)
+        self._learn()
+        compute = torch.cuda.current_stream(self.view.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        m = int(n * self.mapped_share) if self._split_now() else n
+        if m == n:
+            start.record(compute)
+            out = self.view.index_select(0, rows)
+            end.record(compute)
+            self._pending = ("kernel", n, start, end)
+            return out
+        staged_rows = rows[m:].cpu()  # (before the kernel is queued: this waits for the compute stream)
+        out = torch.empty(n, self.host.shape[1], dtype=self.host.dtype, device=self.view.device)
+        # `out` was allocated on the compute stream: the row stream writes its
+        # part only after what compute queued before (a previous use of that
+        # memory), and not after the kernel below, which it runs beside.
+        self.rows_stream.stream.wait_stream(compute)
+        kernel_end = torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        torch.index_select(self.view, 0, rows[:m], out=out[:m])
+        kernel_end.record(compute)
+        cpu_s = self._staged(staged_rows, out[m:], compute)
+        end.record(compute)
+        self._pending = ("split", n, start, end, kernel_end, m, cpu_s)
+        return out
+
+    def _split_now(self) -> bool:
+        """Whether this read splits: as set, or (learning) the way measured
+        faster per row, the other way measured first and every
+        `_REMEASURE_EVERY` reads (a table's rows may move to a part of it
+        with other costs)."""
+        if not self.learn:
+            return self.mapped_share < 1.0
+        self._reads += 1
+        kernel_s, split_s = self.row_seconds["kernel"], self.row_seconds["split"]
+        if kernel_s is None or split_s is None:
+            return kernel_s is not None
+        faster = split_s < kernel_s
+        return faster != (self._reads % _REMEASURE_EVERY == 0)
+
+    def _staged(self, rows_cpu: torch.Tensor, out: torch.Tensor, compute) -> float:
+        """Gather `rows_cpu` by CPU threads into staging, chunk by chunk, each
+        copied to `out` on the row stream while the next is gathered; the
+        compute stream waits for the copies. Returns the CPU's seconds."""
+        rs = self.rows_stream
+        row_bytes = self.host.shape[1] * self.host.element_size()
+        stage = rs.staging(rows_cpu.numel() * row_bytes)[: rows_cpu.numel() * row_bytes]
+        stage = stage.view(self.host.dtype).view(-1, self.host.shape[1])
+        bounds = torch.linspace(0, rows_cpu.numel(), _CHUNKS + 1).long().tolist()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(rs.stream):
+            for lo, hi in zip(bounds, bounds[1:]):
+                torch.index_select(self.host, 0, rows_cpu[lo:hi], out=stage[lo:hi])
+                out[lo:hi].copy_(stage[lo:hi], non_blocking=True)
+        seconds = time.perf_counter() - t0
+        rs.staging_released()
+        # The lookup reads `out` on the compute stream: the copies must have landed.
+        compute.wait_stream(rs.stream)
+        return seconds
+
+    def _learn(self) -> None:
+        """From the last read: its time per row (each way), and for a split,
+        the share moved halfway to where both paths would finish together."""
+        pending, self._pending = self._pending, None
+        if pending is None or not self.learn or not pending[3].query():
+            return  # (not measured yet: learn from a later read rather than wait)
+        way, n, start, end = pending[:4]
+        seconds = start.elapsed_time(end) / 1e3 / n
+        last = self.row_seconds[way]
+        self.row_seconds[way] = seconds if last is None else (last + seconds) / 2
+        if way != "split":
+            return
+        kernel_end, mapped, cpu_s = pending[4:]
+        kernel_s = start.elapsed_time(kernel_end) / 1e3
+        if mapped <= 0 or kernel_s <= 0 or cpu_s <= 0:
+            return
+        mapped_rate, staged_rate = mapped / kernel_s, (n - mapped) / cpu_s
+        target = mapped_rate / (mapped_rate + staged_rate)
+        low, high = _SHARE_BOUNDS
+        self.mapped_share = min(high, max(low, (self.mapped_share + target) / 2))
+
+
+class ReadAhead:
+    """Rows of one table read ahead for the lookups to come (see [Note: rows read ahead])."""
+
+    MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
+
+    def __init__(self, rows: torch.Tensor, values: torch.Tensor, done):
+        self.rows, self.values, self.done = rows, values, done
+        self.written = []  # row tensors written since the read began
+
+    @classmethod
+    def start(cls, indices: torch.Tensor, view: torch.Tensor, cached, rows_stream: RowStream | None):
+        """Read the rows of `indices` that `cached(rows)` (a bool mask) says the cache lacks."""
+        if rows_stream is None:
+            return cls(*cls._read(indices, view, cached), None)
+        compute = torch.cuda.current_stream(view.device)
+        stream = rows_stream.stream
+        # `indices` may be made by work queued on the compute stream.
+        stream.wait_stream(compute)
+        if indices.device.type == "cuda":
+            indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
+        with torch.cuda.stream(stream):
+            rows, values = cls._read(indices.to(view.device, non_blocking=True), view, cached)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return cls(rows, values, done)
+
+    @staticmethod
+    def _read(indices: torch.Tensor, view: torch.Tensor, cached):
+        # (`unique` and the mask wait for the row stream, which waits for the
+        # compute stream up to this call: the host runs no further ahead than
+        # it did after the forward's own lookups, which sync the same way)
+        rows = torch.unique(indices.to(torch.long).flatten().clamp(0, view.shape[0] - 1), sorted=True)
+        rows = rows[~cached(rows)]
+        return rows, view.index_select(0, rows)
+
+    def note_written(self, rows: torch.Tensor) -> bool:
+        """Rows written to the table; False once too many writes piled up (drop it)."""
+        self.written.append(rows)
+        return len(self.written) <= self.MAX_WRITES
+
+    def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
+        """(the table's sorted `rows`, how many came from here): the current
+        rows read ahead, the others by `read(rows)`."""
+        if self.done is not None:
+            compute = torch.cuda.current_stream(rows.device)
+            # The read ahead ran on the row stream; its tensors are used here now.
+            compute.wait_event(self.done)
+            self.rows.record_stream(compute)
+            self.values.record_stream(compute)
+        pos = torch.searchsorted(self.rows, rows).clamp_(max=max(0, self.rows.numel() - 1))
+        current = self.rows.index_select(0, pos).eq(rows) if self.rows.numel() else torch.zeros_like(rows, dtype=torch.bool)
+        if self.written:
+            current &= ~torch.isin(rows, torch.cat(self.written))
+        # Served rows first, each part in row order; one host sync (the count).
+        order = torch.argsort(current.logical_not().to(torch.uint8), stable=True)
+        n_served = int(current.sum())
+        served, rest = order[:n_served], order[n_served:]
+        out = torch.empty(rows.numel(), self.values.shape[1], dtype=self.values.dtype, device=rows.device)
+        out.index_copy_(0, served, self.values.index_select(0, pos.index_select(0, served)))
+        if rest.numel():
+            out.index_copy_(0, rest, read(rows.index_select(0, rest)))
+        return out, n_served
