@@ -33,8 +33,8 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 `Pager.expect_rows(table, indices)` reads the rows that `indices` will look up
 and the device cache lacks, on the row stream by the kernel, while the compute
 stream runs on. The rows are clamped to the table (the lookup itself checks
-the range and raises). A later lookup takes the rows it
-misses in the cache from there, if they are current: a row written (by a
+the range and raises). A later lookup takes the rows it misses in the cache
+from there, if they are current: a row written (by a
 step, or a `max_norm` renormalisation) after the read began may have been read
 before or after that write, so it is read again from the host table, where
 the write has landed (writes are synchronous, see `RowTable.write`). Any other
@@ -201,7 +201,7 @@ class ReadAhead:
         if indices.device.type == "cuda":
             indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
         with torch.cuda.stream(stream):
-            rows, values = cls._read(indices.to(view.device, non_blocking=True), view, cached)
+            rows, values = cls._read(indices.to(view.device, non_blocking=True), view, cached)  # (no-op .to in _read)
             done = torch.cuda.Event()
             done.record(stream)
         return cls(rows, values, done)
@@ -211,7 +211,7 @@ class ReadAhead:
         # (`unique` and the mask wait for the row stream, which waits for the
         # compute stream up to this call: the host runs no further ahead than
         # it did after the forward's own lookups, which sync the same way)
-        rows = torch.unique(indices.to(torch.long).flatten().clamp(0, view.shape[0] - 1), sorted=True)
+        rows = torch.unique(indices.to(view.device, torch.long).flatten().clamp(0, view.shape[0] - 1), sorted=True)
         rows = rows[~cached(rows)]
         return rows, view.index_select(0, rows)
 
