@@ -120,7 +120,7 @@ class Pager:
         from ._rows import RowTable
 
         if self.row_stream is None and self.transport.is_cuda:
-            self.row_stream = RowStream(self.device)
+            self.row_stream = RowStream(self.transport)
         total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)
         for name, module in tables:
             share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)

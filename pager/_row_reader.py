@@ -54,11 +54,12 @@ _REMEASURE_EVERY = 16
 
 
 class RowStream:
-    """The row tables' side stream and pinned staging buffer (one per model)."""
+    """The row tables' side stream and pinned staging buffer (one per model),
+    with the transport's cheap stream handling (`compute_stream`, `on`)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
+    def __init__(self, transport):
+        self.transport = transport
+        self.stream = torch.cuda.Stream(transport.device)
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._staging_free = None  # an event: the last copies out of the staging buffer are done
 
@@ -100,7 +101,7 @@ class HostRowReader:
         if self.rows_stream is None or n < SPLIT_MIN_ROWS:
             return self.view.index_select(0, rows)
         self._learn()
-        compute = torch.cuda.current_stream(self.view.device)
+        compute = self.rows_stream.transport.compute_stream()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         m = int(n * self.mapped_share) if self._split_now() else n
         if m == n:
@@ -146,9 +147,9 @@ class HostRowReader:
         row_bytes = self.host.shape[1] * self.host.element_size()
         stage = rs.staging(rows_cpu.numel() * row_bytes)[: rows_cpu.numel() * row_bytes]
         stage = stage.view(self.host.dtype).view(-1, self.host.shape[1])
-        bounds = torch.linspace(0, rows_cpu.numel(), _CHUNKS + 1).long().tolist()
+        bounds = [i * rows_cpu.numel() // _CHUNKS for i in range(_CHUNKS + 1)]
         t0 = time.perf_counter()
-        with torch.cuda.stream(rs.stream):
+        with rs.transport.on(rs.stream):
             for lo, hi in zip(bounds, bounds[1:]):
                 torch.index_select(self.host, 0, rows_cpu[lo:hi], out=stage[lo:hi])
                 out[lo:hi].copy_(stage[lo:hi], non_blocking=True)
@@ -185,26 +186,26 @@ class ReadAhead:
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, rows: torch.Tensor, values: torch.Tensor, done):
-        self.rows, self.values, self.done = rows, values, done
+    def __init__(self, rows: torch.Tensor, values: torch.Tensor, done, rows_stream: RowStream | None):
+        self.rows, self.values, self.done, self.rows_stream = rows, values, done, rows_stream
         self.written = []  # row tensors written since the read began
 
     @classmethod
     def start(cls, indices: torch.Tensor, view: torch.Tensor, cached, rows_stream: RowStream | None):
         """Read the rows of `indices` that `cached(rows)` (a bool mask) says the cache lacks."""
         if rows_stream is None:
-            return cls(*cls._read(indices, view, cached), None)
-        compute = torch.cuda.current_stream(view.device)
+            return cls(*cls._read(indices, view, cached), None, None)
+        compute = rows_stream.transport.compute_stream()
         stream = rows_stream.stream
         # `indices` may be made by work queued on the compute stream.
         stream.wait_stream(compute)
         if indices.device.type == "cuda":
             indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
-        with torch.cuda.stream(stream):
-            rows, values = cls._read(indices.to(view.device, non_blocking=True), view, cached)  # (no-op .to in _read)
+        with rows_stream.transport.on(stream):
+            rows, values = cls._read(indices, view, cached)
             done = torch.cuda.Event()
             done.record(stream)
-        return cls(rows, values, done)
+        return cls(rows, values, done, rows_stream)
 
     @staticmethod
     def _read(indices: torch.Tensor, view: torch.Tensor, cached):
@@ -223,14 +224,16 @@ class ReadAhead:
     def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
         """(the table's sorted `rows`, how many came from here): the current
         rows read ahead, the others by `read(rows)`."""
+        if self.rows.numel() == 0:
+            return read(rows), 0
         if self.done is not None:
-            compute = torch.cuda.current_stream(rows.device)
+            compute = self.rows_stream.transport.compute_stream()
             # The read ahead ran on the row stream; its tensors are used here now.
             compute.wait_event(self.done)
             self.rows.record_stream(compute)
             self.values.record_stream(compute)
-        pos = torch.searchsorted(self.rows, rows).clamp_(max=max(0, self.rows.numel() - 1))
-        current = self.rows.index_select(0, pos).eq(rows) if self.rows.numel() else torch.zeros_like(rows, dtype=torch.bool)
+        pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
+        current = self.rows.index_select(0, pos).eq(rows)
         if self.written:
             current &= ~torch.isin(rows, torch.cat(self.written))
         # Served rows first, each part in row order; one host sync (the count).

@@ -465,7 +465,8 @@ class RowTable:
             values = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
-            values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
+            if miss_pos.numel():
+                values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
             out[kind] = values
         counters.row_hits += n - miss_pos.numel()
         counters.row_misses += miss_pos.numel()
@@ -485,7 +486,7 @@ class RowTable:
         """The host rows `rows` (sorted) of `kind` on the device: from the rows
         read ahead where they are current, else from the host table."""
         reader, counters = self.readers[kind], self.pager.counters
-        if kind != WEIGHT or self.ahead is None or rows.numel() == 0:
+        if kind != WEIGHT or self.ahead is None:
             counters.row_h2d_bytes += rows.numel() * self.row_bytes
             return reader.read(rows)
         out, served = self.ahead.serve(rows, reader.read)
