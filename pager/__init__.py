@@ -5,6 +5,8 @@
 
 from ._api import of, unwrap, wrap
 from ._budget import parse_budget
+from ._files import CheckpointError
+from ._load import load, save
 from ._common import BudgetError
 from ._pager import Pager
 from ._plan import Plan, plan
@@ -14,6 +16,6 @@ from ._stats import BlockStats, PoolStats, Stats
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "plan", "Plan", "Pager", "Pool", "Stats", "PoolStats", "BlockStats", "BudgetError",
+__all__ = ["wrap", "unwrap", "of", "load", "save", "CheckpointError", "plan", "Plan", "Pager", "Pool", "Stats", "PoolStats", "BlockStats", "BudgetError",
            "parse_budget"]
 __version__ = "0.1.0"

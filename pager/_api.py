@@ -112,6 +112,16 @@ def wrap(
         ...     y = model(x.cuda())
         >>> print(pager.of(model).stats())
     """
+    return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
+                 prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, activations=activations,
+                 compress=compress, rows=rows, row_cache=row_cache)
+
+
+def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
+          prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
+          setup=None):
+    """`wrap`; `setup(pager)`, if given, runs before the blocks are built
+    (`pager.load` gives the pager its disk tier there)."""
     engine = _engine_of(budget, pool)
     device = _shared_device(engine, device) if engine is not None else resolve_device(device)
     if name is not None and (not isinstance(name, str) or not name):
@@ -149,8 +159,9 @@ def wrap(
                   activations=activations, engine=engine, name=name, compress=compress)
     pager.min_budget_bytes = min_budget
     total, named = sizing.total, sizing.named
-    pager.arena.check_room(total, f"the model ({len(named)} blocks)")
-    if total >= PIN_PROGRESS_BYTES:
+    if setup is None:
+        pager.arena.check_room(total, f"the model ({len(named)} blocks)")
+    if total >= PIN_PROGRESS_BYTES and setup is None:
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
         log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
                     format_bytes(total), kind, len(named), seconds * total / 2**30)
@@ -161,6 +172,8 @@ def wrap(
             "beside it.", format_bytes(total), format_bytes(budget_bytes)
         )
     try:
+        if setup is not None:
+            setup(pager)
         pager.build(sizing.owned, sizing.uses, parts)
         pager.add_row_tables(tables, cache_bytes)
     except BaseException:

@@ -84,6 +84,24 @@ def layout(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Slot], int]:
     return slots, offset
 
 
+def layout_for_files(named: list[tuple[str, torch.Tensor]], leads: list) -> tuple[list[Slot], int]:
+    """Slots for `named` tensors whose bytes come from files: a tensor with a
+    `lead` (its file offset modulo `DIRECT_ALIGN`) sits at that offset modulo
+    `DIRECT_ALIGN` with aligned gaps around it, so that the aligned range
+    around it in its file can be read straight into the page ([Note: direct
+    reads] in _disk.py); one with `lead` None is placed as by `layout`. The
+    total is a multiple of `DIRECT_ALIGN`."""
+    from ._disk import DIRECT_ALIGN, align_up
+
+    slots, offset = [], 0
+    for (name, t), lead in zip(named, leads):
+        nbytes = t.numel() * t.element_size()
+        offset = align(offset) if lead is None else align_up(offset) + lead
+        slots.append(Slot(name, t.dtype, t.shape, offset, nbytes))
+        offset = offset + nbytes if lead is None else align_up(offset + nbytes)
+    return slots, align_up(offset, DIRECT_ALIGN)
+
+
 def _dense_permuted(t: torch.Tensor) -> bool:
     """True if `t` fills its storage span exactly, in some order of its dims."""
     expected = 1
@@ -94,14 +112,14 @@ def _dense_permuted(t: torch.Tensor) -> bool:
     return True
 
 
-@dataclass
+@dataclass(eq=False)  # (compared and hashed by identity: the disk tier keys its pages by segment)
 class Segment:
     """One contiguous region of a block: a host page and a device storage."""
 
     kind: str
     slots: list[Slot]
     nbytes: int
-    host: torch.Tensor                 # uint8 page in a host arena
+    host: torch.Tensor | None          # uint8 page in a host arena (None: on disk only, see _disk.py)
     flat: torch.Tensor                 # uint8 on the device; storage is 0 or nbytes
     tensors: list[torch.Tensor] = field(default_factory=list)  # the bound device views
     state: PageState = PageState.HOST
@@ -129,6 +147,14 @@ class Segment:
     pending: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
     summary_event: object = None       # on the d2h stream: the summaries are computed
+    # Under a disk tier ([Note: the disk tier] in _disk.py): the tier caching
+    # its page, where its bytes are on disk (`Piece`s; None: nowhere yet),
+    # whether the host page is newer than the disk's, and the last copy that
+    # reads or writes the host page (CUDA event).
+    cache: object = None
+    disk: list | None = None
+    host_dirty: bool = False
+    host_event: object = None
 
     @property
     def resident(self) -> bool:
@@ -141,13 +167,17 @@ class Segment:
         return self.encoded.page_bytes if self.encoded is not None else self.nbytes
 
     def host_views(self) -> list[torch.Tensor]:
-        """Its tensors' values in the host page (of a compressed page: decoded copies)."""
+        """Its tensors' values in the host page (of a compressed page: decoded
+        copies). Under a disk tier, a page not in host memory is read into a
+        buffer of its own (the cache is left as it is): the views are for
+        reading; see `_disk.DiskTier.page_in` to change a page in place."""
+        page = self.cache.readable(self) if self.cache is not None else self.host
         if self.encoded is not None:
             from ._kernels import decoded_copy_from
 
-            plain = decoded_copy_from(self.host, self.encoded, self.flat.device)
+            plain = decoded_copy_from(page, self.encoded, self.flat.device)
             return [s.view_of(plain) for s in self.slots]
-        return [s.view_of(self.host) for s in self.slots]
+        return [s.view_of(page) for s in self.slots]
 
     def current_views(self) -> list[torch.Tensor]:
         """Where the current values are: the device views when resident, else

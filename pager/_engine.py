@@ -70,7 +70,7 @@ from typing import Protocol
 
 import torch
 
-from ._block import PageState, Segment, layout, storage_key
+from ._block import PageState, Segment, layout, layout_for_files, storage_key
 from ._budget import format_bytes
 from ._common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
 from ._compress import encode
@@ -193,21 +193,34 @@ class Engine:
                                         default=0)
 
     # ---------------------------------------------------------- segments
-    def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None) -> Segment:
+    def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None,
+                    pieces: list | None = None) -> Segment:
         """A new segment of `block` for `named` tensors: a page in the host tier
         and an empty device storage of the same layout. With `values`, the
         tensors' current values go into the page (encoded by `codec`, if it
         makes the page smaller: [Note: compressed pages] in _compress.py) and
         the tensors become views of the device storage ([Note: identity by
-        storage resize] in _block.py); without, the segment's own tensors are
-        new views of it (gradients, optimizer state), its page holding nothing yet."""
-        slots, nbytes = layout(named)
-        host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
-            self.host.hold(block.owner, nbytes), None)
+        storage resize] in _block.py); with `pieces` (one `_disk.Piece` per
+        tensor: a checkpoint's bytes), so do they, and the disk tier reads
+        the page when it is first needed; without either, the segment's own
+        tensors are new views of it (gradients, optimizer state), its page
+        holding nothing yet."""
+        if pieces is not None:
+            slots, nbytes = layout_for_files(named, [p.lead for p in pieces])
+            for slot, piece in zip(slots, pieces):
+                piece.page_offset, piece.padded = slot.offset, piece.lead is not None
+            host, encoded = None, None
+        else:
+            slots, nbytes = layout(named)
+            host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
+                self.host.hold(block.owner, nbytes), None)
         flat = self.transport.new_flat(nbytes)
-        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values, encoded=encoded)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded)
+        disk = self.host.disks.get(block.owner)
+        if disk is not None:
+            disk.attach(block, seg, pieces)
         self.transport.allocate(flat, nbytes)
-        if values:
+        if values or pieces is not None:
             for slot, (_n, t) in zip(slots, named):
                 t.data = slot.view_of(flat)
             seg.tensors = [t for _n, t in named]
@@ -312,7 +325,7 @@ class Engine:
             if seg.host_valid:
                 # A page still being written back is final only once that copy is done.
                 after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
-                start, end = self.host.up(seg.flat, seg.host, after=after, encoded=seg.encoded)
+                start, end = self.host.up(block, seg, after=after)
                 first = first if moved else start
                 moved = True
                 decoded = decoded or seg.encoded is not None
@@ -401,7 +414,7 @@ class Engine:
         if write:
             if seg.encoded is not None:
                 self._store_plain(block, seg)
-            start, end = self.host.down(seg.host, seg.flat, after=(ready,))
+            start, end = self.host.down(block, seg, after=(ready,))
             writeback = end if self.transport.is_cuda else None
             seg.writeback_event = writeback
             seg.host_valid = True

@@ -347,6 +347,8 @@ class OptimizerLink:
             seg = block.segments.get("state")
             if seg is None:
                 continue
+            if seg.cache is not None and not seg.resident:
+                seg.cache.page_in(seg)  # (the copies below change the page in host memory)
             with torch.no_grad(), _paged.unguarded():
                 for (p, key), target, view in zip(seg.keys, seg.current_views(), seg.tensors):
                     target.copy_(optimizer.state[p][key])
@@ -355,6 +357,8 @@ class OptimizerLink:
                 seg.force_dirty = True
             else:
                 seg.host_valid = True
+                if seg.cache is not None:
+                    seg.cache.written(seg, None)
 
 
 def _snapshot(value):

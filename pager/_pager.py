@@ -77,6 +77,7 @@ class Pager:
         self.thread_state = threading.local()
         self._closed = False
         self._named_blocks = named_blocks
+        self.sources: dict | None = None  # id(tensor) -> `_disk.Piece` of its bytes, for a model `load`ed from files
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
@@ -89,7 +90,8 @@ class Pager:
     # ------------------------------------------------------------------ build
     def build(self, owned, uses, parts=frozenset()) -> None:
         order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
-        self.engine.host.reserve(self, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
+        if self.sources is None:  # (pages from files live in their disk tier's memory)
+            self.engine.host.reserve(self, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
         for i, (name, module) in enumerate(self._named_blocks):
             self.blocks.append(Block(name, module, i, owner=self))
             self.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in _discover.py
@@ -175,7 +177,9 @@ class Pager:
         for _n, t, _p in named:
             self.original_device[id(t)] = t.device
         codec = self.compress if block.module is not None else None  # (the remainder is fetched once)
-        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=True, codec=codec)
+        pieces = [self.sources[id(t)] for _n, t, _p in named] if self.sources is not None else None
+        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=pieces is None,
+                                      codec=codec, pieces=pieces)
         _paged.register(self, block, seg)
         _paged.guard(seg)
         block.params = [t for _n, t, is_param in named if is_param]
@@ -532,6 +536,9 @@ class Pager:
     def prefetch(self) -> None:
         if not self.prefetch_depth or self.all_resident:
             return  # off, or nothing left to fetch
+        disk = self.engine.host.disks.get(self)
+        if disk is not None:  # pages further ahead start coming from disk ([Note: the disk tier])
+            disk.read_ahead(self._upcoming())
         fetched = 0
         for distance, (block, kinds) in enumerate(islice(self._upcoming(), PREFETCH_WINDOW)):
             if fetched >= self.prefetch_depth:
@@ -545,6 +552,8 @@ class Pager:
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
             if not missing:
                 continue
+            if disk is not None and not self.engine.host.ready(block, kinds):
+                return  # its page is still being read: the thread that runs compute does not wait for the disk
             if not self.engine.make_room(missing, protect={block, *block.deps}, within=distance):
                 return
             for dep in block.deps:

@@ -94,7 +94,21 @@ class Stats:
     page_bytes: int = 0
     plain_page_bytes: int = 0
     compressed_blocks: int = 0
+    # The disk tier of a model loaded with a host budget ([Note: the disk tier] in _disk.py):
+    disk_read_bytes: int = 0        # read from checkpoint and spill files into host pages
+    disk_read_seconds: float = 0.0  # time with at least one read in flight
+    disk_write_bytes: int = 0       # pages spilled (changed pages that left host memory)
+    disk_write_seconds: float = 0.0
+    spills: int = 0
+    host_hits: int = 0              # fetches whose page was in host memory (or read ahead in time)
+    host_misses: int = 0            # fetches that waited for the disk
+    host_wait_seconds: float = 0.0  # how long they waited
     blocks: list[BlockStats] = field(default_factory=list)
+
+    @property
+    def disk_read_gbps(self) -> float:
+        """Achieved GB/s of the disk tier's reads while any was in flight."""
+        return self.disk_read_bytes / self.disk_read_seconds / 1e9 if self.disk_read_seconds else 0.0
 
     @property
     def h2d_gbps(self) -> float:
@@ -135,6 +149,10 @@ class Stats:
                f"({self.row_ahead_hits} of them read ahead; {format_bytes(self.row_h2d_bytes)} read, "
                f"{format_bytes(self.row_d2h_bytes)} written through)"
                if self.row_hits or self.row_misses else "")
+            + (f"; disk: {format_bytes(self.disk_read_bytes)} read at {self.disk_read_gbps:.2f} GB/s, "
+               f"{format_bytes(self.disk_write_bytes)} spilled in {self.spills} pages; host pages: "
+               f"{self.host_hits} hits / {self.host_misses} waits for the disk ({self.host_wait_seconds * 1e3:.1f} ms)"
+               if self.disk_read_bytes or self.host_hits or self.host_misses else "")
             + (f"; the allocator peaked at {format_bytes(self.allocator_peak_bytes)} "
                f"({format_bytes(self.allocator_reserved_bytes)} reserved)" if self.allocator_peak_bytes else "")
         )

@@ -1,0 +1,215 @@
+"""Models larger than host RAM: a 7B-shaped bf16 decoder paged from its
+checkpoint files on disk (`pager.load` with a host budget), against the
+disk's sequential read rate measured by a plain tool (dd, O_DIRECT) in the
+same run, and accelerate's disk offload.
+
+    python -m benchmarks.bench_disk [--layers 16] [--tokens 512] [--dir PATH] [--host-share 0.25]
+
+The checkpoint is written as sharded safetensors under --dir (on the disk to
+measure; 6.5 GB for 16 layers) and dropped from the page cache before each
+measurement, so that every read comes from the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import torch
+
+import pager
+from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
+from benchmarks.models import Decoder, build, layer_bytes
+from pager._files import header_for
+
+
+def write_checkpoint(model, folder: str, layers_per_shard: int = 2) -> int:
+    """Sharded safetensors of `model` (a shard per `layers_per_shard` layers);
+    returns the bytes written. Each shard is fsync'd and dropped from the page cache."""
+    os.makedirs(folder, exist_ok=True)
+    names = list(model.state_dict())
+    shards, weight_map, total = {}, {}, 0
+    for name in names:
+        layer = int(name.split(".")[1]) // layers_per_shard if name.startswith("layers.") else -1
+        shards.setdefault(layer, []).append(name)
+    state = model.state_dict()
+    for i, (key, shard) in enumerate(sorted(shards.items())):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, _ = header_for([(n, state[n].dtype, tuple(state[n].shape)) for n in shard])
+        with open(os.path.join(folder, file), "wb") as f:
+            f.write(header)
+            for n in shard:
+                t = state[n].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(t.numpy()))
+                total += t.numel()
+            f.flush()
+            os.fsync(f.fileno())
+        weight_map.update({n: file for n in shard})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    drop_cache(folder)
+    return total
+
+
+def drop_cache(folder: str) -> None:
+    """Drop the folder's files from the page cache (clean pages: no root needed)."""
+    for root, _dirs, files in os.walk(folder):
+        for file in files:
+            fd = os.open(os.path.join(root, file), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def dd_gbps(folder: str) -> float:
+    """Sequential read rate of the folder's shards by dd with O_DIRECT."""
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    drop_cache(folder)
+    t0 = time.perf_counter()
+    nbytes = 0
+    for path in files:
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"], check=True,
+                       capture_output=True)
+        nbytes += os.path.getsize(path)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def meta_model(layers: int) -> Decoder:
+    with torch.device("meta"):
+        return Decoder(n_layers=layers).to(torch.bfloat16)
+
+
+def run_pager(folder, layers, x, budget, host_budget, reps, spill):
+    drop_cache(folder)
+    model = pager.load(meta_model(layers), folder, budget=budget, host_budget=host_budget, spill=spill)
+    pg = pager.of(model)
+
+    def fwd():
+        with torch.no_grad():
+            model(x)
+
+    fwd()  # learn the order
+    pg.reset()
+    ms = time_ms(fwd, warmup=1, reps=reps)
+    torch.cuda.synchronize()
+    s = pg.stats()
+    pager.unwrap(model)  # (its weights come back to host memory as plain tensors, then go with the model)
+    return ms, s
+
+
+def first_forward(folder, layers, x, budget):
+    """Seconds from `pager.load` to the first forward's output, with every
+    page read into host memory in the background; and until all are read."""
+    drop_cache(folder)
+    t0 = time.perf_counter()
+    model = pager.load(meta_model(layers), folder, budget=budget)
+    loaded = time.perf_counter() - t0
+    with torch.no_grad():
+        model(x)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    disk = pager.of(model).engine.host.disks[pager.of(model)]
+    for read in list(disk.reading.values()):
+        read.result()
+    everything = time.perf_counter() - t0
+    s = pager.of(model).stats()
+    pager.unwrap(model)
+    return loaded, first, everything, s
+
+
+def run_accelerate(cpu_model, x, folder, reps):
+    try:
+        from accelerate import disk_offload
+    except ImportError:
+        return None, "accelerate not installed"
+    offload = os.path.join(folder, "accelerate")
+    disk_offload(cpu_model, offload, execution_device=0)
+    os.sync()
+
+    def fwd():
+        drop_cache(offload)  # every forward reads from the disk, as pager's do
+        with torch.no_grad():
+            cpu_model(x)
+
+    return time_ms(fwd, warmup=1, reps=reps), ""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=".bench_disk")
+    ap.add_argument("--host-share", type=float, default=0.25, help="host budget as a share of the model")
+    ap.add_argument("--budget-layers", type=float, default=3.0, help="device budget in layers")
+    ap.add_argument("--peers", default="accelerate")
+    args = ap.parse_args(argv)
+    env = environment()
+    folder = os.path.abspath(args.dir)
+    shutil.rmtree(folder, ignore_errors=True)
+    gpu_model = build("cuda", n_layers=args.layers).eval()
+    per_layer = layer_bytes(gpu_model)
+    total = per_layer * args.layers
+    t0 = time.perf_counter()
+    written = write_checkpoint(gpu_model, os.path.join(folder, "ckpt"))
+    write_s = time.perf_counter() - t0
+    ckpt = os.path.join(folder, "ckpt")
+    seq = dd_gbps(ckpt)
+    env["disk_seq_read_GBps_dd"] = round(seq, 2)
+    env["checkpoint_write_GBps"] = round(written / write_s / 1e9, 2)
+    print(f"checkpoint {written / 1e9:.2f} GB written at {written / write_s / 1e9:.2f} GB/s; "
+          f"dd O_DIRECT read: {seq:.2f} GB/s")
+    x = torch.randn(1, args.tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    work = f"7B-shape fwd 1x{args.tokens}, {args.layers} layers ({total / 1e9:.1f} GB)"
+    rows = []
+    gpu_ms = time_ms(lambda: gpu_model(x), warmup=2, reps=5)
+    rows.append(Row(work, "all on GPU", gpu_ms))
+    cpu_model = None
+    if "accelerate" in args.peers:
+        cpu_model = build("cpu", n_layers=args.layers).eval()
+        cpu_model.load_state_dict({k: v.cpu() for k, v in gpu_model.state_dict().items()})
+    del gpu_model
+    free_cuda()
+    budget = int(args.budget_layers * per_layer) + (64 << 20)
+
+    # Every page read once into host memory, in the background: when does the first output come?
+    loaded, first, everything, s = first_forward(ckpt, args.layers, x, budget)
+    rows.append(Row(work, "pager.load, first forward (host_budget=None)", first * 1e3,
+                    note=f"load returned at {loaded:.2f} s; all {s.disk_read_bytes / 1e9:.2f} GB read at "
+                         f"{everything:.2f} s ({s.disk_read_gbps:.2f} GB/s while reading, "
+                         f"{100 * s.disk_read_gbps / seq:.0f}% of dd)",
+                    extra=dict(load_s=loaded, first_s=first, all_read_s=everything, read_gbps=s.disk_read_gbps)))
+    free_cuda()
+
+    for share in sorted({args.host_share, 0.5}):
+        host_budget = int(share * total)
+        ms, s = run_pager(ckpt, args.layers, x, budget, host_budget, args.reps, os.path.join(folder, "spill"))
+        per_fwd = s.disk_read_bytes / max(1, args.reps + 1)
+        floor_ms = (total - host_budget) / (seq * 1e9) * 1e3
+        rows.append(Row(work, f"pager, host budget {share:.0%} of the model", ms, ratio=ms / floor_ms,
+                        reference=f"disk floor {floor_ms:.0f} ms ((model - host budget) / dd rate)",
+                        note=f"{per_fwd / 1e9:.2f} GB from disk per forward at {s.disk_read_gbps:.2f} GB/s "
+                             f"({100 * s.disk_read_gbps / seq:.0f}% of dd); {s.host_hits} host hits, "
+                             f"{s.host_misses} waits ({s.host_wait_seconds * 1e3 / (args.reps + 1):.0f} ms/fwd)",
+                        extra=dict(floor_ms=floor_ms, disk_bytes_per_fwd=per_fwd, read_gbps=s.disk_read_gbps,
+                                   host_hits=s.host_hits, host_misses=s.host_misses)))
+        print(rows[-1])
+        free_cuda()
+
+    if cpu_model is not None:
+        ms, why = run_accelerate(cpu_model, x, folder, max(1, args.reps - 1))
+        floor_all = total / (seq * 1e9) * 1e3
+        rows.append(Row(work, "accelerate disk_offload (every weight from disk)", ms,
+                        ratio=ms / floor_all if ms else None, reference=f"its floor {floor_all:.0f} ms (model / dd)",
+                        note=why or "page cache dropped before each forward"))
+    save(rows, "bench_disk", env)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""pager.load from checkpoint files, the disk tier under host memory, spills
+and pager.save, on the CPU device: bit for bit against the model loaded whole."""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pager
+from helpers import assert_models_equal, assert_same
+from models import TinyLM
+from test_training import batches, lm_loss, train
+
+safetensors = pytest.importorskip("safetensors.torch")
+
+BIG = dict(vocab=64, d=128, n_layers=6)  # layers of ~800 KiB: their weights are read directly (O_DIRECT)
+
+
+def _state(model):
+    """The model's state dict as safetensors writes it: tied weights once."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd.pop("head.weight")  # tied to embed.weight, as model hubs ship it
+    return sd
+
+
+def _meta(**kw):
+    with torch.device("meta"):
+        return TinyLM(**kw)
+
+
+def _layer_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+
+
+def _write(tmp_path, model, how):
+    sd = _state(model)
+    if how == "file":
+        path = tmp_path / "model.safetensors"
+        safetensors.save_file(sd, str(path))
+        return path
+    if how == "sharded":
+        names = list(sd)
+        half = len(names) // 2
+        shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+        for file, keys in shards.items():
+            safetensors.save_file({k: sd[k] for k in keys}, str(tmp_path / file))
+        index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        return tmp_path
+    path = tmp_path / "model.pt"
+    torch.save(sd, path)
+    return path
+
+
+@pytest.mark.parametrize("how", ["file", "sharded", "torch_save"])
+@pytest.mark.parametrize("host_budget", [None, "small"])
+def test_load_matches_the_model_loaded_whole(tmp_path, how, host_budget):
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, how)
+    model = _meta(**BIG)
+    params = list(model.parameters())
+    hb = 3 * _layer_bytes(ref) if host_budget else None
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu", host_budget=hb)
+    assert all(a is b for a, b in zip(params, model.parameters()))  # the very objects, now holding values
+    assert model.head.weight is model.embed.weight  # tied weights stay tied
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(model(ids), ref(ids))
+    s = pager.of(model).stats()
+    assert s.disk_read_bytes > 0
+    if host_budget:
+        assert s.disk_read_bytes > 2 * sum(t.numel() * t.element_size() for t in ref.layers.parameters())
+    assert_same(model.layers[3].mlp[0].weight, ref.layers[3].mlp[0].weight)  # a read outside a forward
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_non_persistent_buffers_and_cpu_tensors_keep_their_values(tmp_path):
+    class WithBuffer(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.full((32,), 0.5), persistent=False)
+
+        def forward(self, ids):
+            return super().forward(ids) * self.scale.mean()
+
+    ref = WithBuffer()
+    path = _write(tmp_path, ref, "file")
+    with torch.device("meta"):
+        model = WithBuffer()
+    model.scale = torch.full((32,), 0.5)  # buffers the model computes are made on the CPU
+    pager.load(model, path, budget=1 << 20, device="cpu")
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+
+
+def _expect_refusal(model, path, match, **kw):
+    before = [(n, t.device, t.dtype, t.shape) for n, t in model.state_dict().items()]
+    with pytest.raises((ValueError, pager.CheckpointError), match=match):
+        pager.load(model, path, budget=1 << 20, device="cpu", **kw)
+    assert [(n, t.device, t.dtype, t.shape) for n, t in model.state_dict().items()] == before  # untouched
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(model)
+
+
+def test_mismatched_checkpoints_are_refused_before_anything_changes(tmp_path):
+    ref = TinyLM()
+    sd = _state(ref)
+    cases = {
+        "missing": ({k: v for k, v in sd.items() if k != "layers.2.mlp.0.weight"},
+                    r"missing from the checkpoint: layers\.2\.mlp\.0\.weight"),
+        "extra": ({**sd, "layers.9.extra": torch.zeros(3)}, r"not in the model: layers\.9\.extra"),
+        "dtype": ({**sd, "norm.weight": sd["norm.weight"].half()}, r"'norm\.weight': checkpoint F16 \[32\], model F32"),
+        "shape": ({**sd, "norm.bias": torch.zeros(33)}, r"'norm\.bias': checkpoint F32 \[33\], model F32 \[32\]"),
+        "no tied name": ({k: v for k, v in sd.items() if k != "embed.weight"}, r"embed\.weight = head\.weight"),
+    }
+    for name, (state, match) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        safetensors.save_file(state, str(path))
+        _expect_refusal(_meta(), path, match)
+    safetensors.save_file(sd, str(tmp_path / "ok.safetensors"))
+    _expect_refusal(_meta(), tmp_path / "ok.safetensors", "host_budget=.*twice|holds fewer than two",
+                    host_budget=1000)
+    _expect_refusal(_meta(), tmp_path / "ok.safetensors", "compress=", compress="fp8")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        pager.load(_meta(), tmp_path / "nothing.safetensors", budget=1 << 20, device="cpu")
+
+
+def test_corrupt_and_truncated_files_are_refused_naming_file_offset_and_tensor(tmp_path):
+    good = tmp_path / "good.safetensors"
+    safetensors.save_file(_state(TinyLM()), str(good))
+    raw = good.read_bytes()
+    header_bytes = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + header_bytes])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    cases = {
+        "truncated": (raw[:-100], rf"{last!r} ends at offset {8 + header_bytes + header[last]['data_offsets'][1]}, "
+                                  r"past the end of the file.*truncated"),
+        "short": (raw[:5], "too short for a safetensors header"),
+        "header length": ((10**9).to_bytes(8, "little") + raw[8:], "header length at offset 0 says 1000000000"),
+        "header json": (raw[:8] + b"{" * header_bytes + raw[8 + header_bytes:], "JSON header .* does not parse"),
+    }
+    bad = dict(header)
+    first = next(k for k in header if k != "__metadata__")
+    bad[first] = {**header[first], "data_offsets": [header[first]["data_offsets"][0], header[first]["data_offsets"][1] + 4]}
+    text = json.dumps(bad, separators=(",", ":")).encode()
+    cases["sizes"] = (len(text).to_bytes(8, "little") + text + raw[8 + header_bytes:], rf"{first!r} spans offsets .* needs")
+    for name, (data, match) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        path.write_bytes(data)
+        _expect_refusal(_meta(), path, str(path).replace(".", r"\.") + ".*" + match if name != "short" else match)
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(b"PK" + os.urandom(300))
+    _expect_refusal(_meta(), torn, "does not load as a torch.save state dict")
+
+
+def _train_from_files(tmp_path, ref, host_budget, spill, steps=6, opt_name="adam"):
+    path = _write(tmp_path, ref, "file")
+    model = _meta(**BIG)
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05,
+                                                                                              momentum=0.9)}[opt_name]
+    layer = _layer_bytes(ref)
+    budget = 4 * layer + 3 * 4 * sum(p.numel() * p.element_size() for p in ref.embed.parameters()) + (1 << 20)
+    pager.load(model, path, budget=budget, device="cpu", host_budget=host_budget, spill=spill)
+    opt = make(model.parameters())
+    data = batches(steps)
+    train(model, opt, data)
+    return model, opt, make, data
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_training_with_spill_matches_unwrapped_bit_for_bit(tmp_path, opt_name):
+    ref = TinyLM(**BIG)
+    spill = tmp_path / "spill"
+    model, opt, make, data = _train_from_files(tmp_path, copy.deepcopy(ref), 8 * _layer_bytes(ref), spill,
+                                               opt_name=opt_name)
+    ref_opt = make(ref.parameters())
+    train(ref, ref_opt, data)
+    s = pager.of(model).stats()
+    assert s.spills > 0 and s.disk_write_bytes > 0 and s.evictions > 0
+    assert any(f.endswith(".page") for f in os.listdir(spill))
+    ids = data[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            assert_same(opt.state[p][key], value)
+    assert not any(f.endswith(".page") for f in os.listdir(spill))  # scratch removed at unwrap
+
+
+def test_training_under_a_host_budget_without_spill_says_so(tmp_path):
+    ref = TinyLM(**BIG)
+    with pytest.raises(MemoryError, match="spill="):
+        _train_from_files(tmp_path, ref, 4 * _layer_bytes(ref), None)
+
+
+def test_save_then_load_round_trip_and_other_readers(tmp_path):
+    ref = TinyLM(**BIG)
+    model, opt, make, data = _train_from_files(tmp_path, copy.deepcopy(ref), 8 * _layer_bytes(ref), tmp_path / "s",
+                                               steps=3)
+    out = pager.save(model, tmp_path / "trained.safetensors")
+    ref_opt = make(ref.parameters())
+    train(ref, ref_opt, data)
+    loaded = safetensors.load_file(out)  # the format other readers take
+    assert "head.weight" not in loaded  # tied: written once
+    for k, v in ref.state_dict().items():
+        if k != "head.weight":
+            assert_same(loaded[k], v)
+    again = _meta(**BIG)
+    pager.load(again, out, budget=1 << 30, device="cpu")
+    pager.unwrap(again)
+    assert_models_equal(again, ref)
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    import pager
+    from models import TinyLM
+    from test_training import batches, train
+    import safetensors.torch as st
+
+    torch.manual_seed(0)
+    ref = TinyLM(**{big!r})
+    sd = {{k: v.clone() for k, v in ref.state_dict().items() if k != "head.weight"}}
+    st.save_file(sd, {src!r})
+    with torch.device("meta"):
+        model = TinyLM(**{big!r})
+    layer = sum(p.numel() * p.element_size() for p in ref.layers[0].parameters())
+    pager.load(model, {src!r}, budget=8 * layer + (1 << 20), device="cpu", host_budget=8 * layer, spill={spill!r})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = batches(40)
+    train(model, opt, data[:2])
+    pager.save(model, {ckpt!r})
+    real_write, real_bytes, calls = os.pwritev, pager._load._bytes_of, [0]
+
+    def torn_write(fd, buffers, offset):  # dies halfway through a spilled page
+        calls[0] += 1
+        if {where!r} == "spill" and calls[0] > 3:
+            os.write(fd, bytes(buffers[0])[: len(buffers[0]) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(fd, buffers, offset)
+
+    def torn_save(t):  # dies halfway through the next checkpoint
+        calls[0] += 1
+        if {where!r} == "save" and calls[0] > 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_bytes(t)
+
+    os.pwritev, pager._load._bytes_of = torn_write, torn_save
+    for i in range(2, 40):
+        train(model, opt, data[i: i + 1])
+        pager.save(model, {ckpt!r})
+""")
+
+
+@pytest.mark.parametrize("where", ["spill", "save"])
+def test_a_process_killed_mid_write_leaves_the_last_checkpoint_loadable(tmp_path, where):
+    src, ckpt, spill = tmp_path / "src.safetensors", tmp_path / "ckpt.safetensors", tmp_path / "spill"
+    script = CHILD.format(tests=os.path.dirname(__file__), big=BIG, src=str(src), ckpt=str(ckpt), spill=str(spill),
+                          where=where)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    leftovers = [f for f in os.listdir(spill if where == "spill" else tmp_path) if f.endswith(".tmp")]
+    assert leftovers  # it did die mid-write
+    torch.manual_seed(0)
+    ref = TinyLM(**BIG)
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), batches(40)[:2])
+    model = _meta(**BIG)
+    pager.load(model, ckpt, budget=1 << 30, device="cpu")
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
