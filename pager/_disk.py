@@ -213,13 +213,13 @@ def _buffer(t: torch.Tensor, offset: int, nbytes: int):
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr() + offset)).cast("B")
 
 
-def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: int) -> int:
+def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: int) -> tuple[int, bool]:
     """Fill bytes [start, end) of `piece` (relative to the piece) into `page`;
-    returns the bytes read from disk."""
+    returns the bytes read from disk, and whether the read was direct."""
     if piece.tensor is not None:
         flat = piece.tensor.detach().reshape(-1).view(torch.uint8)
         page[piece.page_offset + start: piece.page_offset + end].copy_(flat[start:end])
-        return end - start if piece.path is not None else 0  # (a mapped file's pages were read)
+        return (end - start if piece.path is not None else 0), False  # (a mapped file's pages were read)
     direct, buffered = files.fds(piece.path)
     file_at, page_at = piece.file_offset + start, piece.page_offset + start
     lead = file_at % DIRECT_ALIGN
@@ -235,11 +235,11 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
             log.info("pager: %s refuses direct reads; reading it through the page cache", piece.path)
         else:
             _check_length(piece, got - lead, end - start, file_at)
-            return end - start
+            return end - start, True
     got = _pread(buffered, page, page_at, end - start, file_at)
     _check_length(piece, got, end - start, file_at)
     os.posix_fadvise(buffered, file_at, end - start, os.POSIX_FADV_DONTNEED)  # keep the budget honest
-    return end - start
+    return end - start, False
 
 
 def _pread(fd: int, page: torch.Tensor, page_at: int, length: int, file_at: int) -> int:
@@ -371,7 +371,7 @@ class DiskTier:
         skip = -base.data_ptr() % DIRECT_ALIGN
         buffer = base[skip: skip + align_up(seg.nbytes)]
         for piece in seg.disk:
-            self.owner.counters.disk_read_bytes += read_range(self.files, buffer, piece, 0, piece.nbytes)
+            self.owner.counters.disk_read_bytes += read_range(self.files, buffer, piece, 0, piece.nbytes)[0]
         return buffer[: seg.nbytes]
 
     def ready(self, seg) -> bool:
@@ -492,11 +492,12 @@ class DiskTier:
     def _read_chunk(self, page, piece, start, end) -> None:
         self._io_started()
         try:
-            n = read_range(self.files, page, piece, start, end)
+            n, direct = read_range(self.files, page, piece, start, end)
         finally:
             self._io_ended()
         with self._io_lock:
             self.owner.counters.disk_read_bytes += n
+            self.owner.counters.disk_direct_bytes += n if direct else 0
 
     def _io_started(self) -> None:
         with self._io_lock:
