@@ -66,12 +66,14 @@ def drop_cache(folder: str) -> None:
                 os.close(fd)
 
 
-def dd_gbps(folder: str, streams: int = 1) -> float:
-    """Sequential read rate of the folder's shards by dd with O_DIRECT, in
-    `streams` dd processes at once (each reading its share of the shards)."""
+def dd_gbps(folder: str, streams: int = 1, direct: bool = True) -> float:
+    """Sequential read rate of the folder's shards by dd (O_DIRECT, or through
+    the page cache with the kernel's read ahead), in `streams` dd processes
+    at once (each reading its share of the shards)."""
     files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
     drop_cache(folder)
-    cmds = [" ; ".join(f"dd if={p} of=/dev/null bs=64M iflag=direct 2>/dev/null" for p in files[i::streams])
+    flag = "iflag=direct" if direct else ""
+    cmds = [" ; ".join(f"dd if={p} of=/dev/null bs=64M {flag} 2>/dev/null" for p in files[i::streams])
             for i in range(streams)]
     t0 = time.perf_counter()
     for proc in [subprocess.Popen(["bash", "-c", c]) for c in cmds]:
@@ -163,12 +165,16 @@ def main(argv=None):
     written = write_checkpoint(gpu_model, os.path.join(folder, "ckpt"))
     write_s = time.perf_counter() - t0
     ckpt = os.path.join(folder, "ckpt")
-    rates = {n: dd_gbps(ckpt, n) for n in (1, 2, 4, 8)}
-    seq = max(rates.values())  # the disk's peak: the best of 1-8 sequential streams
-    env["disk_seq_read_GBps_dd"] = {n: round(r, 2) for n, r in rates.items()}
+    rates = {f"dd direct x{n}": dd_gbps(ckpt, n) for n in (1, 4, 8)}
+    rates.update({f"dd buffered x{n}": dd_gbps(ckpt, n, direct=False) for n in (1, 4)})
+    fio = fio_gbps(ckpt)
+    if fio is not None:
+        rates["fio libaio qd16"] = fio
+    seq = max(rates.values())  # the disk's peak: the best plain tool (pager's own rate joins below)
+    env["disk_seq_read_GBps"] = {n: round(r, 2) for n, r in rates.items()}
     env["checkpoint_write_GBps"] = round(written / write_s / 1e9, 2)
-    print(f"checkpoint {written / 1e9:.2f} GB written at {written / write_s / 1e9:.2f} GB/s; dd O_DIRECT reads, "
-          f"by streams: " + ", ".join(f"{n}: {r:.2f} GB/s" for n, r in rates.items()))
+    print(f"checkpoint {written / 1e9:.2f} GB written at {written / write_s / 1e9:.2f} GB/s; sequential reads: "
+          + ", ".join(f"{n}: {r:.2f} GB/s" for n, r in rates.items()))
     x = torch.randn(1, args.tokens, 4096, device="cuda", dtype=torch.bfloat16)
     work = f"7B-shape fwd 1x{args.tokens}, {args.layers} layers ({total / 1e9:.1f} GB)"
     rows = []
@@ -184,11 +190,15 @@ def main(argv=None):
 
     # Every page read once into host memory, in the background: when does the first output come?
     loaded, started, first, everything, s = first_forward(ckpt, args.layers, x, budget)
+    if s.disk_read_gbps > seq:  # pager's reads beat every plain tool here: its rate is the peak for the floors
+        env["disk_peak_from"] = "pager's own reads of the whole model"
+        seq = s.disk_read_gbps
+    env["disk_peak_GBps"] = round(seq, 2)
     rows.append(Row(work, "pager.load, first forward (host_budget=None)", first * 1e3,
                     note=f"load returned at {loaded:.2f} s, the first layer ran at {started:.2f} s, the forward "
                          f"ended at {first:.2f} s; all {s.disk_read_bytes / 1e9:.2f} GB read at "
                          f"{everything:.2f} s ({s.disk_read_gbps:.2f} GB/s while reading, "
-                         f"{100 * s.disk_read_gbps / seq:.0f}% of dd)",
+                         f"{100 * s.disk_read_gbps / max(rates.values()):.0f}% of the best plain tool)",
                     extra=dict(load_s=loaded, first_layer_s=started, first_s=first, all_read_s=everything, read_gbps=s.disk_read_gbps)))
     free_cuda()
 
@@ -200,9 +210,9 @@ def main(argv=None):
         must = max(0, total - host_budget - s.device_kept_bytes)
         floor_ms = must / (seq * 1e9) * 1e3
         rows.append(Row(work, f"pager, host budget {share:.0%} of the model", ms, ratio=ms / floor_ms,
-                        reference=f"disk floor {floor_ms:.0f} ms ({must / 1e9:.2f} GB / dd peak)",
+                        reference=f"disk floor {floor_ms:.0f} ms ({must / 1e9:.2f} GB / the peak)",
                         note=f"{per_fwd / 1e9:.2f} GB from disk per forward ({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
-                             f"direct) at {s.disk_read_gbps:.2f} GB/s ({100 * s.disk_read_gbps / seq:.0f}% of dd); "
+                             f"direct) at {s.disk_read_gbps:.2f} GB/s ({100 * s.disk_read_gbps / seq:.0f}% of the peak); "
                              f"{s.host_hits} host hits, {s.host_misses} waits",
                         extra=dict(floor_ms=floor_ms, must_bytes=must, disk_bytes_per_fwd=per_fwd,
                                    read_gbps=s.disk_read_gbps, host_hits=s.host_hits, host_misses=s.host_misses)))
@@ -213,7 +223,7 @@ def main(argv=None):
         ms, why = run_accelerate(cpu_model, x, folder, max(1, args.reps - 1))
         floor_all = total / (seq * 1e9) * 1e3
         rows.append(Row(work, "accelerate disk_offload (every weight from disk)", ms,
-                        ratio=ms / floor_all if ms else None, reference=f"its floor {floor_all:.0f} ms (model / dd)",
+                        ratio=ms / floor_all if ms else None, reference=f"its floor {floor_all:.0f} ms (model / the peak)",
                         note=why or "page cache dropped before each forward"))
     save(rows, "bench_disk", env)
     shutil.rmtree(folder, ignore_errors=True)

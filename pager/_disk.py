@@ -109,15 +109,19 @@ class PageArena:
         self.free: list[list] = []            # per chunk: sorted [offset, size]
         self.reserved_bytes = self.used_bytes = 0
 
-    def allocate(self, nbytes: int):
-        """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk, offset, tensor), or None."""
+    def allocate(self, nbytes: int, high: bool = False):
+        """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk,
+        offset, tensor), or None. `high`: from the top of the region (pages
+        that come and go), else from the bottom (pages that stay), so that
+        the churn does not cut the room of the ones that stay into pieces."""
         nbytes = align_up(max(nbytes, 1))
         for c, holes in enumerate(self.free):
-            for hole in holes:
+            for hole in (reversed(holes) if high else holes):
                 if hole[1] >= nbytes:
-                    offset = hole[0]
-                    hole[0] += nbytes
                     hole[1] -= nbytes
+                    offset = hole[0] + hole[1] if high else hole[0]
+                    if not high:
+                        hole[0] += nbytes
                     if not hole[1]:
                         holes.remove(hole)
                     self.used_bytes += nbytes
@@ -128,7 +132,7 @@ class PageArena:
             self._new_chunk(align_up(self.capacity_bytes))
         else:
             self._new_chunk(max(1 << 30, nbytes))
-        return self.allocate(nbytes)
+        return self.allocate(nbytes, high)
 
     def release(self, c: int, offset: int, nbytes: int) -> None:
         nbytes = align_up(max(nbytes, 1))
@@ -530,7 +534,7 @@ class DiskTier:
         page that may leave; for a read ahead only clean pages needed after
         `distance` uses. False if there is none."""
         while True:
-            got = self.arena.allocate(seg.nbytes)
+            got = self.arena.allocate(seg.nbytes, high=seg not in self.kept)
             if got is not None:
                 c, offset, page = got
                 seg.host = page[: seg.nbytes]  # (the page's memory runs on to the alignment: direct I/O uses it)
