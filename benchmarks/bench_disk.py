@@ -82,6 +82,18 @@ def dd_gbps(folder: str, streams: int = 1, direct: bool = True) -> float:
     return sum(os.path.getsize(p) for p in files) / (time.perf_counter() - t0) / 1e9
 
 
+def fio_gbps(folder: str) -> float | None:
+    """Sequential read rate by fio (libaio, O_DIRECT, 16 MiB requests, 16 in flight), if installed."""
+    if shutil.which("fio") is None:
+        return None
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    drop_cache(folder)
+    out = subprocess.run(["fio", "--name=seq", "--rw=read", "--bs=16M", "--iodepth=16", "--ioengine=libaio",
+                          "--direct=1", "--readonly", "--output-format=json", "--filename=" + ":".join(files)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
+
+
 def meta_model(layers: int) -> Decoder:
     with torch.device("meta"):
         return Decoder(n_layers=layers).to(torch.bfloat16)
