@@ -22,7 +22,7 @@ import time
 import torch
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
+from benchmarks.harness import Row, environment, free_cuda, save, time_ms
 from benchmarks.models import Decoder, build, layer_bytes
 from pager._files import header_for
 
