@@ -427,6 +427,30 @@ class DiskTier:
             if self._needs_read(seg) and seg not in self.reading:
                 self._start_read(seg, demand=False)
 
+    def peak_gbps(self, nbytes: int = 1 << 30) -> float:
+        """The sequential read rate of the largest checkpoint file (up to
+        `nbytes` of it, direct reads of CHUNK_BYTES on the IO threads, the
+        page cache dropped first), measured once: the ceiling for reads."""
+        if getattr(self, "_peak_gbps", None) is None:
+            paths = {p.path for seg in self.blocks for p in (seg.disk or ()) if p.path and p.tensor is None}
+            path = max(paths, key=os.path.getsize)
+            size = min(nbytes, os.path.getsize(path))
+            fd = self.files.fds(path)[1]
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            local = threading.local()  # a scratch buffer per IO thread
+
+            def read(at):
+                if not hasattr(local, "buffer"):
+                    base = torch.empty(CHUNK_BYTES + DIRECT_ALIGN, dtype=torch.uint8)
+                    local.buffer = base[-base.data_ptr() % DIRECT_ALIGN:][:CHUNK_BYTES]
+                n = min(CHUNK_BYTES, size - at)
+                read_range(self.files, local.buffer, Piece(0, n, path, at, padded=True), 0, n)
+
+            t0 = time.perf_counter()
+            list(self.pool.map(read, range(0, size, CHUNK_BYTES)))
+            self._peak_gbps = size / (time.perf_counter() - t0) / 1e9
+        return self._peak_gbps
+
     def close(self) -> None:
         """Let every read and write end, free host memory, close files, drop spilled pages."""
         for read in self.reading.values():

@@ -616,6 +616,14 @@ class Pager:
                 f"host->device: {s.h2d_gbps:.1f} GB/s while copying, {100 * s.h2d_gbps / peak:.0f}% of the "
                 f"{peak:.1f} GB/s measured peak; device->host: {s.d2h_gbps:.1f} GB/s"
             )
+        disk = self.engine.host.disks.get(self)
+        if disk is not None and s.disk_read_seconds:
+            peak_disk = disk.peak_gbps()
+            lines.append(
+                f"disk: {s.disk_read_gbps:.2f} GB/s while reading ({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
+                f"direct), {100 * s.disk_read_gbps / peak_disk:.0f}% of the {peak_disk:.2f} GB/s measured sequential "
+                f"peak; host pages {format_bytes(disk.arena.used_bytes)} of {format_bytes(disk.capacity_bytes or disk.arena.reserved_bytes)}, "
+                f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk")
         lines += system_lines(self)
         return "\n".join(lines)
 

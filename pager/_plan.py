@@ -43,6 +43,12 @@ class Plan:
     # activations together, hold on the device in a training step.
     saved: SavedBytes | None = None
     training_peaks: dict = field(default_factory=dict)  # policy -> (activation bytes, blocks + activations)
+    # With `host_budget` (`pager.load`'s disk tier): what host memory keeps,
+    # and what a forward reads from disk ([Note: a kept set in host memory]).
+    host_budget_bytes: int | None = None
+    host_kept: list[str] = field(default_factory=list)
+    forward_disk_bytes: int = 0
+    disk_gbps: float | None = None
 
     @property
     def fits_all(self) -> bool:
@@ -97,12 +103,18 @@ class Plan:
                 out.append(f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
                            f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}")
             out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
+        if self.host_budget_bytes is not None:
+            floor = (f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
+                     f"{self.disk_gbps:.2f} GB/s" if self.disk_gbps else " (give disk_gbps= for the disk floor)")
+            out.append(f"  host budget {format_bytes(self.host_budget_bytes)}: host memory keeps {len(self.host_kept)} "
+                       f"blocks; per forward at most {format_bytes(self.forward_disk_bytes)} from disk{floor}")
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)
 
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
-         link_gbps: float | None = None, defer_step: bool = True, inputs=None) -> Plan:
+         link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
+         disk_gbps: float | None = None) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
@@ -117,6 +129,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             tensors (nothing is computed) to measure what a training step
             saves for its backward per block, and the plan predicts the
             step's peak for each `activations=` policy of `wrap`.
+        host_budget: as for `pager.load`: the plan then says which blocks
+            host memory keeps and what a forward reads from disk.
+        disk_gbps: the disk's sequential read GB/s, for the disk floor.
 
     Example:
         >>> print(pager.plan(model, budget="10GiB", inputs=torch.zeros(4, 1024, dtype=torch.long)))
@@ -177,11 +192,30 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         least = fixed + max(step_sizes, default=0)
         peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, budget_bytes, least)
-    return Plan(
+    out = Plan(
         str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
         sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
         saved, peaks,
     )
+    if host_budget is not None:
+        out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
+        out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
+        out.disk_gbps = disk_gbps
+    return out
+
+
+def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], int]:
+    """The blocks host memory keeps and the bytes a forward reads from disk at
+    most (the streaming window may hold some pages across forwards), by the
+    rule of [Note: a kept set in host memory] in _disk.py."""
+    streamed = [(n, s) for n, s in zip(names, sizes) if n not in device_kept]
+    room = host_budget - 2 * max((s for _n, s in streamed), default=0)
+    kept, used = [], 0
+    for name, size in streamed:
+        if used + size <= room:
+            kept.append(name)
+            used += size
+    return kept, sum(s for n, s in streamed if n not in kept)
 
 
 def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True) -> dict:

@@ -281,3 +281,32 @@ def test_a_process_killed_mid_write_leaves_the_last_checkpoint_loadable(tmp_path
     pager.load(model, ckpt, budget=1 << 30, device="cpu")
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_plan_report_and_stats_show_the_disk_tier(tmp_path):
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "file")
+    layer = _layer_bytes(ref)
+    budget, host_budget = 3 * layer + (1 << 20), 7 * layer // 2  # (off a kept-set boundary: pages from files are a little larger)
+    p = pager.plan(_meta(**BIG), budget, device="cpu", host_budget=host_budget, disk_gbps=2.0)
+    assert p.host_kept and p.forward_disk_bytes > 0 and "from disk, disk floor" in str(p)
+    model = pager.load(_meta(**BIG), path, budget=budget, device="cpu", host_budget=host_budget)
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        model(ids), model(ids)
+        pager.of(model).reset()
+        for _ in range(3):
+            model(ids)
+    s = pager.of(model).stats()
+    per_forward = s.disk_read_bytes / 3
+    # The plan's kept set is the run's; a forward reads at most what the plan says (pages that are
+    # neither kept nor evicted in time are read again; the streaming window may hold some across
+    # forwards) and at least what neither host memory nor the device holds.
+    disk = pager.of(model).engine.host.disks[pager.of(model)]
+    assert sorted(disk.blocks[seg].name for seg in disk.kept) == p.host_kept
+    device_kept = sum(n for name, n in p.blocks if name in p.kept) + p.remainder_bytes
+    least = sum(n for _name, n in p.blocks) + p.remainder_bytes - host_budget - device_kept
+    assert least <= per_forward <= 1.05 * p.forward_disk_bytes, (least, per_forward, p.forward_disk_bytes)
+    assert s.host_hits > 0 and "disk:" in str(s)
+    report = pager.of(model).report()
+    assert "measured sequential peak" in report and "kept" in report
