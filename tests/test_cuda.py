@@ -941,6 +941,7 @@ def test_load_from_disk_on_gpu_matches_the_model_on_gpu(tmp_path):
             torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=0)
     s = pager.of(model).stats()
     assert s.disk_read_bytes > 2 * sum(tensor_page_bytes(m) for m in ref.layers)
+    assert "measured sequential peak" in pager.of(model).report()
 
 
 def test_training_from_disk_with_spill_on_gpu_matches_the_model_on_gpu(tmp_path):
