@@ -15,7 +15,7 @@ import torch
 import pager
 from helpers import assert_models_equal, assert_same
 from models import TinyLM
-from test_training import batches, lm_loss, train
+from test_training import assert_trained_alike, batches, train
 
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -187,14 +187,7 @@ def test_training_with_spill_matches_unwrapped_bit_for_bit(tmp_path, opt_name):
     s = pager.of(model).stats()
     assert s.spills > 0 and s.disk_write_bytes > 0 and s.evictions > 0
     assert any(f.endswith(".page") for f in os.listdir(spill))
-    ids = data[0][0]
-    with torch.no_grad():
-        assert_same(model(ids), ref(ids))
-    pager.unwrap(model)
-    assert_models_equal(model, ref)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        for key, value in ref_opt.state[q].items():
-            assert_same(opt.state[p][key], value)
+    assert_trained_alike(model, opt, ref, ref_opt, data[0][0])
     assert not any(f.endswith(".page") for f in os.listdir(spill))  # scratch removed at unwrap
 
 

@@ -84,6 +84,17 @@ def train_supernet(net, ref, opt, ref_opt, data, gen, n_candidates):
             o.zero_grad()
 
 
+def assert_trained_alike(model, opt, ref, ref_opt, ids):
+    """Bit for bit: outputs, then (unwrapped) weights and optimizer state."""
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            assert_same(opt.state[p][key], value)
+
+
 def torch_clip(model):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
 
@@ -110,14 +121,7 @@ def test_training_matches_unwrapped_bit_for_bit(opt_name, regime):
     assert s.peak_resident_bytes <= budget
     if regime == "streams":
         assert s.evictions > 0 and s.d2h_bytes > 0
-    ids = data[0][0]
-    with torch.no_grad():
-        assert_same(model(ids), ref(ids))
-    pager.unwrap(model)
-    assert_models_equal(model, ref)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        for key, value in ref_opt.state[q].items():
-            assert_same(opt.state[p][key], value)
+    assert_trained_alike(model, opt, ref, ref_opt, data[0][0])
 
 
 @pytest.mark.parametrize("regime", ["fits", "streams"])
