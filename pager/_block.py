@@ -91,7 +91,7 @@ def layout_for_files(named: list[tuple[str, torch.Tensor]], leads: list) -> tupl
     around it in its file can be read straight into the page ([Note: direct
     reads] in _disk.py); one with `lead` None is placed as by `layout`. The
     total is a multiple of `DIRECT_ALIGN`."""
-    from ._disk import DIRECT_ALIGN, align_up
+    from ._disk import align_up
 
     slots, offset = [], 0
     for (name, t), lead in zip(named, leads):
@@ -99,7 +99,7 @@ def layout_for_files(named: list[tuple[str, torch.Tensor]], leads: list) -> tupl
         offset = align(offset) if lead is None else align_up(offset) + lead
         slots.append(Slot(name, t.dtype, t.shape, offset, nbytes))
         offset = offset + nbytes if lead is None else align_up(offset + nbytes)
-    return slots, align_up(offset, DIRECT_ALIGN)
+    return slots, align_up(offset)
 
 
 def _dense_permuted(t: torch.Tensor) -> bool:

@@ -55,7 +55,7 @@ import torch
 
 from ._budget import format_bytes
 from ._files import CheckpointError, fsync_folder
-from ._host import HOST_RESERVE_BYTES, _register
+from ._host import HOST_RESERVE_BYTES, _register, align
 
 log = logging.getLogger("pager")
 
@@ -67,8 +67,16 @@ READS_AHEAD = 4             # segments whose reads the read ahead keeps in fligh
 READ_AHEAD_USES = 64        # how far down the schedule the read ahead looks
 
 
-def align_up(n: int, to: int = DIRECT_ALIGN) -> int:
-    return (n + to - 1) // to * to
+def align_up(n: int) -> int:
+    return align(n, DIRECT_ALIGN)
+
+
+def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host memory for `nbytes` starting on a DIRECT_ALIGN boundary: (what
+    was allocated, the aligned view)."""
+    base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -base.data_ptr() % DIRECT_ALIGN
+    return base, base[skip: skip + nbytes]
 
 
 @dataclass
@@ -149,9 +157,7 @@ class PageArena:
         self.used_bytes -= nbytes
 
     def _new_chunk(self, nbytes: int) -> None:
-        base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-        skip = -base.data_ptr() % DIRECT_ALIGN
-        chunk = base[skip: skip + nbytes]
+        base, chunk = aligned_empty(nbytes)
         if self.pin:
             _register(base)
         self._bases.append(base)
@@ -294,8 +300,8 @@ def write_page(page: torch.Tensor, nbytes: int, path: str) -> None:
 class _Read:
     """A segment's read in flight: its chunks' futures."""
 
-    def __init__(self, futures, nbytes: int, started: float):
-        self.futures, self.nbytes, self.started = futures, nbytes, started
+    def __init__(self, futures):
+        self.futures = futures
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -371,9 +377,7 @@ class DiskTier:
             self.reading.pop(seg).result()
         if seg.host is not None or not self._needs_read(seg):
             return seg.host if seg.host is not None else torch.zeros(seg.nbytes, dtype=torch.uint8)
-        base = torch.empty(align_up(seg.nbytes) + DIRECT_ALIGN, dtype=torch.uint8)
-        skip = -base.data_ptr() % DIRECT_ALIGN
-        buffer = base[skip: skip + align_up(seg.nbytes)]
+        _base, buffer = aligned_empty(align_up(seg.nbytes))
         for piece in seg.disk:
             self.owner.counters.disk_read_bytes += read_range(self.files, buffer, piece, 0, piece.nbytes)[0]
         return buffer[: seg.nbytes]
@@ -441,8 +445,7 @@ class DiskTier:
 
             def read(at):
                 if not hasattr(local, "buffer"):
-                    base = torch.empty(CHUNK_BYTES + DIRECT_ALIGN, dtype=torch.uint8)
-                    local.buffer = base[-base.data_ptr() % DIRECT_ALIGN:][:CHUNK_BYTES]
+                    local.buffer = aligned_empty(CHUNK_BYTES)[1]
                 n = min(CHUNK_BYTES, size - at)
                 read_range(self.files, local.buffer, Piece(0, n, path, at, padded=True), 0, n)
 
@@ -508,13 +511,9 @@ class DiskTier:
         if seg.disk is None:
             return True  # nothing on disk yet (a page that never left host memory holds nothing)
         page = seg.host
-        futures, nbytes = [], 0
-        for piece in seg.disk:
-            for start in range(0, piece.nbytes, CHUNK_BYTES):
-                end = min(piece.nbytes, start + CHUNK_BYTES)
-                futures.append(self.pool.submit(self._read_chunk, page, piece, start, end))
-                nbytes += end - start
-        self.reading[seg] = _Read(futures, nbytes, time.perf_counter())
+        futures = [self.pool.submit(self._read_chunk, page, piece, start, min(piece.nbytes, start + CHUNK_BYTES))
+                   for piece in seg.disk for start in range(0, piece.nbytes, CHUNK_BYTES)]
+        self.reading[seg] = _Read(futures)
         return True
 
     def _read_chunk(self, page, piece, start, end) -> None:
