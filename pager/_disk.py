@@ -423,6 +423,15 @@ class DiskTier:
                         if not self._start_read(seg, demand=False, distance=distance):
                             return
 
+    def settle(self) -> None:
+        """Let the reads and spills in flight end: their bytes are counted as
+        they end, so that counters reset after this count only later work."""
+        for read in list(self.reading.values()):
+            read.result()
+        for future, _free in list(self.writing.values()):
+            future.result()
+        self._collect()
+
     def read_all(self, blocks) -> None:
         """Start reading the weights pages of `blocks`, in this order (the
         reads queue on the IO threads): host memory holds every page."""

@@ -638,8 +638,12 @@ class Pager:
 
     @_locked
     def reset(self) -> None:
-        """Zero every counter (peak resident bytes restart from what is resident now)."""
+        """Zero every counter (peak resident bytes restart from what is resident
+        now; disk reads in flight end first and count before)."""
         self.engine.meter.resolve()
+        disk = self.engine.host.disks.get(self)
+        if disk is not None:
+            disk.settle()
         zero_counters(self.counters)
         for b in self.all_blocks():
             zero_counters(b.stats)
