@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from . import _discover, _rows
+from . import _discover, _distributed, _rows
 from ._budget import format_bytes, parse_budget, resolve_device
 from ._host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ._checkpoint import close
@@ -37,6 +37,8 @@ def wrap(
     compress: str | None = None,
     rows=None,
     row_cache=None,
+    process_group=None,
+    dist_timeout: float = 600.0,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -105,6 +107,20 @@ def wrap(
             rows (and their slot maps), out of the budget: an int or a string
             like `budget`. Default: a quarter of the budget, at most what the
             blocks leave. 0 reads every row from the host.
+        process_group: data-parallel training (`torchrun`): a
+            `torch.distributed` group whose ranks each wrap the same model
+            under their own budget. Each block's gradients are averaged over
+            the group as soon as its backward ends, on a communication
+            stream, while the backward of the blocks before it runs (see
+            [Note: a block is the bucket] in _distributed.py): the values
+            are `DistributedDataParallel`'s. Rank 0's weights are broadcast
+            at wrap. None (default): the default group when torch.distributed
+            is initialized with more than one rank; False: no averaging.
+            `pager.of(model).no_sync()` accumulates without averaging.
+        dist_timeout: seconds a rank waits for the others in pager's
+            collectives on the host before it raises (a rank died or ran
+            another loop). Collectives on CUDA tensors time out by the
+            process group's own `timeout`.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -114,12 +130,13 @@ def wrap(
     """
     return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
                  prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, activations=activations,
-                 compress=compress, rows=rows, row_cache=row_cache)
+                 compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
+                 dist_timeout=dist_timeout)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
-          setup=None):
+          process_group=None, dist_timeout=600.0, setup=None):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there)."""
     engine = _engine_of(budget, pool)
@@ -141,6 +158,9 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
                          "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = _rows.choose(model, rows, budget_bytes)
+    group = _distributed.resolve_group(process_group)
+    if group is not None:
+        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     sizing = _discover.size_up(model, blocks, [m for _n, m in tables])
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
@@ -184,6 +204,9 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         # would stay in the allocator's cache, outside the budget.
         torch.cuda.empty_cache()
     _warn_if_staging_crowds(pager)
+    if group is not None:
+        _distributed.check_same_blocks(pager, group)  # (before it is registered: a refusal leaves no pager)
+        pager.reducer = _distributed.Reducer(pager, group, dist_timeout)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)
@@ -215,6 +238,24 @@ def unwrap(model: nn.Module) -> nn.Module:
     close(pager)
     del _PAGERS[model]
     return model
+
+
+def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
+    """Refuse what data parallelism cannot do, before anything changes; then
+    give every rank rank 0's weights (unless they come from one checkpoint)."""
+    if tables:
+        raise ValueError("pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
+                         "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
+                         "(rows=None) for data-parallel training.")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
+    if device.type == "cuda" and not _distributed.control_on_cpu(group) and device != torch.device(
+            "cuda", torch.cuda.current_device()):
+        raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
+    _distributed.check_same_model(model, group)
+    if broadcast:
+        _distributed.broadcast_from_first(model, group, device)
 
 
 def _engine_of(budget, pool) -> Engine | None:

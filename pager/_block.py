@@ -228,6 +228,7 @@ class Block:
         self.compute_start = None     # when its current use began (trace)
         self.uses = 0                 # uses since wrap (not reset by Pager.reset)
         self.last_use_event = None    # compute event at its last release
+        self.comm_event = None        # its gradients' all-reduce in flight (_distributed.Reducer)
         self.release_versions = None  # its tensors' versions then
         self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
         self.guard_handles = None     # installed while the block is paged out

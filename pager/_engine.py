@@ -123,6 +123,11 @@ class Owner(Protocol):
     def may_leave(self, block) -> bool:
         """`block` was chosen to leave: False if it must stay after all."""
 
+    def leave_after(self, block, ready):
+        """The event its pages' write-back and the reuse of their memory wait
+        for: `ready` (compute is done with them), or later (an all-reduce of
+        its gradients in flight: [Note: a block is the bucket] in _distributed.py)."""
+
     def pages_leaving(self, block) -> None:
         """Before the write-back is ordered: put values that live elsewhere
         (gradients autograd put beside the page) into the pages."""
@@ -384,7 +389,7 @@ class Engine:
                 if kind in block.segments and block.segments[kind].resident:
                     self._readopt(block, block.segments[kind])
             owner.pages_leaving(block)
-            ready = self._ready_event(block)
+            ready = owner.leave_after(block, self._ready_event(block))
             for seg in block.segments.values():
                 if seg.resident:
                     self._leave(block, seg, ready, owner.page_leaving(block, seg, ready, seg.is_dirty()))

@@ -251,6 +251,8 @@ class Hooks:
         if outermost:
             self.pager.engine.note_request(self.pager)
         if self.root_depth == 0:
+            if self.pager.reducer is not None and torch.is_grad_enabled():
+                self.pager.reducer.forward_starts()
             if self.pager.activations is not None:
                 self.pager.activations.forward_reaches(None)  # ops before the first block
             self._check_structure()
@@ -442,6 +444,8 @@ class Hooks:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
                     self.pager.prefetch()
+                if grad and self.pager.reducer is not None:
+                    self.pager.reducer.forward_use(block)
             if block.trainable and grad:
                 return self._register_post_backward(block, args, kwargs)
             return None
@@ -485,6 +489,8 @@ class Hooks:
         if not self._final_callback_queued:
             self._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            if self.pager.reducer is not None:
+                self.pager.reducer.backward_starts()
         self.pager.acquire(block, BACKWARD)
         self.backward_holds[block] = self.backward_holds.get(block, 0) + 1
         if self.pager.activations is not None:
@@ -503,6 +509,8 @@ class Hooks:
 
     @_locked
     def post_backward(self, block: Block) -> None:
+        if self.pager.reducer is not None:
+            self.pager.reducer.backward_ended(block)  # its gradients may be final: averaged now
         if self.backward_holds.get(block, 0) > 0:
             self.backward_holds[block] -= 1
             self.pager.track_kept_views(block, (), ("backward",))
@@ -519,6 +527,8 @@ class Hooks:
             for _ in range(holds):
                 self.pager.release(block)
         self.backward_holds.clear()
+        if self.pager.reducer is not None:
+            self.pager.reducer.backward_finished(finished)
 
     @_locked
     def _on_grad(self, param: torch.Tensor) -> None:

@@ -5,6 +5,8 @@ state dicts (`_checkpoint.StateDicts`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import threading
@@ -82,6 +84,7 @@ class Pager:
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Hooks.start_step)
+        self.reducer = None  # a `_distributed.Reducer` when gradients are averaged over a process group
         self.hooks = Hooks(self)
         self.serve = Serving(self)
         self.grad_ops = GradOps(self, self.serve)
@@ -470,10 +473,13 @@ class Pager:
                 self.engine.unpin(block)
         return True
 
+    def leave_after(self, block: Block, ready):
+        return ready if self.reducer is None else self.reducer.after_reduction(block, ready)
+
     def pages_leaving(self, block: Block) -> None:
         grads = block.segments.get("grads")
         if grads is not None and grads.resident:
-            self._gather_grads(grads)
+            self.gather_grads(grads)
 
     def page_leaving(self, block: Block, seg: Segment, ready, dirty: bool) -> bool:
         if seg.kind != "grads":
@@ -498,7 +504,7 @@ class Pager:
     def activation_reserve_bytes(self):
         return None if self.activations is None else self.activations.ledger.reserve()
 
-    def _gather_grads(self, seg: Segment) -> None:
+    def gather_grads(self, seg: Segment) -> None:
         """Bring gradients that autograd or the user put elsewhere into the page."""
         for i, p in enumerate(seg.params):
             g = p.grad
@@ -794,6 +800,20 @@ class Pager:
         from ._optim import attach
 
         attach(self, optimizer)
+
+    def no_sync(self):
+        """A context in which backwards accumulate gradients without averaging
+        them over the process group, as `DistributedDataParallel.no_sync()`:
+        run each micro-step's forward and backward but the last inside it.
+        Without a process group it does nothing (one loop runs on one GPU and
+        on several).
+
+        Example:
+            >>> with pager.of(model).no_sync():
+            ...     loss_fn(model(x1), y1).backward()
+            >>> loss_fn(model(x2), y2).backward()  # x1's and x2's gradients averaged here
+        """
+        return self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`; kept for

@@ -63,6 +63,8 @@ class Stats:
     row_ahead_hits: int = 0  # ... of those, rows taken from rows read ahead (`expect_rows`)
     row_h2d_bytes: int = 0  # row bytes read from host tables (weights and state rows)
     row_d2h_bytes: int = 0  # row bytes written through to host tables
+    reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
+    reduced_bytes: int = 0  # ... and their bytes (each all-reduce's input)
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
     resident_forwards: int = 0  # forwards run with every block resident and no block hooks
     resident_uses: int = 0  # their block uses (as many as the last hooked step had), not in `hits`

@@ -1,0 +1,98 @@
+"""Data-parallel training steps with paging on every rank (torchrun).
+
+Each rank trains the same fp32 decoder (AdamW) on its own batch under its own
+budget; pager averages each block's gradients over the group as its backward
+ends. Per rank, three runs of the same step: the paged model alone
+(`process_group=False`: no averaging, what one GPU does), the paged model in
+the group, and, when weights + grads + AdamW state fit the GPU, DDP over the
+same group. The ratio of the first two is what the averaging costs; across
+world sizes, samples/s per rank at the same budget is the scaling.
+
+    torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--reps 4]
+    torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import pager
+from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, save, time_ms
+from benchmarks.models import Decoder
+
+VOCAB = 32000
+
+
+def step_fn(model, opt, ids, tgt):
+    def step():
+        F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--budget-gib", type=float, default=4.0)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=4)
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    ids = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=g)
+    tgt = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=g)
+    base = Decoder(n_layers=args.layers, d=args.d, ff=int(args.d * 2.75), heads=16, vocab=VOCAB)
+    state_gib = 4 * sum(p.numel() * 4 for p in base.parameters()) / GiB  # weights, grads, AdamW's two
+    rows, ms = [], {}
+    workload = (f"{args.layers}-layer d={args.d} fp32 decoder ({state_gib / 4:.1f} GiB weights, {state_gib:.1f} GiB "
+                f"with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, {world} rank(s)")
+    for label, group in (("pager, one rank's step (process_group=False)", False),
+                         ("pager, gradients averaged over the group", dist.group.WORLD)):
+        model = copy.deepcopy(base)
+        pager.wrap(model, budget=f"{args.budget_gib}GiB", process_group=group)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = step_fn(model, opt, ids, tgt)
+        pager.of(model).reset()
+        torch.cuda.reset_peak_memory_stats()
+        ms[label] = time_ms(step, warmup=2, reps=args.reps)
+        s = pager.of(model).stats()
+        note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; host RSS {host_rss_gib():.1f} GiB; "
+                f"{s.h2d_bytes / max(s.steps, 1) / 1e9:.1f} GB h2d per step; averaged {s.reduced_bytes / 1e9:.1f} GB "
+                f"in {s.reductions} reductions")
+        rows.append(Row(workload, label, ms[label], torch.cuda.max_memory_allocated() / GiB, note=note))
+        pager.unwrap(model)
+        del model, opt, step
+        free_cuda()
+    first = next(iter(ms.values()))
+    for r in rows:
+        r.ratio, r.reference = r.ms / first, "pager, one rank's step"
+    free_bytes, _total = torch.cuda.mem_get_info()
+    if state_gib * GiB * 1.3 < free_bytes:
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base).cuda(), device_ids=[local])
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        torch.cuda.reset_peak_memory_stats()
+        t = time_ms(step_fn(ddp, opt, ids, tgt), warmup=2, reps=args.reps)
+        rows.append(Row(workload, "DDP, all on the GPU", t, torch.cuda.max_memory_allocated() / GiB, t / first,
+                        "pager, one rank's step", f"{args.batch * world / (t / 1e3):.2f} samples/s in all"))
+    else:
+        rows.append(Row(workload, "DDP, all on the GPU", None, note="does not fit the GPU: not run"))
+    if rank == 0:
+        save(rows, f"bench_dp_{world}", environment())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
