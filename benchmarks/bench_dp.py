@@ -40,7 +40,7 @@ def step_fn(model, opt, ids, tgt):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--width", type=int, default=2048)  # (not --d: torchrun would take it for one of its own)
     ap.add_argument("--budget-gib", type=float, default=4.0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
@@ -54,10 +54,10 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(rank)
     ids = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=g)
     tgt = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=g)
-    base = Decoder(n_layers=args.layers, d=args.d, ff=int(args.d * 2.75), heads=16, vocab=VOCAB)
+    base = Decoder(n_layers=args.layers, d=args.width, ff=int(args.width * 2.75), heads=16, vocab=VOCAB)
     state_gib = 4 * sum(p.numel() * 4 for p in base.parameters()) / GiB  # weights, grads, AdamW's two
     rows, ms = [], {}
-    workload = (f"{args.layers}-layer d={args.d} fp32 decoder ({state_gib / 4:.1f} GiB weights, {state_gib:.1f} GiB "
+    workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, {state_gib:.1f} GiB "
                 f"with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, {world} rank(s)")
     for label, group in (("pager, one rank's step (process_group=False)", False),
                          ("pager, gradients averaged over the group", dist.group.WORLD)):

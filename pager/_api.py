@@ -205,7 +205,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         torch.cuda.empty_cache()
     _warn_if_staging_crowds(pager)
     if group is not None:
-        _distributed.check_same_blocks(pager, group)  # (before it is registered: a refusal leaves no pager)
+        _distributed.check_same_blocks(pager, group, dist_timeout)  # (before it is registered: a refusal leaves no pager)
         pager.reducer = _distributed.Reducer(pager, group, dist_timeout)
     _PAGERS[model] = pager
     if trace_steps:
@@ -253,9 +253,9 @@ def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool)
             "cuda", torch.cuda.current_device()):
         raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
                          f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
-    _distributed.check_same_model(model, group)
+    _distributed.check_same_model(model, group, timeout, device)
     if broadcast:
-        _distributed.broadcast_from_first(model, group, device)
+        _distributed.broadcast_from_first(model, group, device, timeout)
 
 
 def _engine_of(budget, pool) -> Engine | None:

@@ -78,48 +78,67 @@ def control_on_cpu(group) -> bool:
     return any(name in str(dist.get_backend(group)).lower() for name in ("gloo", "mpi"))
 
 
-def check_same_model(model: torch.nn.Module, group) -> None:
+def check_same_model(model: torch.nn.Module, group, timeout_seconds: float, device) -> None:
     """Every rank must wrap the same model (names, shapes, dtypes): else the
     ranks would reduce buffers that do not match. Raises naming the ranks."""
-    h = hashlib.sha256()
-    for name, t in chain(model.named_parameters(), model.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)};".encode())
-    _check_equal_across(group, h.hexdigest(), "the models' parameters and buffers (names, shapes, dtypes, "
-                        "requires_grad) differ", "build the same model on every rank before wrapping it")
+    text = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}"
+                    for name, t in chain(model.named_parameters(), model.named_buffers()))
+    _check_equal_across(group, text, timeout_seconds, device, "the models' parameters and buffers (names, "
+                        "shapes, dtypes, requires_grad) differ", "build the same model on every rank before wrapping it")
 
 
-def check_same_blocks(pager, group) -> None:
-    names = "|".join(b.name for b in pager.all_blocks())
-    _check_equal_across(group, names, "the blocks differ (discovery depends on the budget)",
-                        "give every rank the same budget (not \"auto\"), or the same blocks=")
+def check_same_blocks(pager, group, timeout_seconds: float) -> None:
+    text = "|".join(b.name for b in pager.all_blocks())
+    _check_equal_across(group, text, timeout_seconds, pager.device, "the blocks differ (discovery depends on the "
+                        "budget)", "give every rank the same budget (not \"auto\"), or the same blocks=")
 
 
-def _check_equal_across(group, value, what: str, fix: str) -> None:
-    values = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    differ = [r for r, v in enumerate(values) if v != values[0]]
+def _check_equal_across(group, text: str, timeout_seconds: float, device, what: str, fix: str) -> None:
+    """Compare a digest of `text` across the ranks (waiting at most
+    `timeout_seconds` for them: a rank that failed in its own wrap)."""
+    world = dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+    if not control_on_cpu(group):
+        mine = mine.to(device)
+    digests = [torch.empty_like(mine) for _ in range(world)]
+    wait_for(dist.all_gather(digests, mine, group=group, async_op=True), "wrap: comparing the models of the ranks",
+             group, timeout_seconds)
+    differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
     if differ:
-        raise ValueError(f"pager: data parallel over {len(values)} ranks: {what} between rank 0 and rank(s) "
-                         f"{differ}; {fix}.")
+        raise ValueError(f"pager: data parallel over {world} ranks: {what} between rank 0 and rank(s) {differ}; "
+                         f"{fix}.")
 
 
-def broadcast_from_first(model: torch.nn.Module, group, device: torch.device) -> None:
+def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, timeout_seconds: float) -> None:
     """Rank 0's parameters and buffers on every rank (as DDP does at
     construction), before they move into pages."""
     src = dist.get_global_rank(group, 0)
     cpu = control_on_cpu(group)
     seen = set()
     with torch.no_grad():
-        for t in chain(model.parameters(), model.buffers()):
+        for name, t in chain(model.named_parameters(), model.named_buffers()):
             if id(t) in seen or t.device.type == "meta":
                 continue
             seen.add(id(t))
-            if cpu or t.device.type != "cpu":
-                dist.broadcast(t.data, src, group=group)
-            else:  # a device-only backend (NCCL): through the device, one tensor at a time
-                staged = t.data.to(device)
-                dist.broadcast(staged, src, group=group)
+            staged = t.data if cpu or t.device.type != "cpu" else t.data.to(device)  # (NCCL: through the device)
+            wait_for(dist.broadcast(staged, src, group=group, async_op=True), f"wrap: broadcasting {name!r}",
+                     group, timeout_seconds)
+            if staged is not t.data:
                 t.data.copy_(staged)
+
+
+def wait_for(work, what: str, group, timeout_seconds: float) -> None:
+    """Wait for a collective of pager's, at most `timeout_seconds`; raise
+    saying what it was and that another rank probably stopped."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_seconds))
+    except Exception as e:  # noqa: BLE001 (re-raised with what pager was doing)
+        raise RuntimeError(
+            f"pager: rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {what} failed or timed out "
+            f"(dist_timeout={timeout_seconds:g} s): {e}. Another rank probably died or raised, or ran another "
+            "loop: every rank must wrap the same model and run the same forwards and backwards, and no_sync() "
+            "alike."
+        ) from e
 
 
 class Reducer:
@@ -131,7 +150,7 @@ class Reducer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout = timedelta(seconds=timeout_seconds)
+        self.timeout_seconds = timeout_seconds
         self.cpu_control = control_on_cpu(group)
         self.cuda = pager.transport.is_cuda
         self.comm_stream = torch.cuda.Stream(pager.device) if self.cuda else None
@@ -288,15 +307,7 @@ class Reducer:
             flags.copy_(staged.cpu())  # (the host waits for the comm stream: a handful of bytes)
 
     def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 (re-raised with what pager was doing)
-            raise RuntimeError(
-                f"pager: rank {self.rank} of {self.world}: {what} failed or timed out "
-                f"(dist_timeout={self.timeout.total_seconds():g} s): {e}. Another rank probably died or "
-                "raised, or ran another loop: every rank must run the same forwards and backwards, "
-                "and no_sync() alike."
-            ) from e
+        wait_for(work, what, self.group, self.timeout_seconds)
 
 
 def _with_deps(block):

@@ -6,7 +6,6 @@ state dicts (`_checkpoint.StateDicts`)."""
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 import threading

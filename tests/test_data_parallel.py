@@ -68,14 +68,14 @@ def assert_same_on_every_rank(model):
         assert torch.equal(g, gathered[0])
 
 
-def _lm_pair(rank, regime, device="cpu"):
+def _lm_pair(rank, regime, device="cpu", **options):
     torch.manual_seed(100 + rank)  # different weights per rank: wrap broadcasts rank 0's
     model = TinyLM(n_layers=6)
     if device == "cuda":
         ref = DDP(copy.deepcopy(model).cuda(), device_ids=[torch.cuda.current_device()])
     else:
         ref = DDP(copy.deepcopy(model))
-    pager.wrap(model, budget=regime_budget(model, regime), device=device)
+    pager.wrap(model, budget=regime_budget(model, regime), device=device, **options)
     return model, ref
 
 
@@ -83,8 +83,9 @@ OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=1e-2),
               "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
 
 
-def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", device="cpu"):
-    model, ddp = _lm_pair(rank, regime, device)
+def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", device="cpu",
+             clip=None, **options):
+    model, ddp = _lm_pair(rank, regime, device, **options)
     opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
     for ids, tgt in rank_batches(rank, steps):
         ids, tgt = ids.to(device), tgt.to(device)
@@ -95,6 +96,9 @@ def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, op
                 lm_loss(model, x, y).backward()
             with (ddp.no_sync() if not last else _nothing()):
                 lm_loss(ddp, x, y).backward()
+        if clip is not None:  # norms of the averaged gradients (of paged-out ones: computed as they left)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert_same(norm, torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip), exact)
         for p, q in zip(model.parameters(), ddp.module.parameters()):
             assert_same(p.grad, q.grad, exact)  # averaged, read through pager's stand-ins where paged out
         opt.step(), ref_opt.step()
@@ -125,8 +129,13 @@ def test_training_equals_ddp_bit_for_bit(tmp_path, regime):
     spawn(train_lm, 2, tmp_path, regime=regime)
 
 
-def test_accumulation_with_no_sync_equals_ddp(tmp_path):
-    spawn(train_lm, 2, tmp_path, regime="streams", accumulate=True)
+def test_accumulation_with_no_sync_and_clipping_equals_ddp(tmp_path):
+    spawn(train_lm, 2, tmp_path, regime="streams", accumulate=True, clip=0.5)
+
+
+@pytest.mark.parametrize("activations", ["offload", "recompute"])
+def test_activations_off_the_device_equal_ddp(tmp_path, activations):
+    spawn(train_lm, 2, tmp_path, regime="streams", activations=activations, steps=3)
 
 
 def test_four_ranks(tmp_path):
@@ -210,7 +219,7 @@ def a_rank_fails(rank, world, tmp, how):
     error within dist_timeout instead of waiting forever, and the checkpoint
     taken before loads."""
     model, _ddp = _lm_pair(rank, "streams")
-    pager.of(model).reducer.timeout = __import__("datetime").timedelta(seconds=3)
+    pager.of(model).reducer.timeout_seconds = 3
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = os.path.join(tmp, "before.pt")
     done = os.path.join(tmp, "rank0-done")
@@ -257,3 +266,45 @@ def test_gpu_training_equals_ddp(tmp_path, regime):
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     spawn(train_lm, 2, tmp_path, backend=backend, regime=regime, accumulate=True, exact=False, optimizer="sgd",
           device="cuda")
+
+
+def refusals(rank, world, tmp):
+    """What data parallelism cannot do is refused before anything changes,
+    on every rank, naming the fix."""
+    torch.manual_seed(0)
+    model = TinyLM(n_layers=6 if rank == 0 else 5)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"differ between rank 0 and rank\(s\) \[1\]"):
+        pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    assert_models_equal(model.eval(), _loaded(TinyLM(n_layers=6 if rank == 0 else 5), before))
+    with pytest.raises(ValueError, match="rows="):
+        pager.wrap(TinyLM(), budget=1 << 20, device="cpu", rows=["embed"])
+    with pytest.raises(ValueError, match="dist_timeout"):
+        pager.wrap(TinyLM(), budget=1 << 20, device="cpu", dist_timeout=0)
+    with pytest.raises(ValueError, match="ProcessGroup"):
+        pager.wrap(TinyLM(), budget=1 << 20, device="cpu", process_group="world")
+    model = TinyLM()
+    pager.wrap(model, budget=1 << 20, device="cpu", process_group=False)  # off: no averaging, no collective
+    assert pager.of(model).reducer is None
+    with pager.of(model).no_sync():  # (without a group: nothing)
+        pass
+    # A rank whose own wrap fails (here: a budget below the least that runs)
+    # leaves the others with pager's error within dist_timeout, not a hang.
+    model = TinyLM()
+    if rank == 1:
+        with pytest.raises(ValueError, match="budget"):
+            pager.wrap(model, budget=1000, device="cpu", dist_timeout=3)
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 0 of 2: wrap: comparing the models"):
+            pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", dist_timeout=3)
+        assert time.monotonic() - t0 < 30
+
+
+def _loaded(model, state):
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_refusals(tmp_path):
+    spawn(refusals, 2, tmp_path)
