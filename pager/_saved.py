@@ -116,15 +116,21 @@ class Ledger:
     def __init__(self, device):
         self.device = device
         self.live = self.peak = self.pass_peak = self.last_pass_peak = 0
+        # Of `live`: activations whose copy out is under way. How many are at
+        # a given moment depends on the link's timing, up to `flight_cap`; a
+        # pass's peak counts the queue as full, so that the next pass's
+        # reserve holds however the copies happen to run then.
+        self.flight = self.flight_cap = 0
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
         self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
         self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
         self._lock = threading.Lock()
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, flight: int = 0) -> None:
         with self._lock:
             self.live += nbytes
-            self.pass_peak = max(self.pass_peak, self.live)
+            self.flight += flight
+            self.pass_peak = max(self.pass_peak, self.live - self.flight + max(self.flight, self.flight_cap))
             self.peak = max(self.peak, self.live)
             self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
 
@@ -136,9 +142,10 @@ class Ledger:
     def reset_peak(self) -> None:
         self.peak, self.peak_with_blocks = self.live, self.live + self.blocks
 
-    def sub(self, nbytes: int) -> None:
+    def sub(self, nbytes: int, flight: int = 0) -> None:
         with self._lock:
             self.live -= nbytes
+            self.flight -= flight
 
     def hold(self, t) -> int:
         """Count `t`'s storage (once, however many tensors hold it); the key to `let_go`."""
@@ -497,7 +504,7 @@ class ActivationOffload:
             group = self._groups[-1]
             group[1].append(weakref.ref(sent))
             group[2] += nbytes
-            self._in_flight_cap = max(self._in_flight_cap, group[2])
+            self._in_flight_cap = self.ledger.flight_cap = max(self._in_flight_cap, group[2])
             self.stats.activations_sent_bytes += nbytes
             if written is not None:
                 # Its memory, not its graph: a graph node's hooks hold the pager,
@@ -505,7 +512,7 @@ class ActivationOffload:
                 with unguarded():
                     self._in_flight.append((t.detach(), written, nbytes))
                 self._in_flight_bytes += nbytes
-                self.ledger.add(nbytes)
+                self.ledger.add(nbytes, flight=nbytes)
             self._settle()
         return sent
 
@@ -534,13 +541,13 @@ class ActivationOffload:
         while q and q[0][1].query():
             nbytes = q.popleft()[2]
             self._in_flight_bytes -= nbytes
-            self.ledger.sub(nbytes)
+            self.ledger.sub(nbytes, flight=nbytes)
         while self._in_flight_bytes > (self._in_flight_cap if cap is None else cap):
             _t, event, nbytes = q.popleft()
             # Compute reuses this memory only after the copy out has read it.
             self.transport.compute_waits(event)
             self._in_flight_bytes -= nbytes
-            self.ledger.sub(nbytes)
+            self.ledger.sub(nbytes, flight=nbytes)
 
     def pass_ends(self) -> None:
         """The backward ended: every copy out was ordered before it; compute
