@@ -57,8 +57,9 @@ def main():
     base = Decoder(n_layers=args.layers, d=args.width, ff=int(args.width * 2.75), heads=16, vocab=VOCAB)
     state_gib = 4 * sum(p.numel() * 4 for p in base.parameters()) / GiB  # weights, grads, AdamW's two
     rows, ms = [], {}
-    workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, {state_gib:.1f} GiB "
-                f"with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, {world} rank(s)")
+    workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, "
+                f"{state_gib:.1f} GiB with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, "
+                f"{world} rank(s)")
     for label, group in (("pager, one rank's step (process_group=False)", False),
                          ("pager, gradients averaged over the group", dist.group.WORLD)):
         model = copy.deepcopy(base)

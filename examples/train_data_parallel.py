@@ -37,7 +37,8 @@ from benchmarks.models import Decoder  # noqa: E402
 def train(rank: int, world: int, steps: int, accumulate: int) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())  # (one GPU: ranks share it)
+        # (ranks spawned here on a machine of one GPU share it)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         size, batch = dict(n_layers=16, d=2048, ff=5632, heads=16, vocab=32000), (2, 1024)  # 3.8 GB of fp32
     else:
         size, batch = dict(n_layers=6, d=64, ff=176, heads=4, vocab=256), (2, 32)

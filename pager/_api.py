@@ -205,7 +205,11 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         torch.cuda.empty_cache()
     _warn_if_staging_crowds(pager)
     if group is not None:
-        _distributed.check_same_blocks(pager, group, dist_timeout)  # (before it is registered: a refusal leaves no pager)
+        try:
+            _distributed.check_same_blocks(pager, group, dist_timeout)
+        except BaseException:
+            close(pager)  # every tensor back where it was: the model as it was given
+            raise
         pager.reducer = _distributed.Reducer(pager, group, dist_timeout)
     _PAGERS[model] = pager
     if trace_steps:

@@ -83,8 +83,10 @@ def check_same_model(model: torch.nn.Module, group, timeout_seconds: float, devi
     ranks would reduce buffers that do not match. Raises naming the ranks."""
     text = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}"
                     for name, t in chain(model.named_parameters(), model.named_buffers()))
-    _check_equal_across(group, text, timeout_seconds, device, "the models' parameters and buffers (names, "
-                        "shapes, dtypes, requires_grad) differ", "build the same model on every rank before wrapping it")
+    _check_equal_across(group, text, timeout_seconds, device,
+                        "the models' parameters and buffers (names, shapes, dtypes, requires_grad) differ",
+                        "build the same model on every rank before wrapping it, or pass process_group=False "
+                        "if the ranks are not to average gradients (model parallel)")
 
 
 def check_same_blocks(pager, group, timeout_seconds: float) -> None:

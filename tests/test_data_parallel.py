@@ -288,6 +288,20 @@ def refusals(rank, world, tmp):
     assert pager.of(model).reducer is None
     with pager.of(model).no_sync():  # (without a group: nothing)
         pass
+    # Blocks that differ (here: chosen differently) are found once the pages
+    # are built: the model is given back as it was.
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = copy.deepcopy(model)
+    chosen = (lambda name, m: name.startswith("layers.")) if rank == 0 else (lambda name, m: name == "layers.0")
+    with pytest.raises(ValueError, match="blocks differ"):
+        pager.wrap(model, budget=1 << 30, device="cpu", blocks=chosen)
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(model)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert_models_equal(model, before)
+    ids = rank_batches(rank, 1)[0][0]
+    assert_same(model(ids), before(ids))
     # A rank whose own wrap fails (here: a budget below the least that runs)
     # leaves the others with pager's error within dist_timeout, not a hang.
     model = TinyLM()
