@@ -39,6 +39,7 @@ def wrap(
     row_cache=None,
     process_group=None,
     dist_timeout: float = 600.0,
+    share_host_pages: bool = False,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -121,6 +122,12 @@ def wrap(
             collectives on the host before it raises (a rank died or ran
             another loop). Collectives on CUDA tensors time out by the
             process group's own `timeout`.
+        share_host_pages: with a process group, the ranks on one host keep
+            one copy of the weights' pages in shared memory instead of one
+            each ([Note: one host copy per node] in _distributed.py): N ranks
+            serving one model (each streaming for its own requests) hold its
+            weights in host memory once. A block whose weights change on a
+            rank (training) gets a page of that rank's own.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -131,12 +138,12 @@ def wrap(
     return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
                  prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
-                 dist_timeout=dist_timeout)
+                 dist_timeout=dist_timeout, share_host_pages=share_host_pages)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
-          process_group=None, dist_timeout=600.0, setup=None):
+          process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there)."""
     engine = _engine_of(budget, pool)
@@ -159,6 +166,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = _rows.choose(model, rows, budget_bytes)
     group = _distributed.resolve_group(process_group)
+    _check_sharing(share_host_pages, group, compress, setup)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     sizing = _discover.size_up(model, blocks, [m for _n, m in tables])
@@ -178,6 +186,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
                   activations=activations, engine=engine, name=name, compress=compress)
     pager.min_budget_bytes = min_budget
+    if share_host_pages:
+        pager.share_host = lambda p: _distributed.share_host_pages(p, group, dist_timeout)
     total, named = sizing.total, sizing.named
     if setup is None:
         pager.arena.check_room(total, f"the model ({len(named)} blocks)")
@@ -242,6 +252,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     close(pager)
     del _PAGERS[model]
     return model
+
+
+def _check_sharing(share, group, compress, setup) -> None:
+    if not isinstance(share, bool):
+        raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
+    if not share:
+        return
+    if group is None:
+        raise ValueError("pager: share_host_pages=True shares the weights' host pages between the ranks of a "
+                         "node; it needs a process group (torch.distributed initialized with more than one rank, "
+                         "or process_group=...).")
+    if compress is not None or setup is not None:
+        raise ValueError("pager: share_host_pages=True is not supported with compress= or with pager.load "
+                         "(their pages are not laid out as the plan); wrap without one of them.")
 
 
 def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:

@@ -128,6 +128,7 @@ class Segment:
     writeback_event: object = None     # last write-back of this page, if any
     host_valid: bool = True            # the host page holds data worth fetching
     encoded: object = None             # how the page is compressed (`_compress.Encoded`), None: plain
+    shared: bool = False               # the page is in the node's shared copy (written to a private one on change)
     # While paged out, each tensor's own class (see [Note: paged-out tensors]
     # in _paged.py), and views handed out by served accesses: (weakref, class).
     classes: list = field(default_factory=list)

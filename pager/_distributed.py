@@ -40,6 +40,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import socket
+import uuid
 from datetime import timedelta
 from itertools import chain
 
@@ -127,6 +130,55 @@ def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, ti
                      group, timeout_seconds)
             if staged is not t.data:
                 t.data.copy_(staged)
+
+
+def share_host_pages(pager, group, timeout_seconds: float) -> None:
+    """[Note: one host copy per node]
+    With `wrap(share_host_pages=True)`, the ranks on one host keep one copy of
+    the model's weights in host memory instead of one each. The node's first
+    rank names a file in /dev/shm; every rank of the node maps it
+    (`HostArena.share`), page-locks it for its own GPU, and lays its weights
+    pages out in it, in the same order (the ranks' blocks are the same:
+    `check_same_blocks`). Each rank writes its pages there; the values are
+    the same bytes on every rank (rank 0's, broadcast), so the writes agree.
+    Once every rank has mapped it the file is unlinked: the memory lives as
+    long as a rank maps it, and nothing is left behind if a rank dies.
+    A page whose values change on one rank (a training step, running
+    statistics) is written to a page of that rank's own instead (copy on
+    write, `Engine._store_private`): the others go on reading the shared copy,
+    never a page another rank is rewriting. So inference on N ranks holds the
+    weights once per node; training holds each changed block per rank, as
+    without sharing (optimizer state sharded by block is not built)."""
+    device = pager.device
+    host = socket.gethostname()
+    hosts = _gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node")
+    rank = dist.get_rank(group)
+    first = hosts.index(host)  # the node's first rank names the file
+    folder = "/dev/shm"
+    if not os.path.isdir(folder):
+        raise ValueError(f"pager: share_host_pages=True needs {folder} (shared memory, Linux); it is not here. "
+                         "Wrap without share_host_pages.")
+    name = f"pager-{uuid.uuid4().hex}" if rank == first else ""
+    names = _gather_texts(group, name, timeout_seconds, device, "wrap: naming the node's shared host pages")
+    path = os.path.join(folder, names[first])
+    pager.engine.host.share(pager, path)
+    _gather_texts(group, "mapped", timeout_seconds, device, "wrap: waiting for the node's ranks to map its pages")
+    if rank == first:
+        os.unlink(path)  # (mapped by every rank of the node: the memory stays while one maps it)
+
+
+def _gather_texts(group, text: str, timeout_seconds: float, device, what: str, width: int = 256) -> list[str]:
+    """Every rank's `text` (at most `width` bytes of UTF-8), in rank order."""
+    data = text.encode()
+    if len(data) > width:
+        raise ValueError(f"pager: {text!r} is longer than {width} bytes")
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    if not control_on_cpu(group):
+        mine = mine.to(device)
+    texts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait_for(dist.all_gather(texts, mine, group=group, async_op=True), what, group, timeout_seconds)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in texts]
 
 
 def wait_for(work, what: str, group, timeout_seconds: float) -> None:

@@ -220,7 +220,8 @@ class Engine:
             host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
                 self.host.hold(block.owner, nbytes), None)
         flat = self.transport.new_flat(nbytes)
-        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded,
+                      shared=self.host.is_shared(block.owner, host))
         disk = self.host.disks.get(block.owner)
         if disk is not None:
             disk.attach(block, seg, pieces)
@@ -419,6 +420,8 @@ class Engine:
         if write:
             if seg.encoded is not None:
                 self._store_plain(block, seg)
+            elif seg.shared:
+                self._store_private(block, seg)
             start, end = self.host.down(block, seg, after=(ready,))
             writeback = end if self.transport.is_cuda else None
             seg.writeback_event = writeback
@@ -440,6 +443,18 @@ class Engine:
             "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
         seg.host = self.host.hold(block.owner, seg.nbytes)
         seg.encoded = None
+
+    def _store_private(self, block, seg: Segment) -> None:
+        """`seg`'s page is in the node's shared copy and its values changed
+        here: they go to a page of this rank's own (copy on write), so the
+        other ranks keep reading the copy they share."""
+        block.owner.warn_once(
+            "private-pages", "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
+            "statistics): its page leaves the host copy the node's ranks share, and this rank keeps its own "
+            "from now on (so will other blocks that change). Sharing saves host memory for inference.",
+            block.name)
+        seg.host = self.host.hold(block.owner, seg.nbytes)
+        seg.shared = False
 
     def _readopt(self, block, seg: Segment) -> None:
         """Tensors given new memory by `t.data = new` since their fetch: copy

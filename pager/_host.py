@@ -49,6 +49,8 @@ class HostArena:
         self._registered: list[torch.Tensor] = []
         self._used_in_last = 0
         self._planned: list[int] = []
+        self._shared: torch.Tensor | None = None  # the node's shared file, mapped (`share`)
+        self._shared_used = 0
         self.reserved_bytes = 0
         self.used_bytes = 0
 
@@ -74,12 +76,30 @@ class HostArena:
             group += n or 0
         self._planned.reverse()
 
+    def share(self, path: str) -> None:
+        """Carve the planned chunks (the pages `reserve` planned: the model's
+        weights) out of the file `path` in shared memory, which the other
+        ranks of the node map too ([Note: one host copy per node] in
+        _distributed.py). Pages allocated past the plan stay private."""
+        size = max(sum(self._planned), 1)
+        self._shared = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self._shared_used = 0
+        if self.pin:
+            # Not touched first: other ranks may be writing their pages into it.
+            _register(self._shared, touch=False)
+            self._registered.append(self._shared)
+
+    def is_shared(self, page: torch.Tensor) -> bool:
+        """Whether `page` lies in the node's shared file."""
+        s = self._shared
+        return s is not None and s.data_ptr() <= page.data_ptr() < s.data_ptr() + s.numel()
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` (rounded up to the alignment) in one chunk."""
         nbytes = align(max(nbytes, 1))
         if not self._chunks or self._used_in_last + nbytes > self._chunks[-1].numel():
             if self._planned and self._planned[-1] >= nbytes:
-                self._new_chunk(self._planned.pop())
+                self._new_chunk(self._planned.pop(), planned=True)
             else:
                 # Unplanned growth (gradients, optimizer state): chunks grow
                 # with what is in use, so small models pin little.
@@ -89,13 +109,18 @@ class HostArena:
         self.used_bytes += nbytes
         return self._chunks[-1][start : start + nbytes]
 
-    def _new_chunk(self, nbytes: int) -> None:
-        if self.reserved_bytes + nbytes >= PIN_PROGRESS_BYTES and self.pin:
-            log.info("pager: pinning host pages: %s so far, %s more", format_bytes(self.reserved_bytes), format_bytes(nbytes))
-        chunk = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin:
-            _register(chunk)
-            self._registered.append(chunk)
+    def _new_chunk(self, nbytes: int, planned: bool = False) -> None:
+        if planned and self._shared is not None:  # (registered whole by `share`)
+            chunk = self._shared[self._shared_used : self._shared_used + nbytes]
+            self._shared_used += nbytes
+        else:
+            if self.reserved_bytes + nbytes >= PIN_PROGRESS_BYTES and self.pin:
+                log.info("pager: pinning host pages: %s so far, %s more", format_bytes(self.reserved_bytes),
+                         format_bytes(nbytes))
+            chunk = torch.empty(nbytes, dtype=torch.uint8)
+            if self.pin:
+                _register(chunk)
+                self._registered.append(chunk)
         self._chunks.append(chunk)
         self._used_in_last = 0
         self.reserved_bytes += nbytes
@@ -106,13 +131,15 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
         self._registered.clear()
         self._chunks.clear()
+        self._shared = None
         self.reserved_bytes = self.used_bytes = self._used_in_last = 0
 
 
-def _register(chunk: torch.Tensor) -> None:
+def _register(chunk: torch.Tensor, touch: bool = True) -> None:
     t0 = time.perf_counter()
-    # Touch the pages first so registration does not fault them in one by one.
-    chunk.zero_()
+    if touch:
+        # Touch the pages first so registration does not fault them in one by one.
+        chunk.zero_()
     err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), 0)
     code = int(err.value) if hasattr(err, "value") else int(err)
     if code != 0:

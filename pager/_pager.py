@@ -84,6 +84,7 @@ class Pager:
         self.min_budget_bytes = 0
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Hooks.start_step)
         self.reducer = None  # a `_distributed.Reducer` when gradients are averaged over a process group
+        self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
         self.hooks = Hooks(self)
         self.serve = Serving(self)
         self.grad_ops = GradOps(self, self.serve)
@@ -94,6 +95,8 @@ class Pager:
         order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
         if self.sources is None:  # (pages from files live in their disk tier's memory)
             self.engine.host.reserve(self, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
+        if self.share_host is not None:
+            self.share_host(self)  # the weights pages: one copy for the ranks of this node
         for i, (name, module) in enumerate(self._named_blocks):
             self.blocks.append(Block(name, module, i, owner=self))
             self.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in _discover.py

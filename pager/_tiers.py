@@ -52,6 +52,13 @@ class HostTier:
         """Plan `owner`'s arena for pages of `sizes`, to be held in this order."""
         self.arena_of(owner).reserve(sizes)
 
+    def share(self, owner, path: str) -> None:
+        """`owner`'s planned pages (its weights) come from the shared file `path`."""
+        self.arena_of(owner).share(path)
+
+    def is_shared(self, owner, page) -> bool:
+        return page is not None and self.arena_of(owner).is_shared(page)
+
     def hold(self, owner, nbytes: int):
         """A page of `nbytes` for one of `owner`'s segments (None under a
         disk tier: placed when it is first written)."""

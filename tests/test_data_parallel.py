@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pager
-from helpers import assert_models_equal, assert_same
+from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import SuperNet, TinyLM
 from test_training import _supernet_budget, regime_budget
 
@@ -256,16 +256,17 @@ def test_a_rank_that_stops_gives_the_others_a_clear_error(tmp_path, how):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("regime", ["fits", "streams"])
-def test_gpu_training_equals_ddp(tmp_path, regime):
+@pytest.mark.parametrize("regime,share", [("fits", False), ("streams", False), ("streams", True)])
+def test_gpu_training_equals_ddp(tmp_path, regime, share):
     """Two ranks: with two GPUs or more, NCCL, one GPU each; with one GPU, both
     ranks on it through gloo (its CUDA path: the comm stream, reductions in
     flight as blocks leave). Within rounding of DDP's (the same kernels)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    options = {"share_host_pages": True} if share else {}  # (the shared pages page-locked in each rank)
     spawn(train_lm, 2, tmp_path, backend=backend, regime=regime, accumulate=True, exact=False, optimizer="sgd",
-          device="cuda")
+          device="cuda", **options)
 
 
 def refusals(rank, world, tmp):
@@ -322,3 +323,45 @@ def _loaded(model, state):
 
 def test_refusals(tmp_path):
     spawn(refusals, 2, tmp_path)
+
+
+def _shared_file_inode():
+    """The inode of the node's shared pages as this process maps them."""
+    with open("/proc/self/maps") as f:
+        inodes = {line.split()[4] for line in f if "/dev/shm/pager-" in line}
+    assert len(inodes) == 1, inodes
+    return int(inodes.pop())
+
+
+def shared_inference(rank, world, tmp):
+    """The ranks of a node map one copy of the weights' pages, and each
+    streams its own requests from it: outputs equal the unpaged model's."""
+    torch.manual_seed(100 + rank)
+    model = TinyLM(n_layers=6)
+    torch.manual_seed(100)
+    ref = TinyLM(n_layers=6)  # rank 0's weights, which wrap broadcasts
+    budget = int(0.6 * tensor_page_bytes(model))  # weights stream through
+    pager.wrap(model, budget=budget, device="cpu", share_host_pages=True)
+    p = pager.of(model)
+    assert all(b.weights.shared for b in p.all_blocks())
+    inodes = [None] * world
+    dist.all_gather_object(inodes, _shared_file_inode())
+    assert len(set(inodes)) == 1  # one file for the node, mapped by every rank
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("pager-") and str(inodes[0]) in n]
+    with torch.no_grad():
+        for ids, _tgt in rank_batches(rank, 3):
+            assert_same(model(ids), ref(ids))
+    assert p.stats().evictions > 0  # streamed through the budget
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shared_host_pages_serve_every_rank(tmp_path):
+    spawn(shared_inference, 2, tmp_path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shared_host_pages_copy_on_write_in_training(tmp_path):
+    """Each rank's changed blocks get pages of their own: training equals DDP's."""
+    spawn(train_lm, 2, tmp_path, regime="streams", share_host_pages=True)
