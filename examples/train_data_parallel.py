@@ -18,6 +18,7 @@ under DDP on the same data and checks that the weights agree bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -60,7 +61,7 @@ def train(rank: int, world: int, steps: int, accumulate: int) -> None:
             for m, sync in ((model, pager.of(model).no_sync), (ddp, ddp.no_sync if ddp else None)):
                 if m is None:
                     continue
-                with (sync() if not last else _nothing()):
+                with (sync() if not last else contextlib.nullcontext()):
                     logits = m(ids[:, :-1])
                     loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) / accumulate
                     loss.backward()
@@ -83,14 +84,6 @@ def train(rank: int, world: int, steps: int, accumulate: int) -> None:
         if rank == 0:
             print("the same weights as DistributedDataParallel, bit for bit, on every rank")
     pager.unwrap(model)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _spawned(rank: int, world: int, init: str, steps: int, accumulate: int) -> None:

@@ -101,17 +101,12 @@ def check_same_blocks(pager, group, timeout_seconds: float) -> None:
 def _check_equal_across(group, text: str, timeout_seconds: float, device, what: str, fix: str) -> None:
     """Compare a digest of `text` across the ranks (waiting at most
     `timeout_seconds` for them: a rank that failed in its own wrap)."""
-    world = dist.get_world_size(group)
-    mine = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
-    if not control_on_cpu(group):
-        mine = mine.to(device)
-    digests = [torch.empty_like(mine) for _ in range(world)]
-    wait_for(dist.all_gather(digests, mine, group=group, async_op=True), "wrap: comparing the models of the ranks",
-             group, timeout_seconds)
-    differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+    digests = _gather_texts(group, hashlib.sha256(text.encode()).hexdigest(), timeout_seconds, device,
+                            "wrap: comparing the models of the ranks")
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
-        raise ValueError(f"pager: data parallel over {world} ranks: {what} between rank 0 and rank(s) {differ}; "
-                         f"{fix}.")
+        raise ValueError(f"pager: data parallel over {len(digests)} ranks: {what} between rank 0 and rank(s) "
+                         f"{differ}; {fix}.")
 
 
 def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, timeout_seconds: float) -> None:

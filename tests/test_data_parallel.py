@@ -3,6 +3,7 @@ test spawns 2-4 processes; each rank trains a paged model and the same model
 under DistributedDataParallel on the same data, and they must agree bit for
 bit (weights, gradients, optimizer state)."""
 
+import contextlib
 import copy
 import os
 import time
@@ -92,9 +93,9 @@ def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, op
         micro = [(ids, tgt), (ids.flip(0), tgt.flip(0)), (ids.roll(1, 1), tgt)] if accumulate else [(ids, tgt)]
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            with (pager.of(model).no_sync() if not last else _nothing()):
+            with (pager.of(model).no_sync() if not last else contextlib.nullcontext()):
                 lm_loss(model, x, y).backward()
-            with (ddp.no_sync() if not last else _nothing()):
+            with (ddp.no_sync() if not last else contextlib.nullcontext()):
                 lm_loss(ddp, x, y).backward()
         if clip is not None:  # norms of the averaged gradients (of paged-out ones: computed as they left)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -114,14 +115,6 @@ def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, op
     pager.unwrap(model)
     assert_models_equal(model, ddp.module, exact)
     return stats
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("regime", ["fits", "streams"])
