@@ -13,13 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pager
 from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import SuperNet, TinyLM
-from test_training import _supernet_budget, regime_budget
+from test_training import _supernet_budget, lm_loss, regime_budget
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -41,10 +40,6 @@ def _entry(rank, world, init, backend, scenario, tmp, kwargs):
         raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
     finally:
         dist.destroy_process_group()
-
-
-def lm_loss(model, ids, tgt):
-    return F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
 
 
 def rank_batches(rank, n, vocab=64):
