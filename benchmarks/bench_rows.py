@@ -54,6 +54,18 @@ def unique_rows(n_rows: int, k: int, device) -> torch.Tensor:
     return rows[torch.randperm(rows.numel(), device=device)[:k]]
 
 
+def batch_ids(n_rows: int, skew: float, device) -> torch.Tensor:
+    """ROWS_TOUCHED lookups of a table of `n_rows`: distinct random rows
+    (skew 0: a row comes back only by chance), or rows drawn by a power law
+    (skew s > 0: rank n_rows * u**(1 + s), scattered over the table by a
+    multiplicative hash; repeats included, as a recommender's batch has)."""
+    if skew == 0:
+        return unique_rows(n_rows, ROWS_TOUCHED, device)
+    u = torch.rand(ROWS_TOUCHED, device=device, dtype=torch.float64)
+    rank = (u ** (1 + skew) * n_rows).long()
+    return (rank * 2654435761) % n_rows
+
+
 def gather_scatter(gb: float) -> list[Row]:
     """Part 1, on a table of `gb` GB: the rows sorted, as a lookup reads them."""
     dev = torch.device("cuda")
@@ -76,9 +88,9 @@ def gather_scatter(gb: float) -> list[Row]:
         ms = _wall_ms(lambda: reader.read(rows), warmup=6, reps=20)
         note = f"{nbytes / ms / 1e6:.1f} GB/s" + (f"; {_learned(reader)}" if share is None else "")
         out.append(Row(what, label, ms, ratio=ms / floor_ms, reference="floor", note=note))
-    ms = _wall_ms(lambda: table.write(rows, {"weight": src}), reps=20)
+    ms = _wall_ms(lambda: table._write_host(rows, {"weight": src}), reps=20)
     out.append(Row(what.replace("gather", "write back"), "pager (kernel on the mapped table)", ms, ratio=ms / floor_ms,
-                   reference="gather floor", note=f"{nbytes / ms / 1e6:.1f} GB/s; includes the host sync"))
+                   reference="gather floor", note=f"{nbytes / ms / 1e6:.1f} GB/s"))
     rows_cpu = rows.cpu()
     ms = _wall_ms(lambda: table.host[rows_cpu].to(dev), reps=5)
     out.append(Row(what, "naive host[rows].to(cuda)", ms, ratio=ms / floor_ms, reference="floor"))
@@ -140,14 +152,15 @@ def make_optimizers(model, name: str):
     return [table(list(model.table.parameters())), torch.optim.Adam(model.mlp.parameters(), lr=1e-3)]
 
 
-def step_ms(model, opts, n_rows: int, bags: int, steps: int, warmup: int = 3, ahead=None, around=None) -> float:
+def step_ms(model, opts, n_rows: int, bags: int, steps: int, skew: float, warmup: int = 3, ahead=None,
+            around=None) -> float:
     """Median ms of a training step. `ahead(next_ids)` runs after the forward
     (pager's expect_rows); `around(ids)` wraps the step (SpeedTorch's
     before/after calls) and returns the ids the model looks up."""
     dev = torch.device("cuda")
     per_bag = ROWS_TOUCHED // bags
-    # A new batch every step (no row comes back but by chance): the device cache cannot help.
-    batches = [(unique_rows(n_rows, ROWS_TOUCHED, dev), torch.arange(0, ROWS_TOUCHED, per_bag, device=dev))
+    # A new batch every step (skew 0: no row comes back but by chance, the device cache cannot help).
+    batches = [(batch_ids(n_rows, skew, dev), torch.arange(0, ROWS_TOUCHED, per_bag, device=dev))
                for _ in range(warmup + steps + 1)]
     times = []
     for i in range(warmup + steps):
@@ -173,14 +186,16 @@ def step_ms(model, opts, n_rows: int, bags: int, steps: int, warmup: int = 3, ah
     return statistics.median(times)
 
 
-def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: int, steps: int) -> list[Row]:
+def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: int, steps: int,
+             skew: float) -> list[Row]:
     dev = torch.device("cuda")
     out = []
-    what = f"train step, {ROWS_TOUCHED} rows x {DIM} fp32 touched, {optimizer}"
+    drawn = "distinct random rows" if skew == 0 else f"power-law rows (skew {skew:g})"
+    what = f"train step, {ROWS_TOUCHED} lookups of {drawn} x {DIM} fp32, {optimizer}"
     fit_rows = int(fit_gb * GiB) // (DIM * 4)
     torch.manual_seed(0)
     on_gpu = Recommender(fit_rows).to(dev)
-    ref_ms = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps)
+    ref_ms = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps, skew)
     peak = torch.cuda.max_memory_allocated() / GiB
     out.append(Row(what, f"table on GPU ({fit_gb:g} GB)", ref_ms, peak_gib=peak, ratio=1.0))
     del on_gpu
@@ -195,25 +210,30 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
         wrap_s = time.perf_counter() - t0
         opts = make_optimizers(model, optimizer)
         p = pager.of(model)
+        # Warm up until the cache is full: in the steady state every row it takes in puts one out.
+        warmup = 3 + 2 * p.row_tables[0].cache.capacity // ROWS_TOUCHED
         for label, ahead in (("", None), (", expect_rows", lambda ids: p.expect_rows(model.table, ids))):
+            step_ms(model, opts, n_rows, bags, warmup, skew, warmup=0, ahead=ahead)  # (the warm-up)
             p.reset()
             torch.cuda.reset_peak_memory_stats()
-            ms = step_ms(model, opts, n_rows, bags, steps, ahead=ahead)
+            ms = step_ms(model, opts, n_rows, bags, steps, skew, ahead=ahead)
             s = p.stats()
             out.append(Row(what, f"row-paged table ({gb:g} GB), budget {budget}{label}", ms,
                            peak_gib=torch.cuda.max_memory_allocated() / GiB, ratio=ms / ref_ms, reference="table on GPU",
-                           note=f"cache hits {s.row_hits}, misses {s.row_misses} ({s.row_ahead_hits} read ahead); "
+                           note=f"cache hits {s.row_hits}, misses {s.row_misses} ({s.row_ahead_hits} read ahead), "
+                                f"{s.row_d2h_bytes / (steps + 3) / 1e6:.0f} MB written back a step; "
                                 f"{_learned(p.row_tables[0].readers['weight'])}; "
                                 f"build {build_s:.0f} s, wrap {wrap_s:.0f} s"))
         pager.unwrap(model)
         del model, opts
         free_cuda()
         if optimizer == "sgd":
-            out += speedtorch_training(gb, n_rows, bags, steps, what, ref_ms)
+            out += speedtorch_training(gb, n_rows, bags, steps, skew, what, ref_ms)
     return out
 
 
-def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, what: str, ref_ms: float) -> list[Row]:
+def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: float, what: str,
+                        ref_ms: float) -> list[Row]:
     """SpeedTorch's loop: the batch's rows become the weight of a batch-sized table
     on the GPU (beforeForwardPass), SGD updates it, afterOptimizerStep writes it back."""
     st = _speedtorch()
@@ -231,7 +251,7 @@ def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, what: str
         factory.beforeForwardPass(rows_np)
         return positions, lambda: factory.afterOptimizerStep(rows_np)
 
-    ms = step_ms(model, make_optimizers(model, "sgd"), n_rows, bags, steps, around=around)
+    ms = step_ms(model, make_optimizers(model, "sgd"), n_rows, bags, steps, skew, around=around)
     del factory, model
     free_cuda()
     return [Row(what, label, ms, ratio=ms / ref_ms, reference="table on GPU")]
@@ -246,14 +266,16 @@ def main() -> None:
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad", "sparse_adam"])
     ap.add_argument("--bags", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skew", type=float, default=0.0, help="0: distinct random rows a step; s > 0: power-law rows")
     ap.add_argument("--skip-gather", action="store_true")
     ap.add_argument("--skip-training", action="store_true")
     args = ap.parse_args()
     env = environment()
     rows = [] if args.skip_gather else [r for gb in args.gather_gb for r in gather_scatter(gb)]
     if not args.skip_training:
-        rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps)
-    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb{'_gather' if args.skip_training else ''}", env)
+        rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps, args.skew)
+    skew = f"_skew{args.skew:g}" if args.skew else ""
+    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb{skew}{'_gather' if args.skip_training else ''}", env)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,13 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 and the device cache lacks, on the row stream by the kernel, while the compute
 stream runs on. The rows are clamped to the table (the lookup itself checks
 the range and raises). A later lookup takes the rows it misses in the cache
-from there, if they are current: a row written (by a
-step, or a `max_norm` renormalisation) after the read began may have been read
-before or after that write, so it is read again from the host table, where
-the write has landed (writes are synchronous, see `RowTable.write`). Any other
-write to the table drops the rows read ahead (`RowTable._check_current`).
+from there, if they are current: a row written through to the host table (by
+a step, or a `max_norm` renormalisation) after the read began, or whose
+write-back ([Note: write-back of cached rows] in _rows.py) was still running
+when it began, may have been read before or after that write, so it is read
+again from the host table, after the write has landed (the compute stream
+waits for it). Any other write to the table drops the rows read ahead
+(`RowTable.forget`).
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ _REMEASURE_EVERY = 16
 
 
 class RowStream:
-    """The row tables' side stream and pinned staging buffer (one per model),
-    with the transport's cheap stream handling (`compute_stream`, `on`)."""
+    """The row tables' side streams (one reads rows ahead, one writes changed
+    rows back: a host sync on the first must not wait for the second) and
+    pinned staging buffer, one per model, with the transport's cheap stream
+    handling (`compute_stream`, `on`)."""
 
     def __init__(self, transport):
         self.transport = transport
         self.stream = torch.cuda.Stream(transport.device)
+        self.write_stream = torch.cuda.Stream(transport.device)
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._staging_free = None  # an event: the last copies out of the staging buffer are done
 
@@ -94,6 +99,7 @@ class HostRowReader:
         self.row_seconds = {"kernel": None, "split": None}  # measured per row, each way
         self._reads = 0
         self._pending = None  # the last read's events, to learn from
+        self.before_host_read = None  # a callable: the host table's queued writes land (before CPU threads read it)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """The table's `rows` (sorted, on the device) as a new device tensor."""
@@ -147,6 +153,8 @@ class HostRowReader:
         row_bytes = self.host.shape[1] * self.host.element_size()
         stage = rs.staging(rows_cpu.numel() * row_bytes)[: rows_cpu.numel() * row_bytes]
         stage = stage.view(self.host.dtype).view(-1, self.host.shape[1])
+        if self.before_host_read is not None:
+            self.before_host_read()
         bounds = [i * rows_cpu.numel() // _CHUNKS for i in range(_CHUNKS + 1)]
         t0 = time.perf_counter()
         with rs.transport.on(rs.stream):

@@ -45,15 +45,45 @@ table), the gradient renumbered to them, and the state rows of each state
 tensor of the table's shape, gathered the same way (scalars such as Adam's
 `step` are the table's own). The optimizer's step runs on that view alone,
 with the group's options as they are, and the rows (and state rows) are then
-written back to the host table and to the cache (write-through: the host table
-is current whenever `step()` has returned, so nothing is lost when a row
-leaves the cache). torch.optim's updates are per element, so for every row
+the table's (see [Note: write-back of cached rows] for where they go). torch.optim's updates are per element, so for every row
 the gradient touches the result is the optimizer's on the whole table; rows it
 does not touch are not updated. That is the dense result for SGD without
 momentum or weight decay, Adagrad and `SparseAdam` (whose updates leave such
 rows unchanged); for SGD with momentum, Adam, AdamW, RMSprop and the others it
 is the lazy variant (as `SparseAdam` is of Adam): untouched rows keep their
 values and their state rows, which start at zero.
+
+[Note: write-back of cached rows]
+A row the cache holds is changed there only (its slot is marked dirty): rows
+that come back step after step never cross the link, either way. The host
+tables get a dirty row's values when:
+
+- it leaves the cache (`RowCache.insert` takes dirty victims out before their
+  slots are reused): its values are copied out on the compute stream and
+  written into the mapped host tables by a kernel on the row tables' write
+  stream, while compute runs on. A later read of that row from the host (a
+  miss, on the compute stream) or write to it (a row not cached) waits for
+  that write first (an event wait, no host sync); rows read ahead do not wait:
+  those whose write-back was still running when the read began are read again
+  at the lookup ([Note: rows read ahead] in _row_reader.py);
+- something outside the training loop reads a host table: any operation on
+  the weight other than a lookup or a metadata read (`state_dict()`, indexing,
+  `torch.save`, `copy.deepcopy`), and any on an optimizer state table, which
+  the optimizer holds as a `RowStateTensor` (the host table under a guard
+  class, as the weight is a `RowTableParameter`). `flush()` writes every dirty
+  row, then waits for all writes queued to the host tables (`settle()`), so
+  the read sees the table as the unpaged model would have it. An operation
+  that writes a host table (its version counter moves) then drops the cache,
+  whose copies are stale;
+- a `.data` of the weight is alive: writes through it skip every guard, so it
+  is made current when handed out, and while it lives updates go through to
+  the host table at once (and each lookup forgets the cache).
+
+Rows an update touches that the cache does not hold (a cache smaller than a
+batch, or the first step that makes a state column) are written through on
+the compute stream. Host reads by CPU threads (the staged half of a split
+read) settle first. `stats().row_flushes` counts the flushes that found dirty
+rows; a training loop makes none.
 """
 
 from __future__ import annotations
@@ -65,7 +95,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._budget import format_bytes
-from ._paged import _METADATA
+from ._paged import _METADATA, _tensors_of
 from ._row_reader import HostRowReader, ReadAhead
 
 WEIGHT = "weight"
@@ -84,9 +114,30 @@ def _table_function(cls, func, types, args=(), kwargs=None):
         weight = bound.get("weight")
         if isinstance(weight, RowTableParameter):
             return weight._row_table.lookup(func, bound)
+    return _run_on_host_tables(func, args, kwargs, RowTableParameter)
+
+
+def _state_function(cls, func, types, args=(), kwargs=None):
+    return _run_on_host_tables(func, args, kwargs or {}, RowStateTensor)
+
+
+def _run_on_host_tables(func, args, kwargs, guard_type):
+    """`func` on a row table's host tables as they are, current: the rows the
+    cache changed are written back first, and cached rows are forgotten if
+    `func` wrote to a table (see [Note: write-back of cached rows])."""
+    if func in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    guarded = [t for t in _tensors_of(args, kwargs) if type(t) is guard_type]
+    for t in guarded:
+        t._row_table.flush()
     with torch._C.DisableTorchFunctionSubclass():
+        versions = [t._version for t in guarded]
         out = func(*args, **kwargs)
-    if func == _DATA_GET and isinstance(args[0], RowTableParameter):
+        moved = [t for t, v in zip(guarded, versions) if t._version != v]
+    for t in moved:
+        t._row_table.forget()
+    if func == _DATA_GET and guard_type is RowTableParameter:
         args[0]._row_table.note_alias(out)
     return out
 
@@ -94,13 +145,17 @@ def _table_function(cls, func, types, args=(), kwargs=None):
 _DATA_GET = torch.Tensor.data.__get__
 
 
-def _as_parameter(self, fn):
-    # Pickled and deep-copied as the plain Parameter it is.
-    self.__class__ = nn.Parameter
+def _as_plain(self, cls, fn):
+    # Pickled and deep-copied as the plain tensor it is, current.
+    table = self._row_table
+    table.flush()
+    del self._row_table
+    self.__class__ = cls
     try:
         return fn()
     finally:
-        self.__class__ = RowTableParameter
+        self.__class__ = _GUARDS[cls]
+        self._row_table = table
 
 
 class RowTableParameter(nn.Parameter):
@@ -109,10 +164,33 @@ class RowTableParameter(nn.Parameter):
     __torch_function__ = classmethod(_table_function)
 
     def __deepcopy__(self, memo):
-        return _as_parameter(self, lambda: self.__deepcopy__(memo))
+        return _as_plain(self, nn.Parameter, lambda: self.__deepcopy__(memo))
 
     def __reduce_ex__(self, proto):
-        return _as_parameter(self, lambda: self.__reduce_ex__(proto))
+        return _as_plain(self, nn.Parameter, lambda: self.__reduce_ex__(proto))
+
+
+class RowStateTensor(torch.Tensor):
+    """An optimizer's state table of a row table (a momentum, Adam's moments)
+    as the optimizer holds it: the host table itself, whose reads see the
+    state rows the device cache changed (see [Note: write-back of cached rows])."""
+
+    __torch_function__ = classmethod(_state_function)
+
+    @staticmethod
+    def of(host: torch.Tensor, table: "RowTable") -> "RowStateTensor":
+        t = host.as_subclass(RowStateTensor)
+        t._row_table = table
+        return t
+
+    def __deepcopy__(self, memo):
+        return _as_plain(self, torch.Tensor, lambda: self.__deepcopy__(memo))
+
+    def __reduce_ex__(self, proto):
+        return _as_plain(self, torch.Tensor, lambda: self.__reduce_ex__(proto))
+
+
+_GUARDS = {nn.Parameter: RowTableParameter, torch.Tensor: RowStateTensor}
 
 
 class RowGrad(torch.Tensor):
@@ -250,9 +328,14 @@ def host_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------- the cache
+_SLOT_BYTES = 8 + 8 + 1  # a slot's row, last use and dirty flag
+
+
 class RowCache:
     """Rows of one table kept on the device: each slot holds a row's weight and
     its state rows (one column per kind), replaced least recently used first.
+    A slot whose values an update changed is dirty until they are written to
+    the host tables (see [Note: write-back of cached rows]).
 
     Args:
         rows: the table's number of rows.
@@ -269,28 +352,35 @@ class RowCache:
         self.shape_columns((WEIGHT,))
 
     def shape_columns(self, kinds: tuple) -> None:
-        """Empty the cache and size it for one column per kind."""
+        """Empty the cache and size it for one column per kind (the caller has
+        written its dirty rows back)."""
         self.kinds = tuple(kinds)
-        per_row = self.row_bytes * len(self.kinds)
-        capacity = max(0, (self.nbytes - self.map_bytes) // per_row) if self.nbytes > self.map_bytes else 0
+        per_row = self.row_bytes * len(self.kinds) + _SLOT_BYTES
+        capacity = max(0, (self.nbytes - self.map_bytes) // per_row - 1) if self.nbytes > self.map_bytes else 0
         self.capacity = min(capacity, self.n_rows)
         self.columns = {}
+        self.any_dirty = False  # (on the host: no dirty slot, no look for one)
         if self.capacity == 0:
             self.slot_of_row = None
             return
         # Row n_rows is a dummy: an empty slot's row, so that clearing the map
-        # entries of evicted slots needs no mask (no host sync).
+        # entries of evicted slots needs no mask (no host sync). Likewise slot
+        # `capacity` is a dummy that writes of rows not cached go to.
         self.slot_of_row = torch.full((self.n_rows + 1,), -1, dtype=torch.int32, device=self.device)
         self.row_of_slot = torch.full((self.capacity,), self.n_rows, dtype=torch.long, device=self.device)
         self.last_use = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
-        self.columns = {k: torch.empty(self.capacity, self.dim, dtype=self.dtype, device=self.device)
+        self.dirty = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
+        self.columns = {k: torch.empty(self.capacity + 1, self.dim, dtype=self.dtype, device=self.device)
                         for k in self.kinds}
 
     def clear(self) -> None:
+        """Forget every row (the caller has written the dirty ones back, or they are stale)."""
         if self.capacity:
             self.slot_of_row.fill_(-1)
             self.row_of_slot.fill_(self.n_rows)
             self.last_use.fill_(-1)
+            self.dirty.zero_()
+        self.any_dirty = False
 
     def find(self, rows: torch.Tensor):
         """(slots of `rows`' hits, their positions in `rows`, positions of misses)."""
@@ -314,16 +404,18 @@ class RowCache:
         self.tick += 1
         self.last_use.index_fill_(0, slots, self.tick)
 
-    def insert(self, rows: torch.Tensor, values: dict) -> int:
+    def insert(self, rows: torch.Tensor, values: dict):
         """Put `rows` (not cached) with `values` {kind: [n, dim]} in the least
-        recently used slots not touched since the last `touch`; returns how many fit."""
+        recently used slots not touched since the last `touch`. Returns (how
+        many fit, the dirty rows taken out as (rows, {kind: values}) or None)."""
         if self.capacity == 0 or rows.numel() == 0:
-            return 0
+            return 0, None
         free = int((self.last_use < self.tick).sum())
         n = min(free, rows.numel())
         if n == 0:
-            return 0
+            return 0, None
         victims = torch.topk(self.last_use, n, largest=False).indices
+        evicted = self._take_dirty(victims) if self.any_dirty else None
         self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), -1)
         rows = rows[:n]
         self.row_of_slot.index_copy_(0, victims, rows)
@@ -331,15 +423,42 @@ class RowCache:
         self.last_use.index_fill_(0, victims, self.tick)
         for kind, column in self.columns.items():
             column.index_copy_(0, victims, values[kind][:n])
-        return n
+        return n, evicted
 
-    def update(self, rows: torch.Tensor, values: dict) -> None:
-        """Write `values` of those `rows` that are cached into their slots."""
-        if self.capacity == 0 or not self.columns:
+    def _take_dirty(self, victims: torch.Tensor):
+        """(rows, {kind: values}) of the dirty slots among `victims`, marked
+        clean; None if none is (one host sync)."""
+        victims = victims[self.dirty.index_select(0, victims)]
+        if victims.numel() == 0:
+            return None
+        self.dirty.index_fill_(0, victims, False)
+        rows = self.row_of_slot.index_select(0, victims)
+        return rows, {k: column.index_select(0, victims) for k, column in self.columns.items()}
+
+    def take_all_dirty(self):
+        """(rows, {kind: values}) of every dirty slot, marked clean; None if none is."""
+        if not self.any_dirty:
+            return None
+        self.any_dirty = False
+        return self._take_dirty(torch.arange(self.capacity, device=self.device))
+
+    def update(self, rows: torch.Tensor, values: dict, dirty: bool) -> None:
+        """Write `values` of those `rows` that are cached into their slots
+        (marked dirty if `dirty`); the others go to the dummy slot. No host sync."""
+        if self.capacity == 0:
             return
-        slots, hit_pos, _miss = self.find(rows)
+        slots = self.slot_of_row.index_select(0, rows).long()
+        slots = torch.where(slots >= 0, slots, self.capacity)
         for kind, v in values.items():
-            self.columns[kind].index_copy_(0, slots, v.index_select(0, hit_pos))
+            self.columns[kind].index_copy_(0, slots, v)
+        if dirty:
+            self.dirty.index_fill_(0, slots, True)
+            self.any_dirty = True
+
+    def device_bytes(self) -> int:
+        if not self.capacity:
+            return 0
+        return self.map_bytes + self.capacity * _SLOT_BYTES + (self.capacity + 1) * self.row_bytes * len(self.kinds)
 
 
 # ------------------------------------------------------------- one table
@@ -367,8 +486,12 @@ class RowTable:
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.views = {WEIGHT: host_view(self.host, self.device)}
-        self.readers = {WEIGHT: HostRowReader(self.host, self.views[WEIGHT], pager.row_stream)}
+        self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
+        self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
+        self._written_back = None  # an event on the write stream: the write-backs queued so far are done
+        self._writes_in_flight = []  # (rows, event) of write-backs maybe still running
+        self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # `.data` results: writes through them skip the version counter
         with torch.no_grad():
@@ -400,17 +523,30 @@ class RowTable:
         host.copy_(value)
         return host
 
+    def _reader(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
+        reader = HostRowReader(host, view, self.pager.row_stream)
+        reader.before_host_read = self.settle  # (CPU threads read the host table itself)
+        return reader
+
     # ------------------------------------------------------------ lookups
     def note_alias(self, alias) -> None:
+        """A `.data` of the weight was handed out: the host table is made
+        current, and kept current while the alias lives (writes through it
+        skip the version counter, so every lookup forgets the cached rows)."""
         self._aliases.add(alias)
 
     def _check_current(self) -> None:
         """Forget cached rows if the table was written from outside (the
         Parameter's version counter moved, or a `.data` alias is alive)."""
         if self.param._version != self._version or len(self._aliases):
-            self.cache.clear()
-            self.ahead = None
-            self._version = self.param._version
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop the cached rows and the rows read ahead: a host table was
+        written from outside (after `flush`, so no cached change is lost)."""
+        self.cache.clear()
+        self.ahead = None
+        self._version = self.param._version
 
     def expect(self, indices: torch.Tensor) -> None:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in _row_reader.py)."""
@@ -418,6 +554,13 @@ class RowTable:
             self._check_current()
             self.ahead = ReadAhead.start(indices, self.views[WEIGHT], self.cache.has, self.pager.row_stream)
             self.pager.counters.row_h2d_bytes += self.ahead.rows.numel() * self.row_bytes
+            # The read ahead does not wait for write-backs still running: the
+            # rows they write are read again when looked up (after they land).
+            self._prune_writes()
+            for rows, _event in self._writes_in_flight:
+                if not self.ahead.note_written(rows):
+                    self.ahead = None
+                    break
 
     def lookup(self, func, bound: dict) -> torch.Tensor:
         """`func` (F.embedding or F.embedding_bag) with the table's rows: see [Note: row tables]."""
@@ -433,7 +576,8 @@ class RowTable:
                     raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
                                      f"row {low if low < 0 else high}.")
             training = torch.is_grad_enabled() and self.param.requires_grad
-            batch = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1)[WEIGHT]
+            gathered, uncached = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1)
+            batch = gathered[WEIGHT]
             bound = dict(bound, input=inverse, weight=batch)
             pad = bound.get("padding_idx")
             if pad is not None:
@@ -446,7 +590,7 @@ class RowTable:
         out = func(**bound)
         if bound.get("max_norm") is not None:
             with pager.lock, torch.no_grad():
-                self.write(rows, {WEIGHT: batch.detach()})  # renormalised rows are the table's now
+                self.write(rows, {WEIGHT: batch.detach()}, uncached)  # renormalised rows are the table's now
         return out
 
     @staticmethod
@@ -454,8 +598,10 @@ class RowTable:
         i = int(torch.searchsorted(rows, torch.tensor(row, device=rows.device)))
         return i if i < rows.numel() and int(rows[i]) == row else None
 
-    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True) -> dict:
-        """{kind: the rows of that kind on the device}, from the cache or the host tables."""
+    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True):
+        """({kind: the rows of that kind on the device}, from the cache or the
+        host tables; the positions in `rows` of those the cache does not hold
+        afterwards)."""
         cache, counters = self.cache, self.pager.counters
         slots, hit_pos, miss_pos = cache.find(rows)
         n, dim = rows.numel(), self.shape[1]
@@ -470,22 +616,26 @@ class RowTable:
             out[kind] = values
         counters.row_hits += n - miss_pos.numel()
         counters.row_misses += miss_pos.numel()
-        if cache.capacity:
-            cache.touch(slots)
-            if insert and miss_pos.numel():
-                fill = {}
-                for kind in cache.kinds:  # a slot holds every kind
-                    if kind in out:
-                        fill[kind] = out[kind].index_select(0, miss_pos)
-                    else:
-                        fill[kind] = self._read_missed(kind, miss_rows)
-                cache.insert(miss_rows, fill)
-        return out
+        if not cache.capacity:
+            return out, miss_pos
+        cache.touch(slots)
+        if not insert or not miss_pos.numel():
+            return out, miss_pos
+        fill = {}
+        for kind in cache.kinds:  # a slot holds every kind
+            fill[kind] = out[kind].index_select(0, miss_pos) if kind in out else self._read_missed(kind, miss_rows)
+        fitted, evicted = cache.insert(miss_rows, fill)
+        if evicted is not None:
+            self._write_host(*evicted, aside=True)
+        return out, miss_pos[fitted:]
 
     def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
         """The host rows `rows` (sorted) of `kind` on the device: from the rows
         read ahead where they are current, else from the host table."""
         reader, counters = self.readers[kind], self.pager.counters
+        if self._written_back is not None:
+            # A row written back (evicted dirty) may be read again: after it lands.
+            self.pager.row_stream.transport.compute_stream().wait_event(self._written_back)
         if kind != WEIGHT or self.ahead is None:
             counters.row_h2d_bytes += rows.numel() * self.row_bytes
             return reader.read(rows)
@@ -494,21 +644,77 @@ class RowTable:
         counters.row_h2d_bytes += (rows.numel() - served) * self.row_bytes
         return out
 
-    def write(self, rows: torch.Tensor, values: dict) -> None:
-        """Write `values` {kind: [n, dim]} of `rows` through to the host tables
-        and the cache, and wait: the host tables are current on return."""
-        for kind, v in values.items():
-            self.views[kind].index_copy_(0, rows, v)
-            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
+    # ------------------------------------------------------------- writes
+    def write(self, rows: torch.Tensor, values: dict, uncached: torch.Tensor) -> None:
+        """Make `values` {kind: [n, dim]} the table's rows `rows`: in the cache
+        for the rows it holds (written to the host tables later), through to
+        the host tables for the positions `uncached` (what `gather` of the
+        same rows returned). See [Note: write-back of cached rows]."""
+        cache = self.cache
+        if len(self._aliases) or not cache.capacity:
+            self._write_host(rows, values)
+            cache.update(rows, {k: v for k, v in values.items() if k in cache.columns}, dirty=False)
+        else:
+            cache.update(rows, values, dirty=True)
+            if uncached.numel():
+                self._write_host(rows.index_select(0, uncached),
+                                 {k: v.index_select(0, uncached) for k, v in values.items()})
         if self.ahead is not None and WEIGHT in values and not self.ahead.note_written(rows):
             self.ahead = None
+
+    def _write_host(self, rows: torch.Tensor, values: dict, aside: bool = False) -> None:
+        """Write `values` {kind: [n, dim]} of `rows` to the host tables: on the
+        compute stream, or `aside` on the row stream while compute runs on."""
+        for v in values.values():
+            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
         if self.device.type != "cuda":
+            for kind, v in values.items():
+                self.views[kind].index_copy_(0, rows, v)
             self._version = self.param._version  # (our own writes moved it on the CPU device)
-        self.cache.update(rows, values)
-        if self.device.type == "cuda":
-            # Host reads of the tables (the user's, the next step's misses) must
-            # see these writes: they are kernel stores into mapped host memory.
-            torch.cuda.current_stream(self.device).synchronize()
+            return
+        rs = self.pager.row_stream
+        compute = rs.transport.compute_stream()
+        self._unsettled = True
+        if not aside:
+            if self._written_back is not None:
+                compute.wait_event(self._written_back)  # (a row written back may be written again: in order)
+            for kind, v in values.items():
+                self.views[kind].index_copy_(0, rows, v)
+            return
+        # The rows and values were made on the compute stream.
+        rs.write_stream.wait_stream(compute)
+        with rs.transport.on(rs.write_stream):
+            for kind, v in values.items():
+                self.views[kind].index_copy_(0, rows, v)
+                v.record_stream(rs.write_stream)  # (the caller drops it while the write may still read it)
+            rows.record_stream(rs.write_stream)
+            self._written_back = torch.cuda.Event()
+            self._written_back.record(rs.write_stream)
+        self._prune_writes()
+        self._writes_in_flight.append((rows, self._written_back))
+
+    def _prune_writes(self) -> None:
+        self._writes_in_flight = [(r, e) for r, e in self._writes_in_flight if not e.query()]
+
+    def flush(self) -> None:
+        """Write the rows the cache changed to the host tables and wait for
+        every write to them: on return the host tables are current."""
+        with self.pager.lock:
+            taken = self.cache.take_all_dirty()
+            if taken is not None:
+                self.pager.counters.row_flushes += 1
+                self._write_host(*taken)
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the writes to the host tables queued on the device: kernel
+        stores into mapped host memory, which host reads must see."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        rs = self.pager.row_stream
+        rs.transport.compute_stream().synchronize()
+        rs.write_stream.synchronize()
 
     # ---------------------------------------------------------- gradients
     def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor) -> None:
@@ -552,6 +758,7 @@ class RowTable:
     def step(self, optimizer, group_index: int, run_step) -> None:
         """Update the rows the gradient touches with `optimizer` (its group
         `group_index` holds the table): see [Note: exact updates of touched rows]."""
+        self._check_current()
         taken = self.take_grad()
         if taken is None:
             return
@@ -559,7 +766,7 @@ class RowTable:
         state = optimizer.state[self.param]
         self._adopt_state(state)
         row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
-        gathered = self.gather(rows, (WEIGHT,) + row_kinds)
+        gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds)
         view = nn.Parameter(gathered[WEIGHT])
         view.grad = grad
         optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
@@ -579,18 +786,20 @@ class RowTable:
             if isinstance(value, torch.Tensor) and value.shape == (k, self.shape[1]):
                 if key not in self.hosts:
                     self._new_state_kind(key, value.dtype, state)
+                    uncached = torch.arange(k, device=self.device)  # (the cache was emptied for the new column)
                 values[key] = value.to_dense() if value.is_sparse else value
             else:
                 state[key] = value
-        self.write(rows, values)
+        self.write(rows, values, uncached)
 
     def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
+        self.flush()  # (the cache is emptied to make room for the new column)
         zeros = torch.zeros((), dtype=dtype).expand(self.shape)
         host = self._new_host_table(zeros)
         self.hosts[key] = host
         self.views[key] = host_view(host, self.device)
-        self.readers[key] = HostRowReader(host, self.views[key], self.pager.row_stream)
-        state[key] = host
+        self.readers[key] = self._reader(host, self.views[key])
+        self.state_views[key] = state[key] = RowStateTensor.of(host, self)
         self.cache.shape_columns(tuple(self.hosts))
 
     def _adopt_state(self, state: dict) -> None:
@@ -598,18 +807,22 @@ class RowTable:
         optimizer made at construction (Adagrad's sum), or put there by
         `load_state_dict`."""
         for key, value in list(state.items()):
-            if not isinstance(value, torch.Tensor) or value.shape != self.shape or self.hosts.get(key) is value:
+            if (not isinstance(value, torch.Tensor) or value.shape != self.shape
+                    or self.state_views.get(key) is value):
                 continue
             if key not in self.hosts:
                 self._new_state_kind(key, value.dtype, state)
+            else:
+                self.flush()  # (cached rows are forgotten below: their changes must land first)
             with torch.no_grad():
                 self.hosts[key].copy_(value)
-            state[key] = self.hosts[key]
-            self.cache.clear()
+            state[key] = self.state_views[key]
+            self.forget()
 
     # ------------------------------------------------------------- close
     def restore(self, optimizers) -> None:
         """Give the Parameter (and the optimizers' state) back as ordinary tensors on the original device."""
+        self.flush()
         param = self.param
         self.ahead = None
         grad = param.grad
@@ -629,12 +842,11 @@ class RowTable:
         for opt in optimizers:
             state = opt.state.get(param)
             for key, value in list((state or {}).items()):
-                if value is self.hosts.get(key):
-                    state[key] = value.to(self.original_device, copy=True)
+                if value is self.state_views.get(key):
+                    state[key] = self.hosts[key].to(self.original_device, copy=True)
 
     def device_bytes(self) -> int:
-        cache = self.cache
-        return (cache.map_bytes if cache.capacity else 0) + cache.capacity * self.row_bytes * len(cache.kinds)
+        return self.cache.device_bytes()
 
     def __repr__(self) -> str:
         return (f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "

@@ -62,7 +62,8 @@ class Stats:
     row_misses: int = 0  # ... and rows it did not (read ahead, or read from the host table)
     row_ahead_hits: int = 0  # ... of those, rows taken from rows read ahead (`expect_rows`)
     row_h2d_bytes: int = 0  # row bytes read from host tables (weights and state rows)
-    row_d2h_bytes: int = 0  # row bytes written through to host tables
+    row_d2h_bytes: int = 0  # row bytes written to host tables (changed rows leaving the cache, or not cached)
+    row_flushes: int = 0  # reads of a row table's host tables (state_dict, a checkpoint) that wrote the cache's changes first
     reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
     reduced_bytes: int = 0  # ... and their bytes (each all-reduce's input)
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
@@ -150,7 +151,8 @@ class Stats:
                if self.compressed_blocks else "")
             + (f"; row tables: {self.row_hits} rows from the device cache, {self.row_misses} not "
                f"({self.row_ahead_hits} of them read ahead; {format_bytes(self.row_h2d_bytes)} read, "
-               f"{format_bytes(self.row_d2h_bytes)} written through)"
+               f"{format_bytes(self.row_d2h_bytes)} written back"
+               + (f", {self.row_flushes} times for a read of the tables" if self.row_flushes else "") + ")"
                if self.row_hits or self.row_misses else "")
             + (f"; disk: {format_bytes(self.disk_read_bytes)} read at {self.disk_read_gbps:.2f} GB/s, "
                f"{format_bytes(self.disk_write_bytes)} spilled in {self.spills} pages; host pages: "

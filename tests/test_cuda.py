@@ -815,7 +815,7 @@ def test_a_budget_the_staging_ring_crowds_warns_and_runs(pager_log):
 # ------------------------------------------------------------- row tables
 @pytest.mark.parametrize("cache", [0, 200 * 64 * 4, 10**7])
 def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
-    """Rows read from the mapped host table, from the device cache, and written through: the same
+    """Rows read from the mapped host table, from the device cache, and written back: the same
     training as the model with its table on the GPU (SparseAdam and Adam, sparse and dense tables)."""
     from pager._rows import RowTableParameter
 
@@ -861,6 +861,61 @@ def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
         torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-4, atol=1e-5)
     s = pager.of(model).stats()
     assert s.row_misses > 0 and (cache < 200 * 64 * 4 * 3 or s.row_hits > 0)
+    pager.unwrap(model)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
+    """[Note: write-back of cached rows] on the GPU: a cache smaller than the rows that come back, so
+    changed rows leave it (written back on the write stream while compute runs on) and are read again,
+    with and without rows read ahead (some of them while their write-back runs); reads of the weight
+    and of SparseAdam's state in the middle see every change."""
+    torch.manual_seed(0)
+    n_rows, dim = 20_000, 32
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True)
+            self.head = nn.Linear(dim, 1)
+
+        def forward(self, ids, offsets):
+            return self.head(self.emb(ids, offsets)).square().mean()
+
+    ref = Rec().to(GPU)
+    model = copy.deepcopy(ref).cpu()
+    slot = dim * 4 * 3 + 17  # (a weight row, two state rows, the slot's bookkeeping)
+    pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=2500 * slot + 4 * (n_rows + 1))
+    p = pager.of(model)
+
+    def opts(m):
+        return [torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2), torch.optim.SGD(m.head.parameters(), lr=0.01)]
+
+    ro, po = opts(ref), opts(model)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 6000, (2048,), generator=g).to(GPU) for _ in range(12)]
+    offsets = torch.arange(0, 2048, 16, device=GPU)
+    for i, ids in enumerate(data):
+        ref(ids, offsets).backward()
+        loss = model(ids, offsets)
+        if ahead and i + 1 < len(data):
+            p.expect_rows(model.emb, data[i + 1])
+        loss.backward()
+        for o in ro + po:
+            o.step()
+        for o in ro + po:
+            o.zero_grad()
+        if i == 1:
+            p.reset()  # (the first step wrote its rows through: it made the state columns)
+        if i == 6:
+            assert p.stats().row_flushes == 0 and p.stats().row_d2h_bytes > 0
+            torch.testing.assert_close(model.emb.weight[:6000].detach(), ref.emb.weight[:6000].detach().cpu(),
+                                       rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.emb.weight.detach(), ref.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(po[0].state[model.emb.weight][key], ro[0].state[ref.emb.weight][key].cpu(),
+                                   rtol=1e-5, atol=1e-6)
+    assert p.row_tables[0].cache.capacity < 2500 and (not ahead or p.stats().row_ahead_hits > 0)
     pager.unwrap(model)
 
 

@@ -195,6 +195,7 @@ def test_accumulation_clipping_and_zeroing_without_set_to_none():
     data = batches(3)
     train(ref, ro, data, accumulate=2)
     train(model, po, data, accumulate=2)
+    assert pager.of(model).stats().row_flushes == 0  # (the loop itself reads no host table)
     assert_same(ref, model)
     # zero_grad(set_to_none=False) zeroes the pieces: the next step applies only what follows.
     for m, opts in ((ref, ro), (model, po)):
@@ -235,6 +236,74 @@ def test_the_gradient_is_the_unwrapped_sparse_gradient():
         assert isinstance(b, RowGrad)
         b = b.coalesce()
         assert torch.equal(a.coalesce().indices(), b.indices()) and torch.equal(a.coalesce().values(), b.values())
+
+
+def test_changed_rows_stay_cached_and_every_read_sees_them():
+    """[Note: write-back of cached rows]: with a cache that holds every row, training writes no row to the
+    host tables; reads of the weight and of the optimizer's state (a direct read, state_dict, torch.save,
+    deepcopy) write the changes back first; an outside write to a state table reaches the next update."""
+    make = SPARSE["adagrad"]
+    data = batches(8, ids_range=120, bag_range=60)
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), row_cache=10**6)
+    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
+    p = pager.of(model)
+    train(ref, ro, data[:3])
+    train(model, po, data[:3])
+    s = p.stats()
+    assert s.row_d2h_bytes == 0 and s.row_flushes == 0 and s.row_hits > 0
+    table = p.row_tables[0]
+    assert not torch.equal(table.host, ref.emb.weight.detach())  # (the changes are in the cache only)
+    w, rw = model.emb.weight, ref.emb.weight
+    state = po[0].state[w]["sum"]
+    assert type(state) is not torch.Tensor and isinstance(state, torch.Tensor)
+    assert torch.equal(state, ro[0].state[rw]["sum"])
+    assert p.stats().row_flushes == 1 and torch.equal(table.host, rw.detach())
+    buf = io.BytesIO()
+    torch.save(po[0].state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)["state"]
+    assert all(type(v) is torch.Tensor for v in saved[0].values())
+    # More updates, then each way of reading sees them.
+    train(ref, ro, data[3:5])
+    train(model, po, data[3:5])
+    assert torch.equal(w[7], rw[7])
+    train(ref, ro, data[5:6])
+    train(model, po, data[5:6])
+    copied = copy.deepcopy(po[0].state_dict())
+    assert torch.equal(copied["state"][0]["sum"], ro[0].state[rw]["sum"])
+    with torch.no_grad():
+        for o, m in ((ro[0], ref), (po[0], model)):
+            o.state[m.emb.weight]["sum"].mul_(0.5)
+    # While a `.data` alias lives, changes go through to the host table at once.
+    alias = w.data
+    train(ref, ro, data[6:7])
+    train(model, po, data[6:7])
+    assert torch.equal(alias, rw.detach())
+    del alias
+    train(ref, ro, data[7:])
+    train(model, po, data[7:])
+    assert_same(ref, model)
+    assert torch.equal(po[0].state[w]["sum"], ro[0].state[rw]["sum"])
+
+
+def test_changed_rows_are_written_back_when_they_leave_the_cache():
+    """A cache smaller than the rows a few steps touch: dirty rows leave it written back, and rows read
+    again come back with their changes (SparseAdam: two state columns beside the weight's)."""
+    make = SPARSE["sparse_adam"]
+    data = batches(8, ids_range=400, bag_range=200)
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), row_cache=60 * (DIM * 4 * 3 + 17) + 4 * (ROWS + 1))
+    ro, po = sparse_optimizers(ref, make), sparse_optimizers(model, make)
+    train(ref, ro, data[:2])
+    train(model, po, data[:2])  # (the first step writes its rows through: it makes the state columns)
+    p = pager.of(model)
+    p.reset()
+    train(ref, ro, data[2:])
+    train(model, po, data[2:])
+    s = p.stats()
+    assert all(t.cache.capacity < 60 for t in p.row_tables) and s.row_d2h_bytes > 0 and s.row_flushes == 0
+    assert_same(ref, model)
 
 
 def test_checkpoint_round_trip_and_resume():
