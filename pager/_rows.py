@@ -75,9 +75,12 @@ tables get a dirty row's values when:
   the read sees the table as the unpaged model would have it. An operation
   that writes a host table (its version counter moves) then drops the cache,
   whose copies are stale;
-- a `.data` of the weight is alive: writes through it skip every guard, so it
-  is made current when handed out, and while it lives updates go through to
-  the host table at once (and each lookup forgets the cache).
+- a tensor sharing a host table's memory is alive (a `.data`, `detach()` or
+  view of the weight or of a state table, the tensor behind a `numpy()`
+  array): reads and writes through it skip every guard, so the tables are made
+  current when it is handed out, and while it lives updates go through to the
+  host tables at once (and each lookup forgets the cache), as they would land
+  in the unpaged table.
 
 Rows an update touches that the cache does not hold (a cache smaller than a
 batch, or the first step that makes a state column) are written through on
@@ -123,8 +126,9 @@ def _state_function(cls, func, types, args=(), kwargs=None):
 
 def _run_on_host_tables(func, args, kwargs, guard_type):
     """`func` on a row table's host tables as they are, current: the rows the
-    cache changed are written back first, and cached rows are forgotten if
-    `func` wrote to a table (see [Note: write-back of cached rows])."""
+    cache changed are written back first, cached rows are forgotten if `func`
+    wrote to a table, and a result that shares a host table's memory is an
+    alias (see [Note: write-back of cached rows])."""
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -132,17 +136,19 @@ def _run_on_host_tables(func, args, kwargs, guard_type):
     for t in guarded:
         t._row_table.flush()
     with torch._C.DisableTorchFunctionSubclass():
+        if func is _NUMPY:  # (the array keeps its tensor alive: make that a plain alias, which is noted)
+            args = (args[0].detach(), *args[1:])
         versions = [t._version for t in guarded]
         out = func(*args, **kwargs)
         moved = [t for t, v in zip(guarded, versions) if t._version != v]
+        for t in guarded:
+            t._row_table.note_aliases(args[0] if func is _NUMPY else out)
     for t in moved:
         t._row_table.forget()
-    if func == _DATA_GET and guard_type is RowTableParameter:
-        args[0]._row_table.note_alias(out)
     return out
 
 
-_DATA_GET = torch.Tensor.data.__get__
+_NUMPY = torch.Tensor.numpy
 
 
 def _as_plain(self, cls, fn):
@@ -493,7 +499,7 @@ class RowTable:
         self._writes_in_flight = []  # (rows, event) of write-backs maybe still running
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
-        self._aliases = weakref.WeakSet()  # `.data` results: writes through them skip the version counter
+        self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
         with torch.no_grad():
             param.data = self.host
         param.__class__ = RowTableParameter
@@ -529,11 +535,18 @@ class RowTable:
         return reader
 
     # ------------------------------------------------------------ lookups
-    def note_alias(self, alias) -> None:
-        """A `.data` of the weight was handed out: the host table is made
-        current, and kept current while the alias lives (writes through it
-        skip the version counter, so every lookup forgets the cached rows)."""
-        self._aliases.add(alias)
+    def note_aliases(self, out) -> None:
+        """Keep track of the tensors in `out` that share a host table's memory
+        (`.data`, `detach()`, views): writes through them skip every guard, so
+        while one lives, updates go through to the host tables and each lookup
+        forgets the cached rows ([Note: write-back of cached rows])."""
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if (isinstance(t, torch.Tensor) and type(t) not in _GUARDS.values() and t.layout == torch.strided
+                    and t.untyped_storage().data_ptr() in self._host_pointers()):
+                self._aliases.add(t)
+
+    def _host_pointers(self) -> set:
+        return {host.untyped_storage().data_ptr() for host in self.hosts.values()}
 
     def _check_current(self) -> None:
         """Forget cached rows if the table was written from outside (the

@@ -275,12 +275,13 @@ def test_changed_rows_stay_cached_and_every_read_sees_them():
     with torch.no_grad():
         for o, m in ((ro[0], ref), (po[0], model)):
             o.state[m.emb.weight]["sum"].mul_(0.5)
-    # While a `.data` alias lives, changes go through to the host table at once.
-    alias = w.data
+    # While a tensor sharing a host table's memory lives, changes go through to it at once.
+    alias, snapshot, moments = w.data, w.detach(), po[0].state[w]["sum"].numpy()
     train(ref, ro, data[6:7])
     train(model, po, data[6:7])
-    assert torch.equal(alias, rw.detach())
-    del alias
+    assert torch.equal(alias, rw.detach()) and torch.equal(snapshot, rw.detach())
+    assert torch.equal(torch.from_numpy(moments), ro[0].state[rw]["sum"])
+    del alias, snapshot, moments
     train(ref, ro, data[7:])
     train(model, po, data[7:])
     assert_same(ref, model)
