@@ -864,6 +864,23 @@ def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
     pager.unwrap(model)
 
 
+def _train_side_by_side(ref, model, ro, po, data, offsets, read_ahead, after_step=None):
+    """Train `ref` (its table on the GPU) and `model` (row-paged) on the same batches; where
+    `read_ahead(i)`, the paged model reads the rows of batch i + 1 ahead during step i."""
+    for i, ids in enumerate(data):
+        ref(ids, offsets).backward()
+        loss = model(ids, offsets)
+        if read_ahead(i) and i + 1 < len(data):
+            pager.of(model).expect_rows(model.emb, data[i + 1])
+        loss.backward()
+        for o in ro + po:
+            o.step()
+        for o in ro + po:
+            o.zero_grad()
+        if after_step is not None:
+            after_step(i)
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     """[Note: write-back of cached rows] on the GPU: a cache smaller than the rows that come back, so
@@ -895,22 +912,16 @@ def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 6000, (2048,), generator=g).to(GPU) for _ in range(12)]
     offsets = torch.arange(0, 2048, 16, device=GPU)
-    for i, ids in enumerate(data):
-        ref(ids, offsets).backward()
-        loss = model(ids, offsets)
-        if ahead and i + 1 < len(data):
-            p.expect_rows(model.emb, data[i + 1])
-        loss.backward()
-        for o in ro + po:
-            o.step()
-        for o in ro + po:
-            o.zero_grad()
+
+    def after_step(i):
         if i == 1:
             p.reset()  # (the first step wrote its rows through: it made the state columns)
         if i == 6:
             assert p.stats().row_flushes == 0 and p.stats().row_d2h_bytes > 0
             torch.testing.assert_close(model.emb.weight[:6000].detach(), ref.emb.weight[:6000].detach().cpu(),
                                        rtol=1e-5, atol=1e-6)
+
+    _train_side_by_side(ref, model, ro, po, data, offsets, lambda i: ahead, after_step)
     torch.testing.assert_close(model.emb.weight.detach(), ref.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(po[0].state[model.emb.weight][key], ro[0].state[ref.emb.weight][key].cpu(),
@@ -955,16 +966,7 @@ def test_row_reads_split_between_kernel_and_cpu_are_exact(share):
     g = torch.Generator().manual_seed(2)
     data = [torch.randint(0, n_rows, (per_step,), generator=g).to(GPU) for _ in range(5)]
     offsets = torch.arange(0, per_step, 64, device=GPU)
-    for i, ids in enumerate(data):
-        ref(ids, offsets).backward()
-        loss = model(ids, offsets)
-        if i % 2 == 0 and i + 1 < len(data):
-            p.expect_rows(model.emb, data[i + 1])
-        loss.backward()
-        for o in ro + po:
-            o.step()
-        for o in ro + po:
-            o.zero_grad()
+    _train_side_by_side(ref, model, ro, po, data, offsets, lambda i: i % 2 == 0)
     torch.testing.assert_close(model.emb.weight.detach(), ref.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
     s = p.stats()
     assert s.row_ahead_hits > 0 and s.row_misses >= 5 * SPLIT_MIN_ROWS
