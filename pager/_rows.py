@@ -677,7 +677,7 @@ class RowTable:
 
     def _write_host(self, rows: torch.Tensor, values: dict, aside: bool = False) -> None:
         """Write `values` {kind: [n, dim]} of `rows` to the host tables: on the
-        compute stream, or `aside` on the row stream while compute runs on."""
+        compute stream, or `aside` on the write stream while compute runs on."""
         for v in values.values():
             self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
         if self.device.type != "cuda":
