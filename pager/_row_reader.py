@@ -90,16 +90,18 @@ class HostRowReader:
         host: the page-locked host table.
         view: `host` as a device tensor (`_rows.host_view`).
         rows_stream: the model's `RowStream`, or None on the CPU device.
+        before_host_read: called before CPU threads read `host` (its queued
+            writes must land first), or None.
     """
 
-    def __init__(self, host: torch.Tensor, view: torch.Tensor, rows_stream: RowStream | None):
+    def __init__(self, host: torch.Tensor, view: torch.Tensor, rows_stream: RowStream | None, before_host_read=None):
         self.host, self.view, self.rows_stream = host, view, rows_stream
+        self.before_host_read = before_host_read
         self.mapped_share = 0.5  # of a split read, the rows the kernel reads
         self.learn = True  # False: `mapped_share` as set (1.0: the kernel alone)
         self.row_seconds = {"kernel": None, "split": None}  # measured per row, each way
         self._reads = 0
         self._pending = None  # the last read's events, to learn from
-        self.before_host_read = None  # a callable: the host table's queued writes land (before CPU threads read it)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """The table's `rows` (sorted, on the device) as a new device tensor."""

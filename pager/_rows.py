@@ -45,9 +45,10 @@ table), the gradient renumbered to them, and the state rows of each state
 tensor of the table's shape, gathered the same way (scalars such as Adam's
 `step` are the table's own). The optimizer's step runs on that view alone,
 with the group's options as they are, and the rows (and state rows) are then
-the table's (see [Note: write-back of cached rows] for where they go). torch.optim's updates are per element, so for every row
-the gradient touches the result is the optimizer's on the whole table; rows it
-does not touch are not updated. That is the dense result for SGD without
+the table's (see [Note: write-back of cached rows] for where they go).
+torch.optim's updates are per element, so for every row the gradient
+touches the result is the optimizer's on the whole table; rows it does not
+touch are not updated. That is the dense result for SGD without
 momentum or weight decay, Adagrad and `SparseAdam` (whose updates leave such
 rows unchanged); for SGD with momentum, Adam, AdamW, RMSprop and the others it
 is the lazy variant (as `SparseAdam` is of Adam): untouched rows keep their
@@ -495,8 +496,7 @@ class RowTable:
         self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
         self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
-        self._written_back = None  # an event on the write stream: the write-backs queued so far are done
-        self._writes_in_flight = []  # (rows, event) of write-backs maybe still running
+        self._writes_in_flight = []  # (rows, event on the write stream) of write-backs maybe still running
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
@@ -530,9 +530,8 @@ class RowTable:
         return host
 
     def _reader(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
-        reader = HostRowReader(host, view, self.pager.row_stream)
-        reader.before_host_read = self.settle  # (CPU threads read the host table itself)
-        return reader
+        # (CPU threads of a split read read the host table itself: queued writes land first)
+        return HostRowReader(host, view, self.pager.row_stream, before_host_read=self.settle)
 
     # ------------------------------------------------------------ lookups
     def note_aliases(self, out) -> None:
@@ -646,9 +645,9 @@ class RowTable:
         """The host rows `rows` (sorted) of `kind` on the device: from the rows
         read ahead where they are current, else from the host table."""
         reader, counters = self.readers[kind], self.pager.counters
-        if self._written_back is not None:
+        if self._writes_in_flight:
             # A row written back (evicted dirty) may be read again: after it lands.
-            self.pager.row_stream.transport.compute_stream().wait_event(self._written_back)
+            self.pager.row_stream.transport.compute_stream().wait_event(self._writes_in_flight[-1][1])
         if kind != WEIGHT or self.ahead is None:
             counters.row_h2d_bytes += rows.numel() * self.row_bytes
             return reader.read(rows)
@@ -689,8 +688,8 @@ class RowTable:
         compute = rs.transport.compute_stream()
         self._unsettled = True
         if not aside:
-            if self._written_back is not None:
-                compute.wait_event(self._written_back)  # (a row written back may be written again: in order)
+            if self._writes_in_flight:
+                compute.wait_event(self._writes_in_flight[-1][1])  # (a row written back may be written again: in order)
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
             return
@@ -701,10 +700,9 @@ class RowTable:
                 self.views[kind].index_copy_(0, rows, v)
                 v.record_stream(rs.write_stream)  # (the caller drops it while the write may still read it)
             rows.record_stream(rs.write_stream)
-            self._written_back = torch.cuda.Event()
-            self._written_back.record(rs.write_stream)
+            written = rs.write_stream.record_event()
         self._prune_writes()
-        self._writes_in_flight.append((rows, self._written_back))
+        self._writes_in_flight.append((rows, written))
 
     def _prune_writes(self) -> None:
         self._writes_in_flight = [(r, e) for r, e in self._writes_in_flight if not e.query()]

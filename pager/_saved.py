@@ -462,10 +462,9 @@ class ActivationOffload:
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
         self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
         self._by_view: dict = {}  # what the last group sent, by view (`_sent_already`)
-        # Device tensors being copied out, oldest first: (tensor, event, bytes).
+        # Device tensors being copied out, oldest first: (tensor, event, bytes);
+        # their bytes are the ledger's `flight`, their cap its `flight_cap`.
         self._in_flight: deque = deque()
-        self._in_flight_bytes = 0
-        self._in_flight_cap = IN_FLIGHT_MIN_BYTES  # grows to the largest block's activations
 
     def forward_reaches(self, block) -> None:
         """The forward enters `block` (None: a new forward, before its first block)."""
@@ -504,14 +503,14 @@ class ActivationOffload:
             group = self._groups[-1]
             group[1].append(weakref.ref(sent))
             group[2] += nbytes
-            self._in_flight_cap = self.ledger.flight_cap = max(self._in_flight_cap, group[2])
+            # The cap grows to the largest block's activations.
+            self.ledger.flight_cap = max(IN_FLIGHT_MIN_BYTES, self.ledger.flight_cap, group[2])
             self.stats.activations_sent_bytes += nbytes
             if written is not None:
                 # Its memory, not its graph: a graph node's hooks hold the pager,
                 # which holds this queue (a cycle through C++ that gc cannot break).
                 with unguarded():
                     self._in_flight.append((t.detach(), written, nbytes))
-                self._in_flight_bytes += nbytes
                 self.ledger.add(nbytes, flight=nbytes)
             self._settle()
         return sent
@@ -537,17 +536,16 @@ class ActivationOffload:
         in-flight cap by default), of the oldest ones anyway, compute first
         waiting for their copy (so that the memory may be reused at once: see
         [Note: activations off the device])."""
-        q = self._in_flight
+        q, ledger = self._in_flight, self.ledger
         while q and q[0][1].query():
             nbytes = q.popleft()[2]
-            self._in_flight_bytes -= nbytes
-            self.ledger.sub(nbytes, flight=nbytes)
-        while self._in_flight_bytes > (self._in_flight_cap if cap is None else cap):
+            ledger.sub(nbytes, flight=nbytes)
+        cap = max(IN_FLIGHT_MIN_BYTES, ledger.flight_cap) if cap is None else cap
+        while ledger.flight > cap:
             _t, event, nbytes = q.popleft()
             # Compute reuses this memory only after the copy out has read it.
             self.transport.compute_waits(event)
-            self._in_flight_bytes -= nbytes
-            self.ledger.sub(nbytes, flight=nbytes)
+            ledger.sub(nbytes, flight=nbytes)
 
     def pass_ends(self) -> None:
         """The backward ended: every copy out was ordered before it; compute

@@ -906,7 +906,8 @@ def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     p = pager.of(model)
 
     def opts(m):
-        return [torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2), torch.optim.SGD(m.head.parameters(), lr=0.01)]
+        return [torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2),
+                torch.optim.SGD(m.head.parameters(), lr=0.01)]
 
     ro, po = opts(ref), opts(model)
     g = torch.Generator().manual_seed(3)
