@@ -137,6 +137,12 @@ class OptimizerLink:
                 now.append(block)
         pager.scheduler.expect([(b, STEP) for b in now])
         try:
+            # Every page on the device: nothing to bring in beside the steps, so they run as one.
+            together = [b for b in now if not b.deps and "state" in b.segments] if pager.all_resident else []
+            if len(together) > 1:
+                self._step_together(optimizer, together, shares)
+                stepped = {id(b) for b in together}
+                now = [b for b in now if id(b) not in stepped]
             for block in now:
                 pager.acquire(block, STEP)
                 if "state" not in block.segments:
@@ -155,6 +161,28 @@ class OptimizerLink:
         finally:
             for g, params in zip(groups, self._saved_params):
                 g["params"] = [p for p in params if not pager.managed(p)]
+
+    def _step_together(self, optimizer, blocks: list[Block], shares: dict) -> None:
+        """Step `blocks`, each with its weights, gradients and state on the
+        device, in one call of the optimizer: its foreach kernels launch once
+        rather than once per block (a resident model's step would otherwise
+        pay the host's cost per block), with the same values, as the update of
+        each parameter depends on that parameter's tensors only."""
+        pager = self.pager
+        acquired = []
+        try:
+            for block in blocks:
+                pager.acquire(block, STEP)
+                acquired.append(block)
+            for gi, g in enumerate(optimizer.param_groups):
+                g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
+            self._step_once(optimizer)
+            for block in blocks:
+                self._adopt_state(block)
+                block.mark_dirty(("weights", "state"))
+        finally:
+            for block in acquired:
+                pager.release(block)
 
     def _step_row_tables(self, optimizer) -> None:
         """Update the rows each row table's gradient touches ([Note: exact

@@ -31,16 +31,20 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 
 [Note: rows read ahead]
 `Pager.expect_rows(table, indices)` reads the rows that `indices` will look up
-and the device cache lacks, on the row stream by the kernel, while the compute
-stream runs on. The rows are clamped to the table (the lookup itself checks
-the range and raises). A later lookup takes the rows it misses in the cache
-from there, if they are current: a row written through to the host table (by
-a step, or a `max_norm` renormalisation) after the read began, or whose
+and the device cache lacks, on the row stream, while the compute stream runs
+on, with no host sync: the lookups are sorted, the first lookup of each row
+the cache lacks is marked, and a kernel (`read_where`, Triton) reads the
+marked rows into a tensor as long as the lookups, skipping the others (no
+count, so nothing waits). The rows are clamped to the table (the lookup
+itself checks the range and raises). A later lookup takes the rows it misses
+in the cache from there, if they are current: a row a step changed after the
+read began (in the cache or through to the host table, as `max_norm`
+renormalisations too) may leave the cache and be written back, and one whose
 write-back ([Note: write-back of cached rows] in _rows.py) was still running
-when it began, may have been read before or after that write, so it is read
-again from the host table, after the write has landed (the compute stream
-waits for it). Any other write to the table drops the rows read ahead
-(`RowTable.forget`).
+when the read began may have been read before or after that write, so such
+rows are read again from the host table, after the write has landed (the
+compute stream waits for it). Any other write to the table drops the rows
+read ahead (`RowTable.forget`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ from __future__ import annotations
 import time
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only torch, or no Triton: `read_where` reads by torch ops
+    triton = None
 
 SPLIT_MIN_ROWS = 8192
 _CHUNKS = 8
@@ -192,19 +202,30 @@ class HostRowReader:
 
 
 class ReadAhead:
-    """Rows of one table read ahead for the lookups to come (see [Note: rows read ahead])."""
+    """Rows of one table read ahead for the lookups to come (see [Note: rows read ahead]).
+
+    Args:
+        rows: the lookups' rows, sorted (repeats kept).
+        need: which of them were read: the first lookup of each row the
+            cache lacked.
+        values: [len(rows), dim], the rows read where `need`.
+        done: an event after the read, or None (read on the compute stream).
+        rows_stream: the model's `RowStream`, or None.
+    """
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, rows: torch.Tensor, values: torch.Tensor, done, rows_stream: RowStream | None):
-        self.rows, self.values, self.done, self.rows_stream = rows, values, done, rows_stream
+    def __init__(self, rows, need, values, done, rows_stream: RowStream | None):
+        self.rows, self.need, self.values, self.done, self.rows_stream = rows, need, values, done, rows_stream
         self.written = []  # row tensors written since the read began
+        self._uncounted = None  # rows read and not yet counted in the stats (None: not counted on the host yet)
 
     @classmethod
-    def start(cls, indices: torch.Tensor, view: torch.Tensor, cached, rows_stream: RowStream | None):
-        """Read the rows of `indices` that `cached(rows)` (a bool mask) says the cache lacks."""
+    def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None):
+        """Read the rows of `indices` that the cache lacks (`slot_of_row[row]
+        < 0`; None: no cache), on the row stream; no host sync."""
         if rows_stream is None:
-            return cls(*cls._read(indices, view, cached), None, None)
+            return cls(*cls._read(indices, view, slot_of_row), None, None)
         compute = rows_stream.transport.compute_stream()
         stream = rows_stream.stream
         # `indices` may be made by work queued on the compute stream.
@@ -212,24 +233,33 @@ class ReadAhead:
         if indices.device.type == "cuda":
             indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
         with rows_stream.transport.on(stream):
-            rows, values = cls._read(indices, view, cached)
+            rows, need, values = cls._read(indices, view, slot_of_row)
             done = torch.cuda.Event()
             done.record(stream)
-        return cls(rows, values, done, rows_stream)
+        return cls(rows, need, values, done, rows_stream)
 
     @staticmethod
-    def _read(indices: torch.Tensor, view: torch.Tensor, cached):
-        # (`unique` and the mask wait for the row stream, which waits for the
-        # compute stream up to this call: the host runs no further ahead than
-        # it did after the forward's own lookups, which sync the same way)
-        rows = torch.unique(indices.to(view.device, torch.long).flatten().clamp(0, view.shape[0] - 1), sorted=True)
-        rows = rows[~cached(rows)]
-        return rows, view.index_select(0, rows)
+    def _read(indices: torch.Tensor, view: torch.Tensor, slot_of_row):
+        # (sizes known on the host, so nothing waits: the host runs on while the row stream reads)
+        rows = torch.sort(indices.to(view.device, torch.long).flatten().clamp(0, view.shape[0] - 1)).values
+        need = torch.ones_like(rows, dtype=torch.bool)
+        torch.ne(rows[1:], rows[:-1], out=need[1:])
+        if slot_of_row is not None:
+            need &= slot_of_row.index_select(0, rows) < 0
+        return rows, need, read_where(view, rows, need)
 
     def note_written(self, rows: torch.Tensor) -> bool:
         """Rows written to the table; False once too many writes piled up (drop it)."""
         self.written.append(rows)
         return len(self.written) <= self.MAX_WRITES
+
+    def take_read_count(self) -> int:
+        """Rows read ahead and not counted yet (the first count syncs the
+        host, unless a `serve` made it)."""
+        if self._uncounted is None:
+            self._uncounted = int(self.need.sum())
+        n, self._uncounted = self._uncounted, 0
+        return n
 
     def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
         """(the table's sorted `rows`, how many came from here): the current
@@ -240,18 +270,50 @@ class ReadAhead:
             compute = self.rows_stream.transport.compute_stream()
             # The read ahead ran on the row stream; its tensors are used here now.
             compute.wait_event(self.done)
-            self.rows.record_stream(compute)
-            self.values.record_stream(compute)
+            for t in (self.rows, self.need, self.values):
+                t.record_stream(compute)
+        # (the first lookup of a row is the one read, if any: where searchsorted lands)
         pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
-        current = self.rows.index_select(0, pos).eq(rows)
+        current = self.rows.index_select(0, pos).eq(rows).logical_and_(self.need.index_select(0, pos))
         if self.written:
             current &= ~torch.isin(rows, torch.cat(self.written))
-        # Served rows first, each part in row order; one host sync (the count).
+        # Served rows first, each part in row order; one host sync (the counts).
         order = torch.argsort(current.logical_not().to(torch.uint8), stable=True)
-        n_served = int(current.sum())
+        counts = [current.sum()] + ([self.need.sum()] if self._uncounted is None else [])
+        n_served, *read_ahead = torch.stack(counts).tolist()
+        if read_ahead:
+            self._uncounted = read_ahead[0]
         served, rest = order[:n_served], order[n_served:]
         out = torch.empty(rows.numel(), self.values.shape[1], dtype=self.values.dtype, device=rows.device)
         out.index_copy_(0, served, self.values.index_select(0, pos.index_select(0, served)))
         if rest.numel():
             out.index_copy_(0, rest, read(rows.index_select(0, rest)))
         return out, n_served
+
+
+def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """[len(rows), dim]: row `rows[i]` of `view` where `need[i]` (the others
+    unread and undefined). On CUDA a kernel reads the rows where `need`,
+    with no host sync and no bytes over the link for the others."""
+    out = torch.empty(rows.numel(), view.shape[1], dtype=view.dtype, device=rows.device)
+    if rows.device.type == "cuda" and _read_where_kernel is not None:
+        if rows.numel():
+            _read_where_kernel[(rows.numel(),)](view, rows, need.view(torch.uint8), out, view.shape[1],
+                                                BLOCK=triton.next_power_of_2(view.shape[1]))
+        return out
+    at = need.nonzero().squeeze(1)  # (a host sync on CUDA: without Triton)
+    out.index_copy_(0, at, view.index_select(0, rows.index_select(0, at)))
+    return out
+
+
+_read_where_kernel = None
+if triton is not None:
+
+    @triton.jit
+    def _read_where_kernel(src, rows, need, out, dim, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        if tl.load(need + i) != 0:
+            row = tl.load(rows + i)  # (int64: offsets in a table past 2**31 elements)
+            cols = tl.arange(0, BLOCK)
+            inside = cols < dim
+            tl.store(out + i.to(tl.int64) * dim + cols, tl.load(src + row * dim + cols, mask=inside), mask=inside)

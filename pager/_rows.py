@@ -12,8 +12,10 @@ lets every other operation run on the host table as it is (so `state_dict()`,
 reads, `load_state_dict()` and in-place initialisation see and change the real
 values). A lookup:
 
-1. takes the batch's rows, sorted and unique (`torch.unique`), and the index of
-   each lookup among them;
+1. takes the batch's rows, sorted and unique, and the index of each lookup
+   among them (a sort and a running count, rather than `torch.unique`, so
+   that their number, the range check, the cache's misses and the padding
+   row's place come back to the host in one sync: see [Note: host syncs]);
 2. gathers those rows into a compact batch tensor on the device: rows in the
    device cache are copied from it, the others read from the host table by a
    kernel on the compute stream (on CUDA the pinned table is mapped into the
@@ -82,6 +84,27 @@ tables get a dirty row's values when:
   current when it is handed out, and while it lives updates go through to the
   host tables at once (and each lookup forgets the cache), as they would land
   in the unpaged table.
+
+[Note: host syncs]
+Each count the host needs from the device (how many rows, how many missed)
+makes the host wait until the device has run everything queued; the device
+then idles while the host queues the next kernels. A training step of a row
+table makes at most these:
+
+- the lookup: one, for every count at once (`_batch_rows`);
+- the lookup, when rows must come in and the cache holds changed rows: one,
+  for which of the slots given up are dirty (`RowCache.make_room`), taken
+  before the reads are queued, so that the host does not wait for them;
+- the update: one for a sparse gradient's rows (`RowGrad.rows_and_grad`),
+  and one to count the misses, unless the cache is known to hold every row
+  looked up since the last step (`_note_rows_held`: one lookup since, or
+  lookups that took no row in, and none of their rows left out) - then each
+  row is a hit and there is nothing to count;
+- rows read ahead: none to start them (`ReadAhead`); one at the lookup that
+  takes them, for how many it takes.
+
+The free slots need no count: the slots a gather touched hold its tick, so
+`capacity - touched` are free.
 
 Rows an update touches that the cache does not hold (a cache smaller than a
 batch, or the first step that makes a state column) are written through on
@@ -356,12 +379,15 @@ class RowCache:
         self.row_bytes = dim * dtype.itemsize
         self.map_bytes = 4 * (rows + 1)
         self.tick = 0
+        self._touched = 0  # slots the last gather touched (`touch`, `place`)
+        self.epoch = 0  # moves whenever a row may leave the cache (`place`, `clear`, `shape_columns`)
         self.shape_columns((WEIGHT,))
 
     def shape_columns(self, kinds: tuple) -> None:
         """Empty the cache and size it for one column per kind (the caller has
         written its dirty rows back)."""
         self.kinds = tuple(kinds)
+        self.epoch += 1
         per_row = self.row_bytes * len(self.kinds) + _SLOT_BYTES
         capacity = max(0, (self.nbytes - self.map_bytes) // per_row - 1) if self.nbytes > self.map_bytes else 0
         self.capacity = min(capacity, self.n_rows)
@@ -382,6 +408,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Forget every row (the caller has written the dirty ones back, or they are stale)."""
+        self.epoch += 1
         if self.capacity:
             self.slot_of_row.fill_(-1)
             self.row_of_slot.fill_(self.n_rows)
@@ -389,48 +416,54 @@ class RowCache:
             self.dirty.zero_()
         self.any_dirty = False
 
-    def find(self, rows: torch.Tensor):
-        """(slots of `rows`' hits, their positions in `rows`, positions of misses)."""
+    def find(self, rows: torch.Tensor, n_miss: int | None = None):
+        """(slots of `rows`' hits, their positions in `rows` or None for all
+        of them in order, positions of misses). `n_miss`, when the caller
+        knows it, spares the host sync that counts them."""
         if self.capacity == 0:
             return None, None, torch.arange(rows.numel(), device=rows.device)
-        slots = self.slot_of_row[rows].long()
-        miss = slots < 0
-        # Misses first, each part in row order; one host sync (the count).
-        order = torch.argsort(miss.logical_not().to(torch.uint8), stable=True)
-        n_miss = int(miss.sum())
+        slots = self.slot_of_row.index_select(0, rows).long()
+        if n_miss is None:
+            n_miss = int((slots < 0).sum())  # (a host sync)
+        if n_miss == 0:
+            return slots, None, slots[:0]
+        # Misses first, each part in row order.
+        order = torch.argsort((slots >= 0).to(torch.uint8), stable=True)
         hit_pos, miss_pos = order[n_miss:], order[:n_miss]
         return slots.index_select(0, hit_pos), hit_pos, miss_pos
 
-    def has(self, rows: torch.Tensor) -> torch.Tensor:
-        """A bool mask: which of `rows` are cached."""
-        if self.capacity == 0:
-            return torch.zeros_like(rows, dtype=torch.bool)
-        return self.slot_of_row.index_select(0, rows) >= 0
-
-    def touch(self, slots: torch.Tensor) -> None:
+    def touch(self, slots: torch.Tensor | None) -> None:
+        """Mark the slots a gather hit as used now (no slot is touched twice:
+        a gather's rows are unique)."""
         self.tick += 1
-        self.last_use.index_fill_(0, slots, self.tick)
+        self._touched = 0 if slots is None else slots.numel()
+        if self._touched:
+            self.last_use.index_fill_(0, slots, self.tick)
 
-    def insert(self, rows: torch.Tensor, values: dict):
-        """Put `rows` (not cached) with `values` {kind: [n, dim]} in the least
-        recently used slots not touched since the last `touch`. Returns (how
-        many fit, the dirty rows taken out as (rows, {kind: values}) or None)."""
-        if self.capacity == 0 or rows.numel() == 0:
-            return 0, None
-        free = int((self.last_use < self.tick).sum())
-        n = min(free, rows.numel())
-        if n == 0:
-            return 0, None
+    def make_room(self, n: int):
+        """Slots for `n` rows not cached: the least recently used ones the
+        last `touch` did not touch (maybe fewer than `n`). Returns (the slots
+        or None, the dirty rows taken out of them as (rows, {kind: values}) or
+        None); `place` then fills them."""
+        # Slots touched now hold this tick (by `touch`, or `place` after it):
+        # the others are free, and no count on the device is needed.
+        n = min(self.capacity - self._touched, n)
+        if self.capacity == 0 or n <= 0:
+            return None, None
         victims = torch.topk(self.last_use, n, largest=False).indices
-        evicted = self._take_dirty(victims) if self.any_dirty else None
+        return victims, (self._take_dirty(victims) if self.any_dirty else None)
+
+    def place(self, rows: torch.Tensor, victims: torch.Tensor, values: dict) -> None:
+        """Put `rows` with `values` {kind: [len(rows), dim]} in the slots
+        `victims` (as many, from `make_room`)."""
+        self.epoch += 1
+        self._touched += victims.numel()
         self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), -1)
-        rows = rows[:n]
         self.row_of_slot.index_copy_(0, victims, rows)
         self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
         self.last_use.index_fill_(0, victims, self.tick)
         for kind, column in self.columns.items():
-            column.index_copy_(0, victims, values[kind][:n])
-        return n, evicted
+            column.index_copy_(0, victims, values[kind])
 
     def _take_dirty(self, victims: torch.Tensor):
         """(rows, {kind: values}) of the dirty slots among `victims`, marked
@@ -496,6 +529,7 @@ class RowTable:
         self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
         self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
+        self._rows_held = None  # see `_note_rows_held`
         self._writes_in_flight = []  # (rows, event on the write stream) of write-backs maybe still running
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
@@ -557,46 +591,53 @@ class RowTable:
         """Drop the cached rows and the rows read ahead: a host table was
         written from outside (after `flush`, so no cached change is lost)."""
         self.cache.clear()
-        self.ahead = None
+        self._set_ahead(None)
         self._version = self.param._version
 
     def expect(self, indices: torch.Tensor) -> None:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in _row_reader.py)."""
         with self.pager.lock:
             self._check_current()
-            self.ahead = ReadAhead.start(indices, self.views[WEIGHT], self.cache.has, self.pager.row_stream)
-            self.pager.counters.row_h2d_bytes += self.ahead.rows.numel() * self.row_bytes
+            self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
+                                            self.pager.row_stream))
             # The read ahead does not wait for write-backs still running: the
             # rows they write are read again when looked up (after they land).
             self._prune_writes()
             for rows, _event in self._writes_in_flight:
-                if not self.ahead.note_written(rows):
-                    self.ahead = None
-                    break
+                self._note_written(rows)
+
+    def _set_ahead(self, ahead) -> None:
+        """Replace the rows read ahead (the bytes the old ones moved counted)."""
+        if self.ahead is not None:
+            self.pager.counters.row_h2d_bytes += self.ahead.take_read_count() * self.row_bytes
+        self.ahead = ahead
+
+    def _note_written(self, rows: torch.Tensor) -> None:
+        """Rows of the weight written to the host table: not served from the rows read ahead."""
+        if self.ahead is not None and not self.ahead.note_written(rows):
+            self._set_ahead(None)
 
     def lookup(self, func, bound: dict) -> torch.Tensor:
         """`func` (F.embedding or F.embedding_bag) with the table's rows: see [Note: row tables]."""
         pager = self.pager
         with pager.lock:
             self._check_current()
-            # (int32 lookups too: rows, their renumbering and the offsets are int64 from here)
-            index = bound["input"].to(self.device, torch.long)
-            rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
-            if rows.numel():
-                low, high = rows[[0, -1]].tolist()  # (sorted: the ends are the extremes)
-                if low < 0 or high >= self.shape[0]:
-                    raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
-                                     f"row {low if low < 0 else high}.")
+            pad = bound.get("padding_idx")
+            if pad is not None and pad < 0:
+                pad += self.shape[0]
+            rows, inverse, n_miss, pad = self._batch_rows(bound["input"], pad)
             training = torch.is_grad_enabled() and self.param.requires_grad
-            gathered, uncached = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1)
+            epoch = self.cache.epoch
+            gathered, uncached = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1,
+                                             n_miss=n_miss)
             batch = gathered[WEIGHT]
             bound = dict(bound, input=inverse, weight=batch)
-            pad = bound.get("padding_idx")
-            if pad is not None:
-                bound["padding_idx"] = self._renumber(rows, pad if pad >= 0 else self.shape[0] + pad)
+            if "padding_idx" in bound and bound["padding_idx"] is not None:
+                bound["padding_idx"] = pad
             if bound.get("offsets") is not None:
                 bound["offsets"] = bound["offsets"].to(self.device, torch.long)
             if training:
+                self._note_rows_held(epoch, uncached)
                 batch.requires_grad_(True)
                 batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf))
         out = func(**bound)
@@ -605,55 +646,106 @@ class RowTable:
                 self.write(rows, {WEIGHT: batch.detach()}, uncached)  # renormalised rows are the table's now
         return out
 
-    @staticmethod
-    def _renumber(rows: torch.Tensor, row: int):
-        i = int(torch.searchsorted(rows, torch.tensor(row, device=rows.device)))
-        return i if i < rows.numel() and int(rows[i]) == row else None
+    def _batch_rows(self, index: torch.Tensor, pad: int | None):
+        """The rows the lookups `index` read: (the rows, sorted and unique; the
+        position of each lookup among them, shaped as `index`; how many of the
+        rows the cache lacks; the position of row `pad` among them or None).
+        One host sync, for every count at once; it raises IndexError for a
+        row outside the table, before anything is changed."""
+        flat = index.to(self.device, torch.long).reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            return flat, flat.view(index.shape), 0, None
+        ordered, order = torch.sort(flat)
+        first = torch.ones(n, dtype=torch.bool, device=self.device)  # the first lookup of each row
+        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+        position = torch.cumsum(first, 0) - 1
+        facts = [ordered[0], ordered[-1], position[-1]]
+        if self.cache.capacity:
+            # (rows out of range are clamped for this count only: they raise below)
+            slots = self.cache.slot_of_row.index_select(0, ordered.clamp(0, self.shape[0]))
+            facts.append(torch.logical_and(slots < 0, first).sum())
+        if pad is not None:
+            at = torch.searchsorted(ordered, torch.tensor([pad], device=self.device)).clamp_(max=n - 1)
+            facts.append(torch.where(ordered[at] == pad, position[at], -1)[0])
+        facts = torch.stack(facts).tolist()  # the host sync
+        low, high, last = facts[:3]
+        if low < 0 or high >= self.shape[0]:
+            raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
+                             f"row {low if low < 0 else high}.")
+        n_miss = facts[3] if self.cache.capacity else last + 1
+        pad = None if pad is None or facts[-1] < 0 else facts[-1]
+        # (monotone: row r is the r-th smallest, see [Note: row tables])
+        rows = torch.empty(last + 1, dtype=torch.long, device=self.device).scatter_(0, position, ordered)
+        inverse = torch.empty_like(flat).scatter_(0, order, position)
+        return rows, inverse.view(index.shape), n_miss, pad
 
-    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True):
+    def _note_rows_held(self, epoch_before: int, uncached: torch.Tensor) -> None:
+        """After a training lookup: whether the cache still holds every row
+        looked up since the last step, as of which epoch (`_rows_held`: None,
+        no lookup yet; False, not known). If it does at the step, the step's
+        rows (the gradient's, among them) need no host sync to be found."""
+        held, epoch = self._rows_held, self.cache.epoch
+        if uncached.numel() or held is False:
+            self._rows_held = False
+        elif held is None or (held == epoch_before and epoch == epoch_before):
+            self._rows_held = epoch  # (a gather that placed rows may have put earlier lookups' out)
+        else:
+            self._rows_held = False
+
+    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True, n_miss: int | None = None):
         """({kind: the rows of that kind on the device}, from the cache or the
         host tables; the positions in `rows` of those the cache does not hold
-        afterwards)."""
+        afterwards). `n_miss`: how many of `rows` the cache lacks, if known."""
         cache, counters = self.cache, self.pager.counters
-        slots, hit_pos, miss_pos = cache.find(rows)
-        n, dim = rows.numel(), self.shape[1]
+        slots, hit_pos, miss_pos = cache.find(rows, n_miss)
+        n, n_miss, dim = rows.numel(), miss_pos.numel(), self.shape[1]
+        counters.row_hits += n - n_miss
+        counters.row_misses += n_miss
+        miss_rows = rows.index_select(0, miss_pos) if n_miss else None
+        if n_miss and self._writes_in_flight:
+            # A row written back (evicted dirty) may be read again: after it lands.
+            self.pager.row_stream.transport.compute_stream().wait_event(self._writes_in_flight[-1][1])
+        victims = None
+        if cache.capacity:
+            cache.touch(slots)
+            if insert and n_miss:
+                # Room first: taking the dirty rows out syncs the host, which
+                # then waits only for the few kernels queued, not for the reads.
+                victims, evicted = cache.make_room(n_miss)
+                if evicted is not None:
+                    # (cached rows, so none of those read below: the reads do not wait for this write)
+                    self._write_host(*evicted, aside=True)
         out = {}
-        miss_rows = rows.index_select(0, miss_pos)
         for kind in kinds:
+            if hit_pos is None and slots is not None:  # every row a hit
+                out[kind] = cache.columns[kind].index_select(0, slots)
+                continue
             values = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
-            if miss_pos.numel():
-                values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
+            values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
             out[kind] = values
-        counters.row_hits += n - miss_pos.numel()
-        counters.row_misses += miss_pos.numel()
-        if not cache.capacity:
+        if victims is None:
             return out, miss_pos
-        cache.touch(slots)
-        if not insert or not miss_pos.numel():
-            return out, miss_pos
+        fitted = victims.numel()
         fill = {}
         for kind in cache.kinds:  # a slot holds every kind
-            fill[kind] = out[kind].index_select(0, miss_pos) if kind in out else self._read_missed(kind, miss_rows)
-        fitted, evicted = cache.insert(miss_rows, fill)
-        if evicted is not None:
-            self._write_host(*evicted, aside=True)
+            fill[kind] = (out[kind].index_select(0, miss_pos[:fitted]) if kind in out
+                          else self._read_missed(kind, miss_rows[:fitted]))
+        cache.place(miss_rows[:fitted], victims, fill)
         return out, miss_pos[fitted:]
 
     def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
         """The host rows `rows` (sorted) of `kind` on the device: from the rows
         read ahead where they are current, else from the host table."""
         reader, counters = self.readers[kind], self.pager.counters
-        if self._writes_in_flight:
-            # A row written back (evicted dirty) may be read again: after it lands.
-            self.pager.row_stream.transport.compute_stream().wait_event(self._writes_in_flight[-1][1])
         if kind != WEIGHT or self.ahead is None:
             counters.row_h2d_bytes += rows.numel() * self.row_bytes
             return reader.read(rows)
         out, served = self.ahead.serve(rows, reader.read)
         counters.row_ahead_hits += served
-        counters.row_h2d_bytes += (rows.numel() - served) * self.row_bytes
+        counters.row_h2d_bytes += (rows.numel() - served + self.ahead.take_read_count()) * self.row_bytes
         return out
 
     # ------------------------------------------------------------- writes
@@ -671,8 +763,8 @@ class RowTable:
             if uncached.numel():
                 self._write_host(rows.index_select(0, uncached),
                                  {k: v.index_select(0, uncached) for k, v in values.items()})
-        if self.ahead is not None and WEIGHT in values and not self.ahead.note_written(rows):
-            self.ahead = None
+        if WEIGHT in values:
+            self._note_written(rows)
 
     def _write_host(self, rows: torch.Tensor, values: dict, aside: bool = False) -> None:
         """Write `values` {kind: [n, dim]} of `rows` to the host tables: on the
@@ -770,14 +862,20 @@ class RowTable:
         """Update the rows the gradient touches with `optimizer` (its group
         `group_index` holds the table): see [Note: exact updates of touched rows]."""
         self._check_current()
+        g, held, self._rows_held = self.param.grad, self._rows_held, None
         taken = self.take_grad()
         if taken is None:
             return
         rows, grad = taken
         state = optimizer.state[self.param]
         self._adopt_state(state)
+        # The gradient's rows are among those looked up since the last step:
+        # if the cache held them all then and holds the same rows now, every
+        # one is a hit, and no host sync counts the misses.
+        all_held = (held is not None and held is not False and held == self.cache.epoch
+                    and isinstance(g, RowGrad) and g.made is None)
         row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
-        gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds)
+        gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds, n_miss=0 if all_held else None)
         view = nn.Parameter(gathered[WEIGHT])
         view.grad = grad
         optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
@@ -835,7 +933,7 @@ class RowTable:
         """Give the Parameter (and the optimizers' state) back as ordinary tensors on the original device."""
         self.flush()
         param = self.param
-        self.ahead = None
+        self._set_ahead(None)
         grad = param.grad
         if isinstance(grad, RowGrad):
             grad = grad.make_real()

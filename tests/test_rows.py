@@ -111,6 +111,66 @@ def test_any_cache_size_gives_the_same_values(cache):
         assert pager.of(model).stats().row_hits > 0
 
 
+class TwoLookups(nn.Module):
+    """One table looked up once or twice a forward (the second lookup can push the first one's rows out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.lin = nn.Linear(DIM, 1)
+
+    def forward(self, ids, more=None):
+        x = self.emb(ids).sum(1)
+        if more is not None:
+            x = x + self.emb(more).sum(1)
+        return self.lin(x).pow(2).sum()
+
+
+def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypatch):
+    """After lookups whose rows the cache took in and kept, the step knows each gradient row is cached and
+    does not count misses (on CUDA a host sync); after a lookup that pushed earlier rows out, it counts.
+    Either way the values are the unwrapped model's."""
+    from pager._rows import RowTable
+
+    counted = []  # per step: the miss count the step's gather was given (None: it counts)
+    real_gather, real_step = RowTable.gather, RowTable.step
+    stepping = []
+
+    def gather(self, rows, kinds, insert=True, n_miss=None):
+        if stepping:
+            counted.append(n_miss)
+        return real_gather(self, rows, kinds, insert, n_miss)
+
+    def step(self, *args):
+        stepping.append(True)
+        try:
+            return real_step(self, *args)
+        finally:
+            stepping.pop()
+
+    monkeypatch.setattr(RowTable, "gather", gather)
+    monkeypatch.setattr(RowTable, "step", step)
+    g = torch.Generator().manual_seed(5)
+    ref = TwoLookups()
+    cache = 26 * (DIM * 4 * 3 + 17) + 4 * (ROWS + 1)  # about 25 rows of the weight and SparseAdam's two columns
+    model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["emb"], row_cache=cache)
+    opts = [torch.optim.SparseAdam(m.emb.parameters(), lr=0.01) for m in (ref, model)]
+    opts += [torch.optim.SGD(m.lin.parameters(), lr=0.01) for m in (ref, model)]
+    for twice in (False, True, False):
+        counted.clear()
+        for _ in range(3):
+            ids = torch.randint(0, ROWS, (3, 6), generator=g)  # 18 rows or fewer: they fit the cache
+            more = torch.randint(0, ROWS, (3, 6), generator=g) if twice else None
+            for m in (ref, model):
+                m(ids, more).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        assert counted == ([None] * 3 if twice else [0] * 3), (twice, counted)
+        assert_same(ref, model)
+    assert 18 <= pager.of(model).row_tables[0].cache.capacity < 36  # one lookup fits, two do not
+
+
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw", "rmsprop"])
 def test_dense_optimizers_equal_unwrapped_when_every_row_is_touched(name):
     """Adam-like optimizers update touched rows only (lazy); where every step touches every row, that is
@@ -369,6 +429,32 @@ def test_rows_read_ahead_give_the_same_values(opt, cache):
             o.zero_grad()
     assert_same(ref, model)
     assert p.stats().row_ahead_hits > 0
+
+
+def test_rows_read_ahead_for_several_steps_see_rows_changed_in_the_cache_and_written_back():
+    """expect_rows of the next two steps' lookups (two a forward): a row read ahead, taken into the cache by
+    one lookup, changed there by a step and written back when a later lookup puts it out, is read again
+    when a lookup after that takes it."""
+    g = torch.Generator().manual_seed(9)
+    data = [(torch.randint(0, 60, (3, 6), generator=g), torch.randint(0, 60, (3, 6), generator=g))
+            for _ in range(12)]
+    ref = TwoLookups()
+    cache = 26 * (DIM * 4 * 3 + 17) + 4 * (ROWS + 1)  # about 25 rows: most leave before they come back
+    model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["emb"], row_cache=cache)
+    opts = [torch.optim.SparseAdam(m.emb.parameters(), lr=0.01) for m in (ref, model)]
+    opts += [torch.optim.SGD(m.lin.parameters(), lr=0.01) for m in (ref, model)]
+    p = pager.of(model)
+    for i, (ids, more) in enumerate(data):
+        if i % 2 == 0:
+            p.expect_rows(model.emb, torch.cat([t for pair in data[i:i + 2] for t in pair]))
+        for m in (ref, model):
+            m(ids, more).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert_same(ref, model)
+    s = p.stats()
+    assert s.row_ahead_hits > 0 and s.row_d2h_bytes > 0
 
 
 def test_rows_read_ahead_see_later_writes_and_bad_rows():
