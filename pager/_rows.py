@@ -95,7 +95,8 @@ table makes at most these:
 - the lookup, when rows must come in and the cache holds changed rows: one,
   for which of the slots given up are dirty (`RowCache.make_room`), taken
   before the reads are queued, so that the host does not wait for them;
-- the update: one for a sparse gradient's rows (`RowGrad.rows_and_grad`),
+- the update: one for the gradient's rows when they must be merged (a
+  sparse gradient, or several lookups' dense pieces: `RowGrad.rows_and_grad`),
   and one to count the misses, unless the cache is known to hold every row
   looked up since the last step (`_note_rows_held`: one lookup since, or
   lookups that took no row in, and none of their rows left out) - then each
@@ -724,7 +725,8 @@ class RowTable:
             values = torch.empty(n, dim, dtype=self.hosts[kind].dtype, device=self.device)
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
-            values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
+            if n_miss:
+                values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
             out[kind] = values
         if victims is None:
             return out, miss_pos

@@ -465,6 +465,7 @@ def test_rows_read_ahead_see_later_writes_and_bad_rows():
     with torch.no_grad():
         model.emb.weight[6] = 7.0
     assert torch.equal(model.emb(ids)[0, 1], torch.full((DIM,), 7.0))
+    assert model.emb(torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, DIM)  # (no rows, no cache: nothing read)
     p.expect_rows(model.emb, torch.tensor([1, 1000, -4]))  # (read clamped to the table; the lookup checks)
     with pytest.raises(IndexError, match="1000 rows"):
         model.emb(torch.tensor([1, 1000]))
