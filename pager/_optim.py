@@ -137,34 +137,19 @@ class OptimizerLink:
                 now.append(block)
         pager.scheduler.expect([(b, STEP) for b in now])
         try:
-            # Every page on the device: nothing to bring in beside the steps, so they run as one.
+            # Every page on the device: nothing to bring in beside the steps,
+            # so the blocks that have their state step as one.
             together = [b for b in now if not b.deps and "state" in b.segments] if pager.all_resident else []
-            if len(together) > 1:
-                self._step_together(optimizer, together, shares)
-                stepped = {id(b) for b in together}
-                now = [b for b in now if id(b) not in stepped]
-            for block in now:
-                pager.acquire(block, STEP)
-                if "state" not in block.segments:
-                    # The optimizer is about to create this block's state on the
-                    # device (outside the pages): make room for it first.
-                    pager.engine.make_room(self._state_estimate(block), protect={block})
-                pager.prefetch()
-                try:
-                    for g, share in zip(groups, shares[id(block)]):
-                        g["params"] = share
-                    self._step_once(optimizer)
-                    self._adopt_state(block)
-                    block.mark_dirty(("weights", "state"))
-                finally:
-                    pager.release(block)
+            ids = {id(b) for b in together}
+            for run in ([together] if together else []) + [[b] for b in now if id(b) not in ids]:
+                self._step_blocks(optimizer, run, shares)
         finally:
             for g, params in zip(groups, self._saved_params):
                 g["params"] = [p for p in params if not pager.managed(p)]
 
-    def _step_together(self, optimizer, blocks: list[Block], shares: dict) -> None:
-        """Step `blocks`, each with its weights, gradients and state on the
-        device, in one call of the optimizer: its foreach kernels launch once
+    def _step_blocks(self, optimizer, blocks: list[Block], shares: dict) -> None:
+        """Step `blocks` in one call of the optimizer: one block, or several
+        with every page on the device, whose foreach kernels then launch once
         rather than once per block (a resident model's step would otherwise
         pay the host's cost per block), with the same values, as the update of
         each parameter depends on that parameter's tensors only."""
@@ -174,6 +159,11 @@ class OptimizerLink:
             for block in blocks:
                 pager.acquire(block, STEP)
                 acquired.append(block)
+                if "state" not in block.segments:
+                    # The optimizer is about to create this block's state on the
+                    # device (outside the pages): make room for it first.
+                    pager.engine.make_room(self._state_estimate(block), protect={block})
+            pager.prefetch()
             for gi, g in enumerate(optimizer.param_groups):
                 g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
             self._step_once(optimizer)

@@ -209,16 +209,17 @@ class ReadAhead:
         need: which of them were read: the first lookup of each row the
             cache lacked.
         values: [len(rows), dim], the rows read where `need`.
+        read: how many rows were read, a 0-d tensor beside `values`.
         done: an event after the read, or None (read on the compute stream).
         rows_stream: the model's `RowStream`, or None.
     """
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, rows, need, values, done, rows_stream: RowStream | None):
+    def __init__(self, rows, need, values, read, done, rows_stream: RowStream | None):
         self.rows, self.need, self.values, self.done, self.rows_stream = rows, need, values, done, rows_stream
         self.written = []  # row tensors written since the read began
-        self._uncounted = None  # rows read and not yet counted in the stats (None: not counted on the host yet)
+        self._read = read  # rows read, for the stats: a tensor, then an int once on the host, None once counted
 
     @classmethod
     def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None):
@@ -233,10 +234,10 @@ class ReadAhead:
         if indices.device.type == "cuda":
             indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
         with rows_stream.transport.on(stream):
-            rows, need, values = cls._read(indices, view, slot_of_row)
+            read = cls._read(indices, view, slot_of_row)
             done = torch.cuda.Event()
             done.record(stream)
-        return cls(rows, need, values, done, rows_stream)
+        return cls(*read, done, rows_stream)
 
     @staticmethod
     def _read(indices: torch.Tensor, view: torch.Tensor, slot_of_row):
@@ -246,7 +247,7 @@ class ReadAhead:
         torch.ne(rows[1:], rows[:-1], out=need[1:])
         if slot_of_row is not None:
             need &= slot_of_row.index_select(0, rows) < 0
-        return rows, need, read_where(view, rows, need)
+        return rows, need, read_where(view, rows, need), need.sum()
 
     def note_written(self, rows: torch.Tensor) -> bool:
         """Rows written to the table; False once too many writes piled up (drop it)."""
@@ -254,12 +255,15 @@ class ReadAhead:
         return len(self.written) <= self.MAX_WRITES
 
     def take_read_count(self) -> int:
-        """Rows read ahead and not counted yet (the first count syncs the
-        host, unless a `serve` made it)."""
-        if self._uncounted is None:
-            self._uncounted = int(self.need.sum())
-        n, self._uncounted = self._uncounted, 0
-        return n
+        """Rows read ahead, the first time it is asked (0 after). Unless a
+        `serve` brought the count over, this waits for the row stream (only)."""
+        n, self._read = self._read, None
+        if n is None or isinstance(n, int):
+            return n or 0
+        if self.rows_stream is None:
+            return int(n)
+        with self.rows_stream.transport.on(self.rows_stream.stream):
+            return int(n)  # (a copy on the row stream, after the read: compute's queue is not waited for)
 
     def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
         """(the table's sorted `rows`, how many came from here): the current
@@ -270,8 +274,9 @@ class ReadAhead:
             compute = self.rows_stream.transport.compute_stream()
             # The read ahead ran on the row stream; its tensors are used here now.
             compute.wait_event(self.done)
-            for t in (self.rows, self.need, self.values):
-                t.record_stream(compute)
+            for t in (self.rows, self.need, self.values, self._read):
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(compute)
         # (the first lookup of a row is the one read, if any: where searchsorted lands)
         pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
         current = self.rows.index_select(0, pos).eq(rows).logical_and_(self.need.index_select(0, pos))
@@ -279,10 +284,10 @@ class ReadAhead:
             current &= ~torch.isin(rows, torch.cat(self.written))
         # Served rows first, each part in row order; one host sync (the counts).
         order = torch.argsort(current.logical_not().to(torch.uint8), stable=True)
-        counts = [current.sum()] + ([self.need.sum()] if self._uncounted is None else [])
-        n_served, *read_ahead = torch.stack(counts).tolist()
-        if read_ahead:
-            self._uncounted = read_ahead[0]
+        counts = [current.sum()] + ([self._read] if isinstance(self._read, torch.Tensor) else [])
+        n_served, *n_read = torch.stack(counts).tolist()
+        if n_read:
+            self._read = n_read[0]
         served, rest = order[:n_served], order[n_served:]
         out = torch.empty(rows.numel(), self.values.shape[1], dtype=self.values.dtype, device=rows.device)
         out.index_copy_(0, served, self.values.index_select(0, pos.index_select(0, served)))

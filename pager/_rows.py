@@ -104,8 +104,8 @@ table makes at most these:
 - rows read ahead: none to start them (`ReadAhead`); one at the lookup that
   takes them, for how many it takes.
 
-The free slots need no count: the slots a gather touched hold its tick, so
-`capacity - touched` are free.
+The free slots need no count: the slots a gather hit hold its tick, one each,
+so `capacity - hits` are free.
 
 Rows an update touches that the cache does not hold (a cache smaller than a
 batch, or the first step that makes a state column) are written through on
@@ -380,7 +380,6 @@ class RowCache:
         self.row_bytes = dim * dtype.itemsize
         self.map_bytes = 4 * (rows + 1)
         self.tick = 0
-        self._touched = 0  # slots the last gather touched (`touch`, `place`)
         self.epoch = 0  # moves whenever a row may leave the cache (`place`, `clear`, `shape_columns`)
         self.shape_columns((WEIGHT,))
 
@@ -434,21 +433,19 @@ class RowCache:
         return slots.index_select(0, hit_pos), hit_pos, miss_pos
 
     def touch(self, slots: torch.Tensor | None) -> None:
-        """Mark the slots a gather hit as used now (no slot is touched twice:
-        a gather's rows are unique)."""
+        """Mark the slots a gather hit as used now."""
         self.tick += 1
-        self._touched = 0 if slots is None else slots.numel()
-        if self._touched:
+        if slots is not None and slots.numel():
             self.last_use.index_fill_(0, slots, self.tick)
 
-    def make_room(self, n: int):
-        """Slots for `n` rows not cached: the least recently used ones the
-        last `touch` did not touch (maybe fewer than `n`). Returns (the slots
-        or None, the dirty rows taken out of them as (rows, {kind: values}) or
-        None); `place` then fills them."""
-        # Slots touched now hold this tick (by `touch`, or `place` after it):
-        # the others are free, and no count on the device is needed.
-        n = min(self.capacity - self._touched, n)
+    def make_room(self, n: int, n_hits: int):
+        """Slots for `n` rows not cached, after a `touch` of the gather's
+        `n_hits` hits: the least recently used slots but those (maybe fewer
+        than `n`). Returns (the slots or None, the dirty rows taken out of
+        them as (rows, {kind: values}) or None); `place` then fills them."""
+        # The hits hold this tick, one slot each (a gather's rows are unique):
+        # the other slots are free, and no count on the device is needed.
+        n = min(self.capacity - n_hits, n)
         if self.capacity == 0 or n <= 0:
             return None, None
         victims = torch.topk(self.last_use, n, largest=False).indices
@@ -458,7 +455,6 @@ class RowCache:
         """Put `rows` with `values` {kind: [len(rows), dim]} in the slots
         `victims` (as many, from `make_room`)."""
         self.epoch += 1
-        self._touched += victims.numel()
         self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), -1)
         self.row_of_slot.index_copy_(0, victims, rows)
         self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
@@ -633,7 +629,7 @@ class RowTable:
                                              n_miss=n_miss)
             batch = gathered[WEIGHT]
             bound = dict(bound, input=inverse, weight=batch)
-            if "padding_idx" in bound and bound["padding_idx"] is not None:
+            if bound.get("padding_idx") is not None:
                 bound["padding_idx"] = pad
             if bound.get("offsets") is not None:
                 bound["offsets"] = bound["offsets"].to(self.device, torch.long)
@@ -713,7 +709,7 @@ class RowTable:
             if insert and n_miss:
                 # Room first: taking the dirty rows out syncs the host, which
                 # then waits only for the few kernels queued, not for the reads.
-                victims, evicted = cache.make_room(n_miss)
+                victims, evicted = cache.make_room(n_miss, n - n_miss)
                 if evicted is not None:
                     # (cached rows, so none of those read below: the reads do not wait for this write)
                     self._write_host(*evicted, aside=True)
