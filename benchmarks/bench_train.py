@@ -15,6 +15,12 @@
 3. (--only sweep) The 1B step against the budget, which then bounds blocks
    and activations together, from 25% to 100% of weights + grads + AdamW
    state, beside all on GPU and the peers.
+4. (--only resident) Models that fit their budget, from host-bound (a small
+   MLP, a small decoder) to GPU-bound: the bare model's step against the
+   wrapped one's, in turns in one process ([Note: asleep] in pager/_hooks.py:
+   from its second step on, a resident model trains without block hooks).
+
+    python -m benchmarks.bench_train --only resident [--reps 5]
 """
 
 from __future__ import annotations
@@ -314,9 +320,65 @@ def bench_supernet(args, rows):
         free_cuda()
 
 
+def _resident_shapes():
+    """(name, model factory, input, target factory): from host-bound to GPU-bound."""
+    import torch.nn as nn
+
+    def mlp():
+        return nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
+
+    return [
+        ("MLP 128-1024-1024-1, batch 1024", mlp, lambda: torch.randn(1024, 128, device="cuda"), None),
+        ("decoder 8 layers d=256, 8x128 tokens", lambda: Decoder(n_layers=8, d=256, ff=704, heads=4, vocab=VOCAB),
+         lambda: torch.randint(0, VOCAB, (8, 128), device="cuda"), True),
+        ("decoder 12 layers d=1024, 4x512 tokens", lambda: Decoder(n_layers=12, d=1024, ff=2816, heads=8, vocab=VOCAB),
+         lambda: torch.randint(0, VOCAB, (4, 512), device="cuda"), True),
+    ]
+
+
+def bench_resident(args, rows):
+    from benchmarks.harness import interleaved_ms
+
+    for name, factory, make_input, lm in _resident_shapes():
+        torch.manual_seed(0)
+        bare = factory().cuda()
+        wrapped = copy.deepcopy(bare)
+        pager.wrap(wrapped, budget="40GiB", device="cuda")
+        x = make_input()
+
+        def stepper(model):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step():
+                out = model(x)
+                loss = F.cross_entropy(out.flatten(0, 1), x.flatten()) if lm else out.square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+            return step
+
+        steps = [stepper(bare), stepper(wrapped)]
+        for step in steps:
+            step()  # the first step makes the gradients' pages and the optimizer state
+        pg = pager.of(wrapped)
+        pg.reset()
+        (bare_ms, bare_host), (ms, host) = interleaved_ms(steps, warmup=3, reps=20 * args.reps)
+        s = pg.stats()
+        rows.append(Row(f"training step, {name}, AdamW", "bare model", bare_ms, ratio=1.0, reference="itself",
+                        note=f"host {bare_host:.2f} ms"))
+        rows.append(Row(f"training step, {name}, AdamW", "pager, budget 40 GiB (fits)", ms, ratio=ms / bare_ms,
+                        reference="bare model",
+                        note=f"host {host:.2f} ms; {s.resident_forwards} of {s.steps} forwards ran without block hooks"))
+        print(rows[-2], rows[-1], sep="\n")
+        pager.unwrap(wrapped)
+        del bare, wrapped, steps
+        free_cuda()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decoder", "supernet", "sweep"])
+    ap.add_argument("--only", choices=["decoder", "supernet", "sweep", "resident"])
     ap.add_argument("--shares", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.8, 1.0],
                     help="sweep: budgets as shares of weights + grads + AdamW state")
     ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
@@ -334,7 +396,9 @@ def main(argv=None):
         bench_supernet(args, rows)
     if args.only == "sweep":
         bench_train_sweep(args, rows)
-    save(rows, "train_sweep" if args.only == "sweep" else "train", env)
+    if args.only == "resident":
+        bench_resident(args, rows)
+    save(rows, {"sweep": "train_sweep", "resident": "train_resident"}.get(args.only, "train"), env)
 
 
 if __name__ == "__main__":

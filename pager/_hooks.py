@@ -6,19 +6,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from operator import is_not
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _paged, _saved
-from ._block import Block
+from ._block import Block, PageState
 from ._budget import format_bytes
 from ._carried import carried_bytes
 from ._checkpoint import StateDicts
 from ._common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
 
 log = logging.getLogger("pager")
+
+
+def _keeps_graph() -> bool:
+    """The backward running now keeps its graph (`retain_graph=True`); True where torch cannot say."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else keep()
 
 
 class Hooks:
@@ -46,6 +53,7 @@ class Hooks:
         self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
         self.recorder = None  # the thread whose forward this step records ([Note: one recorded request at a time])
         self.held_for_graph = False
+        self.graphs_asleep: set = set()  # graphs built asleep that a backward may still read ([Note: asleep])
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
 
@@ -79,23 +87,66 @@ class Hooks:
         ]
 
     # [Note: asleep]
-    # When a forward starts with grad disabled and every page of every block
-    # is on the device (each acquired since its fetch and none in use, no
-    # deferred update, no trace), the block hooks can only count: they are removed for that
+    # When a forward starts and every page of every block is on the device
+    # (each acquired since its fetch and none in use, no deferred update, no
+    # trace), the block hooks can only count: they are removed for that
     # forward, so a model that fits its budget runs at the speed of the bare
     # model (a module with hooks takes PyTorch's slow call path; a host-bound
     # forward pays for it). Nothing may leave while such a forward runs
-    # (`evictions_blocked`); the next forward that needs the hooks (grad
-    # enabled, a block to fetch) installs them again before it starts. If grad
-    # was enabled inside and the output carries a graph, the blocks stay put
-    # until the next forward, since their backward hooks were not there.
+    # (`evictions_blocked`); the next forward that needs the hooks (a block
+    # to fetch) installs them again before it starts.
+    #
+    # A forward that builds a graph (training) sleeps too when nothing its
+    # backward would need the hooks for can happen (`_can_train_asleep`):
+    # every trainable block has its gradients' page, activations stay as
+    # autograd saves them, no reducer, and the model is alone on its engine.
+    # Its backward then has no pre-backward hooks to bring a block back, so
+    # no block of the model may leave while the graph can still be read
+    # (`graphs_asleep`): until a backward through one of its outputs ends
+    # without keeping it (`retain_graph=False`), or it is dropped (the
+    # outputs' hooks, which hold the mark, are freed). Gradients still go
+    # into their pages (`_on_grad`), and the optimizer's step runs as on
+    # the unwrapped model ([Note: a step asleep] in _optim.py). A graph that
+    # a forward asleep returns when that cannot be (a forward that started
+    # with grad disabled enabled it) keeps the blocks until the next forward.
     def _can_sleep(self) -> bool:
         return (
-            not torch.is_grad_enabled()
-            and self.pager.all_resident
+            self.pager.all_resident
             and not self.pager.tracer.enabled
             and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.pager.blocks)
+            and (not torch.is_grad_enabled() or self._can_train_asleep())
         )
+
+    def _can_train_asleep(self) -> bool:
+        pager = self.pager
+        return (
+            pager.activations is None
+            and pager.reducer is None
+            and len(pager.engine.owners) == 1
+            # A first gradient of a block makes its page, which may need room.
+            and all("grads" in b.segments or not any(p.requires_grad for p in b.params) for b in pager.all_blocks())
+        )
+
+    def _hold_for_backward(self, outputs: list) -> None:
+        """Keep every block here while the graph of a forward that ran asleep
+        may still be read (see the Note). The mark is a hook on each output:
+        a backward through it ends the hold unless it keeps the graph, and
+        the hook's end (the graph dropped) ends it too."""
+        graphs, mark = self.graphs_asleep, object()
+
+        def backward_ends():
+            with self.lock:
+                graphs.discard(mark)
+                self.pager.engine.room_may_be_back()
+
+        def reached(grad):
+            if not _keeps_graph():
+                torch.autograd.Variable._execution_engine.queue_callback(backward_ends)
+
+        graphs.add(mark)
+        for t in outputs:
+            t.register_hook(reached)
+        weakref.finalize(reached, graphs.discard, mark)  # (from any thread, at any time: no lock)
 
     def sleep(self) -> None:
         if not self.pager.asleep:
@@ -263,7 +314,7 @@ class Hooks:
         else:
             if outermost:
                 self._another_request()
-            if self.pager.asleep and torch.is_grad_enabled():
+            if self.pager.asleep and torch.is_grad_enabled() and not self._can_train_asleep():
                 self.wake()  # another thread's forward builds a graph: its blocks need their hooks
         self.forward_marks().append(self.pager.asleep)
         if self.pager.asleep:
@@ -294,7 +345,10 @@ class Hooks:
             else:
                 self.sleeping_threads.pop(me, None)
             self.pager.engine.room_may_be_back()  # its blocks may leave again
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
+            graph = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if graph and self._can_train_asleep():
+                self._hold_for_backward(graph)
+            elif graph:
                 self.wake()
                 self.held_for_graph = True  # see [Note: asleep]
 
@@ -530,8 +584,16 @@ class Hooks:
         if self.pager.reducer is not None:
             self.pager.reducer.backward_finished(finished)
 
-    @_locked
     def _on_grad(self, param: torch.Tensor) -> None:
+        slot = self.pager.grad_slots.get(id(param))
+        if slot is not None:
+            seg = slot[0].segments["grads"]
+            if seg.state is PageState.RESIDENT and param.grad is seg.tensors[slot[1]]:
+                return  # accumulated in its page (held by this backward: nothing to change)
+        self._grad_into_page(param)
+
+    @_locked
+    def _grad_into_page(self, param: torch.Tensor) -> None:
         block, i = self.pager.grad_slots.get(id(param), (None, None))
         if block is None:
             block = self.pager.param_blocks[id(param)]

@@ -68,6 +68,8 @@ class OptimizerLink:
         self.pager = pager
         self.optimizer = optimizer
         self._saved_params: list | None = None
+        self._in_place: list = []  # blocks the user's own step() updates ([Note: a step asleep])
+        self._stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -120,6 +122,11 @@ class OptimizerLink:
         self._saved_params = [g["params"] for g in groups]
         self._step_row_tables(optimizer)
         blocks = self._blocks_to_step()
+        if self._can_step_in_place(blocks):
+            self._in_place = blocks
+            for g, params in zip(groups, self._saved_params):
+                g["params"] = [p for p in params if id(p) not in pager.row_params]
+            return
         # Each block's share of each group, in the group's order (one pass).
         shares = {id(b): [[] for _ in groups] for b in blocks}
         for gi, params in enumerate(self._saved_params):
@@ -170,6 +177,8 @@ class OptimizerLink:
             for block in blocks:
                 self._adopt_state(block)
                 block.mark_dirty(("weights", "state"))
+                if "state" not in block.segments:
+                    self._stateless.add(id(block))
         finally:
             for block in acquired:
                 pager.release(block)
@@ -184,11 +193,49 @@ class OptimizerLink:
                 if table is not None and p.grad is not None:
                     table.step(optimizer, gi, self._step_once)
 
+    # [Note: a step asleep]
+    # While the pager sleeps every page is on the device and nothing leaves
+    # without waking it first ([Note: asleep] in _hooks.py), so a step of
+    # blocks whose state has its page already (or that have none) needs no
+    # acquire, no fetch and no narrowing of the groups: the user's own
+    # `step()` call updates them with the parameters pager does not manage,
+    # in one call of the optimizer, as on the unwrapped model. Afterwards,
+    # state entries the optimizer replaced go back into their page, and state
+    # that appeared for the first time (momentum turned on) is adopted with
+    # its block pinned, as after a streamed step.
+    def _can_step_in_place(self, blocks: list[Block]) -> bool:
+        pager = self.pager
+        return (
+            pager.asleep
+            and not pager.shared_mode  # (other threads: a use pins what it touches)
+            and all(("state" in b.segments or id(b) in self._stateless) and not b.deferred_steps for b in blocks)
+        )
+
+    def _after_step_in_place(self) -> None:
+        pager = self.pager
+        blocks, self._in_place = self._in_place, []
+        with pager.lock:
+            for block in blocks:
+                if "state" not in block.segments:
+                    if not self._device_state(block):
+                        continue
+                    pager.acquire(block, STEP)
+                    try:
+                        self._adopt_state(block)
+                    finally:
+                        pager.release(block)
+                    self._stateless.discard(id(block))
+                else:
+                    self._adopt_state(block)
+                block.mark_dirty(("weights", "state"))
+
     def _post_step(self, optimizer, args, kwargs):
         if self._saved_params is not None:
             for g, params in zip(optimizer.param_groups, self._saved_params):
                 g["params"] = params
             self._saved_params = None
+        if self._in_place:
+            self._after_step_in_place()
 
     def _step_once(self, optimizer) -> None:
         if self._raw_step is not None:
@@ -287,6 +334,11 @@ class OptimizerLink:
             ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
         return int(ratio * block.weights.nbytes)
 
+    def _device_state(self, block: Block) -> list:
+        """(parameter, key) of each state tensor the optimizer holds on the device for `block`."""
+        return [(p, key) for p in block.params for key, value in self.optimizer.state.get(p, {}).items()
+                if isinstance(value, torch.Tensor) and value.device == self.pager.device and value.numel() > 0]
+
     def _adopt_state(self, block: Block) -> None:
         """Move state the optimizer created on the device into the block's page."""
         opt_state = self.optimizer.state
@@ -299,14 +351,10 @@ class OptimizerLink:
                     view.copy_(value)
                     opt_state[p][key] = view
             return
-        named, keys = [], []
-        for p in block.params:
-            for key, value in opt_state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.device == self.pager.device and value.numel() > 0:
-                    named.append((f"{id(p)}.{key}", value))
-                    keys.append((p, key))
-        if not named:
+        keys = self._device_state(block)
+        if not keys:
             return
+        named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
         pager = self.pager
         seg = pager.new_segment(block, "state", named)
         seg.keys = keys
@@ -317,6 +365,7 @@ class OptimizerLink:
         pager.engine.fetch(block, ("state",))
         pager.engine.wait(block)
         pager.expose(block)  # the block is in use: its new state tensors too
+        block.settled = True  # (as its acquire left it: compute waited, so the next forward may run asleep)
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):
                 view.copy_(opt_state[p][key])

@@ -444,7 +444,7 @@ class Pager:
 
     # ------------------------------------- leaving (called by the engine)
     def evictions_blocked(self) -> bool:
-        return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph
+        return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph or bool(self.hooks.graphs_asleep)
 
     def fixed_bytes(self) -> int:
         """What this model holds on the device for life (its remainder, and blocks it uses)."""

@@ -368,7 +368,7 @@ def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():
         assert_same(model(ids), ref(ids))
         assert _pager_hooks_on_blocks(model) == 2 * len(pg.blocks)
         assert pg.stats().evictions > 0
-    # A training step needs the hooks (backward fetches): awake, and equal.
+    # A first training step needs the hooks (its backward makes the gradients' pages): awake, and equal.
     pg.set_budget(1 << 30)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for m, o in ((model, opt), (ref, ref_opt)):

@@ -487,3 +487,98 @@ def test_a_second_backward_through_a_retained_graph(regime):
         out.backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same(p.grad, q.grad)
+
+
+# -- training asleep: see [Note: asleep] in pager/_hooks.py ---------------------
+
+
+def _hooked_blocks(model):
+    return sum(bool(b.hook_handles) for b in pager.of(model).blocks)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_resident_model_trains_without_block_hooks(set_to_none):
+    """Once every block has its gradients' page, a model that fits trains with
+    its block hooks off: bit for bit the unwrapped model's steps, gradients in
+    their pages, two forwards into one backward too."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    pg = pager.of(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    for i, (ids, tgt) in enumerate(batches(6)):
+        if i == 1:  # (the first backward makes the gradients' pages)
+            pg.reset()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = lm_loss(m, ids, tgt)
+            if i % 2:
+                loss = loss + lm_loss(m, ids.flip(0), tgt.flip(0))  # two forwards, one backward
+            loss.backward()
+            if m is model and i > 0:
+                assert _hooked_blocks(model) == 0
+                pages = [s for b in pg.all_blocks() if (s := b.segments.get("grads")) is not None]
+                assert pages and all(p.grad is t for s in pages for p, t in zip(s.params, s.tensors))
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+    assert pg.stats().resident_forwards == 5 + 3  # (steps 1, 3 and 5 run two forwards)
+    assert_trained_alike(model, opt, ref, ref_opt, batches(1)[0][0])
+
+
+def test_a_graph_built_asleep_keeps_every_block_until_autograd_lets_go():
+    """Its backward has no hooks to bring a block back: while autograd holds
+    what the forward saved (a retained graph too), no block may leave; then
+    the budget may drop and training goes on paged, equal to unwrapped."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    pg = pager.of(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    data = batches(5)
+    small = regime_budget(model, "streams")
+
+    def step(m, o, ids, tgt):
+        lm_loss(m, ids, tgt).backward()
+        o.step()
+        o.zero_grad()
+
+    step(model, opt, *data[0])
+    step(ref, ref_opt, *data[0])
+    loss, ref_loss = lm_loss(model, *data[1]), lm_loss(ref, *data[1])
+    assert _hooked_blocks(model) == 0
+    with pytest.raises(ValueError, match="between steps"):
+        pg.set_budget(small)
+    for retain in (True, False):  # a second pass through the retained graph
+        loss.backward(retain_graph=retain)
+        ref_loss.backward(retain_graph=retain)
+        if retain:
+            with pytest.raises(ValueError, match="between steps"):
+                pg.set_budget(small)
+    pg.set_budget(small)  # (`loss` lives on, but autograd let go of what it saved)
+    assert pg.stats().evictions > 0
+    opt.step(), ref_opt.step()
+    opt.zero_grad(), ref_opt.zero_grad()
+    for ids, tgt in data[2:]:
+        step(model, opt, ids, tgt)
+        step(ref, ref_opt, ids, tgt)
+    assert _hooked_blocks(model) == len(pg.blocks) and pg.stats().peak_resident_bytes <= (1 << 30)
+    assert_trained_alike(model, opt, ref, ref_opt, data[0][0])
+
+
+def test_a_supernet_trains_asleep_once_every_candidate_has_its_gradients_page():
+    """A candidate's first gradient makes its page, which may need room: until
+    every candidate has one, the forwards keep their hooks."""
+    net = SuperNet(n_layers=2)
+    ref = copy.deepcopy(net)
+    pager.wrap(net, budget=1 << 30, device="cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref))
+    for step, path in enumerate(([0, 0], [1, 1], [2, 2], [3, 3], [0, 1], [2, 0])):
+        if step == 3:  # every candidate but the last has its page
+            assert _hooked_blocks(net) > 0 and pager.of(net).stats().resident_forwards == 0
+        net.set_path(path), ref.set_path(path)
+        for m, o in ((net, opt), (ref, ref_opt)):
+            lm_loss(m, *batches(1)[0]).backward()
+            o.step()
+            o.zero_grad()
+    assert _hooked_blocks(net) == 0 and pager.of(net).stats().resident_forwards == 2
+    pager.unwrap(net)
+    assert_models_equal(net, ref)
