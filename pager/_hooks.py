@@ -588,8 +588,14 @@ class Hooks:
         slot = self.pager.grad_slots.get(id(param))
         if slot is not None:
             seg = slot[0].segments["grads"]
-            if seg.state is PageState.RESIDENT and param.grad is seg.tensors[slot[1]]:
-                return  # accumulated in its page (held by this backward: nothing to change)
+            if seg.state is PageState.RESIDENT:
+                view, grad = seg.tensors[slot[1]], param.grad
+                if grad is view:
+                    return  # accumulated in its page (held by this backward: nothing to change)
+                if self.pager.asleep and seg.exposed and not torch.is_grad_enabled():
+                    view.copy_(grad)  # (nothing leaves while the pager sleeps: no lock, no acquire)
+                    param.grad = view
+                    return
         self._grad_into_page(param)
 
     @_locked

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from operator import is_not
 
 import torch
 
@@ -345,11 +346,12 @@ class OptimizerLink:
         seg = block.segments.get("state")
         if seg is not None:
             # Entries the optimizer replaced (rather than updated in place) go back into the page.
-            for (p, key), view in zip(seg.keys, seg.tensors):
-                value = opt_state[p].get(key)
-                if value is not view and isinstance(value, torch.Tensor):
-                    view.copy_(value)
-                    opt_state[p][key] = view
+            values = [opt_state[p].get(key) for p, key in seg.keys]
+            if any(map(is_not, values, seg.tensors)):
+                for (p, key), value, view in zip(seg.keys, values, seg.tensors):
+                    if value is not view and isinstance(value, torch.Tensor):
+                        view.copy_(value)
+                        opt_state[p][key] = view
             return
         keys = self._device_state(block)
         if not keys:

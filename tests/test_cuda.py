@@ -156,6 +156,28 @@ def test_training_parity_on_gpu(opt_name, regime):
     train(model, opt, data)
     train(ref, ref_opt, data)
     assert pager.of(model).stats().peak_resident_bytes <= budget
+    assert (pager.of(model).stats().resident_forwards > 0) == (regime == "fits")  # trained asleep ([Note: asleep])
+    pager.unwrap(model)
+    assert_close_to_reference(model, ref)
+
+
+def test_a_graph_built_asleep_lets_the_blocks_go_once_its_backward_ends_on_gpu():
+    """The backward runs on autograd's device thread: its end there lets the
+    blocks go, so the budget can drop between steps and training goes on paged."""
+    model = TinyLM()
+    ref = copy.deepcopy(model).to(GPU)
+    pager.wrap(model, budget=1 << 30, device=GPU)
+    pg = pager.of(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for i, (ids, tgt) in enumerate(batches(6)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids.to(GPU), tgt.to(GPU)).backward()
+            o.step()
+            o.zero_grad()
+        if i == 2:
+            assert sum(bool(b.hook_handles) for b in pg.blocks) == 0
+            pg.set_budget(regime_budget(model, "streams"))
+    assert pg.stats().evictions > 0
     pager.unwrap(model)
     assert_close_to_reference(model, ref)
 

@@ -582,3 +582,32 @@ def test_a_supernet_trains_asleep_once_every_candidate_has_its_gradients_page():
     assert _hooked_blocks(net) == 0 and pager.of(net).stats().resident_forwards == 2
     pager.unwrap(net)
     assert_models_equal(net, ref)
+
+
+def test_a_step_asleep_runs_in_the_users_call_and_adopts_state_that_appears(monkeypatch):
+    """[Note: a step asleep]: no block is acquired for the update; state that
+    appears later (momentum turned on) still goes into its page."""
+    from pager._optim import OptimizerLink
+
+    streamed = []
+    real = OptimizerLink._step_blocks
+    monkeypatch.setattr(OptimizerLink, "_step_blocks", lambda self, *a: streamed.append(1) or real(self, *a))
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for i, (ids, tgt) in enumerate(batches(6)):
+        if i == 1:
+            first = len(streamed)  # (the first step runs streamed: it learns the blocks have no state)
+        if i == 3:
+            for o in (opt, ref_opt):
+                o.param_groups[0]["momentum"] = 0.9
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+    assert first > 0 and len(streamed) == first and _hooked_blocks(model) == 0
+    pages = [b.segments["state"] for b in pager.of(model).all_blocks() if "state" in b.segments]
+    assert len(pages) == len(pager.of(model).all_blocks())
+    assert all(opt.state[p]["momentum_buffer"] is view for s in pages for (p, _k), view in zip(s.keys, s.tensors))
+    assert_trained_alike(model, opt, ref, ref_opt, batches(1)[0][0])
