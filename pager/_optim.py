@@ -125,8 +125,10 @@ class OptimizerLink:
         blocks = self._blocks_to_step()
         if self._can_step_in_place(blocks):
             self._in_place = blocks
-            for g, params in zip(groups, self._saved_params):
-                g["params"] = [p for p in params if id(p) not in pager.row_params]
+            if not pager.row_params:
+                self._saved_params = None  # the groups stay as they are
+            for g, params in zip(groups, self._saved_params or ()):
+                g["params"] = [p for p in params if id(p) not in pager.row_params]  # (stepped above)
             return
         # Each block's share of each group, in the group's order (one pass).
         shares = {id(b): [[] for _ in groups] for b in blocks}
