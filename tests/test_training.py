@@ -611,3 +611,34 @@ def test_a_step_asleep_runs_in_the_users_call_and_adopts_state_that_appears(monk
     assert len(pages) == len(pager.of(model).all_blocks())
     assert all(opt.state[p]["momentum_buffer"] is view for s in pages for (p, _k), view in zip(s.keys, s.tensors))
     assert_trained_alike(model, opt, ref, ref_opt, batches(1)[0][0])
+
+
+def test_a_forward_that_wakes_the_pager_leaves_a_graph_built_asleep_its_blocks():
+    """Two forwards into one backward, the second with the hooks back on
+    (a trace started between them): the first graph's blocks stay until
+    its backward, which gives the unwrapped model's gradients."""
+    model = TinyLM(n_layers=3)  # (the woken forward searches Python objects for views it cannot account for)
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    pg = pager.of(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    (a, ta), (b, tb), (c, tc) = batches(3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        lm_loss(m, a, ta).backward()
+        o.step()
+        o.zero_grad()
+    first, ref_first = lm_loss(model, b, tb), lm_loss(ref, b, tb)
+    assert _hooked_blocks(model) == 0
+    pg.start_trace(steps=1)
+    second, ref_second = lm_loss(model, c, tc), lm_loss(ref, c, tc)
+    assert _hooked_blocks(model) == len(pg.blocks)
+    with pytest.raises(ValueError, match="between steps"):
+        pg.set_budget(regime_budget(model, "streams"))
+    (first + second).backward()
+    (ref_first + ref_second).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
+    opt.step(), ref_opt.step()
+    pg.set_budget(regime_budget(model, "streams"))
+    assert pg.stats().evictions > 0
+    assert_trained_alike(model, opt, ref, ref_opt, a)
