@@ -33,7 +33,7 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 `Pager.expect_rows(table, indices)` reads the rows that `indices` will look up
 and the device cache lacks, on the row stream, while the compute stream runs
 on, with no host sync: the lookups are sorted, the first lookup of each row
-the cache lacks is marked, and a kernel (`read_where`, Triton) reads the
+the cache lacks is marked, and a kernel (`_kernels.read_where`) reads the
 marked rows into a tensor as long as the lookups, skipping the others (no
 count, so nothing waits). The rows are clamped to the table (the lookup
 itself checks the range and raises). A later lookup takes the rows it misses
@@ -53,11 +53,7 @@ import time
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only torch, or no Triton: `read_where` reads by torch ops
-    triton = None
+from ._kernels import read_where
 
 SPLIT_MIN_ROWS = 8192
 _CHUNKS = 8
@@ -294,31 +290,3 @@ class ReadAhead:
         if rest.numel():
             out.index_copy_(0, rest, read(rows.index_select(0, rest)))
         return out, n_served
-
-
-def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-    """[len(rows), dim]: row `rows[i]` of `view` where `need[i]` (the others
-    unread and undefined). On CUDA a kernel reads the rows where `need`,
-    with no host sync and no bytes over the link for the others."""
-    out = torch.empty(rows.numel(), view.shape[1], dtype=view.dtype, device=rows.device)
-    if rows.device.type == "cuda" and _read_where_kernel is not None:
-        if rows.numel():
-            _read_where_kernel[(rows.numel(),)](view, rows, need.view(torch.uint8), out, view.shape[1],
-                                                BLOCK=triton.next_power_of_2(view.shape[1]))
-        return out
-    at = need.nonzero().squeeze(1)  # (a host sync on CUDA: without Triton)
-    out.index_copy_(0, at, view.index_select(0, rows.index_select(0, at)))
-    return out
-
-
-_read_where_kernel = None
-if triton is not None:
-
-    @triton.jit
-    def _read_where_kernel(src, rows, need, out, dim, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        if tl.load(need + i) != 0:
-            row = tl.load(rows + i)  # (int64: offsets in a table past 2**31 elements)
-            cols = tl.arange(0, BLOCK)
-            inside = cols < dim
-            tl.store(out + i.to(tl.int64) * dim + cols, tl.load(src + row * dim + cols, mask=inside), mask=inside)
