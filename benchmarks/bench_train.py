@@ -348,11 +348,11 @@ def bench_resident(args, rows):
 
         def stepper(model):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            if lm:
+                return make_step(model, opt, x, x)
 
             def step():
-                out = model(x)
-                loss = F.cross_entropy(out.flatten(0, 1), x.flatten()) if lm else out.square().mean()
-                loss.backward()
+                model(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
 

@@ -121,6 +121,7 @@ class OptimizerLink:
         pager = self.pager
         groups = optimizer.param_groups
         self._saved_params = [g["params"] for g in groups]
+        self._in_place = []  # (a user's step that raised never reached the post-hook)
         self._step_row_tables(optimizer)
         blocks = self._blocks_to_step()
         if self._can_step_in_place(blocks):
@@ -205,7 +206,8 @@ class OptimizerLink:
     # in one call of the optimizer, as on the unwrapped model. Afterwards,
     # state entries the optimizer replaced go back into their page, and state
     # that appeared for the first time (momentum turned on) is adopted with
-    # its block pinned, as after a streamed step.
+    # its block pinned, as after a streamed step. Nothing is marked dirty:
+    # waking marks every block so before any can leave.
     def _can_step_in_place(self, blocks: list[Block]) -> bool:
         pager = self.pager
         return (
@@ -230,7 +232,6 @@ class OptimizerLink:
                     self._stateless.discard(id(block))
                 else:
                     self._adopt_state(block)
-                block.mark_dirty(("weights", "state"))
 
     def _post_step(self, optimizer, args, kwargs):
         if self._saved_params is not None:
