@@ -8,6 +8,7 @@ import traceback
 
 import torch
 
+import pager
 from pager._host import align
 
 
@@ -74,3 +75,8 @@ def run_threads(target, n):
     for t in threads:
         t.join()
     return errors
+
+
+def block_hooks(model) -> int:
+    """Pager's forward hooks on the model's blocks: two per block, none while the pager sleeps ([Note: asleep])."""
+    return sum(len(b.hook_handles) for b in pager.of(model).blocks)
