@@ -40,10 +40,10 @@ itself checks the range and raises). A later lookup takes the rows it misses
 in the cache from there, if they are current: a row a step changed after the
 read began (in the cache or through to the host table, as `max_norm`
 renormalisations too) may leave the cache and be written back, and one whose
-write-back ([Note: write-back of cached rows] in _rows.py) was still running
-when the read began may have been read before or after that write, so such
-rows are read again from the host table, after the write has landed (the
-compute stream waits for it). Any other write to the table drops the rows
+write-back ([Note: rows written back by the host] in _row_writer.py) was
+still running when the read began may have been read before or after that
+write, so such rows are read again from the host table, after the write has
+landed (the host waits for it). Any other write to the table drops the rows
 read ahead (`RowTable.forget`).
 """
 
@@ -54,6 +54,7 @@ import time
 import torch
 
 from ._kernels import read_where
+from ._row_writer import HostRowWriter
 
 SPLIT_MIN_ROWS = 8192
 _CHUNKS = 8
@@ -62,15 +63,16 @@ _REMEASURE_EVERY = 16
 
 
 class RowStream:
-    """The row tables' side streams (one reads rows ahead, one writes changed
-    rows back: a host sync on the first must not wait for the second) and
-    pinned staging buffer, one per model, with the transport's cheap stream
-    handling (`compute_stream`, `on`)."""
+    """The row tables' side streams (one reads rows ahead, one copies changed
+    rows out for the `writer`: a host sync on the first must not wait for the
+    second) and pinned staging buffer, one per model, with the transport's
+    cheap stream handling (`compute_stream`, `on`)."""
 
     def __init__(self, transport):
         self.transport = transport
         self.stream = torch.cuda.Stream(transport.device)
         self.write_stream = torch.cuda.Stream(transport.device)
+        self.writer = HostRowWriter(self)
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._staging_free = None  # an event: the last copies out of the staging buffer are done
 

@@ -61,12 +61,13 @@ A row the cache holds is changed there only (its slot is marked dirty): rows
 that come back step after step never cross the link, either way. The host
 tables get a dirty row's values when:
 
-- it leaves the cache (`RowCache.insert` takes dirty victims out before their
-  slots are reused): its values are copied out on the compute stream and
-  written into the mapped host tables by a kernel on the row tables' write
-  stream, while compute runs on. A later read of that row from the host (a
-  miss, on the compute stream) or write to it (a row not cached) waits for
-  that write first (an event wait, no host sync); rows read ahead do not wait:
+- it leaves the cache (`RowCache.make_room` takes dirty victims out before
+  their slots are reused): its values are copied out on the compute stream,
+  then to pinned staging on the row tables' write stream, and a CPU thread
+  stores them into the host tables, while compute runs on ([Note: rows
+  written back by the host] in _row_writer.py). A later read of that row from
+  the host (a miss) or write to it (a row not cached) waits for that store
+  first (on the host, before it is queued); rows read ahead do not wait:
   those whose write-back was still running when the read began are read again
   at the lookup ([Note: rows read ahead] in _row_reader.py);
 - something outside the training loop reads a host table: any operation on
@@ -125,6 +126,7 @@ import torch.nn.functional as F
 from ._budget import format_bytes
 from ._paged import _METADATA, _tensors_of
 from ._row_reader import HostRowReader, ReadAhead
+from ._row_writer import host_alias
 
 WEIGHT = "weight"
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
@@ -234,9 +236,12 @@ class RowGrad(torch.Tensor):
             cls, table.shape, dtype=table.dtype, device=table.host.device, layout=torch.sparse_coo,
             requires_grad=False)
         t.table = table
-        # sparse=True tables: the table's sparse gradient on the device,
-        # accumulated as autograd accumulates one. Dense tables: one piece
-        # (rows, dense gradient of those rows) per backward.
+        # sparse=True tables: the first backward's gradient as it came, over
+        # its lookup's rows (`first`: rows, sparse gradient numbered as they
+        # are), then, from a second backward on, the table's sparse gradient
+        # on the device (`acc`), accumulated as autograd accumulates one.
+        # Dense tables: one piece (rows, dense gradient of those rows) per backward.
+        t.first = None
         t.acc = None
         t.pieces = []
         t.made = None  # the real sparse tensor on the CPU, once made
@@ -255,7 +260,7 @@ class RowGrad(torch.Tensor):
             me.scale(args[1])
             return me
         if me is not None and func is torch.Tensor.zero_:
-            me.acc, me.pieces = None, []
+            me.first, me.acc, me.pieces = None, None, []
             return me
         if me is not None and func is torch.linalg.vector_norm:
             return me.norm(*args[1:], **kwargs)
@@ -269,19 +274,30 @@ class RowGrad(torch.Tensor):
             f"pager: {func} reached a row table's gradient below Python (from C++); read it from Python "
             f"(weight.grad), which gives the real sparse gradient.")
 
-    def add(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """Accumulate the gradient `grad` of the batch rows `rows`."""
+    def add(self, rows: torch.Tensor, grad: torch.Tensor, every_row: bool) -> None:
+        """Accumulate the gradient `grad` of the batch rows `rows` (a lookup's,
+        sorted and unique). `every_row`: a sparse `grad` has terms for every
+        one of `rows` (no padding row among them, whose lookups torch's
+        backward leaves out)."""
         if not grad.is_sparse:
             self.pieces.append((rows, grad))
             return
-        piece = torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)
-        if self.acc is None:
-            self.acc = piece
-        else:
-            self.acc += piece  # (what autograd does with a second sparse gradient)
+        if self.first is None and self.acc is None:
+            self.first = (rows, grad, every_row)
+            return
+        self._accumulate()
+        self.acc += torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)  # (as autograd adds one)
+
+    def _accumulate(self) -> None:
+        """The first sparse gradient, renumbered to the table's rows, as `acc`."""
+        if self.first is not None:
+            rows, grad, _every_row = self.first
+            self.acc, self.first = torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape), None
 
     def scale(self, factor) -> None:
         factor = factor.to(self.table.device) if isinstance(factor, torch.Tensor) else factor
+        if self.first is not None:
+            self.first[1].mul_(factor)
         if self.acc is not None:
             self.acc.mul_(factor)
         for _rows, g in self.pieces:
@@ -290,6 +306,12 @@ class RowGrad(torch.Tensor):
     def rows_and_grad(self):
         """(rows, their gradient) with rows sorted: dense pieces summed per row
         in the order they arrived, or the sparse gradient renumbered."""
+        if self.first is not None and self.first[2]:
+            # One lookup's gradient with a term for each of its rows: those
+            # rows, numbered as the step numbers them, with no unique (and no
+            # host sync) to find them again.
+            return self.first[:2]
+        self._accumulate()
         if self.acc is not None:
             table_rows = self.acc._indices()[0]
             rows = torch.unique(table_rows, sorted=True)
@@ -315,6 +337,7 @@ class RowGrad(torch.Tensor):
         becomes `weight.grad` if this stand-in still is."""
         if self.made is None:
             table = self.table
+            self._accumulate()
             if self.acc is not None:
                 made = self.acc.cpu()
             elif self.pieces:
@@ -323,7 +346,7 @@ class RowGrad(torch.Tensor):
             else:
                 made = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
                                                torch.zeros(0, self.shape[1], dtype=self.dtype), self.shape)
-            self.made, self.acc, self.pieces = made, None, []
+            self.made, self.first, self.acc, self.pieces = made, None, None, []
             if table.param.grad is self:
                 table.param.grad = made
         return self.made
@@ -469,7 +492,9 @@ class RowCache:
         if victims.numel() == 0:
             return None
         self.dirty.index_fill_(0, victims, False)
-        rows = self.row_of_slot.index_select(0, victims)
+        # (in the table's order: the host stores them faster, [Note: rows written back by the host])
+        rows, order = torch.sort(self.row_of_slot.index_select(0, victims))
+        victims = victims.index_select(0, order)
         return rows, {k: column.index_select(0, victims) for k, column in self.columns.items()}
 
     def take_all_dirty(self):
@@ -522,12 +547,13 @@ class RowTable:
         self._adopted = adopted is not None
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
+        self.host_aliases = {WEIGHT: host_alias(self.host)}  # kind -> what the writer's thread stores into
         self.views = {WEIGHT: host_view(self.host, self.device)}
         self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
         self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
         self._rows_held = None  # see `_note_rows_held`
-        self._writes_in_flight = []  # (rows, event on the write stream) of write-backs maybe still running
+        self._writes_in_flight = []  # (rows, HostWrite) of write-backs maybe still running
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
@@ -600,7 +626,7 @@ class RowTable:
             # The read ahead does not wait for write-backs still running: the
             # rows they write are read again when looked up (after they land).
             self._prune_writes()
-            for rows, _event in self._writes_in_flight:
+            for rows, _written in self._writes_in_flight:
                 self._note_written(rows)
 
     def _set_ahead(self, ahead) -> None:
@@ -636,7 +662,8 @@ class RowTable:
             if training:
                 self._note_rows_held(epoch, uncached)
                 batch.requires_grad_(True)
-                batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf))
+                every_row = pad is None  # (torch's sparse backward leaves the padding row's lookups out)
+                batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf, every_row))
         out = func(**bound)
         if bound.get("max_norm") is not None:
             with pager.lock, torch.no_grad():
@@ -701,8 +728,9 @@ class RowTable:
         counters.row_misses += n_miss
         miss_rows = rows.index_select(0, miss_pos) if n_miss else None
         if n_miss and self._writes_in_flight:
-            # A row written back (evicted dirty) may be read again: after it lands.
-            self.pager.row_stream.transport.compute_stream().wait_event(self._writes_in_flight[-1][1])
+            # A row written back (evicted dirty) may be read again: after the
+            # writer's thread stored it (on the host: the reads are queued after).
+            self._writes_in_flight[-1][1].wait()
         victims = None
         if cache.capacity:
             cache.touch(slots)
@@ -774,28 +802,19 @@ class RowTable:
                 self.views[kind].index_copy_(0, rows, v)
             self._version = self.param._version  # (our own writes moved it on the CPU device)
             return
-        rs = self.pager.row_stream
-        compute = rs.transport.compute_stream()
         self._unsettled = True
         if not aside:
             if self._writes_in_flight:
-                compute.wait_event(self._writes_in_flight[-1][1])  # (a row written back may be written again: in order)
+                self._writes_in_flight[-1][1].wait()  # (a row written back may be written again: in order)
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
             return
-        # The rows and values were made on the compute stream.
-        rs.write_stream.wait_stream(compute)
-        with rs.transport.on(rs.write_stream):
-            for kind, v in values.items():
-                self.views[kind].index_copy_(0, rows, v)
-                v.record_stream(rs.write_stream)  # (the caller drops it while the write may still read it)
-            rows.record_stream(rs.write_stream)
-            written = rs.write_stream.record_event()
+        written = self.pager.row_stream.writer.write(self.host_aliases, rows, values)
         self._prune_writes()
         self._writes_in_flight.append((rows, written))
 
     def _prune_writes(self) -> None:
-        self._writes_in_flight = [(r, e) for r, e in self._writes_in_flight if not e.query()]
+        self._writes_in_flight = [(r, w) for r, w in self._writes_in_flight if not w.query()]
 
     def flush(self) -> None:
         """Write the rows the cache changed to the host tables and wait for
@@ -813,12 +832,13 @@ class RowTable:
         if not self._unsettled:
             return
         self._unsettled = False
-        rs = self.pager.row_stream
-        rs.transport.compute_stream().synchronize()
-        rs.write_stream.synchronize()
+        self.pager.row_stream.transport.compute_stream().synchronize()
+        for _rows, written in self._writes_in_flight:
+            written.wait()
+        self._writes_in_flight = []
 
     # ---------------------------------------------------------- gradients
-    def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor) -> None:
+    def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor, every_row: bool) -> None:
         grad, leaf.grad = leaf.grad, None
         with self.pager.lock:
             current = self.param.grad
@@ -826,10 +846,10 @@ class RowTable:
                 current = RowGrad(self)
                 self.param.grad = current
             if isinstance(current, RowGrad) and current.made is None:
-                current.add(rows, grad)
+                current.add(rows, grad, every_row)
                 return
             piece = RowGrad(self)
-            piece.add(rows, grad)
+            piece.add(rows, grad, every_row)
             self.param.grad = current + piece.make_real()
 
     def take_grad(self):
@@ -904,6 +924,7 @@ class RowTable:
         zeros = torch.zeros((), dtype=dtype).expand(self.shape)
         host = self._new_host_table(zeros)
         self.hosts[key] = host
+        self.host_aliases[key] = host_alias(host)
         self.views[key] = host_view(host, self.device)
         self.readers[key] = self._reader(host, self.views[key])
         self.state_views[key] = state[key] = RowStateTensor.of(host, self)

@@ -114,9 +114,9 @@ def test_any_cache_size_gives_the_same_values(cache):
 class TwoLookups(nn.Module):
     """One table looked up once or twice a forward (the second lookup can push the first one's rows out)."""
 
-    def __init__(self):
+    def __init__(self, padding_idx=None):
         super().__init__()
-        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True, padding_idx=padding_idx)
         self.lin = nn.Linear(DIM, 1)
 
     def forward(self, ids, more=None):
@@ -169,6 +169,44 @@ def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypat
         assert counted == ([None] * 3 if twice else [0] * 3), (twice, counted)
         assert_same(ref, model)
     assert 18 <= pager.of(model).row_tables[0].cache.capacity < 36  # one lookup fits, two do not
+
+
+@pytest.mark.parametrize("pad", [None, 0])
+def test_a_step_after_one_lookup_takes_that_lookups_rows(monkeypatch, pad):
+    """One lookup's sparse gradient has a term for each row it looked up, unless the padding row is among them
+    (torch's backward leaves its lookups out): then the step takes the lookup's rows as they are, with no
+    unique (on CUDA a host sync). A padding row, or a second backward, makes it find the gradient's rows
+    again. Either way the values are the unwrapped model's."""
+    uniques = []
+    real_unique = torch.unique
+
+    def unique(*args, **kwargs):
+        uniques.append(args[0].numel())
+        return real_unique(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(7)
+    ref = TwoLookups(padding_idx=pad)
+    model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["emb"], row_cache=10**5)
+    opts = [torch.optim.SparseAdam(m.emb.parameters(), lr=0.01) for m in (ref, model)]
+    opts += [torch.optim.SGD(m.lin.parameters(), lr=0.01) for m in (ref, model)]
+    for twice in (False, True, False):
+        found = []
+        for _ in range(3):
+            ids = torch.randint(0, ROWS, (3, 6), generator=g)
+            ids[0, 0] = 0
+            more = torch.randint(0, ROWS, (3, 6), generator=g) if twice else None
+            for m in (ref, model):
+                m(ids, more).backward()
+            monkeypatch.setattr(torch, "unique", unique)
+            uniques.clear()
+            for o in opts:
+                o.step()
+            monkeypatch.setattr(torch, "unique", real_unique)
+            found.append(len(uniques))
+            for o in opts:
+                o.zero_grad()
+        assert found == ([1] * 3 if twice or pad is not None else [0] * 3), (twice, found)
+        assert_same(ref, model)
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw", "rmsprop"])
@@ -475,6 +513,29 @@ def test_rows_read_ahead_see_later_writes_and_bad_rows():
         p.expect_rows("nope", ids)
     with pytest.raises(TypeError, match="int32 or int64"):
         p.expect_rows(model.emb, ids.float())
+
+
+def test_the_writers_alias_of_a_host_table_stores_rows_bit_for_bit():
+    """[Note: rows written back by the host]: the writer's thread stores rows through an alias of each host
+    table seen as wide integers, at any row width and place in its page, bit for bit (NaN payloads and -0.0
+    too), without moving the table's version counter (its stores are not writes from outside)."""
+    from pager._row_writer import host_alias
+
+    page = torch.zeros(200, dtype=torch.float32)
+    for dtype, dim, at in ((torch.float32, 16, 0), (torch.float32, 6, 4), (torch.bfloat16, 3, 2), (torch.float16, 8, 8)):
+        table = page.view(torch.uint8)[at:at + 10 * dim * dtype.itemsize].view(dtype).view(10, dim)
+        table.fill_(1)
+        rows = torch.tensor([0, 4, 9])
+        values = torch.randn(3, dim).to(dtype)
+        values[0, 0], values[1, -1] = -0.0, float("nan")
+        values.view(torch.int16 if dtype.itemsize == 2 else torch.int32)[2, 0] ^= 1  # (a pattern no arithmetic makes)
+        alias = host_alias(table)
+        version = table._version
+        alias.index_copy_(0, rows, values.view(alias.dtype))
+        assert table._version == version and alias.data_ptr() == table.data_ptr(), (dtype, dim, at)
+        expected = torch.ones(10, dim).to(dtype)
+        expected[rows] = values
+        assert torch.equal(table.view(torch.uint8), expected.view(torch.uint8)), (dtype, dim, at)
 
 
 def test_identity_class_reads_and_unwrap():

@@ -1,0 +1,108 @@
+"""Writing rows from the device back into host tables: the copy engine
+brings them out, a CPU thread stores them.
+
+[Note: rows written back by the host]
+Rows that leave a row table's device cache changed go back to the host tables
+while compute runs on ([Note: write-back of cached rows] in _rows.py). A
+kernel storing them through the mapped table (`index_copy_` on its
+`host_view`) sends each 512-byte row over the link as its own write, which
+the link's address translation slows as it slows scattered reads: on the
+H100 machine (RESULTS) the 64 MB of rows a step gave up from a 40 GB table
+took 4.4 ms, beside 4.1 ms of reads of the rows it missed, on the same link.
+So the rows are copied out contiguously instead (one copy-engine transfer
+into pinned staging on the write stream, at the link's full rate), and a CPU
+thread waits for that copy and stores them into the host tables
+(`index_copy_` on the CPU: its scattered stores cost the host's memory, not
+the link).
+
+Order: a write is done when the thread has stored every row (`HostWrite`).
+Whoever reads or writes a host table another way waits for the writes in
+flight first (`RowTable` keeps them): a read of missed rows or a
+write-through waits on the host for the last one (the thread runs the writes
+in the order they were queued, so the last done means all done); a read
+ahead does not wait and reads again, at the lookup, the rows written
+meanwhile ([Note: rows read ahead] in _row_reader.py); `RowTable.settle`
+waits for all of them. The thread stores into its own alias of each host
+table (`host_alias`), whose version counter is not the Parameter's: its
+stores are not writes from outside (`RowTable._check_current`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def host_alias(host: torch.Tensor) -> torch.Tensor:
+    """`host` (a contiguous matrix)'s memory as a tensor with its own version
+    counter, its rows seen as the widest integers that divide them (the CPU's
+    `index_copy_` costs per element: a 512-byte row is 64 of them, not 128)."""
+    row_bytes, at = host.shape[1] * host.element_size(), host.storage_offset() * host.element_size()
+    dtype = next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                 if row_bytes % t.itemsize == 0 and at % t.itemsize == 0)
+    alias = torch.empty(0, dtype=dtype)
+    return alias.set_(host.untyped_storage(), at // dtype.itemsize, (host.shape[0], row_bytes // dtype.itemsize))
+
+
+class HostWrite:
+    """Rows being stored into host tables by the writer's thread."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def query(self) -> bool:
+        """Whether every row is stored."""
+        return self._future.done()
+
+    def wait(self) -> None:
+        """Wait until every row is stored (raises what the thread raised)."""
+        self._future.result()
+
+
+class HostRowWriter:
+    """Stores rows from the device into host tables (see [Note: rows
+    written back by the host]); one per model, on its row tables' write stream.
+
+    Args:
+        rows_stream: the model's `RowStream`.
+    """
+
+    def __init__(self, rows_stream):
+        self.rows_stream = rows_stream
+        self._thread = None  # a one-thread pool, started at the first write
+
+    def write(self, tables: dict, rows: torch.Tensor, values: dict) -> HostWrite:
+        """Store `values` {kind: [len(rows), dim] on the device} as the rows
+        `rows` of `tables[kind]` (`host_alias`es); the values were made on the
+        compute stream, which runs on. Rows in order store fastest."""
+        rs = self.rows_stream
+        compute, stream = rs.transport.compute_stream(), rs.write_stream
+        stream.wait_stream(compute)  # (the rows and values were made on the compute stream)
+        with rs.transport.on(stream):
+            rows_host = _pinned_copy(rows)
+            staged = {kind: _pinned_copy(v) for kind, v in values.items()}
+            copied = stream.record_event()
+        for t in (rows, *values.values()):
+            t.record_stream(stream)  # (the caller drops them while the copies may still read them)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pager-row-writer")
+        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied))
+
+    def close(self) -> None:
+        """Finish the writes queued and stop the thread."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event) -> None:
+    copied.synchronize()  # (the copy engine has put the rows in staging)
+    for kind, values in staged.items():
+        tables[kind].index_copy_(0, rows, values.view(tables[kind].dtype))
