@@ -52,8 +52,11 @@ class HostWrite:
         self._future = future
 
     def query(self) -> bool:
-        """Whether every row is stored."""
-        return self._future.done()
+        """Whether every row is stored (raises what the thread raised)."""
+        if not self._future.done():
+            return False
+        self._future.result()
+        return True
 
     def wait(self) -> None:
         """Wait until every row is stored (raises what the thread raised)."""

@@ -96,8 +96,10 @@ table makes at most these:
 - the lookup, when rows must come in and the cache holds changed rows: one,
   for which of the slots given up are dirty (`RowCache.make_room`), taken
   before the reads are queued, so that the host does not wait for them;
-- the update: one for the gradient's rows when they must be merged (a
-  sparse gradient, or several lookups' dense pieces: `RowGrad.rows_and_grad`),
+- the update: one for the gradient's rows when they must be merged
+  (`RowGrad.rows_and_grad`: the sparse gradients of several lookups, or of one
+  whose rows include the padding row, or several lookups' dense pieces; one
+  lookup's gradient is over its own rows, which the step takes as they are),
   and one to count the misses, unless the cache is known to hold every row
   looked up since the last step (`_note_rows_held`: one lookup since, or
   lookups that took no row in, and none of their rows left out) - then each

@@ -538,6 +538,21 @@ def test_the_writers_alias_of_a_host_table_stores_rows_bit_for_bit():
         assert torch.equal(table.view(torch.uint8), expected.view(torch.uint8)), (dtype, dim, at)
 
 
+def test_a_write_the_writers_thread_failed_raises_where_it_is_waited_for_or_pruned():
+    """A failed store is not lost when its write is pruned as done: `query` raises it, as `wait` does."""
+    from concurrent.futures import Future
+
+    from pager._row_writer import HostWrite
+
+    future = Future()
+    write = HostWrite(future)
+    assert not write.query()
+    future.set_exception(IndexError("index 10 is out of bounds"))
+    for check in (write.query, write.wait):
+        with pytest.raises(IndexError, match="out of bounds"):
+            check()
+
+
 def test_identity_class_reads_and_unwrap():
     ref = Recommender()
     model = copy.deepcopy(ref)
