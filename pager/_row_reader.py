@@ -63,16 +63,14 @@ _REMEASURE_EVERY = 16
 
 
 class RowStream:
-    """The row tables' side streams (one reads rows ahead, one copies changed
-    rows out for the `writer`: a host sync on the first must not wait for the
-    second) and pinned staging buffer, one per model, with the transport's
+    """The row tables' side stream (rows read ahead), pinned staging buffer
+    and `writer` of rows written back, one per model, with the transport's
     cheap stream handling (`compute_stream`, `on`)."""
 
     def __init__(self, transport):
         self.transport = transport
         self.stream = torch.cuda.Stream(transport.device)
-        self.write_stream = torch.cuda.Stream(transport.device)
-        self.writer = HostRowWriter(self)
+        self.writer = HostRowWriter(transport)
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._staging_free = None  # an event: the last copies out of the staging buffer are done
 

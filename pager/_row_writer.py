@@ -10,8 +10,9 @@ the link's address translation slows as it slows scattered reads: on the
 H100 machine (RESULTS) the 64 MB of rows a step gave up from a 40 GB table
 took 4.4 ms, beside 4.1 ms of reads of the rows it missed, on the same link.
 So the rows are copied out contiguously instead (one copy-engine transfer
-into pinned staging on the write stream, at the link's full rate), and a CPU
-thread waits for that copy and stores them into the host tables
+into pinned memory, `Transport.send_to_host` on the device-to-host stream, at
+the link's full rate), and a CPU thread waits for that copy and stores them
+into the host tables
 (`index_copy_` on the CPU: its scattered stores cost the host's memory, not
 the link).
 
@@ -65,32 +66,28 @@ class HostWrite:
 
 class HostRowWriter:
     """Stores rows from the device into host tables (see [Note: rows
-    written back by the host]); one per model, on its row tables' write stream.
+    written back by the host]); one per model.
 
     Args:
-        rows_stream: the model's `RowStream`.
+        transport: the model's CUDA transport (its copies out).
     """
 
-    def __init__(self, rows_stream):
-        self.rows_stream = rows_stream
+    def __init__(self, transport):
+        self.transport = transport
         self._thread = None  # a one-thread pool, started at the first write
 
     def write(self, tables: dict, rows: torch.Tensor, values: dict) -> HostWrite:
         """Store `values` {kind: [len(rows), dim] on the device} as the rows
         `rows` of `tables[kind]` (`host_alias`es); the values were made on the
         compute stream, which runs on. Rows in order store fastest."""
-        rs = self.rows_stream
-        compute, stream = rs.transport.compute_stream(), rs.write_stream
-        stream.wait_stream(compute)  # (the rows and values were made on the compute stream)
-        with rs.transport.on(stream):
-            rows_host = _pinned_copy(rows)
-            staged = {kind: _pinned_copy(v) for kind, v in values.items()}
-            copied = stream.record_event()
-        for t in (rows, *values.values()):
-            t.record_stream(stream)  # (the caller drops them while the copies may still read them)
+        rows_host, copied = self.transport.send_to_host(rows)
+        staged = {}
+        for kind, v in values.items():
+            staged[kind], copied = self.transport.send_to_host(v)  # (one stream: the last event is after all)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="pager-row-writer")
-        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied))
+        # The device tensors go to the thread too: they are held until it is done, after the copies out of them.
+        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied, (rows, values)))
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""
@@ -99,13 +96,7 @@ class HostRowWriter:
             self._thread = None
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
-def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event) -> None:
-    copied.synchronize()  # (the copy engine has put the rows in staging)
+def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event, _sources) -> None:
+    copied.synchronize()  # (the copy engine has put the rows in pinned memory)
     for kind, values in staged.items():
         tables[kind].index_copy_(0, rows, values.view(tables[kind].dtype))

@@ -63,8 +63,8 @@ tables get a dirty row's values when:
 
 - it leaves the cache (`RowCache.make_room` takes dirty victims out before
   their slots are reused): its values are copied out on the compute stream,
-  then to pinned staging on the row tables' write stream, and a CPU thread
-  stores them into the host tables, while compute runs on ([Note: rows
+  then to pinned memory by the copy engine, and a CPU thread stores them
+  into the host tables, while compute runs on ([Note: rows
   written back by the host] in _row_writer.py). A later read of that row from
   the host (a miss) or write to it (a row not cached) waits for that store
   first (on the host, before it is queued); rows read ahead do not wait:
@@ -288,13 +288,16 @@ class RowGrad(torch.Tensor):
             self.first = (rows, grad, every_row)
             return
         self._accumulate()
-        self.acc += torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)  # (as autograd adds one)
+        self.acc += self._of_table(rows, grad)  # (as autograd adds a second sparse gradient)
 
     def _accumulate(self) -> None:
         """The first sparse gradient, renumbered to the table's rows, as `acc`."""
         if self.first is not None:
-            rows, grad, _every_row = self.first
-            self.acc, self.first = torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape), None
+            self.acc, self.first = self._of_table(*self.first[:2]), None
+
+    def _of_table(self, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The sparse gradient `grad` of the batch rows `rows` as one of the table."""
+        return torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)
 
     def scale(self, factor) -> None:
         factor = factor.to(self.table.device) if isinstance(factor, torch.Tensor) else factor
@@ -796,7 +799,8 @@ class RowTable:
 
     def _write_host(self, rows: torch.Tensor, values: dict, aside: bool = False) -> None:
         """Write `values` {kind: [n, dim]} of `rows` to the host tables: on the
-        compute stream, or `aside` on the write stream while compute runs on."""
+        compute stream, or `aside` by the writer (copied out, then stored by a CPU
+        thread) while compute runs on."""
         for v in values.values():
             self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
         if self.device.type != "cuda":

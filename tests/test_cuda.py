@@ -906,7 +906,7 @@ def _train_side_by_side(ref, model, ro, po, data, offsets, read_ahead, after_ste
 @pytest.mark.parametrize("ahead", [False, True])
 def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     """[Note: write-back of cached rows] on the GPU: a cache smaller than the rows that come back, so
-    changed rows leave it (copied out on the write stream and stored by the writer's thread while compute
+    changed rows leave it (copied out by the copy engine and stored by the writer's thread while compute
     runs on: [Note: rows written back by the host]) and are read again,
     with and without rows read ahead (some of them while their write-back runs); reads of the weight
     and of SparseAdam's state in the middle see every change."""
