@@ -86,8 +86,8 @@ class HostRowWriter:
             staged[kind], copied = self.transport.send_to_host(v)  # (one stream: the last event is after all)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="pager-row-writer")
-        # The device tensors go to the thread too: they are held until it is done, after the copies out of them.
-        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied, (rows, values)))
+        # The device tensors go to the thread too: it lets them go once the copies out of them have landed.
+        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied, [rows, values]))
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""
@@ -96,7 +96,8 @@ class HostRowWriter:
             self._thread = None
 
 
-def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event, _sources) -> None:
+def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event, sources: list) -> None:
     copied.synchronize()  # (the copy engine has put the rows in pinned memory)
+    sources.clear()  # (their device memory may be reused now, while the stores run)
     for kind, values in staged.items():
         tables[kind].index_copy_(0, rows, values.view(tables[kind].dtype))
