@@ -15,7 +15,10 @@
    step, measured once the cache is full (each row it takes in puts one out,
    written back if changed); --skew draws power-law rows instead of distinct
    random ones. A last row cycles 4 batches, which the cache then holds: the
-   step's cost with nothing crossing the link.
+   step's cost with nothing crossing the link. A step's time is that of a
+   training loop (runs of --steps steps, synchronized before and after each
+   run only: samples/s); the note gives one step synchronized before and after
+   (which leaves nothing of one step to overlap the next).
 
     python -m benchmarks.bench_rows [--table-gb 40] [--fit-gb 4] [--gather-gb 4 40] [--budget 8GiB] [--optimizer sgd]
                                     [--skew 1.5]
@@ -158,8 +161,11 @@ def make_optimizers(model, name: str):
 
 
 def step_ms(model, opts, n_rows: int, bags: int, steps: int, skew: float, warmup: int = 3, ahead=None,
-            around=None, cycle: int = 0) -> float:
-    """Median ms of a training step. `ahead(next_ids)` runs after the forward
+            around=None, cycle: int = 0, windows: int = 3) -> tuple[float, float]:
+    """(ms a step as a training loop runs them: the median over `windows` runs
+    of `steps` steps, synchronized before and after each run only, which is
+    what samples/s measures; ms of one step synchronized before and after,
+    the median of `steps`). `ahead(next_ids)` runs after the forward
     (pager's expect_rows); `around(ids)` wraps the step (SpeedTorch's
     before/after calls) and returns the ids the model looks up. `cycle` > 0:
     that many batches, over and over (a cache that holds them serves every row)."""
@@ -167,18 +173,19 @@ def step_ms(model, opts, n_rows: int, bags: int, steps: int, skew: float, warmup
     per_bag = ROWS_TOUCHED // bags
     # A new batch every step (skew 0: no row comes back but by chance, the device cache cannot help).
     batches = [(batch_ids(n_rows, skew, dev), torch.arange(0, ROWS_TOUCHED, per_bag, device=dev))
-               for _ in range(cycle or warmup + steps + 1)]
-    times = []
-    for i in range(warmup + steps):
-        ids, offsets = batches[i % len(batches)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+               for _ in range(cycle or warmup + (windows + 1) * steps + 1)]
+    at = 0
+
+    def one_step():
+        nonlocal at
+        ids, offsets = batches[at % len(batches)]
+        at += 1
         finish = None
         if around is not None:
             ids, finish = around(ids)
         loss = model(ids, offsets)
         if ahead is not None:
-            ahead(batches[(i + 1) % len(batches)][0])
+            ahead(batches[at % len(batches)][0])
         loss.backward()
         for o in opts:
             o.step()
@@ -186,10 +193,24 @@ def step_ms(model, opts, n_rows: int, bags: int, steps: int, skew: float, warmup
             o.zero_grad()
         if finish is not None:
             finish()
+
+    for _ in range(warmup):
+        one_step()
+    runs, synced = [], []
+    for _ in range(windows):
         torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) * 1e3 / steps)
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one_step()
+        torch.cuda.synchronize()
+        synced.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(runs), statistics.median(synced)
 
 
 def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: int, steps: int,
@@ -201,9 +222,14 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
     fit_rows = int(fit_gb * GiB) // (DIM * 4)
     torch.manual_seed(0)
     on_gpu = Recommender(fit_rows).to(dev)
-    ref_ms = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps, skew)
+    ref_ms, ref_synced = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps, skew)
     peak = torch.cuda.max_memory_allocated() / GiB
-    out.append(Row(what, f"table on GPU ({fit_gb:g} GB)", ref_ms, peak_gib=peak, ratio=1.0))
+    out.append(Row(what, f"table on GPU ({fit_gb:g} GB)", ref_ms, peak_gib=peak, ratio=1.0,
+                   note=f"one step synchronized: {ref_synced:.2f} ms"))
+
+    def synced_note(synced: float) -> str:
+        return f"one step synchronized: {synced:.2f} ms ({synced / ref_synced:.2f}x)"
+
     del on_gpu
     free_cuda()
     for gb in sorted({fit_gb, table_gb}):
@@ -219,34 +245,35 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
         # Warm up until the cache is full: in the steady state every row it takes in puts one out.
         warmup = 3 + 2 * p.row_tables[0].cache.capacity // ROWS_TOUCHED
         for label, ahead in (("", None), (", expect_rows", lambda ids: p.expect_rows(model.table, ids))):
-            step_ms(model, opts, n_rows, bags, warmup, skew, warmup=0, ahead=ahead)  # (the warm-up)
+            step_ms(model, opts, n_rows, bags, 1, skew, warmup=warmup, ahead=ahead, windows=1)  # (the warm-up)
             p.reset()
             torch.cuda.reset_peak_memory_stats()
-            ms = step_ms(model, opts, n_rows, bags, steps, skew, ahead=ahead)
+            ms, synced = step_ms(model, opts, n_rows, bags, steps, skew, ahead=ahead)
             s = p.stats()
             out.append(Row(what, f"row-paged table ({gb:g} GB), budget {budget}{label}", ms,
                            peak_gib=torch.cuda.max_memory_allocated() / GiB, ratio=ms / ref_ms, reference="table on GPU",
-                           note=f"cache hits {s.row_hits}, misses {s.row_misses} ({s.row_ahead_hits} read ahead), "
-                                f"{s.row_d2h_bytes / (steps + 3) / 1e6:.0f} MB written back a step; "
+                           note=f"{synced_note(synced)}; "
+                                f"cache hits {s.row_hits}, misses {s.row_misses} ({s.row_ahead_hits} read ahead), "
+                                f"{s.row_d2h_bytes / (3 + 4 * steps) / 1e6:.0f} MB written back a step; "
                                 f"{_learned(p.row_tables[0].readers['weight'])}; "
                                 f"build {build_s:.0f} s, wrap {wrap_s:.0f} s"))
         # The host's part of a step: every row in the cache, nothing crosses the link.
         p.reset()
-        ms = step_ms(model, opts, n_rows, bags, steps, skew, cycle=4)
+        ms, synced = step_ms(model, opts, n_rows, bags, steps, skew, cycle=4)
         s = p.stats()
         out.append(Row(what, f"row-paged table ({gb:g} GB), 4 batches cycled: every row cached", ms,
                        ratio=ms / ref_ms, reference="table on GPU",
-                       note=f"cache hits {s.row_hits}, misses {s.row_misses} (the first pass)"))
+                       note=f"{synced_note(synced)}; cache hits {s.row_hits}, misses {s.row_misses} (the first pass)"))
         pager.unwrap(model)
         del model, opts
         free_cuda()
         if optimizer == "sgd":
-            out += speedtorch_training(gb, n_rows, bags, steps, skew, what, ref_ms)
+            out += speedtorch_training(gb, n_rows, bags, steps, skew, what, ref_ms, synced_note)
     return out
 
 
 def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: float, what: str,
-                        ref_ms: float) -> list[Row]:
+                        ref_ms: float, synced_note) -> list[Row]:
     """SpeedTorch's loop: the batch's rows become the weight of a batch-sized table
     on the GPU (beforeForwardPass), SGD updates it, afterOptimizerStep writes it back."""
     st = _speedtorch()
@@ -264,10 +291,10 @@ def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: flo
         factory.beforeForwardPass(rows_np)
         return positions, lambda: factory.afterOptimizerStep(rows_np)
 
-    ms = step_ms(model, make_optimizers(model, "sgd"), n_rows, bags, steps, skew, around=around)
+    ms, synced = step_ms(model, make_optimizers(model, "sgd"), n_rows, bags, steps, skew, around=around)
     del factory, model
     free_cuda()
-    return [Row(what, label, ms, ratio=ms / ref_ms, reference="table on GPU")]
+    return [Row(what, label, ms, ratio=ms / ref_ms, reference="table on GPU", note=synced_note(synced))]
 
 
 def main() -> None:

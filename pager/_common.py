@@ -4,6 +4,7 @@ wrapped models, the budget error, and the lock decorator."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -21,6 +22,18 @@ ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads
 SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
 
 _PAGERS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never touch a model's tensors)
+
+
+def other_threads() -> bool:
+    """Whether a Python thread besides this one and pager's own workers (the
+    row writer's, the disk tier's) exists: one that may use a model's tensors."""
+    if threading.active_count() == 1:
+        return False
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith(WORKER_PREFIX) for t in threading.enumerate())
 
 
 class BudgetError(RuntimeError):

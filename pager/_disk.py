@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ._budget import format_bytes
+from ._common import WORKER_PREFIX
 from ._files import CheckpointError, fsync_folder
 from ._host import HOST_RESERVE_BYTES, _register, align
 
@@ -329,7 +330,7 @@ class DiskTier:
         self.arena = PageArena(capacity_bytes, pin)
         self.spill = spill
         self.files = Files()
-        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="pager-io")
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"{WORKER_PREFIX}io")
         self.pages: dict = {}     # segment -> (chunk, offset): pages in host memory, least recently used first
         self.reading: dict = {}   # segment -> _Read
         self.writing: dict = {}   # segment -> [future, free_after]

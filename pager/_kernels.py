@@ -63,11 +63,13 @@ def decoded_copy_from(page: torch.Tensor, encoded: Encoded, device: torch.device
     return out
 
 
-def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-    """[len(rows), dim]: row `rows[i]` of `view` where `need[i]` (the others
-    unread and undefined). On CUDA a kernel reads the rows where `need`,
-    with no host sync and no bytes over the link for the others."""
-    out = torch.empty(rows.numel(), view.shape[1], dtype=view.dtype, device=rows.device)
+def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor, out: torch.Tensor | None = None):
+    """[len(rows), dim]: row `rows[i]` of `view` where `need[i]`, the others
+    as `out` holds them (None: unread and undefined). On CUDA a kernel reads
+    the rows where `need`, with no host sync and no bytes over the link for
+    the others."""
+    if out is None:
+        out = torch.empty(rows.numel(), view.shape[1], dtype=view.dtype, device=rows.device)
     if rows.device.type == "cuda" and _read_where_kernel is not None:
         if rows.numel():
             _read_where_kernel[(rows.numel(),)](view, rows, need.view(torch.uint8), out, view.shape[1],

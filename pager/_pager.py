@@ -16,7 +16,7 @@ import torch
 
 from ._block import Block, Segment, layout
 from ._budget import format_bytes
-from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
+from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range, other_threads
 from . import _paged, _saved
 from ._grad_ops import GradOps, Serving
 from ._grads import PagedOutGrad, replay
@@ -321,7 +321,7 @@ class Pager:
     def note_threads(self) -> None:
         """Enter the shared mode once a second Python thread exists; blocks in
         use then stop being exposed to every thread ([Note: tensors and threads])."""
-        if self.shared_mode or threading.active_count() == 1:
+        if self.shared_mode or not other_threads():
             return
         self.shared_mode = True
         for block in self.all_blocks():
@@ -387,7 +387,7 @@ class Pager:
         # Under other saved-tensor hooks (checkpointing's recomputation in the
         # backward) the excess is what they hold, found by a search too: so no
         # search, and the block stays while the excess lives (its backward).
-        alone = threading.active_count() == 1
+        alone = not other_threads()
         searchable = alone and use[-1] != _saved.OTHERS
         found, unaccounted = _paged.track_kept_views(
             [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
@@ -735,7 +735,9 @@ class Pager:
 
         Call it for the next batch after the current batch's forward (the
         read then overlaps its backward and step); the rows stay until the
-        next `expect_rows` of that table replaces them.
+        next `expect_rows` of that table replaces them. The lookup of this
+        very tensor (unchanged) is prepared too: it makes no host sync, so
+        the host runs ahead of the device (pass the same tensor to the model).
 
         Args:
             table: the row table: its `nn.Embedding` / `nn.EmbeddingBag`, its

@@ -32,19 +32,38 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 [Note: rows read ahead]
 `Pager.expect_rows(table, indices)` reads the rows that `indices` will look up
 and the device cache lacks, on the row stream, while the compute stream runs
-on, with no host sync: the lookups are sorted, the first lookup of each row
-the cache lacks is marked, and a kernel (`_kernels.read_where`) reads the
-marked rows into a tensor as long as the lookups, skipping the others (no
-count, so nothing waits). The rows are clamped to the table (the lookup
-itself checks the range and raises). A later lookup takes the rows it misses
-in the cache from there, if they are current: a row a step changed after the
-read began (in the cache or through to the host table, as `max_norm`
-renormalisations too) may leave the cache and be written back, and one whose
-write-back ([Note: rows written back by the host] in _row_writer.py) was
-still running when the read began may have been read before or after that
-write, so such rows are read again from the host table, after the write has
-landed (the host waits for it). Any other write to the table drops the rows
-read ahead (`RowTable.forget`).
+on, with no host sync: the lookups are sorted, their unique rows numbered
+with a running count (as a lookup numbers them), the rows the cache lacks
+marked, and a kernel (`_kernels.read_where`) reads the marked rows into a
+tensor as long as the lookups, skipping the others (no count, so nothing
+waits). The rows are clamped to the table for the read.
+
+The same work is what a lookup does before it can gather (`RowTable.
+_batch_rows`), so the read also prepares the lookup of `indices`: the
+facts the host needs (the lowest and highest row, how many unique rows, how
+many were read, the padding row's place, how many were read while a
+write-back of them was in flight) are copied to pinned memory on the row
+stream right after the count, before the read, with an event. A lookup of
+that very tensor, unchanged (its version counter), with the same padding row,
+while the cache holds the rows it held at the read (its `epoch`) and no row
+was written through to the host table since, waits on the host for that
+event only (the row stream's sort, long done; not compute's queue, not the
+read) and takes the rows, positions and counts from there: no host sync, so
+the host runs on ahead of the device, and the rows the cache lacked, already
+read, are exactly the lookup's misses. A row out of the table makes the
+lookup do its own work, which raises.
+
+Rows that are current: a row changed after the read began leaves the cache
+(an epoch) or was written through (a count), either of which makes a
+prepared lookup give way; a row whose write-back ([Note: rows written back by
+the host] in _row_writer.py) was still running when the read began may have
+been read before or after that write, so the prepared lookup reads those
+rows again (`read_where` over their mask, on the compute stream) once those
+writes have landed (the host waits for them: queued a step before). Any
+other lookup takes the rows it misses from the rows read ahead where they are
+current (`serve`: rows written since the read began, noted, are read again
+from the host table, after their writes; one host sync for the count). Any
+other write to the table drops the rows read ahead (`RowTable.forget`).
 """
 
 from __future__ import annotations
@@ -198,52 +217,143 @@ class HostRowReader:
 
 
 class ReadAhead:
-    """Rows of one table read ahead for the lookups to come (see [Note: rows read ahead]).
+    """Rows of one table read ahead for the lookups to come, and the lookup
+    of `indices` prepared (see [Note: rows read ahead]).
 
     Args:
-        rows: the lookups' rows, sorted (repeats kept).
-        need: which of them were read: the first lookup of each row the
-            cache lacked.
+        indices: the tensor the rows were read for (a lookup of this very
+            tensor, unchanged, takes the prepared lookup).
+        pad: the table module's padding row (non-negative), or None.
+        epoch, writes_through: the cache's epoch and the table's count of
+            writes through to its host tables when the read began.
+        sorted_: (lookups sorted, the order that sorts them, each lookup's
+            position among the unique rows) on the device.
+        rows: the unique rows, sorted, then `n_rows` (a sentinel) up to the
+            number of lookups.
+        need: which of `rows` were read: those the cache lacked.
         values: [len(rows), dim], the rows read where `need`.
-        read: how many rows were read, a 0-d tensor beside `values`.
+        facts: int64 [6] (lowest lookup, highest, unique rows - 1, rows read,
+            the padding row's position or -1, rows read that a write-back in
+            flight may have changed), on the host once `facts_ready`.
+        facts_ready: an event after the facts' copy, or None (they are ready).
         done: an event after the read, or None (read on the compute stream).
         rows_stream: the model's `RowStream`, or None.
+        view: the host table as a device tensor (`_rows.host_view`).
+        stale: which of `rows` were read while a write-back of them was in
+            flight (None: none was), to read again at the lookup.
+        in_flight: (rows, HostWrite) of those write-backs.
     """
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, rows, need, values, read, done, rows_stream: RowStream | None):
-        self.rows, self.need, self.values, self.done, self.rows_stream = rows, need, values, done, rows_stream
+    def __init__(self, indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, facts_ready, done,
+                 rows_stream: RowStream | None, view=None, stale=None, in_flight=()):
+        self.indices, self.index_version, self.pad = indices, indices._version, pad
+        self.epoch, self.writes_through = epoch, writes_through
+        self.sorted, self.rows, self.need, self.values = sorted_, rows, need, values
+        self.view, self.stale = view, stale  # (the rows read that writes in flight may change: read again)
+        self.in_flight = [written for _rows, written in in_flight]
+        self._facts, self._facts_ready, self.done, self.rows_stream = facts, facts_ready, done, rows_stream
         self.written = []  # row tensors written since the read began
-        self._read = read  # rows read, for the stats: a tensor, then an int once on the host, None once counted
+        self._counted = False  # the rows read went to the stats
 
     @classmethod
-    def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None):
+    def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None,
+              pad=None, epoch=None, writes_through=0, in_flight=()):
         """Read the rows of `indices` that the cache lacks (`slot_of_row[row]
-        < 0`; None: no cache), on the row stream; no host sync."""
+        < 0`; None: no cache), on the row stream, and prepare their lookup;
+        no host sync. `in_flight`: (rows, HostWrite) of write-backs that may
+        still run."""
+        args = (indices, view, slot_of_row, pad, [rows for rows, _written in in_flight])
         if rows_stream is None:
-            return cls(*cls._read(indices, view, slot_of_row), None, None)
+            sorted_, rows, need, values, facts, stale = cls._read(*args)
+            return cls(indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, None, None, None,
+                       view, stale, in_flight)
         compute = rows_stream.transport.compute_stream()
         stream = rows_stream.stream
         # `indices` may be made by work queued on the compute stream.
         stream.wait_stream(compute)
         if indices.device.type == "cuda":
             indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
+        facts_ready = torch.cuda.Event()
         with rows_stream.transport.on(stream):
-            read = cls._read(indices, view, slot_of_row)
+            sorted_, rows, need, values, facts, stale = cls._read(*args, facts_ready)
             done = torch.cuda.Event()
             done.record(stream)
-        return cls(*read, done, rows_stream)
+        return cls(indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, facts_ready, done,
+                   rows_stream, view, stale, in_flight)
 
     @staticmethod
-    def _read(indices: torch.Tensor, view: torch.Tensor, slot_of_row):
+    def _read(indices, view, slot_of_row, pad, in_flight, facts_ready=None):
         # (sizes known on the host, so nothing waits: the host runs on while the row stream reads)
-        rows = torch.sort(indices.to(view.device, torch.long).flatten().clamp(0, view.shape[0] - 1)).values
-        need = torch.ones_like(rows, dtype=torch.bool)
-        torch.ne(rows[1:], rows[:-1], out=need[1:])
+        n_rows, device = view.shape[0], view.device
+        flat = indices.to(device, torch.long).flatten()
+        n = flat.numel()
+        ordered, order = torch.sort(flat)
+        first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
+        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+        position = torch.cumsum(first, 0) - 1
+        # (rows out of the table are clamped for the read only: the lookup raises)
+        rows = torch.full((n,), n_rows, dtype=torch.long, device=device)
+        rows.scatter_(0, position, ordered.clamp(0, n_rows - 1))
+        need = torch.arange(n, device=device) <= position[-1:] if n else first
         if slot_of_row is not None:
             need &= slot_of_row.index_select(0, rows) < 0
-        return rows, need, read_where(view, rows, need), need.sum()
+        stale = None
+        if n:
+            # (every fact a tensor on the device: a Python number put into one would sync)
+            none = torch.full((), -1, dtype=torch.long, device=device)
+            pad_at = none
+            if pad is not None:
+                at = torch.searchsorted(ordered, torch.full((1,), pad, device=device)).clamp_(max=n - 1)
+                pad_at = torch.where(ordered[at] == pad, position[at], -1)[0]
+            if in_flight:
+                stale = need & _among(rows, torch.cat(in_flight))
+            facts = torch.stack([ordered[0], ordered[-1], position[-1], need.sum(), pad_at,
+                                 none + 1 if stale is None else stale.sum()])
+        else:
+            facts = torch.tensor([-1, -1, -1, 0, -1, 0])
+        if facts_ready is not None:
+            # The facts come to the host before the read: the lookup waits for them, not for it.
+            host = torch.empty(6, dtype=torch.long, pin_memory=True)
+            host.copy_(facts, non_blocking=True)
+            facts_ready.record()
+            facts = host
+        return (ordered, order, position), rows, need, read_where(view, rows, need), facts, stale
+
+    def facts(self) -> list:
+        """The facts (see the class), waiting on the host for them (only)."""
+        if self._facts_ready is not None:
+            self._facts_ready.synchronize()  # (the row stream's sort and counts: not its read, nor compute)
+        return self._facts.tolist()
+
+    def prepared(self, index, pad, epoch: int, writes_through: int, n_rows: int):
+        """The lookup of `index` as prepared: (its unique rows, sorted; each
+        lookup's position among them, shaped as `index`; how many were read,
+        which are all those the cache lacks, at `need`, in `values`; the
+        padding row's position among them or None), if `index` is the tensor
+        read for, unchanged, with the same padding row, the cache holds the
+        same rows, no row was written through to the host table since, and
+        every lookup is in the table (of `n_rows`); else None (the lookup does
+        it all itself, and raises for a row out of the table). Rows that
+        write-backs in flight at the read may have changed are read again,
+        after those writes."""
+        if (index is not self.indices or index._version != self.index_version or pad != self.pad
+                or epoch != self.epoch or writes_through != self.writes_through):
+            return None
+        low, high, last, n_read, pad_at, stale = self.facts()
+        if low < 0 or high >= n_rows:
+            return None
+        _ordered, order, position = self.sorted
+        self.on_compute(order, position, self.rows, self.need, self.values, *([self.stale] if stale else []))
+        if stale:
+            # Rows a write-back in flight at the read may change: read again
+            # once it has landed (the writer's thread stored them, on the host).
+            for written in self.in_flight:
+                written.wait()
+            read_where(self.view, self.rows, self.stale, out=self.values)
+        inverse = torch.empty_like(position).scatter_(0, order, position).view(index.shape)
+        return self.rows[:last + 1], inverse, n_read, None if pad_at < 0 else pad_at
 
     def note_written(self, rows: torch.Tensor) -> bool:
         """Rows written to the table; False once too many writes piled up (drop it)."""
@@ -251,42 +361,47 @@ class ReadAhead:
         return len(self.written) <= self.MAX_WRITES
 
     def take_read_count(self) -> int:
-        """Rows read ahead, the first time it is asked (0 after). Unless a
-        `serve` brought the count over, this waits for the row stream (only)."""
-        n, self._read = self._read, None
-        if n is None or isinstance(n, int):
-            return n or 0
-        if self.rows_stream is None:
-            return int(n)
-        with self.rows_stream.transport.on(self.rows_stream.stream):
-            return int(n)  # (a copy on the row stream, after the read: compute's queue is not waited for)
+        """Rows read ahead, the first time it is asked (0 after); waits for
+        the row stream's counts (not its read)."""
+        if self._counted:
+            return 0
+        self._counted = True
+        return max(self.facts()[3], 0)
+
+    def on_compute(self, *tensors) -> None:
+        """Make the compute stream wait for the read, whose `tensors` it uses now."""
+        if self.done is None:
+            return
+        compute = self.rows_stream.transport.compute_stream()
+        # The read ahead ran on the row stream; its tensors are used here now.
+        compute.wait_event(self.done)
+        for t in tensors:
+            t.record_stream(compute)
 
     def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
         """(the table's sorted `rows`, how many came from here): the current
         rows read ahead, the others by `read(rows)`."""
         if self.rows.numel() == 0:
             return read(rows), 0
-        if self.done is not None:
-            compute = self.rows_stream.transport.compute_stream()
-            # The read ahead ran on the row stream; its tensors are used here now.
-            compute.wait_event(self.done)
-            for t in (self.rows, self.need, self.values, self._read):
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(compute)
-        # (the first lookup of a row is the one read, if any: where searchsorted lands)
+        self.on_compute(self.rows, self.need, self.values)
         pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
         current = self.rows.index_select(0, pos).eq(rows).logical_and_(self.need.index_select(0, pos))
         if self.written:
             current &= ~torch.isin(rows, torch.cat(self.written))
-        # Served rows first, each part in row order; one host sync (the counts).
+        # Served rows first, each part in row order; one host sync (the count).
         order = torch.argsort(current.logical_not().to(torch.uint8), stable=True)
-        counts = [current.sum()] + ([self._read] if isinstance(self._read, torch.Tensor) else [])
-        n_served, *n_read = torch.stack(counts).tolist()
-        if n_read:
-            self._read = n_read[0]
+        n_served = int(current.sum())
         served, rest = order[:n_served], order[n_served:]
         out = torch.empty(rows.numel(), self.values.shape[1], dtype=self.values.dtype, device=rows.device)
         out.index_copy_(0, served, self.values.index_select(0, pos.index_select(0, served)))
         if rest.numel():
             out.index_copy_(0, rest, read(rows.index_select(0, rest)))
         return out, n_served
+
+
+def _among(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
+    """Which of `x` are among `of` (repeats allowed); unlike `torch.isin`, no
+    host sync on CUDA (no unique)."""
+    of = torch.sort(of).values
+    at = torch.searchsorted(of, x).clamp_(max=max(of.numel() - 1, 0))
+    return of.index_select(0, at) == x if of.numel() else torch.zeros_like(x, dtype=torch.bool)

@@ -16,6 +16,13 @@ into the host tables
 (`index_copy_` on the CPU: its scattered stores cost the host's memory, not
 the link).
 
+A write may carry a device mask of the rows to keep (the slots a cache gave
+up, dirty or not: picking the dirty ones on the device would take a host
+sync to count them); it is copied out with the rows, and the thread stores
+only those. A table keeps at most `WRITES_IN_FLIGHT` writes queued: past
+that, the host waits for the oldest (the thread stores more slowly than the
+steps give it rows), rather than pinning memory for more.
+
 Order: a write is done when the thread has stored every row (`HostWrite`).
 Whoever reads or writes a host table another way waits for the writes in
 flight first (`RowTable` keeps them): a read of missed rows or a
@@ -33,6 +40,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from ._common import WORKER_PREFIX
 
 
 def host_alias(host: torch.Tensor) -> torch.Tensor:
@@ -76,18 +85,22 @@ class HostRowWriter:
         self.transport = transport
         self._thread = None  # a one-thread pool, started at the first write
 
-    def write(self, tables: dict, rows: torch.Tensor, values: dict) -> HostWrite:
+    def write(self, tables: dict, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None) -> HostWrite:
         """Store `values` {kind: [len(rows), dim] on the device} as the rows
-        `rows` of `tables[kind]` (`host_alias`es); the values were made on the
-        compute stream, which runs on. Rows in order store fastest."""
+        `rows` of `tables[kind]` (`host_alias`es), those where `keep` (a
+        device mask) if given; the values were made on the compute stream,
+        which runs on. Rows in order store fastest."""
         rows_host, copied = self.transport.send_to_host(rows)
+        keep_host = None
+        if keep is not None:
+            keep_host, copied = self.transport.send_to_host(keep)
         staged = {}
         for kind, v in values.items():
             staged[kind], copied = self.transport.send_to_host(v)  # (one stream: the last event is after all)
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pager-row-writer")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}row-writer")
         # The device tensors go to the thread too: it lets them go once the copies out of them have landed.
-        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, copied, [rows, values]))
+        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, keep_host, copied, [rows, values, keep]))
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""
@@ -96,8 +109,11 @@ class HostRowWriter:
             self._thread = None
 
 
-def _store(tables: dict, rows: torch.Tensor, staged: dict, copied: torch.cuda.Event, sources: list) -> None:
+def _store(tables: dict, rows: torch.Tensor, staged: dict, keep, copied: torch.cuda.Event, sources: list) -> None:
     copied.synchronize()  # (the copy engine has put the rows in pinned memory)
     sources.clear()  # (their device memory may be reused now, while the stores run)
+    if keep is not None and not bool(keep.all()):
+        at = keep.nonzero().squeeze(1)
+        rows, staged = rows.index_select(0, at), {k: v.index_select(0, at) for k, v in staged.items()}
     for kind, values in staged.items():
         tables[kind].index_copy_(0, rows, values.view(tables[kind].dtype))

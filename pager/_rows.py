@@ -92,10 +92,14 @@ makes the host wait until the device has run everything queued; the device
 then idles while the host queues the next kernels. A training step of a row
 table makes at most these:
 
-- the lookup: one, for every count at once (`_batch_rows`);
-- the lookup, when rows must come in and the cache holds changed rows: one,
-  for which of the slots given up are dirty (`RowCache.make_room`), taken
-  before the reads are queued, so that the host does not wait for them;
+- the lookup: one, for every count at once (`_batch_rows`), unless
+  `expect_rows` of the very tensor prepared it ([Note: rows read ahead] in
+  _row_reader.py): then none;
+- the lookup, when rows must come in and the cache holds changed rows: none
+  on CUDA, where the slots given up are copied out with a mask of the dirty
+  ones, which the writer's thread keeps (`RowCache.make_room`, [Note: rows
+  written back by the host]); on the CPU device the dirty ones are picked
+  (a sync costs nothing there);
 - the update: one for the gradient's rows when they must be merged
   (`RowGrad.rows_and_grad`: the sparse gradients of several lookups, or of one
   whose rows include the padding row, or several lookups' dense pieces; one
@@ -104,8 +108,11 @@ table makes at most these:
   looked up since the last step (`_note_rows_held`: one lookup since, or
   lookups that took no row in, and none of their rows left out) - then each
   row is a hit and there is nothing to count;
-- rows read ahead: none to start them (`ReadAhead`); one at the lookup that
-  takes them, for how many it takes.
+- rows read ahead: none to start them (`ReadAhead`); none at the lookup they
+  prepared, one at any other lookup that takes some, for how many it takes.
+
+So a training step with `expect_rows` of each next batch, one lookup a
+table, makes none (`test_a_step_whose_rows_were_read_ahead_adds_no_host_sync`).
 
 The free slots need no count: the slots a gather hit hold its tick, one each,
 so `capacity - hits` are free.
@@ -131,6 +138,7 @@ from ._row_reader import HostRowReader, ReadAhead
 from ._row_writer import host_alias
 
 WEIGHT = "weight"
+WRITES_IN_FLIGHT = 2  # write-backs a table's writer's thread may have queued, at most
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 _BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
              "per_sample_weights", "include_last_offset", "padding_idx")
@@ -477,7 +485,7 @@ class RowCache:
         if self.capacity == 0 or n <= 0:
             return None, None
         victims = torch.topk(self.last_use, n, largest=False).indices
-        return victims, (self._take_dirty(victims) if self.any_dirty else None)
+        return victims, (self._take_dirty(victims, exact=self.device.type != "cuda") if self.any_dirty else None)
 
     def place(self, rows: torch.Tensor, victims: torch.Tensor, values: dict) -> None:
         """Put `rows` with `values` {kind: [len(rows), dim]} in the slots
@@ -490,17 +498,23 @@ class RowCache:
         for kind, column in self.columns.items():
             column.index_copy_(0, victims, values[kind])
 
-    def _take_dirty(self, victims: torch.Tensor):
-        """(rows, {kind: values}) of the dirty slots among `victims`, marked
-        clean; None if none is (one host sync)."""
-        victims = victims[self.dirty.index_select(0, victims)]
-        if victims.numel() == 0:
-            return None
+    def _take_dirty(self, victims: torch.Tensor, exact: bool = True):
+        """(rows, {kind: values}, which to keep) of the slots `victims`,
+        marked clean: `exact`, the dirty ones only (one host sync to count
+        them; keep: None), or None if none is; else all of them, with a
+        device mask of the dirty ones to keep (no host sync: the writer's
+        thread picks them, [Note: rows written back by the host])."""
+        keep = self.dirty.index_select(0, victims)
+        if exact:
+            victims, keep = victims[keep], None
+            if victims.numel() == 0:
+                return None
         self.dirty.index_fill_(0, victims, False)
         # (in the table's order: the host stores them faster, [Note: rows written back by the host])
         rows, order = torch.sort(self.row_of_slot.index_select(0, victims))
         victims = victims.index_select(0, order)
-        return rows, {k: column.index_select(0, victims) for k, column in self.columns.items()}
+        keep = None if keep is None else keep.index_select(0, order)
+        return rows, {k: column.index_select(0, victims) for k, column in self.columns.items()}, keep
 
     def take_all_dirty(self):
         """(rows, {kind: values}) of every dirty slot, marked clean; None if none is."""
@@ -559,6 +573,7 @@ class RowTable:
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
         self._rows_held = None  # see `_note_rows_held`
         self._writes_in_flight = []  # (rows, HostWrite) of write-backs maybe still running
+        self._writes_through = 0  # writes of rows through to the host tables (`write`), counted
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
@@ -626,13 +641,18 @@ class RowTable:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in _row_reader.py)."""
         with self.pager.lock:
             self._check_current()
-            self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
-                                            self.pager.row_stream))
             # The read ahead does not wait for write-backs still running: the
             # rows they write are read again when looked up (after they land).
             self._prune_writes()
-            for rows, _written in self._writes_in_flight:
+            in_flight = list(self._writes_in_flight)
+            self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
+                                            self.pager.row_stream, self._pad(getattr(self.module, "padding_idx", None)),
+                                            self.cache.epoch, self._writes_through, in_flight))
+            for rows, _written in in_flight:
                 self._note_written(rows)
+
+    def _pad(self, pad):
+        return pad + self.shape[0] if pad is not None and pad < 0 else pad
 
     def _set_ahead(self, ahead) -> None:
         """Replace the rows read ahead (the bytes the old ones moved counted)."""
@@ -650,14 +670,21 @@ class RowTable:
         pager = self.pager
         with pager.lock:
             self._check_current()
-            pad = bound.get("padding_idx")
-            if pad is not None and pad < 0:
-                pad += self.shape[0]
-            rows, inverse, n_miss, pad = self._batch_rows(bound["input"], pad)
+            pad = self._pad(bound.get("padding_idx"))
+            ahead = self.ahead
+            prepared = None if ahead is None else ahead.prepared(bound["input"], pad, self.cache.epoch,
+                                                                 self._writes_through, self.shape[0])
+            if prepared is None:
+                rows, inverse, n_miss, pad = self._batch_rows(bound["input"], pad)
+            else:
+                rows, inverse, n_miss, pad = prepared
             training = torch.is_grad_enabled() and self.param.requires_grad
             epoch = self.cache.epoch
             gathered, uncached = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1,
-                                             n_miss=n_miss)
+                                             n_miss=n_miss, read=None if prepared is None else ahead.values)
+            if prepared is not None:
+                self.pager.counters.row_ahead_hits += n_miss
+                self._set_ahead(None)  # (its rows are in the cache now, or were served once)
             batch = gathered[WEIGHT]
             bound = dict(bound, input=inverse, weight=batch)
             if bound.get("padding_idx") is not None:
@@ -722,17 +749,21 @@ class RowTable:
         else:
             self._rows_held = False
 
-    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True, n_miss: int | None = None):
+    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True, n_miss: int | None = None,
+               read: torch.Tensor | None = None):
         """({kind: the rows of that kind on the device}, from the cache or the
         host tables; the positions in `rows` of those the cache does not hold
-        afterwards). `n_miss`: how many of `rows` the cache lacks, if known."""
+        afterwards). `n_miss`: how many of `rows` the cache lacks, if known.
+        `read`: the weight's rows, where the cache lacks them, already read
+        (a prepared lookup's, [Note: rows read ahead])."""
         cache, counters = self.cache, self.pager.counters
         slots, hit_pos, miss_pos = cache.find(rows, n_miss)
         n, n_miss, dim = rows.numel(), miss_pos.numel(), self.shape[1]
         counters.row_hits += n - n_miss
         counters.row_misses += n_miss
         miss_rows = rows.index_select(0, miss_pos) if n_miss else None
-        if n_miss and self._writes_in_flight:
+        reads_host = read is None or any(k != WEIGHT for k in (*kinds, *cache.kinds))
+        if n_miss and reads_host and self._writes_in_flight:
             # A row written back (evicted dirty) may be read again: after the
             # writer's thread stored it (on the host: the reads are queued after).
             self._writes_in_flight[-1][1].wait()
@@ -755,7 +786,9 @@ class RowTable:
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
             if n_miss:
-                values.index_copy_(0, miss_pos, self._read_missed(kind, miss_rows))
+                missed = (read.index_select(0, miss_pos) if kind == WEIGHT and read is not None
+                          else self._read_missed(kind, miss_rows))
+                values.index_copy_(0, miss_pos, missed)
             out[kind] = values
         if victims is None:
             return out, miss_pos
@@ -787,22 +820,27 @@ class RowTable:
         same rows returned). See [Note: write-back of cached rows]."""
         cache = self.cache
         if len(self._aliases) or not cache.capacity:
+            self._writes_through += 1
             self._write_host(rows, values)
             cache.update(rows, {k: v for k, v in values.items() if k in cache.columns}, dirty=False)
         else:
             cache.update(rows, values, dirty=True)
             if uncached.numel():
+                self._writes_through += 1
                 self._write_host(rows.index_select(0, uncached),
                                  {k: v.index_select(0, uncached) for k, v in values.items()})
         if WEIGHT in values:
             self._note_written(rows)
 
-    def _write_host(self, rows: torch.Tensor, values: dict, aside: bool = False) -> None:
-        """Write `values` {kind: [n, dim]} of `rows` to the host tables: on the
-        compute stream, or `aside` by the writer (copied out, then stored by a CPU
-        thread) while compute runs on."""
+    def _write_host(self, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None,
+                    aside: bool = False) -> None:
+        """Write `values` {kind: [n, dim]} of `rows` (where `keep`, if given)
+        to the host tables: on the compute stream, or `aside` by the writer
+        (copied out, then stored by a CPU thread) while compute runs on."""
         for v in values.values():
             self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
+        if keep is not None and not aside:
+            rows, values = rows[keep], {k: v[keep] for k, v in values.items()}
         if self.device.type != "cuda":
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
@@ -815,8 +853,12 @@ class RowTable:
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
             return
-        written = self.pager.row_stream.writer.write(self.host_aliases, rows, values)
         self._prune_writes()
+        while len(self._writes_in_flight) >= WRITES_IN_FLIGHT:
+            # The thread stores more slowly than the steps give it rows: the
+            # host waits for it, rather than pinning memory for more.
+            self._writes_in_flight.pop(0)[1].wait()
+        written = self.pager.row_stream.writer.write(self.host_aliases, rows, values, keep)
         self._writes_in_flight.append((rows, written))
 
     def _prune_writes(self) -> None:

@@ -954,6 +954,76 @@ def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     pager.unwrap(model)
 
 
+def _syncs(fn) -> int:
+    """Host syncs `fn()` makes (torch's sync debug mode, as warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sparse_adam"])
+def test_a_step_whose_rows_were_read_ahead_adds_no_host_sync(optimizer):
+    """[Note: rows read ahead]: with expect_rows of each next batch, a training step whose rows cross the
+    link (the cache full: each row taken in puts a changed one out, written back by the writer's thread)
+    makes no host sync beyond those the model makes with its table on the GPU, and trains the same."""
+    torch.manual_seed(0)
+    n_rows, per_step, dim = 100_000, 4096, 32
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True)
+            self.head = nn.Linear(dim, 1)
+
+        def forward(self, ids, offsets):
+            return self.head(self.emb(ids, offsets)).square().mean()
+
+    ref = Rec().to(GPU)
+    model = copy.deepcopy(ref).cpu()
+    slot = dim * 4 * (3 if optimizer == "sparse_adam" else 1) + 17  # (weight and state rows, bookkeeping)
+    pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=3 * per_step * slot + 4 * (n_rows + 1))
+    p = pager.of(model)
+
+    def opts(m):
+        table = (torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2) if optimizer == "sparse_adam"
+                 else torch.optim.SGD(m.emb.parameters(), lr=0.5))
+        return [table, torch.optim.SGD(m.head.parameters(), lr=0.01)]
+
+    ro, po = opts(ref), opts(model)
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randperm(n_rows, generator=g)[:per_step].to(GPU) for _ in range(16)]
+    offsets = torch.arange(0, per_step, 16, device=GPU)
+
+    def step(m, os_, i, ahead):
+        loss = m(data[i], offsets)
+        if ahead and i + 1 < len(data):
+            p.expect_rows(m.emb, data[i + 1])
+        loss.backward()
+        for o in os_:
+            o.step()
+        for o in os_:
+            o.zero_grad()
+
+    syncs = {"ref": [], "paged": []}
+    for i in range(len(data)):
+        syncs["ref"].append(_syncs(lambda: step(ref, ro, i, False)))
+        syncs["paged"].append(_syncs(lambda: step(model, po, i, True)))
+    assert p.row_tables[0].cache.capacity < 4 * per_step  # (from the fifth step on, rows leave the cache)
+    assert syncs["paged"][6:] == syncs["ref"][6:], syncs
+    torch.testing.assert_close(model.emb.weight.detach(), ref.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    s = p.stats()
+    assert s.row_ahead_hits > 0 and s.row_d2h_bytes > 0
+    pager.unwrap(model)
+
+
 @pytest.mark.parametrize("share", [0.1, 0.9, None])
 def test_row_reads_split_between_kernel_and_cpu_are_exact(share):
     """Missed rows read by the kernel and by CPU threads at once ([Note: two paths for scattered rows]),

@@ -136,10 +136,10 @@ def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypat
     real_gather, real_step = RowTable.gather, RowTable.step
     stepping = []
 
-    def gather(self, rows, kinds, insert=True, n_miss=None):
+    def gather(self, rows, kinds, insert=True, n_miss=None, read=None):
         if stepping:
             counted.append(n_miss)
-        return real_gather(self, rows, kinds, insert, n_miss)
+        return real_gather(self, rows, kinds, insert, n_miss, read)
 
     def step(self, *args):
         stepping.append(True)
@@ -495,6 +495,68 @@ def test_rows_read_ahead_for_several_steps_see_rows_changed_in_the_cache_and_wri
     assert s.row_ahead_hits > 0 and s.row_d2h_bytes > 0
 
 
+@pytest.mark.parametrize("cache", [0, 40 * DIM * 4, 600 * DIM * 4])
+@pytest.mark.parametrize("opt", sorted(SPARSE))
+def test_a_lookup_of_the_tensor_read_ahead_takes_the_prepared_lookup(opt, cache, monkeypatch):
+    """[Note: rows read ahead]: the lookup of the very tensor given to expect_rows takes the rows, positions
+    and counts the read ahead prepared (on CUDA: no host sync), with padding and repeated rows, any cache
+    size (evictions between the read and the lookup make it do its own) and the state columns of each
+    optimizer; bit for bit with the unwrapped model."""
+    from pager._rows import RowTable
+
+    own = []  # lookups that found their rows themselves
+    real = RowTable._batch_rows
+    monkeypatch.setattr(RowTable, "_batch_rows", lambda self, *a: own.append(self.name) or real(self, *a))
+    data = batches(8, ids_range=120, bag_range=60)
+    ref = Recommender()
+    model = wrap(copy.deepcopy(ref), row_cache=cache)
+    ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
+    train(ref, ro, data)
+    p = pager.of(model)
+    for i, batch in enumerate(data):
+        loss = model(*batch)
+        if i + 1 < len(data):
+            p.expect_rows(model.emb, data[i + 1][0])
+            p.expect_rows("bag", data[i + 1][1])
+        loss.backward()
+        for o in po:
+            o.step()
+        for o in po:
+            o.zero_grad()
+    assert_same(ref, model)
+    s = p.stats()
+    if cache == 600 * DIM * 4:  # (a cache that holds every row: nothing moves between a read and its lookup)
+        # (but the first step that makes state columns empties the cache: the second lookups find their own)
+        assert own == ["emb", "bag"] * (1 if opt == "sgd" else 2) and s.row_ahead_hits > 0
+    else:  # (the step writes rows through, which the rows read may hold: each lookup finds its own)
+        assert len(own) == 2 * len(data)
+
+
+def test_a_prepared_lookup_gives_way_to_a_changed_tensor_a_write_and_bad_rows():
+    model = wrap(Recommender(), row_cache=0)
+    p = pager.of(model)
+    ids = torch.tensor([[5, 6, 7]])
+    p.expect_rows(model.emb, ids)
+    ids[0, 1] = 8  # (changed in place after the read: the lookup reads row 8)
+    assert torch.equal(model.emb(ids), model.emb.weight[torch.tensor([[5, 8, 7]])])
+    p.expect_rows(model.emb, ids)
+    with torch.no_grad():
+        model.emb.weight[8] = 7.0
+    assert torch.equal(model.emb(ids)[0, 1], torch.full((DIM,), 7.0))
+    bad = torch.tensor([1, 1000])
+    p.expect_rows(model.emb, bad)
+    with pytest.raises(IndexError, match="1000 rows"):
+        model.emb(bad)
+    before = model.emb.weight.detach().clone()
+    p.expect_rows(model.emb, ids)
+    model.emb(ids).sum().backward()  # (a prepared lookup, then the step writes rows 5, 7 and 8 through)
+    torch.optim.SGD(model.emb.parameters(), lr=1.0).step()
+    assert not torch.equal(model.emb.weight[[5, 7, 8]], before[[5, 7, 8]])
+    p.expect_rows(model.emb, ids)
+    model.emb(ids).sum().backward()
+    model.emb.weight.grad = None
+
+
 def test_rows_read_ahead_see_later_writes_and_bad_rows():
     model = wrap(Recommender(), row_cache=0)
     p = pager.of(model)
@@ -599,3 +661,37 @@ def test_auto_picks_tables_larger_than_a_quarter_of_the_budget():
     pager.wrap(model, budget=budget, device="cpu", rows="auto")
     assert type(model.emb.weight) is RowTableParameter and type(model.bag.weight) is not RowTableParameter
     assert [t.name for t in pager.of(model).row_tables] == ["emb"]
+
+
+def test_pagers_own_threads_leave_the_shared_mode_off():
+    """A thread pager starts (the row writer's on CUDA, the disk tier's) never touches a model's tensors:
+    it does not put the pager in the shared mode, whose guards would serve every use of a resident block
+    ([Note: tensors and threads]); a thread of the user's does."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pager._common import WORKER_PREFIX
+
+    model = wrap(Recommender())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p = pager.of(model)
+
+    def step(batch):
+        model(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}row-writer") as ours:
+        ours.submit(lambda: None).result()  # (the thread is up, and stays until the pool closes)
+        for batch in batches(2):
+            step(batch)
+        assert not p.shared_mode
+        stop = threading.Event()
+        user = threading.Thread(target=stop.wait, daemon=True)
+        user.start()
+        try:
+            step(batches(1)[0])
+            assert p.shared_mode
+        finally:
+            stop.set()
+            user.join()
