@@ -387,7 +387,7 @@ class ReadAhead:
         pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
         current = self.rows.index_select(0, pos).eq(rows).logical_and_(self.need.index_select(0, pos))
         if self.written:
-            current &= ~torch.isin(rows, torch.cat(self.written))
+            current &= ~_among(rows, torch.cat(self.written))
         # Served rows first, each part in row order; one host sync (the count).
         order = torch.argsort(current.logical_not().to(torch.uint8), stable=True)
         n_served = int(current.sum())

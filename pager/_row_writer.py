@@ -100,7 +100,8 @@ class HostRowWriter:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}row-writer")
         # The device tensors go to the thread too: it lets them go once the copies out of them have landed.
-        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, keep_host, copied, [rows, values, keep]))
+        sources = [rows, values, keep]
+        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, keep_host, copied, sources))
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""

@@ -839,7 +839,7 @@ class RowTable:
         (copied out, then stored by a CPU thread) while compute runs on."""
         for v in values.values():
             self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
-        if keep is not None and not aside:
+        if keep is not None and not (aside and self.device.type == "cuda"):  # (the writer's thread applies it)
             rows, values = rows[keep], {k: v[keep] for k, v in values.items()}
         if self.device.type != "cuda":
             for kind, v in values.items():

@@ -886,6 +886,18 @@ def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
     pager.unwrap(model)
 
 
+class RowRec(nn.Module):
+    """A recommender's shape: an EmbeddingBag table (sparse gradients) and a linear head."""
+
+    def __init__(self, n_rows, dim):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, ids, offsets):
+        return self.head(self.emb(ids, offsets)).square().mean()
+
+
 def _train_side_by_side(ref, model, ro, po, data, offsets, read_ahead, after_step=None):
     """Train `ref` (its table on the GPU) and `model` (row-paged) on the same batches; where
     `read_ahead(i)`, the paged model reads the rows of batch i + 1 ahead during step i."""
@@ -913,16 +925,7 @@ def test_changed_rows_written_back_on_gpu_match_the_table_on_gpu(ahead):
     torch.manual_seed(0)
     n_rows, dim = 20_000, 32
 
-    class Rec(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True)
-            self.head = nn.Linear(dim, 1)
-
-        def forward(self, ids, offsets):
-            return self.head(self.emb(ids, offsets)).square().mean()
-
-    ref = Rec().to(GPU)
+    ref = RowRec(n_rows, dim).to(GPU)
     model = copy.deepcopy(ref).cpu()
     slot = dim * 4 * 3 + 17  # (a weight row, two state rows, the slot's bookkeeping)
     pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=2500 * slot + 4 * (n_rows + 1))
@@ -977,16 +980,7 @@ def test_a_step_whose_rows_were_read_ahead_adds_no_host_sync(optimizer):
     torch.manual_seed(0)
     n_rows, per_step, dim = 100_000, 4096, 32
 
-    class Rec(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True)
-            self.head = nn.Linear(dim, 1)
-
-        def forward(self, ids, offsets):
-            return self.head(self.emb(ids, offsets)).square().mean()
-
-    ref = Rec().to(GPU)
+    ref = RowRec(n_rows, dim).to(GPU)
     model = copy.deepcopy(ref).cpu()
     slot = dim * 4 * (3 if optimizer == "sparse_adam" else 1) + 17  # (weight and state rows, bookkeeping)
     pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=3 * per_step * slot + 4 * (n_rows + 1))

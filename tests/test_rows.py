@@ -453,20 +453,25 @@ def test_rows_read_ahead_give_the_same_values(opt, cache):
     model = wrap(copy.deepcopy(ref), row_cache=cache)
     ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
     train(ref, ro, data)
+    train_reading_ahead(model, po, data, lambda batch: (batch[0], batch[1].int()))
+    assert_same(ref, model)
+    assert pager.of(model).stats().row_ahead_hits > 0
+
+
+def train_reading_ahead(model, opts, data, ahead):
+    """Train `model` on `data`, reading ahead during each step the (emb, bag) indices `ahead(next batch)`."""
     p = pager.of(model)
     for i, batch in enumerate(data):
         loss = model(*batch)
         if i + 1 < len(data):
-            ids, bag_ids, _offsets = data[i + 1]
+            ids, bag_ids = ahead(data[i + 1])
             p.expect_rows(model.emb, ids)
-            p.expect_rows("bag", bag_ids.int())
+            p.expect_rows("bag", bag_ids)
         loss.backward()
-        for o in po:
+        for o in opts:
             o.step()
-        for o in po:
+        for o in opts:
             o.zero_grad()
-    assert_same(ref, model)
-    assert p.stats().row_ahead_hits > 0
 
 
 def test_rows_read_ahead_for_several_steps_see_rows_changed_in_the_cache_and_written_back():
@@ -512,19 +517,9 @@ def test_a_lookup_of_the_tensor_read_ahead_takes_the_prepared_lookup(opt, cache,
     model = wrap(copy.deepcopy(ref), row_cache=cache)
     ro, po = sparse_optimizers(ref, SPARSE[opt]), sparse_optimizers(model, SPARSE[opt])
     train(ref, ro, data)
-    p = pager.of(model)
-    for i, batch in enumerate(data):
-        loss = model(*batch)
-        if i + 1 < len(data):
-            p.expect_rows(model.emb, data[i + 1][0])
-            p.expect_rows("bag", data[i + 1][1])
-        loss.backward()
-        for o in po:
-            o.step()
-        for o in po:
-            o.zero_grad()
+    train_reading_ahead(model, po, data, lambda batch: batch[:2])  # (the very tensors the lookups take)
     assert_same(ref, model)
-    s = p.stats()
+    s = pager.of(model).stats()
     if cache == 600 * DIM * 4:  # (a cache that holds every row: nothing moves between a read and its lookup)
         # (but the first step that makes state columns empties the cache: the second lookups find their own)
         assert own == ["emb", "bag"] * (1 if opt == "sgd" else 2) and s.row_ahead_hits > 0
