@@ -38,8 +38,8 @@ marked, and a kernel (`_kernels.read_where`) reads the marked rows into a
 tensor as long as the lookups, skipping the others (no count, so nothing
 waits). The rows are clamped to the table for the read.
 
-The same work is what a lookup does before it can gather (`RowTable.
-_batch_rows`), so the read also prepares the lookup of `indices`: the
+A lookup numbers its rows the same way before it can gather (both call
+`sorted_lookups`), so the read also prepares the lookup of `indices`: the
 facts the host needs (the lowest and highest row, how many unique rows, how
 many were read, the padding row's place, how many were read while a
 write-back of them was in flight) are copied to pinned memory on the row
@@ -69,6 +69,7 @@ other write to the table drops the rows read ahead (`RowTable.forget`).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -79,6 +80,56 @@ SPLIT_MIN_ROWS = 8192
 _CHUNKS = 8
 _SHARE_BOUNDS = (0.1, 0.9)  # a split keeps some rows on each path, so both keep being measured
 _REMEASURE_EVERY = 16
+
+
+class Lookups(NamedTuple):
+    """A batch's lookups numbered by their unique rows (`sorted_lookups`), on the device.
+
+    order: the order that sorts the lookups. position: each sorted lookup's
+    position among the unique rows. rows: the unique rows, sorted (clamped
+    to the table), then `n_rows` (a sentinel) up to the number of lookups.
+    need: which of `rows` the cache lacks. facts: int64 [5]: the lowest
+    lookup, the highest, unique rows - 1, how many the cache lacks, the
+    padding row's position among them or -1.
+    """
+
+    order: torch.Tensor
+    position: torch.Tensor
+    rows: torch.Tensor
+    need: torch.Tensor
+    facts: torch.Tensor
+
+    def inverse(self, shape) -> torch.Tensor:
+        """Each lookup's position among the unique rows, in the lookups' order and `shape`."""
+        return torch.empty_like(self.position).scatter_(0, self.order, self.position).view(shape)
+
+
+def sorted_lookups(indices: torch.Tensor, n_rows: int, slot_of_row, pad, device) -> Lookups:
+    """`indices` (at least one lookup) numbered by their unique rows: a sort
+    and a running count rather than `torch.unique`, with no host sync (every
+    count stays on the device, in `facts`). The numbering is monotone: row r
+    is the r-th smallest ([Note: row tables] in _rows.py). `slot_of_row`: the
+    cache's map (None: no cache, every row lacking); `pad`: the padding row
+    (non-negative) or None."""
+    flat = indices.to(device, torch.long).flatten()
+    n = flat.numel()
+    ordered, order = torch.sort(flat)
+    first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+    position = torch.cumsum(first, 0) - 1
+    # (rows out of the table are clamped here only: who takes `facts` checks the range)
+    rows = torch.full((n,), n_rows, dtype=torch.long, device=device)
+    rows.scatter_(0, position, ordered.clamp(0, n_rows - 1))
+    need = torch.arange(n, device=device) <= position[-1:]
+    if slot_of_row is not None:
+        need &= slot_of_row.index_select(0, rows) < 0
+    # (every fact a tensor on the device: a Python number put into one would sync)
+    pad_at = torch.full((), -1, dtype=torch.long, device=device)
+    if pad is not None:
+        at = torch.searchsorted(ordered, torch.full((1,), pad, device=device)).clamp_(max=n - 1)
+        pad_at = torch.where(ordered[at] == pad, position[at], -1)[0]
+    facts = torch.stack([ordered[0], ordered[-1], position[-1], need.sum(), pad_at])
+    return Lookups(order, position, rows, need, facts)
 
 
 class RowStream:
@@ -226,32 +277,26 @@ class ReadAhead:
         pad: the table module's padding row (non-negative), or None.
         epoch, writes_through: the cache's epoch and the table's count of
             writes through to its host tables when the read began.
-        sorted_: (lookups sorted, the order that sorts them, each lookup's
-            position among the unique rows) on the device.
-        rows: the unique rows, sorted, then `n_rows` (a sentinel) up to the
-            number of lookups.
-        need: which of `rows` were read: those the cache lacked.
-        values: [len(rows), dim], the rows read where `need`.
-        facts: int64 [6] (lowest lookup, highest, unique rows - 1, rows read,
-            the padding row's position or -1, rows read that a write-back in
-            flight may have changed), on the host once `facts_ready`.
+        lookups: `indices` numbered (`Lookups`), or None (no lookup).
+        values: [len(lookups.rows), dim], the rows read where `lookups.need`.
+        facts: int64 [6]: `lookups.facts`, then how many rows were read while
+            a write-back of them was in flight; on the host once `facts_ready`.
         facts_ready: an event after the facts' copy, or None (they are ready).
         done: an event after the read, or None (read on the compute stream).
         rows_stream: the model's `RowStream`, or None.
         view: the host table as a device tensor (`_rows.host_view`).
-        stale: which of `rows` were read while a write-back of them was in
-            flight (None: none was), to read again at the lookup.
+        stale: which of `lookups.rows` were read while a write-back of them
+            was in flight (None: none was), to read again at the lookup.
         in_flight: (rows, HostWrite) of those write-backs.
     """
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, facts_ready, done,
-                 rows_stream: RowStream | None, view=None, stale=None, in_flight=()):
+    def __init__(self, indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done,
+                 rows_stream: RowStream | None, view, stale, in_flight):
         self.indices, self.index_version, self.pad = indices, indices._version, pad
         self.epoch, self.writes_through = epoch, writes_through
-        self.sorted, self.rows, self.need, self.values = sorted_, rows, need, values
-        self.view, self.stale = view, stale  # (the rows read that writes in flight may change: read again)
+        self.lookups, self.values, self.view, self.stale = lookups, values, view, stale
         self.in_flight = [written for _rows, written in in_flight]
         self._facts, self._facts_ready, self.done, self.rows_stream = facts, facts_ready, done, rows_stream
         self.written = []  # row tensors written since the read began
@@ -265,61 +310,37 @@ class ReadAhead:
         no host sync. `in_flight`: (rows, HostWrite) of write-backs that may
         still run."""
         args = (indices, view, slot_of_row, pad, [rows for rows, _written in in_flight])
+        facts_ready = done = None
         if rows_stream is None:
-            sorted_, rows, need, values, facts, stale = cls._read(*args)
-            return cls(indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, None, None, None,
-                       view, stale, in_flight)
-        compute = rows_stream.transport.compute_stream()
-        stream = rows_stream.stream
-        # `indices` may be made by work queued on the compute stream.
-        stream.wait_stream(compute)
-        if indices.device.type == "cuda":
-            indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
-        facts_ready = torch.cuda.Event()
-        with rows_stream.transport.on(stream):
-            sorted_, rows, need, values, facts, stale = cls._read(*args, facts_ready)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return cls(indices, pad, epoch, writes_through, sorted_, rows, need, values, facts, facts_ready, done,
-                   rows_stream, view, stale, in_flight)
+            lookups, values, facts, stale = cls._read(*args)
+        else:
+            compute, stream = rows_stream.transport.compute_stream(), rows_stream.stream
+            # `indices` may be made by work queued on the compute stream.
+            stream.wait_stream(compute)
+            if indices.device.type == "cuda":
+                indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
+            facts_ready, done = torch.cuda.Event(), torch.cuda.Event()
+            with rows_stream.transport.on(stream):
+                lookups, values, facts, stale = cls._read(*args, facts_ready)
+                done.record(stream)
+        return cls(indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done, rows_stream,
+                   view, stale, in_flight)
 
     @staticmethod
     def _read(indices, view, slot_of_row, pad, in_flight, facts_ready=None):
         # (sizes known on the host, so nothing waits: the host runs on while the row stream reads)
-        n_rows, device = view.shape[0], view.device
-        flat = indices.to(device, torch.long).flatten()
-        n = flat.numel()
-        ordered, order = torch.sort(flat)
-        first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
-        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
-        position = torch.cumsum(first, 0) - 1
-        # (rows out of the table are clamped for the read only: the lookup raises)
-        rows = torch.full((n,), n_rows, dtype=torch.long, device=device)
-        rows.scatter_(0, position, ordered.clamp(0, n_rows - 1))
-        need = torch.arange(n, device=device) <= position[-1:] if n else first
-        if slot_of_row is not None:
-            need &= slot_of_row.index_select(0, rows) < 0
-        stale = None
-        if n:
-            # (every fact a tensor on the device: a Python number put into one would sync)
-            none = torch.full((), -1, dtype=torch.long, device=device)
-            pad_at = none
-            if pad is not None:
-                at = torch.searchsorted(ordered, torch.full((1,), pad, device=device)).clamp_(max=n - 1)
-                pad_at = torch.where(ordered[at] == pad, position[at], -1)[0]
-            if in_flight:
-                stale = need & _among(rows, torch.cat(in_flight))
-            facts = torch.stack([ordered[0], ordered[-1], position[-1], need.sum(), pad_at,
-                                 none + 1 if stale is None else stale.sum()])
-        else:
-            facts = torch.tensor([-1, -1, -1, 0, -1, 0])
+        if indices.numel() == 0:
+            return None, None, torch.tensor([-1, -1, -1, 0, -1, 0]), None
+        lookups = sorted_lookups(indices, view.shape[0], slot_of_row, pad, view.device)
+        stale = lookups.need & _among(lookups.rows, torch.cat(in_flight)) if in_flight else None
+        facts = torch.cat([lookups.facts, (lookups.facts.new_zeros(()) if stale is None else stale.sum()).view(1)])
         if facts_ready is not None:
             # The facts come to the host before the read: the lookup waits for them, not for it.
             host = torch.empty(6, dtype=torch.long, pin_memory=True)
             host.copy_(facts, non_blocking=True)
             facts_ready.record()
             facts = host
-        return (ordered, order, position), rows, need, read_where(view, rows, need), facts, stale
+        return lookups, read_where(view, lookups.rows, lookups.need), facts, stale
 
     def facts(self) -> list:
         """The facts (see the class), waiting on the host for them (only)."""
@@ -344,16 +365,15 @@ class ReadAhead:
         low, high, last, n_read, pad_at, stale = self.facts()
         if low < 0 or high >= n_rows:
             return None
-        _ordered, order, position = self.sorted
-        self.on_compute(order, position, self.rows, self.need, self.values, *([self.stale] if stale else []))
+        lookups = self.lookups
+        self.on_compute(*lookups, self.values, *([self.stale] if stale else []))
         if stale:
             # Rows a write-back in flight at the read may change: read again
             # once it has landed (the writer's thread stored them, on the host).
             for written in self.in_flight:
                 written.wait()
-            read_where(self.view, self.rows, self.stale, out=self.values)
-        inverse = torch.empty_like(position).scatter_(0, order, position).view(index.shape)
-        return self.rows[:last + 1], inverse, n_read, None if pad_at < 0 else pad_at
+            read_where(self.view, lookups.rows, self.stale, out=self.values)
+        return lookups.rows[:last + 1], lookups.inverse(index.shape), n_read, None if pad_at < 0 else pad_at
 
     def note_written(self, rows: torch.Tensor) -> bool:
         """Rows written to the table; False once too many writes piled up (drop it)."""
@@ -381,11 +401,12 @@ class ReadAhead:
     def serve(self, rows: torch.Tensor, read) -> tuple[torch.Tensor, int]:
         """(the table's sorted `rows`, how many came from here): the current
         rows read ahead, the others by `read(rows)`."""
-        if self.rows.numel() == 0:
+        if self.lookups is None:
             return read(rows), 0
-        self.on_compute(self.rows, self.need, self.values)
-        pos = torch.searchsorted(self.rows, rows).clamp_(max=self.rows.numel() - 1)
-        current = self.rows.index_select(0, pos).eq(rows).logical_and_(self.need.index_select(0, pos))
+        ahead_rows, need = self.lookups.rows, self.lookups.need
+        self.on_compute(ahead_rows, need, self.values)
+        pos = torch.searchsorted(ahead_rows, rows).clamp_(max=ahead_rows.numel() - 1)
+        current = ahead_rows.index_select(0, pos).eq(rows).logical_and_(need.index_select(0, pos))
         if self.written:
             current &= ~_among(rows, torch.cat(self.written))
         # Served rows first, each part in row order; one host sync (the count).

@@ -13,9 +13,10 @@ reads, `load_state_dict()` and in-place initialisation see and change the real
 values). A lookup:
 
 1. takes the batch's rows, sorted and unique, and the index of each lookup
-   among them (a sort and a running count, rather than `torch.unique`, so
-   that their number, the range check, the cache's misses and the padding
-   row's place come back to the host in one sync: see [Note: host syncs]);
+   among them (`_row_reader.sorted_lookups`: a sort and a running count,
+   rather than `torch.unique`, so that their number, the range check, the
+   cache's misses and the padding row's place come back to the host in one
+   sync, or none when `expect_rows` prepared them: see [Note: host syncs]);
 2. gathers those rows into a compact batch tensor on the device: rows in the
    device cache are copied from it, the others read from the host table by a
    kernel on the compute stream (on CUDA the pinned table is mapped into the
@@ -134,7 +135,7 @@ import torch.nn.functional as F
 
 from ._budget import format_bytes
 from ._paged import _METADATA, _tensors_of
-from ._row_reader import HostRowReader, ReadAhead
+from ._row_reader import HostRowReader, ReadAhead, sorted_lookups
 from ._row_writer import host_alias
 
 WEIGHT = "weight"
@@ -708,33 +709,15 @@ class RowTable:
         rows the cache lacks; the position of row `pad` among them or None).
         One host sync, for every count at once; it raises IndexError for a
         row outside the table, before anything is changed."""
-        flat = index.to(self.device, torch.long).reshape(-1)
-        n = flat.numel()
-        if n == 0:
-            return flat, flat.view(index.shape), 0, None
-        ordered, order = torch.sort(flat)
-        first = torch.ones(n, dtype=torch.bool, device=self.device)  # the first lookup of each row
-        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
-        position = torch.cumsum(first, 0) - 1
-        facts = [ordered[0], ordered[-1], position[-1]]
-        if self.cache.capacity:
-            # (rows out of range are clamped for this count only: they raise below)
-            slots = self.cache.slot_of_row.index_select(0, ordered.clamp(0, self.shape[0]))
-            facts.append(torch.logical_and(slots < 0, first).sum())
-        if pad is not None:
-            at = torch.searchsorted(ordered, torch.tensor([pad], device=self.device)).clamp_(max=n - 1)
-            facts.append(torch.where(ordered[at] == pad, position[at], -1)[0])
-        facts = torch.stack(facts).tolist()  # the host sync
-        low, high, last = facts[:3]
+        if index.numel() == 0:
+            flat = index.to(self.device, torch.long)
+            return flat.reshape(-1), flat, 0, None
+        lookups = sorted_lookups(index, self.shape[0], self.cache.slot_of_row, pad, self.device)
+        low, high, last, n_miss, pad_at = lookups.facts.tolist()  # the host sync
         if low < 0 or high >= self.shape[0]:
             raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
                              f"row {low if low < 0 else high}.")
-        n_miss = facts[3] if self.cache.capacity else last + 1
-        pad = None if pad is None or facts[-1] < 0 else facts[-1]
-        # (monotone: row r is the r-th smallest, see [Note: row tables])
-        rows = torch.empty(last + 1, dtype=torch.long, device=self.device).scatter_(0, position, ordered)
-        inverse = torch.empty_like(flat).scatter_(0, order, position)
-        return rows, inverse.view(index.shape), n_miss, pad
+        return lookups.rows[:last + 1], lookups.inverse(index.shape), n_miss, None if pad_at < 0 else pad_at
 
     def _note_rows_held(self, epoch_before: int, uncached: torch.Tensor) -> None:
         """After a training lookup: whether the cache still holds every row
