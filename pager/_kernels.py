@@ -1,5 +1,5 @@
-"""Pager's GPU kernels (Triton): decoders of compressed pages, and the read of
-marked rows of a mapped host table ([Note: rows read ahead] in _row_reader.py).
+"""Pager's GPU kernels (Triton) for compressed pages (the row path's are in
+_row_kernels.py).
 
 Decoders ([Note: compressed pages] in _compress.py): each piece is decoded
 by one kernel launch from its staged bytes into its range of the block's
@@ -63,24 +63,6 @@ def decoded_copy_from(page: torch.Tensor, encoded: Encoded, device: torch.device
     return out
 
 
-def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor, out: torch.Tensor | None = None):
-    """[len(rows), dim]: row `rows[i]` of `view` where `need[i]`, the others
-    as `out` holds them (None: unread and undefined). On CUDA a kernel reads
-    the rows where `need`, with no host sync and no bytes over the link for
-    the others."""
-    if out is None:
-        out = torch.empty(rows.numel(), view.shape[1], dtype=view.dtype, device=rows.device)
-    if rows.device.type == "cuda" and _read_where_kernel is not None:
-        if rows.numel():
-            _read_where_kernel[(rows.numel(),)](view, rows, need.view(torch.uint8), out, view.shape[1],
-                                                BLOCK=triton.next_power_of_2(view.shape[1]))
-        return out
-    at = need.nonzero().squeeze(1)  # (a host sync on CUDA: without Triton)
-    out.index_copy_(0, at, view.index_select(0, rows.index_select(0, at)))
-    return out
-
-
-_read_where_kernel = None
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "escapes", "b_at", "pos_at", "val_at", "main"])
@@ -123,12 +105,3 @@ if triton is not None:
                           other=0.0).to(tl.float32)
         # code * scale is exact (4 bits times 8), so a fused multiply-add rounds as the reference does.
         tl.store(dst + i, (code * scale + minimum).to(dst.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _read_where_kernel(src, rows, need, out, dim, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        if tl.load(need + i) != 0:
-            row = tl.load(rows + i)  # (int64: offsets in a table past 2**31 elements)
-            cols = tl.arange(0, BLOCK)
-            inside = cols < dim
-            tl.store(out + i.to(tl.int64) * dim + cols, tl.load(src + row * dim + cols, mask=inside), mask=inside)

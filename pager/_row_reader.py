@@ -69,67 +69,15 @@ other write to the table drops the rows read ahead (`RowTable.forget`).
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
-
 import torch
 
-from ._kernels import read_where
+from ._row_kernels import NO_STALE, number_lookups, patch_written, read_where
 from ._row_writer import HostRowWriter
 
 SPLIT_MIN_ROWS = 8192
 _CHUNKS = 8
 _SHARE_BOUNDS = (0.1, 0.9)  # a split keeps some rows on each path, so both keep being measured
 _REMEASURE_EVERY = 16
-
-
-class Lookups(NamedTuple):
-    """A batch's lookups numbered by their unique rows (`sorted_lookups`), on the device.
-
-    order: the order that sorts the lookups. position: each sorted lookup's
-    position among the unique rows. rows: the unique rows, sorted (clamped
-    to the table), then `n_rows` (a sentinel) up to the number of lookups.
-    need: which of `rows` the cache lacks. facts: int64 [5]: the lowest
-    lookup, the highest, unique rows - 1, how many the cache lacks, the
-    padding row's position among them or -1.
-    """
-
-    order: torch.Tensor
-    position: torch.Tensor
-    rows: torch.Tensor
-    need: torch.Tensor
-    facts: torch.Tensor
-
-    def inverse(self, shape) -> torch.Tensor:
-        """Each lookup's position among the unique rows, in the lookups' order and `shape`."""
-        return torch.empty_like(self.position).scatter_(0, self.order, self.position).view(shape)
-
-
-def sorted_lookups(indices: torch.Tensor, n_rows: int, slot_of_row, pad, device) -> Lookups:
-    """`indices` (at least one lookup) numbered by their unique rows: a sort
-    and a running count rather than `torch.unique`, with no host sync (every
-    count stays on the device, in `facts`). The numbering is monotone: row r
-    is the r-th smallest ([Note: row tables] in _rows.py). `slot_of_row`: the
-    cache's map (None: no cache, every row lacking); `pad`: the padding row
-    (non-negative) or None."""
-    flat = indices.to(device, torch.long).flatten()
-    n = flat.numel()
-    ordered, order = torch.sort(flat)
-    first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
-    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
-    position = torch.cumsum(first, 0) - 1
-    # (rows out of the table are clamped here only: who takes `facts` checks the range)
-    rows = torch.full((n,), n_rows, dtype=torch.long, device=device)
-    rows.scatter_(0, position, ordered.clamp(0, n_rows - 1))
-    need = torch.arange(n, device=device) <= position[-1:]
-    if slot_of_row is not None:
-        need &= slot_of_row.index_select(0, rows) < 0
-    # (every fact a tensor on the device: a Python number put into one would sync)
-    pad_at = torch.full((), -1, dtype=torch.long, device=device)
-    if pad is not None:
-        at = torch.searchsorted(ordered, torch.full((1,), pad, device=device)).clamp_(max=n - 1)
-        pad_at = torch.where(ordered[at] == pad, position[at], -1)[0]
-    facts = torch.stack([ordered[0], ordered[-1], position[-1], need.sum(), pad_at])
-    return Lookups(order, position, rows, need, facts)
 
 
 class RowStream:
@@ -279,40 +227,41 @@ class ReadAhead:
             writes through to its host tables when the read began.
         lookups: `indices` numbered (`Lookups`), or None (no lookup).
         values: [len(lookups.rows), dim], the rows read where `lookups.need`.
-        facts: int64 [6]: `lookups.facts`, then how many rows were read while
-            a write-back of them was in flight; on the host once `facts_ready`.
+        facts: int64 [6]: `lookups.facts` (how many rows were read while a
+            write-back of them was in flight, the last); on the host once
+            `facts_ready`.
         facts_ready: an event after the facts' copy, or None (they are ready).
         done: an event after the read, or None (read on the compute stream).
         rows_stream: the model's `RowStream`, or None.
         view: the host table as a device tensor (`_rows.host_view`).
-        stale: which of `lookups.rows` were read while a write-back of them
-            was in flight (None: none was), to read again at the lookup.
-        in_flight: (rows, HostWrite) of those write-backs.
+        in_flight: (rows, weight values) on the device of the write-backs in
+            flight at the read, oldest first (`lookups.stale` marks the rows
+            they write, which the lookup takes from there).
     """
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
     def __init__(self, indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done,
-                 rows_stream: RowStream | None, view, stale, in_flight):
+                 rows_stream: RowStream | None, view, in_flight):
         self.indices, self.index_version, self.pad = indices, indices._version, pad
         self.epoch, self.writes_through = epoch, writes_through
-        self.lookups, self.values, self.view, self.stale = lookups, values, view, stale
-        self.in_flight = [written for _rows, written in in_flight]
+        self.lookups, self.values, self.view = lookups, values, view
+        self.in_flight = list(in_flight)
         self._facts, self._facts_ready, self.done, self.rows_stream = facts, facts_ready, done, rows_stream
         self.written = []  # row tensors written since the read began
         self._counted = False  # the rows read went to the stats
 
     @classmethod
     def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None,
-              pad=None, epoch=None, writes_through=0, in_flight=()):
+              pad=None, epoch=None, writes_through=0, in_flight=(), stale_below=NO_STALE):
         """Read the rows of `indices` that the cache lacks (`slot_of_row[row]
         < 0`; None: no cache), on the row stream, and prepare their lookup;
-        no host sync. `in_flight`: (rows, HostWrite) of write-backs that may
-        still run."""
-        args = (indices, view, slot_of_row, pad, [rows for rows, _written in in_flight])
+        no host sync. `in_flight`: (rows, weight values) of write-backs that
+        may still run, whose rows carry a map entry of at most `stale_below`."""
+        args = (indices, view, slot_of_row, pad, stale_below)
         facts_ready = done = None
         if rows_stream is None:
-            lookups, values, facts, stale = cls._read(*args)
+            lookups, values, facts = cls._read(*args)
         else:
             compute, stream = rows_stream.transport.compute_stream(), rows_stream.stream
             # `indices` may be made by work queued on the compute stream.
@@ -321,26 +270,24 @@ class ReadAhead:
                 indices.record_stream(stream)  # (the caller may free it while the row stream still reads it)
             facts_ready, done = torch.cuda.Event(), torch.cuda.Event()
             with rows_stream.transport.on(stream):
-                lookups, values, facts, stale = cls._read(*args, facts_ready)
+                lookups, values, facts = cls._read(*args, facts_ready)
                 done.record(stream)
         return cls(indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done, rows_stream,
-                   view, stale, in_flight)
+                   view, in_flight)
 
     @staticmethod
-    def _read(indices, view, slot_of_row, pad, in_flight, facts_ready=None):
+    def _read(indices, view, slot_of_row, pad, stale_below, facts_ready=None):
         # (sizes known on the host, so nothing waits: the host runs on while the row stream reads)
         if indices.numel() == 0:
-            return None, None, torch.tensor([-1, -1, -1, 0, -1, 0]), None
-        lookups = sorted_lookups(indices, view.shape[0], slot_of_row, pad, view.device)
-        stale = lookups.need & _among(lookups.rows, torch.cat(in_flight)) if in_flight else None
-        facts = torch.cat([lookups.facts, (lookups.facts.new_zeros(()) if stale is None else stale.sum()).view(1)])
+            return None, None, torch.tensor([-1, -1, -1, 0, -1, 0])
+        lookups = number_lookups(indices, view.shape[0], slot_of_row, pad, view.device, stale_below)
+        facts = lookups.facts
         if facts_ready is not None:
             # The facts come to the host before the read: the lookup waits for them, not for it.
-            host = torch.empty(6, dtype=torch.long, pin_memory=True)
-            host.copy_(facts, non_blocking=True)
+            facts = torch.empty(6, dtype=torch.long, pin_memory=True)
+            facts.copy_(lookups.facts, non_blocking=True)
             facts_ready.record()
-            facts = host
-        return lookups, read_where(view, lookups.rows, lookups.need), facts, stale
+        return lookups, read_where(view, lookups.rows, lookups.need), facts
 
     def facts(self) -> list:
         """The facts (see the class), waiting on the host for them (only)."""
@@ -349,10 +296,10 @@ class ReadAhead:
         return self._facts.tolist()
 
     def prepared(self, index, pad, epoch: int, writes_through: int, n_rows: int):
-        """The lookup of `index` as prepared: (its unique rows, sorted; each
-        lookup's position among them, shaped as `index`; how many were read,
-        which are all those the cache lacks, at `need`, in `values`; the
-        padding row's position among them or None), if `index` is the tensor
+        """The lookup of `index` as prepared: (its `Lookups`; how many unique
+        rows; how many were read, which are all those the cache lacks, at
+        `need`, in `values`; the padding row's position among them or None),
+        if `index` is the tensor
         read for, unchanged, with the same padding row, the cache holds the
         same rows, no row was written through to the host table since, and
         every lookup is in the table (of `n_rows`); else None (the lookup does
@@ -366,14 +313,13 @@ class ReadAhead:
         if low < 0 or high >= n_rows:
             return None
         lookups = self.lookups
-        self.on_compute(*lookups, self.values, *([self.stale] if stale else []))
-        if stale:
-            # Rows a write-back in flight at the read may change: read again
-            # once it has landed (the writer's thread stored them, on the host).
-            for written in self.in_flight:
-                written.wait()
-            read_where(self.view, lookups.rows, self.stale, out=self.values)
-        return lookups.rows[:last + 1], lookups.inverse(index.shape), n_read, None if pad_at < 0 else pad_at
+        self.on_compute(lookups.rows, lookups.need, lookups.rank, lookups.inverse, self.values,
+                        *([lookups.stale] if stale else []))
+        for rows, values in self.in_flight if stale else ():
+            # Rows a write-back in flight at the read may have changed after
+            # they were read: their values are the write-back's device copy.
+            patch_written(self.values, lookups.rows, rows, values, which=lookups.stale)
+        return lookups, last + 1, n_read, None if pad_at < 0 else pad_at
 
     def note_written(self, rows: torch.Tensor) -> bool:
         """Rows written to the table; False once too many writes piled up (drop it)."""

@@ -128,6 +128,7 @@ rows; a training loop makes none.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -135,7 +136,9 @@ import torch.nn.functional as F
 
 from ._budget import format_bytes
 from ._paged import _METADATA, _tensors_of
-from ._row_reader import HostRowReader, ReadAhead, sorted_lookups
+from ._row_kernels import (GENERATIONS, NO_STALE, CacheMap, Lookups, mark_of, number_lookups, patch_written,
+                           place_rows, touch_hits)
+from ._row_reader import HostRowReader, ReadAhead
 from ._row_writer import host_alias
 
 WEIGHT = "weight"
@@ -488,11 +491,12 @@ class RowCache:
         victims = torch.topk(self.last_use, n, largest=False).indices
         return victims, (self._take_dirty(victims, exact=self.device.type != "cuda") if self.any_dirty else None)
 
-    def place(self, rows: torch.Tensor, victims: torch.Tensor, values: dict) -> None:
+    def place(self, rows: torch.Tensor, victims: torch.Tensor, values: dict, mark: int = -1) -> None:
         """Put `rows` with `values` {kind: [len(rows), dim]} in the slots
-        `victims` (as many, from `make_room`)."""
+        `victims` (as many, from `make_room`); the rows they held get `mark`
+        in the map (-1, or the mark of the write-back that took them out)."""
         self.epoch += 1
-        self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), -1)
+        self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), mark)
         self.row_of_slot.index_copy_(0, victims, rows)
         self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
         self.last_use.index_fill_(0, victims, self.tick)
@@ -537,6 +541,17 @@ class RowCache:
             self.dirty.index_fill_(0, slots, True)
             self.any_dirty = True
 
+    def write_slots(self, slots: torch.Tensor, values: dict) -> None:
+        """Write `values` {kind: [len(slots), dim]} into the slots `slots`
+        (the dummy slot for rows not cached), marked dirty."""
+        for kind, v in values.items():
+            self.columns[kind].index_copy_(0, slots, v)
+        self.dirty.index_fill_(0, slots, True)
+        self.any_dirty = True
+
+    def map(self) -> CacheMap:
+        return CacheMap(self.slot_of_row, self.row_of_slot, self.last_use, self.dirty, self.columns[WEIGHT])
+
     def device_bytes(self) -> int:
         if not self.capacity:
             return 0
@@ -544,6 +559,15 @@ class RowCache:
 
 
 # ------------------------------------------------------------- one table
+class WriteBack(NamedTuple):
+    """A write of rows to the host tables by the writer's thread, maybe still running."""
+
+    rows: torch.Tensor  # on the device, sorted
+    values: dict  # kind -> [len(rows), dim] on the device: what it writes (rows that are clean included)
+    written: object  # its HostWrite
+    generation: int  # its number: the mark of its rows in the cache's map
+
+
 class RowTable:
     """One row-paged embedding table: its host tables (weight and state rows),
     its device cache, its lookups and its gradient pieces.
@@ -573,7 +597,9 @@ class RowTable:
         self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
         self._rows_held = None  # see `_note_rows_held`
-        self._writes_in_flight = []  # (rows, HostWrite) of write-backs maybe still running
+        self._writes_in_flight = []  # WriteBacks maybe still running, oldest first
+        self._generation = 0  # the next write-back's number (its rows' mark in the cache's map)
+        self._placed = None  # the last training lookup's (rows, batch, slots, epoch, writes through): `step`
         self._writes_through = 0  # writes of rows through to the host tables (`write`), counted
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
@@ -645,11 +671,12 @@ class RowTable:
             # The read ahead does not wait for write-backs still running: the
             # rows they write are read again when looked up (after they land).
             self._prune_writes()
-            in_flight = list(self._writes_in_flight)
+            in_flight = [(w.rows, w.values[WEIGHT]) for w in self._writes_in_flight]
+            stale_below = mark_of(self._writes_in_flight[0].generation) if in_flight else NO_STALE
             self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
                                             self.pager.row_stream, self._pad(getattr(self.module, "padding_idx", None)),
-                                            self.cache.epoch, self._writes_through, in_flight))
-            for rows, _written in in_flight:
+                                            self.cache.epoch, self._writes_through, in_flight, stale_below))
+            for rows, _values in in_flight:
                 self._note_written(rows)
 
     def _pad(self, pad):
@@ -668,32 +695,40 @@ class RowTable:
 
     def lookup(self, func, bound: dict) -> torch.Tensor:
         """`func` (F.embedding or F.embedding_bag) with the table's rows: see [Note: row tables]."""
-        pager = self.pager
+        pager, cache = self.pager, self.cache
         with pager.lock:
             self._check_current()
             pad = self._pad(bound.get("padding_idx"))
-            ahead = self.ahead
-            prepared = None if ahead is None else ahead.prepared(bound["input"], pad, self.cache.epoch,
+            ahead, values = self.ahead, None
+            prepared = None if ahead is None else ahead.prepared(bound["input"], pad, cache.epoch,
                                                                  self._writes_through, self.shape[0])
             if prepared is None:
-                rows, inverse, n_miss, pad = self._batch_rows(bound["input"], pad)
+                lookups, u, n_miss, pad = self._batch_rows(bound["input"], pad)
             else:
-                rows, inverse, n_miss, pad = prepared
+                (lookups, u, n_miss, pad), values = prepared, ahead.values
+            rows = lookups.rows[:u]
             training = torch.is_grad_enabled() and self.param.requires_grad
-            epoch = self.cache.epoch
-            gathered, uncached = self.gather(rows, (WEIGHT,), insert=training or len(self.cache.kinds) == 1,
-                                             n_miss=n_miss, read=None if prepared is None else ahead.values)
+            insert = training or len(cache.kinds) == 1
+            epoch = cache.epoch
+            if insert and cache.capacity and n_miss <= cache.capacity - (u - n_miss):
+                batch, slots = self._take_rows(lookups, u, n_miss, values)
+                uncached = slots[:0]
+            else:
+                gathered, uncached = self.gather(rows, (WEIGHT,), insert=insert, n_miss=n_miss, read=values)
+                batch, slots = gathered[WEIGHT], None
             if prepared is not None:
                 self.pager.counters.row_ahead_hits += n_miss
                 self._set_ahead(None)  # (its rows are in the cache now, or were served once)
-            batch = gathered[WEIGHT]
-            bound = dict(bound, input=inverse, weight=batch)
+            bound = dict(bound, input=lookups.inverse.view(bound["input"].shape), weight=batch)
             if bound.get("padding_idx") is not None:
                 bound["padding_idx"] = pad
             if bound.get("offsets") is not None:
                 bound["offsets"] = bound["offsets"].to(self.device, torch.long)
+            self._placed = None
             if training:
                 self._note_rows_held(epoch, uncached)
+                if slots is not None:
+                    self._placed = (rows, batch, slots, cache.epoch, self._writes_through)
                 batch.requires_grad_(True)
                 every_row = pad is None  # (torch's sparse backward leaves the padding row's lookups out)
                 batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf, every_row))
@@ -704,20 +739,54 @@ class RowTable:
         return out
 
     def _batch_rows(self, index: torch.Tensor, pad: int | None):
-        """The rows the lookups `index` read: (the rows, sorted and unique; the
-        position of each lookup among them, shaped as `index`; how many of the
-        rows the cache lacks; the position of row `pad` among them or None).
-        One host sync, for every count at once; it raises IndexError for a
-        row outside the table, before anything is changed."""
+        """The lookups `index` numbered: (their `Lookups`; how many unique
+        rows; how many of them the cache lacks; the position of row `pad`
+        among them or None). One host sync, for every count at once; it
+        raises IndexError for a row outside the table, before anything is
+        changed."""
         if index.numel() == 0:
-            flat = index.to(self.device, torch.long)
-            return flat.reshape(-1), flat, 0, None
-        lookups = sorted_lookups(index, self.shape[0], self.cache.slot_of_row, pad, self.device)
-        low, high, last, n_miss, pad_at = lookups.facts.tolist()  # the host sync
+            flat = index.to(self.device, torch.long).reshape(-1)
+            return Lookups(flat, flat.bool(), flat, flat.bool(), flat, flat, flat), 0, 0, None
+        lookups = number_lookups(index, self.shape[0], self.cache.slot_of_row, pad, self.device)
+        low, high, last, n_miss, pad_at, _stale = lookups.facts.tolist()  # the host sync
         if low < 0 or high >= self.shape[0]:
             raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
                              f"row {low if low < 0 else high}.")
-        return lookups.rows[:last + 1], lookups.inverse(index.shape), n_miss, None if pad_at < 0 else pad_at
+        return lookups, last + 1, n_miss, None if pad_at < 0 else pad_at
+
+    def _take_rows(self, lookups: Lookups, u: int, n_miss: int, values: torch.Tensor | None):
+        """(the batch tensor of the first `u` rows of `lookups`, each row's
+        slot): rows the cache holds from their slots, the `n_miss` it lacks
+        put in the least recently used slots (room for every one), their
+        values `values` (read ahead, by position) or read now, and their
+        state rows read from the host tables; the changed rows that leave go
+        to the writer ([Note: few launches on the row path] in _row_kernels.py)."""
+        cache, counters = self.cache, self.pager.counters
+        counters.row_hits += u - n_miss
+        counters.row_misses += n_miss
+        state_kinds = [k for k in cache.kinds if k != WEIGHT]
+        missing = lookups.missing[:n_miss]
+        by_rank = values is None
+        if by_rank:
+            values = self._read_host_rows(WEIGHT, missing)
+        cache.tick += 1
+        touch_hits(lookups, u, cache.slot_of_row, cache.last_use, cache.tick)
+        victims = torch.topk(cache.last_use, n_miss, largest=False).indices  # (none a hit: those hold this tick)
+        take_out, mark, taken_state = cache.any_dirty and n_miss > 0, -1, {}
+        if take_out:
+            # (in the table's order: the host stores them faster, [Note: rows written back by the host])
+            victims = victims.index_select(0, torch.argsort(cache.row_of_slot.index_select(0, victims)))
+            mark = self._next_mark()
+            taken_state = {k: cache.columns[k].index_select(0, victims) for k in state_kinds}
+        if n_miss:
+            cache.epoch += 1
+        batch, slots, taken = place_rows(lookups, u, values, by_rank, cache.map(), victims, cache.tick, mark, take_out)
+        for kind in state_kinds:
+            cache.columns[kind].index_copy_(0, victims, self._read_host_rows(kind, missing))
+        if take_out:
+            rows, keep, weight = taken
+            self._write_host(rows, {WEIGHT: weight, **taken_state}, keep=keep, aside=True)
+        return batch, slots
 
     def _note_rows_held(self, epoch_before: int, uncached: torch.Tensor) -> None:
         """After a training lookup: whether the cache still holds every row
@@ -749,8 +818,8 @@ class RowTable:
         if n_miss and reads_host and self._writes_in_flight:
             # A row written back (evicted dirty) may be read again: after the
             # writer's thread stored it (on the host: the reads are queued after).
-            self._writes_in_flight[-1][1].wait()
-        victims = None
+            self._wait_writes()
+        victims, mark = None, -1
         if cache.capacity:
             cache.touch(slots)
             if insert and n_miss:
@@ -759,6 +828,7 @@ class RowTable:
                 victims, evicted = cache.make_room(n_miss, n - n_miss)
                 if evicted is not None:
                     # (cached rows, so none of those read below: the reads do not wait for this write)
+                    mark = self._next_mark()
                     self._write_host(*evicted, aside=True)
         out = {}
         for kind in kinds:
@@ -780,8 +850,18 @@ class RowTable:
         for kind in cache.kinds:  # a slot holds every kind
             fill[kind] = (out[kind].index_select(0, miss_pos[:fitted]) if kind in out
                           else self._read_missed(kind, miss_rows[:fitted]))
-        cache.place(miss_rows[:fitted], victims, fill)
+        cache.place(miss_rows[:fitted], victims, fill, mark)
         return out, miss_pos[fitted:]
+
+    def _read_host_rows(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
+        """The host rows `rows` (sorted) of `kind` on the device, current: a
+        row a write-back still in flight takes there is taken from its copy
+        on the device (the host table may not have it yet), with no wait."""
+        out = self._read_missed(kind, rows)
+        for w in self._writes_in_flight:  # (oldest first: a row written back twice ends with its newest values)
+            if kind in w.values:
+                patch_written(out, rows, w.rows, w.values[kind])
+        return out
 
     def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
         """The host rows `rows` (sorted) of `kind` on the device: from the rows
@@ -820,10 +900,12 @@ class RowTable:
         """Write `values` {kind: [n, dim]} of `rows` (where `keep`, if given)
         to the host tables: on the compute stream, or `aside` by the writer
         (copied out, then stored by a CPU thread) while compute runs on."""
-        for v in values.values():
-            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
         if keep is not None and not (aside and self.device.type == "cuda"):  # (the writer's thread applies it)
             rows, values = rows[keep], {k: v[keep] for k, v in values.items()}
+            if not rows.numel():
+                return
+        for v in values.values():
+            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
         if self.device.type != "cuda":
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
@@ -832,7 +914,7 @@ class RowTable:
         self._unsettled = True
         if not aside:
             if self._writes_in_flight:
-                self._writes_in_flight[-1][1].wait()  # (a row written back may be written again: in order)
+                self._wait_writes()  # (a row written back may be written again: in order)
             for kind, v in values.items():
                 self.views[kind].index_copy_(0, rows, v)
             return
@@ -840,12 +922,31 @@ class RowTable:
         while len(self._writes_in_flight) >= WRITES_IN_FLIGHT:
             # The thread stores more slowly than the steps give it rows: the
             # host waits for it, rather than pinning memory for more.
-            self._writes_in_flight.pop(0)[1].wait()
+            self._writes_in_flight.pop(0).written.wait()
         written = self.pager.row_stream.writer.write(self.host_aliases, rows, values, keep)
-        self._writes_in_flight.append((rows, written))
+        self._writes_in_flight.append(WriteBack(rows, values, written, self._generation))
+        self._generation += 1
+
+    def _wait_writes(self) -> None:
+        """Wait for every write-back in flight (the thread runs them in order:
+        the last done, all are), which then are not (their device copies go)."""
+        self._writes_in_flight[-1].written.wait()
+        self._writes_in_flight = []
+
+    def _next_mark(self) -> int:
+        """What the cache's map holds for rows the next write-back takes out
+        (see [Note: few launches on the row path] in _row_kernels.py): its
+        mark on CUDA, -1 on the CPU device (whose writes are done on return)."""
+        if self.device.type != "cuda":
+            return -1
+        if self._generation >= GENERATIONS:
+            self.settle()  # (every mark is then of a write that is done: they go, and the count starts again)
+            self.cache.slot_of_row.clamp_(min=-1)
+            self._generation = 0
+        return mark_of(self._generation)
 
     def _prune_writes(self) -> None:
-        self._writes_in_flight = [(r, w) for r, w in self._writes_in_flight if not w.query()]
+        self._writes_in_flight = [w for w in self._writes_in_flight if not w.written.query()]
 
     def flush(self) -> None:
         """Write the rows the cache changed to the host tables and wait for
@@ -864,8 +965,8 @@ class RowTable:
             return
         self._unsettled = False
         self.pager.row_stream.transport.compute_stream().synchronize()
-        for _rows, written in self._writes_in_flight:
-            written.wait()
+        for w in self._writes_in_flight:
+            w.written.wait()
         self._writes_in_flight = []
 
     # ---------------------------------------------------------- gradients
@@ -912,19 +1013,30 @@ class RowTable:
         `group_index` holds the table): see [Note: exact updates of touched rows]."""
         self._check_current()
         g, held, self._rows_held = self.param.grad, self._rows_held, None
+        placed, self._placed = self._placed, None
         taken = self.take_grad()
         if taken is None:
             return
         rows, grad = taken
         state = optimizer.state[self.param]
         self._adopt_state(state)
-        # The gradient's rows are among those looked up since the last step:
-        # if the cache held them all then and holds the same rows now, every
-        # one is a hit, and no host sync counts the misses.
-        all_held = (held is not None and held is not False and held == self.cache.epoch
-                    and isinstance(g, RowGrad) and g.made is None)
         row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
-        gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds, n_miss=0 if all_held else None)
+        cache, slots = self.cache, None
+        if (placed is not None and rows is placed[0] and placed[3] == cache.epoch
+                and placed[4] == self._writes_through and not len(self._aliases)):
+            # The gradient is the last lookup's, over its rows, which are
+            # where it put them and as it gave them (its batch tensor).
+            rows, batch, slots = placed[:3]
+            gathered = {WEIGHT: batch.detach(), **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
+            uncached = slots[:0]
+        else:
+            # The gradient's rows are among those looked up since the last step:
+            # if the cache held them all then and holds the same rows now, every
+            # one is a hit, and no host sync counts the misses.
+            all_held = (held is not None and held is not False and held == cache.epoch
+                        and isinstance(g, RowGrad) and g.made is None)
+            gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds, n_miss=0 if all_held else None)
+        epoch = cache.epoch
         view = nn.Parameter(gathered[WEIGHT])
         view.grad = grad
         optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
@@ -948,7 +1060,12 @@ class RowTable:
                 values[key] = value.to_dense() if value.is_sparse else value
             else:
                 state[key] = value
-        self.write(rows, values, uncached)
+        if slots is not None and cache.epoch == epoch:
+            cache.write_slots(slots, values)
+            if WEIGHT in values:
+                self._note_written(rows)
+        else:
+            self.write(rows, values, uncached)
 
     def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
         self.flush()  # (the cache is emptied to make room for the new column)

@@ -1018,6 +1018,85 @@ def test_a_step_whose_rows_were_read_ahead_adds_no_host_sync(optimizer):
     pager.unwrap(model)
 
 
+def test_row_kernels_equal_their_torch_references(monkeypatch):
+    """[Note: few launches on the row path]: each Triton kernel of the row path (numbering lookups, touching
+    hits, placing rows with and without taking changed ones out, reading marked rows, taking rows from a
+    write-back's copy) leaves exactly what its torch reference leaves, on batches with repeats, a padding row,
+    rows whose write-back is in flight."""
+    from pager import _row_kernels as K
+
+    if K.triton is None:
+        pytest.skip("no Triton")
+    real = K.uses_kernels
+    g = torch.Generator().manual_seed(0)
+
+    def both(fn):
+        a = fn()
+        monkeypatch.setattr(K, "uses_kernels", lambda t: False)
+        try:
+            return a, fn()
+        finally:
+            monkeypatch.setattr(K, "uses_kernels", real)
+
+    for n_rows, n, cap in ((50, 1, 25), (1000, 40, 500), (50_000, 9000, 20_000)):
+        idx = torch.randint(0, n_rows, (n,), generator=g).to(GPU)
+        slot_of_row = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=GPU)
+        held = torch.randperm(n_rows, generator=g)[:cap].to(GPU)
+        slot_of_row[held] = torch.arange(cap, dtype=torch.int32, device=GPU)
+        gone = torch.randperm(n_rows, generator=g)[: n_rows // 10].to(GPU)
+        gone = gone[slot_of_row[gone] < 0]
+        slot_of_row[gone] = torch.randint(-6, -1, (gone.numel(),), generator=g, dtype=torch.int32).to(GPU)
+        for pad in (None, int(idx[0])):
+            for stale_below in (K.NO_STALE, K.mark_of(2)):
+                for cached in (slot_of_row, None):
+                    a, b = both(lambda: K.number_lookups(idx, n_rows, cached, pad, GPU, stale_below))
+                    m = int(b.facts[3])
+                    assert torch.equal(a.facts, b.facts)
+                    for f in ("rows", "need", "stale", "inverse", "missing"):
+                        assert torch.equal(getattr(a, f), getattr(b, f)), f
+                    assert torch.equal(a.rank[b.need], b.rank[b.need])
+        lookups = K.number_lookups(idx, n_rows, slot_of_row, None, GPU, K.mark_of(2))
+        u, m = int(lookups.facts[2]) + 1, int(lookups.facts[3])
+        assert m <= cap - (u - m) and m > 0
+        values = torch.randn(n, 8, generator=g).to(GPU)
+        row_of_slot = torch.full((cap,), n_rows, dtype=torch.long, device=GPU)
+        row_of_slot[slot_of_row[held].long()] = held
+        for by_rank in (False, True):
+            for take_out in (False, True):
+                def place():
+                    state = K.CacheMap(slot_of_row.clone(), row_of_slot.clone(),
+                                       torch.randint(0, 9, (cap,), generator=torch.Generator().manual_seed(1)).to(GPU),
+                                       (torch.rand(cap + 1, generator=torch.Generator().manual_seed(2)) < 0.5).to(GPU),
+                                       torch.randn(cap + 1, 8, generator=torch.Generator().manual_seed(3)).to(GPU))
+                    K.touch_hits(lookups, u, state.slot_of_row, state.last_use, 10)
+                    victims = torch.topk(state.last_use, m, largest=False).indices
+                    return state, *K.place_rows(lookups, u, values, by_rank, state, victims, 10, K.mark_of(7), take_out)
+
+                (sa, out_a, slots_a, taken_a), (sb, out_b, slots_b, taken_b) = both(place)
+                for x, y in zip(sa, sb):
+                    assert torch.equal(x, y)
+                assert torch.equal(out_a, out_b) and torch.equal(slots_a, slots_b)
+                assert (taken_a is None) == (not take_out)
+                assert all(torch.equal(x, y) for x, y in zip(taken_a or (), taken_b or ()))
+                at = lookups.rank[:u].where(lookups.need[:u], 0) if by_rank else torch.arange(u, device=GPU)
+                expected = torch.where(lookups.need[:u, None], values[at], sb.column[slots_b])
+                assert torch.equal(out_a, expected)
+        view = torch.randn(n_rows, 8, generator=g).to(GPU)
+        a, b = both(lambda: K.read_where(view, lookups.rows, lookups.need, torch.zeros(n, 8, device=GPU)))
+        assert torch.equal(a, b)
+        written_rows = torch.randperm(n_rows, generator=g)[: max(1, cap // 3)].sort().values.to(GPU)
+        written = torch.randn(written_rows.numel(), 8, generator=g).to(GPU)
+        for which in (None, lookups.stale):
+            def patched():
+                out = view[lookups.rows.clamp(max=n_rows - 1)]
+                K.patch_written(out, lookups.rows, written_rows, written, which)
+                return out
+            a, b = both(patched)
+            assert torch.equal(a, b)
+            among = torch.isin(lookups.rows, written_rows) & (True if which is None else which)
+            assert torch.equal((a != view[lookups.rows.clamp(max=n_rows - 1)]).any(1), among)
+
+
 @pytest.mark.parametrize("share", [0.1, 0.9, None])
 def test_row_reads_split_between_kernel_and_cpu_are_exact(share):
     """Missed rows read by the kernel and by CPU threads at once ([Note: two paths for scattered rows]),

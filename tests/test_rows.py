@@ -127,9 +127,10 @@ class TwoLookups(nn.Module):
 
 
 def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypatch):
-    """After lookups whose rows the cache took in and kept, the step knows each gradient row is cached and
-    does not count misses (on CUDA a host sync); after a lookup that pushed earlier rows out, it counts.
-    Either way the values are the unwrapped model's."""
+    """After one lookup the step takes that lookup's batch and slots (no gather); after lookups whose rows the
+    cache took in and kept, the step knows each gradient row is cached and does not count misses (on CUDA a
+    host sync); after a lookup that pushed earlier rows out, it counts. Either way the values are the
+    unwrapped model's."""
     from pager._rows import RowTable
 
     counted = []  # per step: the miss count the step's gather was given (None: it counts)
@@ -156,17 +157,18 @@ def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypat
     model = pager.wrap(copy.deepcopy(ref), budget=10**6, device="cpu", rows=["emb"], row_cache=cache)
     opts = [torch.optim.SparseAdam(m.emb.parameters(), lr=0.01) for m in (ref, model)]
     opts += [torch.optim.SGD(m.lin.parameters(), lr=0.01) for m in (ref, model)]
-    for twice in (False, True, False):
+    # (a second lookup: none; of rows the first took in, which it keeps; of 18 new rows, which push some out)
+    for second, expected in ((None, []), ("held", [0] * 3), ("new", [None] * 3), (None, [])):
         counted.clear()
         for _ in range(3):
             ids = torch.randint(0, ROWS, (3, 6), generator=g)  # 18 rows or fewer: they fit the cache
-            more = torch.randint(0, ROWS, (3, 6), generator=g) if twice else None
+            more = {None: None, "held": ids[:, 1:4], "new": torch.randint(0, ROWS, (3, 6), generator=g)}[second]
             for m in (ref, model):
                 m(ids, more).backward()
             for o in opts:
                 o.step()
                 o.zero_grad()
-        assert counted == ([None] * 3 if twice else [0] * 3), (twice, counted)
+        assert counted == expected, (second, counted)
         assert_same(ref, model)
     assert 18 <= pager.of(model).row_tables[0].cache.capacity < 36  # one lookup fits, two do not
 
