@@ -21,7 +21,11 @@ up, dirty or not: picking the dirty ones on the device would take a host
 sync to count them); it is copied out with the rows, and the thread stores
 only those. A table keeps at most `WRITES_IN_FLIGHT` writes queued: past
 that, the host waits for the oldest (the thread stores more slowly than the
-steps give it rows), rather than pinning memory for more.
+steps give it rows), rather than pinning memory for more. The pinned memory
+the rows are copied into is the writer's own, reused once the thread has
+stored them (`_pinned`): a new pinned allocation of tens of MB each step
+costs the host milliseconds (torch's caching host allocator has a block
+free only once the thread let go of it, and otherwise allocates anew).
 
 Order: a write is done when the thread has stored every row (`HostWrite`).
 Whoever reads or writes a host table another way waits for the writes in
@@ -37,6 +41,7 @@ stores are not writes from outside (`RowTable._check_current`).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -81,27 +86,52 @@ class HostRowWriter:
         transport: the model's CUDA transport (its copies out).
     """
 
+    FREE_KEPT = 16  # pinned buffers kept for reuse, at most
+
     def __init__(self, transport):
         self.transport = transport
         self._thread = None  # a one-thread pool, started at the first write
+        self._free = []  # pinned uint8 buffers the thread has stored from, to reuse
+        self._free_lock = threading.Lock()
 
     def write(self, tables: dict, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None) -> HostWrite:
         """Store `values` {kind: [len(rows), dim] on the device} as the rows
         `rows` of `tables[kind]` (`host_alias`es), those where `keep` (a
         device mask) if given; the values were made on the compute stream,
         which runs on. Rows in order store fastest."""
-        rows_host, copied = self.transport.send_to_host(rows)
+        buffers = []
+        rows_host, copied = self.transport.send_to_host(rows, self._pinned(rows, buffers))
         keep_host = None
         if keep is not None:
-            keep_host, copied = self.transport.send_to_host(keep)
+            keep_host, copied = self.transport.send_to_host(keep, self._pinned(keep, buffers))
         staged = {}
         for kind, v in values.items():
-            staged[kind], copied = self.transport.send_to_host(v)  # (one stream: the last event is after all)
+            # (one stream: the last event is after all)
+            staged[kind], copied = self.transport.send_to_host(v, self._pinned(v, buffers))
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}row-writer")
         # The device tensors go to the thread too: it lets them go once the copies out of them have landed.
         sources = [rows, values, keep]
-        return HostWrite(self._thread.submit(_store, tables, rows_host, staged, keep_host, copied, sources))
+        future = self._thread.submit(_store, tables, rows_host, staged, keep_host, copied, sources)
+        future.add_done_callback(lambda _f: self._release(buffers))
+        return HostWrite(future)
+
+    def _pinned(self, like: torch.Tensor, taken: list) -> torch.Tensor:
+        """Pinned memory shaped as `like`: a free buffer large enough, or a
+        new one (rounded up to a MiB, so later sizes fit); noted in `taken`."""
+        nbytes = like.numel() * like.element_size()
+        with self._free_lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+        if buffer is None:
+            buffer = torch.empty(-(-max(nbytes, 1) // 2**20) * 2**20, dtype=torch.uint8, pin_memory=True)
+        taken.append(buffer)
+        return buffer[:nbytes].view(like.dtype).view(like.shape)
+
+    def _release(self, buffers: list) -> None:
+        # (the thread's stores from them are done: the copy into them landed before)
+        with self._free_lock:
+            self._free = (self._free + buffers)[-self.FREE_KEPT:]
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""

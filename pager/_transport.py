@@ -83,9 +83,10 @@ class CpuTransport:
         host.copy_(device_flat)
         return t0, time.perf_counter()
 
-    def send_to_host(self, t: torch.Tensor):
-        """A host copy of `t` (an activation; see _saved.py) and an event after it."""
-        return t.detach().clone(), None
+    def send_to_host(self, t: torch.Tensor, host: torch.Tensor | None = None):
+        """A host copy of `t` (an activation; see _saved.py; into `host` if
+        given) and an event after it."""
+        return (t.detach().clone() if host is None else host.copy_(t)), None
 
     def bring_to_device(self, host: torch.Tensor, written=None):
         """A device copy of `host` and an event after it."""
@@ -254,10 +255,11 @@ class CudaTransport:
             host.copy_(device_flat, non_blocking=True)
             return start, self._record(self.d2h_stream, timing=True)
 
-    def send_to_host(self, t: torch.Tensor):
-        """Copy activation `t` to pinned host memory on the d2h stream; the
-        host tensor and an event after the copy."""
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator
+    def send_to_host(self, t: torch.Tensor, host: torch.Tensor | None = None):
+        """Copy activation `t` to pinned host memory (`host`, or new) on the
+        d2h stream; the host tensor and an event after the copy."""
+        if host is None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator
         # `t` is final only once compute has written it.
         self.d2h_stream.wait_event(self._record(self.compute_stream()))
         with self.on(self.d2h_stream):
