@@ -34,12 +34,12 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 and the device cache lacks, on the row stream, while the compute stream runs
 on, with no host sync: the lookups are sorted, their unique rows numbered
 with a running count (as a lookup numbers them), the rows the cache lacks
-marked, and a kernel (`_kernels.read_where`) reads the marked rows into a
+marked, and a kernel (`_row_kernels.read_where`) reads the marked rows into a
 tensor as long as the lookups, skipping the others (no count, so nothing
 waits). The rows are clamped to the table for the read.
 
 A lookup numbers its rows the same way before it can gather (both call
-`sorted_lookups`), so the read also prepares the lookup of `indices`: the
+`number_lookups`), so the read also prepares the lookup of `indices`: the
 facts the host needs (the lowest and highest row, how many unique rows, how
 many were read, the padding row's place, how many were read while a
 write-back of them was in flight) are copied to pinned memory on the row
@@ -57,9 +57,11 @@ Rows that are current: a row changed after the read began leaves the cache
 (an epoch) or was written through (a count), either of which makes a
 prepared lookup give way; a row whose write-back ([Note: rows written back by
 the host] in _row_writer.py) was still running when the read began may have
-been read before or after that write, so the prepared lookup reads those
-rows again (`read_where` over their mask, on the compute stream) once those
-writes have landed (the host waits for them: queued a step before). Any
+been read before or after that write (the numbering marks it stale: its map
+entry is that write-back's mark, [Note: few launches on the row path] in
+_row_kernels.py), so the prepared lookup takes those rows from the
+write-backs' device copies (`patch_written`, on the compute stream): no wait
+for the writer's thread. Any
 other lookup takes the rows it misses from the rows read ahead where they are
 current (`serve`: rows written since the read began, noted, are read again
 from the host table, after their writes; one host sync for the count). Any

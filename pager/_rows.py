@@ -13,7 +13,7 @@ reads, `load_state_dict()` and in-place initialisation see and change the real
 values). A lookup:
 
 1. takes the batch's rows, sorted and unique, and the index of each lookup
-   among them (`_row_reader.sorted_lookups`: a sort and a running count,
+   among them (`_row_kernels.number_lookups`: a sort and a running count,
    rather than `torch.unique`, so that their number, the range check, the
    cache's misses and the padding row's place come back to the host in one
    sync, or none when `expect_rows` prepared them: see [Note: host syncs]);
@@ -21,11 +21,19 @@ values). A lookup:
    device cache are copied from it, the others read from the host table by a
    kernel on the compute stream (on CUDA the pinned table is mapped into the
    device's address space, so `index_select` reads the rows over the link
-   itself: no staging copy, see `host_view`);
+   itself: no staging copy, see `host_view`) and put in the cache's least
+   recently used slots (`_take_rows`: on CUDA a few kernels, [Note: few
+   launches on the row path] in _row_kernels.py; `gather` where the cache
+   cannot take every row, or a lookup without gradients does not insert);
 3. runs torch's own `F.embedding` / `F.embedding_bag` on the batch tensor with
    the lookups renumbered (and `padding_idx` renumbered), so every option
    (padding, `max_norm`, `scale_grad_by_freq`, bag modes, per-sample weights)
    has torch's semantics; a `max_norm` renormalisation is written back.
+
+A training step whose gradient is the last lookup's (one lookup since the
+last step, no padding row in a sparse one) updates that lookup's batch
+tensor and writes it to the slots the lookup put its rows in, when the
+cache has not moved since: no second gather.
 
 The numbering is monotone (row r is the r-th smallest row of the batch), so
 every reduction over duplicate lookups (the backward's sums, a sparse
@@ -66,11 +74,13 @@ tables get a dirty row's values when:
   their slots are reused): its values are copied out on the compute stream,
   then to pinned memory by the copy engine, and a CPU thread stores them
   into the host tables, while compute runs on ([Note: rows
-  written back by the host] in _row_writer.py). A later read of that row from
-  the host (a miss) or write to it (a row not cached) waits for that store
-  first (on the host, before it is queued); rows read ahead do not wait:
-  those whose write-back was still running when the read began are read again
-  at the lookup ([Note: rows read ahead] in _row_reader.py);
+  written back by the host] in _row_writer.py). The write-back's device copy
+  of the rows is kept while it runs (`WriteBack`): a later read of such a row
+  from the host (a miss) takes its values from that copy instead
+  (`_read_host_rows`), and so does a prepared lookup for the rows read ahead
+  while it ran ([Note: rows read ahead] in _row_reader.py), so neither waits
+  for the writer's thread; a write to such a row (a row not cached) and
+  `gather` wait for that store first (on the host, before it is queued);
 - something outside the training loop reads a host table: any operation on
   the weight other than a lookup or a metadata read (`state_dict()`, indexing,
   `torch.save`, `copy.deepcopy`), and any on an optimizer state table, which
@@ -105,10 +115,11 @@ table makes at most these:
   (`RowGrad.rows_and_grad`: the sparse gradients of several lookups, or of one
   whose rows include the padding row, or several lookups' dense pieces; one
   lookup's gradient is over its own rows, which the step takes as they are),
-  and one to count the misses, unless the cache is known to hold every row
-  looked up since the last step (`_note_rows_held`: one lookup since, or
-  lookups that took no row in, and none of their rows left out) - then each
-  row is a hit and there is nothing to count;
+  and one to count the misses, unless the gradient is the last lookup's,
+  whose batch and slots the step takes (no gather), or the cache is known to
+  hold every row looked up since the last step (`_note_rows_held`: lookups
+  that took no row in, and none of their rows left out) - then each row is a
+  hit and there is nothing to count;
 - rows read ahead: none to start them (`ReadAhead`); none at the lookup they
   prepared, one at any other lookup that takes some, for how many it takes.
 
