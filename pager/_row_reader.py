@@ -71,6 +71,7 @@ other write to the table drops the rows read ahead (`RowTable.forget`).
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ._row_kernels import NO_STALE, number_lookups, patch_written, read_where
@@ -235,7 +236,6 @@ class ReadAhead:
         facts_ready: an event after the facts' copy, or None (they are ready).
         done: an event after the read, or None (read on the compute stream).
         rows_stream: the model's `RowStream`, or None.
-        view: the host table as a device tensor (`_rows.host_view`).
         in_flight: (rows, weight values) on the device of the write-backs in
             flight at the read, oldest first (`lookups.stale` marks the rows
             they write, which the lookup takes from there).
@@ -244,10 +244,10 @@ class ReadAhead:
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
     def __init__(self, indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done,
-                 rows_stream: RowStream | None, view, in_flight):
+                 rows_stream: RowStream | None, in_flight):
         self.indices, self.index_version, self.pad = indices, indices._version, pad
         self.epoch, self.writes_through = epoch, writes_through
-        self.lookups, self.values, self.view = lookups, values, view
+        self.lookups, self.values = lookups, values
         self.in_flight = list(in_flight)
         self._facts, self._facts_ready, self.done, self.rows_stream = facts, facts_ready, done, rows_stream
         self.written = []  # row tensors written since the read began
@@ -275,7 +275,7 @@ class ReadAhead:
                 lookups, values, facts = cls._read(*args, facts_ready)
                 done.record(stream)
         return cls(indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done, rows_stream,
-                   view, in_flight)
+                   in_flight)
 
     @staticmethod
     def _read(indices, view, slot_of_row, pad, stale_below, facts_ready=None):

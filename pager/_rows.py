@@ -680,7 +680,7 @@ class RowTable:
         with self.pager.lock:
             self._check_current()
             # The read ahead does not wait for write-backs still running: the
-            # rows they write are read again when looked up (after they land).
+            # rows they write are taken from their device copies when looked up.
             self._prune_writes()
             in_flight = [(w.rows, w.values[WEIGHT]) for w in self._writes_in_flight]
             stale_below = mark_of(self._writes_in_flight[0].generation) if in_flight else NO_STALE
@@ -939,9 +939,10 @@ class RowTable:
         self._generation += 1
 
     def _wait_writes(self) -> None:
-        """Wait for every write-back in flight (the thread runs them in order:
-        the last done, all are), which then are not (their device copies go)."""
-        self._writes_in_flight[-1].written.wait()
+        """Wait for every write-back in flight (raising what one raised),
+        which then are not (their device copies go)."""
+        for w in self._writes_in_flight:  # (the thread runs them in order: after the first, little to wait for)
+            w.written.wait()
         self._writes_in_flight = []
 
     def _next_mark(self) -> int:
@@ -976,9 +977,8 @@ class RowTable:
             return
         self._unsettled = False
         self.pager.row_stream.transport.compute_stream().synchronize()
-        for w in self._writes_in_flight:
-            w.written.wait()
-        self._writes_in_flight = []
+        if self._writes_in_flight:
+            self._wait_writes()
 
     # ---------------------------------------------------------- gradients
     def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor, every_row: bool) -> None:
