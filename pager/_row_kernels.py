@@ -22,7 +22,7 @@ a dozen torch operations did:
 - `read_where`: the rows of a mapped host table where a mask is set.
 
 Without Triton (the CPU device, or a torch without it) each is torch
-operations that give the same result, bit for bit; on CUDA those syncs the
+operations that give the same result, bit for bit; on CUDA those sync the
 host where they compact (`nonzero`).
 
 A slot's row that leaves the cache dirty gets, in `slot_of_row`, the mark of

@@ -77,10 +77,10 @@ tables get a dirty row's values when:
   written back by the host] in _row_writer.py). The write-back's device copy
   of the rows is kept while it runs (`WriteBack`): a later read of such a row
   from the host (a miss) takes its values from that copy instead
-  (`_read_host_rows`), and so does a prepared lookup for the rows read ahead
+  (`_read_missed`), and so does a prepared lookup for the rows read ahead
   while it ran ([Note: rows read ahead] in _row_reader.py), so neither waits
-  for the writer's thread; a write to such a row (a row not cached) and
-  `gather` wait for that store first (on the host, before it is queued);
+  for the writer's thread; a write to such a row (a row not cached) waits
+  for that store first (on the host, before it is queued);
 - something outside the training loop reads a host table: any operation on
   the weight other than a lookup or a metadata read (`state_dict()`, indexing,
   `torch.save`, `copy.deepcopy`), and any on an optimizer state table, which
@@ -539,26 +539,20 @@ class RowCache:
         self.any_dirty = False
         return self._take_dirty(torch.arange(self.capacity, device=self.device))
 
-    def update(self, rows: torch.Tensor, values: dict, dirty: bool) -> None:
+    def update(self, rows: torch.Tensor, values: dict, dirty: bool, slots: torch.Tensor | None = None) -> None:
         """Write `values` of those `rows` that are cached into their slots
-        (marked dirty if `dirty`); the others go to the dummy slot. No host sync."""
+        (`slots` if the caller knows them; marked dirty if `dirty`); the others
+        go to the dummy slot. No host sync."""
         if self.capacity == 0:
             return
-        slots = self.slot_of_row.index_select(0, rows).long()
-        slots = torch.where(slots >= 0, slots, self.capacity)
+        if slots is None:
+            slots = self.slot_of_row.index_select(0, rows).long()
+            slots = torch.where(slots >= 0, slots, self.capacity)
         for kind, v in values.items():
             self.columns[kind].index_copy_(0, slots, v)
         if dirty:
             self.dirty.index_fill_(0, slots, True)
             self.any_dirty = True
-
-    def write_slots(self, slots: torch.Tensor, values: dict) -> None:
-        """Write `values` {kind: [len(slots), dim]} into the slots `slots`
-        (the dummy slot for rows not cached), marked dirty."""
-        for kind, v in values.items():
-            self.columns[kind].index_copy_(0, slots, v)
-        self.dirty.index_fill_(0, slots, True)
-        self.any_dirty = True
 
     def map(self) -> CacheMap:
         return CacheMap(self.slot_of_row, self.row_of_slot, self.last_use, self.dirty, self.columns[WEIGHT])
@@ -577,6 +571,15 @@ class WriteBack(NamedTuple):
     values: dict  # kind -> [len(rows), dim] on the device: what it writes (rows that are clean included)
     written: object  # its HostWrite
     generation: int  # its number: the mark of its rows in the cache's map
+
+
+class Placed(NamedTuple):
+    """A training lookup's rows as `_take_rows` put them in the cache."""
+
+    rows: torch.Tensor  # unique, sorted
+    batch: torch.Tensor  # their values, the lookup's batch tensor
+    slots: torch.Tensor  # their slots
+    epoch: int  # the cache's epoch after
 
 
 class RowTable:
@@ -610,7 +613,7 @@ class RowTable:
         self._rows_held = None  # see `_note_rows_held`
         self._writes_in_flight = []  # WriteBacks maybe still running, oldest first
         self._generation = 0  # the next write-back's number (its rows' mark in the cache's map)
-        self._placed = None  # the last training lookup's (rows, batch, slots, epoch, writes through): `step`
+        self._placed = None  # the last lookup's rows where it put them (a Placed), if training: `step`
         self._writes_through = 0  # writes of rows through to the host tables (`write`), counted
         self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
@@ -739,7 +742,7 @@ class RowTable:
             if training:
                 self._note_rows_held(epoch, uncached)
                 if slots is not None:
-                    self._placed = (rows, batch, slots, cache.epoch, self._writes_through)
+                    self._placed = Placed(rows, batch, slots, cache.epoch)
                 batch.requires_grad_(True)
                 every_row = pad is None  # (torch's sparse backward leaves the padding row's lookups out)
                 batch.register_post_accumulate_grad_hook(lambda leaf: self._grad_arrived(rows, leaf, every_row))
@@ -779,7 +782,7 @@ class RowTable:
         missing = lookups.missing[:n_miss]
         by_rank = values is None
         if by_rank:
-            values = self._read_host_rows(WEIGHT, missing)
+            values = self._read_missed(WEIGHT, missing)
         cache.tick += 1
         touch_hits(lookups, u, cache.slot_of_row, cache.last_use, cache.tick)
         victims = torch.topk(cache.last_use, n_miss, largest=False).indices  # (none a hit: those hold this tick)
@@ -793,7 +796,7 @@ class RowTable:
             cache.epoch += 1
         batch, slots, taken = place_rows(lookups, u, values, by_rank, cache.map(), victims, cache.tick, mark, take_out)
         for kind in state_kinds:
-            cache.columns[kind].index_copy_(0, victims, self._read_host_rows(kind, missing))
+            cache.columns[kind].index_copy_(0, victims, self._read_missed(kind, missing))
         if take_out:
             rows, keep, weight = taken
             self._write_host(rows, {WEIGHT: weight, **taken_state}, keep=keep, aside=True)
@@ -825,11 +828,6 @@ class RowTable:
         counters.row_hits += n - n_miss
         counters.row_misses += n_miss
         miss_rows = rows.index_select(0, miss_pos) if n_miss else None
-        reads_host = read is None or any(k != WEIGHT for k in (*kinds, *cache.kinds))
-        if n_miss and reads_host and self._writes_in_flight:
-            # A row written back (evicted dirty) may be read again: after the
-            # writer's thread stored it (on the host: the reads are queued after).
-            self._wait_writes()
         victims, mark = None, -1
         if cache.capacity:
             cache.touch(slots)
@@ -864,41 +862,40 @@ class RowTable:
         cache.place(miss_rows[:fitted], victims, fill, mark)
         return out, miss_pos[fitted:]
 
-    def _read_host_rows(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
-        """The host rows `rows` (sorted) of `kind` on the device, current: a
-        row a write-back still in flight takes there is taken from its copy
-        on the device (the host table may not have it yet), with no wait."""
-        out = self._read_missed(kind, rows)
+    def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
+        """The host rows `rows` (sorted) of `kind` on the device, current:
+        from the rows read ahead where they are current, else from the host
+        table; a row a write-back still in flight takes there is taken from
+        its copy on the device (the host table may not have it yet), with no
+        wait for the writer's thread."""
+        reader, counters = self.readers[kind], self.pager.counters
+        if kind != WEIGHT or self.ahead is None:
+            counters.row_h2d_bytes += rows.numel() * self.row_bytes
+            out = reader.read(rows)
+        else:
+            out, served = self.ahead.serve(rows, reader.read)
+            counters.row_ahead_hits += served
+            counters.row_h2d_bytes += (rows.numel() - served + self.ahead.take_read_count()) * self.row_bytes
         for w in self._writes_in_flight:  # (oldest first: a row written back twice ends with its newest values)
             if kind in w.values:
                 patch_written(out, rows, w.rows, w.values[kind])
         return out
 
-    def _read_missed(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
-        """The host rows `rows` (sorted) of `kind` on the device: from the rows
-        read ahead where they are current, else from the host table."""
-        reader, counters = self.readers[kind], self.pager.counters
-        if kind != WEIGHT or self.ahead is None:
-            counters.row_h2d_bytes += rows.numel() * self.row_bytes
-            return reader.read(rows)
-        out, served = self.ahead.serve(rows, reader.read)
-        counters.row_ahead_hits += served
-        counters.row_h2d_bytes += (rows.numel() - served + self.ahead.take_read_count()) * self.row_bytes
-        return out
-
     # ------------------------------------------------------------- writes
-    def write(self, rows: torch.Tensor, values: dict, uncached: torch.Tensor) -> None:
+    def write(self, rows: torch.Tensor, values: dict, uncached: torch.Tensor,
+              slots: torch.Tensor | None = None) -> None:
         """Make `values` {kind: [n, dim]} the table's rows `rows`: in the cache
-        for the rows it holds (written to the host tables later), through to
-        the host tables for the positions `uncached` (what `gather` of the
-        same rows returned). See [Note: write-back of cached rows]."""
+        for the rows it holds (written to the host tables later; `slots`:
+        theirs, if known), through to the host tables for the positions
+        `uncached` (what `gather` of the same rows returned). See [Note:
+        write-back of cached rows]."""
         cache = self.cache
         if len(self._aliases) or not cache.capacity:
             self._writes_through += 1
             self._write_host(rows, values)
             cache.update(rows, {k: v for k, v in values.items() if k in cache.columns}, dirty=False)
         else:
-            cache.update(rows, values, dirty=True)
+            cache.update(rows, values, dirty=True, slots=slots)
             if uncached.numel():
                 self._writes_through += 1
                 self._write_host(rows.index_select(0, uncached),
@@ -1033,12 +1030,14 @@ class RowTable:
         self._adopt_state(state)
         row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
         cache, slots = self.cache, None
-        if (placed is not None and rows is placed[0] and placed[3] == cache.epoch
-                and placed[4] == self._writes_through and not len(self._aliases)):
+        if placed is not None and rows is placed.rows and placed.epoch == cache.epoch:
             # The gradient is the last lookup's, over its rows, which are
-            # where it put them and as it gave them (its batch tensor).
-            rows, batch, slots = placed[:3]
-            gathered = {WEIGHT: batch.detach(), **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
+            # where it put them and as it gave them (its batch tensor): any
+            # write to the table since would have moved the cache's epoch
+            # (`_check_current` forgets the cache for writes from outside).
+            slots = placed.slots
+            gathered = {WEIGHT: placed.batch.detach(),
+                        **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
             uncached = slots[:0]
         else:
             # The gradient's rows are among those looked up since the last step:
@@ -1071,12 +1070,7 @@ class RowTable:
                 values[key] = value.to_dense() if value.is_sparse else value
             else:
                 state[key] = value
-        if slots is not None and cache.epoch == epoch:
-            cache.write_slots(slots, values)
-            if WEIGHT in values:
-                self._note_written(rows)
-        else:
-            self.write(rows, values, uncached)
+        self.write(rows, values, uncached, slots if cache.epoch == epoch else None)
 
     def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
         self.flush()  # (the cache is emptied to make room for the new column)
