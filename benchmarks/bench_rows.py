@@ -18,10 +18,13 @@
    step's cost with nothing crossing the link. A step's time is that of a
    training loop (runs of --steps steps, synchronized before and after each
    run only: samples/s); the note gives one step synchronized before and after
-   (which leaves nothing of one step to overlap the next).
+   (which leaves nothing of one step to overlap the next). --hidden sets the
+   dense layers' width, so the device's own work a step (1024: about 2 ms on
+   the H100, 4096: about 18 ms) against the host's and the link's part of a
+   row-paged step.
 
     python -m benchmarks.bench_rows [--table-gb 40] [--fit-gb 4] [--gather-gb 4 40] [--budget 8GiB] [--optimizer sgd]
-                                    [--skew 1.5]
+                                    [--skew 1.5] [--hidden 4096]
 """
 
 from __future__ import annotations
@@ -214,14 +217,14 @@ def step_ms(model, opts, n_rows: int, bags: int, steps: int, skew: float, warmup
 
 
 def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: int, steps: int,
-             skew: float) -> list[Row]:
+             skew: float, hidden: int) -> list[Row]:
     dev = torch.device("cuda")
     out = []
     drawn = "distinct random rows" if skew == 0 else f"power-law rows (skew {skew:g})"
-    what = f"train step, {ROWS_TOUCHED} lookups of {drawn} x {DIM} fp32, {optimizer}"
+    what = f"train step, {ROWS_TOUCHED} lookups of {drawn} x {DIM} fp32, {optimizer}, layers {hidden} wide"
     fit_rows = int(fit_gb * GiB) // (DIM * 4)
     torch.manual_seed(0)
-    on_gpu = Recommender(fit_rows).to(dev)
+    on_gpu = Recommender(fit_rows, hidden).to(dev)
     ref_ms, ref_synced = step_ms(on_gpu, make_optimizers(on_gpu, optimizer), fit_rows, bags, steps, skew)
     peak = torch.cuda.max_memory_allocated() / GiB
     out.append(Row(what, f"table on GPU ({fit_gb:g} GB)", ref_ms, peak_gib=peak, ratio=1.0,
@@ -235,7 +238,7 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
     for gb in sorted({fit_gb, table_gb}):
         n_rows = int(gb * GiB) // (DIM * 4)
         t0 = time.perf_counter()
-        model = Recommender(n_rows, table=big_table(n_rows))
+        model = Recommender(n_rows, hidden, table=big_table(n_rows))
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         pager.wrap(model, budget=budget, rows=["table"])
@@ -268,11 +271,11 @@ def training(table_gb: float, fit_gb: float, budget: str, optimizer: str, bags: 
         del model, opts
         free_cuda()
         if optimizer == "sgd":
-            out += speedtorch_training(gb, n_rows, bags, steps, skew, what, ref_ms, synced_note)
+            out += speedtorch_training(gb, n_rows, bags, steps, skew, hidden, what, ref_ms, synced_note)
     return out
 
 
-def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: float, what: str,
+def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: float, hidden: int, what: str,
                         ref_ms: float, synced_note) -> list[Row]:
     """SpeedTorch's loop: the batch's rows become the weight of a batch-sized table
     on the GPU (beforeForwardPass), SGD updates it, afterOptimizerStep writes it back."""
@@ -281,7 +284,7 @@ def speedtorch_training(gb: float, n_rows: int, bags: int, steps: int, skew: flo
     if isinstance(st, str):
         return [Row(what, label, None, note=f"not installed ({st}): skipped")]
     dev = torch.device("cuda")
-    model = Recommender(ROWS_TOUCHED).to(dev)
+    model = Recommender(ROWS_TOUCHED, hidden).to(dev)
     factory = st.ModelFactory(model.table, n_rows, DIM, CPUPinn=True)
     factory.zerosInit()
     positions = torch.arange(ROWS_TOUCHED, device=dev)
@@ -307,15 +310,19 @@ def main() -> None:
     ap.add_argument("--bags", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skew", type=float, default=0.0, help="0: distinct random rows a step; s > 0: power-law rows")
+    ap.add_argument("--hidden", type=int, default=1024,
+                    help="width of the dense layers: the device's work a step beside the table's")
     ap.add_argument("--skip-gather", action="store_true")
     ap.add_argument("--skip-training", action="store_true")
     args = ap.parse_args()
     env = environment()
     rows = [] if args.skip_gather else [r for gb in args.gather_gb for r in gather_scatter(gb)]
     if not args.skip_training:
-        rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps, args.skew)
+        rows += training(args.table_gb, args.fit_gb, args.budget, args.optimizer, args.bags, args.steps, args.skew,
+                         args.hidden)
     skew = f"_skew{args.skew:g}" if args.skew else ""
-    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb{skew}{'_gather' if args.skip_training else ''}", env)
+    wide = f"_h{args.hidden}" if args.hidden != 1024 else ""
+    save(rows, f"rows_{args.optimizer}_{args.table_gb:g}gb{skew}{wide}{'_gather' if args.skip_training else ''}", env)
 
 
 if __name__ == "__main__":

@@ -1048,13 +1048,15 @@ def test_row_kernels_equal_their_torch_references(monkeypatch):
         slot_of_row[gone] = torch.randint(-6, -1, (gone.numel(),), generator=g, dtype=torch.int32).to(GPU)
         for pad in (None, int(idx[0])):
             for stale_below in (K.NO_STALE, K.mark_of(2)):
-                for cached in (slot_of_row, None):
+                for cached, most in ((slot_of_row, K._NUMBER_BLOCKS), (None, K._NUMBER_BLOCKS), (slot_of_row, 2)):
+                    monkeypatch.setattr(K, "_NUMBER_BLOCKS", most)  # (2: blocks larger than one, made to fit)
                     a, b = both(lambda: K.number_lookups(idx, n_rows, cached, pad, GPU, stale_below))
                     m = int(b.facts[3])
                     assert torch.equal(a.facts, b.facts)
                     for f in ("rows", "need", "stale", "inverse", "missing"):
                         assert torch.equal(getattr(a, f), getattr(b, f)), f
                     assert torch.equal(a.rank[b.need], b.rank[b.need])
+        monkeypatch.undo()
         lookups = K.number_lookups(idx, n_rows, slot_of_row, None, GPU, K.mark_of(2))
         u, m = int(lookups.facts[2]) + 1, int(lookups.facts[3])
         assert m <= cap - (u - m) and m > 0
