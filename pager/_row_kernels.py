@@ -123,14 +123,14 @@ def number_lookups(indices: torch.Tensor, n_rows: int, slot_of_row, pad, device,
         blocks = triton.cdiv(n, block)
         counts = torch.empty(blocks, 3, dtype=torch.long, device=device)
         cache = ordered if slot_of_row is None else slot_of_row
-        flags = dict(HAS_CACHE=slot_of_row is not None, HAS_PAD=pad is not None, BLOCK=block)
-        pad = -1 if pad is None else pad
+        flags = dict(HAS_CACHE=slot_of_row is not None, BLOCK=block)
         # Two passes over the sorted lookups, a block a program: each block's
         # counts, then each block's writes at the offsets the blocks before it counted.
         _count_kernel[(blocks,)](ordered, cache, counts, facts, n, n_rows, stale_below, **flags)
         _number_kernel[(blocks,)](ordered, order, cache, counts, rows, need.view(torch.uint8), rank,
-                                  stale.view(torch.uint8), inverse, missing, facts, n, n_rows, pad, stale_below,
-                                  blocks, COUNTS=triton.next_power_of_2(blocks), **flags)
+                                  stale.view(torch.uint8), inverse, missing, facts, n, n_rows,
+                                  -1 if pad is None else pad, stale_below, blocks, HAS_PAD=pad is not None,
+                                  COUNTS=triton.next_power_of_2(blocks), **flags)
         return Lookups(rows, need, rank, stale, inverse, missing, facts)
     first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
     torch.ne(ordered[1:], ordered[:-1], out=first[1:])
@@ -304,7 +304,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "n_rows", "stale_below"])
     def _count_kernel(ordered, slot_of_row, counts, facts, n, n_rows, stale_below, HAS_CACHE: tl.constexpr,
-                      HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr):
         # A block's unique rows, those the cache lacks, and those stale.
         b = tl.program_id(0).to(tl.int64)
         j = b * BLOCK + tl.arange(0, BLOCK)
