@@ -62,13 +62,9 @@ def mark_of(generation: int) -> int:
     return -2 - generation
 
 
-_SMS = {}
-
-
 def _sm_count(device: torch.device) -> int:
-    if device not in _SMS:  # (none on the CPU: Triton's interpreter)
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-    return _SMS[device]
+    # (torch keeps the properties; none on the CPU: Triton's interpreter)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def uses_kernels(t: torch.Tensor) -> bool:
