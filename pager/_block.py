@@ -35,7 +35,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._host import align
+
+ALIGN_BYTES = 512  # every slot and page starts on this boundary
+DIRECT_ALIGN = 4096  # direct (O_DIRECT) reads: file offsets, lengths and memory on this boundary ([Note: direct reads])
+
+
+def align(n: int, to: int = ALIGN_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+def align_up(n: int) -> int:
+    return align(n, DIRECT_ALIGN)
 
 
 class PageState(enum.Enum):
@@ -91,8 +101,6 @@ def layout_for_files(named: list[tuple[str, torch.Tensor]], leads: list) -> tupl
     around it in its file can be read straight into the page ([Note: direct
     reads] in _disk.py); one with `lead` None is placed as by `layout`. The
     total is a multiple of `DIRECT_ALIGN`."""
-    from ._disk import align_up
-
     slots, offset = [], 0
     for (name, t), lead in zip(named, leads):
         nbytes = t.numel() * t.element_size()

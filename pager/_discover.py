@@ -34,7 +34,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ._host import align
+from ._block import align
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)

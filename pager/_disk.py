@@ -56,20 +56,16 @@ import torch
 from ._budget import format_bytes
 from ._common import WORKER_PREFIX
 from ._files import CheckpointError, fsync_folder
-from ._host import HOST_RESERVE_BYTES, _register, align
+from ._block import DIRECT_ALIGN, align_up
+from ._host import HOST_RESERVE_BYTES, _register
 
 log = logging.getLogger("pager")
 
-DIRECT_ALIGN = 4096
 DIRECT_MIN_BYTES = 256 << 10  # smaller tensors are read buffered, packed without gaps
 CHUNK_BYTES = 16 << 20      # one read or write call (the kernel splits it into many device requests)
 IO_THREADS = 8              # reads and writes in flight
 READS_AHEAD = 4             # segments whose reads the read ahead keeps in flight at most
 READ_AHEAD_USES = 64        # how far down the schedule the read ahead looks
-
-
-def align_up(n: int) -> int:
-    return align(n, DIRECT_ALIGN)
 
 
 def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from operator import is_not
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _paged, _saved
+from . import _paged, _saved, _saving
 from ._block import Block, PageState
 from ._budget import format_bytes
 from ._carried import carried_bytes
@@ -294,7 +294,7 @@ class Hooks:
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
             acts.pass_starts()
-        _saved.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
+        _saving.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
                             ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
         self.pager.note_threads()
@@ -329,7 +329,7 @@ class Hooks:
     def _root_post_forward(self, module, args, kwargs, output):
         if _saved.recomputing():
             return
-        _saved.end_saving()
+        _saving.end_saving()
         self.root_depth = max(0, self.root_depth - 1)
         marks = self.forward_marks()
         if len(marks) <= 1:  # this thread's request ends
@@ -485,7 +485,7 @@ class Hooks:
                 acts = self.pager.activations if grad else None
                 if acts is not None:
                     acts.forward_reaches(block)
-                _saved.begin_saving(self.pager.shared_mode and grad,
+                _saving.begin_saving(self.pager.shared_mode and grad,
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
             with self.lock:
@@ -509,7 +509,7 @@ class Hooks:
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
             again = _saved.recomputing()
-            hooks = None if again else _saved.end_saving()
+            hooks = None if again else _saving.end_saving()
             with self.lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1

@@ -17,21 +17,17 @@ import time
 import psutil
 import torch
 
+from ._block import align
 from ._budget import format_bytes
 
 log = logging.getLogger("pager")
 
-ALIGN_BYTES = 512  # every slot and page starts on this boundary
 ARENA_CHUNK_BYTES = 1 << 30
 # Host RAM we leave to the rest of the process and the OS when pinning.
 HOST_RESERVE_BYTES = 2 << 30
 PIN_PROGRESS_BYTES = 8 << 30  # log progress when pinning more than this
 PIN_SECONDS_PER_GIB = 0.4  # what page-locking costs on the H100 host (DESIGN.md)
 COPY_SECONDS_PER_GIB = 0.2  # a plain host copy into pageable pages, roughly
-
-
-def align(n: int, to: int = ALIGN_BYTES) -> int:
-    return (n + to - 1) // to * to
 
 
 class HostArena:

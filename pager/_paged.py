@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ._block import storage_key
 from ._registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
-from ._saved import saving
+from ._saving import saving
 
 # ------------------------------------------------------------- the classes
 def _names(kind, names):

@@ -17,8 +17,9 @@ import torch
 from ._block import Block, Segment, layout
 from ._budget import format_bytes
 from ._common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range, other_threads
-from . import _paged, _saved
-from ._grad_ops import GradOps, Serving
+from . import _paged, _saving
+from ._grad_ops import GradOps
+from ._serving import Serving
 from ._grads import PagedOutGrad, replay
 from ._hooks import Hooks
 from ._engine import Engine
@@ -388,7 +389,7 @@ class Pager:
         # backward) the excess is what they hold, found by a search too: so no
         # search, and the block stays while the excess lives (its backward).
         alone = not other_threads()
-        searchable = alone and use[-1] != _saved.OTHERS
+        searchable = alone and use[-1] != _saving.OTHERS
         found, unaccounted = _paged.track_kept_views(
             [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
         if found:

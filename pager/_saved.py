@@ -1,25 +1,9 @@
 """What a block's forward saves for its backward: counted, kept, sent to host memory, or dropped and recomputed.
 
 A block's forward that builds a graph may run under pager's saved-tensor
-hooks (`saving`): autograd hands each tensor it saves to `_pack`, which
-decides what the graph holds instead, and `_unpack` gives it back to the
-backward.
-
-[Note: autograd's saved views, counted]
-With several Python threads the search of every object is out
-([Note: views kept from a use] in _paged.py), so what a forward that builds a
-graph leaves unaccounted for could be autograd's saved views (expected) or a
-view a user keeps somewhere pager cannot look (which must keep the block on
-the device). To tell them apart, the forward of a block runs, in the shared
-mode, under the hooks, whose pack gives autograd its own detached alias of
-each tensor it saves and remembers those on a block's storage (`seg.saved`,
-weakly): they are counted, and what remains is the user's. (Packing the
-tensor itself would leak: an output saved by its own node would hold itself.)
-Autograd checks that a saved tensor was not changed in place only without
-hooks, so `_unpack` checks the version itself. Where other hooks are already
-on top (torch.utils.checkpoint, save_on_cpu: the user's policy wins), or torch
-cannot say (before 2.8), nothing is counted, and the block stays until the
-count drops (its backward).
+hooks (`base/saving.py`): each tensor autograd saves goes to the policy of
+this module that the use passed in, which decides what the graph holds
+instead.
 
 [Note: activations off the device]
 With `activations="offload"`, each activation a training forward saves (a
@@ -93,6 +77,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._registry import entry_of, unguarded
+from ._saving import tls
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many blocks before it come back too
@@ -276,143 +261,6 @@ class Activations:
         self.offload.backward_reaches(block)
 
 
-class _Frame:
-    """One `begin_saving` in a thread: whether it pushed the hooks, whether
-    it is the active frame (what `_pack` reads) while it lasts, whose hooks
-    are on top, and what pack does with activations."""
-
-    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below")
-
-    def __init__(self, pushed, activates, hooks, offload, recompute, ledger, below):
-        self.pushed, self.activates, self.hooks, self.below = pushed, activates, hooks, below
-        self.offload, self.recompute, self.ledger = offload, recompute, ledger
-
-
-_tls = threading.local()
-
-
-def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None:
-    """In this thread, until the matching `end_saving`, run what autograd
-    saves through pager's hooks if `count` (saved views of blocks' storage
-    are counted), `offload` (an `ActivationOffload`: activations leave the
-    device), `recompute` (a `Recompute`: they are dropped and computed
-    again) or `ledger` (a `Ledger`: what stays on the device is counted),
-    unless other saved-tensor hooks are on top (see the Notes).
-    Called for every use, so that each `end_` pairs with its `begin_`."""
-    top = _top_hooks()
-    active = getattr(_tls, "active", None)
-    wants = bool(count or offload is not None or recompute is not None or ledger is not None)
-    pushed = wants and top is None
-    if pushed:
-        torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
-    ours = pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack)
-    if ours:
-        hooks = OURS
-    else:
-        hooks = OTHERS if top is not None and top is not _UNKNOWN else None
-    # A block's forward inside the root's (whose hooks are ours) decides for
-    # what it saves: its frame is the active one until it ends.
-    frame = _Frame(pushed, ours and wants, hooks, offload, recompute, ledger, active)
-    if frame.activates:
-        _tls.active = frame
-    stack = getattr(_tls, "stack", None)
-    if stack is None:
-        stack = _tls.stack = []
-    stack.append(frame)
-
-
-def end_saving():
-    """Close the matching `begin_saving`. Returns which hooks were on: `OURS`
-    (autograd's saved views of blocks were counted), `OTHERS` (the user's,
-    e.g. checkpointing's recomputation: what they hold is unknown), or None."""
-    frame = _tls.stack.pop()
-    if frame.activates:
-        _tls.active = frame.below
-    if frame.pushed:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-    return frame.hooks
-
-
-@contextmanager
-def saving(count: bool):
-    begin_saving(count)
-    try:
-        yield
-    finally:
-        end_saving()
-
-
-_UNKNOWN = object()
-OURS, OTHERS = "ours", "others"
-
-
-def _top_hooks():
-    """The saved-tensor hooks on top in this thread (None: none), or
-    `_UNKNOWN` where torch cannot say or hooks are disabled."""
-    hooks = torch._C._autograd
-    top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
-    if top is None or not hooks._saved_tensors_hooks_is_enabled():
-        return _UNKNOWN
-    try:
-        return top(True)
-    except TypeError:  # (no `ignore_is_tracing` argument in some versions)
-        return top()
-
-
-def _next_save() -> int:
-    """Number this thread's next save (see [Note: saves counted across nested blocks])."""
-    number = getattr(_tls, "saves", 0)
-    _tls.saves = number + 1
-    return number
-
-
-def _pack(t):
-    frame = _tls.active
-    number = _next_save()
-    entry = entry_of(t)
-    if entry is None and frame.recompute is not None:
-        return frame.recompute.drop(t, number)
-    if entry is None and frame.offload is not None and frame.offload.wants(t):
-        return frame.offload.send(t)
-    with unguarded():
-        saved = t.detach()  # shares the version counter
-    if entry is not None:
-        entry[2].saved.append(weakref.ref(saved))
-    elif frame.ledger is not None and t.device == frame.ledger.device:
-        return Kept(saved, frame.ledger)
-    return saved, saved._version
-
-
-def _unpack(packed):
-    if isinstance(packed, Sent):
-        return packed.offload.bring(packed)
-    if isinstance(packed, Dropped):
-        return packed.recompute.value(packed)
-    if isinstance(packed, Kept):
-        packed = packed.saved, packed.version
-    saved, version = packed
-    if saved._version != version:  # autograd checks this itself only without hooks
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
-            f"version {version} instead. (Checked by pager's saved-tensor hooks, as autograd does.)")
-    return saved
-
-
-class Kept:
-    """An activation kept on the device, as the graph holds it: counted in
-    the ledger until autograd lets go of it ([Note: one budget])."""
-
-    __slots__ = ("saved", "version", "ledger", "key")
-
-    def __init__(self, saved, ledger):
-        self.saved, self.version, self.ledger = saved, saved._version, ledger
-        self.key = ledger.hold(saved)
-
-    def __del__(self):
-        self.ledger.let_go(self.key)
-
-
 class Sent:
     """An activation on the host, as the graph holds it (see the Note); one
     for every save of the same tensor in a block's forward."""
@@ -426,6 +274,9 @@ class Sent:
         self.ready_event = None  # on the h2d stream: `device` holds the bytes
         self.saves = self.left = 1  # saves that hold it; of those, unpacks still to come in this backward
         self.handed = None       # the device copy given to autograd, while other saves will ask for it
+
+    def unpack(self):
+        return self.offload.bring(self)
 
     def __del__(self):
         if self.device is not None:  # brought, never asked for (the graph went): may still be landing
@@ -606,10 +457,13 @@ class Dropped:
     def __init__(self, recompute, index, shape, dtype):
         self.recompute, self.index, self.shape, self.dtype = recompute, index, shape, dtype
 
+    def unpack(self):
+        return self.recompute.value(self)
+
 
 def recomputing() -> bool:
     """True in a thread that runs a block's forward again for its backward."""
-    return getattr(_tls, "recording", None) is not None
+    return getattr(tls, "recording", None) is not None
 
 
 class Recompute:
@@ -637,7 +491,7 @@ class Recompute:
                          for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
-        self.first_save = getattr(_tls, "saves", 0)  # this thread's saves before the forward's first
+        self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
         self.values: dict = {}   # index -> recomputed tensor, until handed out
         self.lock = threading.Lock()  # unpack runs on autograd's threads
@@ -670,7 +524,7 @@ class Recompute:
                                       self.spec)
         rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         _set_rng(self.rng, self.devices)
-        _tls.recording = (self, [0])
+        tls.recording = (self, [0])
         torch._C._autograd._push_saved_tensors_default_hooks(_pack_again, _unpack_again)
         try:
             with torch.enable_grad(), _autocast(self.autocast, self.autocast_cache):
@@ -679,7 +533,7 @@ class Recompute:
             pass
         finally:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-            _tls.recording = None
+            tls.recording = None
             _set_rng(rng_now, self.devices)
         missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
         if missing:
@@ -734,7 +588,7 @@ def _pack_again(t):
     # the outer block's. Running the outer forward again runs the inner ones
     # too, under these hooks alone, so its saves are matched by number: the
     # n-th save since the forward began, whoever's frame took it, both times.
-    recompute, counter = _tls.recording
+    recompute, counter = tls.recording
     n = counter[0]
     counter[0] += 1
     with unguarded():
