@@ -1,4 +1,4 @@
-"""Compressed pages ([Note: compressed pages] in pager/_compress.py): a
+"""Compressed pages ([Note: compressed pages] in codec/compress.py): a
 7B-shaped bf16 decoder (16 layers, ~6.5 GB of layers) with every layer
 streamed (a budget of two layers), plain pages against lossless, fp8 and int4
 pages, each against the PCIe floor of the uncompressed bytes. Also: each
@@ -23,10 +23,10 @@ import torch
 import pager
 from benchmarks.harness import GiB, Row, environment, free_cuda, interleaved_ms, pinned_h2d_gbps, save, time_ms
 from benchmarks.models import build, layer_bytes
-from pager._block import layout
-from pager._compress import PIECE_BYTES, encode
-from pager._kernels import decode_on_device
-from pager._transport import STAGING_SLOTS
+from pager.base.block import layout
+from pager.codec.compress import PIECE_BYTES, encode
+from pager.codec.kernels import decode_on_device
+from pager.engine.transport import STAGING_SLOTS
 
 CODECS = (None, "lossless", "fp8", "int4")
 

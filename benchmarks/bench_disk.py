@@ -24,7 +24,7 @@ import torch
 import pager
 from benchmarks.harness import Row, environment, free_cuda, save, time_ms
 from benchmarks.models import Decoder, build, layer_bytes
-from pager._files import header_for
+from pager.base.files import header_for
 
 
 def write_checkpoint(model, folder: str, layers_per_shard: int = 2) -> int:

@@ -1,4 +1,4 @@
-"""Embedding tables paged by rows ([Note: row tables] in pager/_rows.py).
+"""Embedding tables paged by rows ([Note: row tables] in rows/table.py).
 
 1. Gather and write back 131,072 random rows of 128 fp32 (67 MB), sorted as a
    lookup reads them, of a pinned table of each --gather-gb: pager's read (the

@@ -11,7 +11,7 @@
 
 3. `--only kept-order`: decode at batch 1 with the kept set spread through
    the plan (the policy) and with the earliest blocks kept (the one before),
-   in turns in one process ([Note: kept blocks spread out] in pager/_schedule.py).
+   in turns in one process ([Note: kept blocks spread out] in engine/schedule.py).
 
     python -m benchmarks.bench_serve [--only pool|generate|kept-order] [--reps 5]
 """
@@ -225,7 +225,7 @@ def generate_rows(args, bw):
 def kept_order_rows(args, bw):
     """Decode per token with each order of the kept set, in turns (the order
     is forced by wrapping the scheduler's choice: an A/B, not an option)."""
-    from pager._schedule import Scheduler
+    from pager.engine.schedule import Scheduler
 
     try:
         gpu = llama(args.layers)

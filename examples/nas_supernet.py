@@ -25,7 +25,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import pager  # noqa: E402
-from pager._budget import format_bytes  # noqa: E402
 from benchmarks.models import SuperNet  # noqa: E402
 
 
@@ -48,8 +47,8 @@ def main():
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3) if reference is not None else None
     pg = pager.of(net)
-    print(f"supernet: {format_bytes(weights)} weights, {format_bytes(4 * weights)} with grads and Adam; "
-          f"budget {format_bytes(budget)}; {len(pg.blocks)} blocks")
+    print(f"supernet: {pager.format_bytes(weights)} weights, {pager.format_bytes(4 * weights)} with grads and Adam; "
+          f"budget {pager.format_bytes(budget)}; {len(pg.blocks)} blocks")
 
     rng = random.Random(0)
     n_cand = len(net.layers[0].candidates)

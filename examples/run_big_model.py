@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import pager  # noqa: E402
-from pager._budget import format_bytes  # noqa: E402
 from benchmarks.models import build, layer_bytes  # noqa: E402
 
 
@@ -57,7 +56,7 @@ def main():
     pg = pager.of(model)
     if reference is not None and args.compress in ("fp8", "int4"):
         reference.load_state_dict(model.state_dict())  # lossy: the model computes with the decoded weights
-    print(f"model: {len(pg.blocks)} blocks, {format_bytes(weights)} of weights; budget {format_bytes(pg.budget_bytes)} on {device}")
+    print(f"model: {len(pg.blocks)} blocks, {pager.format_bytes(weights)} of weights; budget {pager.format_bytes(pg.budget_bytes)} on {device}")
 
     with torch.no_grad():
         for i in range(3):

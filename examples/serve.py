@@ -34,7 +34,6 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import pager  # noqa: E402
-from pager._budget import format_bytes  # noqa: E402
 from benchmarks.models import Decoder, layer_bytes  # noqa: E402
 
 
@@ -94,8 +93,8 @@ def main(argv=None):
     size = sum(p.numel() * p.element_size() for p in chat.parameters())
     pool = pager.Pool(budget=args.budget or int(1.5 * size), device=device)
     models = {"chat": pager.wrap(chat, pool=pool, name="chat"), "embed": pager.wrap(embed, pool=pool, name="embed")}
-    print(f"pool: {format_bytes(pool.budget_bytes)} on {device} for two models of {format_bytes(size)} "
-          f"({args.layers} layers of {format_bytes(layer_bytes(chat))})", flush=True)
+    print(f"pool: {pager.format_bytes(pool.budget_bytes)} on {device} for two models of {pager.format_bytes(size)} "
+          f"({args.layers} layers of {pager.format_bytes(layer_bytes(chat))})", flush=True)
 
     requests: queue.Queue = queue.Queue()
     printing = threading.Lock()

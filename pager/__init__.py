@@ -1,21 +1,25 @@
 """pager: run and train PyTorch models larger than GPU memory on one GPU.
 
     model = pager.wrap(model, budget="10GiB")
+
+The public API is what this module exports. The subpackages are the layers
+beneath it, bottom up: codec, base, engine, then training, rows and observe,
+then model, then api (docs/architecture.md).
 """
 
-from ._api import of, unwrap, wrap
-from ._budget import parse_budget
-from ._files import CheckpointError
-from ._load import load, save
-from ._common import BudgetError
-from ._pager import Pager
-from ._plan import Plan, plan
-from ._pool import Pool
-from ._optim import install_global_hook as _install_global_hook
-from ._stats import BlockStats, PoolStats, Stats
+from .api.load import load, save
+from .api.plan import Plan, plan
+from .api.wrap import of, unwrap, wrap
+from .base.budget import format_bytes, parse_budget
+from .base.common import BudgetError
+from .base.files import CheckpointError
+from .model.pager import Pager
+from .model.pool import Pool
+from .observe.stats import BlockStats, PoolStats, Stats
+from .training.optim import install_global_hook as _install_global_hook
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "load", "save", "CheckpointError", "plan", "Plan", "Pager", "Pool", "Stats", "PoolStats", "BlockStats", "BudgetError",
-           "parse_budget"]
+__all__ = ["wrap", "unwrap", "of", "load", "save", "CheckpointError", "plan", "Plan", "Pager", "Pool", "Stats",
+           "PoolStats", "BlockStats", "BudgetError", "parse_budget", "format_bytes"]
 __version__ = "0.1.0"

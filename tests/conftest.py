@@ -28,7 +28,7 @@ def _unwrap_leftovers():
     """A failed test must not leave a wrapped model behind for the next one."""
     yield
     import pager
-    from pager._common import _PAGERS
+    from pager.base.common import _PAGERS
 
     for model in list(_PAGERS.keys()):
         pager.unwrap(model)

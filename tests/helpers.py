@@ -9,7 +9,7 @@ import traceback
 import torch
 
 import pager
-from pager._block import align
+from pager.base.block import align
 
 
 def tensor_page_bytes(module: torch.nn.Module) -> int:

@@ -1,6 +1,6 @@
 """activations="offload": what blocks' training forwards save goes to host
 memory and comes back for the backward ([Note: activations off the device]
-in pager/_saved.py); activations="recompute": it is dropped and each block's
+in training/activations.py); activations="recompute": it is dropped and each block's
 forward runs again in its backward ([Note: activations recomputed]). CPU
 device, bit for bit against the model trained unwrapped; every test checks
 that activations did leave (or were recomputed), so none can pass with the
@@ -242,8 +242,7 @@ def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, m
     theirs; the layer keeps only its own (the ReLU's), matched by number
     ([Note: saves counted across nested blocks]). Also run to the forward's
     end, as under torch's CUDA sanitizer ([Note: activations recomputed])."""
-    from pager import _saved
-
+    from pager.training import activations as _saved
     monkeypatch.setattr(_saved, "_cuda_trace_hooks_on", lambda: not early_stop)
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide(256) for _ in range(12)])  # parts of 1 MiB and more get blocks of their own
@@ -307,7 +306,7 @@ class SlowAgain(nn.Module):
         self.lin = nn.Linear(d, d)
 
     def forward(self, x):
-        if pager._saved.recomputing():
+        if pager.training.activations.recomputing():
             time.sleep(0.01)
         return torch.tanh(self.lin(x))
 
@@ -513,7 +512,7 @@ def test_a_tensor_saved_twice_leaves_once_and_comes_back_once():
 
 
 def test_the_ledgers_peak_after_a_reset_counts_a_rise_below_the_passs_peak():
-    ledger = pager._saved.Ledger(torch.device("cpu"))
+    ledger = pager.training.activations.Ledger(torch.device("cpu"))
     ledger.add(100)
     ledger.sub(100)
     ledger.reset_peak()  # stats reset mid-pass: the pass's peak (100) stays for the reserve

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pager
-import pager._compress as codec_module
-from pager._block import layout
-from pager._compress import decoded_copy, encode
+import pager.codec.compress as codec_module
+from pager.base.block import layout
+from pager.codec.compress import decoded_copy, encode
 from helpers import assert_same, tensor_page_bytes
 from models import TinyLM
 from test_training import OPTIMIZERS, batches, regime_budget, train

@@ -285,8 +285,7 @@ def test_parameters_on_several_devices():
 
 
 def test_pinning_refused_explains_memlock_and_the_fix(monkeypatch):
-    from pager import _host
-
+    from pager.engine import host as _host
     class Refusing:
         @staticmethod
         def cudaHostRegister(ptr, size, flags):
@@ -723,7 +722,7 @@ def _codec_segment():
              ("odd", (torch.randn(3, 4099, generator=g) * 0.1).bfloat16()),
              ("f32", torch.randn(300, 64, generator=g)), ("f16", torch.randn(128, 96, generator=g).half()),
              ("norm", torch.ones(513, dtype=torch.bfloat16)), ("ids", torch.arange(9))]
-    from pager._block import layout
+    from pager.base.block import layout
 
     slots, nbytes = layout(named)
     plain = torch.zeros(nbytes, dtype=torch.uint8)
@@ -736,8 +735,8 @@ def _codec_segment():
 def test_compressed_pages_decode_on_gpu_as_the_cpu_reference(codec, monkeypatch):
     """The Triton decoders give the reference decoder's bytes on the same
     pages (several pieces each), and encoding on the GPU gives the CPU's page."""
-    import pager._compress as C
-    from pager._kernels import decode_on_device, triton
+    import pager.codec.compress as C
+    from pager.codec.kernels import decode_on_device, triton
 
     assert triton is not None  # the kernels are under test, not the fallback
     monkeypatch.setattr(C, "PIECE_BYTES", 1 << 16)
@@ -776,7 +775,7 @@ def _slow_decodes(transport, cycles=1_000_000):
 
 @pytest.mark.parametrize("codec", ["lossless", "fp8", "int4"])
 def test_compressed_forward_on_gpu_with_delayed_copies_and_the_budget(codec, monkeypatch):
-    import pager._compress as C
+    import pager.codec.compress as C
 
     monkeypatch.setattr(C, "PIECE_BYTES", 1 << 19)  # several pieces a layer: the staging ring turns over
     model = Thin(n=10).bfloat16().eval()
@@ -839,7 +838,7 @@ def test_a_budget_the_staging_ring_crowds_warns_and_runs(pager_log):
 def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
     """Rows read from the mapped host table, from the device cache, and written back: the same
     training as the model with its table on the GPU (SparseAdam and Adam, sparse and dense tables)."""
-    from pager._rows import RowTableParameter
+    from pager.rows.table import RowTableParameter
 
     torch.manual_seed(0)
 
@@ -1023,8 +1022,7 @@ def test_row_kernels_equal_their_torch_references(monkeypatch):
     hits, placing rows with and without taking changed ones out, reading marked rows, taking rows from a
     write-back's copy) leaves exactly what its torch reference leaves, on batches with repeats, a padding row,
     rows whose write-back is in flight."""
-    from pager import _row_kernels as K
-
+    from pager.rows import kernels as K
     if K.triton is None:
         pytest.skip("no Triton")
     real = K.uses_kernels
@@ -1104,7 +1102,7 @@ def test_row_reads_split_between_kernel_and_cpu_are_exact(share):
     """Missed rows read by the kernel and by CPU threads at once ([Note: two paths for scattered rows]),
     at a fixed share and the learned one, with rows read ahead ([Note: rows read ahead]): the same
     training as the table on the GPU."""
-    from pager._row_reader import SPLIT_MIN_ROWS
+    from pager.rows.reader import SPLIT_MIN_ROWS
 
     torch.manual_seed(0)
     n_rows, per_step = 200_000, 3 * SPLIT_MIN_ROWS

@@ -235,7 +235,7 @@ CHILD = textwrap.dedent("""
     data = batches(40)
     train(model, opt, data[:2])
     pager.save(model, {ckpt!r})
-    real_write, real_bytes, calls = os.pwritev, pager._load._bytes_of, [0]
+    real_write, real_bytes, calls = os.pwritev, pager.api.load._bytes_of, [0]
 
     def torn_write(fd, buffers, offset):  # dies halfway through a spilled page
         calls[0] += 1
@@ -250,7 +250,7 @@ CHILD = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return real_bytes(t)
 
-    os.pwritev, pager._load._bytes_of = torn_write, torn_save
+    os.pwritev, pager.api.load._bytes_of = torn_write, torn_save
     for i in range(2, 40):
         train(model, opt, data[i: i + 1])
         pager.save(model, {ckpt!r})

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pager
-from pager._block import PageState
+from pager.base.block import PageState
 from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import TinyLM
 
@@ -150,28 +150,54 @@ def test_a_shared_engine_names_its_device():
 
 # ------------------------------------------------------------------ layers
 PACKAGE = pathlib.Path(pager.__file__).parent
-# Lower layers never import higher ones: api -> per-model pager -> engine -> tiers / transport.
-LOWER = {"_engine", "_tiers", "_transport", "_host", "_block", "_budget", "_common", "_stats"}
-UPPER = {"_api", "_pager", "_hooks", "_optim", "_checkpoint", "_grad_ops", "_saved", "_paged", "_grads"}
+# The subpackages, bottom up. A module imports from its own subpackage or from
+# a layer below; subpackages of one layer do not import each other.
+LAYERS = [{"codec"}, {"base"}, {"engine"}, {"training", "rows", "observe"}, {"model"}, {"api"}]
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
-def imports_of(module: str) -> set:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def package_modules() -> dict:
+    """'sub.name' -> its path, for every module of every subpackage."""
+    return {f"{f.parent.name}.{f.stem}": f for f in PACKAGE.glob("*/*.py") if f.stem != "__init__"}
+
+
+def imports_of(module: str, path: pathlib.Path) -> set:
+    """The package's modules that `module` imports (function-level imports too)."""
+    sub = module.split(".")[0]
     out = set()
-    for node in ast.walk(tree):  # function-level imports too
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            out |= {node.module} if node.module else {a.name for a in node.names}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        base = sub if node.level == 1 else None  # `..x`: from the package root
+        parts = (node.module or "").split(".") if node.module else []
+        if base is None:
+            if len(parts) == 1:  # from ..engine import engine
+                out |= {f"{parts[0]}.{a.name}" for a in node.names}
+            elif parts:
+                out.add(".".join(parts[:2]))
+        else:
+            out |= {f"{sub}.{parts[0]}"} if parts else {f"{sub}.{a.name}" for a in node.names}
     return out
 
 
-def test_the_engine_layer_imports_nothing_above_it():
-    for module in LOWER:
-        assert not imports_of(module) & UPPER, module
+def test_every_module_sits_in_a_layer_subpackage():
+    assert {f.stem for f in PACKAGE.glob("*.py")} == {"__init__", "__main__"}
+    assert {m.split(".")[0] for m in package_modules()} == set(LAYER_OF)
+
+
+def test_no_module_imports_from_a_layer_above_or_beside_it():
+    modules = package_modules()
+    for module, path in modules.items():
+        sub = module.split(".")[0]
+        for dep in imports_of(module, path):
+            assert dep in modules, (module, dep)
+            dep_sub = dep.split(".")[0]
+            assert dep_sub == sub or LAYER_OF[dep_sub] < LAYER_OF[sub], f"{module} imports {dep}"
 
 
 def test_the_package_has_no_import_circle():
-    modules = [f.stem for f in PACKAGE.glob("_*.py") if f.stem != "__init__" and f.stem != "__main__"]
-    graph = {m: imports_of(m) & set(modules) for m in modules}
+    modules = package_modules()
+    graph = {m: imports_of(m, path) for m, path in modules.items()}
     seen, done = set(), set()
 
     def visit(m, path):

@@ -1,6 +1,6 @@
 """Views of a block's tensors taken while it is in use (inside its forward, by
 a hook, while the pager sleeps) and kept past its eviction read the right
-values, never freed memory ([Note: views kept from a use] in pager/_paged.py).
+values, never freed memory ([Note: views kept from a use] in base/guards.py).
 CPU device, bit for bit against an unwrapped twin."""
 
 import copy
@@ -12,9 +12,7 @@ import torch.nn as nn
 import pager
 from helpers import assert_same
 from test_transparency import page_out_everything
-from pager import _paged
-
-
+from pager.base import guards as _paged
 class Keeper(nn.Module):
     """Keeps views of its weight: as an attribute, in a list outside the model,
     and hands a slice of its table to the next layer."""

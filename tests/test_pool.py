@@ -402,7 +402,7 @@ def test_the_next_models_streamed_blocks_are_prefetched_during_this_ones_kept_ta
 
 
 def test_kept_sets_early_late_or_spread_through_the_plan():
-    from pager._schedule import Scheduler
+    from pager.engine.schedule import Scheduler
 
     sched = Scheduler()
     blocks = [f"b{i}" for i in range(8)]

@@ -24,7 +24,7 @@ def assert_untouched(model, snap):
         assert t.data_ptr() == snap[n][0], n
         assert_same(t.detach(), snap[n][1])
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
-    from pager._common import _PAGERS
+    from pager.base.common import _PAGERS
 
     assert model not in _PAGERS
 
@@ -53,7 +53,7 @@ def test_bad_options_are_refused_before_anything_changes(option, match):
 
 
 def test_auto_budget_with_too_little_free_memory(monkeypatch):
-    import pager._budget as budget_mod
+    import pager.base.budget as budget_mod
 
     monkeypatch.setattr(budget_mod, "device_memory", lambda device: (512 << 20, 16 << 30))
     model = TinyLM()
@@ -273,7 +273,7 @@ def test_exception_in_backward_then_training_goes_on():
 
 
 def test_exception_inside_the_streamed_step(monkeypatch):
-    from pager._optim import OptimizerLink
+    from pager.training.optim import OptimizerLink
 
     model = TinyLM()
     pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")

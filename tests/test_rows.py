@@ -1,4 +1,4 @@
-"""Embedding tables paged by rows ([Note: row tables] in pager/_rows.py), on the CPU device: bit for bit
+"""Embedding tables paged by rows ([Note: row tables] in rows/table.py), on the CPU device: bit for bit
 with the unwrapped model and the same optimizer."""
 
 import copy
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from pager._rows import RowGrad, RowTableParameter
+from pager.rows.table import RowGrad, RowTableParameter
 
 ROWS, BAG_ROWS, DIM = 1000, 300, 16
 
@@ -131,7 +131,7 @@ def test_the_step_counts_misses_only_when_the_cache_may_have_lost_rows(monkeypat
     cache took in and kept, the step knows each gradient row is cached and does not count misses (on CUDA a
     host sync); after a lookup that pushed earlier rows out, it counts. Either way the values are the
     unwrapped model's."""
-    from pager._rows import RowTable
+    from pager.rows.table import RowTable
 
     counted = []  # per step: the miss count the step's gather was given (None: it counts)
     real_gather, real_step = RowTable.gather, RowTable.step
@@ -509,7 +509,7 @@ def test_a_lookup_of_the_tensor_read_ahead_takes_the_prepared_lookup(opt, cache,
     and counts the read ahead prepared (on CUDA: no host sync), with padding and repeated rows, any cache
     size (evictions between the read and the lookup make it do its own) and the state columns of each
     optimizer; bit for bit with the unwrapped model."""
-    from pager._rows import RowTable
+    from pager.rows.table import RowTable
 
     own = []  # lookups that found their rows themselves
     real = RowTable._batch_rows
@@ -578,7 +578,7 @@ def test_the_writers_alias_of_a_host_table_stores_rows_bit_for_bit():
     """[Note: rows written back by the host]: the writer's thread stores rows through an alias of each host
     table seen as wide integers, at any row width and place in its page, bit for bit (NaN payloads and -0.0
     too), without moving the table's version counter (its stores are not writes from outside)."""
-    from pager._row_writer import host_alias
+    from pager.rows.writer import host_alias
 
     page = torch.zeros(200, dtype=torch.float32)
     for dtype, dim, at in ((torch.float32, 16, 0), (torch.float32, 6, 4), (torch.bfloat16, 3, 2), (torch.float16, 8, 8)):
@@ -601,7 +601,7 @@ def test_a_write_the_writers_thread_failed_raises_where_it_is_waited_for_or_prun
     """A failed store is not lost when its write is pruned as done: `query` raises it, as `wait` does."""
     from concurrent.futures import Future
 
-    from pager._row_writer import HostWrite
+    from pager.rows.writer import HostWrite
 
     future = Future()
     write = HostWrite(future)
@@ -667,7 +667,7 @@ def test_pagers_own_threads_leave_the_shared_mode_off():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from pager._common import WORKER_PREFIX
+    from pager.base.common import WORKER_PREFIX
 
     model = wrap(Recommender())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

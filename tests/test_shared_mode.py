@@ -1,5 +1,5 @@
 """With a second Python thread alive, every pager is in the shared mode
-([Note: tensors and threads] in pager/_paged.py): a block in use stays guarded
+([Note: tensors and threads] in base/guards.py): a block in use stays guarded
 and only the threads that pinned it pass unserved. The transparency, kept-view,
 training and activation suites run again here in that mode, and another thread reads every
 tensor while the model trains under a tight budget."""
@@ -81,7 +81,7 @@ def test_guarded_parameters_keep_torch_optims_foreach_path():
     not fall back to the per-tensor loop (slower, and not bitwise the same)."""
     import torch.optim.optimizer as optimizer
 
-    from pager._paged import GuardedParameter, GuardedTensor
+    from pager.base.guards import GuardedParameter, GuardedTensor
 
     assert GuardedParameter in optimizer._foreach_supported_types
     assert GuardedTensor in optimizer._foreach_supported_types

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pager
-from pager import _discover
+from pager.model import discover as _discover
 from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import TinyLM
 from test_training import batches, lm_loss, regime_budget

@@ -350,7 +350,7 @@ def test_unwrap_with_two_optimizers_detaches_both_and_frees_device_memory():
     opt_a.step(), opt_b.step()  # both optimizers keep training the unwrapped model
 
 
-# -- deferred updates (see [Note: deferred updates] in pager/_optim.py) --------
+# -- deferred updates (see [Note: deferred updates] in training/optim.py) --------
 
 
 def _opt_states_equal(opt, ref_opt, model, ref):
@@ -489,7 +489,7 @@ def test_a_second_backward_through_a_retained_graph(regime):
         assert_same(p.grad, q.grad)
 
 
-# -- training asleep: see [Note: asleep] in pager/_hooks.py ---------------------
+# -- training asleep: see [Note: asleep] in model/hooks.py ---------------------
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -583,7 +583,7 @@ def test_a_supernet_trains_asleep_once_every_candidate_has_its_gradients_page():
 def test_a_step_asleep_runs_in_the_users_call_and_adopts_state_that_appears(monkeypatch):
     """[Note: a step asleep]: no block is acquired for the update; state that
     appears later (momentum turned on) still goes into its page."""
-    from pager._optim import OptimizerLink
+    from pager.training.optim import OptimizerLink
 
     streamed = []
     real = OptimizerLink._step_blocks

@@ -63,7 +63,7 @@ def test_reading_a_paged_out_weight_fetches_it():
     # dirty; [Note: the class of a tensor in use]); with other threads about,
     # the guard, which the thread using the block passes unserved ([Note:
     # tensors and threads]).
-    in_use = pager._paged.in_use_class(nn.Parameter)
+    in_use = pager.base.guards.in_use_class(nn.Parameter)
     assert seen == [type(w) if pager.of(model).shared_mode else in_use]
     assert in_use is not nn.Parameter and issubclass(in_use, nn.Parameter)
     assert in_use.__torch_function__ is torch._C._disabled_torch_function_impl  # the C++ path, as Parameter's

@@ -1,0 +1,255 @@
+"""`pager.load` (a model on the meta device, paged straight from its checkpoint
+files) and `pager.save` (a wrapped model's weights to one safetensors file,
+block by block, crash-safe)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from ..model import discover
+from ..base import guards
+from ..base.budget import parse_budget
+from ..engine.disk import DiskTier, Piece, check_host_budget
+from ..base.files import NAMES, Entry, header_for, open_checkpoint, replace_atomically
+
+MAX_NAMED = 8  # tensors named in one error message
+
+
+def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=None, **options) -> nn.Module:
+    """Page `model` straight from its checkpoint files, without building it in
+    host memory first; return the same object, wrapped as by `pager.wrap`.
+
+    Build the model on the meta device (`with torch.device("meta"): ...`);
+    its tensors take their values from `checkpoint` when they are first used
+    ([Note: reading checkpoints in place] in base/files.py). Tensors that are not
+    on the meta device and not in the checkpoint (buffers the model computes,
+    such as rotary frequencies) keep their values. Names that do not match,
+    missing or unexpected tensors, and dtype or shape mismatches are refused
+    before anything changes, naming the tensors; tied weights stay tied (the
+    checkpoint may hold either name).
+
+    Args:
+        model: the model, usually on the meta device.
+        checkpoint: a safetensors file; a folder with one, or with shards and
+            their `model.safetensors.index.json`; that index; or a
+            `torch.save` file of a state dict.
+        budget: device bytes, as for `pager.wrap`.
+        host_budget: pinned host bytes for pages ("24GiB", an int): a cache
+            of the disk ([Note: the disk tier] in engine/disk.py), so the model may
+            be larger than host RAM. None: every page is read into host memory
+            once (in the background, in block order: the first forward starts
+            before the whole model has been read).
+        spill: a folder for pages that changed (training: weights, gradients,
+            optimizer state) and must leave host memory; each is written to a
+            new file, fsync'd and renamed (a crash never leaves a torn page).
+            Needed for training under `host_budget`; the files are removed
+            at `unwrap`.
+        **options: the other options of `pager.wrap` (blocks, prefetch,
+            optimizer, activations, ...); not `compress`.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = MyModel(config)
+        >>> model = pager.load(model, "ckpt/", budget="10GiB", host_budget="24GiB")
+        >>> with torch.no_grad():
+        ...     y = model(x.cuda())
+    """
+    from .wrap import _wrap
+
+    if options.get("rows"):
+        raise ValueError("pager: load does not take rows= (a row table's host table is built from its values); "
+                         "wrap a materialized model to page tables by rows.")
+    if options.get("compress"):
+        raise ValueError("pager: load does not take compress= (pages are read from the checkpoint as they are); "
+                         "wrap a materialized model to compress its pages.")
+    spill = _spill_folder(spill)
+    entries = open_checkpoint(checkpoint)
+    sources = _match(model, entries)
+    capacity = _host_capacity(host_budget, model, options.get("blocks"))
+    placed = _materialize_meta(model)
+    try:
+        def setup(pager):  # (before its blocks are built)
+            pager.sources = {id(t): piece for t, piece in sources}
+            if capacity is None:
+                pager.arena.check_room(sum(p.nbytes for _t, p in sources), "the model's pages")
+            pager.engine.host.disks[pager] = DiskTier(pager, capacity, spill, pin=pager.engine.host.pin)
+
+        model = _wrap(model, budget, setup=setup, **options)
+    except BaseException:
+        for t, meta in placed:  # nothing of the model is left half-changed
+            torch.utils.swap_tensors(t, meta)
+        raise
+    from .wrap import of
+
+    pager = of(model)
+    disk = pager.engine.host.disks[pager]
+    if disk.capacity_bytes is None:  # every page comes in, in the order of use
+        disk.read_all(pager.blocks)
+    return model
+
+
+def _spill_folder(spill):
+    if spill is None:
+        return None
+    spill = os.path.abspath(os.fspath(spill))
+    os.makedirs(spill, exist_ok=True)
+    if not os.access(spill, os.W_OK):
+        raise PermissionError(f"pager: spill={spill!r} is not writable; give a folder this process can write to.")
+    return spill
+
+
+def _host_capacity(host_budget, model: nn.Module, blocks) -> int | None:
+    """Host bytes for pages (None: as many as the model has), checked
+    against its largest block and host RAM."""
+    if host_budget is None:
+        return None
+    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+        raise ValueError(f"pager: host_budget={host_budget!r}: give bytes (\"24GiB\" or an int), not a share.")
+    try:
+        nbytes = parse_budget(host_budget, torch.device("cpu"))
+    except ValueError as e:
+        raise ValueError(str(e).replace("budget=", "host_budget=", 1)) from None
+    sizing = discover.size_up(model, blocks)
+    check_host_budget(nbytes, max([*sizing.own, sizing.remainder], default=0))
+    return nbytes
+
+
+def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every entry of `model.state_dict()`, tied names
+    included, without calling it (a wrapped model's would copy every block)."""
+    out = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        out += [(dot + n, p) for n, p in module._parameters.items() if p is not None]
+        out += [(dot + n, b) for n, b in module._buffers.items()
+                if b is not None and n not in module._non_persistent_buffers_set]
+    return out
+
+
+def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tensor, Piece]]:
+    """Each tensor of `model` and where its bytes are; every mismatch raised at once."""
+    groups: dict[int, list] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in state_tensors(model):
+        groups.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    missing, wrong, out = [], [], []
+    for key, names in groups.items():
+        t = tensors[key]
+        found = [n for n in names if n in entries]
+        if not found:
+            if t.is_meta:
+                missing.append(" = ".join(names))
+            continue
+        e = entries[found[0]]
+        if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape):
+            wrong.append(f"{found[0]!r}: checkpoint {NAMES.get(e.dtype, e.dtype)} {list(e.shape)}, "
+                         f"model {NAMES.get(t.dtype, t.dtype)} {list(t.shape)}")
+            continue
+        out.append((t, _piece(e)))
+    known = {n for names in groups.values() for n in names}
+    extra = [n for n in entries if n not in known]
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_meta and id(t) not in groups:
+            missing.append(f"{_name_of(model, t)} (a non-persistent buffer on the meta device: create it on the "
+                           f"CPU, e.g. build under torch.device('meta') only the parameters)")
+    problems = []
+    for what, items in (("missing from the checkpoint", missing), ("in the checkpoint but not in the model", extra),
+                        ("of another dtype or shape", wrong)):
+        if items:
+            more = f" and {len(items) - MAX_NAMED} more" if len(items) > MAX_NAMED else ""
+            problems.append(f"{len(items)} tensor(s) {what}: {', '.join(map(str, items[:MAX_NAMED]))}{more}")
+    if problems:
+        raise ValueError("pager: the checkpoint does not match the model; " + "; ".join(problems) +
+                         ". Build the model with the checkpoint's configuration (or rename its tensors).")
+    for t in list(model.parameters()) + list(model.buffers()):  # values that stay as they are
+        if not t.is_meta and id(t) not in {id(s) for s, _p in out}:
+            out.append((t, Piece(0, t.numel() * t.element_size(), tensor=t.detach().clone(), name=_name_of(model, t))))
+    return out
+
+
+def _piece(e: Entry) -> Piece:
+    if e.tensor is not None:
+        return Piece(0, e.tensor.numel() * e.tensor.element_size(), e.path, tensor=e.tensor, name=e.name)
+    return Piece(0, e.nbytes, e.path, e.offset, name=e.name, itemsize=e.dtype.itemsize)
+
+
+def _name_of(model: nn.Module, t: torch.Tensor) -> str:
+    for n, x in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if x is t:
+            return n
+    return "?"
+
+
+def _materialize_meta(model: nn.Module) -> list:
+    """Give each meta tensor a CPU stand-in with no memory behind it (an
+    expanded scalar of its shape and dtype), keeping the tensor object
+    (`swap_tensors`); wrap then makes it a view of its block's device
+    storage. Returns (tensor, its meta twin) pairs to undo it."""
+    placed, seen = [], set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta or id(t) in seen:
+            continue
+        seen.add(id(t))
+        stand_in = torch.zeros((), dtype=t.dtype).expand(t.shape)
+        if isinstance(t, nn.Parameter):
+            stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, stand_in)
+        placed.append((t, stand_in))  # (stand_in now holds the meta tensor)
+    return placed
+
+
+def save(model: nn.Module, path) -> str:
+    """Write the weights of wrapped `model` to one safetensors file at `path`,
+    a block at a time (host memory for one block, whatever the model's size),
+    crash-safe ([Note: crash-safe writes] in base/files.py): a process killed
+    while saving leaves the previous file at `path` intact. Tied weights are
+    written once, under their first name. `pager.load` reads it back, as
+    does any safetensors reader.
+
+    Args:
+        model: a model wrapped by `pager.wrap` or `pager.load`.
+        path: the file to write.
+
+    Example:
+        >>> pager.save(model, "ckpt/model.safetensors")
+    """
+    from .wrap import of
+
+    pager = of(model)
+    path = os.path.abspath(os.fspath(path))
+    named, seen = [], set()
+    for name, t in state_tensors(model):
+        if id(t) not in seen:
+            seen.add(id(t))
+            named.append((name, t))
+    where = {id(t): (block, i) for block in pager.all_blocks() for i, t in enumerate(block.weights.tensors)}
+    by_block: dict = {}
+    for name, t in named:
+        by_block.setdefault(where.get(id(t), (None, 0))[0], []).append((name, t))
+    order = [(n, t) for items in by_block.values() for n, t in items]
+    header, _offsets = header_for([(n, t.dtype, tuple(t.shape)) for n, t in order], {"format": "pt"})
+    tmp = path + ".tmp"
+    with pager.lock:
+        pager.apply_deferred()  # the weights as the steps taken so far left them
+        if pager.transport.is_cuda:
+            torch.cuda.synchronize(pager.device)  # write-backs in flight land first
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for block, items in by_block.items():
+                views = block.weights.current_views() if block is not None else None
+                for name, t in items:
+                    with guards.unguarded():
+                        value = views[where[id(t)][1]] if views is not None else t.detach()
+                        f.write(_bytes_of(value))
+    replace_atomically(tmp, path)
+    return path
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    # A copy: numpy() of the (CPU) device's own memory would pin its storage for good.
+    t = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")

@@ -1,0 +1,270 @@
+"""A plan before any GPU work: blocks, what stays, what moves, the floor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import discover
+from ..base.budget import format_bytes, parse_budget
+from .fake import SavedBytes, measure_saved
+from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
+from ..engine.schedule import Scheduler
+
+ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
+
+
+@dataclass
+class Plan:
+    """What `pager.wrap(model, budget)` will do, worked out from sizes alone.
+
+    Bytes per forward and per training step are for the steady state of a
+    model run in the same order every step (the first forward moves every
+    block once). Training figures assume every parameter trains and an
+    optimizer keeping `state_factor` x the weights (Adam: 2).
+    """
+
+    device: str
+    budget_bytes: int
+    min_budget_bytes: int
+    remainder_bytes: int
+    blocks: list[tuple[str, int]]
+    kept: list[str]
+    forward_bytes: int
+    train_kept: list[str]
+    train_h2d_bytes: int
+    train_d2h_bytes: int
+    link_gbps: float
+    link_measured: bool
+    notes: list[str] = field(default_factory=list)
+    # With `inputs` (see `plan`): what a training forward saves, per block,
+    # and per `activations=` policy the most that activations, and blocks and
+    # activations together, hold on the device in a training step.
+    saved: SavedBytes | None = None
+    training_peaks: dict = field(default_factory=dict)  # policy -> (activation bytes, blocks + activations)
+    # With `host_budget` (`pager.load`'s disk tier): what host memory keeps,
+    # and what a forward reads from disk ([Note: a kept set in host memory]).
+    host_budget_bytes: int | None = None
+    host_kept: list[str] = field(default_factory=list)
+    forward_disk_bytes: int = 0
+    disk_gbps: float | None = None
+
+    @property
+    def fits_all(self) -> bool:
+        return self.remainder_bytes + sum(n for _b, n in self.blocks) <= self.budget_bytes
+
+    @property
+    def runs(self) -> bool:
+        return self.budget_bytes >= self.min_budget_bytes
+
+    @property
+    def forward_floor_seconds(self) -> float:
+        return self.forward_bytes / (self.link_gbps * 1e9)
+
+    @property
+    def train_floor_seconds(self) -> float:
+        return max(self.train_h2d_bytes, self.train_d2h_bytes) / (self.link_gbps * 1e9)
+
+    def __str__(self) -> str:
+        total = sum(n for _b, n in self.blocks)
+        link = f"{self.link_gbps:.1f} GB/s {'measured' if self.link_measured else 'assumed'}"
+        out = [
+            f"pager plan on {self.device}: budget {format_bytes(self.budget_bytes)}; {len(self.blocks)} blocks "
+            f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
+            f"that runs {format_bytes(self.min_budget_bytes)}",
+        ]
+        if not self.runs:
+            out.append(f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} (the remainder and the largest block)")
+        elif self.fits_all:
+            out.append("  everything fits: no paging needed; after the first forward nothing moves")
+        out.append(f"  {'block':<40} {'size':>11}  inference")
+        kept = set(self.kept)
+        for name, n in self.blocks:
+            out.append(f"  {name[-40:]:<40} {format_bytes(n):>11}  {'stays resident' if name in kept else 'streams'}")
+        out.append(
+            f"  per forward: {format_bytes(self.forward_bytes)} to the device, PCIe floor "
+            f"{1e3 * self.forward_floor_seconds:.1f} ms at {link}"
+        )
+        out.append(
+            f"  per training step (estimate, Adam-like state): {format_bytes(self.train_h2d_bytes)} in, "
+            f"{format_bytes(self.train_d2h_bytes)} out, floor {1e3 * self.train_floor_seconds:.1f} ms; "
+            f"{len(self.train_kept)} of {len(self.blocks)} blocks stay with their gradients and state"
+        )
+        if self.saved is not None:
+            sb = self.saved
+            out.append(
+                f"  a training forward with these inputs saves {format_bytes(sb.total)} for its backward "
+                f"(the largest block {format_bytes(max(sb.saved, default=0))}, outside blocks "
+                f"{format_bytes(sb.outside)}); a training step holds at most:")
+            for policy, (acts, together) in self.training_peaks.items():
+                over = "" if together <= self.budget_bytes else f", {format_bytes(together - self.budget_bytes)} over"
+                bound = " (the budget bounds blocks only)" if policy == "keep" else ""
+                out.append(f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
+                           f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}")
+            out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
+        if self.host_budget_bytes is not None:
+            floor = (f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
+                     f"{self.disk_gbps:.2f} GB/s" if self.disk_gbps else " (give disk_gbps= for the disk floor)")
+            out.append(f"  host budget {format_bytes(self.host_budget_bytes)}: host memory keeps {len(self.host_kept)} "
+                       f"blocks; per forward at most {format_bytes(self.forward_disk_bytes)} from disk{floor}")
+        out += [f"  note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
+         link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
+         disk_gbps: float | None = None) -> Plan:
+    """Work out what paging `model` under `budget` will do, without doing it.
+
+    Args:
+        model: the model (not wrapped; nothing is changed).
+        budget, device, blocks, defer_step: as for `pager.wrap`.
+        state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
+            momentum 1) for the training estimate.
+        link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
+        inputs: a batch as the model's forward takes it (a tensor, a tuple of
+            positional arguments or a dict of keyword arguments; values do
+            not matter, only shapes and dtypes): the forward then runs on fake
+            tensors (nothing is computed) to measure what a training step
+            saves for its backward per block, and the plan predicts the
+            step's peak for each `activations=` policy of `wrap`.
+        host_budget: as for `pager.load`: the plan then says which blocks
+            host memory keeps and what a forward reads from disk.
+        disk_gbps: the disk's sequential read GB/s, for the disk floor.
+
+    Example:
+        >>> print(pager.plan(model, budget="10GiB", inputs=torch.zeros(4, 1024, dtype=torch.long)))
+    """
+    from ..base.budget import resolve_device
+
+    device = resolve_device(device)
+    budget_bytes = parse_budget(budget, device)
+    sizing = discover.size_up(model, blocks)
+    min_budget = sizing.min_budget
+    parts = set()
+    if blocks is None:  # as wrap does: [Note: splitting large blocks] in model/discover.py
+        sizing, parts = discover.split_large(model, sizing, budget_bytes)
+    owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
+
+    def trainable(i):
+        return sum(discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
+
+    names = [n for n, _m in sizing.named]
+    kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
+    forward = sum(n for name, n in zip(names, own) if name not in kept)
+    grads = [trainable(i) for i in range(len(names))]
+    step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, grads)]
+    fixed = remainder + (1 + state_factor) * trainable(None)
+    train_kept = _kept(names, step_sizes, budget_bytes, fixed)
+    h2d = d2h = 0
+    for name, w, g in zip(names, own, grads):
+        if name not in train_kept:
+            s = state_factor * g
+            if defer_step:  # the forward brings all in for the last step's update, the backward the weights
+                h2d += (w + g + s) + w
+            else:  # forward, backward, then the step brings all in
+                h2d += 2 * w + (w + g + s)
+            d2h += g + (w + s)           # gradients leave in backward; weights and state after their update
+
+    if link_gbps is None and device.type == "cuda":
+        from ..observe.report import measure_link_gbps
+
+        link, measured = measure_link_gbps(device, pinned=True), True
+    else:
+        link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
+    notes = []
+    if parts:
+        notes.append(f"two of the largest blocks take a large share of the room for blocks: they stream as their "
+                     f"{len(parts)} parts (submodules of at least {format_bytes(discover.SPLIT_MIN_BYTES)})")
+    if names and remainder > budget_bytes // 2:
+        notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
+    room = budget_bytes - remainder
+    if names and remainder + sum(own) > budget_bytes and room > 0 and 2 * max(own) > room // 4:
+        notes.append(
+            f"two of the largest blocks ({format_bytes(2 * max(own))}) take {100 * 2 * max(own) // room}% of the "
+            f"room the budget leaves for blocks, and every block that is not kept streams through that room: "
+            f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
+            f"submodules rather than reading their weights)")
+    saved, peaks = None, {}
+    if inputs is not None:
+        saved = measure_saved(model, sizing.named, inputs)
+        least = fixed + max(step_sizes, default=0)
+        peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
+        notes += _activation_notes(peaks, budget_bytes, least)
+    out = Plan(
+        str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
+        sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
+        saved, peaks,
+    )
+    if host_budget is not None:
+        out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
+        out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
+        out.disk_gbps = disk_gbps
+    return out
+
+
+def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], int]:
+    """The blocks host memory keeps and the bytes a forward reads from disk at
+    most (the streaming window may hold some pages across forwards), by the
+    rule of [Note: a kept set in host memory] in engine/disk.py."""
+    streamed = [(n, s) for n, s in zip(names, sizes) if n not in device_kept]
+    room = host_budget - 2 * max((s for _n, s in streamed), default=0)
+    kept, used = [], 0
+    for name, size in streamed:
+        if used + size <= room:
+            kept.append(name)
+            used += size
+    return kept, sum(s for n, s in streamed if n not in kept)
+
+
+def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True) -> dict:
+    """Per `activations=` policy: (the most activations hold on the device in
+    a training pass, blocks and activations together), by the rules of
+    training/activations.py. `blocks_bytes`: every block with its gradients and state;
+    `least`: the least room for blocks that runs; `copies`: copies out run
+    behind compute (CUDA) and hold device memory until done."""
+    if not sb.order:
+        return {"keep": (sb.total, min(budget, blocks_bytes) + sb.total)}
+    last = sb.names.index(sb.order[-1])  # its activations stay ([Note: activations off the device])
+    largest = max(sb.saved)
+    in_flight = min(sb.total - sb.saved[last], max(IN_FLIGHT_MIN_BYTES, largest)) if copies else 0
+    acts = {
+        "keep": sb.total,
+        # the last block's own, what is being copied out, this block's and the next one's brought back
+        "offload": sb.saved[last] + in_flight + (1 + BRING_AHEAD_BLOCKS) * largest,
+        # every block's inputs, the last block's own, one block's recomputed, and what ops outside blocks keep
+        "recompute": sum(n for i, n in enumerate(sb.inputs) if i != last) + sb.saved[last] + largest + sb.outside,
+    }
+    acts["auto"] = max(acts["offload"], acts["recompute"])  # it tries both
+    peaks = {"keep": (acts["keep"], min(budget, blocks_bytes) + acts["keep"])}
+    for policy in ("offload", "recompute", "auto"):
+        room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
+        peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])
+    return peaks
+
+
+def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
+    notes = []
+    keep_acts, keep_total = peaks["keep"]
+    if keep_total > budget:
+        notes.append(
+            f"with activations kept (the default), a training step holds {format_bytes(keep_acts)} of them beside "
+            f"the blocks' budget: activations=\"auto\" (or \"offload\", \"recompute\") puts them under it")
+    fitting = [p for p in ("offload", "recompute") if peaks[p][1] <= budget]
+    if not fitting:
+        need = least + min(peaks["offload"][0], peaks["recompute"][0])
+        notes.append(
+            f"activations leave blocks less than the {format_bytes(least)} they need at least under every policy: "
+            f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)")
+    return notes
+
+
+def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
+    """The blocks the scheduler keeps resident for a cyclic order (the same
+    rule, and the same `order` as the run: [Note: kept blocks spread out])."""
+    scheduler = Scheduler()
+    scheduler.plan = [(name, None) for name in names]
+    size = dict(zip(names, sizes))
+    scheduler.choose_kept(budget, lambda name: size[name], fixed, order)
+    return scheduler.kept

@@ -1,0 +1,409 @@
+"""The public verbs: wrap, unwrap, of."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from ..model import discover
+from ..training import distributed
+from ..rows.table import choose as choose_row_tables
+from ..base.budget import format_bytes, parse_budget, resolve_device
+from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
+from ..training.checkpoint import close
+from ..base.common import _PAGERS
+from ..codec.compress import check_codec, min_part_bytes
+from ..engine.engine import Engine
+from ..model.pager import Pager
+from ..model.pool import Pool
+
+log = logging.getLogger("pager")
+
+
+def wrap(
+    model: nn.Module,
+    budget=None,
+    *,
+    pool=None,
+    name: str | None = None,
+    device=None,
+    blocks=None,
+    optimizer=None,
+    pin: bool = True,
+    prefetch: int = 2,
+    trace_steps: int = 0,
+    defer_step: bool = True,
+    activations: str = "keep",
+    compress: str | None = None,
+    rows=None,
+    row_cache=None,
+    process_group=None,
+    dist_timeout: float = 600.0,
+    share_host_pages: bool = False,
+) -> nn.Module:
+    """Page `model` in place under a device memory budget; return the same object.
+
+    Every block's parameters and buffers move to one pinned host page each; at
+    most `budget` bytes of blocks are on the device at any time. Parameter and
+    buffer objects stay the same objects, so optimizers built before or after
+    `wrap` keep working.
+
+    Args:
+        model: the model, on the CPU or already on the device.
+        budget: device bytes for blocks (and activations, see `activations`):
+            an int, "10GiB", "512MiB", "1.5GB", "60%" of the device's memory,
+            or "auto" (free memory less a margin). Or the residency engine
+            of another wrapped model, `pager.of(other).engine`: the two
+            models then share one budget (either one's blocks may evict the
+            other's idle ones), the copy streams and one lock; each keeps its
+            own host pages, hooks and schedule.
+        device: where to run; defaults to the current CUDA device, else "cpu"
+            (a separate host copy stands for device memory: same paging, no GPU).
+        blocks: None (discover: the elements of the layer stacks, NAS candidate
+            ops), a list of modules, a list of class names, or a predicate
+            `(name, module) -> bool`.
+        optimizer: an optimizer to `attach` (same as `pager.of(model).attach(opt)`).
+        pin: page-lock host pages (fast asynchronous copies); False pages from
+            pageable memory.
+        prefetch: how many upcoming blocks to bring in ahead of use, room allowing.
+        trace_steps: record a timeline of the last N steps for `trace()` (off: 0).
+        defer_step: apply the optimizer update of a block that is paged out at
+            `opt.step()` when the block is next used (bit for bit the same
+            values; its transfers then overlap the next forward). False steps
+            every block during `opt.step()`.
+        activations: what a block's training forward saves for its backward:
+            "keep" it on the device (as without pager); "offload" it: each
+            saved activation of 1 MiB or more goes to pinned host memory as the
+            forward moves on and comes back, a block ahead, for the backward
+            (see [Note: activations off the device] in training/activations.py); or
+            "recompute" it: a block keeps only its inputs, and its forward runs
+            again (same dropout masks) when its backward needs what it saved:
+            checkpointing without changing the model (see [Note: activations
+            recomputed]); or "auto": offload and recompute are each timed on a
+            few training passes and the faster stays (see [Note: activations,
+            the automatic choice]). The last block of a forward keeps its own.
+            With "offload", "recompute" or "auto" the budget bounds blocks and
+            activations together ([Note: one budget] in training/activations.py); with
+            "keep", blocks only.
+        compress: store blocks' weights compressed in their host pages and
+            decode them on the device after each copy, so fetches move fewer
+            bytes ([Note: compressed pages] in codec/compress.py). None: plain
+            pages. "lossless": bf16 weights in about 0.75x the bytes, decoded
+            exactly (other dtypes stay plain). "fp8" (about 0.52x of bf16) and
+            "int4" (about 0.28x): lossy, for inference; the model's weights
+            become the decoded values (`state_dict()` and `unwrap` give those).
+            A block whose weights change later (a training step) is stored
+            plain from then on. On CUDA a ring of staging buffers (3 slots of
+            the largest piece, about 32 MiB each at most) comes out of the budget.
+        rows: embedding tables to page by rows instead of as blocks
+            ([Note: row tables] in rows/table.py): None (none), "auto" (every
+            `nn.Embedding` / `nn.EmbeddingBag` whose weight is larger than a
+            quarter of the budget), or a list of such modules or their
+            qualified names. A row table stays in host memory; a lookup brings
+            only its batch's rows to the device, and `opt.step()` updates only
+            the rows the gradient touches (lazy for Adam-like optimizers, see
+            [Note: exact updates of touched rows]). `weight.grad` is a sparse
+            COO tensor on the CPU.
+        row_cache: device bytes for the row tables' caches of recently used
+            rows (and their slot maps), out of the budget: an int or a string
+            like `budget`. Default: a quarter of the budget, at most what the
+            blocks leave. 0 reads every row from the host.
+        process_group: data-parallel training (`torchrun`): a
+            `torch.distributed` group whose ranks each wrap the same model
+            under their own budget. Each block's gradients are averaged over
+            the group as soon as its backward ends, on a communication
+            stream, while the backward of the blocks before it runs (see
+            [Note: a block is the bucket] in training/distributed.py): the values
+            are `DistributedDataParallel`'s. Rank 0's weights are broadcast
+            at wrap. None (default): the default group when torch.distributed
+            is initialized with more than one rank; False: no averaging.
+            `pager.of(model).no_sync()` accumulates without averaging.
+        dist_timeout: seconds a rank waits for the others in pager's
+            collectives on the host before it raises (a rank died or ran
+            another loop). Collectives on CUDA tensors time out by the
+            process group's own `timeout`.
+        share_host_pages: with a process group, the ranks on one host keep
+            one copy of the weights' pages in shared memory instead of one
+            each ([Note: one host copy per node] in training/distributed.py): N ranks
+            serving one model (each streaming for its own requests) hold its
+            weights in host memory once. A block whose weights change on a
+            rank (training) gets a page of that rank's own.
+
+    Example:
+        >>> model = pager.wrap(model, budget="10GiB")
+        >>> with torch.no_grad():
+        ...     y = model(x.cuda())
+        >>> print(pager.of(model).stats())
+    """
+    return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
+                 prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, activations=activations,
+                 compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
+                 dist_timeout=dist_timeout, share_host_pages=share_host_pages)
+
+
+def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
+          prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
+          process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None):
+    """`wrap`; `setup(pager)`, if given, runs before the blocks are built
+    (`pager.load` gives the pager its disk tier there)."""
+    engine = _engine_of(budget, pool)
+    device = _shared_device(engine, device) if engine is not None else resolve_device(device)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"pager: name={name!r} must be a non-empty string.")
+    if name is not None and engine is not None and any(o.name == name for o in engine.owners):
+        raise ValueError(f"pager: name={name!r} is taken by another model of this pool; give another.")
+    _check_not_wrapped(model)
+    _check_tensors(model, device)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
+    if not isinstance(defer_step, bool):
+        raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    check_codec(compress)
+    if activations not in ("keep", "offload", "recompute", "auto"):
+        raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
+                         "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
+                         "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
+    budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
+    tables = choose_row_tables(model, rows, budget_bytes)
+    group = distributed.resolve_group(process_group)
+    _check_sharing(share_host_pages, group, compress, setup)
+    if group is not None:
+        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
+    sizing = discover.size_up(model, blocks, [m for _n, m in tables])
+    if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
+        raise ValueError(
+            f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
+            f"and largest block), but the shared {engine!r} has {format_bytes(engine.fixed_bytes())} of its "
+            f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
+        )
+    _check_fits(budget, budget_bytes, sizing)
+    cache_bytes = _row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
+    min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
+    parts = set()
+    if blocks is None:
+        least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
+        sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
+    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
+                  activations=activations, engine=engine, name=name, compress=compress)
+    pager.min_budget_bytes = min_budget
+    if share_host_pages:
+        pager.share_host = lambda p: distributed.share_host_pages(p, group, dist_timeout)
+    total, named = sizing.total, sizing.named
+    if setup is None:
+        pager.arena.check_room(total, f"the model ({len(named)} blocks)")
+    if total >= PIN_PROGRESS_BYTES and setup is None:
+        kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
+        log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
+                    format_bytes(total), kind, len(named), seconds * total / 2**30)
+    if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
+        log.warning(
+            "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
+            "after the first forward); training pages gradients and optimizer state only if they do not fit "
+            "beside it.", format_bytes(total), format_bytes(budget_bytes)
+        )
+    try:
+        if setup is not None:
+            setup(pager)
+        pager.build(sizing.owned, sizing.uses, parts)
+        pager.add_row_tables(tables, cache_bytes)
+    except BaseException:
+        pager.engine.leave(pager)  # a shared engine forgets the model it could not page
+        raise
+    if compress and pager.transport.is_cuda:
+        # Encoding ran on the device: its temporaries (a few times a block)
+        # would stay in the allocator's cache, outside the budget.
+        torch.cuda.empty_cache()
+    _warn_if_staging_crowds(pager)
+    if group is not None:
+        try:
+            distributed.check_same_blocks(pager, group, dist_timeout)
+        except BaseException:
+            close(pager)  # every tensor back where it was: the model as it was given
+            raise
+        pager.reducer = distributed.Reducer(pager, group, dist_timeout)
+    _PAGERS[model] = pager
+    if trace_steps:
+        pager.start_trace(trace_steps)
+    if optimizer is not None:
+        pager.attach(optimizer)
+    return model
+
+
+def of(model: nn.Module) -> Pager:
+    """The `Pager` of a wrapped model.
+
+    Example:
+        >>> print(pager.of(model).stats())
+    """
+    pager = _PAGERS.get(model)
+    if pager is None:
+        raise ValueError(f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first.")
+    return pager
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo `wrap`: every tensor back on its original device with its current
+    value (gradients and attached optimizers' state too), hooks removed.
+
+    Example:
+        >>> pager.unwrap(model)
+    """
+    pager = of(model)
+    close(pager)
+    del _PAGERS[model]
+    return model
+
+
+def _check_sharing(share, group, compress, setup) -> None:
+    if not isinstance(share, bool):
+        raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
+    if not share:
+        return
+    if group is None:
+        raise ValueError("pager: share_host_pages=True shares the weights' host pages between the ranks of a "
+                         "node; it needs a process group (torch.distributed initialized with more than one rank, "
+                         "or process_group=...).")
+    if compress is not None or setup is not None:
+        raise ValueError("pager: share_host_pages=True is not supported with compress= or with pager.load "
+                         "(their pages are not laid out as the plan); wrap without one of them.")
+
+
+def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
+    """Refuse what data parallelism cannot do, before anything changes; then
+    give every rank rank 0's weights (unless they come from one checkpoint)."""
+    if tables:
+        raise ValueError("pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
+                         "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
+                         "(rows=None) for data-parallel training.")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
+    if device.type == "cuda" and not distributed.control_on_cpu(group) and device != torch.device(
+            "cuda", torch.cuda.current_device()):
+        raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
+    distributed.check_same_model(model, group, timeout, device)
+    if broadcast:
+        distributed.broadcast_from_first(model, group, device, timeout)
+
+
+def _engine_of(budget, pool) -> Engine | None:
+    """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
+    if pool is not None:
+        if not isinstance(pool, Pool):
+            raise ValueError(f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with "
+                             f"pager.Pool(budget=...).")
+        if budget is not None:
+            raise ValueError("pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
+                             "change it with pool.set_budget(...)).")
+        return pool.engine
+    if budget is None:
+        raise ValueError("pager: wrap needs budget= (e.g. budget=\"10GiB\") or pool= (a pager.Pool to share).")
+    return budget if isinstance(budget, Engine) else None
+
+
+def _shared_device(engine: Engine, device) -> torch.device:
+    """The device of a shared engine; `device`, if given, must be it."""
+    if not engine.owners and engine.pool is None:
+        raise ValueError("pager: budget= got the engine of a model that was unwrapped; pass "
+                         "pager.of(model).engine of a model that is still wrapped, or a budget.")
+    if device is not None and resolve_device(device) != engine.device:
+        raise ValueError(f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
+                         f"pass device={str(engine.device)!r} (or leave device out) to share it.")
+    return engine.device
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    if model in _PAGERS:
+        raise ValueError("pager: this model is already wrapped; call pager.unwrap(model) before wrapping it again.")
+    mine = {id(m) for m in model.modules()}
+    for other in list(_PAGERS.keys()):
+        if any(m is model for m in other.modules()):
+            raise ValueError(
+                f"pager: this {type(model).__name__} is a submodule of a wrapped "
+                f"{type(other).__name__}; it is paged with it already (unwrap the outer model first)."
+            )
+        if id(other) in mine:
+            raise ValueError(
+                f"pager: this {type(model).__name__} contains a wrapped {type(other).__name__}; "
+                f"unwrap the inner model first, then wrap the outer one."
+            )
+
+
+def _check_tensors(model: nn.Module, device: torch.device) -> None:
+    devices = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(
+                f"pager: {name!r} is on the meta device (no data); materialize the model first "
+                f"(e.g. model.to_empty(device='cpu') and load its weights)."
+            )
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"pager: {name!r} has layout {t.layout}; pager pages dense tensors only. Keep this "
+                f"module out of the blocks or convert it to dense."
+            )
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"pager: the model's tensors are on several devices ({sorted(map(str, devices))}); "
+            f"move it to one device (e.g. model.cpu()) before wrapping."
+        )
+    bad = {d for d in devices if d.type not in ("cpu", device.type)}
+    if bad:
+        raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
+
+
+def _row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> int:
+    """Device bytes for the row tables' caches: `row_cache`, or a quarter of
+    the budget at most what the blocks leave."""
+    if row_cache is None:
+        return max(0, min(budget_bytes // 4, budget_bytes - min_budget))
+    if isinstance(row_cache, int) and not isinstance(row_cache, bool) and row_cache == 0:
+        return 0
+    try:
+        nbytes = parse_budget(row_cache, device)
+    except ValueError as e:
+        raise ValueError(str(e).replace("budget=", "row_cache=", 1)) from None
+    if min_budget + nbytes > budget_bytes:
+        raise ValueError(
+            f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
+            f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
+            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget.")
+    return nbytes
+
+
+def _warn_if_staging_crowds(pager) -> None:
+    """Compressed pages' staging ring comes out of the budget; if what is left
+    cannot hold the largest block, the block runs anyway (over the budget)."""
+    staging = pager.transport.staging_bytes
+    if staging and pager.budget_bytes - staging < pager.min_budget_bytes:
+        log.warning(
+            "pager: the staging ring of compressed pages (%s) leaves %s of the %s budget, less than the %s the "
+            "largest block needs beside the remainder; it runs over the budget by up to %s. Raise the budget to "
+            "%s or more.", format_bytes(staging), format_bytes(pager.budget_bytes - staging),
+            format_bytes(pager.budget_bytes), format_bytes(pager.min_budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging - pager.budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging))
+
+
+def _check_fits(budget, budget_bytes, sizing) -> None:
+    named, sizes, remainder = sizing.named, sizing.sizes, sizing.remainder
+    if remainder > budget_bytes:
+        raise ValueError(
+            f"pager: the tensors outside every block (the remainder: embeddings, heads, norms; "
+            f"{format_bytes(remainder)}) exceed budget={budget!r} ({format_bytes(budget_bytes)}); raise the "
+            f"budget or make those modules blocks (blocks=[...] or a predicate)."
+        )
+    if not named:
+        return
+    i = max(range(len(named)), key=lambda k: sizes[k])
+    if remainder + sizes[i] > budget_bytes:
+        raise ValueError(
+            f"pager: block {named[i][0]!r} ({format_bytes(sizes[i])}) does not fit budget={budget!r} "
+            f"({format_bytes(budget_bytes)}) beside the resident remainder ({format_bytes(remainder)}); "
+            f"give a budget of at least {format_bytes(remainder + sizes[i])} (better twice the largest "
+            f"block, so the next one can be fetched while one computes), or split the block "
+            f"(blocks= with smaller modules)."
+        )

@@ -1,0 +1,70 @@
+"""What the pager's modules share: segment kinds, tunables, the registry of
+wrapped models, the budget error, and the lock decorator."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+import torch.nn as nn
+
+WEIGHTS = ("weights",)
+BACKWARD = ("weights", "grads")
+STEP = ("weights", "grads", "state")
+EVERYONE = "everyone"  # Pager.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
+PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
+NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
+STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
+STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
+ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads' uses, then fails
+SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
+
+_PAGERS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never touch a model's tensors)
+
+
+def other_threads() -> bool:
+    """Whether a Python thread besides this one and pager's own workers (the
+    row writer's, the disk tier's) exists: one that may use a model's tensors."""
+    if threading.active_count() == 1:
+        return False
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith(WORKER_PREFIX) for t in threading.enumerate())
+
+
+class BudgetError(RuntimeError):
+    """The blocks that must be on the device at once do not fit the budget."""
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _record_range(name: str):
+    """A profiler range, only while a profiler runs (a range costs ~5 us even
+    with none: a few ms per forward of many small blocks)."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+
+
+def _locked(method):
+    """Run a pager entry point under the pager's lock.
+
+    [Note: threads]
+    Hooks run on the thread that calls forward, and backward hooks on the
+    autograd engine's threads. One re-entrant lock per pager makes each entry
+    point (a block's use or release, a backward hook, a step) atomic, so two
+    threads running forward on one model interleave at block granularity
+    with correct pin counts; if their blocks together exceed the budget, one
+    waits for the other's ([Note: waiting for room] in engine/engine.py), never a
+    corrupted state.
+    """
+
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked

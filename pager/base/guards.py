@@ -1,0 +1,728 @@
+"""Tensors of blocks not in use: every access is served.
+
+[Note: paged-out tensors]
+A paged-out block keeps its tensor objects (the optimizer's keys, autograd's
+saved views) but their device storage has 0 bytes: a kernel that read them
+would read freed memory (a segfault on the CPU device, an illegal address
+that kills the CUDA context on a GPU). So a block's tensors have their own
+class only while the block is in use (pinned: its forward, backward or
+optimizer update runs) or while every block is resident and the pager sleeps
+(nothing can leave then); once the process has several Python threads, not
+even then (see [Note: tensors and threads]). Otherwise the class of each is swapped for a
+subclass (`GuardedParameter` for a Parameter, `GuardedTensor` for a buffer or
+an optimizer state tensor) whose `__torch_function__` serves the access: it
+acquires the block for the operation (a fetch on demand if it is paged out,
+ordered on the compute stream like any use), which gives the tensors their
+own class back, runs the operation and releases the block. Guarding idle
+resident blocks too is what makes this safe across threads: a block cannot
+leave while any access to it runs. Identity and `isinstance(p, nn.Parameter)`
+hold throughout; a block in use has its own classes, so the forward pays only
+the swaps (about 4 us per block use of 16 tensors), and a sleeping forward
+nothing. Metadata (shape, dtype, device, grad, version, hooks) is answered
+without a fetch.
+
+Results of a served access that alias the block's storage (`p.data`, `p[0]`,
+`p.view(...)`) are remembered weakly with their segment: they are swapped to
+the paged-out class too when it leaves (so they never dangle), and their
+segment counts as dirty while they live (a write through `.data` does not
+move the parameter's version counter).
+
+The class is given back when compute has waited on the fetch (`expose`), not
+when the copy is enqueued: a prefetched block's tensors stay guarded, so a
+user's access between prefetch and use cannot race the copy.
+
+A view taken while the block is in use (inside its forward, or while the
+pager sleeps) is made by PyTorch alone, so pager learns of it afterwards:
+see [Note: views kept from a use] below.
+
+Gradients that left with their block are `PagedOutGrad`s (`training/grads.py`); their
+accesses are served the same way, except the ones a training loop makes
+between backward and step (zeroing, scaling, norms, GradScaler's unscale),
+which `Pager.grad_op` answers without moving bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from contextlib import ExitStack
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .block import storage_key
+from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
+from .saving import saving
+
+# ------------------------------------------------------------- the classes
+def _names(kind, names):
+    return {getattr(getattr(torch.Tensor, n), kind) for n in names if hasattr(torch.Tensor, n)}
+
+
+# Answered from the tensor object alone: no fetch.
+_METADATA = _names("__get__", [
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "_version", "layout",
+    "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized",
+    "is_mkldnn", "is_nested", "is_mps", "is_xpu", "retains_grad", "output_nr", "itemsize", "nbytes",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "name", "_cdata", "_grad", "_grad_fn",
+]) | _names("__set__", [
+    "grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "name", "_grad",
+]) | {getattr(torch.Tensor, n) for n in [
+    "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "element_size",
+    "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "__len__", "_is_view", "is_inference",
+    "__dir__", "__hash__", "_fix_weakref",
+] if hasattr(torch.Tensor, n)} | {
+    torch.numel, torch.is_floating_point, torch.is_complex,
+} | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
+_DATA_SET = torch.Tensor.data.__set__
+_DATA_GETTER = torch.Tensor.data.__get__
+_GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
+# Views that read no element: answered without a fetch by a view that is
+# itself guarded (and remembered with its segment, so it never dangles).
+_VIEWS = _names("__get__", ["data", "T", "mT"]) | {getattr(torch.Tensor, n) for n in [
+    "detach", "view", "view_as", "t", "transpose", "swapaxes", "permute", "movedim", "unsqueeze",
+    "squeeze", "expand", "expand_as", "narrow", "select", "unflatten", "as_strided", "unbind", "split",
+    "chunk",
+] if hasattr(torch.Tensor, n)} | {getattr(torch, n) for n in [
+    "detach", "t", "transpose", "swapaxes", "permute", "movedim", "unsqueeze", "squeeze", "narrow",
+    "select", "unflatten", "as_strided", "unbind", "split", "chunk",
+] if hasattr(torch, n)}
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    return handle(func, args, kwargs or {})
+
+
+def _deepcopy(self, memo):
+    # Served with the tensor's own class back (these build the copy from
+    # type(self)), so the copy is of that class, never a Guarded one.
+    return serve(lambda: self.__deepcopy__(memo), [self], expose=True)
+
+
+def _reduce_ex(self, proto):
+    return serve(lambda: self.__reduce_ex__(proto), [self], expose=True)
+
+
+class GuardedTensor(torch.Tensor):
+    """The class of a buffer, optimizer-state tensor, gradient or view while its block is not in use."""
+
+    __torch_function__ = classmethod(_torch_function)
+    __deepcopy__ = _deepcopy
+    __reduce_ex__ = _reduce_ex
+
+
+class GuardedParameter(nn.Parameter):
+    """The class of a Parameter while its block is not in use (still a Parameter)."""
+
+    __torch_function__ = classmethod(_torch_function)
+    __deepcopy__ = _deepcopy
+    __reduce_ex__ = _reduce_ex
+
+
+_GUARDS: dict = {torch.Tensor: GuardedTensor, nn.Parameter: GuardedParameter}
+GUARD_TYPES = {GuardedTensor, GuardedParameter}
+STAND_INS: set = set()  # classes that stand for a tensor with no storage (PagedOutGrad, training/grads.py)
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
+
+
+def allow_foreach(*classes) -> None:
+    """Let torch's foreach paths (clip_grad_norm_, optimizers) take our
+    classes: `_has_foreach_support` accepts only exact Tensor and Parameter
+    types, and would send a list holding one guarded tensor down a per-tensor
+    path, one served call per tensor (measured: clip 30 ms instead of 1 ms on
+    a 1B model). The foreach kernels never see them: the list is answered or
+    run by `handle` with the tensors as they are."""
+    import importlib
+
+    # Each keeps its own list (torch.optim's decides foreach vs a loop per
+    # tensor: without ours it would loop, slower and not bitwise the same).
+    for module in ("torch.utils._foreach_utils", "torch.optim.optimizer"):
+        try:
+            supported = getattr(importlib.import_module(module), "_foreach_supported_types", None)
+        except ImportError:
+            continue
+        if isinstance(supported, list):
+            supported.extend(c for c in classes if c not in supported)
+
+
+allow_foreach(GuardedTensor, GuardedParameter)
+
+
+def guard_class(cls):
+    """The guard class for tensors of class `cls` (None if `cls` runs its own
+    `__torch_function__`, which a guard would bypass)."""
+    guard = _GUARDS.get(cls)
+    if guard is None and cls not in GUARD_TYPES:
+        tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        plain = {getattr(f, "__func__", f) for f in _PLAIN_TORCH_FUNCTIONS}
+        if tf in plain:
+            guard = type(f"Guarded{cls.__name__}", (cls,), {
+                "__torch_function__": classmethod(_torch_function), "__deepcopy__": _deepcopy,
+                "__reduce_ex__": _reduce_ex, "__module__": __name__})
+            GUARD_TYPES.add(guard)
+        _GUARDS[cls] = guard
+    return guard
+
+
+# [Note: the class of a tensor in use]
+# A tensor of a block in use has, instead of its own class, a subclass of it
+# that differs in one thing: reading `.data` marks its segment dirty. A write
+# through a `.data` alias (`m.weight.data.mul_(mask)` in a pre-hook) moves no
+# version counter pager sees ([Note: dirty by version counter]), and the alias
+# may be gone before anything could count it, so the read itself is the only
+# sign. The subclass keeps `__torch_function__` disabled, as Parameter does,
+# so every operation takes the same C++ path as on the own class; deepcopy and
+# pickling run with the own class (they build the copy from `type(self)`).
+
+def _data_get(self):
+    entry = TENSORS.get(id(self))
+    if entry is not None:
+        entry[2].force_dirty = True
+    return _DATA_GETTER(self)
+
+
+def _with_own_class(name):
+    def method(self, *args):
+        in_use = type(self)
+        self.__class__ = in_use.own_class
+        try:
+            return getattr(self, name)(*args)
+        finally:
+            self.__class__ = in_use
+
+    return method
+
+
+_IN_USE: dict = {}
+IN_USE_TYPES: set = set()
+
+
+def in_use_class(cls):
+    """The class a tensor of own class `cls` has while its block is in use
+    (see the Note); `cls` itself if `cls` runs its own `__torch_function__`."""
+    in_use = _IN_USE.get(cls)
+    if in_use is None:
+        in_use = cls
+        if guard_class(cls) is not None:  # (the same test: a plain torch function)
+            in_use = type(cls.__name__, (cls,), {
+                "data": property(_data_get, _DATA_SET),
+                "__torch_function__": torch._C._disabled_torch_function_impl,
+                "__deepcopy__": _with_own_class("__deepcopy__"), "__reduce_ex__": _with_own_class("__reduce_ex__"),
+                "own_class": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            IN_USE_TYPES.add(in_use)
+            allow_foreach(in_use)
+        _IN_USE[cls] = in_use
+    return in_use
+
+
+def own_class(t):
+    cls = type(t)
+    return cls.own_class if cls in IN_USE_TYPES else cls
+
+
+def guard(seg) -> None:
+    """Swap the class of every tensor of `seg` (and its live aliases) for its
+    guard. Idempotent."""
+    seg.open = False
+    if not seg.exposed:
+        return
+    seg.exposed = False
+    seg.classes = [_swap_to_guard(t) for t in seg.tensors]
+    live = []
+    for ref, _cls in seg.aliases:
+        t = ref()
+        if t is not None:
+            live.append((ref, _swap_to_guard(t)))
+    seg.aliases = live
+
+
+def expose(seg) -> None:
+    """Give every tensor of `seg` and its live aliases its own class back."""
+    if seg.exposed:
+        return
+    for t, cls in zip(seg.tensors, seg.classes or ()):
+        if cls is not None:
+            t.__class__ = in_use_class(cls)
+    live = []
+    for ref, cls in seg.aliases:
+        t = ref()
+        if t is not None:
+            t.__class__ = cls
+            live.append((ref, cls))
+    seg.aliases = live
+    if live:
+        seg.force_dirty = True  # see the Note: writes through .data escape the version counter
+    seg.exposed = True
+
+
+def open_to_pinning_threads(seg) -> None:
+    """Shared mode: `seg` stays guarded, but the threads that pinned its block
+    pass the guard unserved ([Note: tensors and threads])."""
+    seg.open = True
+    if any(ref() is not None for ref, _cls in seg.aliases):
+        seg.force_dirty = True  # as in `expose`: writes through .data escape the version counter
+
+
+def release(seg) -> None:
+    """At unwrap: the segment's tensors keep their own class for good; views
+    handed out by served accesses (they alias storage about to be freed)
+    stay guarded with no owner, so using one is a clear error."""
+    for t, cls in zip(seg.tensors, seg.classes or ()):
+        if cls is not None:
+            t.__class__ = cls
+    seg.exposed = True
+    for ref, _cls in seg.aliases:
+        t = ref()
+        if t is not None and type(t) not in GUARD_TYPES:
+            _swap_to_guard(t)
+    unregister(seg)
+
+
+def _swap_to_guard(t):
+    cls = own_class(t)
+    guard = guard_class(cls)
+    if guard is None:
+        return None
+    t.__class__ = guard
+    return cls
+
+
+# ------------------------------------------------------------- serving
+def handle(func, args, kwargs):
+    """`__torch_function__` of every paged-out tensor (PagedOutGrad too)."""
+    if func in _METADATA:
+        entry = entry_of(args[0]) if func in _GRAD_SETTERS else None
+        with torch._C.DisableTorchFunctionSubclass():
+            if entry is None:
+                return func(*args, **kwargs)
+            with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
+                return func(*args, **kwargs)
+    tensors = _tensors_of(args, kwargs)
+    sleepers = _unserved(tensors)
+    if sleepers is not None:
+        if func == _DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
+            entry_of(args[0])[2].force_dirty = True
+        result = _run_unserved(func, args, kwargs, sleepers)
+        if result is not _WOKE:
+            return result
+    if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
+        name = _name_of(args[0])
+        raise RuntimeError(
+            f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
+            f"(pager would keep paging the old bytes). Copy into it instead: "
+            f"`with torch.no_grad(): tensor.copy_(new)`, or unwrap, change, and wrap again."
+        )
+    if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
+        raise RuntimeError(
+            "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
+            "model's tensors have their own memory since, and this view has none. Take the view again "
+            "from the unwrapped model."
+        )
+    if func in _VIEWS and not any(type(t) in STAND_INS for t in tensors):
+        return _paged_out_view(func, args, kwargs)
+    if func is torch.Tensor.__repr__:
+        # Printed from a copy, so the guard's class name does not show.
+        return serve(lambda: func(_unguarded_clone(args[0], keep_requires_grad=True), *args[1:], **kwargs),
+                     [args[0]])
+    if func in _NUMPY:
+        # numpy() shares memory, which a page cannot (its storage must stay
+        # resizable): a read-only copy, so a write through it is an error.
+        array = serve(lambda: func(_unguarded_clone(args[0]), *args[1:], **kwargs), [args[0]])
+        array.flags.writeable = False
+        return array
+    owners = owners_of(tensors)
+    if len(owners) == 1:
+        pager, wanted = next(iter(owners.items()))
+        answer = pager.grad_ops.grad_op(func, args, kwargs, wanted)
+        if answer is not NotImplemented:
+            return answer
+    if _is_foreach(func, args) and sum(map(len, owners.values())) > 1:
+        return _serve_foreach(func, args, kwargs)
+    return _serve_owners(owners, lambda: _call(func, args, kwargs), func)
+
+
+# [Note: tensors and threads]
+# Exposing a block in use (its tensors' own class) exposes it to every
+# thread: another thread's read would run unserved, unpinned, and could still
+# be reading when the block is released and evicted. While the process has one
+# Python thread that cannot happen, and a use pays only for the class swaps.
+# Once a second thread exists (checked at each use and served access;
+# `Pager.note_threads`), the pager is in the shared mode for good: a block in
+# use keeps its guard, and the threads that pinned it (`Block.thread_pins`)
+# pass it here unserved (a few microseconds per operation), while any other
+# thread is served (the block pinned for its operation, so it cannot leave
+# under it). A sleeping pager (every block resident, nothing can leave until
+# it wakes) keeps the guard too, and every thread passes it unserved, counted
+# as a reader; waking waits for the readers before anything may leave.
+
+def _unserved(tensors):
+    """Shared mode: may this operation run on `tensors` unserved? Yes if each
+    guarded one's block is pinned by this thread (and open), or its pager
+    sleeps. Returns the sleeping pagers involved (see `_run_unserved`), or
+    None for no."""
+    tid, sleepers, guarded = None, [], False
+    for t in tensors:
+        kind = type(t)
+        if kind in STAND_INS:
+            return None
+        if kind not in GUARD_TYPES:
+            continue
+        entry = entry_of(t)
+        if entry is None:
+            return None
+        pager, block, seg = entry
+        guarded = True
+        if pager.asleep:
+            if pager not in sleepers:
+                sleepers.append(pager)
+            continue
+        if not seg.open:
+            return None
+        if tid is None:
+            tid = threading.get_ident()
+        if not block.thread_pins.get(tid):
+            return None
+    return sleepers if guarded else None
+
+
+_WOKE = object()
+
+
+def _run_unserved(func, args, kwargs, sleepers):
+    """Run an operation unserved. On a sleeping pager it counts as a reader
+    first, then checks the pager still sleeps: `Hooks.wake` clears `asleep` first,
+    then waits for the readers, so no access that began asleep is running when
+    something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
+    me = threading.get_ident()
+    for pager in sleepers:
+        pager.asleep_readers.append(me)
+    try:
+        if not all(pager.asleep for pager in sleepers):
+            return _WOKE
+        if sleepers and torch.is_grad_enabled():  # a graph built outside a forward: count what it saves
+            with unguarded(), saving(count=True):
+                return func(*args, **kwargs)
+        with unguarded():
+            return func(*args, **kwargs)
+    finally:
+        for pager in sleepers:
+            pager.asleep_readers.remove(me)
+
+
+def _tensors_of(args, kwargs) -> list:
+    """The tensors among an operation's arguments. Flat ones directly (a
+    pytree walk costs more than the operation it guards), nested ones through
+    the pytree."""
+    out = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    out.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _is_foreach(func, args) -> bool:
+    return getattr(func, "__name__", "").startswith(("_foreach_", "_amp_foreach_")) and bool(args) and \
+        isinstance(args[0], (list, tuple))
+
+
+def _serve_foreach(func, args, kwargs):
+    """A foreach op over tensors of several blocks, one block at a time (they
+    need not fit the budget together); each element's result is the same as in
+    one call. Lists as long as the first are sliced alongside it."""
+    n = len(args[0])
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == n]
+    groups: dict = {}
+    for k in range(n):
+        owners = owners_of([args[i][k] for i in lists if isinstance(args[i][k], torch.Tensor)])
+        key = tuple((id(p), id(b)) for p, w in owners.items() for b in w)
+        groups.setdefault(key, []).append(k)
+    out = [None] * n
+    returns_list = False
+    for idx in groups.values():
+        part = [[args[i][k] for k in idx] if i in lists else a for i, a in enumerate(args)]
+        tensors = [t for i in lists for t in part[i] if isinstance(t, torch.Tensor)]
+        result = _serve_owners(owners_of(tensors), lambda part=part: _call(func, part, kwargs), func)
+        if isinstance(result, (list, tuple)):
+            returns_list = True
+            for k, r in zip(idx, result):
+                out[k] = r
+    return out if returns_list else None
+
+
+_NUMPY = {torch.Tensor.numpy, torch.Tensor.__array__}
+
+
+def _paged_out_view(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    for r in tree_leaves(result):
+        if isinstance(r, torch.Tensor):
+            entry = entry_of(r)
+            if entry is not None and id(r) not in TENSORS:
+                remember_alias(entry[2], r)
+    return result
+
+
+def _unguarded_clone(t, keep_requires_grad=False):
+    with unguarded():
+        copy = t.detach().clone()
+    return copy.requires_grad_(True) if keep_requires_grad and t.requires_grad else copy
+
+
+def serve(fn, tensors, expose: bool = False):
+    """Run `fn()` with the blocks of `tensors` acquired (fetched on demand)."""
+    return _serve_owners(owners_of(tensors), fn, expose=expose)
+
+
+def _serve_owners(owners, fn, func=None, expose: bool = False):
+    with ExitStack() as stack:
+        for pager, wanted in owners.items():
+            stack.enter_context(pager.serve.serving(wanted, expose))
+        result = fn()
+        for pager, wanted in owners.items():
+            pager.serve.served(wanted, result, writes=func is not None and writes_in_place(func))
+        return result
+
+
+def writes_in_place(func) -> bool:
+    """Does `func` write into its first argument? (By name, as torch names them.)"""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def owners_of(tensors) -> dict:
+    """{pager: {block: set of segment kinds}} for the tensors that belong to a block."""
+    owners: dict = {}
+    for t in tensors:
+        if type(t) in STAND_INS:
+            pager, block, kind = t.pager, t.block, "grads"
+        else:
+            entry = entry_of(t)
+            if entry is None:
+                continue
+            pager, block, seg = entry
+            kind = seg.kind
+        owners.setdefault(pager, {}).setdefault(block, set()).add(kind)
+    return owners
+
+
+def _real(tree):
+    """Replace every PagedOutGrad by the gradient it stands for (its block acquired)."""
+    return tree_map(lambda t: t.current() if type(t) in STAND_INS else t, tree)
+
+
+# Reads that build no graph (and whose output would show the identity node).
+_NO_GRAPH = {"__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__", "__bool__", "__float__",
+             "__int__", "__index__", "__array__", "__len__", "__contains__", "tolist", "item", "numpy",
+             "data_ptr", "untyped_storage", "equal", "allclose"}
+
+
+def _call(func, args, kwargs):
+    """Run `func` on the acquired blocks' tensors. If it builds a graph, its
+    inputs from blocks pass through `PostBackward` (an identity whose backward
+    releases the block), so the backward of this operation holds the block
+    only while it runs, as a block's own forward does."""
+    with unguarded():  # the tensors stay guarded for other threads; this thread's access is pinned
+        return _call_pinned(func, args, kwargs)
+
+
+def _call_pinned(func, args, kwargs):
+    args, kwargs = _real(args), _real(kwargs)
+    if not torch.is_grad_enabled() or writes_in_place(func) or getattr(func, "__name__", "") in _NO_GRAPH:
+        return func(*args, **kwargs)
+    by_block: dict = {}
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            entry = entry_of(t)
+            if entry is not None and entry[1].trainable:
+                by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
+    swap, back = {}, {}
+    for (pager, block), tensors in by_block.items():
+        outs = PostBackward.apply(pager.hooks, block, *tensors.values())
+        swap.update(zip(tensors.keys(), outs))
+        back.update((id(o), t) for o, t in zip(outs, tensors.values()))
+    args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    with saving(count=True):  # what the graph saves is autograd's, not a kept view
+        result = func(*args, **kwargs)
+    # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
+    return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
+
+
+def aliases_in(result, wanted) -> list:
+    """(segment, tensor) for results that alias the storage of a block in `wanted`."""
+    out = []
+    for r in tree_leaves(result):
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in TENSORS:
+            continue  # (a segment's own tensor is no alias)
+        entry = entry_of(r)
+        if entry is not None and entry[1] in wanted:
+            out.append((entry[2], r))
+    return out
+
+
+def remember_alias(seg, t) -> bool:
+    """Track a view of `seg`'s storage: guarded while the segment is, and,
+    while it is in use, a reason to write the segment back (a write through
+    `.data` moves no version counter of the segment's tensors; writes through
+    a guarded view are served and marked then). True if it was new."""
+    new = not any(ref() is t for ref, _cls in seg.aliases)
+    if new:
+        cls = type(t)
+        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
+            cls = _swap_to_guard(t)
+            if cls is None:
+                return False
+        # Dead entries go as new ones come (a block that never leaves is never guarded again).
+        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
+        seg.aliases.append((weakref.ref(t), cls))
+    if seg.exposed or seg.open:
+        seg.force_dirty = True
+    return new
+
+
+def _name_of(t) -> str:
+    entry = entry_of(t)
+    if entry is None:
+        return "a tensor"
+    _pager, block, seg = entry
+    for slot, tensor in zip(seg.slots, seg.tensors):
+        if tensor is t:
+            return f"{slot.name!r} (block {block.name!r})"
+    return f"a view of block {block.name!r}"
+
+
+
+# ------------------------------------------------------------- kept views
+# [Note: views kept from a use]
+# While a block is in use its tensors have their own class, so a view taken
+# then (`self.cache = self.weight.t()` in a forward, `w[:10]` returned as an
+# output, `m.weight.detach()` kept by a forward hook or while the pager
+# sleeps) is an ordinary tensor on the block's storage: after an eviction it
+# would read freed memory. Nothing intercepts its creation (that would cost
+# a Python call per operation of every forward), but every view holds a
+# reference to the storage, so after a use the storage's reference count
+# says how many views exist beyond the block's own tensors and the views
+# pager knows of. Those are either autograd's saved views (F.linear saves
+# `weight.t()`; they are read only by the block's backward, which fetches it)
+# or views a user holds, which must be found and remembered (`remember_alias`:
+# guarded while the block is idle, served like any access). So, when the
+# count exceeds what this kind of use left before: the places a forward keeps
+# things (its outputs, its modules' attributes) are searched, then, if views
+# are still unaccounted for, every Python object (gc; ~10-50 ms, hence only
+# then). What remains is held by autograd (or other C++ code) and becomes the
+# expected excess for this kind of use: a training forward pays for one full
+# search per block, the first time, and then only a reference count. The
+# search of every object needs the process to have one Python thread (see
+# `_python_tensors`). With several, autograd's saved views are counted as
+# they are saved ([Note: autograd's saved views, counted] in training/activations.py), and what remains
+# unaccounted for is a view kept where pager cannot look (or another thread's
+# operation still running on the block), so the block is checked again when
+# it is chosen to leave (nothing runs on it then): if views are still
+# unaccounted for, it stays (`Pager._evict`).
+
+def untracked_refs(seg) -> int:
+    """References to `seg`'s storage beyond its own tensors, known views and
+    the views autograd saved under pager's hooks (training/activations.py)."""
+    alive = sum(1 for ref, _cls in seg.aliases if ref() is not None)
+    if seg.saved:
+        seg.saved = [ref for ref in seg.saved if ref() is not None]
+    return torch._C._storage_Use_Count(seg.storage_key) - seg.base_refs - alive - len(seg.saved)
+
+
+def track_kept_views(segs, places, use, search_all: bool = True, learn: bool = True):
+    """Find and remember views of `segs` made during a use of kind `use`
+    (see the Note); `places` are where to look first (outputs, modules), then,
+    with `search_all`, every Python object. Returns (how many were found, the
+    segments with views still unaccounted for); with `learn`, their count
+    becomes the expected one for this kind of use (autograd's)."""
+    pending = [seg for seg in segs if has_unknown_views(seg, use)]
+    if not pending:
+        return 0, []
+    found = _adopt(pending, _tensors_in(places))
+    pending = [seg for seg in pending if has_unknown_views(seg, use)]
+    if pending and search_all:
+        found += _adopt(pending, _python_tensors())
+        pending = [seg for seg in pending if has_unknown_views(seg, use)]
+    if learn:
+        for seg in pending:
+            seg.expected_refs[use] = untracked_refs(seg)
+    return found, pending
+
+
+def has_unknown_views(seg, use) -> bool:
+    return untracked_refs(seg) > seg.expected_refs.get(use, 0)
+
+
+def _adopt(segs, tensors) -> int:
+    by_key = {seg.storage_key: seg for seg in segs}
+    found = 0
+    for t in tensors:
+        try:
+            seg = by_key.get(storage_key(t))
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a tensor with no storage of its own
+        if seg is not None and t is not seg.flat and id(t) not in TENSORS:  # (not one of its own)
+            found += remember_alias(seg, t)
+    return found
+
+
+def _tensors_in(places):
+    """Tensors among `places`: leaves of outputs, and each module's tensor
+    attributes (directly or in a list, tuple or dict)."""
+    for place in places:
+        if isinstance(place, nn.Module):
+            for key, value in vars(place).items():
+                if key in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    yield value
+                elif isinstance(value, (list, tuple)):
+                    yield from (v for v in value if isinstance(v, torch.Tensor))
+                elif isinstance(value, dict):
+                    yield from (v for v in value.values() if isinstance(v, torch.Tensor))
+        else:
+            yield from (t for t in tree_leaves(place) if isinstance(t, torch.Tensor))
+
+
+def _python_tensors():
+    """Every tensor object alive in Python. Only with no other Python thread
+    running: `gc.get_objects()` also returns objects another thread is still
+    building (a tuple it will resize), whose construction then fails."""
+    is_tensor: dict = {}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        flag = is_tensor.get(kind)
+        if flag is None:
+            flag = is_tensor[kind] = issubclass(kind, torch._C.TensorBase)
+        if flag:
+            yield obj
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward runs once the block's is
+    done: it lets the block go (`Hooks.post_backward`)."""
+
+    @staticmethod
+    def forward(ctx, hooks, block, *tensors):
+        ctx.hooks, ctx.block = hooks, block
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks.post_backward(ctx.block)
+        return (None, None, *grads)

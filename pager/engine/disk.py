@@ -1,0 +1,667 @@
+"""The disk tier: host pages as a cache of files, for models larger than host RAM.
+
+[Note: the disk tier]
+A model loaded with `pager.load(..., host_budget=...)` keeps its pages in a
+fixed amount of pinned host memory (`PageArena`), a cache of the disk:
+
+    disk --read (IO threads)--> host page --h2d (copy stream)--> device
+
+A weights page is first read from the checkpoint itself (byte ranges of its
+files, [Note: reading checkpoints in place] in base/files.py); a page that
+changed since (a training step's write-back, gradients, optimizer state) and
+must leave host memory is spilled to a file of its own in `spill=`
+([Note: crash-safe writes] in base/files.py) and read from there next time.
+
+Reads run on a pool of IO threads, in chunks of `CHUNK_BYTES`, several in
+flight; allocation and eviction of host pages happen only on the threads that
+use blocks (under the engine's lock), so an IO thread only ever fills or
+drains memory it was handed. A fetch to the device waits for the page's read
+(`page_in`); the read ahead (`read_ahead`, from `Pager.prefetch`) starts the
+reads of the next uses, as far as host memory holds them without evicting a
+page needed sooner (Belady, by the owner's schedule), so that the disk is
+read while the GPU computes; the device prefetch does not fetch a block whose
+page is still being read, so the thread that issues kernels never waits on
+the disk unless the disk is behind.
+
+A host page may be reused only after the copies that read it (h2d) or wrote
+it (d2h) are done (`host_event`), and a dirty page only once it is on disk.
+
+[Note: direct reads]
+With `O_DIRECT` a read bypasses the kernel's page cache: it runs at the
+drive's rate and takes no host memory beyond the budget. It needs the file
+offset, the memory address and the length aligned to the logical block
+(`DIRECT_ALIGN` covers 512 and 4096). A checkpoint's tensors start anywhere,
+so the page layout of a loaded block puts each tensor at the same offset
+modulo `DIRECT_ALIGN` as in its file, with a gap before and after
+(`layout_for_files` in base/block.py): the aligned range around the tensor is read
+straight into the page, and the bytes around it land in the gaps. Where the
+filesystem refuses `O_DIRECT` (tmpfs), or a tensor is not aligned to its
+dtype in the file, the read is buffered (and the page cache is told to drop
+what it read).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..base.budget import format_bytes
+from ..base.common import WORKER_PREFIX
+from ..base.files import CheckpointError, fsync_folder
+from ..base.block import DIRECT_ALIGN, align_up
+from .host import HOST_RESERVE_BYTES, _register
+
+log = logging.getLogger("pager")
+
+DIRECT_MIN_BYTES = 256 << 10  # smaller tensors are read buffered, packed without gaps
+CHUNK_BYTES = 16 << 20      # one read or write call (the kernel splits it into many device requests)
+IO_THREADS = 8              # reads and writes in flight
+READS_AHEAD = 4             # segments whose reads the read ahead keeps in flight at most
+READ_AHEAD_USES = 64        # how far down the schedule the read ahead looks
+
+
+def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host memory for `nbytes` starting on a DIRECT_ALIGN boundary: (what
+    was allocated, the aligned view)."""
+    base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -base.data_ptr() % DIRECT_ALIGN
+    return base, base[skip: skip + nbytes]
+
+
+@dataclass
+class Piece:
+    """Where `nbytes` of a page (from `page_offset`) come from: a range of a
+    file (`path`, `file_offset`), or a tensor (`tensor`: in host memory, or
+    mapped from the file `path`)."""
+
+    page_offset: int
+    nbytes: int
+    path: str | None = None
+    file_offset: int = 0
+    tensor: torch.Tensor | None = None
+    name: str = ""        # the tensor's name, for errors
+    padded: bool = False  # the page has room around it for an aligned (direct) read
+
+    @property
+    def lead(self) -> int | None:
+        """Its file offset modulo DIRECT_ALIGN, if a direct read can place it
+        (None: a tensor source, a small tensor, or an offset not aligned to its dtype)."""
+        if self.path is None or self.tensor is not None or self.file_offset % self.itemsize or \
+                self.nbytes < DIRECT_MIN_BYTES:
+            return None
+        return self.file_offset % DIRECT_ALIGN
+
+    itemsize: int = 1
+
+
+class PageArena:
+    """Host memory handed out as aligned pages, first fit: one region of
+    `capacity_bytes` (pinned at first use), or, with None, regions added as
+    pages are asked for (never given back before `close`)."""
+
+    def __init__(self, capacity_bytes: int | None, pin: bool):
+        self.capacity_bytes, self.pin = capacity_bytes, pin
+        self.chunks: list[torch.Tensor] = []  # aligned views
+        self._bases: list[torch.Tensor] = []  # what was allocated (and registered)
+        self.free: list[list] = []            # per chunk: sorted [offset, size]
+        self.reserved_bytes = self.used_bytes = 0
+
+    def allocate(self, nbytes: int, high: bool = False):
+        """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk,
+        offset, tensor), or None. `high`: from the top of the region (pages
+        that come and go), else from the bottom (pages that stay), so that
+        the churn does not cut the room of the ones that stay into pieces."""
+        nbytes = align_up(max(nbytes, 1))
+        for c, holes in enumerate(self.free):
+            for hole in (reversed(holes) if high else holes):
+                if hole[1] >= nbytes:
+                    hole[1] -= nbytes
+                    offset = hole[0] + hole[1] if high else hole[0]
+                    if not high:
+                        hole[0] += nbytes
+                    if not hole[1]:
+                        holes.remove(hole)
+                    self.used_bytes += nbytes
+                    return c, offset, self.chunks[c][offset: offset + nbytes]
+        if self.capacity_bytes is not None:
+            if self.chunks or nbytes > self.capacity_bytes:
+                return None
+            self._new_chunk(align_up(self.capacity_bytes))
+        else:
+            self._new_chunk(max(1 << 30, nbytes))
+        return self.allocate(nbytes, high)
+
+    def release(self, c: int, offset: int, nbytes: int) -> None:
+        nbytes = align_up(max(nbytes, 1))
+        holes = self.free[c]
+        holes.append([offset, nbytes])
+        holes.sort()
+        merged = [holes[0]]
+        for hole in holes[1:]:
+            if merged[-1][0] + merged[-1][1] == hole[0]:
+                merged[-1][1] += hole[1]
+            else:
+                merged.append(hole)
+        self.free[c] = merged
+        self.used_bytes -= nbytes
+
+    def _new_chunk(self, nbytes: int) -> None:
+        base, chunk = aligned_empty(nbytes)
+        if self.pin:
+            _register(base)
+        self._bases.append(base)
+        self.chunks.append(chunk)
+        self.free.append([[0, nbytes]])
+        self.reserved_bytes += nbytes
+
+    def close(self) -> None:
+        if self.pin:
+            for base in self._bases:
+                torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+        self._bases.clear()
+        self.chunks.clear()
+        self.free.clear()
+        self.reserved_bytes = self.used_bytes = 0
+
+
+class Files:
+    """Open files: a direct (O_DIRECT) and a buffered descriptor per path."""
+
+    def __init__(self):
+        self._fds: dict = {}
+        self._lock = threading.Lock()
+
+    def fds(self, path: str) -> tuple:
+        with self._lock:
+            fds = self._fds.get(path)
+            if fds is None:
+                buffered = os.open(path, os.O_RDONLY)
+                try:
+                    direct = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") \
+                        else None
+                except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
+                    direct = None
+                fds = self._fds[path] = [direct, buffered]
+            return fds
+
+    def forget(self, path: str) -> None:
+        """Close `path`'s descriptors: the file was replaced (a new spill of its page)."""
+        with self._lock:
+            for fd in self._fds.pop(path, ()):
+                if fd is not None:
+                    os.close(fd)
+
+    def no_direct(self, path: str) -> None:
+        with self._lock:
+            fds = self._fds[path]
+            if fds[0] is not None:
+                os.close(fds[0])
+                fds[0] = None
+
+    def close(self) -> None:
+        with self._lock:
+            for fds in self._fds.values():
+                for fd in fds:
+                    if fd is not None:
+                        os.close(fd)
+            self._fds.clear()
+
+
+def _buffer(t: torch.Tensor, offset: int, nbytes: int):
+    """A writable memoryview of `nbytes` of uint8 tensor `t` from `offset`."""
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr() + offset)).cast("B")
+
+
+def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: int) -> tuple[int, bool]:
+    """Fill bytes [start, end) of `piece` (relative to the piece) into `page`;
+    returns the bytes read from disk, and whether the read was direct."""
+    if piece.tensor is not None:
+        flat = piece.tensor.detach().reshape(-1).view(torch.uint8)
+        page[piece.page_offset + start: piece.page_offset + end].copy_(flat[start:end])
+        return (end - start if piece.path is not None else 0), False  # (a mapped file's pages were read)
+    direct, buffered = files.fds(piece.path)
+    file_at, page_at = piece.file_offset + start, piece.page_offset + start
+    lead = file_at % DIRECT_ALIGN
+    if direct is not None and piece.padded and (page.data_ptr() + page_at) % DIRECT_ALIGN == lead:
+        # Aligned around the range: its gaps take the extra bytes ([Note: direct reads]).
+        length = align_up(lead + end - start)
+        try:
+            got = _pread(direct, page, page_at - lead, length, file_at - lead)
+        except OSError as e:
+            if e.errno != 22:  # EINVAL: O_DIRECT accepted at open, refused at read
+                raise
+            files.no_direct(piece.path)
+            log.info("pager: %s refuses direct reads; reading it through the page cache", piece.path)
+        else:
+            _check_length(piece, got - lead, end - start, file_at)
+            return end - start, True
+    got = _pread(buffered, page, page_at, end - start, file_at)
+    _check_length(piece, got, end - start, file_at)
+    os.posix_fadvise(buffered, file_at, end - start, os.POSIX_FADV_DONTNEED)  # keep the budget honest
+    return end - start, False
+
+
+def _pread(fd: int, page: torch.Tensor, page_at: int, length: int, file_at: int) -> int:
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [_buffer(page, page_at + done, length - done)], file_at + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _check_length(piece: Piece, got: int, wanted: int, file_at: int) -> None:
+    if got < wanted:
+        raise CheckpointError(
+            f"pager: {piece.path!r}: reading {piece.name!r} at offset {file_at} gave {max(got, 0)} of "
+            f"{wanted} bytes: the file ends early (it was truncated after it was opened).")
+
+
+def write_page(page: torch.Tensor, nbytes: int, path: str) -> None:
+    """Write `nbytes` of `page` to `path`, crash-safe ([Note: crash-safe writes])."""
+    tmp = path + ".tmp"
+    length = align_up(nbytes)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(tmp, flags | getattr(os, "O_DIRECT", 0))
+        direct = hasattr(os, "O_DIRECT")
+    except OSError:
+        fd, direct = os.open(tmp, flags), False
+    try:
+        done = 0
+        while done < length:
+            step = min(CHUNK_BYTES, length - done)
+            try:
+                done += os.pwritev(fd, [_buffer(page, done, step)], done)
+            except OSError as e:
+                if not direct or e.errno != 22:
+                    raise
+                os.close(fd)
+                fd, direct = os.open(tmp, os.O_WRONLY), False
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_folder(os.path.dirname(path))
+
+
+class _Read:
+    """A segment's read in flight: its chunks' futures."""
+
+    def __init__(self, futures):
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+class DiskTier:
+    """One model's pages below host memory: a host cache of `capacity_bytes`
+    over the checkpoint files and the spill folder ([Note: the disk tier]).
+
+    Args:
+        owner: the model's `Pager` (its counters, schedule and lock).
+        capacity_bytes: pinned host bytes for pages; None: as many as needed
+            (every page read once, then kept).
+        spill: the folder for pages that changed (training), or None.
+        pin: page-lock the host memory (CUDA).
+    """
+
+    def __init__(self, owner, capacity_bytes: int | None, spill: str | None, pin: bool):
+        self.owner = owner
+        self.capacity_bytes = capacity_bytes
+        self.arena = PageArena(capacity_bytes, pin)
+        self.spill = spill
+        self.files = Files()
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"{WORKER_PREFIX}io")
+        self.pages: dict = {}     # segment -> (chunk, offset): pages in host memory, least recently used first
+        self.reading: dict = {}   # segment -> _Read
+        self.writing: dict = {}   # segment -> [future, free_after]
+        self.blocks: dict = {}    # segment -> its block
+        self._io_lock = threading.Lock()
+        self._busy, self._busy_since = 0, 0.0
+        self.kept: set = set()    # weights pages that stay in host memory ([Note: a kept set in host memory])
+        self._kept_plan = None    # the schedule's plan they were chosen for
+
+    # ---------------------------------------------------------------- segments
+    def attach(self, block, seg, pieces: list[Piece] | None) -> None:
+        """`seg` is new: its bytes are `pieces` (weights from a checkpoint) or
+        nowhere yet (gradients, optimizer state)."""
+        seg.host, seg.disk, seg.cache = None, pieces, self
+        self.blocks[seg] = block
+
+    def page_in(self, seg) -> None:
+        """`seg.host` holds the page's bytes (read now, or waited for)."""
+        self._collect()
+        counters = self.owner.counters
+        if seg in self.writing:
+            # Needed again while being spilled: it stays in host memory, and
+            # the write ends first (a caller may change the page next).
+            self.writing[seg][1] = False
+            self.writing[seg][0].result()
+            self._collect()
+        if seg.host is not None and seg not in self.reading:
+            counters.host_hits += 1
+            self.pages[seg] = self.pages.pop(seg)
+            return
+        counters.host_misses += 1
+        t0 = time.perf_counter()
+        if seg not in self.reading:
+            self._start_read(seg, demand=True)
+        read = self.reading.pop(seg, None)
+        if read is not None:
+            read.result()
+        counters.host_wait_seconds += time.perf_counter() - t0
+
+    def readable(self, seg) -> torch.Tensor:
+        """`seg`'s page bytes: its host page, or (not in host memory) a copy
+        read into a buffer of its own, so that reading never evicts."""
+        self._collect()
+        if seg in self.reading:
+            self.reading.pop(seg).result()
+        if seg.host is not None or not self._needs_read(seg):
+            return seg.host if seg.host is not None else torch.zeros(seg.nbytes, dtype=torch.uint8)
+        _base, buffer = aligned_empty(align_up(seg.nbytes))
+        for piece in seg.disk:
+            self.owner.counters.disk_read_bytes += read_range(self.files, buffer, piece, 0, piece.nbytes)[0]
+        return buffer[: seg.nbytes]
+
+    def ready(self, seg) -> bool:
+        """A fetch of `seg` would not wait on the disk."""
+        self._collect()
+        return seg.host is not None and seg not in self.reading or not self._needs_read(seg)
+
+    def page_for_write(self, seg) -> None:
+        """`seg.host` is a page about to be overwritten whole (a write-back)."""
+        self._collect()
+        if seg in self.writing:  # a spill of the old bytes still running: let it end first
+            self.writing.pop(seg)[0].result()
+            self._collect()
+        if seg in self.reading:
+            self.reading.pop(seg).result()
+        if seg.host is None:
+            self._place(seg, demand=True)
+
+    def written(self, seg, event) -> None:
+        """`seg.host` got new bytes (on CUDA: once `event` is done); the disk's are stale."""
+        seg.host_dirty = True
+        seg.host_event = event
+
+    def used(self, seg, event) -> None:
+        """A copy reads `seg.host` until `event` (CUDA) is done."""
+        seg.host_event = event
+
+    def read_ahead(self, uses) -> None:
+        """Start reads of the pages of the upcoming `uses` ((block, kinds) pairs)
+        that host memory holds without evicting a page needed sooner."""
+        self._collect()
+        self._choose_kept()
+        for distance, (block, kinds) in enumerate(uses):
+            if distance >= READ_AHEAD_USES or len(self.reading) >= READS_AHEAD:
+                return
+            for b in [*block.deps, block]:
+                for kind, seg in b.segments.items():
+                    if (b is not block and kind != "weights") or kind not in kinds or seg.resident:
+                        continue
+                    if seg.host is None and seg not in self.reading and self._needs_read(seg):
+                        if not self._start_read(seg, demand=False, distance=distance):
+                            return
+
+    def settle(self) -> None:
+        """Let the reads and spills in flight end: their bytes are counted as
+        they end, so that counters reset after this count only later work."""
+        for read in list(self.reading.values()):
+            read.result()
+        for future, _free in list(self.writing.values()):
+            future.result()
+        self._collect()
+
+    def read_all(self, blocks) -> None:
+        """Start reading the weights pages of `blocks`, in this order (the
+        reads queue on the IO threads): host memory holds every page."""
+        for block in blocks:
+            seg = block.segments["weights"]
+            if self._needs_read(seg) and seg not in self.reading:
+                self._start_read(seg, demand=False)
+
+    def peak_gbps(self, nbytes: int = 1 << 30) -> float:
+        """The sequential read rate of the largest checkpoint file (up to
+        `nbytes` of it, direct reads of CHUNK_BYTES on the IO threads, the
+        page cache dropped first), measured once: the ceiling for reads."""
+        if getattr(self, "_peak_gbps", None) is None:
+            paths = {p.path for seg in self.blocks for p in (seg.disk or ()) if p.path and p.tensor is None}
+            path = max(paths, key=os.path.getsize)
+            size = min(nbytes, os.path.getsize(path))
+            fd = self.files.fds(path)[1]
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            local = threading.local()  # a scratch buffer per IO thread
+
+            def read(at):
+                if not hasattr(local, "buffer"):
+                    local.buffer = aligned_empty(CHUNK_BYTES)[1]
+                n = min(CHUNK_BYTES, size - at)
+                read_range(self.files, local.buffer, Piece(0, n, path, at, padded=True), 0, n)
+
+            t0 = time.perf_counter()
+            list(self.pool.map(read, range(0, size, CHUNK_BYTES)))
+            self._peak_gbps = size / (time.perf_counter() - t0) / 1e9
+        return self._peak_gbps
+
+    def close(self) -> None:
+        """Let every read and write end, free host memory, close files, drop spilled pages."""
+        for read in self.reading.values():
+            for f in read.futures:
+                f.exception()
+        for future, _free in self.writing.values():
+            future.exception()
+        self.pool.shutdown(wait=True)
+        self.files.close()
+        self.arena.close()
+        for seg in self.blocks:
+            if seg.disk and seg.disk[0].path and seg.disk[0].path.startswith(self.spill or "\0"):
+                try:
+                    os.remove(seg.disk[0].path)
+                except OSError:
+                    pass
+        self.pages.clear()
+        self.reading.clear()
+        self.writing.clear()
+
+    # ---------------------------------------------------------------- inside
+    def _choose_kept(self) -> None:
+        """[Note: a kept set in host memory]
+        Evicting the page needed furthest ahead (Belady) is optimal for
+        demand reads, but with reads ahead it slides: each read ahead evicts
+        the page used last, which in a cyclic order (a layer stack, forward
+        after forward) is needed again only after all the others, so every
+        page comes from disk on every pass. As the device does with its kept
+        set ([Note: why next use, and a kept set] in engine/schedule.py), host
+        memory keeps a fixed set of weights pages, the first in the plan
+        that fit beside a streaming window of two of the largest pages (one
+        read while the other is copied up), and the rest stream through the
+        window: a pass reads the model less the kept set. Blocks the device
+        keeps need no host page. Only a use that needs room now evicts a kept page."""
+        scheduler = self.owner.scheduler
+        if self.capacity_bytes is None or scheduler.plan is self._kept_plan:
+            return
+        self._kept_plan = scheduler.plan
+        blocks = list(dict.fromkeys(b for b, _k in scheduler.plan))
+        streamed = [b.segments["weights"] for b in blocks if not b.resident_for_life and b not in scheduler.kept]
+        room = self.capacity_bytes - 2 * max((s.nbytes for s in streamed), default=0)
+        self.kept, used = set(), 0
+        for seg in streamed:
+            if used + align_up(seg.nbytes) <= room:
+                self.kept.add(seg)
+                used += align_up(seg.nbytes)
+
+    @staticmethod
+    def _needs_read(seg) -> bool:
+        return seg.host is None and seg.host_valid and seg.disk is not None
+
+    def _start_read(self, seg, demand: bool, distance: float = 0) -> bool:
+        if not self._place(seg, demand, distance):
+            return False
+        if seg.disk is None:
+            return True  # nothing on disk yet (a page that never left host memory holds nothing)
+        page = seg.host
+        futures = [self.pool.submit(self._read_chunk, page, piece, start, min(piece.nbytes, start + CHUNK_BYTES))
+                   for piece in seg.disk for start in range(0, piece.nbytes, CHUNK_BYTES)]
+        self.reading[seg] = _Read(futures)
+        return True
+
+    def _read_chunk(self, page, piece, start, end) -> None:
+        self._io_started()
+        try:
+            n, direct = read_range(self.files, page, piece, start, end)
+        finally:
+            self._io_ended()
+        with self._io_lock:
+            self.owner.counters.disk_read_bytes += n
+            self.owner.counters.disk_direct_bytes += n if direct else 0
+
+    def _io_started(self) -> None:
+        with self._io_lock:
+            if not self._busy:
+                self._busy_since = time.perf_counter()
+            self._busy += 1
+
+    def _io_ended(self) -> None:
+        with self._io_lock:
+            self._busy -= 1
+            if not self._busy:
+                self.owner.counters.disk_read_seconds += time.perf_counter() - self._busy_since
+
+    def _collect(self) -> None:
+        """Reads and spills that ended: their pages settle."""
+        for seg in [s for s, r in self.reading.items() if r.done()]:
+            self.reading.pop(seg).result()  # (raises a read's error here, on the using thread)
+        for seg in [s for s, (f, _free) in self.writing.items() if f.done()]:
+            future, free_after = self.writing.pop(seg)
+            future.result()
+            path = self._spill_path(seg)
+            self.files.forget(path)  # (descriptors open on the file it replaced would read the old bytes)
+            seg.disk = [Piece(0, align_up(seg.nbytes), path, 0, padded=True)]
+            seg.host_dirty = False
+            if free_after:
+                self._drop(seg)
+
+    def _place(self, seg, demand: bool, distance: float = 0) -> bool:
+        """Host memory for `seg`'s page, evicting others: for `demand` any
+        page that may leave; for a read ahead only clean pages needed after
+        `distance` uses. False if there is none."""
+        while True:
+            got = self.arena.allocate(seg.nbytes, high=seg not in self.kept)
+            if got is not None:
+                c, offset, page = got
+                seg.host = page[: seg.nbytes]  # (the page's memory runs on to the alignment: direct I/O uses it)
+                self.pages[seg] = (c, offset)
+                return True
+            victim = self._victim(seg, demand, distance)
+            if victim is None:
+                if not demand:
+                    return False
+                if self.writing:  # dirty pages on their way out: their memory comes back
+                    future, _free = next(iter(self.writing.values()))
+                    future.result()
+                    self._collect()
+                    continue
+                raise self._no_room(seg)
+            if victim in self.reading:  # (a use needs the room now: the read ahead gives way)
+                self.reading.pop(victim).result()
+            if victim.host_dirty:
+                self._spill_out(victim)  # its memory comes back once it is written
+                if not demand:
+                    return False
+            else:
+                self._drop(victim)
+
+    def _victim(self, seg, demand: bool, distance: float):
+        best, best_key = None, None
+        for other in self.pages:
+            if other is seg or other in self.writing or (other in self.reading and not demand):
+                continue
+            if other.host_dirty and self.spill is None:
+                continue
+            if other.host_event is not None and not demand and not other.host_dirty and not other.host_event.query():
+                continue  # (a read ahead does not wait on copies; a dirty page's spill waits for its own)
+            if other in self.kept and not demand:
+                continue
+            block = self.blocks[other]
+            far = other.resident and (block.resident_for_life or block in block.owner.scheduler.kept)
+            key = float("inf") if far else block.owner.scheduler.distance_to(block)
+            if other in self.kept:
+                key = -1.0  # (a use that needs the room now takes it last)
+            if not demand and key <= distance:
+                continue
+            if best_key is None or key > best_key:
+                best, best_key = other, key
+        return best
+
+    def _drop(self, seg) -> None:
+        """Give `seg`'s host memory back (its bytes are on disk, or not wanted)."""
+        if seg.host_event is not None:
+            seg.host_event.synchronize()  # a copy may still read or write the page
+        c, offset = self.pages.pop(seg)
+        self.arena.release(c, offset, seg.nbytes)
+        seg.host, seg.host_event = None, None
+
+    def _spill_out(self, seg) -> None:
+        """Start writing dirty `seg` to its spill file; its memory is freed once written."""
+        event = seg.host_event
+        path = self._spill_path(seg)
+
+        def write():
+            if event is not None:
+                event.synchronize()  # the write-back into the page must have landed
+            t0 = time.perf_counter()
+            write_page(seg.host, seg.nbytes, path)
+            with self._io_lock:
+                self.owner.counters.disk_write_bytes += align_up(seg.nbytes)
+                self.owner.counters.disk_write_seconds += time.perf_counter() - t0
+                self.owner.counters.spills += 1
+
+        self.writing[seg] = [self.pool.submit(write), True]
+
+    def _spill_path(self, seg) -> str:
+        block = self.blocks[seg]
+        return os.path.join(self.spill, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', block.name)}.{seg.kind}.page")
+
+    def _no_room(self, seg) -> MemoryError:
+        dirty = sum(s.nbytes for s in self.pages if s.host_dirty)
+        fix = ("pass spill=\"folder\" to pager.load so that changed pages (training) can leave host memory, or "
+               if dirty and self.spill is None else "")
+        return MemoryError(
+            f"pager: host_budget={format_bytes(self.capacity_bytes)} cannot hold the {seg.kind} page of "
+            f"{self.blocks[seg].name!r} ({format_bytes(seg.nbytes)}): pages in use or changed hold "
+            f"{format_bytes(self.arena.used_bytes)} ({format_bytes(dirty)} changed since they were read); "
+            f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state).")
+
+
+def check_host_budget(capacity_bytes: int, largest_bytes: int) -> None:
+    """Refuse a host budget that cannot hold two of the largest pages, or
+    that host RAM cannot hold."""
+    import psutil
+
+    if capacity_bytes < 2 * largest_bytes:
+        raise ValueError(
+            f"pager: host_budget={format_bytes(capacity_bytes)} holds fewer than two of the largest block's pages "
+            f"({format_bytes(largest_bytes)} each): one is read while another is copied to the device. Give "
+            f"host_budget of at least {format_bytes(2 * largest_bytes)}.")
+    available = psutil.virtual_memory().available
+    if capacity_bytes + HOST_RESERVE_BYTES > available:
+        raise MemoryError(
+            f"pager: host_budget={format_bytes(capacity_bytes)} is more than the {format_bytes(available)} of host "
+            f"memory available (pager leaves {format_bytes(HOST_RESERVE_BYTES)} to the rest); give a smaller one.")

@@ -1,0 +1,734 @@
+"""The residency engine: what is where, what is in flight, what may leave,
+and how bytes move. One per device budget; several pagers (models) may share it.
+
+[Note: the residency engine]
+The engine owns the budget, the bytes resident and in flight, the ordered set
+of resident blocks, the copy streams (through the transport) and the tier
+under the device (`engine/tiers.py`). Each segment's residency is one explicit state:
+
+    HOST --fetch--> FETCHING --wait--> RESIDENT --evict--> WRITING_BACK --fetch--> FETCHING
+                                                  \\--evict (clean, or CPU)--> HOST
+
+`fetch` allocates device memory and enqueues the copy up; `wait` orders
+compute after it; `evict` writes dirty pages back and frees the memory; a
+fetch of a page still being written back orders its copy after the write-back.
+Pins (a block in use) keep a block from leaving. Every transition is one
+method, and each is a no-op on a segment already in the state it leads to.
+
+What a block's bytes mean (guards on its tensors, gradients paged out as
+stand-ins, deferred optimizer updates, activations that share the budget) is
+its owner's business: the engine calls the owner (`block.owner`, a `Pager`)
+through the few methods listed in `Owner`, and never the other way round
+except through the public methods here.
+
+[Note: stream discipline]
+Written once, in `engine/transport.py` ([Note: events, not record_stream]): device
+memory of a block is allocated on the h2d stream and freed from the host
+after the h2d stream has waited for the block's last use on compute and its
+write-back on the d2h stream; compute waits on a block's fetch event before
+reading it (`wait`); a write-back waits on the block's last use (`evict`).
+No host synchronisation in any of it, except on the out-of-memory path.
+
+[Note: waiting for room]
+Several threads may use blocks at once (a server's requests, one model or
+several on one engine). A use that needs room which blocks in use by other
+threads hold waits for them (the lock let go) instead of failing: the room
+comes back as soon as one of them is released. Waiters are served in the
+order they came (a first-come queue), except that a thread holding blocks
+itself goes first (it is mid-use; making it queue behind a thread that waits
+for its room would deadlock). A use fails at once with a BudgetError where
+waiting cannot help: the room is held by this thread alone, or by nothing
+that will be released (views kept, a graph held), or every thread holding
+room is itself waiting (a deadlock, broken by failing the thread that finds
+it); and after `wait_seconds` with a BudgetError that says who holds what.
+
+[Note: sharing the room]
+With several models on one engine, each model's kept set (the blocks that
+stay across its forwards, [Note: why next use, and a kept set]) is chosen in
+its share of the room: what every model holds for life, plus a streaming
+window of two of the largest blocks, plus the rest in proportion to the
+bytes each model used in the last `SHARE_WINDOW` requests (requests counted
+as root forwards, each weighed by the model's bytes). A model that sits idle
+drops out of the window and lends its room; alternating models get equal
+shares. Blocks of a model with no forward in flight are evicted before those
+of one running, so the streamed blocks an idle model left behind make room
+first. A model's prefetch, once its own step holds nothing more to fetch,
+goes on into the plan of the model predicted to come next (the one that
+followed it last time), and kept sets sit at the end of each plan: the
+streamed blocks of the next request land while this one runs its kept tail
+(on the H100, two 7B-shaped models alternating under 1.5 models' budget,
+the copy engine had idled through each request's kept stretch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from ..base.block import PageState, Segment, layout, layout_for_files, storage_key
+from ..base.budget import format_bytes
+from ..base.common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
+from ..codec.compress import encode
+from .meter import Meter
+from .tiers import HostTier
+from .transport import CpuTransport, CudaTransport
+
+log = logging.getLogger("pager")
+
+
+class Owner(Protocol):
+    """What the engine asks of a block's owner; `Pager` implements it.
+
+    The engine keeps `resident_bytes` and `total_bytes` (the owner's share of
+    its own) up to date, and reads the rest.
+    """
+
+    resident_bytes: int
+    total_bytes: int
+    counters: object   # a `Stats`: copy bytes and seconds, evictions, peaks
+    tracer: object     # a `Tracer`: spans of fetches, waits and write-backs
+    scheduler: object  # a `Scheduler`: `distance_to(block)`, `kept`
+    least_room: int    # the least room its blocks run in
+    min_budget_bytes: int  # the least budget it runs in alone
+    name: str          # how messages and the pool name it
+    carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
+    row_bytes: int  # device bytes of its row tables' caches, held out of the room
+
+    def fixed_bytes(self) -> int:
+        """Device bytes of its blocks that stay for life (its remainder, blocks it uses)."""
+
+    def evictions_blocked(self) -> bool:
+        """Nothing of this owner may leave now (a forward runs without hooks)."""
+
+    def busy(self) -> bool:
+        """A forward (or backward) of this owner is in flight."""
+
+    def blocking_threads(self) -> set:
+        """Threads whose forwards keep this owner's blocks from leaving
+        (`evictions_blocked`) until they end."""
+
+    def activation_reserve_bytes(self):
+        """Device bytes its activations take from the budget, or None if it
+        does not page activations (the budget is then its blocks')."""
+
+    def grads_arriving(self, block, seg) -> None:
+        """A grads page is about to be fetched: set `seg.host_valid` to whether
+        its page holds a gradient still wanted (else nothing is copied)."""
+
+    def may_leave(self, block) -> bool:
+        """`block` was chosen to leave: False if it must stay after all."""
+
+    def leave_after(self, block, ready):
+        """The event its pages' write-back and the reuse of their memory wait
+        for: `ready` (compute is done with them), or later (an all-reduce of
+        its gradients in flight: [Note: a block is the bucket] in training/distributed.py)."""
+
+    def pages_leaving(self, block) -> None:
+        """Before the write-back is ordered: put values that live elsewhere
+        (gradients autograd put beside the page) into the pages."""
+
+    def page_leaving(self, block, seg, ready, dirty: bool) -> bool:
+        """Whether `seg`'s device bytes must be written back (`dirty`: they
+        changed since the fetch); `ready` orders reads after compute."""
+
+    def left(self, block) -> None:
+        """`block` has left the device."""
+
+    def blocks_moved(self) -> None:
+        """The engine's resident bytes changed."""
+
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        """Log a warning once per owner."""
+
+
+class Engine:
+    """The budget and the residency of every block of its owners.
+
+    Args:
+        device: the device the blocks run on ("cpu" stands for a device with a
+            separate host copy: same code, synchronous copies).
+        budget_bytes: device bytes for blocks (and, where owners page them,
+            activations).
+        pin: page-lock the host tier (CUDA only).
+        wait_seconds: how long a use waits for room held by other threads
+            before it fails ([Note: waiting for room]).
+    """
+
+    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
+                 wait_seconds: float = ROOM_WAIT_SECONDS):
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.wait_seconds = wait_seconds
+        self.pool = None  # the `Pool` this engine serves, if it was made for one
+        self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
+        self.host = HostTier(self.transport, pin=pin and device.type == "cuda")
+        self.owners: list = []
+        self.resident: dict = {}  # ordered set of blocks with device bytes, oldest first
+        self.resident_bytes = 0
+        self.total_bytes = 0      # of every segment of every owner
+        # One lock for every owner (see [Note: threads] in base/common.py): a
+        # transition of one owner's block may evict another's.
+        self.lock = threading.RLock()
+        self.room = threading.Condition(self.lock)  # notified when room may have come back
+        self.queue: deque = deque()  # threads waiting for room, first come first ([Note: waiting for room])
+        self.waits = 0  # uses that waited for room
+        self.waited_seconds = 0.0
+        self.timeouts = 0
+        self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
+        self.peak_resident_bytes = 0
+        self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.device}, budget {format_bytes(self.budget_bytes)}, "
+                f"{len(self.owners)} model(s), {format_bytes(self.resident_bytes)} resident)")
+
+    def fixed_bytes(self) -> int:
+        """Device bytes that stay for life (owners' remainders and the blocks they use)."""
+        return sum(o.fixed_bytes() for o in self.owners)
+
+    def least_budget(self) -> int:
+        """The least budget its owners run in together: what each holds for
+        life, and room for the one whose largest use needs most beside it."""
+        return self.fixed_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners),
+                                        default=0)
+
+    # ---------------------------------------------------------- segments
+    def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None,
+                    pieces: list | None = None) -> Segment:
+        """A new segment of `block` for `named` tensors: a page in the host tier
+        and an empty device storage of the same layout. With `values`, the
+        tensors' current values go into the page (encoded by `codec`, if it
+        makes the page smaller: [Note: compressed pages] in codec/compress.py) and
+        the tensors become views of the device storage ([Note: identity by
+        storage resize] in base/block.py); with `pieces` (one `_disk.Piece` per
+        tensor: a checkpoint's bytes), so do they, and the disk tier reads
+        the page when it is first needed; without either, the segment's own
+        tensors are new views of it (gradients, optimizer state), its page
+        holding nothing yet."""
+        if pieces is not None:
+            slots, nbytes = layout_for_files(named, [p.lead for p in pieces])
+            for slot, piece in zip(slots, pieces):
+                piece.page_offset, piece.padded = slot.offset, piece.lead is not None
+            host, encoded = None, None
+        else:
+            slots, nbytes = layout(named)
+            host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
+                self.host.hold(block.owner, nbytes), None)
+        flat = self.transport.new_flat(nbytes)
+        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded,
+                      shared=self.host.is_shared(block.owner, host))
+        disk = self.host.disks.get(block.owner)
+        if disk is not None:
+            disk.attach(block, seg, pieces)
+        self.transport.allocate(flat, nbytes)
+        if values or pieces is not None:
+            for slot, (_n, t) in zip(slots, named):
+                t.data = slot.view_of(flat)
+            seg.tensors = [t for _n, t in named]
+        else:
+            seg.tensors = [s.view_of(flat) for s in slots]
+        self.transport.free(flat)
+        block.segments[kind] = seg
+        self._count_total(block.owner, nbytes)
+        return seg
+
+    def _page_of(self, block, slots, nbytes: int, named: list, codec):
+        """A page holding `named` tensors' values, and how it is encoded (None: plain)."""
+        if codec is None:
+            host = self.host.hold(block.owner, nbytes)
+            for slot, (_n, t) in zip(slots, named):
+                slot.view_of(host).copy_(t.detach())
+            return host, None
+        plain = torch.zeros(nbytes, dtype=torch.uint8)
+        for slot, (_n, t) in zip(slots, named):
+            slot.view_of(plain).copy_(t.detach())
+        done = encode(codec, slots, plain, self.device if self.transport.is_cuda else None)
+        if done is None:  # it would not be smaller: plain
+            host = self.host.hold(block.owner, nbytes)
+            host[:nbytes].copy_(plain)
+            return host, None
+        encoded, page = done
+        host = self.host.hold(block.owner, encoded.page_bytes)
+        host[: encoded.page_bytes].copy_(page)
+        self.transport.ensure_staging(encoded.staging_bytes)
+        return host, encoded
+
+    def _count_total(self, owner, nbytes: int) -> None:
+        self.total_bytes += nbytes
+        owner.total_bytes += nbytes
+
+    def _count_resident(self, block, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        block.owner.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    # ---------------------------------------------------------- pins
+    def pin(self, block) -> None:
+        block.pins += 1
+        tid = threading.get_ident()
+        block.thread_pins[tid] = block.thread_pins.get(tid, 0) + 1
+
+    def unpin(self, block) -> None:
+        block.pins -= 1
+        tid = threading.get_ident()
+        n = block.thread_pins.pop(tid, 0)
+        if n > 1:
+            block.thread_pins[tid] = n - 1
+        elif n == 0 or block.pins == 0:
+            # Released by another thread than took it (or by the last): no
+            # thread keeps the unserved path it may no longer have.
+            block.thread_pins.clear()
+
+    def idle(self, block, mark: bool = True) -> None:
+        """`block`'s last pin is gone: from the end of compute enqueued so far,
+        its memory may be reused (`mark`; without, an eviction orders itself
+        after a fresh event: see [Note: the last use, or a fresh event])."""
+        self.room_may_be_back()
+        block.last_use_event = self.transport.record_compute() if mark else None
+        if mark:
+            block.release_versions = block.versions()
+
+    # ---------------------------------------------------------- transitions
+    def bring(self, block, kinds, all_resident: bool = False) -> bool:
+        """Pin `block` and make `kinds` of it usable by compute: room made,
+        fetched, compute ordered after the fetch. True if bytes were copied
+        for this call (a miss). On failure nothing stays pinned."""
+        missing = 0 if all_resident else block.missing_bytes(kinds)
+        self.pin(block)
+        try:
+            if missing:
+                with _record_range(f"pager::fetch[{block.name}]"):
+                    missing = self._room_for_use(block, kinds)
+                    self.fetch(block, kinds)
+        except BaseException:
+            self.unpin(block)
+            raise
+        moved = bool(missing and block.fetched_data)
+        self.wait(block)
+        return moved
+
+    def fetch(self, block, kinds) -> None:
+        """HOST or WRITING_BACK -> FETCHING for each of `kinds` not on the
+        device: memory allocated (the room made by the caller), the page's
+        copy up enqueued. Compute has not waited yet (`wait`)."""
+        block.settled = False  # until an acquire has ordered compute after this fetch
+        owner = block.owner
+        allocated, moved, decoded, nbytes, first, end = False, False, False, 0, None, None
+        for kind in kinds:
+            seg = block.segments.get(kind)
+            if seg is None or seg.resident:
+                continue
+            self._allocate(block, seg)
+            allocated = True
+            self._count_resident(block, seg.nbytes)
+            if kind == "grads":
+                owner.grads_arriving(block, seg)  # host_valid: is a gradient in the page still wanted?
+            if seg.host_valid:
+                # A page still being written back is final only once that copy is done.
+                after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
+                start, end = self.host.up(block, seg, after=after)
+                first = first if moved else start
+                moved = True
+                decoded = decoded or seg.encoded is not None
+                nbytes += seg.page_bytes
+                self.meter.copied(block, "h2d", start, end, seg.page_bytes)
+            seg.state = PageState.FETCHING
+            seg.snapshot_versions()
+        block.fetched_data = moved
+        if moved:
+            block.stats.fetches += 1
+        if allocated:
+            # One mark after every allocation and copy: compute waits on it.
+            event = self.transport.mark_h2d(decoded)
+            end = event if event is not None else time.perf_counter()
+            block.fetch_event = event
+        if moved:
+            owner.tracer.span("fetch", block.name, first, end, nbytes)
+        self.resident[block] = None
+        owner.counters.peak_resident_bytes = max(owner.counters.peak_resident_bytes, owner.resident_bytes)
+        block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
+        self._moved()
+
+    def wait(self, block) -> None:
+        """FETCHING -> RESIDENT: compute is ordered after the block's fetch;
+        from here on its device bytes may be read on the compute stream."""
+        if block.fetch_event is not None:
+            with _record_range(f"pager::wait[{block.name}]"):
+                if self.transport.is_cuda:
+                    arrive = self.transport.record_compute()
+                    self.meter.stalled(block, arrive, block.fetch_event)
+                    block.owner.tracer.span("wait", block.name, arrive, block.fetch_event)
+                # Compute must not read the block before its fetch has landed.
+                self.transport.compute_waits(block.fetch_event)
+            block.fetch_event = None
+        for seg in block.segments.values():
+            if seg.state is PageState.FETCHING:
+                seg.state = PageState.RESIDENT
+
+    def evict(self, block) -> bool:
+        """What happens when a block leaves: RESIDENT -> WRITING_BACK (dirty
+        pages) or HOST (clean ones; the CPU device), memory freed. False if
+        its owner keeps it (a view of it kept elsewhere, numpy sharing it)."""
+        assert block.pins == 0 and not block.resident_for_life, block
+        owner = block.owner
+        if not self.transport.can_free(block):
+            block.resident_for_life = True
+            owner.warn_once(
+                f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
+                "of its tensors shares its memory, which therefore cannot be paged. Use "
+                "`tensor.detach().clone().numpy()` for a copy.", block.name)
+            return False
+        if not owner.may_leave(block):
+            return False
+        with _record_range(f"pager::evict[{block.name}]"):
+            for kind in ("weights", "state"):
+                if kind in block.segments and block.segments[kind].resident:
+                    self._readopt(block, block.segments[kind])
+            owner.pages_leaving(block)
+            ready = owner.leave_after(block, self._ready_event(block))
+            for seg in block.segments.values():
+                if seg.resident:
+                    self._leave(block, seg, ready, owner.page_leaving(block, seg, ready, seg.is_dirty()))
+        block.fetch_event = None
+        self.resident.pop(block, None)
+        self._moved()
+        block.stats.evictions += 1
+        owner.counters.evictions += 1
+        owner.left(block)
+        return True
+
+    def _ready_event(self, block):
+        # [Note: the last use, or a fresh event]
+        # The write-back and the reuse of the memory are ordered after the
+        # block's last use. If its tensors changed after that release (the
+        # user's zero_grad(set_to_none=False), clip_grad_norm_, gathered
+        # gradients: version counters tell), they are ordered after
+        # everything enqueued on the compute stream so far instead. Always
+        # taking a fresh event would be safe too, but it serialises each
+        # prefetch behind current compute (measured: NAS step 1.20x -> 1.35x).
+        if block.last_use_event is None or block.versions() != block.release_versions:
+            return self.transport.record_compute()
+        return block.last_use_event
+
+    def _leave(self, block, seg: Segment, ready, write: bool) -> None:
+        writeback = None
+        if write:
+            if seg.encoded is not None:
+                self._store_plain(block, seg)
+            elif seg.shared:
+                self._store_private(block, seg)
+            start, end = self.host.down(block, seg, after=(ready,))
+            writeback = end if self.transport.is_cuda else None
+            seg.writeback_event = writeback
+            seg.host_valid = True
+            self.meter.copied(block, "d2h", start, end, seg.nbytes)
+            block.owner.tracer.span("writeback", block.name, start, end, seg.nbytes)
+        # (block.fetch_event: a fetch compute never waited on may still be
+        # decoding into this memory; see [Note: staging and decoding compressed pages].)
+        self.transport.free(seg.flat, after=(ready, writeback, block.fetch_event))
+        seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
+        self._count_resident(block, -seg.nbytes)
+
+    def _store_plain(self, block, seg: Segment) -> None:
+        """`seg`'s page is compressed and its values changed: they go to a
+        new plain page, where they stay ([Note: compressed pages])."""
+        block.owner.warn_once(
+            f"plain:{block.name}", "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
+            "running statistics); its compressed page is replaced by a plain one (%s more host memory), "
+            "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
+        seg.host = self.host.hold(block.owner, seg.nbytes)
+        seg.encoded = None
+
+    def _store_private(self, block, seg: Segment) -> None:
+        """`seg`'s page is in the node's shared copy and its values changed
+        here: they go to a page of this rank's own (copy on write), so the
+        other ranks keep reading the copy they share."""
+        block.owner.warn_once(
+            "private-pages", "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
+            "statistics): its page leaves the host copy the node's ranks share, and this rank keeps its own "
+            "from now on (so will other blocks that change). Sharing saves host memory for inference.",
+            block.name)
+        seg.host = self.host.hold(block.owner, seg.nbytes)
+        seg.shared = False
+
+    def _readopt(self, block, seg: Segment) -> None:
+        """Tensors given new memory by `t.data = new` since their fetch: copy
+        the new value into the page and make them views of it again (else the
+        page would keep the old bytes)."""
+        for slot, t in zip(seg.slots, seg.tensors):
+            if storage_key(t) == seg.storage_key:
+                continue
+            with torch._C.DisableTorchFunctionSubclass():
+                if t.shape != slot.shape or t.dtype != slot.dtype:
+                    raise RuntimeError(
+                        f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
+                        f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
+                        f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
+                    )
+                view = slot.view_of(seg.flat)
+                view.copy_(t.detach())
+                t.data = view
+            seg.force_dirty = True
+
+    def _allocate(self, block, seg: Segment) -> None:
+        """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            return
+        except torch.cuda.OutOfMemoryError:
+            pass
+        for other in list(self.resident):
+            if other is not block and self._may_evict(other):
+                self.evict(other)
+        if self.transport.is_cuda:
+            torch.cuda.synchronize(self.device)  # error path: let freed memory settle
+            torch.cuda.empty_cache()
+        try:
+            self.transport.allocate(seg.flat, seg.nbytes)
+            log.warning("pager: out of device memory fetching %r; evicted idle blocks and retried", block.name)
+        except torch.cuda.OutOfMemoryError:
+            raise _out_of_memory(self, block, seg) from None
+
+    @staticmethod
+    def _may_evict(block) -> bool:
+        return block.pins == 0 and not block.resident_for_life and not block.owner.evictions_blocked()
+
+    def _moved(self) -> None:
+        for owner in self.owners:
+            owner.blocks_moved()
+
+    # ---------------------------------------------------------- waiting for room
+    @property
+    def waiting(self) -> set:
+        """The threads waiting for room."""
+        return set(self.queue)
+
+    def room_may_be_back(self) -> None:
+        """Wake the uses waiting for room (a block went idle or left, a
+        forward that kept blocks from leaving ended)."""
+        if self.queue:
+            self.room.notify_all()
+
+    def _room_for_use(self, block, kinds) -> int:
+        """Make room for what `block` misses of `kinds`, waiting while other
+        threads' uses hold it ([Note: waiting for room]). Returns the bytes
+        still missing (0 if another thread fetched them meanwhile)."""
+        me = threading.get_ident()
+        started = None
+        try:
+            while True:
+                missing = block.missing_bytes(kinds)
+                if not missing:
+                    return 0
+                if not self.queue or self.queue[0] == me or self._held_by(me):  # (no scan while none waits)
+                    if self.make_room(missing, protect={block}):
+                        return missing
+                    holders = self._holders(me)
+                    if not holders or holders <= self.waiting:
+                        self.raise_no_room(block, missing, deadlock=bool(holders))
+                if started is None:
+                    started = time.monotonic()
+                    self.queue.append(me)
+                    self.waits += 1
+                left = started + self.wait_seconds - time.monotonic()
+                if left <= 0:
+                    self.timeouts += 1
+                    self.raise_no_room(block, missing, waited=time.monotonic() - started)
+                self.room.wait(left)
+        finally:
+            if started is not None:
+                self.waited_seconds += time.monotonic() - started
+                self.queue.remove(me)
+                self.room.notify_all()  # the next in the queue may try now
+
+    def _held_by(self, thread) -> bool:
+        return any(thread in b.thread_pins for b in self.resident if not b.resident_for_life)
+
+    def _holders(self, me) -> set:
+        """Threads other than `me` whose uses hold room that they will give
+        back (None: blocks in use by a thread not known)."""
+        out = set()
+        for b in self.resident:
+            if b.pins > 0 and not b.resident_for_life:
+                out |= set(b.thread_pins) if b.thread_pins else {None}
+        for owner in self.owners:
+            if owner.evictions_blocked():
+                out |= owner.blocking_threads()
+        out.discard(me)
+        return out
+
+    # ---------------------------------------------------------- room
+    def room_bytes(self) -> int:
+        """What blocks may hold on the device: the budget, less what owners'
+        activations take ([Note: one budget] in training/activations.py), never less than
+        the least that runs (the largest owner's `least_room`)."""
+        reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
+        reserves += [o.carried_bytes for o in self.owners if o.carried_bytes]
+        reserves += [o.row_bytes for o in self.owners if o.row_bytes]
+        if not reserves:
+            return self.usable_bytes()
+        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.owners))
+
+    def usable_bytes(self) -> int:
+        """The budget less the staging ring of compressed pages (if any), never
+        less than the least room that runs."""
+        staging = self.transport.staging_bytes
+        if not staging:
+            return self.budget_bytes
+        return max(self.budget_bytes - staging, max((o.least_room for o in self.owners), default=0))
+
+    def next_owner(self, owner):
+        """The owner whose request is predicted to follow `owner`'s current
+        one: the one that followed it last time (itself if none did)."""
+        requests = self.requests
+        for i in range(len(requests) - 2, -1, -1):
+            if requests[i] is owner:
+                return requests[i + 1] if requests[i + 1] in self.owners else owner
+        return owner
+
+    def note_request(self, owner) -> None:
+        """A root forward of `owner` starts: it counts towards its share of
+        the room ([Note: sharing the room])."""
+        if len(self.owners) > 1:
+            self.requests.append(owner)
+
+    def kept_room(self, owner, fixed_bytes: int | None) -> int:
+        """The room `owner` chooses its kept set in ([Note: sharing the
+        room]); `fixed_bytes`: what it holds for life (needed only when
+        sharing)."""
+        room = self.room_bytes()
+        if len(self.owners) == 1:
+            return room
+        fixed = self.fixed_bytes()
+        window = 2 * max((b.nbytes() for o in self.owners for b in o.blocks if not b.resident_for_life), default=0)
+        spare = max(0, room - fixed - window)
+        weight = {o: 0 for o in self.owners}
+        for o in self.requests:
+            if o in weight:
+                weight[o] += o.total_bytes
+        total = sum(weight.values())
+        share = spare * weight[owner] // total if total else spare // len(self.owners)
+        return fixed_bytes + window + share
+
+    def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
+        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
+        next use is further than `within` uses away (by their owner's
+        schedule), and never kept ones."""
+        room = self.room_bytes()
+        if self.resident_bytes + nbytes <= room:
+            return True
+        idle = [b for b in self.resident if self._may_evict(b) and b not in protect]
+        usable = self.usable_bytes()
+        if room < usable and within is None:
+            # Activations crowd the blocks: what is in use must still run
+            # (over the room, within the budget; the owner warns) rather than fail.
+            room = min(usable, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+            if self.resident_bytes + nbytes <= room:
+                return True
+        # Streamed blocks first, furthest next use first; kept ones only for a
+        # use that needs the room now (never for a prefetch).
+        streamed = [b for b in idle if b not in b.owner.scheduler.kept]
+        kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
+        several = len(self.owners) > 1  # (alone, every block's owner is as busy as the others')
+        for group in (streamed, kept):
+            ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+                             for b in group), key=lambda r: r[:3], reverse=True)
+            for _idle, distance, _tick, b in ranked:
+                if within is not None and distance <= within:
+                    return False
+                self.evict(b)
+                if self.resident_bytes + nbytes <= room:
+                    return True
+        return False
+
+    def raise_no_room(self, block, missing: int, *, waited: float | None = None, deadlock: bool = False):
+        """Raise the BudgetError for `block`, which needs `missing` bytes that
+        the blocks in use (named in it) do not leave; `waited`: after waiting
+        that long for them; `deadlock`: their threads all wait for room too."""
+        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
+        several = len(self.owners) > 1
+        held = ", ".join(f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
+                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
+        acts = self.budget_bytes - self.room_bytes()
+        why = ""
+        if waited is not None:
+            why = (f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
+                   f"{self.wait_seconds:g})")
+        elif deadlock:
+            why = " by requests that all wait for room themselves (each holds blocks the others need)"
+        raise BudgetError(
+            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
+            f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
+            f"by blocks in use{why}: {held}"
+            + (f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
+               if acts > 0 else "")
+            + ". Raise the budget, " + ("run fewer requests at once or allow a longer wait, " if why else "")
+            + "or use smaller blocks (blocks=...)."
+        )
+
+    def set_budget(self, nbytes: int) -> None:
+        """Blocks leave until `nbytes` holds them; then it is the budget.
+        Raises (the budget unchanged) if blocks in use hold more."""
+        for block in list(self.resident):
+            if self.resident_bytes <= nbytes:
+                break
+            if self._may_evict(block):
+                self.evict(block)
+        if self.resident_bytes > nbytes:
+            self.room_may_be_back()
+            raise ValueError(
+                f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
+                f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
+            )
+        self.budget_bytes = nbytes
+        for owner in self.owners:
+            owner.counters.budget_bytes = nbytes
+        self.room_may_be_back()
+
+    # ---------------------------------------------------------- owners
+    def join(self, owner) -> None:
+        """`owner` (a new Pager) shares this engine from now on."""
+        self.owners.append(owner)
+
+    def leave(self, owner) -> None:
+        """Forget `owner` (unwrapped): free its device memory and its pages.
+        Its tensors must hold their own copies by now."""
+        self.meter.resolve()
+        for block in [b for b in self.resident if b.owner is owner]:
+            for seg in block.segments.values():
+                if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
+                    self.transport.free(seg.flat)
+                    self._count_resident(block, -seg.nbytes)
+            self.resident.pop(block)
+        for block in owner.all_blocks():
+            for seg in block.segments.values():
+                seg.state = PageState.HOST
+        self.resident_bytes -= owner.resident_bytes  # what numpy still shares is the user's now
+        self.total_bytes -= owner.total_bytes
+        owner.resident_bytes = owner.total_bytes = 0
+        self.host.release(owner)
+        if owner in self.owners:
+            self.owners.remove(owner)
+        if not any(seg.encoded is not None for o in self.owners for b in o.all_blocks() for seg in b.segments.values()):
+            self.transport.release_staging()  # no page left to stage
+        while owner in self.requests:
+            self.requests.remove(owner)
+        self.room_may_be_back()
+
+
+def _out_of_memory(engine: Engine, block, seg: Segment) -> BudgetError:
+    from ..base.budget import device_memory
+
+    free, total = device_memory(engine.device)
+    return BudgetError(
+        f"pager: out of device memory fetching {block.name!r} ({seg.kind}, {format_bytes(seg.nbytes)}), "
+        f"even after evicting every idle block: budget {format_bytes(engine.budget_bytes)}, pager holds "
+        f"{format_bytes(engine.resident_bytes)}, the device has {format_bytes(free)} free of "
+        f"{format_bytes(total)}. Other allocations (activations, other models) take the rest: lower "
+        f"the budget (pager.of(model).set_budget(...)), use a smaller batch, or free device memory."
+    )

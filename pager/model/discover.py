@@ -1,0 +1,259 @@
+"""Which modules are blocks, and which block owns each tensor.
+
+Default discovery, in the spirit of accelerate's `no_split_module_classes`
+but with nothing to name:
+
+* the elements of the model's layer containers (`nn.ModuleList` /
+  `nn.Sequential`) are blocks: a transformer's layers, a CNN's stages (nested
+  containers are flattened: ResNet's `layer1..4` give their residual blocks);
+* inside such a block, a `ModuleList`/`ModuleDict` of two or more children that
+  holds most of the block's bytes is a list of alternatives (a NAS supernet's
+  candidate ops, a mixture's experts): each alternative becomes a block of its
+  own, nested in its layer, so only the ones that run are fetched;
+* everything else (embeddings, heads, final norms) is the *remainder*: it
+  stays resident on the device and counts against the budget.
+
+[Note: splitting large blocks]
+When the model does not fit and two of the largest blocks take an eighth of
+the room the budget leaves for blocks (every block that is not kept streams
+through two such slots), `split_large` makes the large parts of each block
+(submodules that own at least SPLIT_MIN_BYTES themselves: its projections)
+nested blocks of their own, fetched when they are called, so the slots are
+part-sized and more of the budget keeps blocks resident. This is safe even if
+a block's forward reads a part's weights without calling it (a fused QKV
+concatenation): that read is served like any access to an idle block's tensor
+([Note: paged-out tensors] in base/guards.py), and the pager then fetches the
+block's parts together with it from its next use on (`Pager._merge_parts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ..base.block import align
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def discover(model: nn.Module, spec=None) -> list[tuple[str, nn.Module]]:
+    """Return the (qualified name, module) pairs that are blocks, in model order.
+
+    Args:
+        model: the model to page.
+        spec: None (default discovery), a list of modules, a list of class
+            names, or a predicate `(name, module) -> bool`.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    if spec is None:
+        found = _default(model)
+    elif callable(spec):
+        found = [m for n, m in model.named_modules() if n and spec(n, m)]
+    elif isinstance(spec, Iterable) and not isinstance(spec, (str, nn.Module)):
+        items = list(spec)
+        if all(isinstance(x, str) for x in items):
+            wanted = set(items)
+            found = [m for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+            unknown = wanted - {type(m).__name__ for m in model.modules()}
+            if unknown:
+                raise ValueError(
+                    f"pager: blocks= names classes {sorted(unknown)} that no submodule of the model "
+                    f"has; give class names that appear in the model (e.g. {type(found[0]).__name__ if found else 'DecoderLayer'!r})."
+                )
+        elif all(isinstance(x, nn.Module) for x in items):
+            found = items
+            for m in found:
+                if id(m) not in names:
+                    raise ValueError(
+                        f"pager: blocks= holds a {type(m).__name__} that is not a submodule of the model; "
+                        f"pass modules taken from the model itself (e.g. list(model.layers))."
+                    )
+                if m is model:
+                    raise ValueError(
+                        "pager: blocks= holds the model itself; a block must be a submodule "
+                        "(the model's own tensors form the remainder)."
+                    )
+        else:
+            raise ValueError(
+                "pager: blocks= must be a list of modules, a list of class names, or a predicate "
+                f"(name, module) -> bool; got a list of {sorted({type(x).__name__ for x in items})}."
+            )
+    else:
+        raise ValueError(
+            f"pager: blocks={spec!r} is not understood; pass a list of modules, a list of class "
+            f"names, or a predicate (name, module) -> bool."
+        )
+    if spec is not None and not found:
+        raise ValueError(
+            "pager: blocks= matched no module of the model; check the predicate or class names "
+            "(print([n for n, _ in model.named_modules()]) lists the candidates)."
+        )
+    seen: set[int] = set()
+    for m in found:
+        if id(m) in seen:
+            raise ValueError(f"pager: blocks= names {names[id(m)]!r} twice; name each block once.")
+        seen.add(id(m))
+    blocks = [(names[id(m)], m) for m in found if tensor_bytes(m) > 0]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(blocks, key=lambda nm: order[id(nm[1])])
+
+
+def _default(model: nn.Module) -> list[nn.Module]:
+    blocks: list[nn.Module] = []
+
+    def visit(m: nn.Module, in_container: bool) -> None:
+        # A container is a stack of blocks; a container inside a stack is a
+        # stage to flatten (ResNet's layer1..4) when its elements are composite,
+        # and a block itself (Sequential(conv, bn, relu)) when they are leaves.
+        composite = any(next(c.children(), None) is not None for c in m.children())
+        if isinstance(m, _CONTAINERS) and len(m) >= 2 and (not in_container or composite):
+            for child in m.children():
+                visit(child, True)
+        elif in_container:
+            blocks.append(m)
+            blocks.extend(_alternatives(m))
+        else:
+            for child in m.children():
+                visit(child, False)
+
+    visit(model, False)
+    return blocks
+
+
+def _alternatives(block: nn.Module) -> list[nn.Module]:
+    """Children of a list of alternatives that holds most of `block`'s bytes."""
+    total = tensor_bytes(block)
+    for m in block.modules():
+        if m is not block and isinstance(m, _ALTERNATIVES) and len(m) >= 2:
+            if 2 * tensor_bytes(m) > total:
+                return [c for c in m.children() if tensor_bytes(c) > 0]
+    return []
+
+
+def owners(model: nn.Module, block_modules: list[nn.Module], exclude: frozenset = frozenset()):
+    """Map each tensor to the innermost block holding it.
+
+    Returns `(owned, uses)`: `owned[i]` lists `(qualified name, tensor, is_param)`
+    owned by block i (None for the remainder); `uses[i]` is the set of other
+    block indices (or None) whose tensors block i's modules also hold (tied
+    weights), so block i depends on them. Tensors whose id is in `exclude`
+    (row tables' weights) belong to no block.
+    """
+    index = {id(m): i for i, m in enumerate(block_modules)}
+    owned: dict = {}
+    owner_of: dict[int, object] = {}
+    uses: dict = {}
+
+    def walk(m: nn.Module, prefix: str, current) -> None:
+        current = index.get(id(m), current)
+        for kind, table in (("param", m._parameters), ("buffer", m._buffers)):
+            for name, t in table.items():
+                if t is None or id(t) in exclude:
+                    continue
+                qual = f"{prefix}{name}"
+                if id(t) in owner_of:
+                    first = owner_of[id(t)]
+                    if first != current:
+                        uses.setdefault(current, set()).add(first)
+                    continue
+                owner_of[id(t)] = current
+                owned.setdefault(current, []).append((qual, t, kind == "param"))
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", current)
+
+    walk(model, "", None)
+    return owned, uses
+
+
+def aligned_bytes(t: torch.Tensor) -> int:
+    """Bytes `t` takes in a page."""
+    return align(t.numel() * t.element_size())
+
+
+@dataclass
+class Sizing:
+    """The blocks of a model and what each needs on the device, from sizes alone."""
+
+    named: list            # (qualified name, module) of each block
+    owned: dict            # block index (None: remainder) -> [(name, tensor, is_param)]
+    uses: dict             # block index -> indices of blocks it borrows tied tensors from
+    own: list              # page bytes each block owns
+    sizes: list            # bytes on the device to run each block (with its deps and ancestors)
+    remainder: int         # page bytes outside every block (stays resident)
+    tables: tuple = ()     # row-paged modules, outside every block ([Note: row tables] in rows/table.py)
+
+    @property
+    def min_budget(self) -> int:
+        """The least budget that runs: the remainder and the largest block."""
+        return self.remainder + max(self.sizes, default=0)
+
+    @property
+    def total(self) -> int:
+        return self.remainder + sum(self.own)
+
+
+SPLIT_MIN_BYTES = 1 << 20  # a part smaller than this stays with its block
+SPLIT_SHARE = 8  # split when two of the largest blocks take 1/SPLIT_SHARE of the room for blocks
+
+
+def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
+                min_part_bytes: int = SPLIT_MIN_BYTES) -> tuple[Sizing, set]:
+    """`sizing` with the large parts (of `min_part_bytes` or more) of its
+    blocks as nested blocks, when two of the largest blocks take
+    1/SPLIT_SHARE of the room for blocks (see the Note); also the ids of
+    those parts. Unchanged (and an empty set) otherwise."""
+    named, own, remainder = sizing.named, sizing.own, sizing.remainder
+    room = budget_bytes - remainder
+    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or SPLIT_SHARE * 2 * max(own) < room:
+        return sizing, set()
+    modules = [m for _n, m in named]
+    block_ids = {id(m) for m in modules}
+    parts = []
+    for block in modules:
+        inner = [m for m in block.modules() if m is not block]
+        if any(id(m) in block_ids for m in inner):
+            continue  # holds blocks already (a layer of NAS candidates)
+        large = [m for m in inner if _own_bytes(m) >= min_part_bytes and m not in sizing.tables]
+        if len(large) >= 2:
+            parts += large
+    if not parts:
+        return sizing, set()
+    return size_up(model, modules + parts, sizing.tables), {id(m) for m in parts}
+
+
+def _own_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(m._parameters.values()) + list(m._buffers.values())
+               if t is not None)
+
+
+def size_up(model: nn.Module, spec=None, tables=()) -> Sizing:
+    """Discover the blocks of `model` and size them; nothing is changed.
+    `tables` are row-paged modules ([Note: row tables] in rows/table.py): neither
+    blocks nor their weights in one."""
+    skip = {id(m) for m in tables}
+    named = [(n, m) for n, m in discover(model, spec) if id(m) not in skip]
+    modules = [m for _n, m in named]
+    owned, uses = owners(model, modules, frozenset(id(m.weight) for m in tables))
+    own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
+    inside = [{id(m) for m in outer.modules()} for outer in modules]
+    sizes = []
+    for i, m in enumerate(modules):
+        ancestors = {j for j, ids in enumerate(inside) if j != i and id(m) in ids}
+        with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors) - {i}
+        sizes.append(own[i] + sum(own[j] for j in with_))
+    remainder = sum(aligned_bytes(t) for _n, t, _p in owned.get(None, []))
+    return Sizing(named, owned, uses, own, sizes, remainder, tuple(tables))

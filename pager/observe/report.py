@@ -1,0 +1,63 @@
+"""What the machine says: the link's copy rate, device memory and use, host RAM."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+from ..base.budget import format_bytes
+
+LINK_PROBE_BYTES = 256 << 20
+
+
+def measure_link_gbps(device: torch.device, pinned: bool) -> float:
+    """Host-to-device GB/s for one large copy (best of 3)."""
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+    dev = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dev.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dev.copy_(host)
+            best = min(best, time.perf_counter() - t0)
+    return LINK_PROBE_BYTES / best / 1e9
+
+
+def system_lines(pager) -> list[str]:
+    vm = psutil.virtual_memory()
+    lines = [
+        f"host: {format_bytes(vm.available)} available of {format_bytes(vm.total)}; "
+        f"pager holds {format_bytes(pager.arena.reserved_bytes)} of host pages"
+        f" ({'pinned' if pager.arena.pin else 'pageable'}, {format_bytes(pager.arena.used_bytes)} used)"
+    ]
+    if pager.device.type == "cuda":
+        lines.append(_gpu_line(pager.device))
+    return lines
+
+
+def _gpu_line(device: torch.device) -> str:
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        nvml = f"{format_bytes(mem.used)} used of {format_bytes(mem.total)}, GPU {util.gpu}% busy, memory {util.memory}% busy"
+    except Exception as e:  # NVML absent (containers without it): say so
+        nvml = f"NVML unavailable ({type(e).__name__})"
+    return (
+        f"{device}: {nvml}; torch allocated {format_bytes(allocated)}, "
+        f"reserved {format_bytes(reserved)} ({format_bytes(reserved - allocated)} cached)"
+    )

@@ -1,0 +1,638 @@
+"""What a block's forward saves for its backward: counted, kept, sent to host memory, or dropped and recomputed.
+
+A block's forward that builds a graph may run under pager's saved-tensor
+hooks (`base/saving.py`): each tensor autograd saves goes to the policy of
+this module that the use passed in, which decides what the graph holds
+instead.
+
+[Note: activations off the device]
+With `activations="offload"`, each activation a training forward saves (a
+contiguous tensor on the device of at least `OFFLOAD_MIN_BYTES`; not a
+block's own weights, which page with the block) is copied to pinned host
+memory on the d2h stream as soon as compute has written it. The graph holds
+a `Sent` instead; it belongs to the block whose forward ran last (ops between
+blocks too: a `tanh` after a block is undone right before that block's
+backward). Its device memory is let go once the copy has read it: when its
+event is seen complete, or, once more than a block's worth is being copied
+out, at once after making compute wait for the copy (compute is the only
+stream that allocates from that memory's pool, so reuse is then ordered after
+the copy; `record_stream` would hold it until a later allocation happens to
+notice, and the allocator reserves more meanwhile). When the backward reaches
+a block (its pre-backward hook), the activations of that block and of the
+block before it (the next one backward) are copied back on the h2d stream, so
+the copy of one overlaps the backward of the other; an activation that was
+not brought ahead is brought when autograd asks for it. A copy on the host is
+the value as it was saved, so an in-place change after the forward cannot
+corrupt the gradient (autograd would refuse it; here it is simply not seen).
+A tensor that a block's forward saves several times (a norm's output saved
+by the q, k and v projections) is copied out once and brought back once; its
+device copy stays while later saves' unpacks are still to ask for it.
+
+[Note: activations recomputed]
+With `activations="recompute"` (pager's own checkpointing: the model's code
+does not change), a block's training forward keeps only its inputs (detached,
+with their version), the RNG states and the autocast state (`Recompute`);
+each activation it saves is dropped and the graph holds a `Dropped` instead
+(index and metadata). The first `Dropped` of a block that its backward asks for
+runs the block's forward again (the block is resident: its pre-backward hook
+acquired it), in autograd's thread, with the forward's RNG states (dropout
+draws the same masks) and autocast, under hooks that keep the i-th saved tensor
+for the i-th `Dropped` still alive; pager's own forward hooks then only
+acquire and release (`recomputing()`). The forward stops (an exception
+from the hook, as torch's checkpoint stops early) once it has saved its last
+tensor: what follows, often the block's last matmul, saved nothing. Not under
+torch's CUDA sanitizer: its trace hooks run inside the op that raises, with
+the exception already set, and fail (a SystemError out of the backward); the
+forward then runs to its end, to the same values. Each value is handed out once (a
+second backward through a retained graph runs the forward again). A saved
+tensor of another shape or dtype than in the forward, or an input changed in
+place since, is an error (the recomputation would differ). The block's own
+weights are saved as they are: they page with the block.
+
+[Note: one budget]
+With `activations` other than "keep", the budget bounds blocks and
+activations together: what pager's hooks hold on the device for a backward
+(activations kept, being copied out, brought back, recomputed, and the inputs
+a recomputation keeps) is counted in a `Ledger`, by storage (two views of one
+storage count once), as it is saved and until it is freed (a brought or
+recomputed activation: until it is handed to autograd). Blocks get the budget
+less the most the activations held in the last training pass (`reserve`;
+during the first pass, what they hold so far), so from the second training
+step on, blocks and activations stay within the budget together. What stays
+outside: a block's temporaries while it runs, the loss and the gradients
+flowing between blocks in the backward, and the allocator's rounding: the
+slack (`stats()` gives the allocator's own peak beside pager's).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections import deque
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..base.registry import entry_of, unguarded
+from ..base.saving import tls
+
+OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
+BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many blocks before it come back too
+KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device
+IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
+
+KEEP, OFFLOAD, RECOMPUTE, AUTO = "keep", "offload", "recompute", "auto"
+POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
+AUTO_WARMUP_PASSES = 2  # training passes (forward and backward) before trying: cold start, optimizer state
+AUTO_TRIAL_PASSES = 2   # passes timed under each policy; the one with the faster best pass stays
+
+log = logging.getLogger("pager")
+
+
+class Ledger:
+    """Device bytes of activations that pager's saved-tensor hooks hold
+    ([Note: one budget]): now (`live`), at most since `reset_peak` (`peak`),
+    and at most in the last finished training pass (`last_pass_peak`).
+    Safe from autograd's threads."""
+
+    def __init__(self, device):
+        self.device = device
+        self.live = self.peak = self.pass_peak = self.last_pass_peak = 0
+        # Of `live`: activations whose copy out is under way. How many are at
+        # a given moment depends on the link's timing, up to `flight_cap`; a
+        # pass's peak counts the queue as full, so that the next pass's
+        # reserve holds however the copies happen to run then.
+        self.flight = self.flight_cap = 0
+        self.blocks = 0  # device bytes of blocks now (`note_blocks`)
+        self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
+        self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, flight: int = 0) -> None:
+        with self._lock:
+            self.live += nbytes
+            self.flight += flight
+            self.pass_peak = max(self.pass_peak, self.live - self.flight + max(self.flight, self.flight_cap))
+            self.peak = max(self.peak, self.live)
+            self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
+
+    def note_blocks(self, nbytes: int) -> None:
+        """Blocks hold `nbytes` on the device now (for `peak_with_blocks`)."""
+        self.blocks = nbytes
+        self.peak_with_blocks = max(self.peak_with_blocks, self.live + nbytes)
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_with_blocks = self.live, self.live + self.blocks
+
+    def sub(self, nbytes: int, flight: int = 0) -> None:
+        with self._lock:
+            self.live -= nbytes
+            self.flight -= flight
+
+    def hold(self, t) -> int:
+        """Count `t`'s storage (once, however many tensors hold it); the key to `let_go`."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is not None:
+                entry[0] += 1
+                return key
+            self._storages[key] = [1, storage.nbytes()]
+        self.add(storage.nbytes())
+        return key
+
+    def let_go(self, key: int) -> None:
+        with self._lock:
+            entry = self._storages[key]
+            entry[0] -= 1
+            if entry[0]:
+                return
+            del self._storages[key]
+        self.sub(entry[1])
+
+    def pass_ends(self) -> None:
+        """A training pass (forward and backward) ended: its peak is the reserve now."""
+        with self._lock:
+            self.last_pass_peak, self.pass_peak = self.pass_peak, self.live
+
+    def reserve(self) -> int:
+        """The share of the budget that activations take from blocks."""
+        return max(self.last_pass_peak, self.live)
+
+
+class Activations:
+    """What each block's training forward does with what it saves (the
+    `activations=` of `wrap`): keep it, send it to host memory, or drop it
+    and recompute it. Gives `begin_saving` its arguments.
+
+    [Note: activations, the automatic choice]
+    Which of offload and recompute is faster depends on the link's load (the
+    blocks' own traffic grows as the budget shrinks) against the compute a
+    forward costs again; measured on the 1B decoder, mixing them block by
+    block costs the weighted sum of the two, never less. So "auto" tries both
+    on whole training passes: after `AUTO_WARMUP_PASSES`, each policy runs
+    `AUTO_TRIAL_PASSES` passes (alternating, so that both see the same drift)
+    timed on compute's clock from the root forward's start to the backward's
+    end (events: no synchronization), and the one with the faster best pass
+    stays (`stats().activations_policy`); the best, as a policy's first pass
+    pays one-time costs (lazy imports, the allocator growing). Values are the
+    same under both (bit for bit on the CPU device), so trying costs time only.
+
+    Args:
+        policy: "offload", "recompute" or "auto" (see the Notes).
+        transport: the pager's transport.
+        stats: the pager's `Stats`.
+    """
+
+    def __init__(self, policy: str, transport, stats):
+        self.stats, self.transport = stats, transport
+        self.ledger = Ledger(transport.device)
+        self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
+        self.of_block: dict = {}  # block -> policy, where it differs from `policy`
+        self.policy = OFFLOAD if policy == AUTO else policy
+        self._choosing = policy == AUTO
+        self._passes = 0  # training passes started
+        self._start = None  # (policy, clock) of the trial pass under way
+        self._timed: list = []  # (policy, start, end) of trial passes whose time is not known yet
+        self._seconds: dict = {OFFLOAD: [], RECOMPUTE: []}
+        stats.activations_policy = policy
+
+    def pass_starts(self) -> None:
+        """A training forward starts at the root ("auto": a trial may start)."""
+        if not self._choosing:
+            return
+        self._settle_trials()
+        if self._choosing and self._passes >= AUTO_WARMUP_PASSES:
+            tried = {p: len(v) + sum(t[0] == p for t in self._timed) for p, v in self._seconds.items()}
+            if min(tried.values()) < AUTO_TRIAL_PASSES:  # (else: the last ones' times are on their way)
+                self.policy = min((OFFLOAD, RECOMPUTE), key=tried.get)  # alternating
+                self._start = (self.policy, self.transport.clock())
+        self._passes += 1
+
+    def pass_ends(self) -> None:
+        """A backward ended ("auto": the trial pass under way ends)."""
+        self.offload.pass_ends()
+        self.ledger.pass_ends()
+        if self._start is not None:
+            self._timed.append((*self._start, self.transport.clock()))
+            self._start = None
+
+    def _settle_trials(self) -> None:
+        """Read the times now known; once each policy has its passes, keep the faster."""
+        self._start = None  # a pass without a backward is no trial
+        still = []
+        for policy, start, end in self._timed:
+            seconds = self.transport.seconds_between(start, end)
+            if seconds is None:
+                still.append((policy, start, end))
+            else:
+                self._seconds[policy].append(seconds)
+        self._timed = still
+        if all(len(v) >= AUTO_TRIAL_PASSES for v in self._seconds.values()):
+            best = {p: min(v) for p, v in self._seconds.items()}
+            self.policy = min(best, key=best.get)
+            self.stats.activations_policy = self.policy
+            self._choosing = False
+            log.info("pager: activations=\"auto\" chose %r (a training pass took %.1f ms with activations offloaded, "
+                     "%.1f ms recomputed)", self.policy, 1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE])
+
+    def forward_reaches(self, block) -> None:
+        """The forward enters `block` (None: a new forward, before its first block)."""
+        self.offload.forward_reaches(block)
+
+    def between_blocks(self):
+        """The `offload` and `recompute` of ops outside blocks (what they save belongs to the block before)."""
+        return (self.offload if self.policy == OFFLOAD else None), None
+
+    def for_block(self, block, args, kwargs):
+        """The `offload` and `recompute` of `block`'s training forward."""
+        policy = self.of_block.get(block, self.policy)
+        if policy == KEEP or self.offload.stays(block):
+            return None, None
+        if policy == RECOMPUTE:
+            return None, Recompute(block, args, kwargs, self.stats, self.ledger)
+        return self.offload, None
+
+    def backward_reaches(self, block) -> None:
+        self.offload.backward_reaches(block)
+
+
+class Sent:
+    """An activation on the host, as the graph holds it (see the Note); one
+    for every save of the same tensor in a block's forward."""
+
+    __slots__ = ("offload", "host", "written_event", "device", "ready_event", "saves", "left", "handed",
+                 "__weakref__")
+
+    def __init__(self, offload, host, written_event):
+        self.offload, self.host, self.written_event = offload, host, written_event
+        self.device = None       # brought back ahead of the backward, not yet asked for
+        self.ready_event = None  # on the h2d stream: `device` holds the bytes
+        self.saves = self.left = 1  # saves that hold it; of those, unpacks still to come in this backward
+        self.handed = None       # the device copy given to autograd, while other saves will ask for it
+
+    def unpack(self):
+        return self.offload.bring(self)
+
+    def __del__(self):
+        if self.device is not None:  # brought, never asked for (the graph went): may still be landing
+            self.offload.transport.forget_brought(self.device)
+            self.offload.ledger.sub(_nbytes(self.device))
+        elif self.handed is not None:
+            self.offload.ledger.sub(_nbytes(self.handed))
+
+
+class ActivationOffload:
+    """Sends the activations that forwards save to pinned host memory and
+    brings them back for the backward ([Note: activations off the device]).
+
+    Args:
+        transport: the pager's transport (its streams and copies).
+        stats: the pager's `Stats` (activations_* counters).
+        ledger: the `Ledger` of device bytes (being copied out, brought back).
+        min_bytes: activations smaller than this stay on the device.
+        keep_last: the last blocks of a forward (in the previous forward's
+            order) whose activations stay on the device.
+    """
+
+    def __init__(self, transport, stats, ledger, min_bytes: int = OFFLOAD_MIN_BYTES,
+                 keep_last: int = KEEP_LAST_BLOCKS):
+        self.transport = transport
+        self.stats = stats
+        self.ledger = ledger
+        self.min_bytes = min_bytes
+        self.keep_last = keep_last
+        self.bring_ahead = BRING_AHEAD_BLOCKS
+        self._order: list = []  # blocks in the order this forward reached them
+        self._stay: set = set()  # blocks whose activations stay (the last ones of the previous forward)
+        self._lock = threading.Lock()  # unpack runs on autograd's threads
+        self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
+        self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
+        self._by_view: dict = {}  # what the last group sent, by view (`_sent_already`)
+        # Device tensors being copied out, oldest first: (tensor, event, bytes);
+        # their bytes are the ledger's `flight`, their cap its `flight_cap`.
+        self._in_flight: deque = deque()
+
+    def forward_reaches(self, block) -> None:
+        """The forward enters `block` (None: a new forward, before its first block)."""
+        if block is None:
+            # The last blocks' activations are the backward's first need:
+            # sending them out and straight back would only cost link time.
+            self._stay = set(self._order[-self.keep_last:]) if self.keep_last and self._order else set()
+            self._order = []
+        elif not self._order or self._order[-1] is not block:
+            self._order.append(block)
+        self._forward_block = block
+
+    def stays(self, block) -> bool:
+        """Whether `block`'s activations stay on the device (one of the last of a forward)."""
+        return block in self._stay
+
+    def wants(self, t) -> bool:
+        return (self._forward_block not in self._stay and t.device == self.transport.device
+                and t.layout == torch.strided and t.is_contiguous() and _nbytes(t) >= self.min_bytes)
+
+    def send(self, t) -> Sent:
+        again = self._sent_already(t)
+        if again is not None:
+            return again
+        with unguarded():
+            host, written = self.transport.send_to_host(t)
+        sent = Sent(self, host, written)
+        nbytes = _nbytes(host)
+        with self._lock:
+            block = self._forward_block
+            if not self._groups or self._groups[-1][0] is not block:
+                self._prune()
+                self._groups.append([block, [], 0])
+                self._by_view.clear()
+            self._by_view[_view_key(t)] = (weakref.ref(t.untyped_storage()), t._version, weakref.ref(sent))
+            group = self._groups[-1]
+            group[1].append(weakref.ref(sent))
+            group[2] += nbytes
+            # The cap grows to the largest block's activations.
+            self.ledger.flight_cap = max(IN_FLIGHT_MIN_BYTES, self.ledger.flight_cap, group[2])
+            self.stats.activations_sent_bytes += nbytes
+            if written is not None:
+                # Its memory, not its graph: a graph node's hooks hold the pager,
+                # which holds this queue (a cycle through C++ that gc cannot break).
+                with unguarded():
+                    self._in_flight.append((t.detach(), written, nbytes))
+                self.ledger.add(nbytes, flight=nbytes)
+            self._settle()
+        return sent
+
+    def _sent_already(self, t):
+        """The `Sent` of the same view of the same storage, unchanged, saved
+        before in this block's forward (a norm's output saved by q, k and v):
+        it is copied once and brought back once for all of its saves."""
+        with self._lock:
+            if not self._groups or self._groups[-1][0] is not self._forward_block:
+                return None
+            entry = self._by_view.get(_view_key(t))
+            # The storage object itself (not its address, which a new tensor may reuse) and its version.
+            sent = entry[2]() if entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version \
+                else None
+            if sent is not None:
+                sent.saves += 1
+                sent.left += 1
+            return sent
+
+    def _settle(self, cap: int | None = None) -> None:
+        """Let go of device tensors whose copy out is done; past `cap` (the
+        in-flight cap by default), of the oldest ones anyway, compute first
+        waiting for their copy (so that the memory may be reused at once: see
+        [Note: activations off the device])."""
+        q, ledger = self._in_flight, self.ledger
+        while q and q[0][1].query():
+            nbytes = q.popleft()[2]
+            ledger.sub(nbytes, flight=nbytes)
+        cap = max(IN_FLIGHT_MIN_BYTES, ledger.flight_cap) if cap is None else cap
+        while ledger.flight > cap:
+            _t, event, nbytes = q.popleft()
+            # Compute reuses this memory only after the copy out has read it.
+            self.transport.compute_waits(event)
+            ledger.sub(nbytes, flight=nbytes)
+
+    def pass_ends(self) -> None:
+        """The backward ended: every copy out was ordered before it; compute
+        waits for those still under way, and their device memory is let go."""
+        with self._lock:
+            self._settle(cap=0)
+
+    def bring(self, sent: Sent) -> torch.Tensor:
+        with self._lock:
+            device = sent.handed
+            if device is None:
+                if sent.device is None:
+                    self._start_bringing(sent)
+                else:
+                    self.stats.activations_ahead_bytes += _nbytes(sent.host)
+                device, event = sent.device, sent.ready_event
+                sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
+                # The bytes must have landed (a later save's unpack gets it after this wait).
+                self.transport.compute_waits(event)
+            sent.left -= 1
+            sent.handed = device if sent.left > 0 else None  # kept for the saves still to ask
+            if sent.left <= 0:
+                sent.left = sent.saves  # (a retained graph's next backward asks again)
+                self.ledger.sub(_nbytes(device))
+        return device
+
+    def backward_reaches(self, block) -> None:
+        """`block`'s backward is about to run: bring its activations and the
+        previous block's (next backward) ahead of autograd's asking."""
+        with self._lock:
+            self._settle()
+            i = next((i for i in range(len(self._groups) - 1, -1, -1) if self._groups[i][0] is block), None)
+            if i is None:
+                return
+            for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]:
+                for ref in refs:
+                    sent = ref()
+                    if sent is not None and sent.device is None and sent.handed is None:
+                        self._start_bringing(sent)
+            # Done with; so is the one before, if it is of ops before the first block.
+            del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i: i + 1]
+
+    def _start_bringing(self, sent: Sent) -> None:
+        sent.device, sent.ready_event = self.transport.bring_to_device(sent.host, sent.written_event)
+        self.stats.activations_brought_bytes += _nbytes(sent.host)
+        self.ledger.add(_nbytes(sent.host))
+
+    def _prune(self) -> None:
+        """Forget forwards whose graph is gone (no backward came)."""
+        self._groups = [g for g in self._groups if any(r() is not None for r in g[1])]
+
+
+class Dropped:
+    """A dropped activation, as the graph holds it ([Note: activations recomputed])."""
+
+    __slots__ = ("recompute", "index", "shape", "dtype", "__weakref__")
+
+    def __init__(self, recompute, index, shape, dtype):
+        self.recompute, self.index, self.shape, self.dtype = recompute, index, shape, dtype
+
+    def unpack(self):
+        return self.recompute.value(self)
+
+
+def recomputing() -> bool:
+    """True in a thread that runs a block's forward again for its backward."""
+    return getattr(tls, "recording", None) is not None
+
+
+class Recompute:
+    """One training forward of a block, to run again in its backward for the
+    activations it dropped ([Note: activations recomputed]).
+
+    Args:
+        block: the block (its `module` is called again; `name` in errors).
+        args, kwargs: what its forward was called with.
+        stats: the pager's `Stats` (recomputes, activations_recomputed_bytes).
+        ledger: the `Ledger` (the inputs kept, values recomputed and not yet handed out).
+    """
+
+    def __init__(self, block, args, kwargs, stats, ledger):
+        self.block, self.stats, self.ledger = block, stats, ledger
+        self.held, self.values = [], {}  # (for __del__, should what follows raise)
+        flat, self.spec = tree_flatten((args, kwargs))
+        with unguarded():
+            self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
+            self.held = [ledger.hold(x.tensor) for x in self.inputs
+                         if isinstance(x, _Input) and entry_of(x.tensor) is None and x.tensor.device == ledger.device]
+        self.devices = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
+        self.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
+        self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
+        self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
+        self.values: dict = {}   # index -> recomputed tensor, until handed out
+        self.lock = threading.Lock()  # unpack runs on autograd's threads
+
+    def drop(self, t, number: int) -> Dropped:
+        """Drop `t`, the thread's `number`-th save."""
+        dropped = Dropped(self, len(self.holders), t.shape, t.dtype)
+        self.index_of[number - self.first_save] = dropped.index
+        self.holders.append(weakref.ref(dropped))
+        return dropped
+
+    def value(self, dropped: Dropped) -> torch.Tensor:
+        with self.lock:
+            if dropped.index not in self.values:
+                self._run()
+            t = self.values.pop(dropped.index)
+        self.ledger.sub(_nbytes(t))  # autograd holds it now
+        return t
+
+    def __del__(self):  # the graph let go of every `Dropped`: the inputs and unused values go
+        for key in self.held:
+            self.ledger.let_go(key)
+        for t in self.values.values():
+            self.ledger.sub(_nbytes(t))
+
+    def _run(self) -> None:
+        """Run the block's forward again, keeping what it saves for the
+        `Dropped` still alive (and not yet handed out)."""
+        args, kwargs = tree_unflatten([x.get(self.block) if isinstance(x, _Input) else x for x in self.inputs],
+                                      self.spec)
+        rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        _set_rng(self.rng, self.devices)
+        tls.recording = (self, [0])
+        torch._C._autograd._push_saved_tensors_default_hooks(_pack_again, _unpack_again)
+        try:
+            with torch.enable_grad(), _autocast(self.autocast, self.autocast_cache):
+                self.block.module(*args, **kwargs)
+        except _AllSaved:
+            pass
+        finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            tls.recording = None
+            _set_rng(rng_now, self.devices)
+        missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
+        if missing:
+            raise RuntimeError(
+                f"pager: block {self.block.name!r} saved {len(self.holders)} tensors for its backward in its "
+                f"forward but fewer when run again (activations=\"recompute\"): its forward must save the same "
+                "tensors each time it runs (no control flow on values or on global state that changes); use "
+                "activations=\"offload\" or \"keep\" for this model.")
+        self.stats.recomputes += 1
+
+    def keep(self, i: int, t) -> None:
+        """The recomputation saved `t` as its `i`-th tensor."""
+        ref = self.holders[i]() if i < len(self.holders) else None
+        if ref is None or i in self.values:
+            return
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise RuntimeError(
+                f"pager: block {self.block.name!r} saved a tensor of shape {list(ref.shape)} and {ref.dtype} as its "
+                f"#{i} for its backward in its forward, but {list(t.shape)} and {t.dtype} when run again "
+                "(activations=\"recompute\"): its forward must save the same tensors each time it runs; use "
+                "activations=\"offload\" or \"keep\" for this model.")
+        self.values[i] = t
+        self.ledger.add(_nbytes(t))
+        self.stats.activations_recomputed_bytes += _nbytes(t)
+
+
+class _Input:
+    """An input of a recomputed forward: a detached alias and its version
+    (a block's own weights and other paged tensors: the tensor itself)."""
+
+    __slots__ = ("tensor", "version", "requires_grad")
+
+    def __init__(self, t):
+        self.tensor = t if entry_of(t) is not None else t.detach()
+        self.version, self.requires_grad = t._version, t.requires_grad
+
+    def get(self, block) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"pager: an input of block {block.name!r} of shape {list(self.tensor.shape)} was changed in place "
+                "after its forward, and the block's activations are recomputed from it (activations=\"recompute\"): "
+                "change a copy (`.clone()`) instead, or use activations=\"offload\" or \"keep\".")
+        if entry_of(self.tensor) is not None:
+            return self.tensor
+        return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+def _pack_again(t):
+    # [Note: saves counted across nested blocks]
+    # A block's forward may run blocks inside it (a layer's parts): what
+    # those save is theirs (their own `Recompute`, offload or ledger), not
+    # the outer block's. Running the outer forward again runs the inner ones
+    # too, under these hooks alone, so its saves are matched by number: the
+    # n-th save since the forward began, whoever's frame took it, both times.
+    recompute, counter = tls.recording
+    n = counter[0]
+    counter[0] += 1
+    with unguarded():
+        t = t.detach()
+    index = recompute.index_of.get(n)
+    if index is not None:
+        recompute.keep(index, t)
+        if index == len(recompute.holders) - 1 and not _cuda_trace_hooks_on():
+            raise _AllSaved  # the rest of the forward saves nothing the backward needs
+    return t
+
+
+def _cuda_trace_hooks_on() -> bool:
+    """Whether torch's CUDA sanitizer watches (see [Note: activations recomputed])."""
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    return sanitizer is not None and getattr(getattr(sanitizer, "cuda_sanitizer", None), "enabled", False)
+
+
+class _AllSaved(Exception):
+    """Ends a recomputation once it has saved all that the forward saved."""
+
+
+def _unpack_again(t):
+    return t
+
+
+def _set_rng(states, devices) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1]):
+        torch.cuda.set_rng_state(state, d)
+
+
+@contextmanager
+def _autocast(states, cache: bool):
+    """The forward's autocast state (autograd's thread has its own)."""
+    with ExitStack() as stack:
+        for kind, enabled, dtype in states:
+            stack.enter_context(torch.amp.autocast(kind, enabled=enabled, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+def _view_key(t) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()

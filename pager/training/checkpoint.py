@@ -1,0 +1,130 @@
+"""State dicts of a paged model, and putting everything back (unwrap)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..base.block import Block
+from ..base.common import WEIGHTS
+from ..base import guards
+from .grads import PagedOutGrad, replay
+
+
+class StateDicts:
+    """`state_dict()` / `load_state_dict()` of one wrapped model: host copies
+    out, fetches in.
+
+    Args:
+        pager: the model's `Pager` (used through its public methods).
+
+    [Note: state dicts of a paged model]
+    Module.state_dict() returns references to the tensors, and a paged-out
+    block's tensors have no memory behind them; a post-hook on the root
+    replaces every paged entry with a host copy of its current value (so a
+    checkpoint needs no room on the device and loads without a GPU).
+    load_state_dict() copies into the tensors in place: a pre-hook on each
+    block module fetches the block, a post-hook releases it, and the copies
+    bump the version counters, so the block is written back when it leaves.
+    """
+
+    def __init__(self, pager):
+        self.pager = pager
+        self._names: dict = {}  # state-dict name -> (block, slot) of every paged tensor
+
+    def install(self) -> list:
+        """Install the hooks; returns their handles."""
+        pager, model = self.pager, self.pager.model
+        index = {id(t): (block, i) for block in pager.all_blocks() for i, t in enumerate(block.weights.tensors)}
+        named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        self._names = {n: index[id(t)] for n, t in named if id(t) in index}
+        post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
+        handles = [post(lambda *a: self._state_dict_post(*a))]
+        for block in pager.blocks:
+            handles.append(_load_pre_hook(block.module, self._make_load_pre(block)))
+            handles.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+        return handles
+
+    def _state_dict_post(self, module, state_dict, prefix, local_metadata):
+        pager = self.pager
+        with pager.lock:
+            pager.apply_deferred()  # the weights as the steps taken so far left them
+            if pager.transport.is_cuda:
+                torch.cuda.synchronize(pager.device)  # write-backs in flight must land first
+            views = {}  # block -> its weights' current values (a compressed page decodes once)
+            for name, (block, i) in self._names.items():
+                key = prefix + name
+                if key not in state_dict:
+                    continue
+                with guards.unguarded():
+                    if block not in views:
+                        views[block] = block.weights.current_views()
+                    state_dict[key] = views[block][i].detach().to("cpu", copy=True)
+
+    def _make_load_pre(self, block: Block):
+        def load_pre(module, state_dict, prefix, *args):
+            with self.pager.lock:
+                self.pager.acquire(block, WEIGHTS, record=False)
+
+        return load_pre
+
+    def _make_load_post(self, block: Block):
+        def load_post(module, incompatible_keys):
+            with self.pager.lock:
+                self.pager.release(block)
+
+        return load_post
+
+
+def _load_pre_hook(module: nn.Module, hook):
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().to(device, copy=True)
+
+
+def close(pager) -> None:
+    """Put every tensor back on its original device with its current value."""
+    pager.apply_deferred()
+    if pager.transport.is_cuda:
+        torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
+    pager.hooks.remove()
+    for block in pager.blocks:
+        pager.hooks.unguard(block)
+        for h in block.hook_handles:
+            h.remove()
+        block.hook_handles = []
+    for block in pager.all_blocks():
+        for seg in block.segments.values():
+            guards.release(seg)  # tensors get their own class back; views handed out are told
+    for table in pager.row_tables:
+        table.restore([link.optimizer for link in pager.optimizers])
+    if pager.row_stream is not None:
+        pager.row_stream.writer.close()
+    for opt_link in list(pager.optimizers):  # detach() removes the link from the list
+        opt_link.detach()
+    for block in pager.all_blocks():
+        w = block.weights
+        values = [_restore(v, pager.original_device[id(t)]) for v, t in zip(w.current_views(), w.tensors)]
+        grads = block.segments.get("grads")
+        grad_values = []
+        if grads is not None:
+            host = grads.host_views()
+            for i, p in enumerate(grads.params):
+                g = p.grad
+                if isinstance(g, PagedOutGrad):
+                    value = host[i].clone()
+                    replay(value, g.segment.pending.get(i, ()))
+                    grad_values.append((p, value))
+                elif g is not None:
+                    grad_values.append((p, g))
+        for t, v in zip(w.tensors, values):
+            t.data = v
+        for p, g in grad_values:
+            p.grad = _restore(g, p.device)
+    pager.engine.leave(pager)  # everything above holds its own copy now
+    pager._closed = True

@@ -1,0 +1,477 @@
+"""Optimizer state that pages with its block, and a step streamed per block.
+
+[Note: the streamed step]
+`attach(opt)` adds a step pre-hook and post-hook to the user's optimizer (its
+own hook API; the optimizer object, its param_groups and state keys are never
+replaced). The pre-hook runs the real update one block at a time: it brings a
+block's weights, gradients and state in (prefetching the next block's), narrows
+every param group to that block's parameters, calls the optimizer's undecorated
+`step`, and releases the block. Parameters the pager does not manage are left
+in the groups, so the user's own `step()` call that follows updates exactly
+those; the post-hook restores the groups. torch.optim's updates are
+per-parameter, so the result equals one full step bit for bit. Blocks with no
+gradient (inactive NAS candidates, frozen blocks) are neither fetched nor
+stepped, as in a full step where their grads are None.
+
+State tensors the optimizer creates lazily on the device (Adam's exp_avg, ...)
+are adopted after the block's first update: copied into the block's `state`
+segment, and the dict entries in `opt.state[p]` are replaced by views of it.
+Host-side scalars (Adam's `step` on the CPU) stay where they are.
+
+[Note: deferred updates]
+A block whose gradients are paged out when `step()` is called is not brought
+in for its update then. The update is recorded (the block's share of each param
+group, the groups' options such as `lr` as they are now, which gradients it
+reads and any scaling `clip_grad_norm_` recorded on them) and applied when the
+block is next acquired, normally by the next forward: the prefetch brings its
+gradients and state in with its weights, so the update's transfers overlap
+the compute of the blocks before it instead of forming a transfer-only phase
+after the backward, and its weights cross the link once less per step. A NAS
+candidate that is not sampled next keeps its update until it is. The values
+equal an immediate step's bit for bit: the same gradients, scaled as before
+the step, the same options; zeroing or scaling recorded after the step
+applies after the update. Whatever reads weights, gradients or state from
+outside the blocks' use applies pending updates first: model and optimizer
+`state_dict()` / `load_state_dict()`, `Pager.clip_grad_norm_`, `unwrap`, and
+`Pager.apply_deferred()`. `wrap(..., defer_step=False)` steps every block at
+once instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from operator import is_not
+
+import torch
+
+from ..base import guards
+from ..base.block import Block
+from ..base.common import STEP
+from .grads import PagedOutGrad, replay
+
+
+@dataclass
+class Deferred:
+    """One block's update, taken at `step()`, applied at its next use."""
+
+    link: "OptimizerLink"
+    shares: list   # the block's parameters in each param group
+    options: list  # each group's options (lr, betas, ...) at step time
+    grads: set     # slots of the grads segment whose gradients the update reads
+    scales: dict   # slot -> zeroing/scaling recorded on that gradient before the step
+
+
+class OptimizerLink:
+    """The pager's hold on one attached optimizer."""
+
+    def __init__(self, pager, optimizer: torch.optim.Optimizer):
+        self.pager = pager
+        self.optimizer = optimizer
+        self._saved_params: list | None = None
+        self._in_place: list = []  # blocks the user's own step() updates ([Note: a step asleep])
+        self._stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self._raw_step = getattr(type(optimizer).step, "__wrapped__", None)
+        # state_dict()/load_state_dict() read and write the state tensors: they
+        # must be on the device or refer to host copies.
+        self._swapped: list = []
+        self._handles.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
+        self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
+        self._handles.append(optimizer.register_load_state_dict_pre_hook(self._before_load_state_dict))
+        self._handles.append(optimizer.register_load_state_dict_post_hook(self._after_load_state_dict))
+
+    def detach(self) -> None:
+        """Give the optimizer its state back as ordinary tensors on the parameters' devices."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        pager = self.pager
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            for (p, key), value in zip(seg.keys, seg.current_views()):
+                st = self.optimizer.state.get(p)
+                if st is not None and key in st:
+                    st[key] = value.detach().to(pager.original_device[id(p)], copy=True)
+        pager.optimizers.remove(self)
+
+    # --------------------------------------------------------------- step
+    def _pre_step(self, optimizer, args, kwargs):
+        # The hook's args are the call's positional arguments, the optimizer first.
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise ValueError(
+                "pager: optimizer.step(closure) is not supported on a paged model (the closure would "
+                "re-run forward inside the streamed step); call step() without a closure."
+            )
+        with self.pager.lock:
+            try:
+                self._stream_step(optimizer)
+            except BaseException:
+                # The user's step() raises without calling post-hooks: the
+                # groups must not stay narrowed.
+                self._post_step(optimizer, (), {})
+                raise
+
+    def _stream_step(self, optimizer) -> None:
+        pager = self.pager
+        groups = optimizer.param_groups
+        self._saved_params = [g["params"] for g in groups]
+        self._in_place = []  # (a user's step that raised never reached the post-hook)
+        self._step_row_tables(optimizer)
+        blocks = self._blocks_to_step()
+        if self._can_step_in_place(blocks):
+            self._in_place = blocks
+            if not pager.row_params:
+                self._saved_params = None  # the groups stay as they are
+            for g, params in zip(groups, self._saved_params or ()):
+                g["params"] = [p for p in params if id(p) not in pager.row_params]  # (stepped above)
+            return
+        # Each block's share of each group, in the group's order (one pass).
+        shares = {id(b): [[] for _ in groups] for b in blocks}
+        for gi, params in enumerate(self._saved_params):
+            for p in params:
+                owner = pager.param_blocks.get(id(p))
+                if owner is not None and id(owner) in shares:
+                    shares[id(owner)][gi].append(p)
+        now, options = [], None
+        for block in blocks:
+            if self._can_defer(block):
+                if options is None:  # the groups' options as they are now, once per step
+                    options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in groups]
+                self._defer(block, shares[id(block)], options)
+            else:
+                now.append(block)
+        pager.scheduler.expect([(b, STEP) for b in now])
+        try:
+            # Every page on the device: nothing to bring in beside the steps,
+            # so the blocks that have their state step as one.
+            together = [b for b in now if not b.deps and "state" in b.segments] if pager.all_resident else []
+            ids = {id(b) for b in together}
+            for run in ([together] if together else []) + [[b] for b in now if id(b) not in ids]:
+                self._step_blocks(optimizer, run, shares)
+        finally:
+            for g, params in zip(groups, self._saved_params):
+                g["params"] = [p for p in params if not pager.managed(p)]
+
+    def _step_blocks(self, optimizer, blocks: list[Block], shares: dict) -> None:
+        """Step `blocks` in one call of the optimizer: one block, or several
+        with every page on the device, whose foreach kernels then launch once
+        rather than once per block (a resident model's step would otherwise
+        pay the host's cost per block), with the same values, as the update of
+        each parameter depends on that parameter's tensors only."""
+        pager = self.pager
+        acquired = []
+        try:
+            for block in blocks:
+                pager.acquire(block, STEP)
+                acquired.append(block)
+                if "state" not in block.segments:
+                    # The optimizer is about to create this block's state on the
+                    # device (outside the pages): make room for it first.
+                    pager.engine.make_room(self._state_estimate(block), protect={block})
+            pager.prefetch()
+            for gi, g in enumerate(optimizer.param_groups):
+                g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
+            self._step_once(optimizer)
+            for block in blocks:
+                self._adopt_state(block)
+                block.mark_dirty(("weights", "state"))
+                if "state" not in block.segments:
+                    self._stateless.add(id(block))
+        finally:
+            for block in acquired:
+                pager.release(block)
+
+    def _step_row_tables(self, optimizer) -> None:
+        """Update the rows each row table's gradient touches ([Note: exact
+        updates of touched rows] in rows/table.py)."""
+        tables = self.pager.row_params
+        for gi, params in enumerate(self._saved_params):
+            for p in params:
+                table = tables.get(id(p))
+                if table is not None and p.grad is not None:
+                    table.step(optimizer, gi, self._step_once)
+
+    # [Note: a step asleep]
+    # While the pager sleeps every page is on the device and nothing leaves
+    # without waking it first ([Note: asleep] in model/hooks.py), so a step of
+    # blocks whose state has its page already (or that have none) needs no
+    # acquire, no fetch and no narrowing of the groups: the user's own
+    # `step()` call updates them with the parameters pager does not manage,
+    # in one call of the optimizer, as on the unwrapped model. Afterwards,
+    # state entries the optimizer replaced go back into their page, and state
+    # that appeared for the first time (momentum turned on) is adopted with
+    # its block pinned, as after a streamed step. Nothing is marked dirty:
+    # waking marks every block so before any can leave.
+    def _can_step_in_place(self, blocks: list[Block]) -> bool:
+        pager = self.pager
+        return (
+            pager.asleep
+            and not pager.shared_mode  # (other threads: a use pins what it touches)
+            and all(("state" in b.segments or id(b) in self._stateless) and not b.deferred_steps for b in blocks)
+        )
+
+    def _after_step_in_place(self) -> None:
+        pager = self.pager
+        blocks, self._in_place = self._in_place, []
+        with pager.lock:
+            for block in blocks:
+                if "state" not in block.segments:
+                    if not self._device_state(block):
+                        continue
+                    pager.acquire(block, STEP)
+                    try:
+                        self._adopt_state(block)
+                    finally:
+                        pager.release(block)
+                    self._stateless.discard(id(block))
+                else:
+                    self._adopt_state(block)
+
+    def _post_step(self, optimizer, args, kwargs):
+        if self._saved_params is not None:
+            for g, params in zip(optimizer.param_groups, self._saved_params):
+                g["params"] = params
+            self._saved_params = None
+        if self._in_place:
+            self._after_step_in_place()
+
+    def _step_once(self, optimizer) -> None:
+        if self._raw_step is not None:
+            self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
+        else:
+            optimizer.step()
+
+    def _can_defer(self, block: Block) -> bool:
+        seg = block.segments.get("grads")
+        if not self.pager.defer_step or seg is None or seg.resident or "state" not in block.segments:
+            return False  # gradients on the device: step now; no state yet: its first step adopts it
+        if getattr(self.optimizer, "grad_scale", None) is not None:
+            return False  # GradScaler hands fused optimizers a scale that step() reads
+        return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
+
+    def _defer(self, block: Block, shares: list, options: list) -> None:
+        # While the update is pending, the grads page is fetched and kept
+        # whatever param.grad says (Pager._check_grads_present, _page_out_grads).
+        seg = block.segments["grads"]
+        grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
+        block.deferred_steps.append(Deferred(self, shares, options, grads, {i: list(ops) for i, ops in seg.pending.items()}))
+        seg.pending.clear()  # what is recorded from now on applies after the update
+        self.pager.counters.deferred_steps += 1
+
+    def apply(self, block: Block, d: Deferred) -> None:
+        """Run deferred update `d` of `block` (resident, compute ordered after
+        its fetch): the optimizer's own step over the block's parameters, with
+        the gradients and group options it had at step time.
+
+        [Note: a deferred update touches nothing the user holds]
+        It may run on any thread (the one whose access needs the block), while
+        the thread that stepped calls zero_grad(), a scheduler or step() again.
+        So the optimizer's step runs on a shadow of it (its own param groups,
+        with this block's parameters and the step-time options; the same state
+        dict), never narrowing the user's groups; and the parameters' `.grad`,
+        set to the step-time gradients for the step, is only set under the
+        pager's lock, which a `.grad =` on a guarded parameter takes too
+        (`guards.handle`)."""
+        pager = self.pager
+        seg = block.segments["grads"]
+        params = [p for share in d.shares for p in share]
+        saved_grads = [p.grad for p in params]
+        try:
+            with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
+                for i, ops in d.scales.items():
+                    replay(seg.tensors[i], ops)
+                for p in params:
+                    i = pager.grad_slots.get(id(p), (None, None))[1]
+                    p.grad = seg.tensors[i] if i in d.grads else None
+                self._step_shadow(d)
+        finally:
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+        self._adopt_state(block)
+        block.mark_dirty(("weights", "state"))
+
+    def _step_shadow(self, d: Deferred) -> None:
+        optimizer = self.optimizer
+        if self._raw_step is None:  # not a torch.optim.Optimizer: its groups are narrowed for the call
+            groups = optimizer.param_groups
+            saved = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
+            try:
+                for g, share, options in zip(groups, d.shares, d.options):
+                    g["params"] = share
+                    g.update(options)
+                optimizer.step()
+            finally:
+                for g, (share, options) in zip(groups, saved):
+                    g["params"] = share
+                    g.update(options)
+            return
+        shadow = object.__new__(type(optimizer))
+        shadow.__dict__.update(optimizer.__dict__)
+        shadow.param_groups = [
+            {**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)
+        ]
+        self._raw_step(shadow)
+
+    def _blocks_to_step(self) -> list[Block]:
+        """Blocks with a gradient: resident ones first, then in next-forward order."""
+        pager = self.pager
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        wanted = []
+        for block in pager.all_blocks():
+            if any(id(p) in in_opt and p.grad is not None for p in block.params):
+                wanted.append(block)
+        resident = pager.engine.resident  # (an ordered set: read once, not rebuilt per block)
+        return [b for b in wanted if b in resident] + [b for b in wanted if b not in resident]
+
+    def _state_estimate(self, block: Block) -> int:
+        """Bytes of state the first update of `block` will create (learned from
+        the blocks adopted so far; Adam's two moments before that)."""
+        ratio = 2.0
+        seen = [b for b in self.pager.all_blocks() if "state" in b.segments]
+        if seen:
+            ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
+        return int(ratio * block.weights.nbytes)
+
+    def _device_state(self, block: Block) -> list:
+        """(parameter, key) of each state tensor the optimizer holds on the device for `block`."""
+        return [(p, key) for p in block.params for key, value in self.optimizer.state.get(p, {}).items()
+                if isinstance(value, torch.Tensor) and value.device == self.pager.device and value.numel() > 0]
+
+    def _adopt_state(self, block: Block) -> None:
+        """Move state the optimizer created on the device into the block's page."""
+        opt_state = self.optimizer.state
+        seg = block.segments.get("state")
+        if seg is not None:
+            # Entries the optimizer replaced (rather than updated in place) go back into the page.
+            values = [opt_state[p].get(key) for p, key in seg.keys]
+            if any(map(is_not, values, seg.tensors)):
+                for (p, key), value, view in zip(seg.keys, values, seg.tensors):
+                    if value is not view and isinstance(value, torch.Tensor):
+                        view.copy_(value)
+                        opt_state[p][key] = view
+            return
+        keys = self._device_state(block)
+        if not keys:
+            return
+        named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
+        pager = self.pager
+        seg = pager.new_segment(block, "state", named)
+        seg.keys = keys
+        if not pager.engine.make_room(seg.nbytes, protect={block}):
+            pager.engine.raise_no_room(block, seg.nbytes)
+        # Allocated like any fetch (its page holds nothing yet, so nothing is
+        # copied), and compute waits before filling it from the optimizer's state.
+        pager.engine.fetch(block, ("state",))
+        pager.engine.wait(block)
+        pager.expose(block)  # the block is in use: its new state tensors too
+        block.settled = True  # (as its acquire left it: compute waited, so the next forward may run asleep)
+        with torch.no_grad():
+            for (p, key), view in zip(keys, seg.tensors):
+                view.copy_(opt_state[p][key])
+                opt_state[p][key] = view
+        seg.host_valid = True  # the copies above made it dirty: written back when it leaves
+
+    # ---------------------------------------------------------- state_dict
+    def _before_state_dict(self, optimizer) -> None:
+        # Optimizer.state_dict() returns references to the state tensors, and a
+        # paged-out block's have no memory behind them: for the duration of the
+        # call, every paged entry is a host copy of its current value.
+        pager = self.pager
+        pager.apply_deferred()
+        if pager.transport.is_cuda:
+            torch.cuda.synchronize(pager.device)
+        self._swapped = []
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            for (p, key), value in zip(seg.keys, seg.current_views()):
+                self._swapped.append((p, key, optimizer.state[p][key]))
+                with guards.unguarded():
+                    optimizer.state[p][key] = value.detach().to("cpu", copy=True)
+
+    def _after_state_dict(self, optimizer, state_dict):
+        # The packed state holds the very dicts of optimizer.state: detach the
+        # returned ones before the views go back in.
+        state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
+        for p, key, view in self._swapped:
+            optimizer.state[p][key] = view
+        self._swapped = []
+        return state_dict
+
+    def _before_load_state_dict(self, optimizer, state_dict) -> None:
+        # Updates still pending would otherwise run on the loaded state.
+        self.pager.apply_deferred()
+
+    def _after_load_state_dict(self, optimizer) -> None:
+        # load_state_dict() replaced every state tensor with a new one (cast to
+        # the parameter's device). Put the values into the pages.
+        pager = self.pager
+        if pager.transport.is_cuda:
+            torch.cuda.synchronize(pager.device)
+        for block in pager.all_blocks():
+            seg = block.segments.get("state")
+            if seg is None:
+                continue
+            if seg.cache is not None and not seg.resident:
+                seg.cache.page_in(seg)  # (the copies below change the page in host memory)
+            with torch.no_grad(), guards.unguarded():
+                for (p, key), target, view in zip(seg.keys, seg.current_views(), seg.tensors):
+                    target.copy_(optimizer.state[p][key])
+                    optimizer.state[p][key] = view
+            if seg.resident:
+                seg.force_dirty = True
+            else:
+                seg.host_valid = True
+                if seg.cache is not None:
+                    seg.cache.written(seg, None)
+
+
+def _snapshot(value):
+    # An option that is a tensor (a tensor lr) may be changed in place by a
+    # scheduler before the update runs.
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _auto_attach(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: attach an optimizer that holds a wrapped model's
+    parameters the first time it steps, so the user's loop needs no change."""
+    from ..base.common import _PAGERS
+
+    for pager in list(_PAGERS.values()):
+        if any(link.optimizer is optimizer for link in pager.optimizers):
+            continue
+        if any(pager.managed(p) for g in optimizer.param_groups for p in g["params"]):
+            attach(pager, optimizer)
+
+
+_global_hook = None
+
+
+def install_global_hook() -> None:
+    global _global_hook
+    if _global_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _global_hook = register_optimizer_step_pre_hook(_auto_attach)
+
+
+def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
+    """Link `optimizer` to `pager` (a `Pager`); see `Pager.attach`."""
+    for link in pager.optimizers:
+        if link.optimizer is optimizer:
+            return link  # idempotent
+    if not any(pager.managed(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "pager: attach() got an optimizer that holds none of this model's parameters; build it "
+            "from model.parameters()."
+        )
+    link = OptimizerLink(pager, optimizer)
+    pager.optimizers.append(link)
+    return link
