@@ -228,5 +228,5 @@ def test_a_use_that_activations_crowd_runs_within_the_budget():
         assert engine.make_room(layer, protect=set())  # 4 layers: over the room, within the budget
         assert not engine.make_room(layer + 1, protect=set())
         for block in p.blocks[:3]:
-            p.release(block)
+            p.uses.release(block)
 

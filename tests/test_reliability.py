@@ -180,9 +180,9 @@ def test_a_submodule_called_directly_trains():
         m(torch.randint(0, 64, (2, 8)))
         m.layers[0].mlp(x).sum().backward()
     for p, q in zip(model.layers[0].mlp.parameters(), ref.layers[0].mlp.parameters()):
-        pager.of(model).acquire(pager.of(model).blocks[0], ("weights", "grads"), record=False)
+        pager.of(model).uses.acquire(pager.of(model).blocks[0], ("weights", "grads"), record=False)
         assert_same(p.grad, q.grad)
-        pager.of(model).release(pager.of(model).blocks[0])
+        pager.of(model).uses.release(pager.of(model).blocks[0])
 
 
 def test_replaced_parameter_or_added_module_is_refused():

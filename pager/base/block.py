@@ -222,13 +222,13 @@ class Block:
         self.fetch_event = None       # the fetch compute has still to wait on (FETCHING)
         self.pins = 0
         self.thread_pins: dict = {}   # thread id -> pins it holds (see Engine.unpin)
-        self.unaccounted_use = None   # a use that left views pager could not look for (Pager._keeps_unknown_views)
+        self.unaccounted_use = None   # a use that left views pager could not look for (Uses.keeps_unknown_views)
         self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
         self.parent: Block | None = None  # the nearest block whose module holds this one's
         self.resident_for_life = False
         self.last_use_tick = 0
         self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
-        self.settled = False          # acquired since its last fetch (see Pager.can_use_resident)
+        self.settled = False          # acquired since its last fetch (see Uses.can_use_resident)
         self.params: list = []        # its parameters (in the weights segment), and their names
         self.param_names: list = []
         self.trainable = False        # any of its parameters requires grad

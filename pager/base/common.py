@@ -13,7 +13,7 @@ import torch.nn as nn
 WEIGHTS = ("weights",)
 BACKWARD = ("weights", "grads")
 STEP = ("weights", "grads", "state")
-EVERYONE = "everyone"  # Pager.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
+EVERYONE = "everyone"  # Uses.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
 PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
 NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
 STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps

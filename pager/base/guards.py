@@ -350,7 +350,7 @@ def handle(func, args, kwargs):
 # be reading when the block is released and evicted. While the process has one
 # Python thread that cannot happen, and a use pays only for the class swaps.
 # Once a second thread exists (checked at each use and served access;
-# `Pager.note_threads`), the pager is in the shared mode for good: a block in
+# `Uses.note_threads`), the pager is in the shared mode for good: a block in
 # use keeps its guard, and the threads that pinned it (`Block.thread_pins`)
 # pass it here unserved (a few microseconds per operation), while any other
 # thread is served (the block pinned for its operation, so it cannot leave

@@ -41,6 +41,7 @@ class Hooks:
 
     def __init__(self, pager):
         self.pager = pager
+        self.uses = pager.uses  # (acquire and release: the hooks' every call)
         self.lock = pager.lock  # (for `_locked`) the engine's, shared by its models
         self.handles: list = []  # every hook handle but the blocks' own (`Block.hook_handles`)
         self.root_depth = 0
@@ -157,7 +158,7 @@ class Hooks:
                     h.remove()
                 block.hook_handles = []
                 if not self.pager.shared_mode:
-                    self.pager.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
+                    self.uses.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
             self.pager.asleep = True
 
     def wake(self) -> None:
@@ -167,10 +168,10 @@ class Hooks:
             while any(t != me for t in self.pager.asleep_readers):  # ...and other threads' that began asleep finish
                 time.sleep(1e-5)
             for block in self.pager.blocks:
-                self.pager.track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
+                self.uses.track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
                 self._install_block_hooks(block)
                 if block.pins == 0:
-                    self.pager.guard_idle(block)
+                    self.uses.guard_idle(block)
                 # Writes while asleep reached the tensors directly, and some
                 # (CUDA's foreach zero) move no version counter: if the block
                 # ever leaves, it is written back.
@@ -214,7 +215,7 @@ class Hooks:
                 held.append(False)
                 return
             with self.lock:
-                self.pager.acquire(block, WEIGHTS, record=False)
+                self.uses.acquire(block, WEIGHTS, record=False)
             held.append(True)
 
         return inner_pre
@@ -223,7 +224,7 @@ class Hooks:
         def inner_post(module, args, output):
             if held and held.pop():
                 with self.lock:
-                    self.pager.release(block)
+                    self.uses.release(block)
                     if torch.is_grad_enabled():
                         self.register_pre_backward(block, output)
 
@@ -299,7 +300,7 @@ class Hooks:
         saving.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
                             ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
-        self.pager.note_threads()
+        self.uses.note_threads()
         outermost = not self.forward_marks()  # this thread's own request starts
         if outermost:
             self.pager.engine.note_request(self.pager)
@@ -491,11 +492,11 @@ class Hooks:
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
             with self.lock:
-                if self.pager.can_use_resident(block) and not again:
-                    self.pager.use_resident(block)
+                if self.uses.can_use_resident(block) and not again:
+                    self.uses.use_resident(block)
                 else:
                     try:
-                        self.pager.acquire(block, WEIGHTS, record=not again)
+                        self.uses.acquire(block, WEIGHTS, record=not again)
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
@@ -517,8 +518,8 @@ class Hooks:
                     block.unpinned_calls -= 1
                     return None
                 if not again:
-                    self.pager.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
-                self.pager.release(block)
+                    self.uses.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
+                self.uses.release(block)
             if torch.is_grad_enabled() and not again:
                 self.register_pre_backward(block, output)
             return None
@@ -547,7 +548,7 @@ class Hooks:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
             if self.pager.reducer is not None:
                 self.pager.reducer.backward_starts()
-        self.pager.acquire(block, BACKWARD)
+        self.uses.acquire(block, BACKWARD)
         self.backward_holds[block] = self.backward_holds.get(block, 0) + 1
         if self.pager.activations is not None:
             self.pager.activations.backward_reaches(block)
@@ -569,8 +570,8 @@ class Hooks:
             self.pager.reducer.backward_ended(block)  # its gradients may be final: averaged now
         if self.backward_holds.get(block, 0) > 0:
             self.backward_holds[block] -= 1
-            self.pager.track_kept_views(block, (), ("backward",))
-            self.pager.release(block)
+            self.uses.track_kept_views(block, (), ("backward",))
+            self.uses.release(block)
 
     @_locked
     def end_of_backward(self, finished: bool = True) -> None:
@@ -579,9 +580,9 @@ class Hooks:
         if self.pager.activations is not None and finished:
             self.pager.activations.pass_ends()
         for block, holds in list(self.backward_holds.items()):
-            self.pager.track_kept_views(block, (), ("backward",))
+            self.uses.track_kept_views(block, (), ("backward",))
             for _ in range(holds):
-                self.pager.release(block)
+                self.uses.release(block)
         self.backward_holds.clear()
         if self.pager.reducer is not None:
             self.pager.reducer.backward_finished(finished)
@@ -605,12 +606,12 @@ class Hooks:
         block, i = self.pager.grad_slots.get(id(param), (None, None))
         if block is None:
             block = self.pager.param_blocks[id(param)]
-            self.pager.ensure_grads_segment(block)
+            self.pager.grad_pages.ensure_segment(block)
             block, i = self.pager.grad_slots[id(param)]
         seg = block.segments["grads"]
         acquired = not seg.resident  # a gradient for a block not acquired for backward
         if acquired:
-            self.pager.acquire(block, ("grads",), record=False)
+            self.uses.acquire(block, ("grads",), record=False)
         try:
             view = seg.tensors[i]
             if param.grad is not view:
@@ -619,4 +620,4 @@ class Hooks:
                 param.grad = view
         finally:
             if acquired:
-                self.pager.release(block)
+                self.uses.release(block)

@@ -9,20 +9,19 @@ import contextlib
 import dataclasses
 import logging
 import threading
-import time
 from itertools import chain, islice
 
 import torch
 
 from ..base.block import Block, Segment, layout
 from ..base.budget import format_bytes
-from ..base.common import BACKWARD, EVERYONE, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range, other_threads
+from ..base.common import BACKWARD, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
 from ..base import guards
-from ..base import saving
 from ..training.grad_ops import GradOps
 from .serving import Serving
-from ..training.grads import PagedOutGrad, replay
+from ..training.grad_pages import GradPages
 from .hooks import Hooks
+from .uses import Uses
 from ..engine.engine import Engine
 from ..training.activations import KEEP, Activations
 from ..engine.schedule import Scheduler
@@ -66,7 +65,6 @@ class Pager:
         self.activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
         if self.activations is not None:
             self.activations.ledger.note_blocks(0)
-        self._tick = 0
         self.tracer = Tracer(cuda=device.type == "cuda")
         self.grad_slots: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
         self.param_blocks: dict[int, Block] = {}
@@ -87,6 +85,8 @@ class Pager:
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Hooks.start_step)
         self.reducer = None  # a `_distributed.Reducer` when gradients are averaged over a process group
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
+        self.uses = Uses(self)  # what a use of a block does: acquire, release
+        self.grad_pages = GradPages(self)
         self.hooks = Hooks(self)
         self.serve = Serving(self)
         self.grad_ops = GradOps(self, self.serve)
@@ -119,7 +119,7 @@ class Pager:
         for block in self.all_blocks():
             if block.resident_for_life or block is self.remainder:
                 block.resident_for_life = True
-                self.acquire(block, WEIGHTS, record=False)
+                self.uses.acquire(block, WEIGHTS, record=False)
         self.hooks.install()
 
     def add_row_tables(self, tables: list, cache_bytes: int) -> None:
@@ -205,246 +205,11 @@ class Pager:
         block.stats.nbytes = block.nbytes()
         return seg
 
-    def ensure_grads_segment(self, block: Block) -> None:
-        if "grads" in block.segments:
-            return
-        trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
-        if not trainable:
-            return
-        seg = self.new_segment(block, "grads", trainable)
-        seg.params = [p for _n, p in trainable]
-        seg.names = [n for n, _p in trainable]
-        for i, p in enumerate(seg.params):
-            self.grad_slots[id(p)] = (block, i)
-
     # ------------------------------------------------------------ residency
-    def acquire(self, block: Block, kinds, record: bool = True, expose=True) -> None:
-        """Make `kinds` of `block` (and its deps) usable by compute; pin them.
-        With `expose`, its tensors are open to this thread while it stays
-        pinned (a use; `EVERYONE`: they get their own class whatever the
-        threads); a served access keeps them guarded ([Note: paged-out tensors]).
-
-        On failure nothing stays pinned."""
-        if block.parts_merged and block.pins == 0 and not block.merged_deps:
-            block.merged_deps = True  # its parts come with it from now on (Serving._merge_parts)
-            block.deps = block.deps + [b for b in self.blocks if b.part and b.parent is block and b not in block.deps]
-        done = []
-        try:
-            for dep in block.deps:
-                self.acquire(dep, kinds, record, expose)
-                done.append(dep)
-            self._acquire_one(block, kinds, record, expose)
-        except BaseException:
-            for dep in done:
-                self.release(dep)
-            raise
-
-    def _acquire_one(self, block: Block, kinds, record: bool, expose) -> None:
-        if "grads" in kinds:
-            self.ensure_grads_segment(block)
-        if record:
-            if self.hooks.recording():  # (not another request's: [Note: one recorded request at a time])
-                self.scheduler.observe(block, kinds)
-            self.hooks.unguard(block)  # used through its own hooks: guards not needed while resident
-        if block.deferred_steps:
-            kinds = STEP  # its pending update runs first: it needs gradients and state too
-        miss = self.engine.bring(block, kinds, all_resident=self.all_resident)
-        if record:
-            self._count_use(block, miss=miss)
-        if expose or block.deferred_steps:
-            # (the optimizer's update runs on the tensors themselves)
-            self.expose(block, everyone=expose == EVERYONE)
-        if block.deferred_steps:
-            self._run_deferred(block)
-            if not expose and block.pins == 1:
-                self.guard_idle(block)
-        self._expose_grads(block)
-        self._apply_pending(block)
-        if block.pins == 1:
-            block.compute_start = self.tracer.stamp()
-        self._tick += 1
-        block.last_use_tick = self._tick
-        block.settled = True
-
-    def can_use_resident(self, block: Block) -> bool:
-        """True when a forward use of `block` is bookkeeping only.
-
-        [Note: the resident fast path]
-        When every page of every block is on the device, this block has been
-        acquired since its last fetch (compute waited, gradients exposed,
-        pending scaling applied) and it has no deps, deferred update or trace
-        to keep, acquiring it changes nothing but counters: `use_resident`
-        does just that. A model that fits its budget then pays for two hook
-        calls per block and no CUDA call."""
-        return (
-            self.all_resident
-            and block.settled
-            and not block.deps
-            and not block.deferred_steps
-            and not self.tracer.enabled
-        )
-
-    def use_resident(self, block: Block) -> None:
-        if self.hooks.recording():
-            self.scheduler.observe(block, WEIGHTS)
-        self.hooks.unguard(block)
-        self.engine.pin(block)
-        self.expose(block)
-        self._count_use(block, miss=False)
-        self._tick += 1
-        block.last_use_tick = self._tick
-
-    def _count_use(self, block: Block, miss: bool) -> None:
-        block.uses += 1
-        if miss:
-            block.stats.misses += 1
-            self.counters.misses += 1
-            self.hooks.step_misses += 1
-        else:
-            block.stats.hits += 1
-            self.counters.hits += 1
-
-    def expose(self, block: Block, everyone: bool = False) -> None:
-        """Its resident tensors are open to the threads using it: they get
-        their own class, only while it is in use (see [Note: paged-out
-        tensors] in base/guards.py). With other threads about, they keep the guard
-        and only the threads that pinned the block pass it unserved ([Note:
-        tensors and threads]); `everyone` (the pager going to sleep) gives
-        them their own class all the same."""
-        if not everyone:
-            self.note_threads()
-        for seg in block.segments.values():
-            if seg.resident and not seg.exposed:
-                if self.shared_mode and not everyone:
-                    guards.open_to_pinning_threads(seg)
-                else:
-                    guards.expose(seg)
-
-    def note_threads(self) -> None:
-        """Enter the shared mode once a second Python thread exists; blocks in
-        use then stop being exposed to every thread ([Note: tensors and threads])."""
-        if self.shared_mode or not other_threads():
-            return
-        self.shared_mode = True
-        for block in self.all_blocks():
-            if block.resident_for_life:
-                continue
-            for seg in block.segments.values():
-                if seg.exposed:
-                    guards.guard(seg)
-                    if block.pins > 0 and seg.resident:
-                        guards.open_to_pinning_threads(seg)
-
-    def guard_idle(self, block: Block) -> None:
-        if not block.resident_for_life:
-            for seg in block.segments.values():
-                guards.guard(seg)
-
-    def _run_deferred(self, block: Block) -> None:
-        """Apply the optimizer updates deferred to this use of `block` (resident,
-        compute ordered after its fetch), oldest first."""
-        with _record_range(f"pager::deferred_step[{block.name}]"):
-            while block.deferred_steps:
-                d = block.deferred_steps[0]
-                d.link.apply(block, d)
-                block.deferred_steps.pop(0)
-
-    def _apply_pending(self, block: Block) -> None:
-        seg = block.segments.get("grads")
-        if seg is None or not seg.resident or not seg.pending:
-            return
-        with torch.no_grad(), guards.unguarded():
-            for i, ops in seg.pending.items():
-                if seg.params[i].grad is seg.tensors[i]:
-                    replay(seg.tensors[i], ops)
-        seg.pending.clear()
-
-    def release(self, block: Block) -> None:
-        for dep in block.deps:
-            self.release(dep)
-        self.engine.unpin(block)
-        if block.pins == 0:
-            if not self.asleep:
-                self.guard_idle(block)  # from now on, accesses from outside are served
-            # Everything on the device: nothing is fetched and nothing evicted;
-            # an eviction after all (set_budget, a new segment) orders itself
-            # after a fresh event. Saves an event per use.
-            self.engine.idle(block, mark=not (self.all_resident and not self.tracer.enabled))
-            if self.tracer.enabled:
-                end = block.last_use_event if self.transport.is_cuda else time.perf_counter()
-                self.tracer.span("compute", block.name, block.compute_start, end)
-
-    def track_kept_views(self, block: Block, places, use) -> None:
-        """Remember views of `block`'s weights that its use left behind (an
-        output, an attribute, a list a hook keeps): they are guarded with the
-        block from now on. See [Note: views kept from a use] in base/guards.py."""
-        seg = block.segments.get("weights")
-        if block.module is None or block.resident_for_life or seg is None or not seg.resident:
-            return
-        # Alone, every object is searched, and what stays unaccounted for is
-        # autograd's (learned). With other threads, what stays unaccounted for
-        # is a view kept where pager cannot look (autograd's are counted: see
-        # [Note: autograd's saved views, counted]), or autograd's where they
-        # could not be counted: either way the block must stay while they live.
-        # Under other saved-tensor hooks (checkpointing's recomputation in the
-        # backward) the excess is what they hold, found by a search too: so no
-        # search, and the block stays while the excess lives (its backward).
-        alone = not other_threads()
-        searchable = alone and use[-1] != saving.OTHERS
-        found, unaccounted = guards.track_kept_views(
-            [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
-        if found:
-            self.warn_once(
-                f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
-                "an attribute or a list that holds it); it is served from now on, and fetches the block on "
-                "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
-                use[0])
-        if unaccounted and not searchable:
-            block.unaccounted_use = use  # checked again when it is to leave (see [Note: views kept from a use])
-
-    def _keeps_unknown_views(self, block: Block) -> bool:
-        """Chosen to leave: are views of its weights still unaccounted for
-        since a use with other threads about? Then it must stay."""
-        use = block.unaccounted_use
-        if use is None:
-            return False
-        if guards.has_unknown_views(block.weights, use):
-            self.warn_once(
-                f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
-                "from its %s exist somewhere pager cannot search while other threads run (or autograd's saved "
-                "views, which pager cannot count under other saved-tensor hooks or before torch 2.8). Keep "
-                "copies (`.clone()`) of what a forward keeps.", block.name, use[0])
-            return True
-        block.unaccounted_use = None
-        return False
-
-    def grads_arriving(self, block: Block, seg: Segment) -> None:
-        """Before fetching a grads page: is any gradient in it still wanted?
-
-        [Note: gradients are exposed only after compute waits]
-        A fetch (often a prefetch) only copies the page in; `param.grad` stays
-        a PagedOutGrad until the block is acquired and compute has waited on the
-        copy (`_expose_grads`). Otherwise user code between a prefetch and the
-        use (zero_grad(set_to_none=False), a read) would race the copy."""
-        present = False
-        for i, p in enumerate(seg.params):
-            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
-                present = True
-            else:
-                seg.pending.pop(i, None)
-        seg.host_valid = present or bool(block.deferred_steps)  # a deferred update reads the page
-        if not seg.host_valid:
-            seg.summaries = {}  # the device copy will hold no gradient worth describing
-
-    def _expose_grads(self, block: Block) -> None:
-        seg = block.segments.get("grads")
-        if seg is None or not seg.resident:
-            return
-        for i, p in enumerate(seg.params):
-            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
-                p.grad = seg.tensors[i]
-
     # ------------------------------------- leaving (called by the engine)
+    def grads_arriving(self, block: Block, seg: Segment) -> None:
+        self.grad_pages.arriving(block, seg)
+
     def evictions_blocked(self) -> bool:
         return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph or bool(self.hooks.graphs_asleep)
 
@@ -463,7 +228,7 @@ class Pager:
         cannot look); a deferred update whose bytes are here is applied now."""
         if self.asleep:
             self.hooks.wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
-        if self._keeps_unknown_views(block):
+        if self.uses.keeps_unknown_views(block):
             return False
         if block.deferred_steps and not block.missing_bytes(STEP):
             # Prefetched for an update, but leaving unused: the bytes are here, so
@@ -471,8 +236,8 @@ class Pager:
             self.engine.wait(block)
             self.engine.pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
             try:
-                self.expose(block)  # (guarded again as it leaves)
-                self._run_deferred(block)
+                self.uses.expose(block)  # (guarded again as it leaves)
+                self.uses.run_deferred(block)
             finally:
                 self.engine.unpin(block)
         return True
@@ -483,12 +248,12 @@ class Pager:
     def pages_leaving(self, block: Block) -> None:
         grads = block.segments.get("grads")
         if grads is not None and grads.resident:
-            self.gather_grads(grads)
+            self.grad_pages.gather(grads)
 
     def page_leaving(self, block: Block, seg: Segment, ready, dirty: bool) -> bool:
         if seg.kind != "grads":
             return dirty
-        self._page_out_grads(block, seg)  # host_valid now says if any gradient is still wanted
+        self.grad_pages.page_out(block, seg)  # host_valid now says if any gradient is still wanted
         if not (dirty and seg.host_valid):
             return False
         # New values: describe them as they leave, or forget the old description.
@@ -507,25 +272,6 @@ class Pager:
 
     def activation_reserve_bytes(self):
         return None if self.activations is None else self.activations.ledger.reserve()
-
-    def gather_grads(self, seg: Segment) -> None:
-        """Bring gradients that autograd or the user put elsewhere into the page."""
-        for i, p in enumerate(seg.params):
-            g = p.grad
-            if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
-                with torch.no_grad(), guards.unguarded():
-                    seg.tensors[i].copy_(g)
-                p.grad = seg.tensors[i]
-
-    def _page_out_grads(self, block: Block, seg: Segment) -> None:
-        present = False
-        for i, p in enumerate(seg.params):
-            if p.grad is seg.tensors[i]:
-                p.grad = PagedOutGrad(p, seg.names[i], self, block, seg, i)
-                present = True
-            elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
-                present = True  # fetched but never exposed: the page still holds it
-        seg.host_valid = present or bool(block.deferred_steps)
 
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less the share that
@@ -558,7 +304,7 @@ class Pager:
             elif kinds is WEIGHTS and block.weights.resident and not block.deps:
                 continue  # the common case once the working set is resident
             if "grads" in kinds:
-                block.owner.ensure_grads_segment(block)
+                block.owner.grad_pages.ensure_segment(block)
             missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
             if not missing:
                 continue
@@ -786,8 +532,8 @@ class Pager:
     def _apply_deferred(self, blocks) -> None:
         for block in blocks:
             if block.deferred_steps:
-                self.acquire(block, STEP, record=False)
-                self.release(block)
+                self.uses.acquire(block, STEP, record=False)
+                self.uses.release(block)
 
     def attach(self, optimizer) -> None:
         """Page `optimizer`'s state with its blocks and stream its `step()` per block.

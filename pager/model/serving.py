@@ -36,7 +36,7 @@ class Serving:
         pager = self.pager
         with pager.lock:
             pager.check_open()
-            pager.note_threads()
+            pager.uses.note_threads()
             # (a use waits for room other threads hold: [Note: waiting for room] in engine/engine.py)
             held = self._acquire_all(wanted, EVERYONE if expose else False)
             pager.thread_state.serving = getattr(pager.thread_state, "serving", 0) + 1
@@ -46,7 +46,7 @@ class Serving:
             with pager.lock:
                 pager.thread_state.serving -= 1
                 for block in held:
-                    pager.release(block)
+                    pager.uses.release(block)
 
     def _acquire_all(self, wanted: dict, expose) -> list:
         pager, held = self.pager, []
@@ -57,13 +57,13 @@ class Serving:
                     self._merge_parts(block.parent, block)
                 kinds = tuple(k for k in KINDS_ORDER if k in kinds)
                 missing = block.missing_bytes(kinds)
-                pager.acquire(block, kinds, record=False, expose=expose)
+                pager.uses.acquire(block, kinds, record=False, expose=expose)
                 held.append(block)
                 if missing:
                     self._count_on_demand(block, missing)
         except BaseException:
             for block in held:
-                pager.release(block)
+                pager.uses.release(block)
             raise
         return held
 

@@ -64,14 +64,14 @@ class StateDicts:
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
             with self.pager.lock:
-                self.pager.acquire(block, WEIGHTS, record=False)
+                self.pager.uses.acquire(block, WEIGHTS, record=False)
 
         return load_pre
 
     def _make_load_post(self, block: Block):
         def load_post(module, incompatible_keys):
             with self.pager.lock:
-                self.pager.release(block)
+                self.pager.uses.release(block)
 
         return load_post
 

@@ -299,12 +299,12 @@ class Reducer:
     # ------------------------------------------------------------ helpers
     def _reduce(self, block) -> None:
         pager = self.pager
-        pager.ensure_grads_segment(block)
+        pager.grad_pages.ensure_segment(block)
         seg = block.segments["grads"]
-        pager.acquire(block, GRADS, record=False)
+        pager.uses.acquire(block, GRADS, record=False)
         try:
             with torch.no_grad(), guards.unguarded():
-                pager.gather_grads(seg)  # gradients autograd put beside the page
+                pager.grad_pages.gather(seg)  # gradients autograd put beside the page
                 for i, p in enumerate(seg.params):
                     had = p.grad is seg.tensors[i]
                     self.had_grad[id(p)] = had
@@ -320,7 +320,7 @@ class Reducer:
             counters.reduced_bytes += sum(s.numel() * s.element_size() for s in spans)
             counters.reductions += 1
         finally:
-            pager.release(block)
+            pager.uses.release(block)
 
     def _all_reduce(self, block, spans) -> None:
         what = f"averaging the gradients of block {block.name!r}"

@@ -168,7 +168,7 @@ class OptimizerLink:
         acquired = []
         try:
             for block in blocks:
-                pager.acquire(block, STEP)
+                pager.uses.acquire(block, STEP)
                 acquired.append(block)
                 if "state" not in block.segments:
                     # The optimizer is about to create this block's state on the
@@ -185,7 +185,7 @@ class OptimizerLink:
                     self._stateless.add(id(block))
         finally:
             for block in acquired:
-                pager.release(block)
+                pager.uses.release(block)
 
     def _step_row_tables(self, optimizer) -> None:
         """Update the rows each row table's gradient touches ([Note: exact
@@ -224,11 +224,11 @@ class OptimizerLink:
                 if "state" not in block.segments:
                     if not self._device_state(block):
                         continue
-                    pager.acquire(block, STEP)
+                    pager.uses.acquire(block, STEP)
                     try:
                         self._adopt_state(block)
                     finally:
-                        pager.release(block)
+                        pager.uses.release(block)
                     self._stateless.discard(id(block))
                 else:
                     self._adopt_state(block)
@@ -369,7 +369,7 @@ class OptimizerLink:
         # copied), and compute waits before filling it from the optimizer's state.
         pager.engine.fetch(block, ("state",))
         pager.engine.wait(block)
-        pager.expose(block)  # the block is in use: its new state tensors too
+        pager.uses.expose(block)  # the block is in use: its new state tensors too
         block.settled = True  # (as its acquire left it: compute waited, so the next forward may run asleep)
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):

@@ -1,0 +1,95 @@
+"""The pages of a model's gradients: `GradPages`, one per wrapped model.
+
+A block's gradients live in its "grads" segment, made at its first backward
+(`ensure_segment`). While the block is resident, `param.grad` is the device
+view of its slot; when it leaves, it becomes a `PagedOutGrad` ([Note: a
+stand-in for gradients that are not on the device] in training/grads.py),
+and comes back at the block's next use, with the operations recorded
+meanwhile replayed (`apply_pending`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import guards
+from ..base.block import Block, Segment
+from .grads import PagedOutGrad, replay
+
+
+class GradPages:
+    """Gradients into and out of their pages, for one model's blocks.
+
+    Args:
+        pager: the model's `Pager` (it makes segments and maps parameters to slots).
+    """
+
+    def __init__(self, pager):
+        self.pager = pager
+
+    def ensure_segment(self, block: Block) -> None:
+        if "grads" in block.segments:
+            return
+        trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
+        if not trainable:
+            return
+        seg = self.pager.new_segment(block, "grads", trainable)
+        seg.params = [p for _n, p in trainable]
+        seg.names = [n for n, _p in trainable]
+        for i, p in enumerate(seg.params):
+            self.pager.grad_slots[id(p)] = (block, i)
+
+    def arriving(self, block: Block, seg: Segment) -> None:
+        """Before fetching a grads page: is any gradient in it still wanted?
+
+        [Note: gradients are exposed only after compute waits]
+        A fetch (often a prefetch) only copies the page in; `param.grad` stays
+        a PagedOutGrad until the block is acquired and compute has waited on the
+        copy (`expose`). Otherwise user code between a prefetch and the
+        use (zero_grad(set_to_none=False), a read) would race the copy."""
+        present = False
+        for i, p in enumerate(seg.params):
+            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                present = True
+            else:
+                seg.pending.pop(i, None)
+        seg.host_valid = present or bool(block.deferred_steps)  # a deferred update reads the page
+        if not seg.host_valid:
+            seg.summaries = {}  # the device copy will hold no gradient worth describing
+
+    def expose(self, block: Block) -> None:
+        seg = block.segments.get("grads")
+        if seg is None or not seg.resident:
+            return
+        for i, p in enumerate(seg.params):
+            if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                p.grad = seg.tensors[i]
+
+    def apply_pending(self, block: Block) -> None:
+        seg = block.segments.get("grads")
+        if seg is None or not seg.resident or not seg.pending:
+            return
+        with torch.no_grad(), guards.unguarded():
+            for i, ops in seg.pending.items():
+                if seg.params[i].grad is seg.tensors[i]:
+                    replay(seg.tensors[i], ops)
+        seg.pending.clear()
+
+    def gather(self, seg: Segment) -> None:
+        """Bring gradients that autograd or the user put elsewhere into the page."""
+        for i, p in enumerate(seg.params):
+            g = p.grad
+            if g is not None and g is not seg.tensors[i] and not isinstance(g, PagedOutGrad):
+                with torch.no_grad(), guards.unguarded():
+                    seg.tensors[i].copy_(g)
+                p.grad = seg.tensors[i]
+
+    def page_out(self, block: Block, seg: Segment) -> None:
+        present = False
+        for i, p in enumerate(seg.params):
+            if p.grad is seg.tensors[i]:
+                p.grad = PagedOutGrad(p, seg.names[i], self.pager, block, seg, i)
+                present = True
+            elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
+                present = True  # fetched but never exposed: the page still holds it
+        seg.host_valid = present or bool(block.deferred_steps)
