@@ -38,6 +38,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from itertools import chain, islice
 
+from ..base.common import BACKWARD, WEIGHTS
+
 INF = float("inf")
 
 
@@ -63,6 +65,17 @@ class Scheduler:
     def expect(self, uses: list) -> None:
         """The next acquisitions will be `uses` ((block, kinds) pairs), in this order."""
         self.expected = list(uses)
+
+    def expect_path(self, path: list, training: bool) -> None:
+        """The next forward uses the blocks of `path`, in this order (`Pager.expect`);
+        in `training`, its backward then reaches the trainable ones in the
+        reverse of the order they finish in (last step's, on another path, is
+        no guide). Blocks kept for last step's order but not on this path may go."""
+        uses = [(b, WEIGHTS) for b in path]
+        if training:
+            uses += [(b, BACKWARD) for b in reversed(_finish_order(path)) if b.trainable]
+        self.expect(uses)
+        self.kept &= set(path)
 
     def observe(self, block, kinds) -> bool:
         """Record a use of `block` (needing segments `kinds`); True if predicted."""
@@ -160,3 +173,22 @@ def _spread_ranks(blocks, size_of) -> dict:
         for r, i in enumerate(order):
             rank[members[i]] = -r
     return rank
+
+
+def _finish_order(blocks):
+    """The order in which calls to `blocks` (in call order) return: a nested
+    block (a NAS candidate) returns before the block around it."""
+    out, open_ = [], []
+    for b in blocks:
+        while open_ and not _encloses(open_[-1], b):
+            out.append(open_.pop())
+        open_.append(b)
+    return out + open_[::-1]
+
+
+def _encloses(outer, block) -> bool:
+    while block.parent is not None:
+        block = block.parent
+        if block is outer:
+            return True
+    return False

@@ -6,26 +6,28 @@ state dicts (`_checkpoint.StateDicts`)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
-from itertools import chain, islice
 
 import torch
 
-from ..base.block import Block, Segment, layout
+from ..base.block import Block, Segment
 from ..base.budget import format_bytes
-from ..base.common import BACKWARD, PREFETCH_WINDOW, STEP, WEIGHTS, _locked, _record_range
+from ..base.common import STEP, _locked
 from ..base import guards
 from ..training.grad_ops import GradOps
 from .serving import Serving
 from ..training.grad_pages import GradPages
+from .build import add_row_tables, build_blocks
 from .hooks import Hooks
+from .prefetch import prefetch
+from ..rows.table import find_row_table
 from .uses import Uses
 from ..engine.engine import Engine
 from ..training.activations import KEEP, Activations
 from ..engine.schedule import Scheduler
-from ..observe.stats import BlockStats, Stats, zero_counters
+from ..observe.stats import Stats
+from ..observe.views import report_of, reset_counters, snapshot
 from ..observe.trace import Tracer
 
 log = logging.getLogger("pager")
@@ -94,48 +96,12 @@ class Pager:
 
     # ------------------------------------------------------------------ build
     def build(self, owned, uses, parts=frozenset()) -> None:
-        order = [owned.get(i, []) for i in range(len(self._named_blocks))] + [owned.get(None, [])]
-        if self.sources is None:  # (pages from files live in their disk tier's memory)
-            self.engine.host.reserve(self, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
-        if self.share_host is not None:
-            self.share_host(self)  # the weights pages: one copy for the ranks of this node
-        for i, (name, module) in enumerate(self._named_blocks):
-            self.blocks.append(Block(name, module, i, owner=self))
-            self.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in model/discover.py
-        for i, block in enumerate(self.blocks):
-            self._build_weights(block, owned.get(i, []))
-        self._link_parents()
-        if owned.get(None):
-            self.remainder = Block("<remainder>", None, len(self.blocks), owner=self)
-            self._build_weights(self.remainder, owned[None])
-        for i, deps in uses.items():
-            user = self.blocks[i] if i is not None else self.remainder
-            for j in deps:
-                owner = self.blocks[j] if j is not None else self.remainder
-                if user is self.remainder:
-                    owner.resident_for_life = True
-                elif owner is not self.remainder:
-                    user.deps.append(owner)
-        for block in self.all_blocks():
-            if block.resident_for_life or block is self.remainder:
-                block.resident_for_life = True
-                self.uses.acquire(block, WEIGHTS, record=False)
-        self.hooks.install()
+        """Make the blocks of `owned` tensors (see `model/build.py`) and install the hooks."""
+        build_blocks(self, owned, uses, parts)
 
     def add_row_tables(self, tables: list, cache_bytes: int) -> None:
-        """Page each (name, module) of `tables` by rows, their caches sharing
-        `cache_bytes` in proportion to their sizes."""
-        from ..rows.reader import RowStream
-        from ..rows.table import RowTable
-
-        if self.row_stream is None and self.transport.is_cuda:
-            self.row_stream = RowStream(self.transport)
-        total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)
-        for name, module in tables:
-            share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)
-            table = RowTable(self, name, module, share)
-            self.row_params[id(table.param)] = table
-        self.row_bytes = cache_bytes
+        """Page each (name, module) of `tables` by rows, their caches sharing `cache_bytes`."""
+        add_row_tables(self, tables, cache_bytes)
 
     @property
     def row_tables(self) -> list:
@@ -145,17 +111,6 @@ class Pager:
     def managed(self, p) -> bool:
         """Whether the pager updates `p` in `opt.step()` (a block's parameter or a row table's)."""
         return id(p) in self.param_blocks or id(p) in self.row_params
-
-    def _link_parents(self) -> None:
-        """Each block's nearest enclosing block (NAS candidates: their layer)."""
-        by_module = {id(b.module): b for b in self.blocks}
-        stack = [(self.model, None)]
-        while stack:
-            module, enclosing = stack.pop()
-            block = by_module.get(id(module))
-            if block is not None:
-                block.parent, enclosing = enclosing, block
-            stack += [(child, enclosing) for child in module.children()]
 
     @property
     def all_resident(self) -> bool:
@@ -179,22 +134,6 @@ class Pager:
 
     def all_blocks(self):
         return self.blocks + ([self.remainder] if self.remainder is not None else [])
-
-    def _build_weights(self, block: Block, named: list) -> None:
-        for _n, t, _p in named:
-            self.original_device[id(t)] = t.device
-        codec = self.compress if block.module is not None else None  # (the remainder is fetched once)
-        pieces = [self.sources[id(t)] for _n, t, _p in named] if self.sources is not None else None
-        seg = self.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=pieces is None,
-                                      codec=codec, pieces=pieces)
-        guards.register(self, block, seg)
-        guards.guard(seg)
-        block.params = [t for _n, t, is_param in named if is_param]
-        block.param_names = [n for n, _t, is_param in named if is_param]
-        block.trainable = any(p.requires_grad for p in block.params)
-        block.stats = BlockStats(block.name, seg.nbytes)
-        for p in block.params:
-            self.param_blocks[id(p)] = block
 
     def new_segment(self, block: Block, kind: str, named: list) -> Segment:
         """A new segment `kind` of `block` for tensors shaped like `named`
@@ -290,70 +229,15 @@ class Pager:
         return max(fixed + largest, self.min_budget_bytes)
 
     def prefetch(self) -> None:
-        if not self.prefetch_depth or self.all_resident:
-            return  # off, or nothing left to fetch
-        disk = self.engine.host.disks.get(self)
-        if disk is not None:  # pages further ahead start coming from disk ([Note: the disk tier])
-            disk.read_ahead(self._upcoming())
-        fetched = 0
-        for distance, (block, kinds) in enumerate(islice(self._upcoming(), PREFETCH_WINDOW)):
-            if fetched >= self.prefetch_depth:
-                return
-            if block.deferred_steps:
-                kinds = STEP  # its pending update runs at this use
-            elif kinds is WEIGHTS and block.weights.resident and not block.deps:
-                continue  # the common case once the working set is resident
-            if "grads" in kinds:
-                block.owner.grad_pages.ensure_segment(block)
-            missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
-            if not missing:
-                continue
-            if disk is not None and not self.engine.host.ready(block, kinds):
-                return  # its page is still being read: the thread that runs compute does not wait for the disk
-            if not self.engine.make_room(missing, protect={block, *block.deps}, within=distance):
-                return
-            for dep in block.deps:
-                if dep.missing_bytes(WEIGHTS):
-                    self.engine.fetch(dep, WEIGHTS)
-            with _record_range(f"pager::prefetch[{block.name}]"):
-                self.engine.fetch(block, kinds)
-            block.stats.prefetches += 1
-            block.owner.counters.prefetches += 1
-            fetched += 1
-
-    def _upcoming(self):
-        """The uses to prefetch for: this model's; with other models on the
-        engine, the rest of this step, then the plan of the model predicted
-        to run next ([Note: sharing the room] in engine/engine.py)."""
-        if len(self.engine.owners) == 1:
-            return self.scheduler.upcoming()
-        after = self.engine.next_owner(self)
-        if after is self:
-            return self.scheduler.upcoming()
-        theirs = ((b, k) for b, k in after.scheduler.plan if k is WEIGHTS and not b.deferred_steps)
-        return chain(self.scheduler.upcoming_this_step(), theirs)
+        """Start fetching the next uses that have room ([Note: prefetch] in model/prefetch.py)."""
+        prefetch(self)
 
     # ---------------------------------------------------------------- public
     @_locked
     def stats(self) -> Stats:
         """Counters since the last `reset()` (see `Stats`), with per-block rows:
         a snapshot, which later steps do not change."""
-        self.engine.meter.resolve()
-        blocks = [dataclasses.replace(b.stats, resident_bytes=b.device_bytes()) for b in self.all_blocks()]
-        memory = {}
-        if self.activations is not None:
-            ledger = self.activations.ledger
-            memory = dict(activation_bytes=ledger.live, peak_activation_bytes=ledger.peak,
-                          activation_reserve_bytes=self.budget_bytes - self.room_bytes(),
-                          peak_device_bytes=ledger.peak_with_blocks)
-        if self.transport.is_cuda:
-            memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device),
-                          allocator_reserved_bytes=torch.cuda.memory_reserved(self.device))
-        weights = [b.weights for b in self.all_blocks()]
-        return dataclasses.replace(self.counters, resident_bytes=self.resident_bytes, blocks=blocks,
-                                   carried_bytes=self.carried_bytes, page_bytes=sum(w.page_bytes for w in weights),
-                                   plain_page_bytes=sum(w.nbytes for w in weights),
-                                   compressed_blocks=sum(w.encoded is not None for w in weights), **memory)
+        return snapshot(self)
 
     def report(self) -> str:
         """`stats()` as a table, with the link's measured peak, device memory
@@ -362,26 +246,7 @@ class Pager:
         Example:
             >>> print(pager.of(model).report())
         """
-        from ..observe.report import system_lines
-
-        s = self.stats()
-        peak = self.link_gbps()
-        lines = [s.report(), ""]
-        if s.h2d_seconds:
-            lines.append(
-                f"host->device: {s.h2d_gbps:.1f} GB/s while copying, {100 * s.h2d_gbps / peak:.0f}% of the "
-                f"{peak:.1f} GB/s measured peak; device->host: {s.d2h_gbps:.1f} GB/s"
-            )
-        disk = self.engine.host.disks.get(self)
-        if disk is not None and s.disk_read_seconds:
-            peak_disk = disk.peak_gbps()
-            lines.append(
-                f"disk: {s.disk_read_gbps:.2f} GB/s while reading ({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
-                f"direct), {100 * s.disk_read_gbps / peak_disk:.0f}% of the {peak_disk:.2f} GB/s measured sequential "
-                f"peak; host pages {format_bytes(disk.arena.used_bytes)} of {format_bytes(disk.capacity_bytes or disk.arena.reserved_bytes)}, "
-                f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk")
-        lines += system_lines(self)
-        return "\n".join(lines)
+        return report_of(self)
 
     def link_gbps(self) -> float:
         """The host-to-device copy rate this machine reaches from page-locked
@@ -396,17 +261,7 @@ class Pager:
     def reset(self) -> None:
         """Zero every counter (peak resident bytes restart from what is resident
         now; disk reads in flight end first and count before)."""
-        self.engine.meter.resolve()
-        disk = self.engine.host.disks.get(self)
-        if disk is not None:
-            disk.settle()
-        zero_counters(self.counters)
-        for b in self.all_blocks():
-            zero_counters(b.stats)
-            b.stats.peak_resident_bytes = b.device_bytes()
-        self.counters.peak_resident_bytes = self.resident_bytes
-        if self.activations is not None:
-            self.activations.ledger.reset_peak()
+        reset_counters(self)
 
     @_locked
     def start_trace(self, steps: int = 4) -> None:
@@ -456,22 +311,15 @@ class Pager:
             >>> pager.of(net).expect(path)
         """
         by_module = {id(b.module): b for b in self.blocks}
-        uses = []
+        path = []
         for m in modules:
-            block = by_module.get(id(m))
-            if block is None:
+            if id(m) not in by_module:
                 raise ValueError(
                     f"pager: expect() got a {type(m).__name__} that is not a block of this model; "
                     f"pass block modules (pager.of(model).block_names() lists them)."
                 )
-            uses.append((block, WEIGHTS))
-        if torch.is_grad_enabled():
-            # A training step: its backward reaches these blocks in the reverse
-            # of the order they finish in (last step's, on another path, is no guide).
-            uses += [(b, BACKWARD) for b in reversed(_finish_order([b for b, _k in uses])) if b.trainable]
-        self.scheduler.expect(uses)
-        # Blocks kept for last step's order but not on this path may go.
-        self.scheduler.kept &= {b for b, _kinds in uses}
+            path.append(by_module[id(m)])
+        self.scheduler.expect_path(path, training=torch.is_grad_enabled())
         self.hooks.expect_used = True
         self.prefetch()
 
@@ -499,21 +347,7 @@ class Pager:
             >>> loss.backward(); opt.step(); opt.zero_grad()
         """
         self.check_open()
-        row_table = self._row_table(table)
-        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"pager: expect_rows({row_table.name!r}, indices) takes an int32 or int64 tensor of "
-                            f"rows; got {type(indices).__name__}"
-                            f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}.")
-        row_table.expect(indices)
-
-    def _row_table(self, table):
-        for t in self.row_params.values():
-            if table is t.module or table is t.param or (isinstance(table, str) and table == t.name):
-                return t
-        names = [t.name for t in self.row_params.values()]
-        what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
-        raise ValueError(f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
-                         f"module, its qualified name or its weight, of a table named by wrap(..., rows=...).")
+        find_row_table(self.row_tables, table).expect(indices)
 
     def apply_deferred(self) -> None:
         """Apply every optimizer update deferred to a block's next use now.
@@ -621,22 +455,3 @@ def _unique_name(base: str, owners) -> str:
         k += 1
         name = f"{base}#{k}"
     return name
-
-
-def _finish_order(blocks):
-    """The order in which calls to `blocks` (in call order) return: a nested
-    block (a NAS candidate) returns before the block around it."""
-    out, open_ = [], []
-    for b in blocks:
-        while open_ and not _encloses(open_[-1], b):
-            out.append(open_.pop())
-        open_.append(b)
-    return out + open_[::-1]
-
-
-def _encloses(outer, block) -> bool:
-    while block.parent is not None:
-        block = block.parent
-        if block is outer:
-            return True
-    return False

@@ -680,6 +680,10 @@ class RowTable:
 
     def expect(self, indices: torch.Tensor) -> None:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in rows/reader.py)."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"pager: expect_rows({self.name!r}, indices) takes an int32 or int64 tensor of "
+                            f"rows; got {type(indices).__name__}"
+                            f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}.")
         with self.pager.lock:
             self._check_current()
             # The read ahead does not wait for write-backs still running: the
@@ -1147,6 +1151,17 @@ def _join_pieces(pieces: list, dim: int):
         pos = torch.searchsorted(rows, r)
         total.index_copy_(0, pos, g) if i == 0 else total.index_add_(0, pos, g)
     return rows, total
+
+
+def find_row_table(tables: list, table) -> RowTable:
+    """The one of `tables` that `table` names: its module, its weight or its qualified name."""
+    for t in tables:
+        if table is t.module or table is t.param or (isinstance(table, str) and table == t.name):
+            return t
+    names = [t.name for t in tables]
+    what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
+    raise ValueError(f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
+                     f"module, its qualified name or its weight, of a table named by wrap(..., rows=...).")
 
 
 # ------------------------------------------------------------- choosing

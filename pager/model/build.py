@@ -1,0 +1,93 @@
+"""Building a wrapped model's blocks: their weights pages, the links between
+them (tied tensors, enclosing blocks), the blocks resident for life, and
+the row tables. Runs once, at `wrap` or `load`."""
+
+from __future__ import annotations
+
+from ..base import guards
+from ..base.block import Block, layout
+from ..base.common import WEIGHTS
+from ..observe.stats import BlockStats
+
+
+def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
+    """Make `pager`'s blocks and their weights pages, link them, and install its hooks.
+
+    Args:
+        pager: the model's `Pager`, with no blocks yet.
+        owned: block index (None: the remainder) -> [(name, tensor, is_param)] it owns.
+        uses: block index -> the indices of the blocks whose tensors it uses (tied weights).
+        parts: ids of modules that are parts of a block split for its size.
+    """
+    order = [owned.get(i, []) for i in range(len(pager._named_blocks))] + [owned.get(None, [])]
+    if pager.sources is None:  # (pages from files live in their disk tier's memory)
+        pager.engine.host.reserve(pager, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
+    if pager.share_host is not None:
+        pager.share_host(pager)  # the weights pages: one copy for the ranks of this node
+    for i, (name, module) in enumerate(pager._named_blocks):
+        pager.blocks.append(Block(name, module, i, owner=pager))
+        pager.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in model/discover.py
+    for i, block in enumerate(pager.blocks):
+        _build_weights(pager, block, owned.get(i, []))
+    _link_parents(pager)
+    if owned.get(None):
+        pager.remainder = Block("<remainder>", None, len(pager.blocks), owner=pager)
+        _build_weights(pager, pager.remainder, owned[None])
+    for i, deps in uses.items():
+        user = pager.blocks[i] if i is not None else pager.remainder
+        for j in deps:
+            owner = pager.blocks[j] if j is not None else pager.remainder
+            if user is pager.remainder:
+                owner.resident_for_life = True
+            elif owner is not pager.remainder:
+                user.deps.append(owner)
+    for block in pager.all_blocks():
+        if block.resident_for_life or block is pager.remainder:
+            block.resident_for_life = True
+            pager.uses.acquire(block, WEIGHTS, record=False)
+    pager.hooks.install()
+
+
+def add_row_tables(pager, tables: list, cache_bytes: int) -> None:
+    """Page each (name, module) of `tables` by rows, their caches sharing
+    `cache_bytes` in proportion to their sizes."""
+    from ..rows.reader import RowStream
+    from ..rows.table import RowTable
+
+    if pager.row_stream is None and pager.transport.is_cuda:
+        pager.row_stream = RowStream(pager.transport)
+    total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)
+    for name, module in tables:
+        share = cache_bytes * module.weight.numel() * module.weight.element_size() // max(1, total)
+        table = RowTable(pager, name, module, share)
+        pager.row_params[id(table.param)] = table
+    pager.row_bytes = cache_bytes
+
+
+def _build_weights(pager, block: Block, named: list) -> None:
+    for _n, t, _p in named:
+        pager.original_device[id(t)] = t.device
+    codec = pager.compress if block.module is not None else None  # (the remainder is fetched once)
+    pieces = [pager.sources[id(t)] for _n, t, _p in named] if pager.sources is not None else None
+    seg = pager.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=pieces is None,
+                                  codec=codec, pieces=pieces)
+    guards.register(pager, block, seg)
+    guards.guard(seg)
+    block.params = [t for _n, t, is_param in named if is_param]
+    block.param_names = [n for n, _t, is_param in named if is_param]
+    block.trainable = any(p.requires_grad for p in block.params)
+    block.stats = BlockStats(block.name, seg.nbytes)
+    for p in block.params:
+        pager.param_blocks[id(p)] = block
+
+
+def _link_parents(pager) -> None:
+    """Each block's nearest enclosing block (NAS candidates: their layer)."""
+    by_module = {id(b.module): b for b in pager.blocks}
+    stack = [(pager.model, None)]
+    while stack:
+        module, enclosing = stack.pop()
+        block = by_module.get(id(module))
+        if block is not None:
+            block.parent, enclosing = enclosing, block
+        stack += [(child, enclosing) for child in module.children()]

@@ -1,0 +1,67 @@
+"""Prefetch: while a block computes, the next uses' pages come in on the copy
+stream, as far as the room allows.
+
+[Note: prefetch]
+After each use, `prefetch` walks the uses the scheduler predicts next (at
+most `PREFETCH_WINDOW`), skipping what is resident, and fetches up to
+`prefetch_depth` of them: each only if the engine can make room for it
+without evicting a block whose next use comes sooner or one of the kept
+set (`make_room(within=distance)`), and,
+under a disk tier, only once its page is in host memory (the thread that
+runs compute never waits for the disk). With several models on one engine,
+the walk goes on into the plan of the model predicted to run next
+([Note: sharing the room] in engine/engine.py).
+"""
+
+from __future__ import annotations
+
+from itertools import chain, islice
+
+from ..base.common import PREFETCH_WINDOW, STEP, WEIGHTS, _record_range
+
+
+def prefetch(pager) -> None:
+    """Fetch the next uses of `pager`'s model that have room (see the Note)."""
+    if not pager.prefetch_depth or pager.all_resident:
+        return  # off, or nothing left to fetch
+    disk = pager.engine.host.disks.get(pager)
+    if disk is not None:  # pages further ahead start coming from disk ([Note: the disk tier])
+        disk.read_ahead(_upcoming(pager))
+    fetched = 0
+    for distance, (block, kinds) in enumerate(islice(_upcoming(pager), PREFETCH_WINDOW)):
+        if fetched >= pager.prefetch_depth:
+            return
+        if block.deferred_steps:
+            kinds = STEP  # its pending update runs at this use
+        elif kinds is WEIGHTS and block.weights.resident and not block.deps:
+            continue  # the common case once the working set is resident
+        if "grads" in kinds:
+            block.owner.grad_pages.ensure_segment(block)
+        missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
+        if not missing:
+            continue
+        if disk is not None and not pager.engine.host.ready(block, kinds):
+            return  # its page is still being read: the thread that runs compute does not wait for the disk
+        if not pager.engine.make_room(missing, protect={block, *block.deps}, within=distance):
+            return
+        for dep in block.deps:
+            if dep.missing_bytes(WEIGHTS):
+                pager.engine.fetch(dep, WEIGHTS)
+        with _record_range(f"pager::prefetch[{block.name}]"):
+            pager.engine.fetch(block, kinds)
+        block.stats.prefetches += 1
+        block.owner.counters.prefetches += 1
+        fetched += 1
+
+
+def _upcoming(pager):
+    """The uses to prefetch for: this model's; with other models on the
+    engine, the rest of this step, then the plan of the model predicted
+    to run next ([Note: sharing the room] in engine/engine.py)."""
+    if len(pager.engine.owners) == 1:
+        return pager.scheduler.upcoming()
+    after = pager.engine.next_owner(pager)
+    if after is pager:
+        return pager.scheduler.upcoming()
+    theirs = ((b, k) for b, k in after.scheduler.plan if k is WEIGHTS and not b.deferred_steps)
+    return chain(pager.scheduler.upcoming_this_step(), theirs)
