@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 import weakref
-from operator import is_not
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -16,10 +15,9 @@ from ..base import guards
 from ..training import activations
 from ..base import saving
 from ..base.block import Block, PageState
-from ..base.budget import format_bytes
-from .carried import carried_bytes
 from ..training.checkpoint import StateDicts
-from ..base.common import BACKWARD, NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS, WEIGHTS, _locked
+from .structure import Structure
+from ..base.common import BACKWARD, WEIGHTS, _locked
 
 log = logging.getLogger("pager")
 
@@ -48,17 +46,10 @@ class Hooks:
         self.backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
         self._backward_passes = 0  # ended backward passes (end_of_backward)
-        self.step_misses = 0
-        self.expect_used = False  # `expect` was called this step
-        self._unsaid_change = False  # the last step's order changed, unannounced, with misses
-        self._kept_key = None  # what the kept set was chosen for (_start_step)
         self.sleeping_forwards = 0
         self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
-        self.recorder = None  # the thread whose forward this step records ([Note: one recorded request at a time])
         self.held_for_graph = False
         self.graphs_asleep: set = set()  # graphs built asleep that a backward may still read ([Note: asleep])
-        self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
-        self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
 
     def remove(self) -> None:
         """Take every hook off (unwrap)."""
@@ -72,9 +63,9 @@ class Hooks:
         self.handles.append(root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True))
         for block in self.pager.blocks:
             self._install_block_hooks(block)
-        self._install_inner_hooks()
-        self._known = {id(t) for b in self.pager.all_blocks() for t in b.weights.tensors}
-        self._snapshot_structure()
+        self.pager.direct_calls.install()
+        self.structure = Structure(self.pager)
+        self.structure.snapshot()
         for block in self.pager.all_blocks():
             for p in block.params:
                 if p.requires_grad:
@@ -184,110 +175,6 @@ class Hooks:
             marks = self.pager.thread_state.marks = []
         return marks
 
-    def _install_inner_hooks(self) -> None:
-        """Guards for a module inside a block called on its own (not through
-        the block): it fetches the block for the call instead of reading freed
-        memory.
-
-        [Note: guards only while paged out]
-        A hook makes every call of its module take PyTorch's slow path (~10 us),
-        and a direct call on a resident block is safe anyway. So a block's
-        guards are installed when it is evicted and removed when it is next
-        used through its own hooks: a model that stays resident pays nothing."""
-        block_of = {id(b.module): b for b in self.pager.blocks}
-        for block in self.pager.blocks:
-            stack = [block.module]
-            while stack:
-                for child in stack.pop().children():
-                    if id(child) in block_of:
-                        continue  # a nested block has its own hooks
-                    stack.append(child)
-                    if child._parameters or child._buffers:
-                        held: list = []
-                        block.guards.append(
-                            (child, self._make_inner_pre(block, held), self._make_inner_post(block, held))
-                        )
-            self.guard(block)
-
-    def _make_inner_pre(self, block: Block, held: list):
-        def inner_pre(module, args):
-            if block.pins > 0:  # called from within its block
-                held.append(False)
-                return
-            with self.lock:
-                self.uses.acquire(block, WEIGHTS, record=False)
-            held.append(True)
-
-        return inner_pre
-
-    def _make_inner_post(self, block: Block, held: list):
-        def inner_post(module, args, output):
-            if held and held.pop():
-                with self.lock:
-                    self.uses.release(block)
-                    if torch.is_grad_enabled():
-                        self.register_pre_backward(block, output)
-
-        return inner_post
-
-    def guard(self, block: Block) -> None:
-        if block.guard_handles is None:
-            block.guard_handles = [
-                h
-                for module, pre, post in block.guards
-                for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
-            ]
-
-    def unguard(self, block: Block) -> None:
-        if block.guard_handles is not None:
-            for h in block.guard_handles:
-                h.remove()
-            block.guard_handles = None
-
-    def _snapshot_structure(self) -> None:
-        self._tables = [t for m in self.pager.model.modules() for t in (m._parameters, m._buffers, m._modules)]
-        self._table_lens = list(map(len, self._tables))
-        entries = [
-            (table, name, t)
-            for m in self.pager.model.modules()
-            for table in (m._parameters, m._buffers)
-            for name, t in table.items()
-            if t is not None
-        ]
-        # Columns, so the per-forward identity check runs in C (map/operator).
-        self._entry_tables, self._entry_names, self._entry_tensors = (list(c) for c in zip(*entries)) if entries else ([], [], [])
-        # Gradients are paged by hooks installed at wrap for trainable parameters.
-        self._frozen = [(n, p) for n, p in self.pager.model.named_parameters() if not p.requires_grad]
-
-    def _check_structure(self) -> None:
-        """Refuse to run on parameters or buffers pager does not manage
-        (identity and count checks over a table made at wrap: no module walk)."""
-        for name, p in self._frozen:
-            if p.requires_grad:
-                raise RuntimeError(
-                    f"pager: {name!r} was frozen at wrap and now requires grad; its gradients would not be "
-                    f"paged. Unfreeze before wrapping: pager.unwrap(model), set requires_grad, then "
-                    f"pager.wrap(model, ...) again (freezing after wrap is fine)."
-                )
-        changed = any(map(is_not, map(dict.get, self._entry_tables, self._entry_names), self._entry_tensors)) or (
-            list(map(len, self._tables)) != self._table_lens
-        )
-        if not changed:
-            return
-        for name, t in list(self.pager.model.named_parameters(remove_duplicate=False)) + list(
-            self.pager.model.named_buffers(remove_duplicate=False)
-        ):
-            if id(t) not in self._known:
-                raise RuntimeError(
-                    f"pager: {name!r} was added or replaced after wrap, so pager does not page it (and the old "
-                    f"tensor is what it holds). Change models before wrapping: pager.unwrap(model), make the "
-                    f"change, then pager.wrap(model, ...) again."
-                )
-        raise RuntimeError(
-            "pager: a module was added to or removed from the model after wrap; pager.unwrap(model), make "
-            "the change, then pager.wrap(model, ...) again."
-        )
-
     @_locked
     def _root_pre_forward(self, module, args):
         if activations.recomputing():
@@ -309,14 +196,14 @@ class Hooks:
                 self.pager.reducer.forward_starts()
             if self.pager.activations is not None:
                 self.pager.activations.forward_reaches(None)  # ops before the first block
-            self._check_structure()
+            self.structure.check()
             self._release_stale_backward_holds()
-            self._start_step()
+            self.pager.steps.start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
         else:
             if outermost:
-                self._another_request()
+                self.pager.steps.another_request()
             if self.pager.asleep and torch.is_grad_enabled() and not self._can_train_asleep():
                 self.wake()  # another thread's forward builds a graph: its blocks need their hooks
         self.forward_marks().append(self.pager.asleep)
@@ -336,10 +223,10 @@ class Hooks:
         self.root_depth = max(0, self.root_depth - 1)
         marks = self.forward_marks()
         if len(marks) <= 1:  # this thread's request ends
-            self._note_carried(args, kwargs)
+            self.pager.steps.note_carried(args, kwargs)
             self.pager.thread_state.unrecorded = False
-            if self.recorder == threading.get_ident():
-                self.recorder = None
+            if self.pager.steps.recorder == threading.get_ident():
+                self.pager.steps.recorder = None
         if marks and marks.pop():
             self.sleeping_forwards -= 1
             me = threading.get_ident()
@@ -355,129 +242,12 @@ class Hooks:
                 self.wake()
                 self.held_for_graph = True  # see [Note: asleep]
 
-    # [Note: one recorded request at a time]
-    # A step's recording is the order of one forward (and what follows it),
-    # the plan of the next. Forwards of one model from several threads (a
-    # server's requests) interleave block by block: recorded together, the
-    # plan is a mix of two orders, and when the model is never idle (some
-    # forward always in flight, so the root depth never returns to 0) no
-    # step ever starts and the recording grows without bound. So the thread
-    # whose forward starts a step is its recorder; another thread's forward
-    # that starts while a recorded one is in flight runs unrecorded (its uses
-    # are counted, not observed), and one that starts while none is starts
-    # the next step.
-    def _another_request(self) -> None:
-        """A thread's forward starts while other forwards of this model run."""
-        if self.recorder is None:
-            self._start_step()
-        else:
-            self.pager.thread_state.unrecorded = True
-
-    def recording(self) -> bool:
-        """Uses on this thread go into the step's recording."""
-        return not getattr(self.pager.thread_state, "unrecorded", False)
-
-    def _note_carried(self, args, kwargs) -> None:
-        """The state this forward carried on the device counts against the
-        budget from now on ([Note: carried state] in model/carried.py)."""
-        nbytes = carried_bytes((*args, *kwargs.values()), self.pager.device.type)
-        if nbytes != self.pager.carried_bytes:
-            grew = nbytes > self.pager.carried_bytes
-            self.pager.carried_bytes = nbytes
-            self.pager.counters.peak_carried_bytes = max(self.pager.counters.peak_carried_bytes, nbytes)
-            if grew:
-                self.pager.engine.make_room(0, protect=())  # idle blocks leave until blocks and state fit
-            if self.pager.budget_bytes < self.pager.least_room + nbytes:
-                self.pager.warn_once(
-                    "carried_crowd", "pager: the state a forward carries on the device (a KV cache: %s) leaves "
-                    "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, "
-                    "so the model holds more than the budget. Raise the budget, or use a smaller batch or a "
-                    "shorter context.", format_bytes(nbytes), format_bytes(self.pager.budget_bytes),
-                    format_bytes(self.pager.least_room))
-
     def _release_stale_backward_holds(self) -> None:
         # A backward that raised never ran its final callback: its blocks are
         # still held. No backward runs across a new root forward, so let go.
         if self.backward_holds:
             log.debug("pager: releasing blocks held by a backward that did not finish")
             self.end_of_backward(finished=False)
-
-    def _start_step(self) -> None:
-        self.recorder = threading.get_ident()  # [Note: one recorded request at a time]
-        self.pager.tracer.new_step()
-        changed = self.pager.scheduler.start_step()
-        if changed:
-            self.pager.counters.order_changes += 1
-        # A change that costs fetches on demand two steps running is a pattern
-        # (one alone is often the first step, before optimizer state exists).
-        unsaid = changed and self.step_misses > 0 and not self.expect_used
-        if unsaid and self._unsaid_change:
-            self.pager.warn_once(
-                "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
-                "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
-                "pager.of(model).expect(modules) so it is prefetched.", self.step_misses)
-        self._unsaid_change = unsaid
-        self.step_misses, self.expect_used = 0, False
-        self._advise()
-        # The kept set depends on the plan, the room for blocks and the
-        # blocks' sizes: chosen again only when one of them changed (the room
-        # in steps of 1/64 of the budget: activations vary a little by pass).
-        if self._least_room_of != self.pager.total_bytes:  # a segment appeared (grads, optimizer state)
-            self.pager.least_room, self._least_room_of = self.pager.least_room_bytes(), self.pager.total_bytes
-        # With other models on the engine, in this one's share of the room
-        # ([Note: sharing the room] in engine/engine.py).
-        engine = self.pager.engine
-        shared = len(engine.owners) > 1
-        fixed = self.pager.fixed_bytes() if shared else None
-        room = engine.kept_room(self.pager, fixed)
-        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
-               self.pager.total_bytes)
-        if changed or key != self._kept_key:
-            # Sharing: kept blocks last, so that a request's kept tail overlaps the next
-            # request's fetches ([Note: sharing the room]); inference alone: spread out
-            # ([Note: kept blocks spread out] in engine/schedule.py).
-            order = "late" if shared else ("spread" if self.pager.scheduler.reads_only() else "early")
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(),
-                                             fixed if fixed is not None else self.pager.fixed_bytes(), order)
-            self._kept_key = key
-            self._warn_if_activations_crowd(room)
-        self.pager.counters.steps += 1
-
-    def _warn_if_activations_crowd(self, room: int) -> None:
-        if self.pager.activations is None or self.pager.budget_bytes - self.pager.activations.ledger.reserve() >= self.pager.least_room:
-            return
-        self.pager.warn_once(
-            "activations_crowd", "pager: activations held %s on the device in the last training pass, which leaves "
-            "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
-            "step exceeds the budget. Raise the budget, use activations=\"recompute\" (it holds least), or "
-            "a smaller batch.", format_bytes(self.pager.activations.ledger.reserve()), format_bytes(self.pager.budget_bytes),
-            format_bytes(self.pager.least_room))
-
-
-    def _advise(self) -> None:
-        """Warnings that need a few steps of history (each at most once)."""
-        steps = self.pager.counters.steps
-        if steps == NEVER_RAN_STEPS + 1:
-            idle = [b for b in self.pager.blocks if b.uses == 0]
-            if idle:
-                self.pager.warn_once(
-                    "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
-                    "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
-                    len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
-                    format_bytes(sum(b.nbytes() for b in idle)))
-        # Stalls are judged over windows of steps, the first one starting after
-        # the first step (whose fetches are the unavoidable cold start).
-        if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
-            if self.pager.transport.is_cuda:
-                self.pager.engine.meter.resolve(wait=False)
-            start, stall_at_start = self._window
-            now, stall = time.perf_counter(), self.pager.counters.stall_seconds
-            if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
-                self.pager.warn_once(
-                    "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
-                    "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
-                    "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
-            self._window = (now, stall)
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):

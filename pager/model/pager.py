@@ -19,7 +19,9 @@ from ..training.grad_ops import GradOps
 from .serving import Serving
 from ..training.grad_pages import GradPages
 from .build import add_row_tables, build_blocks
+from .direct_calls import DirectCalls
 from .hooks import Hooks
+from .steps import Steps
 from .prefetch import prefetch
 from ..rows.table import find_row_table
 from .uses import Uses
@@ -89,6 +91,8 @@ class Pager:
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)
+        self.steps = Steps(self)  # the step boundary: plan, kept set, advice
+        self.direct_calls = DirectCalls(self)  # guards for modules called outside their block's forward
         self.hooks = Hooks(self)
         self.serve = Serving(self)
         self.grad_ops = GradOps(self, self.serve)
@@ -203,7 +207,7 @@ class Pager:
         for seg in block.segments.values():
             guards.guard(seg)  # (already: idle) every later access is served
         if block.module is not None:
-            self.hooks.guard(block)
+            self.direct_calls.guard(block)
 
     def blocks_moved(self) -> None:
         if self.activations is not None:
@@ -320,7 +324,7 @@ class Pager:
                 )
             path.append(by_module[id(m)])
         self.scheduler.expect_path(path, training=torch.is_grad_enabled())
-        self.hooks.expect_used = True
+        self.steps.expect_used = True
         self.prefetch()
 
     def expect_rows(self, table, indices: torch.Tensor) -> None:

@@ -60,9 +60,9 @@ class Uses:
         if "grads" in kinds:
             self.pager.grad_pages.ensure_segment(block)
         if record:
-            if self.pager.hooks.recording():  # (not another request's: [Note: one recorded request at a time])
+            if self.pager.steps.recording():  # (not another request's: [Note: one recorded request at a time])
                 self.pager.scheduler.observe(block, kinds)
-            self.pager.hooks.unguard(block)  # used through its own hooks: guards not needed while resident
+            self.pager.direct_calls.unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
             kinds = STEP  # its pending update runs first: it needs gradients and state too
         miss = self.engine.bring(block, kinds, all_resident=self.pager.all_resident)
@@ -102,9 +102,9 @@ class Uses:
         )
 
     def use_resident(self, block: Block) -> None:
-        if self.pager.hooks.recording():
+        if self.pager.steps.recording():
             self.pager.scheduler.observe(block, WEIGHTS)
-        self.pager.hooks.unguard(block)
+        self.pager.direct_calls.unguard(block)
         self.engine.pin(block)
         self.expose(block)
         self._count_use(block, miss=False)
@@ -116,7 +116,7 @@ class Uses:
         if miss:
             block.stats.misses += 1
             self.pager.counters.misses += 1
-            self.pager.hooks.step_misses += 1
+            self.pager.steps.step_misses += 1
         else:
             block.stats.hits += 1
             self.pager.counters.hits += 1

@@ -94,7 +94,7 @@ def close(pager) -> None:
         torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
     pager.hooks.remove()
     for block in pager.blocks:
-        pager.hooks.unguard(block)
+        pager.direct_calls.unguard(block)
         for h in block.hook_handles:
             h.remove()
         block.hook_handles = []
