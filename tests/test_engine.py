@@ -221,12 +221,12 @@ def test_a_use_that_activations_crowd_runs_within_the_budget():
     p = pager.of(model)
     engine = p.engine
     p.activations.ledger.last_pass_peak = 2 * layer  # the last pass's activations took half the budget
-    assert engine.room_bytes() == 2 * layer
+    assert engine.room.room_bytes() == 2 * layer
     with p.lock:
         for block in p.blocks[:3]:
             engine.bring(block, ("weights",))  # in use: none may leave
-        assert engine.make_room(layer, protect=set())  # 4 layers: over the room, within the budget
-        assert not engine.make_room(layer + 1, protect=set())
+        assert engine.room.make_room(layer, protect=set())  # 4 layers: over the room, within the budget
+        assert not engine.room.make_room(layer + 1, protect=set())
         for block in p.blocks[:3]:
             p.uses.release(block)
 

@@ -165,7 +165,7 @@ def test_a_request_that_waits_too_long_fails_clearly_and_leaves_the_pool_consist
     s = pool.stats()
     assert s.timeouts == 1 and s.waits == 1
     e = pool.engine
-    assert not e.queue and not e.waiting
+    assert not e.waiters.queue and not e.waiters.waiting
     assert all(blk.pins == blk.resident_for_life for o in e.owners for blk in o.all_blocks())
     with torch.no_grad():  # both run again, bit for bit
         assert_same(b(x), ref_b(x))

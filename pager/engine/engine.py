@@ -29,35 +29,6 @@ write-back on the d2h stream; compute waits on a block's fetch event before
 reading it (`wait`); a write-back waits on the block's last use (`evict`).
 No host synchronisation in any of it, except on the out-of-memory path.
 
-[Note: waiting for room]
-Several threads may use blocks at once (a server's requests, one model or
-several on one engine). A use that needs room which blocks in use by other
-threads hold waits for them (the lock let go) instead of failing: the room
-comes back as soon as one of them is released. Waiters are served in the
-order they came (a first-come queue), except that a thread holding blocks
-itself goes first (it is mid-use; making it queue behind a thread that waits
-for its room would deadlock). A use fails at once with a BudgetError where
-waiting cannot help: the room is held by this thread alone, or by nothing
-that will be released (views kept, a graph held), or every thread holding
-room is itself waiting (a deadlock, broken by failing the thread that finds
-it); and after `wait_seconds` with a BudgetError that says who holds what.
-
-[Note: sharing the room]
-With several models on one engine, each model's kept set (the blocks that
-stay across its forwards, [Note: why next use, and a kept set]) is chosen in
-its share of the room: what every model holds for life, plus a streaming
-window of two of the largest blocks, plus the rest in proportion to the
-bytes each model used in the last `SHARE_WINDOW` requests (requests counted
-as root forwards, each weighed by the model's bytes). A model that sits idle
-drops out of the window and lends its room; alternating models get equal
-shares. Blocks of a model with no forward in flight are evicted before those
-of one running, so the streamed blocks an idle model left behind make room
-first. A model's prefetch, once its own step holds nothing more to fetch,
-goes on into the plan of the model predicted to come next (the one that
-followed it last time), and kept sets sit at the end of each plan: the
-streamed blocks of the next request land while this one runs its kept tail
-(on the H100, two 7B-shaped models alternating under 1.5 models' budget,
-the copy engine had idled through each request's kept stretch).
 """
 
 from __future__ import annotations
@@ -65,16 +36,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Protocol
 
 import torch
 
 from ..base.block import PageState, Segment, layout, layout_for_files, storage_key
 from ..base.budget import format_bytes
-from ..base.common import ROOM_WAIT_SECONDS, SHARE_WINDOW, BudgetError, _record_range
+from ..base.common import ROOM_WAIT_SECONDS, BudgetError, _record_range
 from ..codec.compress import encode
 from .meter import Meter
+from .room import Room
+from .waiting import Waiters
 from .tiers import HostTier
 from .transport import CpuTransport, CudaTransport
 
@@ -163,7 +135,6 @@ class Engine:
                  wait_seconds: float = ROOM_WAIT_SECONDS):
         self.device = device
         self.budget_bytes = budget_bytes
-        self.wait_seconds = wait_seconds
         self.pool = None  # the `Pool` this engine serves, if it was made for one
         self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
         self.host = HostTier(self.transport, pin=pin and device.type == "cuda")
@@ -174,12 +145,8 @@ class Engine:
         # One lock for every owner (see [Note: threads] in base/common.py): a
         # transition of one owner's block may evict another's.
         self.lock = threading.RLock()
-        self.room = threading.Condition(self.lock)  # notified when room may have come back
-        self.queue: deque = deque()  # threads waiting for room, first come first ([Note: waiting for room])
-        self.waits = 0  # uses that waited for room
-        self.waited_seconds = 0.0
-        self.timeouts = 0
-        self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
+        self.room = Room(self)  # what blocks may hold, and who leaves to make more ([Note: sharing the room])
+        self.waiters = Waiters(self, wait_seconds)  # uses waiting for room ([Note: waiting for room])
         self.peak_resident_bytes = 0
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
@@ -288,7 +255,7 @@ class Engine:
         """`block`'s last pin is gone: from the end of compute enqueued so far,
         its memory may be reused (`mark`; without, an eviction orders itself
         after a fresh event: see [Note: the last use, or a fresh event])."""
-        self.room_may_be_back()
+        self.waiters.room_may_be_back()
         block.last_use_event = self.transport.record_compute() if mark else None
         if mark:
             block.release_versions = block.versions()
@@ -303,7 +270,7 @@ class Engine:
         try:
             if missing:
                 with _record_range(f"pager::fetch[{block.name}]"):
-                    missing = self._room_for_use(block, kinds)
+                    missing = self.waiters.room_for_use(block, kinds)
                     self.fetch(block, kinds)
         except BaseException:
             self.unpin(block)
@@ -483,7 +450,7 @@ class Engine:
         except torch.cuda.OutOfMemoryError:
             pass
         for other in list(self.resident):
-            if other is not block and self._may_evict(other):
+            if other is not block and self.room.may_evict(other):
                 self.evict(other)
         if self.transport.is_cuda:
             torch.cuda.synchronize(self.device)  # error path: let freed memory settle
@@ -494,182 +461,9 @@ class Engine:
         except torch.cuda.OutOfMemoryError:
             raise _out_of_memory(self, block, seg) from None
 
-    @staticmethod
-    def _may_evict(block) -> bool:
-        return block.pins == 0 and not block.resident_for_life and not block.owner.evictions_blocked()
-
     def _moved(self) -> None:
         for owner in self.owners:
             owner.blocks_moved()
-
-    # ---------------------------------------------------------- waiting for room
-    @property
-    def waiting(self) -> set:
-        """The threads waiting for room."""
-        return set(self.queue)
-
-    def room_may_be_back(self) -> None:
-        """Wake the uses waiting for room (a block went idle or left, a
-        forward that kept blocks from leaving ended)."""
-        if self.queue:
-            self.room.notify_all()
-
-    def _room_for_use(self, block, kinds) -> int:
-        """Make room for what `block` misses of `kinds`, waiting while other
-        threads' uses hold it ([Note: waiting for room]). Returns the bytes
-        still missing (0 if another thread fetched them meanwhile)."""
-        me = threading.get_ident()
-        started = None
-        try:
-            while True:
-                missing = block.missing_bytes(kinds)
-                if not missing:
-                    return 0
-                if not self.queue or self.queue[0] == me or self._held_by(me):  # (no scan while none waits)
-                    if self.make_room(missing, protect={block}):
-                        return missing
-                    holders = self._holders(me)
-                    if not holders or holders <= self.waiting:
-                        self.raise_no_room(block, missing, deadlock=bool(holders))
-                if started is None:
-                    started = time.monotonic()
-                    self.queue.append(me)
-                    self.waits += 1
-                left = started + self.wait_seconds - time.monotonic()
-                if left <= 0:
-                    self.timeouts += 1
-                    self.raise_no_room(block, missing, waited=time.monotonic() - started)
-                self.room.wait(left)
-        finally:
-            if started is not None:
-                self.waited_seconds += time.monotonic() - started
-                self.queue.remove(me)
-                self.room.notify_all()  # the next in the queue may try now
-
-    def _held_by(self, thread) -> bool:
-        return any(thread in b.thread_pins for b in self.resident if not b.resident_for_life)
-
-    def _holders(self, me) -> set:
-        """Threads other than `me` whose uses hold room that they will give
-        back (None: blocks in use by a thread not known)."""
-        out = set()
-        for b in self.resident:
-            if b.pins > 0 and not b.resident_for_life:
-                out |= set(b.thread_pins) if b.thread_pins else {None}
-        for owner in self.owners:
-            if owner.evictions_blocked():
-                out |= owner.blocking_threads()
-        out.discard(me)
-        return out
-
-    # ---------------------------------------------------------- room
-    def room_bytes(self) -> int:
-        """What blocks may hold on the device: the budget, less what owners'
-        activations take ([Note: one budget] in training/activations.py), never less than
-        the least that runs (the largest owner's `least_room`)."""
-        reserves = [r for r in (o.activation_reserve_bytes() for o in self.owners) if r is not None]
-        reserves += [o.carried_bytes for o in self.owners if o.carried_bytes]
-        reserves += [o.row_bytes for o in self.owners if o.row_bytes]
-        if not reserves:
-            return self.usable_bytes()
-        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.owners))
-
-    def usable_bytes(self) -> int:
-        """The budget less the staging ring of compressed pages (if any), never
-        less than the least room that runs."""
-        staging = self.transport.staging_bytes
-        if not staging:
-            return self.budget_bytes
-        return max(self.budget_bytes - staging, max((o.least_room for o in self.owners), default=0))
-
-    def next_owner(self, owner):
-        """The owner whose request is predicted to follow `owner`'s current
-        one: the one that followed it last time (itself if none did)."""
-        requests = self.requests
-        for i in range(len(requests) - 2, -1, -1):
-            if requests[i] is owner:
-                return requests[i + 1] if requests[i + 1] in self.owners else owner
-        return owner
-
-    def note_request(self, owner) -> None:
-        """A root forward of `owner` starts: it counts towards its share of
-        the room ([Note: sharing the room])."""
-        if len(self.owners) > 1:
-            self.requests.append(owner)
-
-    def kept_room(self, owner, fixed_bytes: int | None) -> int:
-        """The room `owner` chooses its kept set in ([Note: sharing the
-        room]); `fixed_bytes`: what it holds for life (needed only when
-        sharing)."""
-        room = self.room_bytes()
-        if len(self.owners) == 1:
-            return room
-        fixed = self.fixed_bytes()
-        window = 2 * max((b.nbytes() for o in self.owners for b in o.blocks if not b.resident_for_life), default=0)
-        spare = max(0, room - fixed - window)
-        weight = {o: 0 for o in self.owners}
-        for o in self.requests:
-            if o in weight:
-                weight[o] += o.total_bytes
-        total = sum(weight.values())
-        share = spare * weight[owner] // total if total else spare // len(self.owners)
-        return fixed_bytes + window + share
-
-    def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
-        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
-        next use is further than `within` uses away (by their owner's
-        schedule), and never kept ones."""
-        room = self.room_bytes()
-        if self.resident_bytes + nbytes <= room:
-            return True
-        idle = [b for b in self.resident if self._may_evict(b) and b not in protect]
-        usable = self.usable_bytes()
-        if room < usable and within is None:
-            # Activations crowd the blocks: what is in use must still run
-            # (over the room, within the budget; the owner warns) rather than fail.
-            room = min(usable, max(room, self.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
-            if self.resident_bytes + nbytes <= room:
-                return True
-        # Streamed blocks first, furthest next use first; kept ones only for a
-        # use that needs the room now (never for a prefetch).
-        streamed = [b for b in idle if b not in b.owner.scheduler.kept]
-        kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
-        several = len(self.owners) > 1  # (alone, every block's owner is as busy as the others')
-        for group in (streamed, kept):
-            ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
-                             for b in group), key=lambda r: r[:3], reverse=True)
-            for _idle, distance, _tick, b in ranked:
-                if within is not None and distance <= within:
-                    return False
-                self.evict(b)
-                if self.resident_bytes + nbytes <= room:
-                    return True
-        return False
-
-    def raise_no_room(self, block, missing: int, *, waited: float | None = None, deadlock: bool = False):
-        """Raise the BudgetError for `block`, which needs `missing` bytes that
-        the blocks in use (named in it) do not leave; `waited`: after waiting
-        that long for them; `deadlock`: their threads all wait for room too."""
-        pinned = [b for b in self.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
-        several = len(self.owners) > 1
-        held = ", ".join(f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
-                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
-        acts = self.budget_bytes - self.room_bytes()
-        why = ""
-        if waited is not None:
-            why = (f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
-                   f"{self.wait_seconds:g})")
-        elif deadlock:
-            why = " by requests that all wait for room themselves (each holds blocks the others need)"
-        raise BudgetError(
-            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.device}, but "
-            f"{format_bytes(self.resident_bytes)} of the {format_bytes(self.budget_bytes)} budget is held "
-            f"by blocks in use{why}: {held}"
-            + (f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
-               if acts > 0 else "")
-            + ". Raise the budget, " + ("run fewer requests at once or allow a longer wait, " if why else "")
-            + "or use smaller blocks (blocks=...)."
-        )
 
     def set_budget(self, nbytes: int) -> None:
         """Blocks leave until `nbytes` holds them; then it is the budget.
@@ -677,10 +471,10 @@ class Engine:
         for block in list(self.resident):
             if self.resident_bytes <= nbytes:
                 break
-            if self._may_evict(block):
+            if self.room.may_evict(block):
                 self.evict(block)
         if self.resident_bytes > nbytes:
-            self.room_may_be_back()
+            self.waiters.room_may_be_back()
             raise ValueError(
                 f"pager: cannot lower the budget to {format_bytes(nbytes)} now: blocks in use hold "
                 f"{format_bytes(self.resident_bytes)}; call set_budget between steps."
@@ -688,7 +482,7 @@ class Engine:
         self.budget_bytes = nbytes
         for owner in self.owners:
             owner.counters.budget_bytes = nbytes
-        self.room_may_be_back()
+        self.waiters.room_may_be_back()
 
     # ---------------------------------------------------------- owners
     def join(self, owner) -> None:
@@ -716,9 +510,8 @@ class Engine:
             self.owners.remove(owner)
         if not any(seg.encoded is not None for o in self.owners for b in o.all_blocks() for seg in b.segments.values()):
             self.transport.release_staging()  # no page left to stage
-        while owner in self.requests:
-            self.requests.remove(owner)
-        self.room_may_be_back()
+        self.room.forget(owner)
+        self.waiters.room_may_be_back()
 
 
 def _out_of_memory(engine: Engine, block, seg: Segment) -> BudgetError:

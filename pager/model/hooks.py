@@ -131,7 +131,7 @@ class Hooks:
         def backward_ends():
             with self.lock:
                 graphs.discard(mark)
-                self.pager.engine.room_may_be_back()
+                self.pager.engine.waiters.room_may_be_back()
 
         def reached(grad):
             if not _keeps_graph():
@@ -190,7 +190,7 @@ class Hooks:
         self.uses.note_threads()
         outermost = not self.forward_marks()  # this thread's own request starts
         if outermost:
-            self.pager.engine.note_request(self.pager)
+            self.pager.engine.room.note_request(self.pager)
         if self.root_depth == 0:
             if self.pager.reducer is not None and torch.is_grad_enabled():
                 self.pager.reducer.forward_starts()
@@ -234,7 +234,7 @@ class Hooks:
                 self.sleeping_threads[me] -= 1
             else:
                 self.sleeping_threads.pop(me, None)
-            self.pager.engine.room_may_be_back()  # its blocks may leave again
+            self.pager.engine.waiters.room_may_be_back()  # its blocks may leave again
             graph = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if graph and self._can_train_asleep():
                 self._hold_for_backward(graph)

@@ -221,7 +221,7 @@ class Pager:
         activations take where pager handles them ([Note: one budget] in
         training/activations.py), never less than the least that runs (`least_room_bytes`;
         `Hooks.start_step` warns when activations leave less than that)."""
-        return self.engine.room_bytes()
+        return self.engine.room.room_bytes()
 
     def least_room_bytes(self) -> int:
         """The least room for blocks that runs now: what stays resident, and

@@ -94,7 +94,7 @@ class Pool:
                 carried_bytes=sum(o.carried_bytes for o in e.owners),
                 h2d_bytes=sum(s.h2d_bytes for s in models.values()),
                 d2h_bytes=sum(s.d2h_bytes for s in models.values()),
-                waits=e.waits, waited_seconds=e.waited_seconds, timeouts=e.timeouts, models=models)
+                waits=e.waiters.waits, waited_seconds=e.waiters.waited_seconds, timeouts=e.waiters.timeouts, models=models)
 
     def report(self) -> str:
         """`stats()` as text: the pool's line, then one line per model.

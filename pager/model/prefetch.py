@@ -42,7 +42,7 @@ def prefetch(pager) -> None:
             continue
         if disk is not None and not pager.engine.host.ready(block, kinds):
             return  # its page is still being read: the thread that runs compute does not wait for the disk
-        if not pager.engine.make_room(missing, protect={block, *block.deps}, within=distance):
+        if not pager.engine.room.make_room(missing, protect={block, *block.deps}, within=distance):
             return
         for dep in block.deps:
             if dep.missing_bytes(WEIGHTS):
@@ -60,7 +60,7 @@ def _upcoming(pager):
     to run next ([Note: sharing the room] in engine/engine.py)."""
     if len(pager.engine.owners) == 1:
         return pager.scheduler.upcoming()
-    after = pager.engine.next_owner(pager)
+    after = pager.engine.room.next_owner(pager)
     if after is pager:
         return pager.scheduler.upcoming()
     theirs = ((b, k) for b, k in after.scheduler.plan if k is WEIGHTS and not b.deferred_steps)

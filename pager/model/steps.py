@@ -63,7 +63,7 @@ class Steps:
         engine = self.pager.engine
         shared = len(engine.owners) > 1
         fixed = self.pager.fixed_bytes() if shared else None
-        room = engine.kept_room(self.pager, fixed)
+        room = engine.room.kept_room(self.pager, fixed)
         key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
                self.pager.total_bytes)
         if changed or key != self._kept_key:
@@ -143,7 +143,7 @@ class Steps:
             self.pager.carried_bytes = nbytes
             self.pager.counters.peak_carried_bytes = max(self.pager.counters.peak_carried_bytes, nbytes)
             if grew:
-                self.pager.engine.make_room(0, protect=())  # idle blocks leave until blocks and state fit
+                self.pager.engine.room.make_room(0, protect=())  # idle blocks leave until blocks and state fit
             if self.pager.budget_bytes < self.pager.least_room + nbytes:
                 self.pager.warn_once(
                     "carried_crowd", "pager: the state a forward carries on the device (a KV cache: %s) leaves "

@@ -173,7 +173,7 @@ class OptimizerLink:
                 if "state" not in block.segments:
                     # The optimizer is about to create this block's state on the
                     # device (outside the pages): make room for it first.
-                    pager.engine.make_room(self._state_estimate(block), protect={block})
+                    pager.engine.room.make_room(self._state_estimate(block), protect={block})
             pager.prefetch()
             for gi, g in enumerate(optimizer.param_groups):
                 g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
@@ -363,8 +363,8 @@ class OptimizerLink:
         pager = self.pager
         seg = pager.new_segment(block, "state", named)
         seg.keys = keys
-        if not pager.engine.make_room(seg.nbytes, protect={block}):
-            pager.engine.raise_no_room(block, seg.nbytes)
+        if not pager.engine.room.make_room(seg.nbytes, protect={block}):
+            pager.engine.room.raise_no_room(block, seg.nbytes)
         # Allocated like any fetch (its page holds nothing yet, so nothing is
         # copied), and compute waits before filling it from the optimizer's state.
         pager.engine.fetch(block, ("state",))

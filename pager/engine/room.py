@@ -1,0 +1,166 @@
+"""The room for blocks under an engine's budget, shared by its models, and
+who leaves to make more: `Room`, one per engine.
+
+[Note: sharing the room]
+With several models on one engine, each model's kept set (the blocks that
+stay across its forwards, [Note: why next use, and a kept set]) is chosen in
+its share of the room: what every model holds for life, plus a streaming
+window of two of the largest blocks, plus the rest in proportion to the
+bytes each model used in the last `SHARE_WINDOW` requests (requests counted
+as root forwards, each weighed by the model's bytes). A model that sits idle
+drops out of the window and lends its room; alternating models get equal
+shares. Blocks of a model with no forward in flight are evicted before those
+of one running, so the streamed blocks an idle model left behind make room
+first. A model's prefetch, once its own step holds nothing more to fetch,
+goes on into the plan of the model predicted to come next (the one that
+followed it last time), and kept sets sit at the end of each plan: the
+streamed blocks of the next request land while this one runs its kept tail
+(on the H100, two 7B-shaped models alternating under 1.5 models' budget,
+the copy engine had idled through each request's kept stretch).
+
+[Note: eviction order]
+`make_room` evicts idle blocks until the bytes asked for fit: streamed
+blocks (not in their owner's kept set) first, then kept ones, and kept ones
+only for a use that needs the room now, never for a prefetch. Within each
+group, a block whose next use by its owner's schedule is furthest goes
+first (Belady's choice, where the order is known), then the one used least
+recently; with several models, blocks of a model with no forward in flight
+go before those of one running.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..base.budget import format_bytes
+from ..base.common import SHARE_WINDOW, BudgetError
+
+
+class Room:
+    """What blocks may hold on the device, each model's share, and eviction.
+
+    Args:
+        engine: the `Engine` whose budget, owners and resident blocks it reads.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
+
+    @staticmethod
+    def may_evict(block) -> bool:
+        """`block` may leave now: not in use, not resident for life, its owner not running asleep."""
+        return block.pins == 0 and not block.resident_for_life and not block.owner.evictions_blocked()
+
+    def room_bytes(self) -> int:
+        """What blocks may hold on the device: the budget, less what owners'
+        activations take ([Note: one budget] in training/activations.py), never less than
+        the least that runs (the largest owner's `least_room`)."""
+        reserves = [r for r in (o.activation_reserve_bytes() for o in self.engine.owners) if r is not None]
+        reserves += [o.carried_bytes for o in self.engine.owners if o.carried_bytes]
+        reserves += [o.row_bytes for o in self.engine.owners if o.row_bytes]
+        if not reserves:
+            return self.usable_bytes()
+        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.engine.owners))
+
+    def usable_bytes(self) -> int:
+        """The budget less the staging ring of compressed pages (if any), never
+        less than the least room that runs."""
+        staging = self.engine.transport.staging_bytes
+        if not staging:
+            return self.engine.budget_bytes
+        return max(self.engine.budget_bytes - staging, max((o.least_room for o in self.engine.owners), default=0))
+
+    def next_owner(self, owner):
+        """The owner whose request is predicted to follow `owner`'s current
+        one: the one that followed it last time (itself if none did)."""
+        requests = self.requests
+        for i in range(len(requests) - 2, -1, -1):
+            if requests[i] is owner:
+                return requests[i + 1] if requests[i + 1] in self.engine.owners else owner
+        return owner
+
+    def note_request(self, owner) -> None:
+        """A root forward of `owner` starts: it counts towards its share of
+        the room ([Note: sharing the room])."""
+        if len(self.engine.owners) > 1:
+            self.requests.append(owner)
+
+    def kept_room(self, owner, fixed_bytes: int | None) -> int:
+        """The room `owner` chooses its kept set in ([Note: sharing the
+        room]); `fixed_bytes`: what it holds for life (needed only when
+        sharing)."""
+        room = self.room_bytes()
+        if len(self.engine.owners) == 1:
+            return room
+        fixed = self.engine.fixed_bytes()
+        window = 2 * max((b.nbytes() for o in self.engine.owners for b in o.blocks if not b.resident_for_life), default=0)
+        spare = max(0, room - fixed - window)
+        weight = {o: 0 for o in self.engine.owners}
+        for o in self.requests:
+            if o in weight:
+                weight[o] += o.total_bytes
+        total = sum(weight.values())
+        share = spare * weight[owner] // total if total else spare // len(self.engine.owners)
+        return fixed_bytes + window + share
+
+    def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
+        """Evict until `nbytes` more fit. With `within`, only evict blocks whose
+        next use is further than `within` uses away (by their owner's
+        schedule), and never kept ones."""
+        room = self.room_bytes()
+        if self.engine.resident_bytes + nbytes <= room:
+            return True
+        idle = [b for b in self.engine.resident if self.may_evict(b) and b not in protect]
+        usable = self.usable_bytes()
+        if room < usable and within is None:
+            # Activations crowd the blocks: what is in use must still run
+            # (over the room, within the budget; the owner warns) rather than fail.
+            room = min(usable, max(room, self.engine.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+            if self.engine.resident_bytes + nbytes <= room:
+                return True
+        # Streamed blocks first, furthest next use first; kept ones only for a
+        # use that needs the room now (never for a prefetch).
+        streamed = [b for b in idle if b not in b.owner.scheduler.kept]
+        kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
+        several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
+        for group in (streamed, kept):
+            ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+                             for b in group), key=lambda r: r[:3], reverse=True)
+            for _idle, distance, _tick, b in ranked:
+                if within is not None and distance <= within:
+                    return False
+                self.engine.evict(b)
+                if self.engine.resident_bytes + nbytes <= room:
+                    return True
+        return False
+
+    def raise_no_room(self, block, missing: int, *, waited: float | None = None, deadlock: bool = False):
+        """Raise the BudgetError for `block`, which needs `missing` bytes that
+        the blocks in use (named in it) do not leave; `waited`: after waiting
+        that long for them; `deadlock`: their threads all wait for room too."""
+        pinned = [b for b in self.engine.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
+        several = len(self.engine.owners) > 1
+        held = ", ".join(f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
+                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
+        acts = self.engine.budget_bytes - self.room_bytes()
+        why = ""
+        if waited is not None:
+            why = (f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
+                   f"{self.engine.waiters.wait_seconds:g})")
+        elif deadlock:
+            why = " by requests that all wait for room themselves (each holds blocks the others need)"
+        raise BudgetError(
+            f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.engine.device}, but "
+            f"{format_bytes(self.engine.resident_bytes)} of the {format_bytes(self.engine.budget_bytes)} budget is held "
+            f"by blocks in use{why}: {held}"
+            + (f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
+               if acts > 0 else "")
+            + ". Raise the budget, " + ("run fewer requests at once or allow a longer wait, " if why else "")
+            + "or use smaller blocks (blocks=...)."
+        )
+
+    def forget(self, owner) -> None:
+        """`owner` left the engine: its requests no longer count."""
+        while owner in self.requests:
+            self.requests.remove(owner)
