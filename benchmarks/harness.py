@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import time
@@ -88,6 +89,17 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / (ms / 1e3) / 1e9
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count: host time per block use depends on it."""
+    name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def environment() -> dict:
     def git(*args):
         try:
@@ -97,6 +109,7 @@ def environment() -> dict:
 
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "host": host_cpu(),
         "torch": torch.__version__,
         "commit": os.environ.get("PAGER_COMMIT") or git("rev-parse", "--short", "HEAD"),
         "date": time.strftime("%Y-%m-%d"),
@@ -117,7 +130,7 @@ def save(rows: list[Row], name: str, env: dict) -> None:
     out = os.environ.get("OUT") or "."
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    print(f"\n## {name} ({env['device']}, torch {env['torch']}, commit {env['commit']})\n")
+    print(f"\n## {name} ({env['device']}; host {env.get('host', '?')}; torch {env['torch']}, commit {env['commit']})\n")
     print(table(rows))
 
 

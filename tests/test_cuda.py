@@ -838,7 +838,7 @@ def test_a_budget_the_staging_ring_crowds_warns_and_runs(pager_log):
 def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
     """Rows read from the mapped host table, from the device cache, and written back: the same
     training as the model with its table on the GPU (SparseAdam and Adam, sparse and dense tables)."""
-    from pager.rows.table import RowTableParameter
+    from pager.rows.tensors import RowTableParameter
 
     torch.manual_seed(0)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from pager.rows.table import RowGrad, RowTableParameter
+from pager.rows.tensors import RowGrad, RowTableParameter
 
 ROWS, BAG_ROWS, DIM = 1000, 300, 16
 

@@ -115,7 +115,7 @@ class HostRowReader:
 
     Args:
         host: the page-locked host table.
-        view: `host` as a device tensor (`_rows.host_view`).
+        view: `host` as a device tensor (`rows/tensors.host_view`).
         rows_stream: the model's `RowStream`, or None on the CPU device.
         before_host_read: called before CPU threads read `host` (its queued
             writes must land first), or None.

@@ -143,436 +143,20 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..base.budget import format_bytes
-from ..base.guards import _METADATA, _tensors_of
-from .kernels import (GENERATIONS, NO_STALE, CacheMap, Lookups, mark_of, number_lookups, patch_written,
+from .kernels import (NO_STALE, Lookups, mark_of, number_lookups, patch_written,
                            place_rows, touch_hits)
 from .reader import HostRowReader, ReadAhead
+from .cache import WEIGHT, RowCache
+from .tensors import _GUARDS, RowGrad, RowStateTensor, RowTableParameter, host_view
 from .writer import host_alias
+from .writes import HostWrites
+from .step import step_rows
 
-WEIGHT = "weight"
-WRITES_IN_FLIGHT = 2  # write-backs a table's writer's thread may have queued, at most
-_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
-             "per_sample_weights", "include_last_offset", "padding_idx")
-_LOOKUPS = {F.embedding: _EMBEDDING_ARGS, F.embedding_bag: _BAG_ARGS}
-
-
-# ------------------------------------------------------------- the classes
-def _table_function(cls, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    names = _LOOKUPS.get(func)
-    if names is not None:
-        bound = dict(zip(names, args)) | kwargs
-        weight = bound.get("weight")
-        if isinstance(weight, RowTableParameter):
-            return weight._row_table.lookup(func, bound)
-    return _run_on_host_tables(func, args, kwargs, RowTableParameter)
-
-
-def _state_function(cls, func, types, args=(), kwargs=None):
-    return _run_on_host_tables(func, args, kwargs or {}, RowStateTensor)
-
-
-def _run_on_host_tables(func, args, kwargs, guard_type):
-    """`func` on a row table's host tables as they are, current: the rows the
-    cache changed are written back first, cached rows are forgotten if `func`
-    wrote to a table, and a result that shares a host table's memory is an
-    alias (see [Note: write-back of cached rows])."""
-    if func in _METADATA:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    guarded = [t for t in _tensors_of(args, kwargs) if type(t) is guard_type]
-    for t in guarded:
-        t._row_table.flush()
-    with torch._C.DisableTorchFunctionSubclass():
-        if func is _NUMPY:  # (the array keeps its tensor alive: make that a plain alias, which is noted)
-            args = (args[0].detach(), *args[1:])
-        versions = [t._version for t in guarded]
-        out = func(*args, **kwargs)
-        moved = [t for t, v in zip(guarded, versions) if t._version != v]
-        for t in guarded:
-            t._row_table.note_aliases(args[0] if func is _NUMPY else out)
-    for t in moved:
-        t._row_table.forget()
-    return out
-
-
-_NUMPY = torch.Tensor.numpy
-
-
-def _as_plain(self, cls, fn):
-    # Pickled and deep-copied as the plain tensor it is, current.
-    table = self._row_table
-    table.flush()
-    del self._row_table
-    self.__class__ = cls
-    try:
-        return fn()
-    finally:
-        self.__class__ = _GUARDS[cls]
-        self._row_table = table
-
-
-class RowTableParameter(nn.Parameter):
-    """The class of a row table's weight while wrapped (see [Note: row tables])."""
-
-    __torch_function__ = classmethod(_table_function)
-
-    def __deepcopy__(self, memo):
-        return _as_plain(self, nn.Parameter, lambda: self.__deepcopy__(memo))
-
-    def __reduce_ex__(self, proto):
-        return _as_plain(self, nn.Parameter, lambda: self.__reduce_ex__(proto))
-
-
-class RowStateTensor(torch.Tensor):
-    """An optimizer's state table of a row table (a momentum, Adam's moments)
-    as the optimizer holds it: the host table itself, whose reads see the
-    state rows the device cache changed (see [Note: write-back of cached rows])."""
-
-    __torch_function__ = classmethod(_state_function)
-
-    @staticmethod
-    def of(host: torch.Tensor, table: "RowTable") -> "RowStateTensor":
-        t = host.as_subclass(RowStateTensor)
-        t._row_table = table
-        return t
-
-    def __deepcopy__(self, memo):
-        return _as_plain(self, torch.Tensor, lambda: self.__deepcopy__(memo))
-
-    def __reduce_ex__(self, proto):
-        return _as_plain(self, torch.Tensor, lambda: self.__reduce_ex__(proto))
-
-
-_GUARDS = {nn.Parameter: RowTableParameter, torch.Tensor: RowStateTensor}
-
-
-class RowGrad(torch.Tensor):
-    """`weight.grad` of a row table: its gradient, kept on the device until
-    something reads it (see [Note: row tables])."""
-
-    @staticmethod
-    def __new__(cls, table: "RowTable"):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, table.shape, dtype=table.dtype, device=table.host.device, layout=torch.sparse_coo,
-            requires_grad=False)
-        t.table = table
-        # sparse=True tables: the first backward's gradient as it came, over
-        # its lookup's rows (`first`: rows, sparse gradient numbered as they
-        # are), then, from a second backward on, the table's sparse gradient
-        # on the device (`acc`), accumulated as autograd accumulates one.
-        # Dense tables: one piece (rows, dense gradient of those rows) per backward.
-        t.first = None
-        t.acc = None
-        t.pieces = []
-        t.made = None  # the real sparse tensor on the CPU, once made
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        me = args[0] if args and isinstance(args[0], RowGrad) and args[0].made is None else None
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if me is not None and func in _KEEPS_SELF:
-            return me
-        if me is not None and func in _SCALES and len(args) == 2 and not kwargs:
-            me.scale(args[1])
-            return me
-        if me is not None and func is torch.Tensor.zero_:
-            me.first, me.acc, me.pieces = None, None, []
-            return me
-        if me is not None and func is torch.linalg.vector_norm:
-            return me.norm(*args[1:], **kwargs)
-        args, kwargs = _replace_grads((args, kwargs))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(
-            f"pager: {func} reached a row table's gradient below Python (from C++); read it from Python "
-            f"(weight.grad), which gives the real sparse gradient.")
-
-    def add(self, rows: torch.Tensor, grad: torch.Tensor, every_row: bool) -> None:
-        """Accumulate the gradient `grad` of the batch rows `rows` (a lookup's,
-        sorted and unique). `every_row`: a sparse `grad` has terms for every
-        one of `rows` (no padding row among them, whose lookups torch's
-        backward leaves out)."""
-        if not grad.is_sparse:
-            self.pieces.append((rows, grad))
-            return
-        if self.first is None and self.acc is None:
-            self.first = (rows, grad, every_row)
-            return
-        self._accumulate()
-        self.acc += self._of_table(rows, grad)  # (as autograd adds a second sparse gradient)
-
-    def _accumulate(self) -> None:
-        """The first sparse gradient, renumbered to the table's rows, as `acc`."""
-        if self.first is not None:
-            self.acc, self.first = self._of_table(*self.first[:2]), None
-
-    def _of_table(self, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The sparse gradient `grad` of the batch rows `rows` as one of the table."""
-        return torch.sparse_coo_tensor(rows[grad._indices()], grad._values(), self.shape)
-
-    def scale(self, factor) -> None:
-        factor = factor.to(self.table.device) if isinstance(factor, torch.Tensor) else factor
-        if self.first is not None:
-            self.first[1].mul_(factor)
-        if self.acc is not None:
-            self.acc.mul_(factor)
-        for _rows, g in self.pieces:
-            g.mul_(factor)
-
-    def rows_and_grad(self):
-        """(rows, their gradient) with rows sorted: dense pieces summed per row
-        in the order they arrived, or the sparse gradient renumbered."""
-        if self.first is not None and self.first[2]:
-            # One lookup's gradient with a term for each of its rows: those
-            # rows, numbered as the step numbers them, with no unique (and no
-            # host sync) to find them again.
-            return self.first[:2]
-        self._accumulate()
-        if self.acc is not None:
-            table_rows = self.acc._indices()[0]
-            rows = torch.unique(table_rows, sorted=True)
-            # Monotone renumbering: coalescing meets the terms in the same order.
-            slots = torch.searchsorted(rows, table_rows)
-            return rows, torch.sparse_coo_tensor(slots[None], self.acc._values(), (rows.numel(), self.shape[1]))
-        if self.pieces:
-            return _join_pieces(self.pieces, self.shape[1])
-        return None
-
-    def norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
-        """The gradient's norm (what clip_grad_norm_ asks of each gradient),
-        computed on the device: no copy to the host."""
-        joined = self.rows_and_grad()
-        if dim is not None or keepdim or joined is None:
-            return torch.linalg.vector_norm(self.make_real().to_dense(), ord, dim, keepdim, dtype=dtype)
-        g = joined[1]
-        values = g.coalesce()._values() if g.is_sparse else g
-        return torch.linalg.vector_norm(values, ord, dtype=dtype).to(self.device)
-
-    def make_real(self) -> torch.Tensor:
-        """The sparse COO gradient of the table on the CPU (made once); it
-        becomes `weight.grad` if this stand-in still is."""
-        if self.made is None:
-            table = self.table
-            self._accumulate()
-            if self.acc is not None:
-                made = self.acc.cpu()
-            elif self.pieces:
-                rows, g = _join_pieces(self.pieces, self.shape[1])
-                made = torch.sparse_coo_tensor(rows[None].cpu(), g.cpu(), self.shape)
-            else:
-                made = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
-                                               torch.zeros(0, self.shape[1], dtype=self.dtype), self.shape)
-            self.made, self.first, self.acc, self.pieces = made, None, None, []
-            if table.param.grad is self:
-                table.param.grad = made
-        return self.made
-
-
-_SCALES = {torch.Tensor.mul_, torch.Tensor.__imul__}
-_KEEPS_SELF = {torch.Tensor.detach_, torch.Tensor.requires_grad_}
-
-
-def _replace_grads(tree):
-    if isinstance(tree, RowGrad):
-        return tree.make_real()
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_replace_grads(x) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _replace_grads(v) for k, v in tree.items()}
-    return tree
-
-
-def host_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (page-locked) as a tensor on `device`: kernels read and write it
-    over the link (mapped pinned memory: CUDA's unified addressing makes the
-    host address valid on the device, so no staging copy is needed)."""
-    if device.type != "cuda":
-        return host
-    raw = host.view(torch.uint8)
-
-    class _Interface:  # what torch.as_tensor reads a foreign device buffer from
-        __cuda_array_interface__ = {"shape": tuple(raw.shape), "strides": None, "version": 3,
-                                    "data": (raw.data_ptr(), False), "typestr": "|u1"}
-
-    return torch.as_tensor(_Interface(), device=device).view(host.dtype)
-
-
-# ------------------------------------------------------------- the cache
-_SLOT_BYTES = 8 + 8 + 1  # a slot's row, last use and dirty flag
-
-
-class RowCache:
-    """Rows of one table kept on the device: each slot holds a row's weight and
-    its state rows (one column per kind), replaced least recently used first.
-    A slot whose values an update changed is dirty until they are written to
-    the host tables (see [Note: write-back of cached rows]).
-
-    Args:
-        rows: the table's number of rows.
-        dim, dtype: of a row.
-        nbytes: device bytes for the cache and its row-to-slot map.
-        device: where.
-    """
-
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, nbytes: int, device: torch.device):
-        self.n_rows, self.dim, self.dtype, self.nbytes, self.device = rows, dim, dtype, nbytes, device
-        self.row_bytes = dim * dtype.itemsize
-        self.map_bytes = 4 * (rows + 1)
-        self.tick = 0
-        self.epoch = 0  # moves whenever a row may leave the cache (`place`, `clear`, `shape_columns`)
-        self.shape_columns((WEIGHT,))
-
-    def shape_columns(self, kinds: tuple) -> None:
-        """Empty the cache and size it for one column per kind (the caller has
-        written its dirty rows back)."""
-        self.kinds = tuple(kinds)
-        self.epoch += 1
-        per_row = self.row_bytes * len(self.kinds) + _SLOT_BYTES
-        capacity = max(0, (self.nbytes - self.map_bytes) // per_row - 1) if self.nbytes > self.map_bytes else 0
-        self.capacity = min(capacity, self.n_rows)
-        self.columns = {}
-        self.any_dirty = False  # (on the host: no dirty slot, no look for one)
-        if self.capacity == 0:
-            self.slot_of_row = None
-            return
-        # Row n_rows is a dummy: an empty slot's row, so that clearing the map
-        # entries of evicted slots needs no mask (no host sync). Likewise slot
-        # `capacity` is a dummy that writes of rows not cached go to.
-        self.slot_of_row = torch.full((self.n_rows + 1,), -1, dtype=torch.int32, device=self.device)
-        self.row_of_slot = torch.full((self.capacity,), self.n_rows, dtype=torch.long, device=self.device)
-        self.last_use = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
-        self.dirty = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
-        self.columns = {k: torch.empty(self.capacity + 1, self.dim, dtype=self.dtype, device=self.device)
-                        for k in self.kinds}
-
-    def clear(self) -> None:
-        """Forget every row (the caller has written the dirty ones back, or they are stale)."""
-        self.epoch += 1
-        if self.capacity:
-            self.slot_of_row.fill_(-1)
-            self.row_of_slot.fill_(self.n_rows)
-            self.last_use.fill_(-1)
-            self.dirty.zero_()
-        self.any_dirty = False
-
-    def find(self, rows: torch.Tensor, n_miss: int | None = None):
-        """(slots of `rows`' hits, their positions in `rows` or None for all
-        of them in order, positions of misses). `n_miss`, when the caller
-        knows it, spares the host sync that counts them."""
-        if self.capacity == 0:
-            return None, None, torch.arange(rows.numel(), device=rows.device)
-        slots = self.slot_of_row.index_select(0, rows).long()
-        if n_miss is None:
-            n_miss = int((slots < 0).sum())  # (a host sync)
-        if n_miss == 0:
-            return slots, None, slots[:0]
-        # Misses first, each part in row order.
-        order = torch.argsort((slots >= 0).to(torch.uint8), stable=True)
-        hit_pos, miss_pos = order[n_miss:], order[:n_miss]
-        return slots.index_select(0, hit_pos), hit_pos, miss_pos
-
-    def touch(self, slots: torch.Tensor | None) -> None:
-        """Mark the slots a gather hit as used now."""
-        self.tick += 1
-        if slots is not None and slots.numel():
-            self.last_use.index_fill_(0, slots, self.tick)
-
-    def make_room(self, n: int, n_hits: int):
-        """Slots for `n` rows not cached, after a `touch` of the gather's
-        `n_hits` hits: the least recently used slots but those (maybe fewer
-        than `n`). Returns (the slots or None, the dirty rows taken out of
-        them as (rows, {kind: values}) or None); `place` then fills them."""
-        # The hits hold this tick, one slot each (a gather's rows are unique):
-        # the other slots are free, and no count on the device is needed.
-        n = min(self.capacity - n_hits, n)
-        if self.capacity == 0 or n <= 0:
-            return None, None
-        victims = torch.topk(self.last_use, n, largest=False).indices
-        return victims, (self._take_dirty(victims, exact=self.device.type != "cuda") if self.any_dirty else None)
-
-    def place(self, rows: torch.Tensor, victims: torch.Tensor, values: dict, mark: int = -1) -> None:
-        """Put `rows` with `values` {kind: [len(rows), dim]} in the slots
-        `victims` (as many, from `make_room`); the rows they held get `mark`
-        in the map (-1, or the mark of the write-back that took them out)."""
-        self.epoch += 1
-        self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), mark)
-        self.row_of_slot.index_copy_(0, victims, rows)
-        self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
-        self.last_use.index_fill_(0, victims, self.tick)
-        for kind, column in self.columns.items():
-            column.index_copy_(0, victims, values[kind])
-
-    def _take_dirty(self, victims: torch.Tensor, exact: bool = True):
-        """(rows, {kind: values}, which to keep) of the slots `victims`,
-        marked clean: `exact`, the dirty ones only (one host sync to count
-        them; keep: None), or None if none is; else all of them, with a
-        device mask of the dirty ones to keep (no host sync: the writer's
-        thread picks them, [Note: rows written back by the host])."""
-        keep = self.dirty.index_select(0, victims)
-        if exact:
-            victims, keep = victims[keep], None
-            if victims.numel() == 0:
-                return None
-        self.dirty.index_fill_(0, victims, False)
-        # (in the table's order: the host stores them faster, [Note: rows written back by the host])
-        rows, order = torch.sort(self.row_of_slot.index_select(0, victims))
-        victims = victims.index_select(0, order)
-        keep = None if keep is None else keep.index_select(0, order)
-        return rows, {k: column.index_select(0, victims) for k, column in self.columns.items()}, keep
-
-    def take_all_dirty(self):
-        """(rows, {kind: values}) of every dirty slot, marked clean; None if none is."""
-        if not self.any_dirty:
-            return None
-        self.any_dirty = False
-        return self._take_dirty(torch.arange(self.capacity, device=self.device))
-
-    def update(self, rows: torch.Tensor, values: dict, dirty: bool, slots: torch.Tensor | None = None) -> None:
-        """Write `values` of those `rows` that are cached into their slots
-        (`slots` if the caller knows them; marked dirty if `dirty`); the others
-        go to the dummy slot. No host sync."""
-        if self.capacity == 0:
-            return
-        if slots is None:
-            slots = self.slot_of_row.index_select(0, rows).long()
-            slots = torch.where(slots >= 0, slots, self.capacity)
-        for kind, v in values.items():
-            self.columns[kind].index_copy_(0, slots, v)
-        if dirty:
-            self.dirty.index_fill_(0, slots, True)
-            self.any_dirty = True
-
-    def map(self) -> CacheMap:
-        return CacheMap(self.slot_of_row, self.row_of_slot, self.last_use, self.dirty, self.columns[WEIGHT])
-
-    def device_bytes(self) -> int:
-        if not self.capacity:
-            return 0
-        return self.map_bytes + self.capacity * _SLOT_BYTES + (self.capacity + 1) * self.row_bytes * len(self.kinds)
 
 
 # ------------------------------------------------------------- one table
-class WriteBack(NamedTuple):
-    """A write of rows to the host tables by the writer's thread, maybe still running."""
-
-    rows: torch.Tensor  # on the device, sorted
-    values: dict  # kind -> [len(rows), dim] on the device: what it writes (rows that are clean included)
-    written: object  # its HostWrite
-    generation: int  # its number: the mark of its rows in the cache's map
-
-
 class Placed(NamedTuple):
     """A training lookup's rows as `_take_rows` put them in the cache."""
 
@@ -604,6 +188,7 @@ class RowTable:
         adopted = self._adopt_in_place(param.detach())
         self._adopted = adopted is not None
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
+        self.writes = HostWrites(self)  # to the host tables, and those in flight
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.host_aliases = {WEIGHT: host_alias(self.host)}  # kind -> what the writer's thread stores into
         self.views = {WEIGHT: host_view(self.host, self.device)}
@@ -611,11 +196,7 @@ class RowTable:
         self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
         self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
         self._rows_held = None  # see `_note_rows_held`
-        self._writes_in_flight = []  # WriteBacks maybe still running, oldest first
-        self._generation = 0  # the next write-back's number (its rows' mark in the cache's map)
         self._placed = None  # the last lookup's rows where it put them (a Placed), if training: `step`
-        self._writes_through = 0  # writes of rows through to the host tables (`write`), counted
-        self._unsettled = False  # writes to the host tables queued on the device, not yet waited for
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
         self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
         with torch.no_grad():
@@ -649,7 +230,7 @@ class RowTable:
 
     def _reader(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
         # (CPU threads of a split read read the host table itself: queued writes land first)
-        return HostRowReader(host, view, self.pager.row_stream, before_host_read=self.settle)
+        return HostRowReader(host, view, self.pager.row_stream, before_host_read=self.writes.settle)
 
     # ------------------------------------------------------------ lookups
     def note_aliases(self, out) -> None:
@@ -688,12 +269,12 @@ class RowTable:
             self._check_current()
             # The read ahead does not wait for write-backs still running: the
             # rows they write are taken from their device copies when looked up.
-            self._prune_writes()
-            in_flight = [(w.rows, w.values[WEIGHT]) for w in self._writes_in_flight]
-            stale_below = mark_of(self._writes_in_flight[0].generation) if in_flight else NO_STALE
+            self.writes.prune()
+            in_flight = [(w.rows, w.values[WEIGHT]) for w in self.writes.in_flight]
+            stale_below = mark_of(self.writes.in_flight[0].generation) if in_flight else NO_STALE
             self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
                                             self.pager.row_stream, self._pad(getattr(self.module, "padding_idx", None)),
-                                            self.cache.epoch, self._writes_through, in_flight, stale_below))
+                                            self.cache.epoch, self.writes.through, in_flight, stale_below))
             for rows, _values in in_flight:
                 self._note_written(rows)
 
@@ -719,7 +300,7 @@ class RowTable:
             pad = self._pad(bound.get("padding_idx"))
             ahead, values = self.ahead, None
             prepared = None if ahead is None else ahead.prepared(bound["input"], pad, cache.epoch,
-                                                                 self._writes_through, self.shape[0])
+                                                                 self.writes.through, self.shape[0])
             if prepared is None:
                 lookups, u, n_miss, pad = self._batch_rows(bound["input"], pad)
             else:
@@ -794,7 +375,7 @@ class RowTable:
         if take_out:
             # (in the table's order: the host stores them faster, [Note: rows written back by the host])
             victims = victims.index_select(0, torch.argsort(cache.row_of_slot.index_select(0, victims)))
-            mark = self._next_mark()
+            mark = self.writes.next_mark()
             taken_state = {k: cache.columns[k].index_select(0, victims) for k in state_kinds}
         if n_miss:
             cache.epoch += 1
@@ -803,7 +384,7 @@ class RowTable:
             cache.columns[kind].index_copy_(0, victims, self._read_missed(kind, missing))
         if take_out:
             rows, keep, weight = taken
-            self._write_host(rows, {WEIGHT: weight, **taken_state}, keep=keep, aside=True)
+            self.writes.to_host(rows, {WEIGHT: weight, **taken_state}, keep=keep, aside=True)
         return batch, slots
 
     def _note_rows_held(self, epoch_before: int, uncached: torch.Tensor) -> None:
@@ -841,8 +422,8 @@ class RowTable:
                 victims, evicted = cache.make_room(n_miss, n - n_miss)
                 if evicted is not None:
                     # (cached rows, so none of those read below: the reads do not wait for this write)
-                    mark = self._next_mark()
-                    self._write_host(*evicted, aside=True)
+                    mark = self.writes.next_mark()
+                    self.writes.to_host(*evicted, aside=True)
         out = {}
         for kind in kinds:
             if hit_pos is None and slots is not None:  # every row a hit
@@ -880,7 +461,7 @@ class RowTable:
             out, served = self.ahead.serve(rows, reader.read)
             counters.row_ahead_hits += served
             counters.row_h2d_bytes += (rows.numel() - served + self.ahead.take_read_count()) * self.row_bytes
-        for w in self._writes_in_flight:  # (oldest first: a row written back twice ends with its newest values)
+        for w in self.writes.in_flight:  # (oldest first: a row written back twice ends with its newest values)
             if kind in w.values:
                 patch_written(out, rows, w.rows, w.values[kind])
         return out
@@ -895,71 +476,17 @@ class RowTable:
         write-back of cached rows]."""
         cache = self.cache
         if len(self._aliases) or not cache.capacity:
-            self._writes_through += 1
-            self._write_host(rows, values)
+            self.writes.through += 1
+            self.writes.to_host(rows, values)
             cache.update(rows, {k: v for k, v in values.items() if k in cache.columns}, dirty=False)
         else:
             cache.update(rows, values, dirty=True, slots=slots)
             if uncached.numel():
-                self._writes_through += 1
-                self._write_host(rows.index_select(0, uncached),
+                self.writes.through += 1
+                self.writes.to_host(rows.index_select(0, uncached),
                                  {k: v.index_select(0, uncached) for k, v in values.items()})
         if WEIGHT in values:
             self._note_written(rows)
-
-    def _write_host(self, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None,
-                    aside: bool = False) -> None:
-        """Write `values` {kind: [n, dim]} of `rows` (where `keep`, if given)
-        to the host tables: on the compute stream, or `aside` by the writer
-        (copied out, then stored by a CPU thread) while compute runs on."""
-        if keep is not None and not (aside and self.device.type == "cuda"):  # (the writer's thread applies it)
-            rows, values = rows[keep], {k: v[keep] for k, v in values.items()}
-            if not rows.numel():
-                return
-        for v in values.values():
-            self.pager.counters.row_d2h_bytes += v.numel() * v.element_size()
-        if self.device.type != "cuda":
-            for kind, v in values.items():
-                self.views[kind].index_copy_(0, rows, v)
-            self._version = self.param._version  # (our own writes moved it on the CPU device)
-            return
-        self._unsettled = True
-        if not aside:
-            if self._writes_in_flight:
-                self._wait_writes()  # (a row written back may be written again: in order)
-            for kind, v in values.items():
-                self.views[kind].index_copy_(0, rows, v)
-            return
-        self._prune_writes()
-        while len(self._writes_in_flight) >= WRITES_IN_FLIGHT:
-            # The thread stores more slowly than the steps give it rows: the
-            # host waits for it, rather than pinning memory for more.
-            self._writes_in_flight.pop(0).written.wait()
-        written = self.pager.row_stream.writer.write(self.host_aliases, rows, values, keep)
-        self._writes_in_flight.append(WriteBack(rows, values, written, self._generation))
-        self._generation += 1
-
-    def _wait_writes(self) -> None:
-        """Wait for every write-back in flight (raising what one raised),
-        which then are not (their device copies go)."""
-        for w in self._writes_in_flight:  # (the thread runs them in order: after the first, little to wait for)
-            w.written.wait()
-        self._writes_in_flight = []
-
-    def _next_mark(self) -> int:
-        """What the cache's map holds for rows the next write-back takes out
-        (see [Note: few launches on the row path] in rows/kernels.py): its
-        mark on CUDA, -1 on the CPU device (whose writes are done on return)."""
-        if self.device.type != "cuda":
-            return -1
-        if self._generation >= GENERATIONS:
-            self.settle()  # (every mark is then of a write that is done: they go, and the count starts again)
-            self.cache.slot_of_row.clamp_(min=-1)
-            self._generation = 0
-        return mark_of(self._generation)
-
-    def _prune_writes(self) -> None:
-        self._writes_in_flight = [w for w in self._writes_in_flight if not w.written.query()]
 
     def flush(self) -> None:
         """Write the rows the cache changed to the host tables and wait for
@@ -968,18 +495,8 @@ class RowTable:
             taken = self.cache.take_all_dirty()
             if taken is not None:
                 self.pager.counters.row_flushes += 1
-                self._write_host(*taken)
-            self.settle()
-
-    def settle(self) -> None:
-        """Wait for the writes to the host tables queued on the device: kernel
-        stores into mapped host memory, which host reads must see."""
-        if not self._unsettled:
-            return
-        self._unsettled = False
-        self.pager.row_stream.transport.compute_stream().synchronize()
-        if self._writes_in_flight:
-            self._wait_writes()
+                self.writes.to_host(*taken)
+            self.writes.settle()
 
     # ---------------------------------------------------------- gradients
     def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor, every_row: bool) -> None:
@@ -1021,60 +538,8 @@ class RowTable:
 
     # ---------------------------------------------------------- optimizer
     def step(self, optimizer, group_index: int, run_step) -> None:
-        """Update the rows the gradient touches with `optimizer` (its group
-        `group_index` holds the table): see [Note: exact updates of touched rows]."""
-        self._check_current()
-        g, held, self._rows_held = self.param.grad, self._rows_held, None
-        placed, self._placed = self._placed, None
-        taken = self.take_grad()
-        if taken is None:
-            return
-        rows, grad = taken
-        state = optimizer.state[self.param]
-        self._adopt_state(state)
-        row_kinds = tuple(k for k in self.hosts if k != WEIGHT)
-        cache, slots = self.cache, None
-        if placed is not None and rows is placed.rows and placed.epoch == cache.epoch:
-            # The gradient is the last lookup's, over its rows, which are
-            # where it put them and as it gave them (its batch tensor): any
-            # write to the table since would have moved the cache's epoch
-            # (`_check_current` forgets the cache for writes from outside).
-            slots = placed.slots
-            gathered = {WEIGHT: placed.batch.detach(),
-                        **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
-            uncached = slots[:0]
-        else:
-            # The gradient's rows are among those looked up since the last step:
-            # if the cache held them all then and holds the same rows now, every
-            # one is a hit, and no host sync counts the misses.
-            all_held = (held is not None and held is not False and held == cache.epoch
-                        and isinstance(g, RowGrad) and g.made is None)
-            gathered, uncached = self.gather(rows, (WEIGHT,) + row_kinds, n_miss=0 if all_held else None)
-        epoch = cache.epoch
-        view = nn.Parameter(gathered[WEIGHT])
-        view.grad = grad
-        optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
-        groups = optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for i, g in enumerate(groups):
-                g["params"] = [view] if i == group_index else []
-            run_step(optimizer)
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"] = params
-            new_state = optimizer.state.pop(view, {})
-        k = rows.numel()
-        values = {WEIGHT: view.detach()}
-        for key, value in new_state.items():
-            if isinstance(value, torch.Tensor) and value.shape == (k, self.shape[1]):
-                if key not in self.hosts:
-                    self._new_state_kind(key, value.dtype, state)
-                    uncached = torch.arange(k, device=self.device)  # (the cache was emptied for the new column)
-                values[key] = value.to_dense() if value.is_sparse else value
-            else:
-                state[key] = value
-        self.write(rows, values, uncached, slots if cache.epoch == epoch else None)
+        """Update the rows the gradient touches with `optimizer` (see rows/step.py)."""
+        step_rows(self, optimizer, group_index, run_step)
 
     def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
         self.flush()  # (the cache is emptied to make room for the new column)
@@ -1136,21 +601,6 @@ class RowTable:
     def __repr__(self) -> str:
         return (f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "
                 f"{format_bytes(self.device_bytes())} on the device)")
-
-
-def _join_pieces(pieces: list, dim: int):
-    """One dense gradient over the union of the pieces' rows (sorted): the
-    first piece copied, the others added in the order they arrived, as
-    autograd accumulates dense gradients of the whole table."""
-    if len(pieces) == 1:
-        return pieces[0]
-    rows = torch.unique(torch.cat([r for r, _g in pieces]), sorted=True)
-    first = pieces[0][1]
-    total = torch.zeros(rows.numel(), dim, dtype=first.dtype, device=first.device)
-    for i, (r, g) in enumerate(pieces):
-        pos = torch.searchsorted(rows, r)
-        total.index_copy_(0, pos, g) if i == 0 else total.index_add_(0, pos, g)
-    return rows, total
 
 
 def find_row_table(tables: list, table) -> RowTable:
