@@ -135,7 +135,7 @@ class Segment:
     force_dirty: bool = False
     writeback_event: object = None     # last write-back of this page, if any
     host_valid: bool = True            # the host page holds data worth fetching
-    encoded: object = None             # how the page is compressed (`_compress.Encoded`), None: plain
+    encoded: object = None             # how the page is compressed (`codec.compress.Encoded`), None: plain
     shared: bool = False               # the page is in the node's shared copy (written to a private one on change)
     # While paged out, each tensor's own class (see [Note: paged-out tensors]
     # in base/guards.py), and views handed out by served accesses: (weakref, class).
@@ -144,7 +144,7 @@ class Segment:
     exposed: bool = True               # tensors have their own class (resident, compute waited on the fetch)
     open: bool = False                 # guarded, but the threads pinning its block pass unserved (shared mode)
     storage_key: int = 0               # the flat storage's address (_paged registry)
-    storage: object = None             # the flat storage (held: see _paged.register)
+    storage: object = None             # the flat storage (held: see base.guards.register)
     base_refs: int = 0                 # references to it from pager's own objects
     expected_refs: dict = field(default_factory=dict)  # kind of use -> views autograd keeps (_paged Note)
     saved: list = field(default_factory=list)          # weakrefs: autograd's saved views, counted (_paged Note)
@@ -179,7 +179,7 @@ class Segment:
         """Its tensors' values in the host page (of a compressed page: decoded
         copies). Under a disk tier, a page not in host memory is read into a
         buffer of its own (the cache is left as it is): the views are for
-        reading; see `_disk.DiskTier.page_in` to change a page in place."""
+        reading; see `engine.disk.DiskTier.page_in` to change a page in place."""
         page = self.cache.readable(self) if self.cache is not None else self.host
         if self.encoded is not None:
             from ..codec.kernels import decoded_copy_from
@@ -237,13 +237,13 @@ class Block:
         self.compute_start = None     # when its current use began (trace)
         self.uses = 0                 # uses since wrap (not reset by Pager.reset)
         self.last_use_event = None    # compute event at its last release
-        self.comm_event = None        # its gradients' all-reduce in flight (_distributed.Reducer)
+        self.comm_event = None        # its gradients' all-reduce in flight (training.distributed.Reducer)
         self.release_versions = None  # its tensors' versions then
         self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
         self.guard_handles = None     # installed while the block is paged out
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
-        self.deferred_steps: list = []  # optimizer updates applied at its next use (_optim.Deferred)
-        self.part = False             # a part of a large block, split off (_discover.split_large)
+        self.deferred_steps: list = []  # optimizer updates applied at its next use (training.optim.Deferred)
+        self.part = False             # a part of a large block, split off (model.discover.split_large)
         self.parts_merged = False     # its parts are to be fetched with it (Pager._merge_parts)...
         self.merged_deps = False      # ...and are among its deps
 

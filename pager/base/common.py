@@ -58,7 +58,7 @@ def _locked(method):
     point (a block's use or release, a backward hook, a step) atomic, so two
     threads running forward on one model interleave at block granularity
     with correct pin counts; if their blocks together exceed the budget, one
-    waits for the other's ([Note: waiting for room] in engine/engine.py), never a
+    waits for the other's ([Note: waiting for room] in engine/waiting.py), never a
     corrupted state.
     """
 

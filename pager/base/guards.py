@@ -629,7 +629,7 @@ def _name_of(t) -> str:
 # search per block, the first time, and then only a reference count. The
 # search of every object needs the process to have one Python thread (see
 # `_python_tensors`). With several, autograd's saved views are counted as
-# they are saved ([Note: autograd's saved views, counted] in training/activations.py), and what remains
+# they are saved ([Note: autograd's saved views, counted] in base/saving.py), and what remains
 # unaccounted for is a view kept where pager cannot look (or another thread's
 # operation still running on the block), so the block is checked again when
 # it is chosen to leave (nothing runs on it then): if views are still

@@ -120,7 +120,7 @@ def _top_hooks():
 
 
 def next_save() -> int:
-    """Number this thread's next save (see [Note: saves counted across nested blocks])."""
+    """Number this thread's next save (see [Note: saves counted across nested blocks] in training/activations.py)."""
     number = getattr(tls, "saves", 0)
     tls.saves = number + 1
     return number
@@ -157,7 +157,7 @@ def _unpack(packed):
 
 class Kept:
     """An activation kept on the device, as the graph holds it: counted in
-    the ledger until autograd lets go of it ([Note: one budget])."""
+    the ledger until autograd lets go of it ([Note: one budget] in training/activations.py)."""
 
     __slots__ = ("saved", "version", "ledger", "key")
 

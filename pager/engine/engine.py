@@ -128,7 +128,7 @@ class Engine:
             activations).
         pin: page-lock the host tier (CUDA only).
         wait_seconds: how long a use waits for room held by other threads
-            before it fails ([Note: waiting for room]).
+            before it fails ([Note: waiting for room] in engine/waiting.py).
     """
 
     def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
@@ -145,8 +145,8 @@ class Engine:
         # One lock for every owner (see [Note: threads] in base/common.py): a
         # transition of one owner's block may evict another's.
         self.lock = threading.RLock()
-        self.room = Room(self)  # what blocks may hold, and who leaves to make more ([Note: sharing the room])
-        self.waiters = Waiters(self, wait_seconds)  # uses waiting for room ([Note: waiting for room])
+        self.room = Room(self)  # what blocks may hold, and who leaves to make more ([Note: sharing the room] in engine/room.py)
+        self.waiters = Waiters(self, wait_seconds)  # uses waiting for room ([Note: waiting for room] in engine/waiting.py)
         self.peak_resident_bytes = 0
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
@@ -172,7 +172,7 @@ class Engine:
         tensors' current values go into the page (encoded by `codec`, if it
         makes the page smaller: [Note: compressed pages] in codec/compress.py) and
         the tensors become views of the device storage ([Note: identity by
-        storage resize] in base/block.py); with `pieces` (one `_disk.Piece` per
+        storage resize] in base/block.py); with `pieces` (one `engine.disk.Piece` per
         tensor: a checkpoint's bytes), so do they, and the disk tier reads
         the page when it is first needed; without either, the segment's own
         tensors are new views of it (gradients, optimizer state), its page

@@ -134,7 +134,7 @@ class Scheduler:
         """Pick the blocks of the plan that stay resident across steps: the
         largest first, leaving a streaming room of two of the largest
         streamed blocks. Among blocks of one size, `order` says which first:
-        "early" in the plan, "late" ([Note: sharing the room] in engine/engine.py),
+        "early" in the plan, "late" ([Note: sharing the room] in engine/room.py),
         or "spread" evenly through it ([Note: kept blocks spread out])."""
         blocks = list(dict.fromkeys(b for b, _k in self.plan))
         if not blocks:

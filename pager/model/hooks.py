@@ -254,7 +254,7 @@ class Hooks:
             again = activations.recomputing()  # its forward again, in its backward: the block is held
             grad = torch.is_grad_enabled() and not again
             if not again:
-                # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted]).
+                # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted] in base/saving.py).
                 acts = self.pager.activations if grad else None
                 if acts is not None:
                     acts.forward_reaches(block)

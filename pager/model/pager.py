@@ -1,7 +1,7 @@
 """The Pager: one per wrapped model. Builds its blocks and uses them through
 the residency engine; holds the objects that do the rest for it: its hooks
-(`_hooks.Hooks`), served accesses and gradient operations (`_grad_ops`),
-state dicts (`_checkpoint.StateDicts`)."""
+(`model.hooks.Hooks`), served accesses and gradient operations (`_grad_ops`),
+state dicts (`training.checkpoint.StateDicts`)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,26 @@ import threading
 
 import torch
 
+from ..base import guards
 from ..base.block import Block, Segment
 from ..base.budget import format_bytes
 from ..base.common import STEP, _locked
-from ..base import guards
+from ..engine.engine import Engine
+from ..engine.schedule import Scheduler
+from ..observe.stats import Stats
+from ..observe.trace import Tracer
+from ..observe.views import report_of, reset_counters, snapshot
+from ..rows.table import find_row_table
+from ..training.activations import KEEP, Activations
 from ..training.grad_ops import GradOps
-from .serving import Serving
 from ..training.grad_pages import GradPages
 from .build import add_row_tables, build_blocks
 from .direct_calls import DirectCalls
 from .hooks import Hooks
-from .steps import Steps
 from .prefetch import prefetch
-from ..rows.table import find_row_table
+from .serving import Serving
+from .steps import Steps
 from .uses import Uses
-from ..engine.engine import Engine
-from ..training.activations import KEEP, Activations
-from ..engine.schedule import Scheduler
-from ..observe.stats import Stats
-from ..observe.views import report_of, reset_counters, snapshot
-from ..observe.trace import Tracer
 
 log = logging.getLogger("pager")
 
@@ -77,17 +77,17 @@ class Pager:
         self.lock = self.engine.lock  # see _locked: one for every model sharing the engine
         self._warned: set[str] = set()
         self.asleep = False  # block hooks removed: see [Note: asleep] in model/hooks.py
-        self.shared_mode = False  # other threads exist: uses open tensors to their threads only (_expose)
+        self.shared_mode = False  # other threads exist: uses open tensors to their threads only (Uses.expose)
         self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self.thread_state = threading.local()
         self._closed = False
         self._named_blocks = named_blocks
-        self.sources: dict | None = None  # id(tensor) -> `_disk.Piece` of its bytes, for a model `load`ed from files
+        self.sources: dict | None = None  # id(tensor) -> `engine.disk.Piece` of its bytes, for a model `load`ed from files
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
-        self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Hooks.start_step)
-        self.reducer = None  # a `_distributed.Reducer` when gradients are averaged over a process group
+        self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Steps.start_step)
+        self.reducer = None  # a `training.distributed.Reducer` when gradients are averaged over a process group
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)

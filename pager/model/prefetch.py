@@ -10,7 +10,7 @@ set (`make_room(within=distance)`), and,
 under a disk tier, only once its page is in host memory (the thread that
 runs compute never waits for the disk). With several models on one engine,
 the walk goes on into the plan of the model predicted to run next
-([Note: sharing the room] in engine/engine.py).
+([Note: sharing the room] in engine/room.py).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def prefetch(pager) -> None:
 def _upcoming(pager):
     """The uses to prefetch for: this model's; with other models on the
     engine, the rest of this step, then the plan of the model predicted
-    to run next ([Note: sharing the room] in engine/engine.py)."""
+    to run next ([Note: sharing the room] in engine/room.py)."""
     if len(pager.engine.owners) == 1:
         return pager.scheduler.upcoming()
     after = pager.engine.room.next_owner(pager)

@@ -37,7 +37,7 @@ class Serving:
         with pager.lock:
             pager.check_open()
             pager.uses.note_threads()
-            # (a use waits for room other threads hold: [Note: waiting for room] in engine/engine.py)
+            # (a use waits for room other threads hold: [Note: waiting for room] in engine/waiting.py)
             held = self._acquire_all(wanted, EVERYONE if expose else False)
             pager.thread_state.serving = getattr(pager.thread_state, "serving", 0) + 1
         try:

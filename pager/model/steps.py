@@ -59,7 +59,7 @@ class Steps:
         if self._least_room_of != self.pager.total_bytes:  # a segment appeared (grads, optimizer state)
             self.pager.least_room, self._least_room_of = self.pager.least_room_bytes(), self.pager.total_bytes
         # With other models on the engine, in this one's share of the room
-        # ([Note: sharing the room] in engine/engine.py).
+        # ([Note: sharing the room] in engine/room.py).
         engine = self.pager.engine
         shared = len(engine.owners) > 1
         fixed = self.pager.fixed_bytes() if shared else None
@@ -68,7 +68,7 @@ class Steps:
                self.pager.total_bytes)
         if changed or key != self._kept_key:
             # Sharing: kept blocks last, so that a request's kept tail overlaps the next
-            # request's fetches ([Note: sharing the room]); inference alone: spread out
+            # request's fetches ([Note: sharing the room] in engine/room.py); inference alone: spread out
             # ([Note: kept blocks spread out] in engine/schedule.py).
             order = "late" if shared else ("spread" if self.pager.scheduler.reads_only() else "early")
             self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(),

@@ -60,7 +60,7 @@ class Uses:
         if "grads" in kinds:
             self.pager.grad_pages.ensure_segment(block)
         if record:
-            if self.pager.steps.recording():  # (not another request's: [Note: one recorded request at a time])
+            if self.pager.steps.recording():  # (not another request's: [Note: one recorded request at a time] in model/steps.py)
                 self.pager.scheduler.observe(block, kinds)
             self.pager.direct_calls.unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
@@ -126,7 +126,7 @@ class Uses:
         their own class, only while it is in use (see [Note: paged-out
         tensors] in base/guards.py). With other threads about, they keep the guard
         and only the threads that pinned the block pass it unserved ([Note:
-        tensors and threads]); `everyone` (the pager going to sleep) gives
+        tensors and threads] in base/guards.py); `everyone` (the pager going to sleep) gives
         them their own class all the same."""
         if not everyone:
             self.note_threads()
@@ -139,7 +139,7 @@ class Uses:
 
     def note_threads(self) -> None:
         """Enter the shared mode once a second Python thread exists; blocks in
-        use then stop being exposed to every thread ([Note: tensors and threads])."""
+        use then stop being exposed to every thread ([Note: tensors and threads] in base/guards.py)."""
         if self.pager.shared_mode or not other_threads():
             return
         self.pager.shared_mode = True
@@ -191,7 +191,7 @@ class Uses:
         # Alone, every object is searched, and what stays unaccounted for is
         # autograd's (learned). With other threads, what stays unaccounted for
         # is a view kept where pager cannot look (autograd's are counted: see
-        # [Note: autograd's saved views, counted]), or autograd's where they
+        # [Note: autograd's saved views, counted] in base/saving.py), or autograd's where they
         # could not be counted: either way the block must stay while they live.
         # Under other saved-tensor hooks (checkpointing's recomputation in the
         # backward) the excess is what they hold, found by a search too: so no

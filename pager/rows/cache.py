@@ -1,5 +1,5 @@
 """A row table's device cache: `RowCache`, one per table. See [Note: row
-tables] and [Note: write-back of cached rows] in rows/table.py."""
+tables] in rows/table.py and [Note: write-back of cached rows] in rows/table.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RowCache:
     """Rows of one table kept on the device: each slot holds a row's weight and
     its state rows (one column per kind), replaced least recently used first.
     A slot whose values an update changed is dirty until they are written to
-    the host tables (see [Note: write-back of cached rows]).
+    the host tables (see [Note: write-back of cached rows] in rows/table.py).
 
     Args:
         rows: the table's number of rows.
@@ -118,14 +118,14 @@ class RowCache:
         marked clean: `exact`, the dirty ones only (one host sync to count
         them; keep: None), or None if none is; else all of them, with a
         device mask of the dirty ones to keep (no host sync: the writer's
-        thread picks them, [Note: rows written back by the host])."""
+        thread picks them, [Note: rows written back by the host] in rows/writer.py)."""
         keep = self.dirty.index_select(0, victims)
         if exact:
             victims, keep = victims[keep], None
             if victims.numel() == 0:
                 return None
         self.dirty.index_fill_(0, victims, False)
-        # (in the table's order: the host stores them faster, [Note: rows written back by the host])
+        # (in the table's order: the host stores them faster, [Note: rows written back by the host] in rows/writer.py)
         rows, order = torch.sort(self.row_of_slot.index_select(0, victims))
         victims = victims.index_select(0, order)
         keep = None if keep is None else keep.index_select(0, order)

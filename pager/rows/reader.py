@@ -34,7 +34,7 @@ rows takes the kernel alone (the CPU path's fixed costs would dominate).
 and the device cache lacks, on the row stream, while the compute stream runs
 on, with no host sync: the lookups are sorted, their unique rows numbered
 with a running count (as a lookup numbers them), the rows the cache lacks
-marked, and a kernel (`_row_kernels.read_where`) reads the marked rows into a
+marked, and a kernel (`rows.kernels.read_where`) reads the marked rows into a
 tensor as long as the lookups, skipping the others (no count, so nothing
 waits). The rows are clamped to the table for the read.
 

@@ -14,7 +14,7 @@ from .tensors import RowGrad
 
 def step_rows(table, optimizer, group_index: int, run_step) -> None:
     """Update the rows the gradient touches with `optimizer` (its group
-    `group_index` holds the table): see [Note: exact updates of touched rows]."""
+    `group_index` holds the table): see [Note: exact updates of touched rows] in rows/table.py."""
     table._check_current()
     g, held, table._rows_held = table.param.grad, table._rows_held, None
     placed, table._placed = table._placed, None

@@ -13,7 +13,7 @@ reads, `load_state_dict()` and in-place initialisation see and change the real
 values). A lookup:
 
 1. takes the batch's rows, sorted and unique, and the index of each lookup
-   among them (`_row_kernels.number_lookups`: a sort and a running count,
+   among them (`rows.kernels.number_lookups`: a sort and a running count,
    rather than `torch.unique`, so that their number, the range check, the
    cache's misses and the padding row's place come back to the host in one
    sync, or none when `expect_rows` prepared them: see [Note: host syncs]);

@@ -37,7 +37,7 @@ def _run_on_host_tables(func, args, kwargs, guard_type):
     """`func` on a row table's host tables as they are, current: the rows the
     cache changed are written back first, cached rows are forgotten if `func`
     wrote to a table, and a result that shares a host table's memory is an
-    alias (see [Note: write-back of cached rows])."""
+    alias (see [Note: write-back of cached rows] in rows/table.py)."""
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -74,7 +74,7 @@ def _as_plain(self, cls, fn):
 
 
 class RowTableParameter(nn.Parameter):
-    """The class of a row table's weight while wrapped (see [Note: row tables])."""
+    """The class of a row table's weight while wrapped (see [Note: row tables] in rows/table.py)."""
 
     __torch_function__ = classmethod(_table_function)
 
@@ -88,7 +88,7 @@ class RowTableParameter(nn.Parameter):
 class RowStateTensor(torch.Tensor):
     """An optimizer's state table of a row table (a momentum, Adam's moments)
     as the optimizer holds it: the host table itself, whose reads see the
-    state rows the device cache changed (see [Note: write-back of cached rows])."""
+    state rows the device cache changed (see [Note: write-back of cached rows] in rows/table.py)."""
 
     __torch_function__ = classmethod(_state_function)
 
@@ -110,7 +110,7 @@ _GUARDS = {nn.Parameter: RowTableParameter, torch.Tensor: RowStateTensor}
 
 class RowGrad(torch.Tensor):
     """`weight.grad` of a row table: its gradient, kept on the device until
-    something reads it (see [Note: row tables])."""
+    something reads it (see [Note: row tables] in rows/table.py)."""
 
     @staticmethod
     def __new__(cls, table):
