@@ -167,23 +167,8 @@ class Pager:
         return set(self.hooks.sleeping_threads)
 
     def may_leave(self, block: Block) -> bool:
-        """Chosen to leave: False if it must stay (views of it kept where pager
-        cannot look); a deferred update whose bytes are here is applied now."""
-        if self.asleep:
-            self.hooks.wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
-        if self.uses.keeps_unknown_views(block):
-            return False
-        if block.deferred_steps and not block.missing_bytes(STEP):
-            # Prefetched for an update, but leaving unused: the bytes are here, so
-            # apply it now (a gradient the user sets meanwhile must not overwrite its page).
-            self.engine.wait(block)
-            self.engine.pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
-            try:
-                self.uses.expose(block)  # (guarded again as it leaves)
-                self.uses.run_deferred(block)
-            finally:
-                self.engine.unpin(block)
-        return True
+        """Chosen to leave: False if it must stay (see `Uses.may_leave`)."""
+        return self.uses.may_leave(block)
 
     def leave_after(self, block: Block, ready):
         return ready if self.reducer is None else self.reducer.after_reduction(block, ready)

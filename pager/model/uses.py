@@ -224,3 +224,23 @@ class Uses:
             return True
         block.unaccounted_use = None
         return False
+
+    def may_leave(self, block: Block) -> bool:
+        """`block` was chosen to leave: False if it must stay (views of it kept
+        where pager cannot look); a deferred update whose bytes are here is
+        applied now, as this thread's use."""
+        if self.pager.asleep:
+            self.pager.hooks.wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
+        if self.keeps_unknown_views(block):
+            return False
+        if block.deferred_steps and not block.missing_bytes(STEP):
+            # Prefetched for an update, but leaving unused: the bytes are here, so
+            # apply it now (a gradient the user sets meanwhile must not overwrite its page).
+            self.engine.wait(block)
+            self.engine.pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
+            try:
+                self.expose(block)  # (guarded again as it leaves)
+                self.run_deferred(block)
+            finally:
+                self.engine.unpin(block)
+        return True

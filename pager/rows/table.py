@@ -513,35 +513,13 @@ class RowTable:
             piece.add(rows, grad, every_row)
             self.param.grad = current + piece.make_real()
 
-    def take_grad(self):
-        """(rows, gradient of those rows on the device) for the update, or None."""
-        g = self.param.grad
-        if g is None:
-            return None
-        sparse = bool(self.module.sparse)
-        if isinstance(g, RowGrad) and g.made is None:
-            return g.rows_and_grad()
-        if isinstance(g, RowGrad):
-            g = g.made
-        if not g.is_sparse:
-            raise ValueError(
-                f"pager: the gradient of row table {self.name!r} is a dense {tuple(g.shape)} tensor; a row table "
-                f"takes a sparse COO gradient (as autograd gives it): assign one, e.g. dense.to_sparse().")
-        g = g.coalesce()
-        rows = g._indices()[0].to(self.device)
-        values = g._values().to(self.device)
-        if not sparse:
-            return rows, values
-        k = rows.numel()
-        slots = torch.arange(k, device=self.device)[None]
-        return rows, torch.sparse_coo_tensor(slots, values, (k, self.shape[1]), is_coalesced=True)
-
     # ---------------------------------------------------------- optimizer
     def step(self, optimizer, group_index: int, run_step) -> None:
         """Update the rows the gradient touches with `optimizer` (see rows/step.py)."""
         step_rows(self, optimizer, group_index, run_step)
 
-    def _new_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
+    def add_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
+        """A host self (and a cache column) for optimizer state `key`, which `state` then holds."""
         self.flush()  # (the cache is emptied to make room for the new column)
         zeros = torch.zeros((), dtype=dtype).expand(self.shape)
         host = self._new_host_table(zeros)
@@ -551,23 +529,6 @@ class RowTable:
         self.readers[key] = self._reader(host, self.views[key])
         self.state_views[key] = state[key] = RowStateTensor.of(host, self)
         self.cache.shape_columns(tuple(self.hosts))
-
-    def _adopt_state(self, state: dict) -> None:
-        """Take state tensors of the table's shape into host tables: ones the
-        optimizer made at construction (Adagrad's sum), or put there by
-        `load_state_dict`."""
-        for key, value in list(state.items()):
-            if (not isinstance(value, torch.Tensor) or value.shape != self.shape
-                    or self.state_views.get(key) is value):
-                continue
-            if key not in self.hosts:
-                self._new_state_kind(key, value.dtype, state)
-            else:
-                self.flush()  # (cached rows are forgotten below: their changes must land first)
-            with torch.no_grad():
-                self.hosts[key].copy_(value)
-            state[key] = self.state_views[key]
-            self.forget()
 
     # ------------------------------------------------------------- close
     def restore(self, optimizers) -> None:
