@@ -19,12 +19,12 @@ def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
         uses: block index -> the indices of the blocks whose tensors it uses (tied weights).
         parts: ids of modules that are parts of a block split for its size.
     """
-    order = [owned.get(i, []) for i in range(len(pager._named_blocks))] + [owned.get(None, [])]
+    order = [owned.get(i, []) for i in range(len(pager.named_blocks))] + [owned.get(None, [])]
     if pager.sources is None:  # (pages from files live in their disk tier's memory)
         pager.engine.host.reserve(pager, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
     if pager.share_host is not None:
         pager.share_host(pager)  # the weights pages: one copy for the ranks of this node
-    for i, (name, module) in enumerate(pager._named_blocks):
+    for i, (name, module) in enumerate(pager.named_blocks):
         pager.blocks.append(Block(name, module, i, owner=pager))
         pager.blocks[-1].part = id(module) in parts  # see [Note: splitting large blocks] in model/discover.py
     for i, block in enumerate(pager.blocks):

@@ -81,7 +81,7 @@ class Pager:
         self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self.thread_state = threading.local()
         self._closed = False
-        self._named_blocks = named_blocks
+        self.named_blocks = named_blocks  # (qualified name, module) of each block, in model order: for `build`
         self.sources: dict | None = None  # id(tensor) -> `engine.disk.Piece` of its bytes, for a model `load`ed from files
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
