@@ -111,7 +111,11 @@ class Room:
         room = self.room_bytes()
         if self.engine.resident_bytes + nbytes <= room:
             return True
-        idle = [b for b in self.engine.resident if self.may_evict(b) and b not in protect]
+        # `may_evict` of each block, with its owner's part asked once per owner
+        # (not once per resident block: this scan runs at every use that needs room).
+        blocked = [o for o in self.engine.owners if o.evictions_blocked()]
+        idle = [b for b in self.engine.resident
+                if b.pins == 0 and not b.resident_for_life and b not in protect and b.owner not in blocked]
         usable = self.usable_bytes()
         if room < usable and within is None:
             # Activations crowd the blocks: what is in use must still run
