@@ -38,7 +38,7 @@ see [Note: views kept from a use] below.
 Gradients that left with their block are `PagedOutGrad`s (`training/grads.py`); their
 accesses are served the same way, except the ones a training loop makes
 between backward and step (zeroing, scaling, norms, GradScaler's unscale),
-which `Pager.grad_op` answers without moving bytes.
+which `GradOps.grad_op` answers without moving bytes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Hooks: forward and backward around each block, guards for direct calls
-into a paged-out block, the step boundary, and advice."""
+"""Hooks: the root's forward (where a step starts, `model/steps.py`), each
+block's forward and backward, sleep and wake, and gradients as they
+accumulate into their pages."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def _keeps_graph() -> bool:
 
 
 class Hooks:
-    """One model's hooks: the root's forward (the step boundary), each
-    block's forward and backward, guards for direct calls into a paged-out
-    block, gradients as they accumulate, and advice. Held by its `Pager`.
+    """One model's hooks: the root's forward (it starts steps through
+    `Steps`), each block's forward and backward, sleep and wake, and
+    gradients as they accumulate. Held by its `Pager`.
 
     Args:
         pager: the model's `Pager` (its blocks, uses and engine).

@@ -205,7 +205,7 @@ class Pager:
         """What blocks may hold on the device: the budget, less the share that
         activations take where pager handles them ([Note: one budget] in
         training/activations.py), never less than the least that runs (`least_room_bytes`;
-        `Hooks.start_step` warns when activations leave less than that)."""
+        `Steps.start_step` warns when activations leave less than that)."""
         return self.engine.room.room_bytes()
 
     def least_room_bytes(self) -> int:

@@ -8,7 +8,7 @@ steps it) but must not point at freed device memory. It becomes a
 `PagedOutGrad`: a storage-less tensor of the right shape, dtype and device.
 Every operation on it is served (see [Note: paged-out tensors] in base/guards.py):
 the gradients are fetched and the operation runs on them. What a training
-loop does between backward and step moves no bytes (`Pager.grad_op`):
+loop does between backward and step moves no bytes (`GradOps.grad_op`):
 zeroing and scaling (clip_grad_norm_, GradScaler's unscale) are recorded and
 replayed in order when the gradient returns, and norms and the non-finite
 check are answered from the norms computed on the device as the gradient
