@@ -16,6 +16,7 @@ from ..training.checkpoint import close
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.engine import Engine
+from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
 
@@ -206,8 +207,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     try:
         if setup is not None:
             setup(pager)
-        pager.build(sizing.owned, sizing.uses, parts)
-        pager.add_row_tables(tables, cache_bytes)
+        build_blocks(pager, sizing.owned, sizing.uses, parts)
+        add_row_tables(pager, tables, cache_bytes)
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
         raise

@@ -146,7 +146,10 @@ def _pack(t):
 def _unpack(packed):
     if not isinstance(packed, tuple):
         return packed.unpack()  # Kept, or a policy's stand-in (sent to host memory, dropped)
-    saved, version = packed
+    return _checked(*packed)
+
+
+def _checked(saved, version):
     if saved._version != version:  # autograd checks this itself only without hooks
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
@@ -166,7 +169,7 @@ class Kept:
         self.key = ledger.hold(saved)
 
     def unpack(self):
-        return _unpack((self.saved, self.version))
+        return _checked(self.saved, self.version)
 
     def __del__(self):
         self.ledger.let_go(self.key)

@@ -449,9 +449,8 @@ class Engine:
             return
         except torch.cuda.OutOfMemoryError:
             pass
-        for other in list(self.resident):
-            if other is not block and self.room.may_evict(other):
-                self.evict(other)
+        for other in self.room.idle_blocks(protect=(block,)):
+            self.evict(other)
         if self.transport.is_cuda:
             torch.cuda.synchronize(self.device)  # error path: let freed memory settle
             torch.cuda.empty_cache()
@@ -468,11 +467,10 @@ class Engine:
     def set_budget(self, nbytes: int) -> None:
         """Blocks leave until `nbytes` holds them; then it is the budget.
         Raises (the budget unchanged) if blocks in use hold more."""
-        for block in list(self.resident):
+        for block in self.room.idle_blocks():
             if self.resident_bytes <= nbytes:
                 break
-            if self.room.may_evict(block):
-                self.evict(block)
+            self.evict(block)
         if self.resident_bytes > nbytes:
             self.waiters.room_may_be_back()
             raise ValueError(

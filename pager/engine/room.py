@@ -47,10 +47,14 @@ class Room:
         self.engine = engine
         self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
 
-    @staticmethod
-    def may_evict(block) -> bool:
-        """`block` may leave now: not in use, not resident for life, its owner not running asleep."""
-        return block.pins == 0 and not block.resident_for_life and not block.owner.evictions_blocked()
+    def idle_blocks(self, protect=()) -> list:
+        """The resident blocks that may leave now, oldest first, but those in
+        `protect`: not in use, not resident for life, their owner not running
+        asleep (asked once per owner, not per block: `make_room` runs at every
+        use that needs room)."""
+        blocked = [o for o in self.engine.owners if o.evictions_blocked()]
+        return [b for b in self.engine.resident
+                if b.pins == 0 and not b.resident_for_life and b not in protect and b.owner not in blocked]
 
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less what owners'
@@ -111,11 +115,7 @@ class Room:
         room = self.room_bytes()
         if self.engine.resident_bytes + nbytes <= room:
             return True
-        # `may_evict` of each block, with its owner's part asked once per owner
-        # (not once per resident block: this scan runs at every use that needs room).
-        blocked = [o for o in self.engine.owners if o.evictions_blocked()]
-        idle = [b for b in self.engine.resident
-                if b.pins == 0 and not b.resident_for_life and b not in protect and b.owner not in blocked]
+        idle = self.idle_blocks(protect)
         usable = self.usable_bytes()
         if room < usable and within is None:
             # Activations crowd the blocks: what is in use must still run

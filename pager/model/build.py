@@ -8,6 +8,8 @@ from ..base import guards
 from ..base.block import Block, layout
 from ..base.common import WEIGHTS
 from ..observe.stats import BlockStats
+from ..rows.reader import RowStream
+from ..rows.table import RowTable
 
 
 def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
@@ -51,9 +53,6 @@ def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
 def add_row_tables(pager, tables: list, cache_bytes: int) -> None:
     """Page each (name, module) of `tables` by rows, their caches sharing
     `cache_bytes` in proportion to their sizes."""
-    from ..rows.reader import RowStream
-    from ..rows.table import RowTable
-
     if pager.row_stream is None and pager.transport.is_cuda:
         pager.row_stream = RowStream(pager.transport)
     total = sum(m.weight.numel() * m.weight.element_size() for _n, m in tables)

@@ -13,7 +13,7 @@ import torch
 
 from ..base import guards
 from ..base.block import Block, Segment
-from ..base.budget import format_bytes
+from ..base.budget import format_bytes, parse_budget
 from ..base.common import STEP, _locked
 from ..engine.engine import Engine
 from ..engine.schedule import Scheduler
@@ -24,7 +24,7 @@ from ..rows.table import find_row_table
 from ..training.activations import KEEP, Activations
 from ..training.grad_ops import GradOps
 from ..training.grad_pages import GradPages
-from .build import add_row_tables, build_blocks
+from ..training.optim import attach as attach_optimizer
 from .direct_calls import DirectCalls
 from .hooks import Hooks
 from .prefetch import prefetch
@@ -98,15 +98,7 @@ class Pager:
         self.grad_ops = GradOps(self, self.serve)
         self.engine.join(self)
 
-    # ------------------------------------------------------------------ build
-    def build(self, owned, uses, parts=frozenset()) -> None:
-        """Make the blocks of `owned` tensors (see `model/build.py`) and install the hooks."""
-        build_blocks(self, owned, uses, parts)
-
-    def add_row_tables(self, tables: list, cache_bytes: int) -> None:
-        """Page each (name, module) of `tables` by rows, their caches sharing `cache_bytes`."""
-        add_row_tables(self, tables, cache_bytes)
-
+    # ------------------------------------------------------------------ blocks
     @property
     def row_tables(self) -> list:
         """The embedding tables paged by rows, in the order `rows=` named them."""
@@ -372,9 +364,7 @@ class Pager:
             >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
             >>> pager.of(model).attach(opt)
         """
-        from ..training.optim import attach
-
-        attach(self, optimizer)
+        attach_optimizer(self, optimizer)
 
     def no_sync(self):
         """A context in which backwards accumulate gradients without averaging
@@ -409,8 +399,6 @@ class Pager:
         Example:
             >>> pager.of(model).set_budget("4GiB")
         """
-        from ..base.budget import parse_budget
-
         nbytes = parse_budget(budget, self.device)
         least = self.engine.least_budget()
         if nbytes < least:
