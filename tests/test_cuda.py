@@ -708,6 +708,33 @@ def test_generate_on_gpu_in_a_pool_matches_unwrapped():
     assert s.peak_resident_bytes <= pool.budget_bytes
 
 
+@pytest.mark.parametrize("batch,compute_sleep", [(1, 0), (4, 2_000_000)])
+def test_generate_with_delayed_copies_equals_the_bare_model(batch, compute_sleep):
+    """Decode streams blocks across token boundaries (the next token's first
+    blocks come while this one's last compute), with the KV cache growing
+    in the budget: with every copy delayed (and compute too), the tokens
+    are those of the model all on the GPU."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ref = copy.deepcopy(model).to(GPU)
+    layer = tensor_page_bytes(model.model.layers[0])
+    rest = tensor_page_bytes(model) - 6 * layer
+    pager.wrap(model, budget=rest + 3 * layer, device=GPU)
+    _sleepy(pager.of(model).transport, compute_cycles=compute_sleep)
+    ids = torch.randint(0, 256, (batch, 7), device=GPU)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    for pad in (True, False):  # (without pad_token_id generate sets it and warns)
+        extra = {"pad_token_id": 0} if pad else {}
+        out = model.generate(ids, **kw, **extra)
+        want = ref.generate(ids, **kw, **extra)
+        assert torch.equal(out, want)
+    s = pager.of(model).stats()
+    assert s.prefetches > 0 and s.evictions > 0 and s.peak_carried_bytes > 0
+
+
 # ------------------------------------------------------------ compressed pages
 def _codec_segment():
     """Tensors of every kind a codec meets: trained-like bf16 with escapes

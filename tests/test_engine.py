@@ -230,3 +230,98 @@ def test_a_use_that_activations_crowd_runs_within_the_budget():
         for block in p.blocks[:3]:
             p.uses.release(block)
 
+
+
+# ------------------------------------------------------------------ work per use
+def _lines_per_use(n: int, train: bool) -> tuple:
+    """Lines of pager's code run per block use (a count of work, not a
+    time) in steady steps of `n` Linear(8, 8) blocks under a quarter of
+    what they page, and the evictions in those steps."""
+    import sys
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if train else None
+    per_block = tensor_page_bytes(model[0]) * (3 if train else 1)  # weights (gradients, momentum)
+    pager.wrap(model, budget=n // 4 * per_block, device="cpu", optimizer=opt)
+    p = pager.of(model)
+    x = torch.randn(2, 8)
+    root = str(PACKAGE) + "/"
+    lines = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(root) else None
+
+    def step():
+        if train:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            with torch.no_grad():
+                model(x)
+
+    for _ in range(3):  # the order learned, the kept set chosen, state made
+        step()
+    uses, evictions = sum(b.uses for b in p.blocks), p.stats().evictions
+    sys.settrace(calls)
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        sys.settrace(None)
+    uses = sum(b.uses for b in p.blocks) - uses
+    return lines[0] / uses, p.stats().evictions - evictions
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_work_of_a_block_use_does_not_grow_with_the_number_of_blocks(train):
+    """The hooks of a use do constant work: no scan of the resident blocks
+    to choose a victim, no walk of the plan. Counted in lines of pager's
+    code per use (deterministic), with 16 and 256 blocks paged alike."""
+    small, small_evictions = _lines_per_use(16, train)
+    large, large_evictions = _lines_per_use(256, train)
+    assert small_evictions > 0 and large_evictions > 0  # paged, both
+    assert large <= 1.15 * small, (small, large)
+
+
+def test_the_idle_blocks_the_room_keeps_are_those_a_scan_finds():
+    """The room keeps the blocks that may leave up to date as they are
+    pinned, released, fetched and evicted ([Note: eviction order]): at
+    every block boundary of training, inference and a change of order,
+    they are the resident blocks no use pins, sorted by the kept set."""
+    model = stack(8)
+    layer = tensor_page_bytes(model[0])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pager.wrap(model, budget=9 * layer, device="cpu", optimizer=opt)
+    p = pager.of(model)
+    room = p.engine.room
+    seen = []
+
+    def check(*_args):
+        with p.lock:
+            room._sort_by_kept()
+            idle = {b for b in p.engine.resident if b.pins == 0 and not b.resident_for_life}
+            assert set(room.idle_streamed) | set(room.idle_kept) == idle
+            assert not set(room.idle_streamed) & set(room.idle_kept)
+            assert all(b in p.scheduler.kept for b in room.idle_kept)
+            seen.append(len(idle))
+
+    for layer_module in model:
+        layer_module.register_forward_pre_hook(check)
+        layer_module.register_forward_hook(check)
+    x = torch.randn(4, 32)
+    for i in range(4):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        check()
+        with torch.no_grad():
+            model[: 4 + i % 3](x)  # another order: a shorter path
+        check()
+    assert max(seen) > 0 and p.stats().evictions > 0

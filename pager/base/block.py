@@ -266,14 +266,18 @@ class Block:
     def missing_bytes(self, kinds) -> int:
         return sum(s.nbytes for k, s in self.segments.items() if k in kinds and not s.resident)
 
-    def versions(self) -> list:
-        """Version counters of its resident tensors."""
-        out = []
+    def versions(self) -> tuple:
+        """How many resident tensors it has and the sum of their version
+        counters: equal at two times only if none of them changed between
+        (counters only grow), and no list made (asked at every release)."""
+        count = total = 0
         with torch._C.DisableTorchFunctionSubclass():
             for seg in self.segments.values():
                 if seg.resident:
-                    out += [t._version for t in seg.tensors]
-        return out
+                    for t in seg.tensors:
+                        total += t._version
+                    count += len(seg.tensors)
+        return count, total
 
     def mark_dirty(self, kinds=None) -> None:
         for k, seg in self.segments.items():

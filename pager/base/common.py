@@ -43,10 +43,13 @@ class BudgetError(RuntimeError):
 _NO_RANGE = contextlib.nullcontext()
 
 
-def _record_range(name: str):
-    """A profiler range, only while a profiler runs (a range costs ~5 us even
-    with none: a few ms per forward of many small blocks)."""
-    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+def _record_range(what: str, block_name: str):
+    """The profiler range `pager::<what>[<block_name>]`, only while a profiler
+    runs (a range costs ~5 us even with none: a few ms per forward of many
+    small blocks; its name is made only then)."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NO_RANGE
+    return torch.profiler.record_function(f"pager::{what}[{block_name}]")
 
 
 def _locked(method):

@@ -236,6 +236,8 @@ class Engine:
 
     # ---------------------------------------------------------- pins
     def pin(self, block) -> None:
+        if block.pins == 0:
+            self.room.not_idle(block)
         block.pins += 1
         tid = threading.get_ident()
         block.thread_pins[tid] = block.thread_pins.get(tid, 0) + 1
@@ -250,6 +252,8 @@ class Engine:
             # Released by another thread than took it (or by the last): no
             # thread keeps the unserved path it may no longer have.
             block.thread_pins.clear()
+        if block.pins == 0 and block in self.resident:
+            self.room.became_idle(block)
 
     def idle(self, block, mark: bool = True) -> None:
         """`block`'s last pin is gone: from the end of compute enqueued so far,
@@ -269,7 +273,7 @@ class Engine:
         self.pin(block)
         try:
             if missing:
-                with _record_range(f"pager::fetch[{block.name}]"):
+                with _record_range("fetch", block.name):
                     missing = self.waiters.room_for_use(block, kinds)
                     self.fetch(block, kinds)
         except BaseException:
@@ -286,6 +290,7 @@ class Engine:
         block.settled = False  # until an acquire has ordered compute after this fetch
         owner = block.owner
         allocated, moved, decoded, nbytes, first, end = False, False, False, 0, None, None
+        last_copy = None  # the end of a copy enqueued after every allocation so far
         for kind in kinds:
             seg = block.segments.get(kind)
             if seg is None or seg.resident:
@@ -304,19 +309,23 @@ class Engine:
                 decoded = decoded or seg.encoded is not None
                 nbytes += seg.page_bytes
                 self.meter.copied(block, "h2d", start, end, seg.page_bytes)
+            last_copy = end if seg.host_valid and seg.encoded is None else None
             seg.state = PageState.FETCHING
             seg.snapshot_versions()
         block.fetched_data = moved
         if moved:
             block.stats.fetches += 1
         if allocated:
-            # One mark after every allocation and copy: compute waits on it.
-            event = self.transport.mark_h2d(decoded)
+            # One mark after every allocation and copy: compute waits on it
+            # (the last copy's end, where no allocation came after it).
+            event = self.transport.mark_h2d(decoded, last_copy=last_copy)
             end = event if event is not None else time.perf_counter()
             block.fetch_event = event
         if moved:
             owner.tracer.span("fetch", block.name, first, end, nbytes)
         self.resident[block] = None
+        if block.pins == 0:
+            self.room.became_idle(block)  # (a prefetch)
         owner.counters.peak_resident_bytes = max(owner.counters.peak_resident_bytes, owner.resident_bytes)
         block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
         self._moved()
@@ -325,7 +334,7 @@ class Engine:
         """FETCHING -> RESIDENT: compute is ordered after the block's fetch;
         from here on its device bytes may be read on the compute stream."""
         if block.fetch_event is not None:
-            with _record_range(f"pager::wait[{block.name}]"):
+            with _record_range("wait", block.name):
                 if self.transport.is_cuda:
                     arrive = self.transport.record_compute()
                     self.meter.stalled(block, arrive, block.fetch_event)
@@ -345,6 +354,7 @@ class Engine:
         owner = block.owner
         if not self.transport.can_free(block):
             block.resident_for_life = True
+            self.room.not_idle(block)
             owner.warn_once(
                 f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
                 "of its tensors shares its memory, which therefore cannot be paged. Use "
@@ -352,7 +362,7 @@ class Engine:
             return False
         if not owner.may_leave(block):
             return False
-        with _record_range(f"pager::evict[{block.name}]"):
+        with _record_range("evict", block.name):
             for kind in ("weights", "state"):
                 if kind in block.segments and block.segments[kind].resident:
                     self._readopt(block, block.segments[kind])
@@ -362,6 +372,7 @@ class Engine:
                 if seg.resident:
                     self._leave(block, seg, ready, owner.page_leaving(block, seg, ready, seg.is_dirty()))
         block.fetch_event = None
+        self.room.not_idle(block)
         self.resident.pop(block, None)
         self._moved()
         block.stats.evictions += 1
@@ -492,6 +503,7 @@ class Engine:
         Its tensors must hold their own copies by now."""
         self.meter.resolve()
         for block in [b for b in self.resident if b.owner is owner]:
+            self.room.not_idle(block)
             for seg in block.segments.values():
                 if seg.resident and seg.flat.untyped_storage().resizable():  # (numpy may still share it)
                     self.transport.free(seg.flat)

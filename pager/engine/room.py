@@ -46,26 +46,66 @@ class Room:
     def __init__(self, engine):
         self.engine = engine
         self.requests: deque = deque(maxlen=SHARE_WINDOW)  # the owners of the last root forwards
+        # The blocks that may leave, kept up to date as blocks are pinned,
+        # unpinned, fetched and evicted ([Note: eviction order]).
+        self.idle_streamed: dict = {}  # idle, not in their owner's kept set (an ordered set)
+        self.idle_kept: dict = {}      # idle, in their owner's kept set
+        self._sorted_for: dict = {}    # owner -> the `kept_version` of its scheduler the sets were sorted by
+
+    # ---------------------------------------------------------- idle blocks
+    def became_idle(self, block) -> None:
+        """`block` is resident and no use pins it: it may leave from now on
+        (unless it is resident for life)."""
+        if block.resident_for_life or block in self.idle_streamed or block in self.idle_kept:
+            return
+        (self.idle_kept if block in block.owner.scheduler.kept else self.idle_streamed)[block] = None
+
+    def not_idle(self, block) -> None:
+        """`block` is pinned, has left, or stays for life: it may not leave now."""
+        if self.idle_streamed.pop(block, 0) is not None:
+            self.idle_kept.pop(block, None)
+
+    def _sort_by_kept(self) -> None:
+        """Sort the idle blocks again where an owner's kept set changed."""
+        owners = self.engine.owners
+        if all(self._sorted_for.get(o) == o.scheduler.kept_version for o in owners):
+            return
+        idle = {**self.idle_streamed, **self.idle_kept}
+        self.idle_streamed = {b: None for b in idle if b not in b.owner.scheduler.kept}
+        self.idle_kept = {b: None for b in idle if b in b.owner.scheduler.kept}
+        self._sorted_for = {o: o.scheduler.kept_version for o in owners}
 
     def idle_blocks(self, protect=()) -> list:
-        """The resident blocks that may leave now, oldest first, but those in
-        `protect`: not in use, not resident for life, their owner not running
-        asleep (asked once per owner, not per block: `make_room` runs at every
-        use that needs room)."""
-        blocked = [o for o in self.engine.owners if o.evictions_blocked()]
+        """The resident blocks that may leave now, but those in `protect`:
+        not in use, not resident for life, their owner not running asleep.
+        A scan (for the rare paths: out of memory, a new budget)."""
+        blocked = self._blocked_owners()
         return [b for b in self.engine.resident
-                if b.pins == 0 and not b.resident_for_life and b not in protect and b.owner not in blocked]
+                if (b in self.idle_streamed or b in self.idle_kept) and b not in protect and b.owner not in blocked]
+
+    def _blocked_owners(self) -> list:
+        """Owners none of whose blocks may leave now (a forward asleep):
+        asked once per owner, not per block."""
+        return [o for o in self.engine.owners if o.evictions_blocked()]
 
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less what owners'
         activations take ([Note: one budget] in training/activations.py), never less than
         the least that runs (the largest owner's `least_room`)."""
-        reserves = [r for r in (o.activation_reserve_bytes() for o in self.engine.owners) if r is not None]
-        reserves += [o.carried_bytes for o in self.engine.owners if o.carried_bytes]
-        reserves += [o.row_bytes for o in self.engine.owners if o.row_bytes]
+        owners = self.engine.owners
+        if len(owners) == 1:  # (asked at every use that needs room: no lists made)
+            owner = owners[0]
+            acts = owner.activation_reserve_bytes()
+            if acts is None and not owner.carried_bytes and not owner.row_bytes:
+                return self.usable_bytes()
+            reserved = (acts or 0) + owner.carried_bytes + owner.row_bytes
+            return max(self.usable_bytes() - reserved, owner.least_room)
+        reserves = [r for r in (o.activation_reserve_bytes() for o in owners) if r is not None]
+        reserves += [o.carried_bytes for o in owners if o.carried_bytes]
+        reserves += [o.row_bytes for o in owners if o.row_bytes]
         if not reserves:
             return self.usable_bytes()
-        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in self.engine.owners))
+        return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in owners))
 
     def usable_bytes(self) -> int:
         """The budget less the staging ring of compressed pages (if any), never
@@ -111,26 +151,31 @@ class Room:
     def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose
         next use is further than `within` uses away (by their owner's
-        schedule), and never kept ones."""
+        schedule), and never kept ones. Looks only at idle blocks, streamed
+        ones first: at a use in a repeating order, a few ([Note: eviction order])."""
         room = self.room_bytes()
         if self.engine.resident_bytes + nbytes <= room:
             return True
-        idle = self.idle_blocks(protect)
+        self._sort_by_kept()
+        blocked = self._blocked_owners()
         usable = self.usable_bytes()
         if room < usable and within is None:
             # Activations crowd the blocks: what is in use must still run
             # (over the room, within the budget; the owner warns) rather than fail.
-            room = min(usable, max(room, self.engine.resident_bytes - sum(b.device_bytes() for b in idle) + nbytes))
+            # (a scan of the idle blocks: only for a use that needs room now)
+            idle_bytes = sum(b.device_bytes() for g in (self.idle_streamed, self.idle_kept) for b in g
+                             if b not in protect and b.owner not in blocked)
+            in_use = self.engine.resident_bytes - idle_bytes
+            room = min(usable, max(room, in_use + nbytes))
             if self.engine.resident_bytes + nbytes <= room:
                 return True
         # Streamed blocks first, furthest next use first; kept ones only for a
         # use that needs the room now (never for a prefetch).
-        streamed = [b for b in idle if b not in b.owner.scheduler.kept]
-        kept = [] if within is not None else [b for b in idle if b in b.owner.scheduler.kept]
         several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
-        for group in (streamed, kept):
+        for group in (self.idle_streamed, self.idle_kept if within is None else ()):
             ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
-                             for b in group), key=lambda r: r[:3], reverse=True)
+                             for b in group if b not in protect and b.owner not in blocked),
+                            key=lambda r: r[:3], reverse=True)
             for _idle, distance, _tick, b in ranked:
                 if within is not None and distance <= within:
                     return False

@@ -49,9 +49,20 @@ class Scheduler:
         self.recording: list = []
         self.pos = 0
         self.expected: list = []
-        self.kept: set = set()
+        self._kept: frozenset = frozenset()
+        self.kept_version = 0  # counts changes of `kept` (the room sorts idle blocks by it: engine/room.py)
         self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
         self._positions_of = None       # the plan they index
+
+    @property
+    def kept(self) -> frozenset:
+        """The blocks that stay resident across steps ([Note: why next use, and a kept set])."""
+        return self._kept
+
+    @kept.setter
+    def kept(self, blocks) -> None:
+        self._kept = frozenset(blocks)
+        self.kept_version += 1
 
     def start_step(self) -> bool:
         """Make the last step's recording the plan. True if the order changed."""
@@ -97,6 +108,19 @@ class Scheduler:
                 self.pos = i + 1
                 break
         return False
+
+    def peek(self, distance: int):
+        """The predicted use `distance` acquisitions from now (0: the next), as
+        `upcoming()` lists them, or None past its end; no iterator made
+        (prefetch asks at every use)."""
+        expected = len(self.expected)
+        if distance < expected:
+            return self.expected[distance]
+        i = self.pos + distance - expected
+        n = len(self.plan)
+        if i >= n:
+            i -= n
+        return self.plan[i] if i < n else None
 
     def upcoming(self):
         """Predicted (block, kinds) uses from now on, nearest first (lazy)."""

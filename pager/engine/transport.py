@@ -111,7 +111,7 @@ class CpuTransport:
         """Compute time from `start` to `end` (`clock` points); None while unknown."""
         return end - start
 
-    def mark_h2d(self, decoded: bool = False):
+    def mark_h2d(self, decoded: bool = False, last_copy=None):
         return None
 
     def compute_waits(self, event) -> None:
@@ -306,10 +306,14 @@ class CudaTransport:
     def seconds_between(start, end):
         return start.elapsed_time(end) / 1e3 if end.query() else None
 
-    def mark_h2d(self, decoded: bool = False):
+    def mark_h2d(self, decoded: bool = False, last_copy=None):
         # Memory allocated on the h2d stream may have been freed by another
         # block whose write-back or last use the h2d stream waited for: compute
         # must wait on this mark before touching it, even when nothing was copied.
+        # The end of the fetch's last plain copy is such a mark: those waits
+        # were enqueued before the fetch, and nothing after the copy.
+        if last_copy is not None and not decoded:
+            return last_copy
         mark = self._record(self.h2d_stream, timing=True)
         if decoded:
             # The fetch decoded pages: it ends when the decode stream (after this mark) does.

@@ -24,34 +24,46 @@ def prefetch(pager) -> None:
     """Fetch the next uses of `pager`'s model that have room (see the Note)."""
     if not pager.prefetch_depth or pager.all_resident:
         return  # off, or nothing left to fetch
-    disk = pager.engine.host.disks.get(pager)
+    engine = pager.engine
+    disk = engine.host.disks.get(pager) if engine.host.disks else None
     if disk is not None:  # pages further ahead start coming from disk ([Note: the disk tier])
         disk.read_ahead(_upcoming(pager))
+    alone = len(engine.owners) == 1
+    uses = None if alone else islice(_upcoming(pager), PREFETCH_WINDOW)
+    peek = pager.scheduler.peek
     fetched = 0
-    for distance, (block, kinds) in enumerate(islice(_upcoming(pager), PREFETCH_WINDOW)):
-        if fetched >= pager.prefetch_depth:
+    for distance in range(PREFETCH_WINDOW):
+        # (alone, by index into the plan: no iterator made at every use)
+        use = peek(distance) if alone else next(uses, None)
+        if use is None:
             return
+        block, kinds = use
         if block.deferred_steps:
             kinds = STEP  # its pending update runs at this use
-        elif kinds is WEIGHTS and block.weights.resident and not block.deps:
+        elif kinds is WEIGHTS and not block.deps and block.weights.resident:
             continue  # the common case once the working set is resident
         if "grads" in kinds:
             block.owner.grad_pages.ensure_segment(block)
-        missing = block.missing_bytes(kinds) + sum(d.missing_bytes(WEIGHTS) for d in block.deps)
+        missing = block.missing_bytes(kinds)
+        for dep in block.deps:
+            missing += dep.missing_bytes(WEIGHTS)
         if not missing:
             continue
-        if disk is not None and not pager.engine.host.ready(block, kinds):
+        if disk is not None and not engine.host.ready(block, kinds):
             return  # its page is still being read: the thread that runs compute does not wait for the disk
-        if not pager.engine.room.make_room(missing, protect={block, *block.deps}, within=distance):
+        if not engine.room.make_room(missing, protect=(block, *block.deps) if block.deps else (block,),
+                                     within=distance):
             return
         for dep in block.deps:
             if dep.missing_bytes(WEIGHTS):
-                pager.engine.fetch(dep, WEIGHTS)
-        with _record_range(f"pager::prefetch[{block.name}]"):
-            pager.engine.fetch(block, kinds)
+                engine.fetch(dep, WEIGHTS)
+        with _record_range("prefetch", block.name):
+            engine.fetch(block, kinds)
         block.stats.prefetches += 1
         block.owner.counters.prefetches += 1
         fetched += 1
+        if fetched >= pager.prefetch_depth:
+            return
 
 
 def _upcoming(pager):

@@ -64,8 +64,15 @@ class Steps:
         shared = len(engine.owners) > 1
         fixed = self.pager.fixed_bytes() if shared else None
         room = engine.room.kept_room(self.pager, fixed)
-        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, room * 64 // max(self.pager.budget_bytes, 1),
-               self.pager.total_bytes)
+        step = room * 64 // max(self.pager.budget_bytes, 1)
+        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, step, self.pager.total_bytes)
+        if self.pager.carried_bytes:
+            # A KV cache grows at every token: the kept set is chosen for the
+            # least room of this step of 1/64, so that it (and the streaming
+            # window) still fits when the cache has grown up to the next step,
+            # where it is chosen again (else prefetches find no room and
+            # blocks are fetched on demand until then).
+            room = min(room, step * self.pager.budget_bytes // 64)
         if changed or key != self._kept_key:
             # Sharing: kept blocks last, so that a request's kept tail overlaps the next
             # request's fetches ([Note: sharing the room] in engine/room.py); inference alone: spread out

@@ -160,7 +160,7 @@ class Uses:
     def run_deferred(self, block: Block) -> None:
         """Apply the optimizer updates deferred to this use of `block` (resident,
         compute ordered after its fetch), oldest first."""
-        with _record_range(f"pager::deferred_step[{block.name}]"):
+        with _record_range("deferred_step", block.name):
             while block.deferred_steps:
                 d = block.deferred_steps[0]
                 d.link.apply(block, d)

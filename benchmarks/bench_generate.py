@@ -1,0 +1,310 @@
+"""Decode as a Hugging Face user runs it, and pager's host time per block use.
+
+1. `per-use`: a model of many small blocks (`Linear(64, 64)` layers) under a
+   budget of a quarter of them, on the GPU: a forward is bound by the host,
+   so (paged - bare) / uses is pager's host time per block use. At 16, 64
+   and 256 blocks: it must not grow with the number of blocks.
+2. `generate`: a 7B-shaped `LlamaForCausalLM` (hidden 4096, bf16, random
+   weights) saved with `save_pretrained` and loaded back with
+   `from_pretrained` on the CPU, wrapped under the budget; greedy
+   `generate()` with the KV cache, with and without `pad_token_id`, at each
+   batch, plain and with `compress="int4"`. Decode per token is the mean
+   interval between tokens after the first `--short`, on the host's clock
+   when generate checks its stopping criteria (it syncs there), as the
+   user's loop sees it. The floor is the bytes a token
+   moves at the link's pinned rate; link busy is the copy stream's measured
+   busy time over the decode time.
+
+    python -m benchmarks.bench_generate [--only per-use|generate] [--batches 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import tempfile
+import time
+
+import torch
+
+import pager
+from benchmarks.harness import GiB, Row, environment, free_cuda, interleaved_ms, pinned_h2d_gbps, save
+
+
+def write_profile(fn, times: int, name: str) -> None:
+    """cProfile of `fn()` run `times` times, its top 40 by own time, under $OUT."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(times):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    with open(os.path.join(os.environ.get("OUT") or ".", name), "w") as f:
+        f.write(text.getvalue())
+
+
+# ----------------------------------------------------------------- per use
+def per_use_rows(args) -> list:
+    rows = []
+    for n in map(int, args.blocks.split(",")):
+        torch.manual_seed(0)
+        bare = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)]).cuda()
+        paged = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)])
+        paged.load_state_dict(bare.state_dict())
+        block_bytes = sum(p.numel() * p.element_size() for p in paged[0].parameters())
+        pager.wrap(paged, budget=max(4, n // 4) * block_bytes * 2, device="cuda")
+        x = torch.randn(4, 64, device="cuda")
+
+        def run(m):
+            def fwd():
+                with torch.no_grad():
+                    m(x)
+            return fwd
+
+        (dev_p, host_p), (dev_b, host_b) = interleaved_ms([run(paged), run(bare)], reps=args.reps * 8)
+        with torch.no_grad():
+            same = torch.equal(paged(x), bare(x))
+        if args.profile and n == max(map(int, args.blocks.split(","))):
+            write_profile(run(paged), 10, f"profile_per_use_{n}.txt")
+        s = pager.of(paged).stats()
+        per_use_us = (max(dev_p, host_p) - max(dev_b, host_b)) * 1e3 / n
+        rows.append(Row(
+            f"forward of {n} Linear(64, 64) blocks, a quarter resident", "pager: host time per block use (us)",
+            per_use_us, None, None, "", f"paged {max(dev_p, host_p):.2f} ms, bare {max(dev_b, host_b):.2f} ms per "
+            f"forward; {s.misses} misses, {s.prefetches} prefetches; output equal to bare: {same}",
+            {"blocks": n, "paged_ms": max(dev_p, host_p), "bare_ms": max(dev_b, host_b)}))
+        print(rows[-1], flush=True)
+        pager.unwrap(paged)
+        del bare, paged
+        free_cuda()
+    return rows
+
+
+# ----------------------------------------------------------------- generate
+def llama_folder(args, folder: str):
+    """A random 7B-shaped Llama saved the way users get one: `save_pretrained`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=32,
+                         max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        gpu = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    gpu.save_pretrained(folder)
+    return gpu
+
+
+def load_cpu(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+def wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def decode(model, ids, pad: bool, short: int, new: int, reps: int):
+    """Decode ms per token: (mean, median, slowest) of the intervals between
+    tokens after the first `short` ones, over `reps` runs of `new` tokens
+    (after one unmeasured run); a function that runs generate for n tokens;
+    and the slowest tokens: (ms, rep, token, misses, MB fetched, GC ms)."""
+    import gc
+
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    try:
+        counters = pager.of(model).counters
+    except ValueError:  # (not wrapped: the model all on the GPU)
+        counters = None
+    gc_ms = [0.0]
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
+
+    class Stamps(StoppingCriteria):
+        """When each token is out (HF checks its stopping criteria at every
+        token, on the host, after a sync: the user's own clock)."""
+
+        def __init__(self):
+            self.marks = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            c = counters
+            self.marks.append((time.perf_counter(), c.misses if c else 0, c.h2d_bytes if c else 0, gc_ms[0]))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    kw = {"pad_token_id": 0} if pad else {}
+    mask = torch.ones_like(ids)
+
+    def gen(n, stamps=None):
+        criteria = StoppingCriteriaList([stamps]) if stamps is not None else None
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, stopping_criteria=criteria, **kw)
+
+    gen(2)()  # learn prefill's and decode's orders
+    gen(new)()  # and the steady state (the allocator's pools, the kept set as the cache grows)
+    intervals, tokens = [], []
+    gc.callbacks.append(on_gc)
+    try:
+        for rep in range(reps):
+            stamps = Stamps()
+            wall_ms(gen(new, stamps))
+            marks = stamps.marks[short:]
+            for i, (a, b) in enumerate(zip(marks, marks[1:])):
+                ms = (b[0] - a[0]) * 1e3
+                intervals.append(ms)
+                tokens.append((round(ms, 1), rep, short + i + 1, b[1] - a[1], round((b[2] - a[2]) / 1e6),
+                               round(b[3] - a[3], 1)))
+    finally:
+        gc.callbacks.remove(on_gc)
+    slowest = sorted(tokens, reverse=True)[:3]
+    return (statistics.mean(intervals), statistics.median(intervals), max(intervals)), gen, slowest
+
+
+def link_gaps(pg, top: int = 5) -> dict:
+    """From a trace of one decode step: the copy stream's busy share from the
+    step's first compute to its last, and its largest idle gaps (before
+    which block's fetch)."""
+    torch.cuda.synchronize()
+    steps = [s for s in pg.tracer.steps if s]
+    step = steps[-2] if len(steps) > 1 else steps[-1]  # a whole step (the last may be cut short)
+    base = step[0][2]
+    at = lambda e: base.elapsed_time(e)  # noqa: E731  (ms from the step's first span)
+    fetches = sorted((at(s), at(e), b) for k, b, s, e, _n in step if k == "fetch")
+    computes = [(at(s), at(e)) for k, _b, s, e, _n in step if k == "compute"]
+    if not fetches or not computes:
+        return {}
+    t0, t1 = min(c[0] for c in computes), max(c[1] for c in computes)
+    busy, gaps, end = 0.0, [], t0
+    for s, e, b in fetches:
+        if s > end:
+            gaps.append((s - end, b, end - t0))
+        busy += max(0.0, min(e, t1) - max(s, end, t0))
+        end = max(end, e)
+    if t1 > end:
+        gaps.append((t1 - end, "<end of step>", end - t0))
+    gaps.sort(reverse=True)
+    return {"step_ms": t1 - t0, "busy_ms": busy, "uses": len(computes), "fetches": len(fetches),
+            "gaps": [(round(g, 3), b, round(pos, 3)) for g, b, pos in gaps[:top]]}
+
+
+def generate_rows(args, bw) -> list:
+    try:
+        import transformers  # noqa: F401  (the benchmark's own dependency)
+    except ImportError:
+        return [Row("generate", "pager", None, note="skipped: transformers not installed")]
+    out_dir = os.environ.get("OUT") or "."
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        t = time.perf_counter()
+        gpu = llama_folder(args, folder)
+        print(f"saved in {time.perf_counter() - t:.0f} s", flush=True)
+        for codec in args.compress.split(","):
+            t = time.perf_counter()
+            model = load_cpu(folder)
+            pager.wrap(model, budget=args.budget, device="cuda", compress=None if codec == "none" else codec)
+            print(f"loaded and wrapped ({codec}) in {time.perf_counter() - t:.0f} s", flush=True)
+            for batch in map(int, args.batches.split(",")):
+                ids = torch.randint(3, 32000, (batch, args.prompt), device="cuda")
+                for pad in {"both": (True, False), "yes": (True,), "no": (False,)}[args.pad]:
+                    rows.append(one_generate(args, bw, model, gpu, ids, pad, codec, out_dir))
+            pager.unwrap(model)
+            del model
+            free_cuda()
+    del gpu
+    free_cuda()
+    return rows
+
+
+def one_generate(args, bw, model, gpu, ids, pad, codec, out_dir) -> Row:
+    pg = pager.of(model)
+    batch = ids.shape[0]
+    (ms, median_ms, slowest_ms), gen, slow_tokens = decode(model, ids, pad, args.short, args.new, args.reps)
+    pg.reset()
+    gen(args.short)()
+    short_bytes, short_copy = pg.stats().h2d_bytes, pg.stats().h2d_seconds
+    pg.reset()
+    out = gen(args.new)()
+    s = pg.stats()
+    tokens = args.new - args.short
+    per_token_bytes = (s.h2d_bytes - short_bytes) / tokens
+    copy_ms = (s.h2d_seconds - short_copy) / tokens * 1e3
+    floor = per_token_bytes / (bw * 1e9) * 1e3
+    (gpu_ms, _m, _s), _g, _t = decode(gpu, ids, pad, args.short, args.new, args.reps)
+    want = gpu.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                        min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    agree = float((out == want).float().mean())
+    gaps = {}
+    if args.trace:
+        pg.start_trace(steps=3)
+        gen(args.short)()
+        gaps = link_gaps(pg)
+        if args.trace_json:
+            pg.trace(os.path.join(out_dir, f"trace_b{batch}_{codec}_{'pad' if pad else 'nopad'}.json"))
+        pg.tracer.start(0)  # (off again)
+    if args.profile:
+        write_profile(gen(args.short), 1, f"profile_b{batch}_{codec}.txt")
+    wl = f"generate, 7B-shaped Llama {args.layers} layers, batch {batch}, prompt {args.prompt}"
+    method = (f"pager {args.budget}" + (f", {codec}" if codec != "none" else "")
+              + (", pad_token_id" if pad else ", no pad_token_id"))
+    row = Row(wl, method, ms, torch.cuda.max_memory_allocated() / GiB, ms / floor if floor else None,
+              "PCIe floor of its bytes per token",
+              f"{per_token_bytes / 1e9:.2f} GB/token, floor {floor:.1f} ms; tokens' median {median_ms:.1f} ms, "
+              f"slowest {slowest_ms:.1f} ms; link busy {copy_ms / ms:.0%} of decode; slowest tokens (ms, rep, "
+              f"token, misses, MB fetched, GC ms): {slow_tokens}; "
+              f"all on GPU {gpu_ms:.1f} ms/token; tokens equal to all on GPU's: {agree:.0%}"
+              + (f"; traced step {gaps['step_ms']:.1f} ms, copies busy {gaps['busy_ms']:.1f} ms, largest gaps "
+                 f"(ms, before, at ms): {gaps['gaps']}" if gaps else ""),
+              {"median_ms": median_ms, "slowest_ms": slowest_ms, "slow_tokens": slow_tokens, "bytes_per_token": per_token_bytes, "floor_ms": floor, "copy_ms": copy_ms, "gpu_ms": gpu_ms,
+               "agree": agree, "gaps": gaps, "batch": batch, "pad": pad, "codec": codec})
+    print(row, flush=True)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="per-use or generate")
+    ap.add_argument("--blocks", default="16,64,256")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--budget", default="2GiB")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--pad", default="both", choices=("both", "yes", "no"))
+    ap.add_argument("--compress", default="none,int4")
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--trace", action="store_true", help="trace a decode step: the copy stream's idle gaps")
+    ap.add_argument("--trace-json", action="store_true", help="and write it under $OUT (Perfetto)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of a short generate, under $OUT")
+    args = ap.parse_args(argv)
+    env = environment()
+    bw = pinned_h2d_gbps()
+    env["pinned_h2d_GBps"] = round(bw, 1)
+    print(f"{env}", flush=True)
+    rows = []
+    if args.only in ("", "per-use"):
+        rows += per_use_rows(args)
+    if args.only in ("", "generate"):
+        rows += generate_rows(args, bw)
+    save(rows, "bench_generate", env)
+
+
+if __name__ == "__main__":
+    main()
