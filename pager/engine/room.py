@@ -157,6 +157,8 @@ class Room:
         if self.engine.resident_bytes + nbytes <= room:
             return True
         self._sort_by_kept()
+        if within is not None and not self.idle_streamed:
+            return False  # (a prefetch takes no kept block: nothing may go)
         blocked = self._blocked_owners()
         usable = self.usable_bytes()
         if room < usable and within is None:
