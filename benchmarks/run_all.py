@@ -1,10 +1,11 @@
 """Every benchmark: forward (with the compute-bound case), the budget sweep
-and its plot, training (decoder vs peers, NAS supernet), and what
-transparency costs (clip, GradScaler, on-demand access). Results land in $OUT
+and its plot, training (decoder vs peers, NAS supernet), what
+transparency costs (clip, GradScaler, on-demand access), and Hugging Face
+decode with the host time per block use. Results land in $OUT
 (or .). All of it takes longer than one 10-minute device call: split it.
 
-    python -m benchmarks.run_all --skip transparency   # ~9 min
-    python -m benchmarks.run_all --skip forward,sweep,train
+    python -m benchmarks.run_all --skip transparency,generate   # ~9 min
+    python -m benchmarks.run_all --skip forward,sweep,train          # ~5 min
 
 Peers that are not installed are skipped and say so. To install the wheels
 fetched by ../shared/tools/peer-wheels.sh into .peers/:
@@ -24,9 +25,10 @@ STEPS = {
     "sweep": ["-m", "benchmarks.bench_sweep"],
     "train": ["-m", "benchmarks.bench_train"],
     "transparency": ["-m", "benchmarks.bench_transparency"],
+    "generate": ["-m", "benchmarks.bench_generate", "--batches", "1,8", "--compress", "none", "--reps", "2"],
 }
-# seconds (measured ~75, ~110, ~260, ~100)
-LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170}
+# seconds (measured ~75, ~110, ~260, ~100, ~200)
+LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170, "generate": 300}
 
 
 def main():

@@ -26,6 +26,16 @@ group, a block whose next use by its owner's schedule is furthest goes
 first (Belady's choice, where the order is known), then the one used least
 recently; with several models, blocks of a model with no forward in flight
 go before those of one running.
+
+The two groups are kept as blocks change (`became_idle` when the last pin
+goes or a prefetch lands, `not_idle` when pinned or gone), not found by a
+scan of the resident blocks at each call: `make_room` runs at every use
+that needs room, and with a known order the idle streamed blocks are the
+few the streaming window just released, whatever the model's size (a scan
+made the host time of a use grow with the number of blocks: 77 us at 256
+blocks on the CPU device, 42 us at 16). The kept group is only ranked for a
+use that needs room now. A change of an owner's kept set (its
+`kept_version`) sorts the idle blocks again, once.
 """
 
 from __future__ import annotations
