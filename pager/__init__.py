@@ -9,6 +9,7 @@ then model, then api (docs/architecture.md).
 
 from .api.load import load, save
 from .api.plan import Plan, plan
+from .api.pretrained import from_pretrained
 from .api.wrap import of, unwrap, wrap
 from .base.budget import format_bytes, parse_budget
 from .base.common import BudgetError
@@ -20,6 +21,6 @@ from .training.optim import install_global_hook as _install_global_hook
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "load", "save", "CheckpointError", "plan", "Plan", "Pager", "Pool", "Stats",
+__all__ = ["wrap", "unwrap", "of", "load", "save", "from_pretrained", "CheckpointError", "plan", "Plan", "Pager", "Pool", "Stats",
            "PoolStats", "BlockStats", "BudgetError", "parse_budget", "format_bytes"]
 __version__ = "0.1.0"

@@ -1,3 +1,4 @@
 """Layer 5, the user's verbs: `wrap`, `unwrap`, `of` (`wrap`), `load` and
-`save` (`load`), `plan` (`plan`, with `fake` for activations measured
+`save` (`load`), `from_pretrained` (`pretrained`: a Hugging Face folder),
+`plan` (`plan`, with `fake` for activations measured
 without running)."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..model import discover
+from .buffers import recreate_meta_buffers, undo_buffers
 from ..base import guards
 from ..base.budget import parse_budget
 from ..engine.disk import DiskTier, Piece, check_host_budget
@@ -26,7 +27,9 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     its tensors take their values from `checkpoint` when they are first used
     ([Note: reading checkpoints in place] in base/files.py). Tensors that are not
     on the meta device and not in the checkpoint (buffers the model computes,
-    such as rotary frequencies) keep their values. Names that do not match,
+    such as rotary frequencies) keep their values; such buffers left on the
+    meta device are computed again by building their module on the CPU from
+    its `config` ([Note: buffers a checkpoint does not hold] in api/buffers.py). Names that do not match,
     missing or unexpected tensors, and dtype or shape mismatches are refused
     before anything changes, naming the tensors; tied weights stay tied (the
     checkpoint may hold either name).
@@ -67,8 +70,13 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
                          "wrap a materialized model to compress its pages.")
     spill = _spill_folder(spill)
     entries = open_checkpoint(checkpoint)
-    sources = _match(model, entries)
-    capacity = _host_capacity(host_budget, model, options.get("blocks"))
+    made = recreate_meta_buffers(model)  # ([Note: buffers a checkpoint does not hold] in api/buffers.py)
+    try:
+        sources = _match(model, entries)
+        capacity = _host_capacity(host_budget, model, options.get("blocks"))
+    except BaseException:
+        undo_buffers(made)
+        raise
     placed = _materialize_meta(model)
     try:
         def setup(pager):  # (before its blocks are built)
@@ -81,6 +89,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     except BaseException:
         for t, meta in placed:  # nothing of the model is left half-changed
             torch.utils.swap_tensors(t, meta)
+        undo_buffers(made)
         raise
     from .wrap import of
 
@@ -152,10 +161,6 @@ def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tens
         out.append((t, _piece(e)))
     known = {n for names in groups.values() for n in names}
     extra = [n for n in entries if n not in known]
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_meta and id(t) not in groups:
-            missing.append(f"{_name_of(model, t)} (a non-persistent buffer on the meta device: create it on the "
-                           f"CPU, e.g. build under torch.device('meta') only the parameters)")
     problems = []
     for what, items in (("missing from the checkpoint", missing), ("in the checkpoint but not in the model", extra),
                         ("of another dtype or shape", wrong)):

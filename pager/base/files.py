@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 INDEX_NAME = "model.safetensors.index.json"
+TORCH_NAME = "pytorch_model.bin"  # what save_pretrained writes without safetensors
 HEADER_LIMIT_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 DTYPES = {
@@ -65,14 +66,16 @@ class Entry:
 
 def open_checkpoint(path) -> dict[str, Entry]:
     """The tensors of the checkpoint at `path`: a safetensors file, a folder
-    holding one (or a sharded set with its index json), the index json itself,
-    or a `torch.save` file of a state dict."""
+    holding one (or a sharded set with its index json, or a `pytorch_model.bin`),
+    the index json itself, or a `torch.save` file of a state dict."""
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_NAME)
         if os.path.exists(index):
             return _sharded(index)
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files and os.path.isfile(os.path.join(path, TORCH_NAME)):
+            return _torch_file(os.path.join(path, TORCH_NAME))  # (save_pretrained(safe_serialization=False))
         if len(files) != 1:
             raise FileNotFoundError(
                 f"pager: {path!r} holds {len(files)} .safetensors files and no {INDEX_NAME}; give the path of "

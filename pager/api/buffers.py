@@ -1,0 +1,82 @@
+"""Non-persistent buffers of a model built on the meta device, made again on
+the CPU for `pager.load`.
+
+[Note: buffers a checkpoint does not hold]
+A model built under `torch.device("meta")` (transformers' `from_config`,
+the way its users build one without memory) has every tensor on meta. A
+checkpoint gives the parameters and persistent buffers their values, but
+not the non-persistent buffers a module computes when it is built (the
+rotary embedding's `inv_freq` and `original_inv_freq`). They are made again
+by building the module that owns them once more, on the CPU, from the
+configuration it keeps (`module.config`, as Hugging Face modules do), and
+taking that copy's buffers of the same names, shapes and dtypes. A module
+that cannot be built again that way is named in the error, with what to do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def recreate_meta_buffers(model: nn.Module) -> list:
+    """Give each non-persistent buffer of `model` that is on the meta
+    device its value, computed by the module that owns it (see the Note).
+    Returns (module, name, meta buffer) triples to undo it; raises, naming
+    every buffer that cannot be made, before anything changes."""
+    owners = [(prefix, m) for prefix, m in model.named_modules()
+              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set
+                     for n, b in m._buffers.items())]
+    # Built under the default dtype the model was (its parameters'): a
+    # buffer computed without an explicit dtype then comes out the same.
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    made, refused = [], []
+    for prefix, module in owners:
+        fresh, why = _build_again(module, dtype)
+        for name, buf in module._buffers.items():
+            if buf is None or not buf.is_meta or name not in module._non_persistent_buffers_set:
+                continue
+            value = getattr(fresh, "_buffers", {}).get(name) if fresh is not None else None
+            full = f"{prefix}.{name}" if prefix else name
+            if value is None or value.is_meta or value.shape != buf.shape or value.dtype != buf.dtype:
+                refused.append(f"{full} ({type(module).__name__}: {why or 'its copy has no such buffer'})")
+            else:
+                made.append((module, name, buf, value))
+    if refused:
+        raise ValueError(
+            "pager: non-persistent buffers of the model are on the meta device and not in any checkpoint, and "
+            f"pager could not compute them again by building their module on the CPU: {', '.join(refused)}. "
+            "After building the model on meta, build those modules again on the CPU (e.g. "
+            "`model.model.rotary_emb = type(model.model.rotary_emb)(config)`), then call pager.load.")
+    undo = []
+    for module, name, buf, value in made:
+        module._buffers[name] = value
+        undo.append((module, name, buf))
+    return undo
+
+
+def undo_buffers(undo: list) -> None:
+    """Put back the meta buffers `recreate_meta_buffers` replaced."""
+    for module, name, buf in undo:
+        module._buffers[name] = buf
+
+
+def _build_again(module: nn.Module, dtype: torch.dtype):
+    """A copy of `module` built on the CPU from its `config` under the
+    default `dtype`, or (None, why not)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None, "it keeps no `config` to build it again from"
+    errors = []
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cpu"):
+            for args, kwargs in (((config,), {}), ((), {"config": config})):
+                try:
+                    return type(module)(*args, **kwargs), None
+                except Exception as e:  # (a constructor that wants other arguments)
+                    errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        torch.set_default_dtype(before)
+    return None, f"building it again from its config failed ({errors[0]})"

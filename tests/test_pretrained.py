@@ -1,0 +1,131 @@
+"""Hugging Face checkpoint folders, as their users have them: saved with
+`save_pretrained` (sharded or not), built on the meta device and paged
+from the files by `pager.from_pretrained` or `pager.load` in one call."""
+
+import pytest
+import torch
+
+import pager
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(**kw):
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, **kw)
+
+
+def _mistral():  # grouped KV heads
+    return transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _gpt2():  # tied embeddings, Conv1D
+    return transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64)
+
+
+CONFIGS = {"llama": _llama, "mistral": _mistral, "gpt2": _gpt2,
+           "llama-tied": lambda: _llama(tie_word_embeddings=True)}
+
+
+def _saved(tmp_path, kind: str, shard: str | None = "40KB", safe: bool = True):
+    """A random model of `kind`, saved; returns the folder."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    folder = tmp_path / kind
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, safe_serialization=safe, **kw)
+    return folder
+
+
+def _budget(model) -> int:
+    """Room for the remainder and two of the four layers."""
+    layers = model.model.layers if hasattr(model, "model") else model.transformer.h
+    layer = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - 2 * layer + 4096
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_folder_loads_in_one_call_and_generates_bit_for_bit(tmp_path, kind):
+    folder = _saved(tmp_path, kind)
+    if kind != "gpt2":
+        assert (folder / "model.safetensors.index.json").exists()  # sharded
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    assert not model.training and type(model) is type(ref)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    s = pager.of(model).stats()
+    assert s.evictions > 0  # paged, not all resident
+    if kind in ("gpt2", "llama-tied"):
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_load_recreates_rotary_buffers_of_a_model_built_on_meta(tmp_path):
+    """`from_config` under torch.device("meta") leaves the rotary
+    embedding's non-persistent buffers on meta; load computes them again
+    by building that module on the CPU, equal to transformers' own."""
+    folder = _saved(tmp_path, "llama", shard=None)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_llama())
+    assert model.model.rotary_emb.inv_freq.is_meta
+    pager.load(model.eval(), folder, budget=_budget(ref), device="cpu")
+    for name in ("inv_freq", "original_inv_freq"):
+        assert torch.equal(getattr(model.model.rotary_emb, name), getattr(ref.model.rotary_emb, name))
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+class _Computed(torch.nn.Module):
+    """A module whose non-persistent buffer is computed and which keeps no
+    config to build it again from."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+        self.register_buffer("scale", torch.arange(n, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_buffer_that_cannot_be_made_again_is_refused_naming_it_before_anything_changes(tmp_path):
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(_Computed(8), _Computed(8))
+    path = tmp_path / "w.pt"
+    torch.save(src.state_dict(), path)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_Computed(8), _Computed(8))
+    with pytest.raises(ValueError, match=r"0\.scale \(_Computed: it keeps no `config`.*build those modules again"):
+        pager.load(model, path, budget="1MiB", device="cpu")
+    assert model[0].scale.is_meta and model[0].lin.weight.is_meta  # untouched
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(model)
+
+
+def test_a_folder_with_a_torch_save_file_and_another_dtype(tmp_path):
+    """A folder with `pytorch_model.bin` (older transformers' format, a
+    `torch.save` state dict) loads too; a bf16 checkpoint builds a bf16
+    model (the files' dtype)."""
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_llama()).to(torch.bfloat16).eval()
+    folder = tmp_path / "bin"
+    ref.config.save_pretrained(folder)
+    torch.save(ref.state_dict(), folder / "pytorch_model.bin")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        pager.from_pretrained(tmp_path, budget="1MiB", device="cpu")
