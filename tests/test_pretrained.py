@@ -129,3 +129,27 @@ def test_a_folder_with_a_torch_save_file_and_another_dtype(tmp_path):
 def test_a_folder_that_is_not_a_checkpoint_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         pager.from_pretrained(tmp_path, budget="1MiB", device="cpu")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_large_embeddings_and_head_become_blocks_when_loaded_unasked(tmp_path, tied):
+    """A vocabulary whose embedding and head (2 MiB each) do not fit the
+    budget beside a layer: loaded from files (not by rows: those are built
+    from values in memory), they become blocks of their own; generate()
+    equals transformers' own."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      tie_word_embeddings=tied)
+    src = transformers.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path / "big-vocab"
+    src.save_pretrained(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    table = 8192 * 64 * 4
+    # (tied: one 2 MiB table, which with a layer of 164 KiB beside it does not fit)
+    model = pager.from_pretrained(folder, budget=table + (100_000 if tied else 200_000), device="cpu")
+    names = pager.of(model).block_names()
+    assert "model.embed_tokens" in names and "lm_head" in names
+    ids = torch.randint(0, 8192, (2, 6))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))

@@ -692,3 +692,45 @@ def test_pagers_own_threads_leave_the_shared_mode_off():
         finally:
             stop.set()
             user.join()
+
+
+class BigTable(nn.Module):
+    """A recommender whose table (1.5 MB) is far larger than its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(24_000, DIM, sparse=True)
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(4)])
+
+    def forward(self, ids):
+        x = self.emb(ids).sum(1)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).sum()
+
+
+def test_a_table_six_times_the_budget_is_paged_by_rows_unasked_and_trains_bit_for_bit(caplog):
+    torch.manual_seed(0)
+    ref = BigTable()
+    model = copy.deepcopy(ref)
+    table = 24_000 * DIM * 4
+    with caplog.at_level("INFO", logger="pager"):
+        pager.wrap(model, budget=table // 6, device="cpu")  # no rows=, no blocks=
+    assert type(model.emb.weight) is RowTableParameter
+    assert any("paged by rows" in r.getMessage() and "'emb'" in r.getMessage() for r in caplog.records)
+    opts = [[torch.optim.SparseAdam(list(m.emb.parameters()), lr=0.01),
+             torch.optim.SGD(m.layers.parameters(), lr=0.05)] for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 24_000, (8, 5), generator=g)
+        for m, os_ in zip((ref, model), opts):
+            m(ids).backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    assert_same(ref, model)
+    assert pager.of(model).stats().row_misses > 0
+    # Asked to keep it whole (rows=[]), the same budget is refused, naming the options.
+    other = BigTable()
+    with pytest.raises(ValueError, match=r"rows=\['emb'\].*raise the budget|raise the budget.*rows=\['emb'\]"):
+        pager.wrap(other, budget=table // 6, device="cpu", rows=[])

@@ -19,6 +19,7 @@ from ..engine.engine import Engine
 from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
+from .fit import fit_remainder, too_large_message
 
 log = logging.getLogger("pager")
 
@@ -172,14 +173,18 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     _check_sharing(share_host_pages, group, compress, setup)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
-    sizing = discover.size_up(model, blocks, [m for _n, m in tables])
+    spec = blocks
+    if blocks is None and rows is None and group is None and engine is None:
+        # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
+        tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None)
+    sizing = discover.size_up(model, spec, [m for _n, m in tables])
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
             f"and largest block), but the shared {engine!r} has {format_bytes(engine.fixed_bytes())} of its "
             f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
         )
-    _check_fits(budget, budget_bytes, sizing)
+    _check_fits(budget, budget_bytes, sizing, model)
     cache_bytes = _row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
@@ -389,22 +394,6 @@ def _warn_if_staging_crowds(pager) -> None:
             format_bytes(pager.min_budget_bytes + staging))
 
 
-def _check_fits(budget, budget_bytes, sizing) -> None:
-    named, sizes, remainder = sizing.named, sizing.sizes, sizing.remainder
-    if remainder > budget_bytes:
-        raise ValueError(
-            f"pager: the tensors outside every block (the remainder: embeddings, heads, norms; "
-            f"{format_bytes(remainder)}) exceed budget={budget!r} ({format_bytes(budget_bytes)}); raise the "
-            f"budget or make those modules blocks (blocks=[...] or a predicate)."
-        )
-    if not named:
-        return
-    i = max(range(len(named)), key=lambda k: sizes[k])
-    if remainder + sizes[i] > budget_bytes:
-        raise ValueError(
-            f"pager: block {named[i][0]!r} ({format_bytes(sizes[i])}) does not fit budget={budget!r} "
-            f"({format_bytes(budget_bytes)}) beside the resident remainder ({format_bytes(remainder)}); "
-            f"give a budget of at least {format_bytes(remainder + sizes[i])} (better twice the largest "
-            f"block, so the next one can be fetched while one computes), or split the block "
-            f"(blocks= with smaller modules)."
-        )
+def _check_fits(budget, budget_bytes, sizing, model) -> None:
+    if sizing.min_budget > budget_bytes:
+        raise ValueError(too_large_message(budget, budget_bytes, sizing, model))

@@ -198,8 +198,12 @@ class Sizing:
 
     @property
     def min_budget(self) -> int:
-        """The least budget that runs: the remainder and the largest block."""
-        return self.remainder + max(self.sizes, default=0)
+        """The least budget that runs: the remainder (and the blocks it
+        borrows tied tensors from, which stay with it for life) and the
+        largest other block."""
+        held = {j for j in self.uses.get(None, ()) if j is not None}
+        fixed = self.remainder + sum(self.own[j] for j in held)
+        return fixed + max((s for i, s in enumerate(self.sizes) if i not in held), default=0)
 
     @property
     def total(self) -> int:

@@ -622,15 +622,23 @@ def _is_table(m: nn.Module) -> bool:
 
 
 def _check_table(model: nn.Module, name: str, m: nn.Module) -> None:
+    problem = row_table_problem(model, m)
+    if problem is not None:
+        raise ValueError(f"pager: rows= names {name!r}, {problem}.")
+
+
+def row_table_problem(model: nn.Module, m: nn.Module) -> str | None:
+    """Why `m` cannot be paged by rows (None: it can)."""
     if not _is_table(m):
-        raise ValueError(f"pager: rows= names {name!r}, a {type(m).__name__}; row paging takes nn.Embedding and "
-                         f"nn.EmbeddingBag modules whose forward is torch's own.")
+        return (f"a {type(m).__name__}; row paging takes nn.Embedding and nn.EmbeddingBag modules whose forward "
+                f"is torch's own")
     w = m.weight
     if w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"pager: row table {name!r} has a weight of shape {tuple(w.shape)} that is not a contiguous "
-                         f"matrix; make it one (weight.data = weight.data.contiguous()).")
+        return (f"whose weight of shape {tuple(w.shape)} is not a contiguous matrix; make it one "
+                f"(weight.data = weight.data.contiguous())")
     holders = [n for n, other in model.named_modules() if other is not m
                and any(t is w for t in other._parameters.values())]
     if holders:
-        raise ValueError(f"pager: row table {name!r} shares its weight with {holders[0]!r} (tied weights); a row "
-                         f"table is read by lookups only. Leave it out of rows=.")
+        return (f"which shares its weight with {holders[0]!r} (tied weights); a row table is read by lookups "
+                f"only. Leave it out of rows=")
+    return None
