@@ -153,3 +153,78 @@ def test_large_embeddings_and_head_become_blocks_when_loaded_unasked(tmp_path, t
     ids = torch.randint(0, 8192, (2, 6))
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_load_pages_tables_by_rows_from_the_files_when_asked(tmp_path):
+    """`pager.load(..., rows=[...])`: the table is read whole into host
+    memory (its host table), the rest paged from the files; training the
+    loaded model equals training the model loaded by transformers."""
+    from test_rows import assert_same
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    src = transformers.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path / "rows"
+    src.save_pretrained(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    pager.load(model, folder, budget="4MiB", device="cpu", rows=["model.embed_tokens"])
+    assert type(model.model.embed_tokens.weight).__name__ == "RowTableParameter"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for i in range(3):
+        ids = torch.randint(0, 4096, (2, 8), generator=torch.Generator().manual_seed(i))
+        for m, o in zip((ref, model), opts):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert_same(ref, model)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
+    """Issue 40's case: a budget that runs inference (the remainder and three
+    layers) is not one that trains; `plan(..., optimizer=)` gives the least
+    budget that trains, and training under it equals the unwrapped model's."""
+    from helpers import assert_models_equal
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    ref = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(ref.state_dict())
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)}[opt_name]
+    ro, opt = make(ref.parameters()), make(model.parameters())
+    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
+    short = pager.plan(model, int(0.9 * least), device="cpu", optimizer=opt)
+    assert short.runs and not short.trains and "WILL NOT TRAIN" in str(short)
+    pager.wrap(model, budget=least, device="cpu", optimizer=opt)
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
+        for m, o in ((ref, ro), (model, opt)):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert_models_equal(model, ref)
+    assert pager.of(model).stats().evictions > 0
+
+
+def test_tqdms_monitor_thread_is_not_a_user_of_the_tensors():
+    """Progress bars (transformers' save and load show them) leave tqdm's
+    monitor thread running: it never reads a tensor, so a model stays out of
+    the shared mode."""
+    tqdm = pytest.importorskip("tqdm")
+    from tqdm._monitor import TMonitor
+
+    monitor = TMonitor(tqdm.tqdm, 10)  # (what tqdm starts with its first bar)
+    try:
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        pager.wrap(model, budget=2 * 8 * 9 * 4 + 2048, device="cpu")
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        assert not pager.of(model).shared_mode
+    finally:
+        monitor.exit()

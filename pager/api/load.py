@@ -12,9 +12,10 @@ import torch.nn as nn
 from ..model import discover
 from .buffers import recreate_meta_buffers, undo_buffers
 from ..base import guards
-from ..base.budget import parse_budget
+from ..base.budget import parse_budget, resolve_device
 from ..engine.disk import DiskTier, Piece, check_host_budget
-from ..base.files import NAMES, Entry, header_for, open_checkpoint, replace_atomically
+from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, replace_atomically
+from ..rows.table import choose as choose_row_tables
 
 MAX_NAMED = 8  # tensors named in one error message
 
@@ -51,7 +52,9 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
             Needed for training under `host_budget`; the files are removed
             at `unwrap`.
         **options: the other options of `pager.wrap` (blocks, prefetch,
-            optimizer, activations, ...); not `compress`.
+            optimizer, activations, rows, ...); not `compress`. Tables
+            that `rows=` names are read whole into host memory (their host
+            tables), the rest paged from the files.
 
     Example:
         >>> with torch.device("meta"):
@@ -62,9 +65,6 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     """
     from .wrap import _wrap
 
-    if options.get("rows"):
-        raise ValueError("pager: load does not take rows= (a row table's host table is built from its values); "
-                         "wrap a materialized model to page tables by rows.")
     if options.get("compress"):
         raise ValueError("pager: load does not take compress= (pages are read from the checkpoint as they are); "
                          "wrap a materialized model to compress its pages.")
@@ -74,9 +74,12 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     try:
         sources = _match(model, entries)
         capacity = _host_capacity(host_budget, model, options.get("blocks"))
+        read = _read_row_tables(model, options, budget, sources)
     except BaseException:
         undo_buffers(made)
         raise
+    sources = [(t, p) for t, p in sources if id(t) not in {id(w) for w, _meta in read}]
+    made_tables = read
     placed = _materialize_meta(model)
     try:
         def setup(pager):  # (before its blocks are built)
@@ -87,7 +90,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
 
         model = _wrap(model, budget, setup=setup, **options)
     except BaseException:
-        for t, meta in placed:  # nothing of the model is left half-changed
+        for t, meta in placed + made_tables:  # nothing of the model is left half-changed
             torch.utils.swap_tensors(t, meta)
         undo_buffers(made)
         raise
@@ -98,6 +101,36 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     if disk.capacity_bytes is None:  # every page comes in, in the order of use
         disk.read_all(pager.blocks)
     return model
+
+
+def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> list:
+    """The weights of the tables `rows=` names, read whole from the
+    checkpoint into host memory (a row table's host table is its value:
+    [Note: row tables] in rows/table.py), as (weight, its meta twin) pairs;
+    the rest of the model stays on meta."""
+    rows = options.get("rows")
+    if not rows:
+        return []
+    device = resolve_device(options.get("device"))
+    tables = choose_row_tables(model, rows, parse_budget(budget, device))
+    piece_of = {id(t): p for t, p in sources}
+    read = []
+    try:
+        for _name, module in tables:
+            w = module.weight
+            if not w.is_meta:
+                continue
+            piece = piece_of[id(w)]
+            entry = Entry(piece.name, w.dtype, tuple(w.shape), piece.path, piece.file_offset, piece.nbytes,
+                          piece.tensor)
+            value = nn.Parameter(read_entry(entry), requires_grad=w.requires_grad)
+            torch.utils.swap_tensors(w, value)
+            read.append((w, value))  # (value now holds the meta tensor)
+    except BaseException:
+        for w, meta in read:
+            torch.utils.swap_tensors(w, meta)
+        raise
+    return read
 
 
 def _spill_folder(spill):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model import discover
+from ..base.block import ALIGN_BYTES
 from ..base.budget import format_bytes, parse_budget
 from .fake import SavedBytes, measure_saved
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
@@ -21,8 +22,9 @@ class Plan:
 
     Bytes per forward and per training step are for the steady state of a
     model run in the same order every step (the first forward moves every
-    block once). Training figures assume every parameter trains and an
-    optimizer keeping `state_factor` x the weights (Adam: 2).
+    block once). Training figures count the parameters that require grad,
+    their gradients and the optimizer state it keeps on the device (from
+    `optimizer`, else `state_factor` x the weights).
     """
 
     device: str
@@ -35,6 +37,7 @@ class Plan:
     train_kept: list[str]
     train_h2d_bytes: int
     train_d2h_bytes: int
+    train_min_budget_bytes: int  # the least budget that trains (activations aside: `train_budgets`)
     link_gbps: float
     link_measured: bool
     notes: list[str] = field(default_factory=list)
@@ -43,6 +46,7 @@ class Plan:
     # activations together, hold on the device in a training step.
     saved: SavedBytes | None = None
     training_peaks: dict = field(default_factory=dict)  # policy -> (activation bytes, blocks + activations)
+    train_budgets: dict = field(default_factory=dict)  # policy -> the least budget that trains with it
     # With `host_budget` (`pager.load`'s disk tier): what host memory keeps,
     # and what a forward reads from disk ([Note: a kept set in host memory]).
     host_budget_bytes: int | None = None
@@ -57,6 +61,15 @@ class Plan:
     @property
     def runs(self) -> bool:
         return self.budget_bytes >= self.min_budget_bytes
+
+    @property
+    def trains(self) -> bool:
+        """The budget holds a training step: the remainder and the largest
+        block with their gradients and optimizer state (and, where the plan
+        measured them, activations under some `activations=` policy)."""
+        if self.train_budgets:
+            return any(self.budget_bytes >= b for b in self.train_budgets.values())
+        return self.budget_bytes >= self.train_min_budget_bytes
 
     @property
     def forward_floor_seconds(self) -> float:
@@ -74,8 +87,13 @@ class Plan:
             f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
             f"that runs {format_bytes(self.min_budget_bytes)}",
         ]
+        out.append(f"  least budget that trains {format_bytes(self.train_min_budget_bytes)} (the remainder and the "
+                   f"largest block with their gradients and optimizer state)")
         if not self.runs:
             out.append(f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} (the remainder and the largest block)")
+        elif not self.trains:
+            out.append(f"  WILL NOT TRAIN: the budget is below {format_bytes(min(self.train_budgets.values(), default=self.train_min_budget_bytes))}"
+                       f" (inference runs)")
         elif self.fits_all:
             out.append("  everything fits: no paging needed; after the first forward nothing moves")
         out.append(f"  {'block':<40} {'size':>11}  inference")
@@ -100,8 +118,10 @@ class Plan:
             for policy, (acts, together) in self.training_peaks.items():
                 over = "" if together <= self.budget_bytes else f", {format_bytes(together - self.budget_bytes)} over"
                 bound = " (the budget bounds blocks only)" if policy == "keep" else ""
+                least = self.train_budgets.get(policy)
+                trains = f"; trains from a budget of {format_bytes(least)}" if least is not None else ""
                 out.append(f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
-                           f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}")
+                           f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}{trains}")
             out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
         if self.host_budget_bytes is not None:
             floor = (f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
@@ -114,14 +134,17 @@ class Plan:
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
          link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
-         disk_gbps: float | None = None) -> Plan:
+         disk_gbps: float | None = None, optimizer=None) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
         model: the model (not wrapped; nothing is changed).
         budget, device, blocks, defer_step: as for `pager.wrap`.
         state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
-            momentum 1) for the training estimate.
+            momentum 1) for the training figures, without `optimizer`.
+        optimizer: the optimizer that will train the model (built on its
+            parameters): the state it keeps per parameter on the device is
+            counted (`plan.train_min_budget_bytes`, `plan.trains`).
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
         inputs: a batch as the model's forward takes it (a tensor, a tuple of
             positional arguments or a dict of keyword arguments; values do
@@ -147,20 +170,26 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         sizing, parts = discover.split_large(model, sizing, budget_bytes)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
+    state_of = _state_bytes(optimizer, device, state_factor)
+
     def trainable(i):
         return sum(discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
+
+    def state(i):
+        return sum(state_of(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
 
     names = [n for n, _m in sizing.named]
     kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
     forward = sum(n for name, n in zip(names, own) if name not in kept)
     grads = [trainable(i) for i in range(len(names))]
-    step_sizes = [w + (1 + state_factor) * g for w, g in zip(own, grads)]
-    fixed = remainder + (1 + state_factor) * trainable(None)
+    states = [state(i) for i in range(len(names))]
+    step_sizes = [w + g + s for w, g, s in zip(own, grads, states)]
+    fixed = remainder + trainable(None) + state(None)
     train_kept = _kept(names, step_sizes, budget_bytes, fixed)
+    least = _least_training_room(sizing, step_sizes, fixed)
     h2d = d2h = 0
-    for name, w, g in zip(names, own, grads):
+    for name, w, g, s in zip(names, own, grads, states):
         if name not in train_kept:
-            s = state_factor * g
             if defer_step:  # the forward brings all in for the last step's update, the backward the weights
                 h2d += (w + g + s) + w
             else:  # forward, backward, then the step brings all in
@@ -189,19 +218,73 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     saved, peaks = None, {}
     if inputs is not None:
         saved = measure_saved(model, sizing.named, inputs)
-        least = fixed + max(step_sizes, default=0)
         peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, budget_bytes, least)
     out = Plan(
         str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
-        sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h), link, measured, notes,
-        saved, peaks,
+        sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h),
+        int(least), link, measured, notes, saved, peaks,
+        # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
+        {p: int(least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()},
     )
     if host_budget is not None:
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
         out.disk_gbps = disk_gbps
     return out
+
+
+def _least_training_room(sizing, step_sizes, fixed) -> int:
+    """What `Pager.least_room_bytes` will be once every segment exists: what
+    stays for life (the remainder, and blocks it borrows tied tensors from)
+    and the largest other block with the blocks it needs beside it."""
+    held = {j for j in sizing.uses.get(None, ()) if j is not None}
+    fixed += sum(step_sizes[j] for j in held)
+    modules = [m for _n, m in sizing.named]
+    inside = [{id(m) for m in outer.modules()} for outer in modules]
+    largest = 0
+    for i, m in enumerate(modules):
+        if i in held:
+            continue
+        ancestors = {j for j, ids in enumerate(inside) if j != i and id(m) in ids}
+        with_ = ({j for j in sizing.uses.get(i, ()) if j is not None} | ancestors) - {i}
+        largest = max(largest, step_sizes[i] + sum(step_sizes[j] for j in with_))
+    return fixed + largest
+
+
+def _state_bytes(optimizer, device, state_factor: float):
+    """Page bytes of the optimizer state a parameter has on `device`: its
+    tensors the size of the parameter, and its scalars (`step`), each in a
+    slot of its own. Without an optimizer, `state_factor` x the parameter."""
+    if optimizer is None:
+        return lambda p: int(state_factor * discover.aligned_bytes(p))
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    name = type(optimizer).__name__
+
+    def of(p):
+        g = groups.get(id(p), {})
+        copies, scalars = _STATE.get(name, (state_factor, 1))
+        if callable(copies):
+            copies = copies(g)
+        # torch keeps `step` beside the parameter only when fused or capturable (else on the CPU)
+        here = device.type == "cpu" or g.get("fused") or g.get("capturable")
+        return int(copies * discover.aligned_bytes(p)) + (scalars * ALIGN_BYTES if here else 0)
+
+    return of
+
+
+# optimizer class -> (state tensors the size of a parameter, or a function of its group; scalar tensors)
+_STATE = {
+    "Adam": (lambda g: 3 if g.get("amsgrad") else 2, 1),
+    "AdamW": (lambda g: 3 if g.get("amsgrad") else 2, 1),
+    "Adamax": (2, 1),
+    "NAdam": (2, 2),
+    "RAdam": (2, 1),
+    "Adagrad": (1, 1),
+    "Adadelta": (2, 1),
+    "RMSprop": (lambda g: 1 + (g.get("momentum", 0) > 0) + bool(g.get("centered")), 1),
+    "SGD": (lambda g: 1 if g.get("momentum", 0) else 0, 0),
+}
 
 
 def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], int]:

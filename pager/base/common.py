@@ -28,12 +28,20 @@ WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never to
 
 
 def other_threads() -> bool:
-    """Whether a Python thread besides this one and pager's own workers (the
-    row writer's, the disk tier's) exists: one that may use a model's tensors."""
+    """Whether a Python thread besides this one, pager's own workers (the
+    row writer's, the disk tier's) and tqdm's progress-bar monitor exists:
+    one that may use a model's tensors. (tqdm starts its monitor with the
+    first progress bar, e.g. transformers' `save_pretrained`, and keeps it:
+    counted, it would put every Hugging Face user's model in the shared mode.)"""
     if threading.active_count() == 1:
         return False
     me = threading.current_thread()
-    return any(t is not me and not t.name.startswith(WORKER_PREFIX) for t in threading.enumerate())
+    return any(t is not me and not t.name.startswith(WORKER_PREFIX) and not _tqdm_monitor(t)
+               for t in threading.enumerate())
+
+
+def _tqdm_monitor(t: threading.Thread) -> bool:
+    return t.name == "tqdm_monitor" and type(t).__name__ == "TMonitor"
 
 
 class BudgetError(RuntimeError):

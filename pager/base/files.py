@@ -189,6 +189,22 @@ def _torch_file(path: str) -> dict[str, Entry]:
     return {n: Entry(n, t.dtype, tuple(t.shape), path, tensor=t) for n, t in state.items()}
 
 
+def read_entry(e: Entry) -> torch.Tensor:
+    """The tensor `e` holds, read whole into (plain) host memory."""
+    if e.tensor is not None:
+        return e.tensor.detach().clone()
+    out = torch.empty(e.shape, dtype=e.dtype)
+    if not e.nbytes:
+        return out
+    with open(e.path, "rb") as f:
+        f.seek(e.offset)
+        got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+    if got != e.nbytes:
+        raise CheckpointError(f"pager: {e.path!r}: tensor {e.name!r} ends past the end of the file (read {got} "
+                              f"of {e.nbytes} bytes at offset {e.offset}); the file is truncated.")
+    return out
+
+
 # ---------------------------------------------------------------- writing
 def header_for(named: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None) -> tuple[bytes, list]:
     """A safetensors header for tensors `named` (name, dtype, shape), in this
