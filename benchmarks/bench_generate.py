@@ -11,7 +11,10 @@
    batch, plain and with `compress="int4"`. Decode per token is the mean
    interval between tokens after the first `--short`, on the host's clock
    when generate checks its stopping criteria (it syncs there), as the
-   user's loop sees it. The floor is the bytes a token
+   user's loop sees it.
+3. `load`: the time to the first token from the folder, `pager.from_pretrained`
+   against accelerate's `from_pretrained(device_map="auto")` with the same
+   GPU budget. The floor is the bytes a token
    moves at the link's pinned rate; link busy is the copy stream's measured
    busy time over the decode time.
 
@@ -277,9 +280,65 @@ def one_generate(args, bw, model, gpu, ids, pad, codec, out_dir) -> Row:
     return row
 
 
+# ----------------------------------------------------------------- loading
+def load_rows(args) -> list:
+    """Time to the first token from a `save_pretrained` folder: pager's
+    one-liner against accelerate's `device_map="auto"` with the same GPU
+    budget (the folder is in the page cache for both: just written)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return [Row("load", "pager", None, note="skipped: transformers not installed")]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        del_gpu = llama_folder(args, folder)
+        del del_gpu
+        free_cuda()
+        ids = torch.randint(3, 32000, (1, args.prompt), device="cuda")
+        kw = dict(do_sample=False, pad_token_id=0)
+        outs = {}
+        for method in ("pager.from_pretrained", "accelerate device_map=auto"):
+            t0 = time.perf_counter()
+            if method.startswith("pager"):
+                model = pager.from_pretrained(folder, budget=args.budget, device="cuda")
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.bfloat16, device_map="auto",
+                    max_memory={0: args.budget, "cpu": "100GiB"}).eval()
+            loaded = time.perf_counter() - t0
+            first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            torch.cuda.synchronize()
+            ttft = time.perf_counter() - t0
+            short, long, outs[method] = _two_lengths(model, ids, kw)
+            rows.append(Row(f"load a 7B-shaped Llama folder ({args.layers} layers) under {args.budget}, then "
+                            f"generate", method, ttft * 1e3, torch.cuda.max_memory_allocated() / GiB, None, "",
+                            f"built and loaded in {loaded:.1f} s; first token {ttft:.1f} s after the call; then "
+                            f"{(long - short) / 8:.0f} ms/token; first token {first[0, -1].item()}",
+                            {"load_s": loaded, "ttft_s": ttft, "decode_ms": (long - short) / 8}))
+            print(rows[-1], flush=True)
+            if method.startswith("pager"):
+                pager.unwrap(model)
+            del model
+            free_cuda()
+            torch.cuda.reset_peak_memory_stats()
+        a, b = outs.values()
+        rows[-1].note += f"; tokens equal to pager's: {float((a == b).float().mean()):.0%}"
+    return rows
+
+
+def _two_lengths(model, ids, kw):
+    """Wall ms of generate for 2 and 10 new tokens, and the 10 tokens."""
+    def gen(n):
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    short = wall_ms(lambda: gen(2))
+    out = gen(10)
+    return short, wall_ms(lambda: gen(10)), out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="per-use or generate")
+    ap.add_argument("--only", default="", help="per-use, generate or load")
     ap.add_argument("--blocks", default="16,64,256")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--budget", default="2GiB")
@@ -303,6 +362,8 @@ def main(argv=None):
         rows += per_use_rows(args)
     if args.only in ("", "generate"):
         rows += generate_rows(args, bw)
+    if args.only in ("", "load"):
+        rows += load_rows(args)
     save(rows, "bench_generate", env)
 
 

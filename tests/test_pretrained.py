@@ -114,8 +114,9 @@ def test_a_folder_with_a_torch_save_file_and_another_dtype(tmp_path):
     `torch.save` state dict) loads too; a bf16 checkpoint builds a bf16
     model (the files' dtype)."""
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(_llama()).to(torch.bfloat16).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(_llama(), dtype=torch.bfloat16).eval()
     folder = tmp_path / "bin"
+    ref.config.architectures = ["LlamaForCausalLM"]  # (built by that class, in bf16)
     ref.config.save_pretrained(folder)
     torch.save(ref.state_dict(), folder / "pytorch_model.bin")
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
@@ -228,3 +229,25 @@ def test_tqdms_monitor_thread_is_not_a_user_of_the_tensors():
         assert not pager.of(model).shared_mode
     finally:
         monitor.exit()
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int4"])
+def test_load_encodes_pages_as_it_reads_them(tmp_path, codec):
+    """`pager.load(..., compress=)`: pages read from the files and encoded,
+    equal to wrapping the loaded model with the same codec."""
+    torch.manual_seed(0)
+    config = _llama()
+    src = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder = tmp_path / codec
+    src.save_pretrained(folder, max_shard_size="40KB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    budget = _budget(ref)
+    pager.wrap(ref, budget=budget, device="cpu", compress=codec)
+    model = pager.from_pretrained(folder, budget=budget, device="cpu", compress=codec)
+    encoded = [b for b in pager.of(model).blocks if b.weights.encoded is not None]
+    assert encoded and len(encoded) == sum(b.weights.encoded is not None for b in pager.of(ref).blocks)
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="host_budget"):
+        pager.from_pretrained(folder, budget=budget, device="cpu", compress=codec, host_budget="1MiB")

@@ -52,9 +52,11 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
             Needed for training under `host_budget`; the files are removed
             at `unwrap`.
         **options: the other options of `pager.wrap` (blocks, prefetch,
-            optimizer, activations, rows, ...); not `compress`. Tables
-            that `rows=` names are read whole into host memory (their host
-            tables), the rest paged from the files.
+            optimizer, activations, rows, compress, ...). Tables that
+            `rows=` names are read whole into host memory (their host
+            tables), the rest paged from the files. With `compress=`, every
+            page is read once and encoded as it is read (a block at a time
+            in plain host memory; no host_budget= then).
 
     Example:
         >>> with torch.device("meta"):
@@ -65,9 +67,10 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     """
     from .wrap import _wrap
 
-    if options.get("compress"):
-        raise ValueError("pager: load does not take compress= (pages are read from the checkpoint as they are); "
-                         "wrap a materialized model to compress its pages.")
+    if options.get("compress") and (host_budget is not None or spill is not None):
+        raise ValueError("pager: load(..., compress=) reads each page once into host memory, encoded as it is "
+                         "read; it takes no host_budget= or spill= (pages of the disk tier are the files' bytes). "
+                         "Leave compress= out to page from the files under a host budget.")
     spill = _spill_folder(spill)
     entries = open_checkpoint(checkpoint)
     made = recreate_meta_buffers(model)  # ([Note: buffers a checkpoint does not hold] in api/buffers.py)
@@ -80,6 +83,8 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
         raise
     sources = [(t, p) for t, p in sources if id(t) not in {id(w) for w, _meta in read}]
     made_tables = read
+    if options.get("compress"):
+        return _load_encoded(model, budget, sources, made_tables, made, options)
     placed = _materialize_meta(model)
     try:
         def setup(pager):  # (before its blocks are built)
@@ -131,6 +136,50 @@ def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> 
             torch.utils.swap_tensors(w, meta)
         raise
     return read
+
+
+def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: list, options: dict) -> nn.Module:
+    """`load` with compress=: each meta tensor becomes a view of its bytes in
+    the checkpoint file, mapped (the page cache holds them, not this
+    process), and `wrap` encodes each block's page from them, a block at a
+    time ([Note: compressed pages] in codec/compress.py); the views are
+    dropped as the tensors become views of device storage."""
+    from .wrap import _wrap
+
+    mapped, maps = [], {}
+    try:
+        for t, piece in sources:
+            if not t.is_meta:
+                continue
+            value = piece.tensor if piece.tensor is not None else _mapped(piece, t, maps)
+            value = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+            torch.utils.swap_tensors(t, value)
+            mapped.append((t, value))  # (value now holds the meta tensor)
+        if options.get("rows") is None:
+            # No table by rows unasked: a row table would keep the mapped (read-only) bytes as its host table.
+            options = {**options, "rows": []}
+        return _wrap(model, budget, **options)
+    except BaseException:
+        for t, meta in mapped + tables:  # nothing of the model is left half-changed
+            torch.utils.swap_tensors(t, meta)
+        undo_buffers(made)
+        raise
+
+
+def _mapped(piece: Piece, like: torch.Tensor, maps: dict) -> torch.Tensor:
+    """The bytes of `piece` in its file as a tensor shaped like `like`, mapped read-only."""
+    import mmap
+    import warnings
+
+    if piece.path not in maps:
+        with open(piece.path, "rb") as f:
+            maps[piece.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if not piece.nbytes:
+        return torch.empty(like.shape, dtype=like.dtype)
+    with warnings.catch_warnings():  # (torch warns that the buffer is not writable: nothing writes it)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(maps[piece.path], dtype=torch.uint8, count=piece.nbytes, offset=piece.file_offset)
+    return flat.view(like.dtype).reshape(like.shape)
 
 
 def _spill_folder(spill):

@@ -8,6 +8,7 @@ import torch
 
 from ..model import discover
 from ..base.block import ALIGN_BYTES
+from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..base.budget import format_bytes, parse_budget
 from .fake import SavedBytes, measure_saved
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
@@ -134,7 +135,7 @@ class Plan:
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
          link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
-         disk_gbps: float | None = None, optimizer=None) -> Plan:
+         disk_gbps: float | None = None, optimizer=None, compress: str | None = None) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
@@ -145,6 +146,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         optimizer: the optimizer that will train the model (built on its
             parameters): the state it keeps per parameter on the device is
             counted (`plan.train_min_budget_bytes`, `plan.trains`).
+        compress: as for `pager.wrap`: blocks split as wrap splits them under
+            it, and a forward's bytes at the codec's usual ratio (an
+            estimate: the real ratio depends on the values).
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
         inputs: a batch as the model's forward takes it (a tensor, a tuple of
             positional arguments or a dict of keyword arguments; values do
@@ -166,8 +170,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     sizing = discover.size_up(model, blocks)
     min_budget = sizing.min_budget
     parts = set()
+    check_codec(compress)
     if blocks is None:  # as wrap does: [Note: splitting large blocks] in model/discover.py
-        sizing, parts = discover.split_large(model, sizing, budget_bytes)
+        least_part = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
+        sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
     state_of = _state_bytes(optimizer, device, state_factor)
@@ -180,7 +186,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
 
     names = [n for n, _m in sizing.named]
     kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
-    forward = sum(n for name, n in zip(names, own) if name not in kept)
+    moved = own if not compress else [
+        sum(page_bytes_estimate(compress, t) for _n, t, _p in owned.get(i, [])) for i in range(len(names))]
+    forward = sum(n for name, n in zip(names, moved) if name not in kept)
     grads = [trainable(i) for i in range(len(names))]
     states = [state(i) for i in range(len(names))]
     step_sizes = [w + g + s for w, g, s in zip(own, grads, states)]
@@ -203,6 +211,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     else:
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
     notes = []
+    if compress:
+        notes.append(f"compress={compress!r}: a forward's bytes at the codec's usual ratio "
+                     f"({USUAL_RATIO[compress]}x of bf16 weights it codes); a ring of staging buffers (3 of the "
+                     f"largest piece, at most {format_bytes(3 * PIECE_BYTES)}) comes out of the budget")
     if parts:
         notes.append(f"two of the largest blocks take a large share of the room for blocks: they stream as their "
                      f"{len(parts)} parts (submodules of at least {format_bytes(discover.SPLIT_MIN_BYTES)})")

@@ -52,7 +52,9 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
         dtype = _most_common_float(entries)
     cls = model_class or _class_of(transformers, config)
     with torch.device("meta"):
-        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls(config)
+        # (Auto classes build through `from_config`; a model class through `_from_config`: both take the dtype)
+        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else \
+            cls._from_config(config, dtype=dtype)
     model.eval()
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)

@@ -100,7 +100,10 @@ def wrap(
             plain from then on. On CUDA a ring of staging buffers (3 slots of
             the largest piece, about 32 MiB each at most) comes out of the budget.
         rows: embedding tables to page by rows instead of as blocks
-            ([Note: row tables] in rows/table.py): None (none), "auto" (every
+            ([Note: row tables] in rows/table.py): None (none, unless a table
+            keeps the model from fitting the budget: then it is chosen, and
+            logged; see [Note: a remainder too large for the budget] in
+            api/fit.py), [] (none, ever), "auto" (every
             `nn.Embedding` / `nn.EmbeddingBag` whose weight is larger than a
             quarter of the budget), or a list of such modules or their
             qualified names. A row table stays in host memory; a lookup brings

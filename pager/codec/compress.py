@@ -74,6 +74,17 @@ USUAL_RATIO = {"lossless": 0.75, "fp8": 0.52, "int4": 0.28}  # page bytes per pl
 PART_MIN_PAGE_BYTES = 32 << 20  # the least page a part split off a block has under compression
 
 
+def page_bytes_estimate(codec: str, t: torch.Tensor) -> int:
+    """About the bytes `t` takes in a page under `codec` (its usual ratio if
+    the codec codes it, else its own bytes): for plans, before encoding."""
+    nbytes = t.numel() * t.element_size()
+    coded = (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
+             and (t.dtype == torch.bfloat16 if codec == "lossless" else t.dtype in LOSSY_DTYPES))
+    if not coded:
+        return nbytes
+    return int(t.numel() * 2 * USUAL_RATIO[codec])  # (the ratio is per byte of bf16: 2 bytes an element)
+
+
 def min_part_bytes(codec: str) -> int:
     """The least plain bytes of a part split off a block (see the Note)."""
     return int(PART_MIN_PAGE_BYTES / USUAL_RATIO[codec])
