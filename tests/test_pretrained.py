@@ -132,8 +132,8 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused_clearly(tmp_path):
         pager.from_pretrained(tmp_path, budget="1MiB", device="cpu")
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_large_embeddings_and_head_become_blocks_when_loaded_unasked(tmp_path, tied):
+@pytest.mark.parametrize("tied,compress", [(False, None), (True, None), (False, "lossless")])
+def test_large_embeddings_and_head_become_blocks_when_loaded_unasked(tmp_path, tied, compress):
     """A vocabulary whose embedding and head (2 MiB each) do not fit the
     budget beside a layer: loaded from files (not by rows: those are built
     from values in memory), they become blocks of their own; generate()
@@ -148,7 +148,8 @@ def test_large_embeddings_and_head_become_blocks_when_loaded_unasked(tmp_path, t
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     table = 8192 * 64 * 4
     # (tied: one 2 MiB table, which with a layer of 164 KiB beside it does not fit)
-    model = pager.from_pretrained(folder, budget=table + (100_000 if tied else 200_000), device="cpu")
+    model = pager.from_pretrained(folder, budget=table + (100_000 if tied else 200_000), device="cpu",
+                                  compress=compress)  # (lossless leaves fp32 pages plain: exact)
     names = pager.of(model).block_names()
     assert "model.embed_tokens" in names and "lm_head" in names
     ids = torch.randint(0, 8192, (2, 6))

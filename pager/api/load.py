@@ -77,14 +77,14 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     try:
         sources = _match(model, entries)
         capacity = _host_capacity(host_budget, model, options.get("blocks"))
-        read = _read_row_tables(model, options, budget, sources)
+        tables = _read_row_tables(model, options, budget, sources)
     except BaseException:
         undo_buffers(made)
         raise
-    sources = [(t, p) for t, p in sources if id(t) not in {id(w) for w, _meta in read}]
-    made_tables = read
+    read = {id(w) for w, _meta in tables}
+    sources = [(t, p) for t, p in sources if id(t) not in read]
     if options.get("compress"):
-        return _load_encoded(model, budget, sources, made_tables, made, options)
+        return _load_encoded(model, budget, sources, tables, made, options)
     placed = _materialize_meta(model)
     try:
         def setup(pager):  # (before its blocks are built)
@@ -95,7 +95,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
 
         model = _wrap(model, budget, setup=setup, **options)
     except BaseException:
-        for t, meta in placed + made_tables:  # nothing of the model is left half-changed
+        for t, meta in placed + tables:  # nothing of the model is left half-changed
             torch.utils.swap_tensors(t, meta)
         undo_buffers(made)
         raise
@@ -155,10 +155,8 @@ def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: l
             value = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
             torch.utils.swap_tensors(t, value)
             mapped.append((t, value))  # (value now holds the meta tensor)
-        if options.get("rows") is None:
-            # No table by rows unasked: a row table would keep the mapped (read-only) bytes as its host table.
-            options = {**options, "rows": []}
-        return _wrap(model, budget, **options)
+        # (no table by rows unasked: a row table would keep the mapped, read-only, bytes as its host table)
+        return _wrap(model, budget, rows_from_values=False, **options)
     except BaseException:
         for t, meta in mapped + tables:  # nothing of the model is left half-changed
             torch.utils.swap_tensors(t, meta)

@@ -150,9 +150,11 @@ def wrap(
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
-          process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None):
+          process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
-    (`pager.load` gives the pager its disk tier there)."""
+    (`pager.load` gives the pager its disk tier there). `rows_from_values`:
+    tables may go by rows unasked (False where their values are mapped
+    files, which a row table would keep as its host table)."""
     engine = _engine_of(budget, pool)
     device = _shared_device(engine, device) if engine is not None else resolve_device(device)
     if name is not None and (not isinstance(name, str) or not name):
@@ -179,7 +181,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     spec = blocks
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
-        tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None)
+        tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
     sizing = discover.size_up(model, spec, [m for _n, m in tables])
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
