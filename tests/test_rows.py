@@ -734,3 +734,23 @@ def test_a_table_six_times_the_budget_is_paged_by_rows_unasked_and_trains_bit_fo
     other = BigTable()
     with pytest.raises(ValueError, match=r"rows=\['emb'\].*raise the budget|raise the budget.*rows=\['emb'\]"):
         pager.wrap(other, budget=table // 6, device="cpu", rows=[])
+
+
+def test_a_table_paged_by_rows_unasked_says_when_its_optimizer_is_lazy_on_rows(caplog):
+    """AdamW on a row table updates only the rows a batch touches ([Note:
+    exact updates of touched rows]); where wrap chose rows itself, the user
+    is told once, and not for SparseAdam or a table asked for."""
+    table = 24_000 * DIM * 4
+    cases = [(None, torch.optim.AdamW, True), (None, torch.optim.SparseAdam, False),
+             (["emb"], torch.optim.AdamW, False)]
+    for rows, make, warns in cases:
+        caplog.clear()
+        model = BigTable()
+        pager.wrap(model, budget=table // 6, device="cpu", rows=rows)
+        opt = make(list(model.emb.parameters()), lr=0.01)
+        with caplog.at_level("WARNING", logger="pager"):
+            pager.of(model).attach(opt)
+        said = [r.getMessage() for r in caplog.records if "lazy variant" in r.getMessage()]
+        assert bool(said) == warns, (rows, make, said)
+        if warns:
+            assert "'emb'" in said[0] and "AdamW" in said[0]

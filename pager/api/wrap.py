@@ -178,7 +178,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     _check_sharing(share_host_pages, group, compress, setup)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
-    spec = blocks
+    spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
         tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
@@ -219,6 +219,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
             setup(pager)
         build_blocks(pager, sizing.owned, sizing.uses, parts)
         add_row_tables(pager, tables, cache_bytes)
+        pager.rows_unasked = {name for name, _m in tables} - asked
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
         raise

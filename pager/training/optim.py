@@ -474,4 +474,37 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
         )
     link = OptimizerLink(pager, optimizer)
     pager.optimizers.append(link)
+    _warn_if_rows_lazy(pager, optimizer)
     return link
+
+
+def _warn_if_rows_lazy(pager, optimizer) -> None:
+    """A table wrap paged by rows unasked, updated by an optimizer whose
+    update of the rows a batch does not touch is not the dense one
+    ([Note: exact updates of touched rows] in rows/table.py): say so once."""
+    if not pager.rows_unasked:
+        return
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    lazy = [t.name for t in pager.row_tables
+            if t.name in pager.rows_unasked and id(t.param) in groups and not _dense_on_rows(optimizer, groups[id(t.param)])]
+    if lazy:
+        pager.warn_once(
+            "rows-lazy", "pager: %s paged by rows because it did not fit the budget beside the blocks; %s updates "
+            "only the rows each batch touches (the lazy variant, as SparseAdam is of Adam: untouched rows keep "
+            "their values and state), which differs from %s on the whole table. For the dense update, give a "
+            "budget that holds the table beside a block, or an optimizer whose update of untouched rows is "
+            "none (SparseAdam, Adagrad, SGD without momentum or weight decay).", ", ".join(map(repr, lazy)),
+            type(optimizer).__name__, type(optimizer).__name__)
+
+
+def _dense_on_rows(optimizer, group) -> bool:
+    """Whether `optimizer` leaves rows with a zero gradient unchanged (its
+    row-by-row update is then the dense one)."""
+    name, decay = type(optimizer).__name__, group.get("weight_decay", 0)
+    if name == "SparseAdam":
+        return True
+    if name == "Adagrad":
+        return not decay
+    if name == "SGD":
+        return not decay and not group.get("momentum", 0)
+    return False
