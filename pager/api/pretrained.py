@@ -42,6 +42,9 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     except ImportError:
         raise ImportError("pager.from_pretrained needs transformers (pip install transformers); or build the "
                           "model on the meta device yourself and call pager.load(model, folder, budget).") from None
+    if _version(transformers.__version__) < (4, 56):
+        raise ImportError(f"pager.from_pretrained needs transformers 4.56 or newer (models built with dtype=); "
+                          f"this is {transformers.__version__}: pip install -U transformers.")
     folder = os.fspath(folder)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(f"pager: from_pretrained({folder!r}): no config.json there; give the folder that "
@@ -61,6 +64,14 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     except OSError:
         pass  # no generation_config.json: the one made from the config stays
     return load(model, folder, budget, **options)
+
+
+def _version(text: str) -> tuple:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
 
 
 def _class_of(transformers, config):
