@@ -396,10 +396,6 @@ class Engine:
     def _leave(self, block, seg: Segment, ready, write: bool) -> None:
         writeback = None
         if write:
-            if seg.encoded is not None:
-                self._store_plain(block, seg)
-            elif seg.shared:
-                self._store_private(block, seg)
             start, end = self.host.down(block, seg, after=(ready,))
             writeback = end if self.transport.is_cuda else None
             seg.writeback_event = writeback
@@ -411,28 +407,6 @@ class Engine:
         self.transport.free(seg.flat, after=(ready, writeback, block.fetch_event))
         seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
         self._count_resident(block, -seg.nbytes)
-
-    def _store_plain(self, block, seg: Segment) -> None:
-        """`seg`'s page is compressed and its values changed: they go to a
-        new plain page, where they stay ([Note: compressed pages])."""
-        block.owner.warn_once(
-            f"plain:{block.name}", "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
-            "running statistics); its compressed page is replaced by a plain one (%s more host memory), "
-            "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
-        seg.host = self.host.hold(block.owner, seg.nbytes)
-        seg.encoded = None
-
-    def _store_private(self, block, seg: Segment) -> None:
-        """`seg`'s page is in the node's shared copy and its values changed
-        here: they go to a page of this rank's own (copy on write), so the
-        other ranks keep reading the copy they share."""
-        block.owner.warn_once(
-            "private-pages", "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
-            "statistics): its page leaves the host copy the node's ranks share, and this rank keeps its own "
-            "from now on (so will other blocks that change). Sharing saves host memory for inference.",
-            block.name)
-        seg.host = self.host.hold(block.owner, seg.nbytes)
-        seg.shared = False
 
     def _readopt(self, block, seg: Segment) -> None:
         """Tensors given new memory by `t.data = new` since their fetch: copy

@@ -10,7 +10,9 @@ residency engine (`engine/engine.py`) knows tiers only through this interface:
                                     device), ordered after the events `after`,
                                     decoding it if it is compressed; returns
                                     (start, end) timing marks
-    down(block, seg, after)         the write-back, the other way
+    down(block, seg, after)         the write-back, the other way (into a
+                                    new page of the owner's own where the
+                                    page is compressed or shared)
     release(owner)                  give back every page `owner` holds
 
 Pinned host memory sits directly under the device. A model loaded with a
@@ -24,6 +26,7 @@ engine free their own pages when they are unwrapped.
 
 from __future__ import annotations
 
+from ..base.budget import format_bytes
 from .host import HostArena
 
 
@@ -79,6 +82,10 @@ class HostTier:
         return marks
 
     def down(self, block, seg, after=()):
+        if seg.encoded is not None:
+            self._store_plain(block, seg)
+        elif seg.shared:
+            self._store_private(block, seg)
         disk = self.disks.get(block.owner)
         if disk is not None:
             disk.page_for_write(seg)
@@ -86,6 +93,28 @@ class HostTier:
         if disk is not None:
             disk.written(seg, marks[1] if self.transport.is_cuda else None)
         return marks
+
+    def _store_plain(self, block, seg) -> None:
+        """`seg`'s page is compressed and its values changed: they go to a
+        new plain page, where they stay ([Note: compressed pages] in codec/compress.py)."""
+        block.owner.warn_once(
+            f"plain:{block.name}", "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
+            "running statistics); its compressed page is replaced by a plain one (%s more host memory), "
+            "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
+        seg.host = self.hold(block.owner, seg.nbytes)
+        seg.encoded = None
+
+    def _store_private(self, block, seg) -> None:
+        """`seg`'s page is in the node's shared copy and its values changed
+        here: they go to a page of this rank's own (copy on write), so the
+        other ranks keep reading the copy they share."""
+        block.owner.warn_once(
+            "private-pages", "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
+            "statistics): its page leaves the host copy the node's ranks share, and this rank keeps its own "
+            "from now on (so will other blocks that change). Sharing saves host memory for inference.",
+            block.name)
+        seg.host = self.hold(block.owner, seg.nbytes)
+        seg.shared = False
 
     def ready(self, block, kinds) -> bool:
         """A fetch of `kinds` of `block` (and its deps' weights) would not

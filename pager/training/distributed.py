@@ -140,7 +140,7 @@ def share_host_pages(pager, group, timeout_seconds: float) -> None:
     long as a rank maps it, and nothing is left behind if a rank dies.
     A page whose values change on one rank (a training step, running
     statistics) is written to a page of that rank's own instead (copy on
-    write, `Engine._store_private`): the others go on reading the shared copy,
+    write, `HostTier._store_private` in engine/tiers.py): the others go on reading the shared copy,
     never a page another rank is rewriting. So inference on N ranks holds the
     weights once per node; training holds each changed block per rank, as
     without sharing (optimizer state sharded by block is not built)."""
