@@ -274,7 +274,8 @@ def one_generate(args, bw, model, gpu, ids, pad, codec, out_dir) -> Row:
               f"all on GPU {gpu_ms:.1f} ms/token; tokens equal to all on GPU's: {agree:.0%}"
               + (f"; traced step {gaps['step_ms']:.1f} ms, copies busy {gaps['busy_ms']:.1f} ms, largest gaps "
                  f"(ms, before, at ms): {gaps['gaps']}" if gaps else ""),
-              {"median_ms": median_ms, "slowest_ms": slowest_ms, "slow_tokens": slow_tokens, "bytes_per_token": per_token_bytes, "floor_ms": floor, "copy_ms": copy_ms, "gpu_ms": gpu_ms,
+              {"median_ms": median_ms, "slowest_ms": slowest_ms, "slow_tokens": slow_tokens,
+               "bytes_per_token": per_token_bytes, "floor_ms": floor, "copy_ms": copy_ms, "gpu_ms": gpu_ms,
                "agree": agree, "gaps": gaps, "batch": batch, "pad": pad, "codec": codec})
     print(row, flush=True)
     return row

@@ -93,8 +93,8 @@ class Plan:
         if not self.runs:
             out.append(f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} (the remainder and the largest block)")
         elif not self.trains:
-            out.append(f"  WILL NOT TRAIN: the budget is below {format_bytes(min(self.train_budgets.values(), default=self.train_min_budget_bytes))}"
-                       f" (inference runs)")
+            least = min(self.train_budgets.values(), default=self.train_min_budget_bytes)
+            out.append(f"  WILL NOT TRAIN: the budget is below {format_bytes(least)} (inference runs)")
         elif self.fits_all:
             out.append("  everything fits: no paging needed; after the first forward nothing moves")
         out.append(f"  {'block':<40} {'size':>11}  inference")

@@ -50,7 +50,7 @@ float32 subnormal that a kernel might flush to zero.
 
 A compressed page is read-only. A block whose weights change (an optimizer
 step, `load_state_dict`, BatchNorm statistics) is written back to a new plain
-page when it leaves, and stays plain from then on (`Engine._leave`).
+page when it leaves, and stays plain from then on (`HostTier.down`).
 """
 
 from __future__ import annotations

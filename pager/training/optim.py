@@ -485,8 +485,8 @@ def _warn_if_rows_lazy(pager, optimizer) -> None:
     if not pager.rows_unasked:
         return
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    lazy = [t.name for t in pager.row_tables
-            if t.name in pager.rows_unasked and id(t.param) in groups and not _dense_on_rows(optimizer, groups[id(t.param)])]
+    lazy = [t.name for t in pager.row_tables if t.name in pager.rows_unasked and id(t.param) in groups
+            and not _dense_on_rows(optimizer, groups[id(t.param)])]
     if lazy:
         pager.warn_once(
             "rows-lazy", "pager: %s paged by rows because it did not fit the budget beside the blocks; %s updates "
