@@ -292,8 +292,7 @@ def load_rows(args) -> list:
         return [Row("load", "pager", None, note="skipped: transformers not installed")]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        del_gpu = llama_folder(args, folder)
-        del del_gpu
+        llama_folder(args, folder)  # (the model it built on the GPU is dropped: only the folder is wanted)
         free_cuda()
         torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(3, 32000, (1, args.prompt), device="cuda")

@@ -75,13 +75,13 @@ def _remainder_modules(model: nn.Module, sizing) -> list:
 
 def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> str:
     """Why the model cannot run in the budget, and every option that would make it."""
-    remainder = sizing.remainder
-    largest = max(sizing.sizes, default=0)
+    remainder, sizes = sizing.remainder, sizing.sizes
+    largest = max(sizes, default=0)
     options = [f"raise the budget to {format_bytes(sizing.min_budget)} or more (with room for two of the largest "
                f"block, {format_bytes(remainder + 2 * largest)}, the next block comes while one computes)"]
-    movable = _remainder_modules(model, sizing)
-    tables = [n for n, m, _b in movable if row_table_problem(model, m) is None]
-    others = [n for n, m, _b in movable if row_table_problem(model, m) is not None]
+    tables, others = [], []
+    for name, module, _b in _remainder_modules(model, sizing):
+        (tables if row_table_problem(model, module) is None else others).append(name)
     if tables:
         options.append(f"page embedding tables by rows (rows={tables[:4]!r})")
     if others:
@@ -93,7 +93,7 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
         what = (f"the tensors outside every block (the remainder: embeddings, heads, norms; "
                 f"{format_bytes(remainder)})")
     else:
-        name = sizing.named[max(range(len(sizing.sizes)), key=lambda k: sizing.sizes[k])][0]
+        name = sizing.named[max(range(len(sizes)), key=sizes.__getitem__)][0]
         what = (f"block {name!r} ({format_bytes(largest)}) with the resident remainder beside it "
                 f"({format_bytes(remainder)})")
     return f"pager: {what} does not fit budget={budget!r} ({format_bytes(budget_bytes)}). To run: " + "; or ".join(

@@ -194,7 +194,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     step_sizes = [w + g + s for w, g, s in zip(own, grads, states)]
     fixed = remainder + trainable(None) + state(None)
     train_kept = _kept(names, step_sizes, budget_bytes, fixed)
-    least = _least_training_room(sizing, step_sizes, fixed)
+    least = sizing.least_room(step_sizes, fixed)  # what `Pager.least_room_bytes` will be with every segment
     h2d = d2h = 0
     for name, w, g, s in zip(names, own, grads, states):
         if name not in train_kept:
@@ -244,24 +244,6 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
         out.disk_gbps = disk_gbps
     return out
-
-
-def _least_training_room(sizing, step_sizes, fixed) -> int:
-    """What `Pager.least_room_bytes` will be once every segment exists: what
-    stays for life (the remainder, and blocks it borrows tied tensors from)
-    and the largest other block with the blocks it needs beside it."""
-    held = {j for j in sizing.uses.get(None, ()) if j is not None}
-    fixed += sum(step_sizes[j] for j in held)
-    modules = [m for _n, m in sizing.named]
-    inside = [{id(m) for m in outer.modules()} for outer in modules]
-    largest = 0
-    for i, m in enumerate(modules):
-        if i in held:
-            continue
-        ancestors = {j for j, ids in enumerate(inside) if j != i and id(m) in ids}
-        with_ = ({j for j in sizing.uses.get(i, ()) if j is not None} | ancestors) - {i}
-        largest = max(largest, step_sizes[i] + sum(step_sizes[j] for j in with_))
-    return fixed + largest
 
 
 def _state_bytes(optimizer, device, state_factor: float):

@@ -192,18 +192,30 @@ class Sizing:
     owned: dict            # block index (None: remainder) -> [(name, tensor, is_param)]
     uses: dict             # block index -> indices of blocks it borrows tied tensors from
     own: list              # page bytes each block owns
-    sizes: list            # bytes on the device to run each block (with its deps and ancestors)
+    beside: list           # per block, the blocks that must be on the device with it (deps, ancestors)
     remainder: int         # page bytes outside every block (stays resident)
     tables: tuple = ()     # row-paged modules, outside every block ([Note: row tables] in rows/table.py)
 
     @property
+    def sizes(self) -> list:
+        """Bytes on the device to run each block (with its deps and ancestors)."""
+        return [self.own[i] + sum(self.own[j] for j in with_) for i, with_ in enumerate(self.beside)]
+
+    @property
     def min_budget(self) -> int:
-        """The least budget that runs: the remainder (and the blocks it
-        borrows tied tensors from, which stay with it for life) and the
-        largest other block."""
+        """The least budget that runs."""
+        return self.least_room(self.own, self.remainder)
+
+    def least_room(self, per_block: list, fixed: int) -> int:
+        """The least room that runs blocks of `per_block` bytes each (weights,
+        or with gradients and state) beside `fixed` bytes of the remainder:
+        those, the blocks the remainder borrows tied tensors from (they stay
+        with it for life), and the largest other block with what it needs
+        beside it."""
         held = {j for j in self.uses.get(None, ()) if j is not None}
-        fixed = self.remainder + sum(self.own[j] for j in held)
-        return fixed + max((s for i, s in enumerate(self.sizes) if i not in held), default=0)
+        fixed += sum(per_block[j] for j in held)
+        return fixed + max((per_block[i] + sum(per_block[j] for j in with_)
+                            for i, with_ in enumerate(self.beside) if i not in held), default=0)
 
     @property
     def total(self) -> int:
@@ -254,10 +266,9 @@ def size_up(model: nn.Module, spec=None, tables=()) -> Sizing:
     owned, uses = owners(model, modules, frozenset(id(m.weight) for m in tables))
     own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
     inside = [{id(m) for m in outer.modules()} for outer in modules]
-    sizes = []
+    beside = []
     for i, m in enumerate(modules):
         ancestors = {j for j, ids in enumerate(inside) if j != i and id(m) in ids}
-        with_ = ({j for j in uses.get(i, ()) if j is not None} | ancestors) - {i}
-        sizes.append(own[i] + sum(own[j] for j in with_))
+        beside.append(({j for j in uses.get(i, ()) if j is not None} | ancestors) - {i})
     remainder = sum(aligned_bytes(t) for _n, t, _p in owned.get(None, []))
-    return Sizing(named, owned, uses, own, sizes, remainder, tuple(tables))
+    return Sizing(named, owned, uses, own, beside, remainder, tuple(tables))
