@@ -402,11 +402,13 @@ def test_the_next_models_streamed_blocks_are_prefetched_during_this_ones_kept_ta
 
 
 def test_kept_sets_early_late_or_spread_through_the_plan():
+    from pager.base.common import WEIGHTS
     from pager.engine.schedule import Scheduler
 
     sched = Scheduler()
     blocks = [f"b{i}" for i in range(8)]
-    sched.plan = [(blk, ("weights",)) for blk in blocks]
+    sched.plan = [(blk, WEIGHTS) for blk in blocks]
+    assert sched.reads_only()
     sched.choose_kept(60, lambda blk: 10, 0)  # two blocks of streaming room
     assert sched.kept == set(blocks[:4])
     sched.choose_kept(60, lambda blk: 10, 0, order="late")

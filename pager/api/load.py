@@ -311,11 +311,12 @@ def save(model: nn.Module, path) -> str:
         if id(t) not in seen:
             seen.add(id(t))
             named.append((name, t))
-    where = {id(t): (block, i) for block in pager.all_blocks() for i, t in enumerate(block.weights.tensors)}
-    by_block: dict = {}
+    where = {id(t): (seg, i) for block in pager.all_blocks() for seg in block.weight_segments
+             for i, t in enumerate(seg.tensors)}
+    by_seg: dict = {}
     for name, t in named:
-        by_block.setdefault(where.get(id(t), (None, 0))[0], []).append((name, t))
-    order = [(n, t) for items in by_block.values() for n, t in items]
+        by_seg.setdefault(where.get(id(t), (None, 0))[0], []).append((name, t))
+    order = [(n, t) for items in by_seg.values() for n, t in items]
     header, _offsets = header_for([(n, t.dtype, tuple(t.shape)) for n, t in order], {"format": "pt"})
     tmp = path + ".tmp"
     with pager.lock:
@@ -324,8 +325,8 @@ def save(model: nn.Module, path) -> str:
             torch.cuda.synchronize(pager.device)  # write-backs in flight land first
         with open(tmp, "wb") as f:
             f.write(header)
-            for block, items in by_block.items():
-                views = block.weights.current_views() if block is not None else None
+            for seg, items in by_seg.items():
+                views = seg.current_views() if seg is not None else None
                 for name, t in items:
                     with guards.unguarded():
                         value = views[where[id(t)][1]] if views is not None else t.detach()

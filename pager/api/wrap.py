@@ -182,7 +182,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
         tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
-    sizing = discover.size_up(model, spec, [m for _n, m in tables])
+    sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, [m for _n, m in tables]),
+                                                       budget_bytes)
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
@@ -196,6 +197,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
+        sizing = discover.adapters_resident(sizing, budget_bytes)[0] if parts else sizing
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
                   activations=activations, engine=engine, name=name, compress=compress)
     pager.min_budget_bytes = min_budget
@@ -208,6 +210,10 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
         log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
                     format_bytes(total), kind, len(named), seconds * total / 2**30)
+    if adapter_bytes:
+        log.info("pager: the trainable parameters of otherwise frozen blocks (adapters, %s) stay on the device "
+                 "with their gradients and optimizer state; their blocks stream read-only.",
+                 format_bytes(adapter_bytes))
     if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "

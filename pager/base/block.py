@@ -4,6 +4,9 @@ A block's tensors are laid out in segments, each one contiguous region with
 a pinned host page and a device storage of the same layout:
 
     weights: the block's parameters and buffers (always)
+    frozen:  where a block has parameters that require grad and some that do
+             not (adapters on a frozen layer): those that do not, on a page of
+             their own ([Note: frozen pages]); `weights` holds the rest
     grads:   gradients of its trainable parameters (once a backward made them)
     state:   the attached optimizer's state for its parameters (after a step)
 
@@ -26,6 +29,20 @@ the flat storage bump only the flat tensor's counter. A segment whose tensors'
 versions moved since the fetch is dirty and is written back before eviction;
 a clean one leaves for free. Changes made through `.data` escape the counter:
 `Block.mark_dirty()` covers those (the optimizer path calls it after a step).
+
+[Note: frozen pages]
+Fine-tuning adapters (LoRA) leaves most of a block frozen: its parameters do
+not require grad, and only a few small ones change. In one page, the whole
+page would be dirty after every step (written back at each eviction) and a
+compressed one would turn plain. So a block with both kinds keeps the frozen
+parameters on a page of their own, `frozen`, and the rest (the trainable
+parameters and the buffers, which running statistics change) on `weights`.
+The frozen page is compressed by `compress=` and stays so; as long as its
+tensors keep their version counters it is clean and never written back (an
+in-place change to a frozen parameter makes it dirty like any page; a
+compressed one then turns plain). Every use fetches both (`WEIGHTS` in
+base/common.py names them together), so they are resident together. A
+block whose parameters all require grad, or none, has `weights` alone.
 """
 
 from __future__ import annotations
@@ -219,6 +236,7 @@ class Block:
         self.index = index
         self.owner = owner
         self.segments: dict[str, Segment] = {}
+        self.weight_segments: tuple = ()  # its pages of parameters and buffers: weights (and frozen)
         self.fetch_event = None       # the fetch compute has still to wait on (FETCHING)
         self.pins = 0
         self.thread_pins: dict = {}   # thread id -> pins it holds (see Engine.unpin)
@@ -229,7 +247,7 @@ class Block:
         self.last_use_tick = 0
         self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
         self.settled = False          # acquired since its last fetch (see Uses.can_use_resident)
-        self.params: list = []        # its parameters (in the weights segment), and their names
+        self.params: list = []        # its parameters (in its weight segments), and their names
         self.param_names: list = []
         self.trainable = False        # any of its parameters requires grad
         self.stats = None

@@ -10,9 +10,11 @@ import weakref
 import torch
 import torch.nn as nn
 
-WEIGHTS = ("weights",)
-BACKWARD = ("weights", "grads")
-STEP = ("weights", "grads", "state")
+# Segment kinds a use needs (see base/block.py): "frozen" is the page of a
+# block's parameters that do not require grad, where it also has some that do.
+WEIGHTS = ("weights", "frozen")
+BACKWARD = ("weights", "frozen", "grads")
+STEP = ("weights", "frozen", "grads", "state")
 EVERYONE = "everyone"  # Uses.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
 PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
 NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base.budget import format_bytes
-from ..base.common import WORKER_PREFIX
+from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
 from ..base.block import DIRECT_ALIGN, align_up
 from .host import HOST_RESERVE_BYTES, _register
@@ -414,7 +414,7 @@ class DiskTier:
                 return
             for b in [*block.deps, block]:
                 for kind, seg in b.segments.items():
-                    if (b is not block and kind != "weights") or kind not in kinds or seg.resident:
+                    if (b is not block and kind not in WEIGHTS) or kind not in kinds or seg.resident:
                         continue
                     if seg.host is None and seg not in self.reading and self._needs_read(seg):
                         if not self._start_read(seg, demand=False, distance=distance):
@@ -433,9 +433,9 @@ class DiskTier:
         """Start reading the weights pages of `blocks`, in this order (the
         reads queue on the IO threads): host memory holds every page."""
         for block in blocks:
-            seg = block.segments["weights"]
-            if self._needs_read(seg) and seg not in self.reading:
-                self._start_read(seg, demand=False)
+            for seg in block.weight_segments:
+                if self._needs_read(seg) and seg not in self.reading:
+                    self._start_read(seg, demand=False)
 
     def peak_gbps(self, nbytes: int = 1 << 30) -> float:
         """The sequential read rate of the largest checkpoint file (up to
@@ -499,7 +499,7 @@ class DiskTier:
             return
         self._kept_plan = scheduler.plan
         blocks = list(dict.fromkeys(b for b, _k in scheduler.plan))
-        streamed = [b.segments["weights"] for b in blocks if not b.resident_for_life and b not in scheduler.kept]
+        streamed = [w for b in blocks if not b.resident_for_life and b not in scheduler.kept for w in b.weight_segments]
         room = self.capacity_bytes - 2 * max((s.nbytes for s in streamed), default=0)
         self.kept, used = set(), 0
         for seg in streamed:

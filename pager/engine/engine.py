@@ -363,7 +363,7 @@ class Engine:
         if not owner.may_leave(block):
             return False
         with _record_range("evict", block.name):
-            for kind in ("weights", "state"):
+            for kind in ("weights", "frozen", "state"):
                 if kind in block.segments and block.segments[kind].resident:
                     self._readopt(block, block.segments[kind])
             owner.pages_leaving(block)

@@ -128,7 +128,7 @@ class Scheduler:
 
     def reads_only(self) -> bool:
         """The plan only reads weights (inference: no gradients, no optimizer state)."""
-        return all(kinds == ("weights",) for _b, kinds in self.plan)
+        return all(kinds == WEIGHTS for _b, kinds in self.plan)
 
     def upcoming_this_step(self):
         """The predicted uses left in this step (lazy)."""

@@ -123,7 +123,7 @@ class HostTier:
         if disk is None:
             return True
         segs = [s for k, s in block.segments.items() if k in kinds]
-        segs += [d.segments["weights"] for d in block.deps]
+        segs += [w for d in block.deps for w in d.weight_segments]
         return all(s.resident or disk.ready(s) for s in segs)
 
     def release(self, owner) -> None:

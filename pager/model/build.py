@@ -23,7 +23,8 @@ def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
     """
     order = [owned.get(i, []) for i in range(len(pager.named_blocks))] + [owned.get(None, [])]
     if pager.sources is None:  # (pages from files live in their disk tier's memory)
-        pager.engine.host.reserve(pager, [layout([(n, t) for n, t, _p in named])[1] for named in order if named])
+        pages = [page for named in order for _kind, page in _pages(named)]
+        pager.engine.host.reserve(pager, [layout([(n, t) for n, t, _p in page])[1] for page in pages])
     if pager.share_host is not None:
         pager.share_host(pager)  # the weights pages: one copy for the ranks of this node
     for i, (name, module) in enumerate(pager.named_blocks):
@@ -63,19 +64,35 @@ def add_row_tables(pager, tables: list, cache_bytes: int) -> None:
     pager.row_bytes = cache_bytes
 
 
+def _pages(named: list) -> list:
+    """[(kind, its (name, tensor, is_param) entries)]: the weight pages of a
+    block owning `named`; the frozen parameters on a page of their own where
+    some parameters require grad and some do not ([Note: frozen pages] in base/block.py)."""
+    frozen = [e for e in named if e[2] and not e[1].requires_grad]
+    if not frozen or not any(is_param and t.requires_grad for _n, t, is_param in named):
+        return [("weights", named)] if named else []
+    rest = [e for e in named if not (e[2] and not e[1].requires_grad)]
+    return [("weights", rest), ("frozen", frozen)]
+
+
 def _build_weights(pager, block: Block, named: list) -> None:
     for _n, t, _p in named:
         pager.original_device[id(t)] = t.device
-    codec = pager.compress if block.module is not None else None  # (the remainder is fetched once)
-    pieces = [pager.sources[id(t)] for _n, t, _p in named] if pager.sources is not None else None
-    seg = pager.engine.add_segment(block, "weights", [(n, t) for n, t, _p in named], values=pieces is None,
-                                  codec=codec, pieces=pieces)
-    guards.register(pager, block, seg)
-    guards.guard(seg)
+    pages = _pages(named) or [("weights", [])]
+    for kind, page in pages:
+        # The remainder is fetched once; a page of trainable parameters beside a
+        # frozen one stays plain (it changes every step).
+        plain = block.module is None or (kind == "weights" and len(pages) > 1)
+        pieces = [pager.sources[id(t)] for _n, t, _p in page] if pager.sources is not None else None
+        seg = pager.engine.add_segment(block, kind, [(n, t) for n, t, _p in page], values=pieces is None,
+                                       codec=None if plain else pager.compress, pieces=pieces)
+        guards.register(pager, block, seg)
+        guards.guard(seg)
+    block.weight_segments = tuple(block.segments[kind] for kind, _page in pages)
     block.params = [t for _n, t, is_param in named if is_param]
     block.param_names = [n for n, _t, is_param in named if is_param]
     block.trainable = any(p.requires_grad for p in block.params)
-    block.stats = BlockStats(block.name, seg.nbytes)
+    block.stats = BlockStats(block.name, block.nbytes())
     for p in block.params:
         pager.param_blocks[id(p)] = block
 

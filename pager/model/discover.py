@@ -13,6 +13,19 @@ but with nothing to name:
 * everything else (embeddings, heads, final norms) is the *remainder*: it
   stays resident on the device and counts against the budget.
 
+[Note: adapters stay on the device]
+Fine-tuning adapters (LoRA through peft, or trained norms) on a frozen model
+leaves a few small trainable parameters in blocks that are otherwise frozen.
+Paged with their block, they, their gradients and their optimizer state
+would cross the link at every step (written back whenever the block leaves,
+the update deferred to the block's next use), for parameters a few hundredths
+of the block's size. So where all of them, with their gradients and an
+Adam-sized state (4x their bytes), take at most 1/ADAPTER_SHARE of the
+budget, `adapters_resident` gives them to the remainder: they stay on the
+device for life, their blocks are frozen and never written back, and the
+optimizer steps them on the device. Larger ones stay with their blocks, on a
+page of their own beside the frozen one ([Note: frozen pages] in base/block.py).
+
 [Note: splitting large blocks]
 When the model does not fit and two of the largest blocks take an eighth of
 the room the budget leaves for blocks (every block that is not kept streams
@@ -28,6 +41,7 @@ block's parts together with it from its next use on (`Pager._merge_parts`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -254,6 +268,30 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
 def _own_bytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(m._parameters.values()) + list(m._buffers.values())
                if t is not None)
+
+
+ADAPTER_SHARE = 8  # adapters stay on the device where 4x their bytes take at most 1/8 of the budget
+
+
+def adapters_resident(sizing: Sizing, budget_bytes: int) -> tuple[Sizing, int]:
+    """`sizing` with the trainable parameters of otherwise frozen blocks
+    given to the remainder, where they are small enough (see [Note: adapters
+    stay on the device]), and their bytes; unchanged (and 0) otherwise."""
+    moved = {}
+    for i, named in sizing.owned.items():
+        params = [e for e in named if e[2]]
+        if i is not None and any(not t.requires_grad for _n, t, _p in params):
+            moved[i] = [e for e in params if e[1].requires_grad]
+    nbytes = sum(aligned_bytes(t) for entries in moved.values() for _n, t, _p in entries)
+    if not nbytes or ADAPTER_SHARE * 4 * nbytes > budget_bytes:
+        return sizing, 0
+    owned = dict(sizing.owned)
+    for i, entries in moved.items():
+        ids = {id(t) for _n, t, _p in entries}
+        owned[i] = [e for e in owned[i] if id(e[1]) not in ids]
+    owned[None] = list(owned.get(None, [])) + [e for entries in moved.values() for e in entries]
+    own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(sizing.named))]
+    return dataclasses.replace(sizing, owned=owned, own=own, remainder=sizing.remainder + nbytes), nbytes
 
 
 def size_up(model: nn.Module, spec=None, tables=()) -> Sizing:

@@ -274,7 +274,8 @@ class Hooks:
                     self.pager.prefetch()
                 if grad and self.pager.reducer is not None:
                     self.pager.reducer.forward_use(block)
-            if block.trainable and grad:
+            if grad:
+                # A frozen block too: its backward (the input's gradient) holds it until then.
                 return self._register_post_backward(block, args, kwargs)
             return None
 

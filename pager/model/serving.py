@@ -15,7 +15,7 @@ from ..base.budget import format_bytes
 from ..base.common import EVERYONE
 
 log = logging.getLogger("pager")
-KINDS_ORDER = ("weights", "grads", "state")
+KINDS_ORDER = ("weights", "frozen", "grads", "state")
 
 
 class Serving:
@@ -78,8 +78,8 @@ class Serving:
             guards.remember_alias(seg, t)
         if torch.is_grad_enabled():
             for block in wanted:
-                if block.trainable:
-                    self.pager.hooks.register_pre_backward(block, result)
+                # (a frozen block too: the backward of what it computed reads its weights)
+                self.pager.hooks.register_pre_backward(block, result)
 
     @staticmethod
     def mark_written(wanted: dict) -> None:

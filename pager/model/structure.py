@@ -16,7 +16,7 @@ class Structure:
 
     def __init__(self, pager):
         self.pager = pager
-        self._known = {id(t) for b in pager.all_blocks() for t in b.weights.tensors}
+        self._known = {id(t) for b in pager.all_blocks() for w in b.weight_segments for t in w.tensors}
 
     def snapshot(self) -> None:
         """Remember the model's parameters, buffers and modules as they are at wrap."""

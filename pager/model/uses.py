@@ -185,8 +185,8 @@ class Uses:
         """Remember views of `block`'s weights that its use left behind (an
         output, an attribute, a list a hook keeps): they are guarded with the
         block from now on. See [Note: views kept from a use] in base/guards.py."""
-        seg = block.segments.get("weights")
-        if block.module is None or block.resident_for_life or seg is None or not seg.resident:
+        segs = block.weight_segments
+        if block.module is None or block.resident_for_life or not segs or not segs[0].resident:
             return
         # Alone, every object is searched, and what stays unaccounted for is
         # autograd's (learned). With other threads, what stays unaccounted for
@@ -199,7 +199,7 @@ class Uses:
         alone = not other_threads()
         searchable = alone and use[-1] != saving.OTHERS
         found, unaccounted = guards.track_kept_views(
-            [seg], chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
+            segs, chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
         if found:
             self.pager.warn_once(
                 f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
@@ -215,7 +215,7 @@ class Uses:
         use = block.unaccounted_use
         if use is None:
             return False
-        if guards.has_unknown_views(block.weights, use):
+        if any(guards.has_unknown_views(w, use) for w in block.weight_segments):
             self.pager.warn_once(
                 f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
                 "from its %s exist somewhere pager cannot search while other threads run (or autograd's saved "

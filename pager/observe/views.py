@@ -25,7 +25,7 @@ def snapshot(pager) -> Stats:
     if pager.transport.is_cuda:
         memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(pager.device),
                       allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device))
-    weights = [b.weights for b in pager.all_blocks()]
+    weights = [w for b in pager.all_blocks() for w in b.weight_segments]
     return dataclasses.replace(pager.counters, resident_bytes=pager.resident_bytes, blocks=blocks,
                                carried_bytes=pager.carried_bytes, page_bytes=sum(w.page_bytes for w in weights),
                                plain_page_bytes=sum(w.nbytes for w in weights),

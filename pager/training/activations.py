@@ -594,10 +594,14 @@ def _pack_again(t):
     with unguarded():
         t = t.detach()
     index = recompute.index_of.get(n)
-    if index is not None:
-        recompute.keep(index, t)
-        if index == len(recompute.holders) - 1 and not _cuda_trace_hooks_on():
-            raise _AllSaved  # the rest of the forward saves nothing the backward needs
+    if index is None:
+        entry = entry_of(t)
+        if entry is not None:  # (a block's weight, saved as it is) counted, as in the forward
+            entry[2].saved.append(weakref.ref(t))  # ([Note: autograd's saved views, counted] in base/saving.py)
+        return t
+    recompute.keep(index, t)
+    if index == len(recompute.holders) - 1 and not _cuda_trace_hooks_on():
+        raise _AllSaved  # the rest of the forward saves nothing the backward needs
     return t
 
 

@@ -30,12 +30,13 @@ class StateDicts:
 
     def __init__(self, pager):
         self.pager = pager
-        self._names: dict = {}  # state-dict name -> (block, slot) of every paged tensor
+        self._names: dict = {}  # state-dict name -> (segment, slot) of every paged tensor
 
     def install(self) -> list:
         """Install the hooks; returns their handles."""
         pager, model = self.pager, self.pager.model
-        index = {id(t): (block, i) for block in pager.all_blocks() for i, t in enumerate(block.weights.tensors)}
+        index = {id(t): (seg, i) for block in pager.all_blocks() for seg in block.weight_segments
+                 for i, t in enumerate(seg.tensors)}
         named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         self._names = {n: index[id(t)] for n, t in named if id(t) in index}
         post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
@@ -51,15 +52,15 @@ class StateDicts:
             pager.apply_deferred()  # the weights as the steps taken so far left them
             if pager.transport.is_cuda:
                 torch.cuda.synchronize(pager.device)  # write-backs in flight must land first
-            views = {}  # block -> its weights' current values (a compressed page decodes once)
-            for name, (block, i) in self._names.items():
+            views = {}  # segment -> its current values (a compressed page decodes once)
+            for name, (seg, i) in self._names.items():
                 key = prefix + name
                 if key not in state_dict:
                     continue
                 with guards.unguarded():
-                    if block not in views:
-                        views[block] = block.weights.current_views()
-                    state_dict[key] = views[block][i].detach().to("cpu", copy=True)
+                    if seg not in views:
+                        views[seg] = seg.current_views()
+                    state_dict[key] = views[seg][i].detach().to("cpu", copy=True)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
@@ -108,8 +109,9 @@ def close(pager) -> None:
     for opt_link in list(pager.optimizers):  # detach() removes the link from the list
         opt_link.detach()
     for block in pager.all_blocks():
-        w = block.weights
-        values = [_restore(v, pager.original_device[id(t)]) for v, t in zip(w.current_views(), w.tensors)]
+        tensors = [t for w in block.weight_segments for t in w.tensors]
+        views = [v for w in block.weight_segments for v in w.current_views()]
+        values = [_restore(v, pager.original_device[id(t)]) for v, t in zip(views, tensors)]
         grads = block.segments.get("grads")
         grad_values = []
         if grads is not None:
@@ -122,7 +124,7 @@ def close(pager) -> None:
                     grad_values.append((p, value))
                 elif g is not None:
                     grad_values.append((p, g))
-        for t, v in zip(w.tensors, values):
+        for t, v in zip(tensors, values):
             t.data = v
         for p, g in grad_values:
             p.grad = _restore(g, p.device)
