@@ -1212,3 +1212,41 @@ def test_training_from_disk_with_spill_on_gpu_matches_the_model_on_gpu(tmp_path)
     pager.unwrap(model)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.to(GPU), q, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ adapters (LoRA)
+@pytest.mark.parametrize("compress,adapters_resident", [(None, True), (None, False), ("int4", True)])
+def test_lora_on_gpu_with_delayed_copies_equals_all_on_gpu(compress, adapters_resident):
+    """peft LoRA on a Llama whose frozen layers stream ([Note: frozen pages],
+    [Note: adapters stay on the device]): with every copy delayed, training
+    equals the model all on the GPU (holding the weights as the pages decode
+    them), nothing frozen is written back, and blocks with recomputed
+    activations hold the budget from the second pass on."""
+    from test_adapters import ATTENTION, peft_llama, peft_train, trainable
+
+    model = peft_llama(ATTENTION, hidden=512, layers=4)
+    total = tensor_page_bytes(model)
+    adapters = sum(p.numel() * p.element_size() for p in trainable(model))
+    budget = max(int(0.45 * total), 32 * adapters) if adapters_resident else int(0.3 * total)
+    assert budget < total and (budget >= 32 * adapters) == adapters_resident
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=budget, device=GPU, compress=compress, activations="recompute")
+    p = pager.of(model)
+    assert any(b.trainable for b in p.blocks) != adapters_resident
+    if compress:
+        ref.load_state_dict(model.state_dict())  # the frozen weights as their pages decode them
+    ref.to(GPU)
+    _sleepy(p.transport, compute_cycles=1_000_000)
+    opt, ref_opt = (torch.optim.AdamW(trainable(m), lr=1e-3) for m in (model, ref))
+    for step in range(3):
+        if step == 1:
+            p.reset()  # from the second pass on, the activations' room is known ([Note: one budget])
+        peft_train(model, opt, 1, first=step, device=GPU)
+        peft_train(ref, ref_opt, 1, first=step, device=GPU)
+    s = p.stats()
+    assert s.evictions > 0 and s.peak_device_bytes <= budget, s
+    if adapters_resident:
+        assert s.d2h_bytes == 0
+    pager.unwrap(model)
+    for (n, a), (_n, b) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a.to(GPU), b, rtol=1e-4, atol=1e-5, msg=n)

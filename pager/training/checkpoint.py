@@ -48,15 +48,18 @@ class StateDicts:
 
     def _state_dict_post(self, module, state_dict, prefix, local_metadata):
         pager = self.pager
+        keys = [(prefix + name, seg, i) for name, (seg, i) in self._names.items() if prefix + name in state_dict]
+        for key, _seg, _i in keys:
+            # The module's `param.detach()`, an alias of the page: dropped
+            # before a deferred update exposes its block, for a live alias
+            # makes a page dirty (a frozen one would be written back).
+            state_dict[key] = None
         with pager.lock:
             pager.apply_deferred()  # the weights as the steps taken so far left them
             if pager.transport.is_cuda:
                 torch.cuda.synchronize(pager.device)  # write-backs in flight must land first
             views = {}  # segment -> its current values (a compressed page decodes once)
-            for name, (seg, i) in self._names.items():
-                key = prefix + name
-                if key not in state_dict:
-                    continue
+            for key, seg, i in keys:
                 with guards.unguarded():
                     if seg not in views:
                         views[seg] = seg.current_views()
