@@ -86,6 +86,16 @@ def bench_shape(shape, args, rows, gbps):
         gpu_ms, peak = measure(make_step(model, opt, ids), args.reps)
         rows.append(Row(w, "all on GPU", gpu_ms, peak, 1.0, "itself",
                         f"frozen {frozen / GiB:.1f} GiB, adapters {adapters / 2**20:.0f} MiB"))
+        print(rows[-1])
+        # The usual LoRA setting: the model's own gradient checkpointing. What
+        # its peak holds beyond the weights is the step's own working memory
+        # (the head's logits and loss, a layer's temporaries), which pager's
+        # budget does not bound either.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ms, peak = measure(make_step(model, opt, ids), args.reps)
+        rows.append(Row(w, "all on GPU, gradient checkpointing", ms, peak, ms / gpu_ms, "all on GPU",
+                        f"{peak - (frozen + adapters) / GiB:.2f} GiB beyond the weights"))
+        model.gradient_checkpointing_disable()
         del opt
     except torch.OutOfMemoryError:
         rows.append(Row(w, "all on GPU", None, note="does not fit"))
