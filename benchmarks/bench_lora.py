@@ -34,7 +34,10 @@ def lora_llama(shape: str, layers: int, device: str):
     import transformers
 
     dims = SHAPES[shape]
-    config = transformers.LlamaConfig(vocab_size=32000, num_hidden_layers=layers,
+    # use_cache=False: training keeps no KV cache (1 GiB for 16 layers of these
+    # shapes at 4x512 tokens, held until the loss is computed; Hugging Face's
+    # gradient checkpointing turns it off, and so should every training loop).
+    config = transformers.LlamaConfig(vocab_size=32000, num_hidden_layers=layers, use_cache=False,
                                       num_key_value_heads=dims["num_attention_heads"], **dims)
     torch.set_default_dtype(torch.bfloat16)
     try:
