@@ -99,6 +99,7 @@ def bench_shape(shape, args, rows, gbps):
         rows.append(Row(w, "all on GPU, gradient checkpointing", ms, peak, ms / gpu_ms, "all on GPU",
                         f"{peak - (frozen + adapters) / GiB:.2f} GiB beyond the weights"))
         model.gradient_checkpointing_disable()
+        model.disable_input_require_grads()  # (which enabling it turned on for the adapters' sake)
         del opt
     except torch.OutOfMemoryError:
         rows.append(Row(w, "all on GPU", None, note="does not fit"))
