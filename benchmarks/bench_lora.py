@@ -6,7 +6,8 @@ tokens a step: all on the GPU (where it fits), pager under `--budget` with
 the frozen pages plain and int4 ([Note: frozen pages], [Note: adapters stay
 on the device]; activations recomputed, so the budget bounds them too), and
 DeepSpeed ZeRO-3 with its parameters offloaded to the CPU on the same
-adapters (skipped, and said so, where it is not installed). Each step's
+adapters (skipped, and said so, where it is not installed; run after every
+other row, for it changes torch's `F.linear` in the process). Each step's
 floor is the frozen bytes it must read, twice (forward and backward), at the
 pinned host-to-device rate measured in the same run.
 
@@ -133,11 +134,8 @@ def bench_shape(shape, args, rows, gbps):
         pager.unwrap(m)
         del m, opt, pg
         free_cuda()
-    if "deepspeed" in args.peers:
-        rows.append(peer_deepspeed(model, ids, w, plain_floor_ms, args.reps))
-        print(rows[-1])
-    del model
     free_cuda()
+    return lambda: peer_deepspeed(model, ids, w, plain_floor_ms, args.reps)
 
 
 def peer_deepspeed(model, ids, w, floor_ms, reps):
@@ -180,8 +178,12 @@ def main(argv=None):
     gbps = pinned_h2d_gbps()
     env["pinned_h2d_GBps"] = round(gbps, 1)
     rows: list[Row] = []
-    for shape in args.shapes:
-        bench_shape(shape, args, rows, gbps)
+    peers = [bench_shape(shape, args, rows, gbps) for shape in args.shapes]
+    # DeepSpeed last: its ZeRO-3 replaces torch's F.linear for the whole
+    # process (a version that saves every input, frozen weight or not).
+    for peer in peers if "deepspeed" in args.peers else ():
+        rows.append(peer())
+        print(rows[-1])
     save(rows, "lora", env)
 
 
