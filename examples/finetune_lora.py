@@ -46,7 +46,8 @@ def build(cuda: bool, layers: int):
     else:
         dims = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_attention_heads=4)
         torch.manual_seed(0)
-        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, use_cache=False, **dims))
+        config = transformers.LlamaConfig(num_hidden_layers=layers, use_cache=False, **dims)
+        base = transformers.LlamaForCausalLM(config)
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                            lora_dropout=0.0, init_lora_weights=cuda)  # (random B on the CPU: the check sees updates)
     return peft.get_peft_model(base, lora), dims["vocab_size"]

@@ -65,7 +65,8 @@ def written_back_by_kind(monkeypatch) -> dict:
 def streaming_budget(model, blocks=2.5):
     """The remainder with its gradients and state, and room for `blocks` layers."""
     layer = max(tensor_page_bytes(layer) for layer in model.layers)
-    return 4 * (tensor_page_bytes(model) - sum(tensor_page_bytes(layer) for layer in model.layers)) + int(blocks * layer)
+    remainder = tensor_page_bytes(model) - sum(tensor_page_bytes(layer) for layer in model.layers)
+    return 4 * remainder + int(blocks * layer)
 
 
 def assert_params_equal(model, ref):

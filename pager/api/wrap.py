@@ -94,10 +94,13 @@ def wrap(
             bytes ([Note: compressed pages] in codec/compress.py). None: plain
             pages. "lossless": bf16 weights in about 0.75x the bytes, decoded
             exactly (other dtypes stay plain). "fp8" (about 0.52x of bf16) and
-            "int4" (about 0.28x): lossy, for inference; the model's weights
-            become the decoded values (`state_dict()` and `unwrap` give those).
-            A block whose weights change later (a training step) is stored
-            plain from then on. On CUDA a ring of staging buffers (3 slots of
+            "int4" (about 0.28x): lossy, for inference and for the frozen
+            weights of adapter training; the model's weights become the
+            decoded values (`state_dict()` and `unwrap` give those). A block
+            whose weights change later (a training step) is stored plain from
+            then on; frozen parameters beside trainable ones (adapters) have
+            a page of their own that stays compressed ([Note: frozen pages]
+            in base/block.py). On CUDA a ring of staging buffers (3 slots of
             the largest piece, about 32 MiB each at most) comes out of the budget.
         rows: embedding tables to page by rows instead of as blocks
             ([Note: row tables] in rows/table.py): None (none, unless a table
