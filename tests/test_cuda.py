@@ -1250,3 +1250,46 @@ def test_lora_on_gpu_with_delayed_copies_equals_all_on_gpu(compress, adapters_re
     pager.unwrap(model)
     for (n, a), (_n, b) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(a.to(GPU), b, rtol=1e-4, atol=1e-5, msg=n)
+
+
+# ------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_compiled_model_on_gpu_with_delayed_copies_equals_the_compiled_model(how):
+    """[Note: pager under torch.compile]: inductor's graphs on the GPU, blocks
+    paging in and out with every copy delayed: training (and inference) equal
+    the model with its layers compiled all on the GPU (the graphs a paged
+    model gets, compiled whole or by block: inductor fuses nothing across a
+    block's hooks), with no recompilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = TinyLM(d=256)
+    ref = copy.deepcopy(model).to(GPU)
+    layer = tensor_page_bytes(model.layers[0])
+    rest = tensor_page_bytes(model) - len(model.layers) * layer
+    counter, ref_counter = CompileCounterWithBackend("inductor"), CompileCounterWithBackend("inductor")
+    for b in ref.layers:
+        b.compile(backend=ref_counter)
+    if how == "blocks":
+        for a in model.layers:
+            a.compile(backend=counter)
+    pager.wrap(model, budget=4 * (rest + 3 * layer), device=GPU)
+    _sleepy(pager.of(model).transport, compute_cycles=500_000)
+    run, ref_run = (model if how == "blocks" else torch.compile(model, backend=counter)), ref
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    frames = []
+    for x, y in batches(5):
+        x, y = x.to(GPU), y.to(GPU)
+        for m, o in ((run, opt), (ref_run, ref_opt)):
+            lm_loss(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+        frames.append(counter.frame_count)
+    assert frames[-1] >= 1 and frames[-1] == frames[2], frames
+    with torch.no_grad():
+        x = batches(1)[0][0].to(GPU)
+        torch.testing.assert_close(run(x), ref_run(x), rtol=1e-4, atol=1e-5)
+    assert pager.of(model).stats().evictions > 0
+    pager.unwrap(model)
+    assert_close_to_reference(model, ref)
+    torch._dynamo.reset()

@@ -46,6 +46,12 @@ def _tqdm_monitor(t: threading.Thread) -> bool:
     return t.name == "tqdm_monitor" and type(t).__name__ == "TMonitor"
 
 
+def outside_compile(hook):
+    """`hook` as it runs under `torch.compile`: eagerly, outside every
+    compiled graph ([Note: pager under torch.compile] in model/hooks.py)."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class BudgetError(RuntimeError):
     """The blocks that must be on the device at once do not fit the budget."""
 

@@ -53,6 +53,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .block import storage_key
+from .common import outside_compile
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
 from .saving import saving
 
@@ -109,7 +110,7 @@ def _reduce_ex(self, proto):
 class GuardedTensor(torch.Tensor):
     """The class of a buffer, optimizer-state tensor, gradient or view while its block is not in use."""
 
-    __torch_function__ = classmethod(_torch_function)
+    __torch_function__ = classmethod(outside_compile(_torch_function))  # (never traced)
     __deepcopy__ = _deepcopy
     __reduce_ex__ = _reduce_ex
 
@@ -117,7 +118,7 @@ class GuardedTensor(torch.Tensor):
 class GuardedParameter(nn.Parameter):
     """The class of a Parameter while its block is not in use (still a Parameter)."""
 
-    __torch_function__ = classmethod(_torch_function)
+    __torch_function__ = classmethod(outside_compile(_torch_function))  # (never traced)
     __deepcopy__ = _deepcopy
     __reduce_ex__ = _reduce_ex
 
@@ -723,6 +724,7 @@ class PostBackward(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    @outside_compile
     def backward(ctx, *grads):
         ctx.hooks.post_backward(ctx.block)
         return (None, None, *grads)

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .common import outside_compile
 from .registry import entry_of, unguarded
 
 
@@ -64,8 +65,8 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
     wants = bool(count or offload is not None or recompute is not None or ledger is not None)
     pushed = wants and top is None
     if pushed:
-        torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
-    ours = pushed or (top is not None and top is not _UNKNOWN and top[0] is _pack)
+        torch._C._autograd._push_saved_tensors_default_hooks(*_HOOKS)
+    ours = pushed or (top is not None and top is not _UNKNOWN and top[0] is _HOOKS[0])
     if ours:
         hooks = OURS
     else:
@@ -147,6 +148,11 @@ def _unpack(packed):
     if not isinstance(packed, tuple):
         return packed.unpack()  # Kept, or a policy's stand-in (sent to host memory, dropped)
     return _checked(*packed)
+
+
+# Run by autograd, also inside a compiled graph's call: never traced
+# ([Note: pager under torch.compile] in model/hooks.py).
+_HOOKS = (outside_compile(_pack), outside_compile(_unpack))
 
 
 def _checked(saved, version):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..base.block import Block
-from ..base.common import WEIGHTS
+from ..base.common import WEIGHTS, outside_compile
 
 
 class DirectCalls:
@@ -72,7 +72,8 @@ class DirectCalls:
             block.guard_handles = [
                 h
                 for module, pre, post in block.guards
-                for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
+                for h in (module.register_forward_pre_hook(outside_compile(pre)),
+                          module.register_forward_hook(outside_compile(post), always_call=True))
             ]
 
     def unguard(self, block: Block) -> None:

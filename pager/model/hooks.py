@@ -18,9 +18,36 @@ from ..base import saving
 from ..base.block import Block, PageState
 from ..training.checkpoint import StateDicts
 from .structure import Structure
-from ..base.common import BACKWARD, WEIGHTS, _locked
+from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
 
 log = logging.getLogger("pager")
+
+
+# [Note: pager under torch.compile]
+# pager's hooks do host work (fetches, waits, the budget's bookkeeping) that
+# no graph can hold, so they run eagerly, outside every compiled graph
+# (`outside_compile`): dynamo breaks the graph at each and compiles what lies
+# between, so a block's forward is one graph, and a paged-out tensor's guard
+# is never traced. A block compiled by itself (`module.compile()`, FSDP2's
+# pattern) runs its hooks, then its graph; under `torch.compile(model)`,
+# dynamo gives up on the root's loop over the layers at the first hook (a
+# graph break in a loop) and compiles each block's call as it comes: the
+# same graphs. The class swaps of the guards happen in the hooks, so a
+# compiled graph always sees the tensors' own classes: no recompilation as
+# blocks page in and out. With activations under the budget, a block's
+# first pre-hook, traced where it is compiled, marks whether its forward runs
+# compiled (`_compile_mark`).
+# Activations offloaded or recomputed need a block compiled by itself: under
+# `torch.compile(model)` the code between blocks is compiled with pager's
+# saved-tensor hooks on (they are not traceable: dynamo runs them on fake
+# tensors), and a recomputation in the backward would run uncompiled and
+# save other tensors than the compiled graph did; `for_block` in
+# training/activations.py refuses it, naming the fix.
+def _compile_mark(block: Block):
+    def mark(module, args):
+        block.under_compile = torch.compiler.is_compiling()  # (traced: True where this call is compiled)
+
+    return mark
 
 
 def _keeps_graph() -> bool:
@@ -60,8 +87,9 @@ class Hooks:
 
     def install(self) -> None:
         root = self.pager.model
-        self.handles.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self.handles.append(root.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True))
+        self.handles.append(root.register_forward_pre_hook(outside_compile(self._root_pre_forward)))
+        self.handles.append(root.register_forward_hook(outside_compile(self._root_post_forward), with_kwargs=True,
+                                                       always_call=True))
         for block in self.pager.blocks:
             self._install_block_hooks(block)
         self.pager.direct_calls.install()
@@ -70,16 +98,19 @@ class Hooks:
         for block in self.pager.all_blocks():
             for p in block.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self.handles.append(p.register_post_accumulate_grad_hook(outside_compile(self._on_grad)))
         self.handles += StateDicts(self.pager).install()
 
     def _install_block_hooks(self, block: Block) -> None:
         # Ours first among pre-hooks (a user's hook on the block may read its
         # weights: they must be here) and last among post-hooks.
         block.hook_handles = [
-            block.module.register_forward_pre_hook(self._make_pre_forward(block), with_kwargs=True, prepend=True),
-            block.module.register_forward_hook(self._make_post_forward(block), always_call=True),
+            block.module.register_forward_pre_hook(outside_compile(self._make_pre_forward(block)), with_kwargs=True,
+                                                   prepend=True),
+            block.module.register_forward_hook(outside_compile(self._make_post_forward(block)), always_call=True),
         ]
+        if self.pager.activations is not None:  # (what reads the mark: training/activations.py)
+            block.hook_handles.append(block.module.register_forward_pre_hook(_compile_mark(block), prepend=True))
 
     # [Note: asleep]
     # When a forward starts and every page of every block is on the device
@@ -140,7 +171,7 @@ class Hooks:
 
         graphs.add(mark)
         for t in outputs:
-            t.register_hook(reached)
+            t.register_hook(outside_compile(reached))
         weakref.finalize(reached, graphs.discard, mark)  # (from any thread, at any time: no lock)
 
     def sleep(self) -> None:
@@ -311,7 +342,7 @@ class Hooks:
             return grad
 
         for t in tensors:
-            t.register_hook(pre_backward)
+            t.register_hook(outside_compile(pre_backward))
 
     @_locked
     def _pre_backward(self, block: Block) -> None:

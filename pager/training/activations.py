@@ -76,6 +76,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..base.common import outside_compile
 from ..base.registry import entry_of, unguarded
 from ..base.saving import tls
 
@@ -194,6 +195,7 @@ class Activations:
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.of_block: dict = {}  # block -> policy, where it differs from `policy`
         self.policy = OFFLOAD if policy == AUTO else policy
+        self.asked = policy  # (what the user said, for errors)
         self._choosing = policy == AUTO
         self._passes = 0  # training passes started
         self._start = None  # (policy, clock) of the trial pass under way
@@ -253,6 +255,14 @@ class Activations:
         policy = self.of_block.get(block, self.policy)
         if policy == KEEP or self.offload.stays(block):
             return None, None
+        if block.under_compile and getattr(block.module, "_compiled_call_impl", None) is None:
+            raise RuntimeError(
+                f"pager: block {block.name!r} runs compiled by torch.compile of the whole model, with its "
+                f"activations {'recomputed' if policy == RECOMPUTE else 'offloaded'} (activations="
+                f"{self.asked!r}): pager's saved-tensor hooks are not for graphs compiled that way (a "
+                "recomputation, in the backward, would not run compiled). Compile the blocks themselves "
+                "instead (`module.compile()` on each, before or after wrap), or keep activations "
+                "(activations=\"keep\"); see [Note: pager under torch.compile] in model/hooks.py.")
         if policy == RECOMPUTE:
             return None, Recompute(block, args, kwargs, self.stats, self.ledger)
         return self.offload, None
@@ -525,7 +535,7 @@ class Recompute:
         rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         _set_rng(self.rng, self.devices)
         tls.recording = (self, [0])
-        torch._C._autograd._push_saved_tensors_default_hooks(_pack_again, _unpack_again)
+        torch._C._autograd._push_saved_tensors_default_hooks(*_AGAIN_HOOKS)
         try:
             with torch.enable_grad(), _autocast(self.autocast, self.autocast_cache):
                 self.block.module(*args, **kwargs)
@@ -617,6 +627,9 @@ class _AllSaved(Exception):
 
 def _unpack_again(t):
     return t
+
+
+_AGAIN_HOOKS = (outside_compile(_pack_again), outside_compile(_unpack_again))  # (see saving._HOOKS)
 
 
 def _set_rng(states, devices) -> None:

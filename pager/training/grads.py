@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..base import guards
+from ..base.common import outside_compile
 from ..base.guards import handle
 
 aten = torch.ops.aten
@@ -59,7 +60,8 @@ class PagedOutGrad(torch.Tensor):
         t.param_name, t.pager, t.block, t.segment, t.index = name, pager, block, segment, index
         return t
 
-    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None: handle(func, args, kwargs or {}))
+    __torch_function__ = classmethod(outside_compile(lambda cls, func, types, args=(), kwargs=None:
+                                                     handle(func, args, kwargs or {})))  # (never traced)
 
     def record(self, op) -> None:
         """Record zeroing or scaling of this gradient, replayed when it returns."""
