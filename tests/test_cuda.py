@@ -1276,7 +1276,9 @@ def test_compiled_model_on_gpu_with_delayed_copies_equals_the_compiled_model(how
     pager.wrap(model, budget=4 * (rest + 3 * layer), device=GPU)
     _sleepy(pager.of(model).transport, compute_cycles=500_000)
     run, ref_run = (model if how == "blocks" else torch.compile(model, backend=counter)), ref
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    # SGD: AdamW would turn the rounding noise of a gradient that is zero in
+    # exact arithmetic (attention's key bias) into steps of the full rate.
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
     frames = []
     for x, y in batches(5):
         x, y = x.to(GPU), y.to(GPU)
