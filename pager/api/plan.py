@@ -167,13 +167,15 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
 
     device = resolve_device(device)
     budget_bytes = parse_budget(budget, device)
-    sizing = discover.size_up(model, blocks)
+    # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
+    sizing = discover.adapters_resident(discover.size_up(model, blocks), budget_bytes)[0]
     min_budget = sizing.min_budget
     parts = set()
     check_codec(compress)
-    if blocks is None:  # as wrap does: [Note: splitting large blocks] in model/discover.py
+    if blocks is None:
         least_part = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part)
+        sizing = discover.adapters_resident(sizing, budget_bytes)[0] if parts else sizing
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
     state_of = _state_bytes(optimizer, device, state_factor)
