@@ -19,9 +19,9 @@ import argparse
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import pager
+from benchmarks.bench_train import make_step, measure
 from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
 from benchmarks.models import Decoder, build, layer_bytes
 
@@ -102,7 +102,7 @@ def bench_train(args, rows):
         if compiled:
             compile_layers(m)
         pager.wrap(m, budget=budget, device="cuda")
-        ms, peak = train_ms(m, ids, args.reps)
+        ms, peak = measure(make_step(m, torch.optim.AdamW(m.parameters(), lr=1e-4), ids, ids), args.reps)
         rows.append(Row(w, f"pager {budget / GiB:.1f} GiB, {'compiled' if compiled else 'eager'}", ms, peak))
         if compiled:
             rows[-1].ratio, rows[-1].reference = ms / rows[-2].ms, "pager, eager"
@@ -110,23 +110,6 @@ def bench_train(args, rows):
         pager.unwrap(m)
         del m
         free_cuda()
-
-
-def train_ms(model, ids, reps):
-    """(median ms, allocator peak GiB) of AdamW steps, after two."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = time_ms(step, warmup=1, reps=reps)
-    return ms, torch.cuda.max_memory_allocated() / GiB
 
 
 def main(argv=None):

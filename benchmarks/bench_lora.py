@@ -23,7 +23,8 @@ import os
 import torch
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, pinned_h2d_gbps, save, time_ms
+from benchmarks.bench_train import measure
+from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, pinned_h2d_gbps, save
 
 SHAPES = {"7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32),
           "13b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40)}
@@ -51,19 +52,6 @@ def lora_llama(shape: str, layers: int, device: str):
 
 def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def measure(step, reps, warmed=None):
-    """(median ms, allocator peak GiB over the timed steps); `warmed` runs
-    after two steps (the first pass learns the activations' room)."""
-    step()
-    step()
-    if warmed is not None:
-        warmed()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = time_ms(step, warmup=0, reps=reps)
-    return ms, torch.cuda.max_memory_allocated() / GiB
 
 
 def make_step(model, opt, ids):
@@ -115,7 +103,7 @@ def bench_shape(shape, args, rows, gbps):
         opt = torch.optim.AdamW(trainable(m), lr=1e-4)
         ms, peak = measure(make_step(m, opt, ids), args.reps, warmed=pg.reset)
         s = pg.stats()
-        steps = args.reps
+        steps = args.reps + 1  # (`measure` runs one step after `warmed` before timing)
         streamed = sum(seg.page_bytes for b in pg.blocks if not b.resident_for_life for seg in b.weight_segments)
         own_floor_ms = 2 * streamed / (gbps * 1e6)
         rows.append(Row(
