@@ -337,6 +337,36 @@ def test_auto_tries_both_and_keeps_the_faster(slow, monkeypatch):
         assert_same(a.grad, b.grad)
 
 
+def test_auto_never_keeps_the_policy_that_breaks_the_budget(caplog):
+    """[Note: activations, the automatic choice]: where one policy's passes
+    hold more than the budget (offload keeps activations smaller than its
+    threshold on the device) and the other's do not, "auto" keeps the one
+    that holds it, however fast the other; and from then on the budget holds."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=4, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    budget = int(0.6 * 4 * tensor_page_bytes(model))  # of weights, gradients and AdamW state
+    pager.wrap(model, budget=budget, device="cpu", activations="auto")
+    p = pager.of(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (4, 32))
+    chosen = False
+    with caplog.at_level(logging.INFO, logger="pager"):
+        for _step in range(12):
+            if not chosen and p.stats().activations_policy != "auto":
+                chosen = True
+                p.reset()  # (the choice made: from here on the budget holds)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    s = p.stats()
+    assert s.activations_policy == "recompute", s.activations_policy
+    assert "offload held more than the budget" in caplog.text
+    assert s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
+
+
 def wide_steps(model, opt, steps, batch=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -68,7 +68,8 @@ class Pager:
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
-        self.activations = Activations(activations, self.transport, self.counters) if activations != KEEP else None
+        self.activations = (Activations(activations, self.transport, self.counters,
+                                        budget_bytes=lambda: self.engine.budget_bytes) if activations != KEEP else None)
         if self.activations is not None:
             self.activations.ledger.note_blocks(0)
         self.tracer = Tracer(cuda=device.type == "cuda")

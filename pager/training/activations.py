@@ -109,6 +109,7 @@ class Ledger:
         self.flight = self.flight_cap = 0
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
         self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
+        self.pass_peak_with_blocks = 0  # ... in the training pass under way
         self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
         self._lock = threading.Lock()
 
@@ -119,11 +120,13 @@ class Ledger:
             self.pass_peak = max(self.pass_peak, self.live - self.flight + max(self.flight, self.flight_cap))
             self.peak = max(self.peak, self.live)
             self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
+            self.pass_peak_with_blocks = max(self.pass_peak_with_blocks, self.live + self.blocks)
 
     def note_blocks(self, nbytes: int) -> None:
         """Blocks hold `nbytes` on the device now (for `peak_with_blocks`)."""
         self.blocks = nbytes
         self.peak_with_blocks = max(self.peak_with_blocks, self.live + nbytes)
+        self.pass_peak_with_blocks = max(self.pass_peak_with_blocks, self.live + nbytes)
 
     def reset_peak(self) -> None:
         self.peak, self.peak_with_blocks = self.live, self.live + self.blocks
@@ -155,10 +158,17 @@ class Ledger:
             del self._storages[key]
         self.sub(entry[1])
 
-    def pass_ends(self) -> None:
-        """A training pass (forward and backward) ended: its peak is the reserve now."""
+    def pass_ends(self, keep_most: bool = False) -> int:
+        """A training pass (forward and backward) ended: its peak is the
+        reserve now (with `keep_most`, the most of it and the reserve before:
+        passes under different policies, see [Note: activations, the
+        automatic choice]). Returns the most that blocks and activations
+        held together in it."""
         with self._lock:
-            self.last_pass_peak, self.pass_peak = self.pass_peak, self.live
+            peak = self.pass_peak if not keep_most else max(self.pass_peak, self.last_pass_peak)
+            self.last_pass_peak, self.pass_peak = peak, self.live
+            together, self.pass_peak_with_blocks = self.pass_peak_with_blocks, self.live + self.blocks
+            return together
 
     def reserve(self) -> int:
         """The share of the budget that activations take from blocks."""
@@ -182,6 +192,13 @@ class Activations:
     stays (`stats().activations_policy`); the best, as a policy's first pass
     pays one-time costs (lazy imports, the allocator growing). Values are the
     same under both (bit for bit on the CPU device), so trying costs time only.
+    Never the one that breaks the budget where the other holds it: a trial
+    pass whose blocks and activations held more than the budget together
+    (offload keeps activations under its threshold on the device; blocks
+    cannot shrink below what runs) counts against its policy. While trials
+    alternate, blocks get the budget less the most any trial pass's
+    activations held, so that neither policy's pass runs on the other's
+    smaller reserve.
 
     Args:
         policy: "offload", "recompute" or "auto" (see the Notes).
@@ -189,8 +206,8 @@ class Activations:
         stats: the pager's `Stats`.
     """
 
-    def __init__(self, policy: str, transport, stats):
-        self.stats, self.transport = stats, transport
+    def __init__(self, policy: str, transport, stats, budget_bytes=lambda: None):
+        self.stats, self.transport, self.budget_bytes = stats, transport, budget_bytes
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.of_block: dict = {}  # block -> policy, where it differs from `policy`
@@ -201,6 +218,7 @@ class Activations:
         self._start = None  # (policy, clock) of the trial pass under way
         self._timed: list = []  # (policy, start, end) of trial passes whose time is not known yet
         self._seconds: dict = {OFFLOAD: [], RECOMPUTE: []}
+        self._over: dict = {OFFLOAD: False, RECOMPUTE: False}  # a trial pass of it held more than the budget
         stats.activations_policy = policy
 
     def pass_starts(self) -> None:
@@ -218,8 +236,11 @@ class Activations:
     def pass_ends(self) -> None:
         """A backward ended ("auto": the trial pass under way ends)."""
         self.offload.pass_ends()
-        self.ledger.pass_ends()
+        together = self.ledger.pass_ends(keep_most=self._choosing)
         if self._start is not None:
+            budget = self.budget_bytes()
+            if budget is not None and together > budget:
+                self._over[self._start[0]] = True
             self._timed.append((*self._start, self.transport.clock()))
             self._start = None
 
@@ -236,11 +257,13 @@ class Activations:
         self._timed = still
         if all(len(v) >= AUTO_TRIAL_PASSES for v in self._seconds.values()):
             best = {p: min(v) for p, v in self._seconds.items()}
-            self.policy = min(best, key=best.get)
+            held = [p for p in best if not self._over[p]] or list(best)  # (never what breaks the budget, if one holds)
+            self.policy = min(held, key=best.get)
             self.stats.activations_policy = self.policy
             self._choosing = False
             log.info("pager: activations=\"auto\" chose %r (a training pass took %.1f ms with activations offloaded, "
-                     "%.1f ms recomputed)", self.policy, 1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE])
+                     "%.1f ms recomputed%s)", self.policy, 1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE],
+                     "".join(f"; {p} held more than the budget" for p in best if self._over[p]))
 
     def forward_reaches(self, block) -> None:
         """The forward enters `block` (None: a new forward, before its first block)."""
