@@ -175,7 +175,6 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     if blocks is None:
         least_part = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part)
-        sizing = discover.adapters_resident(sizing, budget_bytes)[0] if parts else sizing
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
     state_of = _state_bytes(optimizer, device, state_factor)

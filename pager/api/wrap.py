@@ -200,7 +200,6 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
-        sizing = discover.adapters_resident(sizing, budget_bytes)[0] if parts else sizing
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
                   activations=activations, engine=engine, name=name, compress=compress)
     pager.min_budget_bytes = min_budget

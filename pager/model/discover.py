@@ -245,7 +245,9 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
     """`sizing` with the large parts (of `min_part_bytes` or more) of its
     blocks as nested blocks, when two of the largest blocks take
     1/SPLIT_SHARE of the room for blocks (see the Note); also the ids of
-    those parts. Unchanged (and an empty set) otherwise."""
+    those parts. Unchanged (and an empty set) otherwise. The blocks are
+    sized again from the model, and small adapters stay with the remainder
+    as `adapters_resident` has them."""
     named, own, remainder = sizing.named, sizing.own, sizing.remainder
     room = budget_bytes - remainder
     if not named or remainder + sum(own) <= budget_bytes or room <= 0 or SPLIT_SHARE * 2 * max(own) < room:
@@ -262,7 +264,8 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
             parts += large
     if not parts:
         return sizing, set()
-    return size_up(model, modules + parts, sizing.tables), {id(m) for m in parts}
+    resized = adapters_resident(size_up(model, modules + parts, sizing.tables), budget_bytes)[0]
+    return resized, {id(m) for m in parts}
 
 
 def _own_bytes(m: nn.Module) -> int:
