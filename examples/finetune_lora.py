@@ -26,31 +26,24 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import pager  # noqa: E402
+from benchmarks.bench_lora import TARGETS, lora_llama  # noqa: E402
 
 
 def build(cuda: bool, layers: int):
+    """The peft model and its vocabulary size."""
     import peft
     import transformers
 
     if cuda:  # 7B-shaped, bf16, built on the GPU (fast random init), then handed over on the CPU
-        dims = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                config = transformers.LlamaConfig(num_hidden_layers=layers, use_cache=False, **dims)  # (training)
-                base = transformers.LlamaForCausalLM(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        base = base.to("cpu")
+        model = lora_llama("7b", layers, "cuda").to("cpu")
         torch.cuda.empty_cache()
-    else:
-        dims = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_attention_heads=4)
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(num_hidden_layers=layers, use_cache=False, **dims)
-        base = transformers.LlamaForCausalLM(config)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                           lora_dropout=0.0, init_lora_weights=cuda)  # (random B on the CPU: the check sees updates)
-    return peft.get_peft_model(base, lora), dims["vocab_size"]
+        return model, model.config.vocab_size
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                      num_hidden_layers=layers, use_cache=False)  # (training)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0,
+                           init_lora_weights=False)  # (random B: the check sees updates)
+    return peft.get_peft_model(transformers.LlamaForCausalLM(config), lora), config.vocab_size
 
 
 def main():
