@@ -28,10 +28,11 @@ STEPS = {
     "generate": ["-m", "benchmarks.bench_generate", "--batches", "1,8", "--compress", "none", "--reps", "2"],
     "lora": ["-m", "benchmarks.bench_lora"],
     "compile": ["-m", "benchmarks.bench_compile"],
+    "quantized": ["-m", "benchmarks.bench_quantized"],
 }
 # seconds (measured ~75, ~110, ~260, ~100, ~200, ~160, ~180)
 LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170, "generate": 300, "lora": 300,
-          "compile": 300}
+          "compile": 300, "quantized": 300}
 
 
 def main():

@@ -1298,3 +1298,56 @@ def test_compiled_model_on_gpu_with_delayed_copies_equals_the_compiled_model(how
     pager.unwrap(model)
     assert_close_to_reference(model, ref)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------ quantized weights
+@pytest.mark.parametrize("kind", ["written out", "torchao int8"])
+def test_quantized_weights_on_gpu_with_delayed_copies_equal_all_on_gpu(kind):
+    """[Note: wrapper-subclass weights]: quantized weights stream by their
+    inner tensors onto the GPU, where their own kernels run; with every copy
+    delayed, inference and adapters' training equal the quantized model all
+    on the GPU, and the blocks stay within the budget. After unwrap the
+    weights are back on the CPU."""
+    from test_quantized import Adapted, inputs
+    from quantized import QuantizedWeight, quantized_bytes
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(Adapted(d=1024) for _ in range(8)))
+        for m in model:
+            m.base.bias.requires_grad_(False)
+            if kind == "written out":
+                m.base.weight = nn.Parameter(QuantizedWeight.of(m.base.weight), requires_grad=False)
+        if kind == "torchao int8":
+            quantization = pytest.importorskip("torchao.quantization")
+            quantization.quantize_(model, quantization.Int8WeightOnlyConfig(),
+                                   filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
+        return model
+
+    model, ref = make(), make().to(GPU)
+    weight = model[3].base.weight
+    budget = int(3.5 * quantized_bytes(model[0]))
+    pager.wrap(model, budget=budget, device=GPU, activations="recompute")
+    assert weight.device == GPU and model[3].base.weight is weight
+    p = pager.of(model)
+    _sleepy(p.transport, compute_cycles=1_000_000)
+    x = inputs(d=1024).to(GPU)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    trainable = [[q for q in m.parameters() if q.requires_grad] for m in (model, ref)]
+    opt, ref_opt = (torch.optim.AdamW(t, lr=1e-3) for t in trainable)
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(3):
+        if step == 1:
+            p.reset()  # (the first pass learns what the activations need)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(inputs(step, d=1024).to(GPU)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    s = p.stats()
+    # (blocks; the activations hold what the quantized kernels save, a dequantized copy of each weight)
+    assert s.evictions > 0 and s.peak_resident_bytes <= budget, s
+    for a, b in zip(*trainable):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    pager.unwrap(model)
+    assert weight.device.type == "cpu" and weight.qdata.device.type == "cpu"

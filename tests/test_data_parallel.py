@@ -126,6 +126,30 @@ def test_activations_off_the_device_equal_ddp(tmp_path, activations):
     spawn(train_lm, 2, tmp_path, regime="streams", activations=activations, steps=3)
 
 
+def adapters_on_quantized_ranks(rank, world, tmp):
+    from test_quantized import adapted, forward, inputs, quantized_bytes
+
+    model = adapted(seed=rank)  # different quantized weights per rank: wrap broadcasts rank 0's inner tensors
+    pager.wrap(model, budget=int(2.5 * quantized_bytes(model[0])), device="cpu")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        model(inputs(100 * rank + step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = forward(model, inputs(99))
+    gathered = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(gathered, out)
+    assert all(torch.equal(g, gathered[0]) for g in gathered[1:])
+    pager.unwrap(model)
+    dist.barrier()  # (no rank tears gloo down while another is still in the gather)
+
+
+def test_adapters_on_quantized_weights_train_on_two_ranks(tmp_path):
+    """Quantized weights ([Note: wrapper-subclass weights]) reach every rank from rank 0, by their inner
+    tensors, and the adapters' averaged steps keep the ranks equal."""
+    spawn(adapters_on_quantized_ranks, 2, tmp_path)
+
+
 def test_four_ranks(tmp_path):
     """Beyond two ranks, gloo's ring sums each element in an order set by
     its position in the buffer reduced, and DDP's buckets are not pager's

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..model import discover
 from .buffers import recreate_meta_buffers, undo_buffers
-from ..base import guards
+from ..base import guards, wrappers
 from ..base.budget import parse_budget, resolve_device
 from ..engine.disk import DiskTier, Piece, check_host_budget
 from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, replace_atomically
@@ -67,6 +67,8 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     """
     from .wrap import _wrap
 
+    _refuse_quantized(model, "pager.load reads plain tensors from the checkpoint's files",
+                      "load the unquantized model with pager.load, or quantize in host memory and pager.wrap it")
     if options.get("compress") and (host_budget is not None or spill is not None):
         raise ValueError("pager: load(..., compress=) reads each page once into host memory, encoded as it is "
                          "read; it takes no host_budget= or spill= (pages of the disk tier are the files' bytes). "
@@ -305,6 +307,9 @@ def save(model: nn.Module, path) -> str:
     from .wrap import of
 
     pager = of(model)
+    _refuse_quantized(model, "pager.save writes plain tensors (one safetensors file)",
+                      "save its state dict instead (host copies, a block at a time): "
+                      "torch.save(model.state_dict(), path), read back with load_state_dict")
     path = os.path.abspath(os.fspath(path))
     named, seen = [], set()
     for name, t in state_tensors(model):
@@ -333,6 +338,14 @@ def save(model: nn.Module, path) -> str:
                         f.write(_bytes_of(value))
     replace_atomically(tmp, path)
     return path
+
+
+def _refuse_quantized(model: nn.Module, what: str, fix: str) -> None:
+    """Refuse a model with quantized (wrapper-subclass) weights, naming the first."""
+    for name, t in state_tensors(model):
+        if wrappers.is_wrapper(t):
+            raise ValueError(f"pager: {what}, and {name!r} is a quantized {type(t).__qualname__} (a tensor "
+                             f"subclass wrapping others); {fix}.")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..model import discover
 from ..training import distributed
 from ..rows.table import choose as choose_row_tables
+from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..training.checkpoint import close
@@ -364,13 +365,9 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
                 f"pager: {name!r} has layout {t.layout}; pager pages dense tensors only. Keep this "
                 f"module out of the blocks or convert it to dense."
             )
-        if _wraps_other_tensors(t):
-            raise ValueError(
-                f"pager: {name!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass that holds "
-                f"other tensors (a quantized weight, e.g. torchao's); pager pages plain tensors only, so far. "
-                f"Wrap the unquantized model instead, with its weights sent compressed and decoded on the device: "
-                f"wrap(model, ..., compress=\"int4\" or \"fp8\")."
-            )
+        problem = wrappers.refusal(name, t)
+        if problem is not None:
+            raise ValueError(problem)
         devices.add(t.device)
     if len(devices) > 1:
         raise ValueError(
@@ -380,14 +377,6 @@ def _check_tensors(model: nn.Module, device: torch.device) -> None:
     bad = {d for d in devices if d.type not in ("cpu", device.type)}
     if bad:
         raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
-
-
-def _wraps_other_tensors(t: torch.Tensor) -> bool:
-    """A wrapper subclass (its data in inner tensors: `__tensor_flatten__`, or
-    its own `__torch_dispatch__`): its storage is not its bytes."""
-    cls = type(t)
-    return hasattr(cls, "__tensor_flatten__") or getattr(cls, "__torch_dispatch__", None) not in (
-        None, torch._C._disabled_torch_dispatch_impl)
 
 
 def _row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> int:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -147,6 +148,11 @@ class Segment:
     host: torch.Tensor | None          # uint8 page in a host arena (None: on disk only, see engine/disk.py)
     flat: torch.Tensor                 # uint8 on the device; storage is 0 or nbytes
     tensors: list[torch.Tensor] = field(default_factory=list)  # the bound device views
+    # Quantized weights whose inner tensors are among `tensors` ([Note:
+    # wrapper-subclass weights] in base/wrappers.py), and their own classes while guarded.
+    wrappers: list = field(default_factory=list)
+    wrapper_classes: list = field(default_factory=list)
+    inner_ids: frozenset = frozenset()  # ids of their inner tensors
     state: PageState = PageState.HOST
     versions: list[int] = field(default_factory=list)
     force_dirty: bool = False
@@ -211,13 +217,16 @@ class Segment:
         return self.tensors if self.resident else self.host_views()
 
     def snapshot_versions(self) -> None:
+        # (a quantized weight's own kernels change its inner tensors below
+        # autograd, where version counters do not move: its own counter does)
         with torch._C.DisableTorchFunctionSubclass():
-            self.versions = [t._version for t in self.tensors]
+            self.versions = [t._version for t in chain(self.tensors, self.wrappers)]
         self.force_dirty = False
 
     def is_dirty(self) -> bool:
         with torch._C.DisableTorchFunctionSubclass():
-            return self.force_dirty or any(t._version != v for t, v in zip(self.tensors, self.versions))
+            return self.force_dirty or any(t._version != v for t, v in zip(chain(self.tensors, self.wrappers),
+                                                                            self.versions))
 
 
 class Block:
@@ -250,6 +259,7 @@ class Block:
         self.params: list = []        # its parameters (in its weight segments), and their names
         self.param_names: list = []
         self.trainable = False        # any of its parameters requires grad
+        self.quantized = False        # it has quantized (wrapper-subclass) weights ([Note: wrapper-subclass weights])
         self.stats = None
         self.unpinned_calls = 0       # forward calls whose acquire failed
         self.compute_start = None     # when its current use began (trace)
@@ -294,6 +304,8 @@ class Block:
             for seg in self.segments.values():
                 if seg.resident:
                     for t in seg.tensors:
+                        total += t._version
+                    for t in seg.wrappers:  # (see Segment.snapshot_versions)
                         total += t._version
                     count += len(seg.tensors)
         return count, total

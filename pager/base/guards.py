@@ -56,6 +56,7 @@ from .block import storage_key
 from .common import outside_compile
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
 from .saving import saving
+from .wrappers import inner_tensors, is_wrapper
 
 # ------------------------------------------------------------- the classes
 def _names(kind, names):
@@ -153,19 +154,78 @@ allow_foreach(GuardedTensor, GuardedParameter)
 
 
 def guard_class(cls):
-    """The guard class for tensors of class `cls` (None if `cls` runs its own
-    `__torch_function__`, which a guard would bypass)."""
+    """The guard class for tensors of class `cls`: for a class with the plain
+    `__torch_function__`, one serving every access by `handle`; for a wrapper
+    subclass (a quantized weight) that runs its own, one serving each access
+    with the block's tensors in their own classes ([Note: wrapper-subclass
+    weights] in base/wrappers.py); None for another class with its own
+    `__torch_function__`, which a guard would bypass."""
     guard = _GUARDS.get(cls)
     if guard is None and cls not in GUARD_TYPES:
-        tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
-        plain = {getattr(f, "__func__", f) for f in _PLAIN_TORCH_FUNCTIONS}
-        if tf in plain:
+        if _plain_torch_function(cls):
             guard = type(f"Guarded{cls.__name__}", (cls,), {
                 "__torch_function__": classmethod(_torch_function), "__deepcopy__": _deepcopy,
                 "__reduce_ex__": _reduce_ex, "__module__": __name__})
+        elif hasattr(cls, "__tensor_flatten__"):
+            guard = type(f"Guarded{cls.__name__}", (cls,), {
+                "__torch_function__": classmethod(outside_compile(_wrapper_torch_function)),
+                "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce_ex, "__repr__": _wrapper_repr,
+                "guarded_class": cls, "__module__": __name__})
+        if guard is not None:
             GUARD_TYPES.add(guard)
         _GUARDS[cls] = guard
     return guard
+
+
+def _plain_torch_function(cls) -> bool:
+    tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    return tf in {getattr(f, "__func__", f) for f in _PLAIN_TORCH_FUNCTIONS}
+
+
+def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
+    """A paged-out quantized weight: metadata from the wrapper itself, every
+    other access with its block acquired and its tensors in their own classes,
+    so the wrapper's own `__torch_function__` and kernels run (its inner
+    tensors' guards would not see what runs below its `__torch_dispatch__`)."""
+    kwargs = kwargs or {}
+    if func in _METADATA:
+        return handle(func, args, kwargs)
+    if func in _DETACH:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
+        return _detached_wrapper(args[0])
+    tensors = _tensors_of(args, kwargs)
+    if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
+        raise RuntimeError(
+            "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
+            "the model's tensors have their own memory since, and this view has none. Take the view again "
+            "from the unwrapped model.")
+    return _serve_owners(owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
+
+
+_DETACH = {torch.Tensor.detach, torch.detach}
+
+
+def _detached_wrapper(t):
+    """`t.detach()` of a guarded quantized weight, without its bytes: run in
+    its own class, the result remembered as a view of its block."""
+    entry = entry_of(t)
+    with entry[0].lock:  # (nothing exposes or guards it meanwhile)
+        guard = type(t)
+        t.__class__ = guard.guarded_class
+        try:
+            alias = t.detach()
+        finally:
+            t.__class__ = guard
+        remember_alias(entry[2], alias)
+    return alias
+
+
+def unguarded_class(t):
+    """The class of `t` without its guard (its own, while its block is in use)."""
+    return getattr(type(t), "guarded_class", type(t))
+
+
+def _wrapper_repr(self):
+    return serve(lambda: repr(self), [self], expose=True)  # (in its own class: a subclass may print type(self))
 
 
 # [Note: the class of a tensor in use]
@@ -207,7 +267,7 @@ def in_use_class(cls):
     in_use = _IN_USE.get(cls)
     if in_use is None:
         in_use = cls
-        if guard_class(cls) is not None:  # (the same test: a plain torch function)
+        if _plain_torch_function(cls):
             in_use = type(cls.__name__, (cls,), {
                 "data": property(_data_get, _DATA_SET),
                 "__torch_function__": torch._C._disabled_torch_function_impl,
@@ -232,6 +292,7 @@ def guard(seg) -> None:
         return
     seg.exposed = False
     seg.classes = [_swap_to_guard(t) for t in seg.tensors]
+    seg.wrapper_classes = [_swap_to_guard(t) for t in seg.wrappers]
     live = []
     for ref, _cls in seg.aliases:
         t = ref()
@@ -244,9 +305,12 @@ def expose(seg) -> None:
     """Give every tensor of `seg` and its live aliases its own class back."""
     if seg.exposed:
         return
-    for t, cls in zip(seg.tensors, seg.classes or ()):
-        if cls is not None:
-            t.__class__ = in_use_class(cls)
+    if seg.wrappers:
+        _expose_quantized(seg)
+    else:
+        for t, cls in zip(seg.tensors, seg.classes or ()):
+            if cls is not None:
+                t.__class__ = in_use_class(cls)
     live = []
     for ref, cls in seg.aliases:
         t = ref()
@@ -257,6 +321,19 @@ def expose(seg) -> None:
     if live:
         seg.force_dirty = True  # see the Note: writes through .data escape the version counter
     seg.exposed = True
+
+
+def _expose_quantized(seg) -> None:
+    """`expose` for a segment with quantized weights: they and their inner
+    tensors get exactly their own classes (a compiled graph unwraps a wrapper
+    subclass into its inner tensors and knows no other subclass among them;
+    they are frozen, so a `.data` read need not mark them dirty), the others
+    their class in use."""
+    for t, cls in zip(seg.tensors, seg.classes or ()):
+        if cls is not None:
+            t.__class__ = cls if id(t) in seg.inner_ids else in_use_class(cls)
+    for t, cls in zip(seg.wrappers, seg.wrapper_classes):
+        t.__class__ = cls
 
 
 def open_to_pinning_threads(seg) -> None:
@@ -274,6 +351,8 @@ def release(seg) -> None:
     for t, cls in zip(seg.tensors, seg.classes or ()):
         if cls is not None:
             t.__class__ = cls
+    for t, cls in zip(seg.wrappers, seg.wrapper_classes):
+        t.__class__ = cls
     seg.exposed = True
     for ref, _cls in seg.aliases:
         t = ref()
@@ -674,8 +753,9 @@ def _adopt(segs, tensors) -> int:
     found = 0
     for t in tensors:
         try:
-            seg = by_key.get(storage_key(t))
-        except (RuntimeError, NotImplementedError, TypeError):
+            key = storage_key(inner_tensors(t)[0][1] if is_wrapper(t) else t)  # (a quantized weight: by its bytes)
+            seg = by_key.get(key)
+        except (RuntimeError, NotImplementedError, TypeError, IndexError):
             continue  # a tensor with no storage of its own
         if seg is not None and t is not seg.flat and id(t) not in TENSORS:  # (not one of its own)
             found += remember_alias(seg, t)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .block import storage_key
+from .wrappers import inner_tensors, is_wrapper
 
 # Storage (StorageImpl address) -> (pager, block, segment), for every segment
 # of every wrapped model: how a served access finds what a tensor belongs to.
@@ -27,13 +28,13 @@ def register(pager, block, seg) -> None:
     seg.storage_key = seg.storage._cdata
     seg.base_refs = torch._C._storage_Use_Count(seg.storage_key)  # the flat tensor, its tensors, `storage`
     SEGMENTS[seg.storage_key] = (pager, block, seg)
-    for t in seg.tensors:
+    for t in seg.tensors + seg.wrappers:
         TENSORS[id(t)] = (pager, block, seg)
 
 
 def unregister(seg) -> None:
     SEGMENTS.pop(seg.storage_key, None)
-    for t in seg.tensors:
+    for t in seg.tensors + seg.wrappers:
         if TENSORS.get(id(t), (None, None, None))[2] is seg:
             del TENSORS[id(t)]
 
@@ -41,6 +42,8 @@ def unregister(seg) -> None:
 def entry_of(t):
     """(pager, block, segment) that `t` belongs to (its own tensor or a view), or None."""
     entry = TENSORS.get(id(t))
+    if entry is None and is_wrapper(t):  # a view of a quantized weight: by its inner tensors
+        return next(filter(None, (entry_of(inner) for _n, inner in inner_tensors(t))), None)
     if entry is None:
         try:
             entry = SEGMENTS.get(storage_key(t))

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.wrappers import is_wrapper, nbytes_of
+
 CODECS = ("lossless", "fp8", "int4")
 PIECE_BYTES = 32 << 20  # encoded bytes per piece, about (the unit of staging and decoding)
 PIECE_ALIGN = 64
@@ -77,8 +79,8 @@ PART_MIN_PAGE_BYTES = 32 << 20  # the least page a part split off a block has un
 def page_bytes_estimate(codec: str, t: torch.Tensor) -> int:
     """About the bytes `t` takes in a page under `codec` (its usual ratio if
     the codec codes it, else its own bytes): for plans, before encoding."""
-    nbytes = t.numel() * t.element_size()
-    coded = (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
+    nbytes = nbytes_of(t)
+    coded = not is_wrapper(t) and (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
              and (t.dtype == torch.bfloat16 if codec == "lossless" else t.dtype in LOSSY_DTYPES))
     if not coded:
         return nbytes
@@ -137,20 +139,21 @@ def _align(n: int, to: int = 16) -> int:
 
 
 # ------------------------------------------------------------------ encoding
-def encode(codec: str, slots, plain: torch.Tensor, device=None):
+def encode(codec: str, slots, plain: torch.Tensor, device=None, keep_plain: frozenset = frozenset()):
     """Encode a segment's `plain` bytes (uint8, on the CPU; zeros between
     tensors) laid out by `slots`, computing on `device` (default: the CPU;
     same bytes on any; a GPU takes the segment's bytes once, no more than
     the block takes when it runs). Consecutive coded tensors of one dtype are
     coded as one run (with the zeros between them): fewer pieces, fewer
     launches. Returns (Encoded, page as a CPU uint8 tensor), or None if the
-    page would not be smaller than `BLOCK_KEEP_RATIO` of the plain one."""
+    page would not be smaller than `BLOCK_KEEP_RATIO` of the plain one.
+    Slots named in `keep_plain` stay raw (quantized weights' inner tensors)."""
     there = plain.to(device) if device is not None else plain
     parts: list = []  # (Piece without src, [(offset in the piece, CPU uint8 tensor)])
     raw = None  # [start, end) of the current run of raw bytes in the storage
     run: list = []  # the current run of coded tensors: (slot, its exponent counts under lossless)
     for slot in slots:
-        coded = _coded(codec, slot, there[slot.offset: slot.offset + slot.nbytes])
+        coded = None if slot.name in keep_plain else _coded(codec, slot, there[slot.offset: slot.offset + slot.nbytes])
         if coded is not None and not (run and run[0][0].dtype == slot.dtype):
             parts += _encode_run(codec, there, run)
             run = []

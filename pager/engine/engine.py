@@ -166,7 +166,7 @@ class Engine:
 
     # ---------------------------------------------------------- segments
     def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None,
-                    pieces: list | None = None) -> Segment:
+                    pieces: list | None = None, keep_plain: frozenset = frozenset()) -> Segment:
         """A new segment of `block` for `named` tensors: a page in the host tier
         and an empty device storage of the same layout. With `values`, the
         tensors' current values go into the page (encoded by `codec`, if it
@@ -176,7 +176,8 @@ class Engine:
         tensor: a checkpoint's bytes), so do they, and the disk tier reads
         the page when it is first needed; without either, the segment's own
         tensors are new views of it (gradients, optimizer state), its page
-        holding nothing yet."""
+        holding nothing yet. `keep_plain`: names of tensors `codec` leaves as they
+        are (the inner tensors of quantized weights)."""
         if pieces is not None:
             slots, nbytes = layout_for_files(named, [p.lead for p in pieces])
             for slot, piece in zip(slots, pieces):
@@ -184,7 +185,7 @@ class Engine:
             host, encoded = None, None
         else:
             slots, nbytes = layout(named)
-            host, encoded = self._page_of(block, slots, nbytes, named, codec) if values else (
+            host, encoded = self._page_of(block, slots, nbytes, named, codec, keep_plain) if values else (
                 self.host.hold(block.owner, nbytes), None)
         flat = self.transport.new_flat(nbytes)
         seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded,
@@ -204,7 +205,7 @@ class Engine:
         self._count_total(block.owner, nbytes)
         return seg
 
-    def _page_of(self, block, slots, nbytes: int, named: list, codec):
+    def _page_of(self, block, slots, nbytes: int, named: list, codec, keep_plain: frozenset):
         """A page holding `named` tensors' values, and how it is encoded (None: plain)."""
         if codec is None:
             host = self.host.hold(block.owner, nbytes)
@@ -214,7 +215,7 @@ class Engine:
         plain = torch.zeros(nbytes, dtype=torch.uint8)
         for slot, (_n, t) in zip(slots, named):
             slot.view_of(plain).copy_(t.detach())
-        done = encode(codec, slots, plain, self.device if self.transport.is_cuda else None)
+        done = encode(codec, slots, plain, self.device if self.transport.is_cuda else None, keep_plain)
         if done is None:  # it would not be smaller: plain
             host = self.host.hold(block.owner, nbytes)
             host[:nbytes].copy_(plain)

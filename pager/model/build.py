@@ -4,7 +4,7 @@ the row tables. Runs once, at `wrap` or `load`."""
 
 from __future__ import annotations
 
-from ..base import guards
+from ..base import guards, wrappers
 from ..base.block import Block, layout
 from ..base.common import WEIGHTS
 from ..observe.stats import BlockStats
@@ -24,7 +24,7 @@ def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
     order = [owned.get(i, []) for i in range(len(pager.named_blocks))] + [owned.get(None, [])]
     if pager.sources is None:  # (pages from files live in their disk tier's memory)
         pages = [page for named in order for _kind, page in _pages(named)]
-        pager.engine.host.reserve(pager, [layout([(n, t) for n, t, _p in page])[1] for page in pages])
+        pager.engine.host.reserve(pager, [layout(wrappers.expand([(n, t) for n, t, _p in page]))[1] for page in pages])
     if pager.share_host is not None:
         pager.share_host(pager)  # the weights pages: one copy for the ranks of this node
     for i, (name, module) in enumerate(pager.named_blocks):
@@ -76,7 +76,7 @@ def _pages(named: list) -> list:
 
 
 def _build_weights(pager, block: Block, named: list) -> None:
-    for _n, t, _p in named:
+    for name, t, _p in wrappers.expand_entries(named):
         pager.original_device[id(t)] = t.device
     pages = _pages(named) or [("weights", [])]
     for kind, page in pages:
@@ -84,14 +84,23 @@ def _build_weights(pager, block: Block, named: list) -> None:
         # frozen one stays plain (it changes every step).
         plain = block.module is None or (kind == "weights" and len(pages) > 1)
         pieces = [pager.sources[id(t)] for _n, t, _p in page] if pager.sources is not None else None
-        seg = pager.engine.add_segment(block, kind, [(n, t) for n, t, _p in page], values=pieces is None,
-                                       codec=None if plain else pager.compress, pieces=pieces)
+        tensors = [(n, t) for n, t, _p in page]
+        wrapped = [(n, t) for n, t in tensors if wrappers.is_wrapper(t)]  # ([Note: wrapper-subclass weights])
+        seg = pager.engine.add_segment(block, kind, wrappers.expand(tensors), values=pieces is None, pieces=pieces,
+                                       codec=None if plain else pager.compress,
+                                       keep_plain=frozenset(n for n, _t in wrappers.expand(wrapped)))
+        seg.wrappers = [t for _n, t in wrapped]
+        seg.inner_ids = frozenset(id(t) for _n, t in wrappers.expand(wrapped))
+        with guards.unguarded():
+            for t in seg.wrappers:  # onto the device storage's device, around their inner views
+                wrappers.rebind(t, dict(wrappers.inner_tensors(t)))
         guards.register(pager, block, seg)
         guards.guard(seg)
     block.weight_segments = tuple(block.segments[kind] for kind, _page in pages)
     block.params = [t for _n, t, is_param in named if is_param]
     block.param_names = [n for n, _t, is_param in named if is_param]
     block.trainable = any(p.requires_grad for p in block.params)
+    block.quantized = any(seg.wrappers for seg in block.weight_segments)
     block.stats = BlockStats(block.name, block.nbytes())
     for p in block.params:
         pager.param_blocks[id(p)] = block

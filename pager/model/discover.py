@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from ..base.block import align
+from ..base.wrappers import inner_tensors, is_wrapper, nbytes_of
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)
@@ -59,7 +60,7 @@ def tensor_bytes(module: nn.Module) -> int:
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += nbytes_of(t)
     return total
 
 
@@ -194,7 +195,9 @@ def owners(model: nn.Module, block_modules: list[nn.Module], exclude: frozenset 
 
 
 def aligned_bytes(t: torch.Tensor) -> int:
-    """Bytes `t` takes in a page."""
+    """Bytes `t` takes in a page (a quantized weight: its inner tensors, each aligned)."""
+    if is_wrapper(t):
+        return sum(aligned_bytes(inner) for _n, inner in inner_tensors(t))
     return align(t.numel() * t.element_size())
 
 
@@ -269,8 +272,7 @@ def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
 
 
 def _own_bytes(m: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(m._parameters.values()) + list(m._buffers.values())
-               if t is not None)
+    return sum(nbytes_of(t) for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
 
 
 ADAPTER_SHARE = 8  # adapters stay on the device where 4x their bytes take at most 1/8 of the budget

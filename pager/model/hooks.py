@@ -290,7 +290,8 @@ class Hooks:
                 acts = self.pager.activations if grad else None
                 if acts is not None:
                     acts.forward_reaches(block)
-                saving.begin_saving(self.pager.shared_mode and grad,
+                # (quantized weights' Python kernels leave Python views of them in the graph: counted)
+                saving.begin_saving((self.pager.shared_mode or block.quantized) and grad,
                                     *(acts.for_block(block, args, kwargs) if acts is not None else ()),
                                     ledger=acts.ledger if acts is not None else None)
             with self.lock:

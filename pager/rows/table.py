@@ -145,6 +145,7 @@ import torch
 import torch.nn as nn
 
 from ..base.budget import format_bytes
+from ..base.wrappers import is_wrapper
 from .kernels import (NO_STALE, Lookups, mark_of, number_lookups, patch_written,
                            place_rows, touch_hits)
 from .reader import HostRowReader, ReadAhead
@@ -588,7 +589,8 @@ def choose(model: nn.Module, spec, budget_bytes: int) -> list[tuple[str, nn.Modu
         return []
     named = list(model.named_modules())
     if spec == "auto":
-        found = [(n, m) for n, m in named if _is_table(m) and _nbytes(m.weight) > budget_bytes // 4]
+        found = [(n, m) for n, m in named
+                 if _is_table(m) and not is_wrapper(m.weight) and _nbytes(m.weight) > budget_bytes // 4]
     elif isinstance(spec, (list, tuple)):
         by_name = dict(named)
         by_id = {id(m): n for n, m in named}
@@ -633,6 +635,9 @@ def row_table_problem(model: nn.Module, m: nn.Module) -> str | None:
         return (f"a {type(m).__name__}; row paging takes nn.Embedding and nn.EmbeddingBag modules whose forward "
                 f"is torch's own")
     w = m.weight
+    if is_wrapper(w):
+        return (f"whose weight is a quantized {type(w).__qualname__}; row tables page plain matrices. Leave it "
+                f"out of rows= (its blocks stream it whole)")
     if w.dim() != 2 or not w.is_contiguous():
         return (f"whose weight of shape {tuple(w.shape)} is not a contiguous matrix; make it one "
                 f"(weight.data = weight.data.contiguous())")

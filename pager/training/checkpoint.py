@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..base.block import Block
 from ..base.common import WEIGHTS
-from ..base import guards
+from ..base import guards, wrappers
 from .grads import PagedOutGrad, replay
 
 
@@ -37,6 +37,8 @@ class StateDicts:
         pager, model = self.pager, self.pager.model
         index = {id(t): (seg, i) for block in pager.all_blocks() for seg in block.weight_segments
                  for i, t in enumerate(seg.tensors)}
+        index.update((id(w), (seg, w)) for block in pager.all_blocks() for seg in block.weight_segments
+                     for w in seg.wrappers)  # (a quantized weight: rebuilt from its inner tensors' entries)
         named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         self._names = {n: index[id(t)] for n, t in named if id(t) in index}
         post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
@@ -63,7 +65,7 @@ class StateDicts:
                 with guards.unguarded():
                     if seg not in views:
                         views[seg] = seg.current_views()
-                    state_dict[key] = views[seg][i].detach().to("cpu", copy=True)
+                    state_dict[key] = _host_copy(seg, views[seg], i)
 
     def _make_load_pre(self, block: Block):
         def load_pre(module, state_dict, prefix, *args):
@@ -85,6 +87,16 @@ def _load_pre_hook(module: nn.Module, hook):
     if public is not None:
         return public(hook)
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _host_copy(seg, views: list, i) -> torch.Tensor:
+    """A host copy of tensor `i` of `seg` (its index, or a quantized weight of
+    it: a wrapper of copies of its inner tensors) from the segment's `views`."""
+    if isinstance(i, int):
+        return views[i].detach().to("cpu", copy=True)
+    at = {id(t): k for k, t in enumerate(seg.tensors)}
+    return wrappers.copy_on(i, {n: views[at[id(inner)]] for n, inner in wrappers.inner_tensors(i)}, "cpu",
+                            guards.unguarded_class(i))
 
 
 def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -129,6 +141,9 @@ def close(pager) -> None:
                     grad_values.append((p, g))
         for t, v in zip(tensors, values):
             t.data = v
+        for seg in block.weight_segments:
+            for w in seg.wrappers:  # back onto the original device, around their inner tensors
+                wrappers.rebind(w, dict(wrappers.inner_tensors(w)))
         for p, g in grad_values:
             p.grad = _restore(g, p.device)
     pager.engine.leave(pager)  # everything above holds its own copy now

@@ -49,7 +49,7 @@ from itertools import chain
 import torch
 import torch.distributed as dist
 
-from ..base import guards
+from ..base import guards, wrappers
 
 log = logging.getLogger("pager")
 GRADS = ("grads",)
@@ -116,7 +116,8 @@ def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, ti
     cpu = control_on_cpu(group)
     seen = set()
     with torch.no_grad():
-        for name, t in chain(model.named_parameters(), model.named_buffers()):
+        # (a quantized weight by its inner tensors: [Note: wrapper-subclass weights] in base/wrappers.py)
+        for name, t in wrappers.expand(chain(model.named_parameters(), model.named_buffers())):
             if id(t) in seen or t.device.type == "meta":
                 continue
             seen.add(id(t))
