@@ -1301,7 +1301,7 @@ def test_compiled_model_on_gpu_with_delayed_copies_equals_the_compiled_model(how
 
 
 # ------------------------------------------------------------ quantized weights
-@pytest.mark.parametrize("kind", ["written out", "torchao int8"])
+@pytest.mark.parametrize("kind", ["written out", "torchao int8", "torchao fp8"])
 def test_quantized_weights_on_gpu_with_delayed_copies_equal_all_on_gpu(kind):
     """[Note: wrapper-subclass weights]: quantized weights stream by their
     inner tensors onto the GPU, where their own kernels run; with every copy
@@ -1318,17 +1318,18 @@ def test_quantized_weights_on_gpu_with_delayed_copies_equal_all_on_gpu(kind):
             m.base.bias.requires_grad_(False)
             if kind == "written out":
                 m.base.weight = nn.Parameter(QuantizedWeight.of(m.base.weight), requires_grad=False)
-        if kind == "torchao int8":
+        if kind.startswith("torchao"):
             quantization = pytest.importorskip("torchao.quantization")
-            quantization.quantize_(model, quantization.Int8WeightOnlyConfig(),
-                                   filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
+            config = quantization.Int8WeightOnlyConfig() if kind == "torchao int8" else \
+                quantization.Float8WeightOnlyConfig()
+            quantization.quantize_(model, config, filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
         return model
 
     model, ref = make(), make().to(GPU)
     weight = model[3].base.weight
     budget = int(3.5 * quantized_bytes(model[0]))
     pager.wrap(model, budget=budget, device=GPU, activations="recompute")
-    assert weight.device == GPU and model[3].base.weight is weight
+    assert weight.device.type == "cuda" and model[3].base.weight is weight
     p = pager.of(model)
     _sleepy(p.transport, compute_cycles=1_000_000)
     x = inputs(d=1024).to(GPU)
@@ -1351,3 +1352,35 @@ def test_quantized_weights_on_gpu_with_delayed_copies_equal_all_on_gpu(kind):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     pager.unwrap(model)
     assert weight.device.type == "cpu" and weight.qdata.device.type == "cpu"
+
+
+def test_torchao_float8_training_pages_like_plain_weights():
+    """torchao's float8 training (`convert_to_float8_training`) keeps plain
+    weights and casts them in each forward: they page as any, and training
+    under a streaming budget equals the converted model all on the GPU."""
+    float8 = pytest.importorskip("torchao.float8")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9 or more")
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(512, 1024, bias=False), nn.GELU(),
+                                              nn.Linear(1024, 512, bias=False)) for _ in range(6)))
+        return float8.convert_to_float8_training(model.to(torch.bfloat16))
+
+    model, ref = make(), make().to(GPU)
+    budget = int(2.5 * 4 * tensor_page_bytes(model[0]))  # (weights, gradients and Adam's state of 2.5 layers)
+    pager.wrap(model, budget=budget, device=GPU)
+    p = pager.of(model)
+    _sleepy(p.transport)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    for step in range(3):
+        x = torch.randn(64, 512, device=GPU, dtype=torch.bfloat16, generator=torch.Generator(GPU).manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert p.stats().evictions > 0
+    pager.unwrap(model)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.to(GPU), b, rtol=1e-2, atol=1e-3)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model import discover
+from ..base import wrappers
 from ..base.block import ALIGN_BYTES
 from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..base.budget import format_bytes, parse_budget
@@ -188,7 +189,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     names = [n for n, _m in sizing.named]
     kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
     moved = own if not compress else [
-        sum(page_bytes_estimate(compress, t) for _n, t, _p in owned.get(i, [])) for i in range(len(names))]
+        sum(_page_bytes(compress, t) for _n, t, _p in owned.get(i, [])) for i in range(len(names))]
     forward = sum(n for name, n in zip(names, moved) if name not in kept)
     grads = [trainable(i) for i in range(len(names))]
     states = [state(i) for i in range(len(names))]
@@ -346,3 +347,8 @@ def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
     size = dict(zip(names, sizes))
     scheduler.choose_kept(budget, lambda name: size[name], fixed, order)
     return scheduler.kept
+
+
+def _page_bytes(compress: str, t: torch.Tensor) -> int:
+    """About the bytes `t` takes in a page under `compress` (a quantized weight's inner tensors stay as they are)."""
+    return wrappers.nbytes_of(t) if wrappers.is_wrapper(t) else page_bytes_estimate(compress, t)

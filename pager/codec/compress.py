@@ -59,8 +59,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.wrappers import is_wrapper, nbytes_of
-
 CODECS = ("lossless", "fp8", "int4")
 PIECE_BYTES = 32 << 20  # encoded bytes per piece, about (the unit of staging and decoding)
 PIECE_ALIGN = 64
@@ -79,8 +77,8 @@ PART_MIN_PAGE_BYTES = 32 << 20  # the least page a part split off a block has un
 def page_bytes_estimate(codec: str, t: torch.Tensor) -> int:
     """About the bytes `t` takes in a page under `codec` (its usual ratio if
     the codec codes it, else its own bytes): for plans, before encoding."""
-    nbytes = nbytes_of(t)
-    coded = not is_wrapper(t) and (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
+    nbytes = t.numel() * t.element_size()
+    coded = (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
              and (t.dtype == torch.bfloat16 if codec == "lossless" else t.dtype in LOSSY_DTYPES))
     if not coded:
         return nbytes
