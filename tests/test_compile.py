@@ -148,13 +148,14 @@ def test_inductor_compiled_blocks_train_like_the_compiled_model():
 
 
 # ------------------------------------------------------------ tensor subclasses
-def test_a_weight_that_wraps_other_tensors_is_refused_before_anything_changes():
+def test_a_trainable_weight_that_wraps_other_tensors_is_refused_before_anything_changes():
     two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
     model = TinyLM(d=32)
     w = model.layers[1].attn.proj.weight
     model.layers[1].attn.proj.weight = torch.nn.Parameter(two_tensor.TwoTensor(w.detach().clone(), w.detach().clone()))
     before = {n: (t, t.device) for n, t in model.state_dict(keep_vars=True).items()}
-    with pytest.raises(ValueError, match=r"'layers.1.attn.proj.weight' is a .*TwoTensor.*requires grad.*requires_grad_\(False\)"):
+    wanted = r"'layers.1.attn.proj.weight' is a .*TwoTensor.*requires grad.*requires_grad_\(False\)"
+    with pytest.raises(ValueError, match=wanted):
         pager.wrap(model, budget=1 << 20, device="cpu")
     assert {n: (t, t.device) for n, t in model.state_dict(keep_vars=True).items()} == before
     assert not hasattr(model, "_forward_pre_hooks") or not model._forward_pre_hooks

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import pager
 import pager.engine.tiers as tiers
+from pager.base.wrappers import nbytes_of
 from quantized import QuantizedWeight, quantize, quantized_bytes
 
 
@@ -59,6 +60,15 @@ def test_quantized_weights_stream_by_their_bytes_bit_for_bit():
     assert pg.engine.total_bytes == quantized_bytes(ref) < sum(p.numel() * 4 for p in ref.parameters()) / 2
     assert model[0].up.weight is weight and isinstance(weight, nn.Parameter) and isinstance(weight, QuantizedWeight)
     assert not weight.requires_grad and weight.shape == (128, 64) and weight.dtype == torch.float32
+
+
+def test_plan_sizes_quantized_weights_by_their_bytes():
+    model = stack()
+    plan = pager.plan(model, budget=streaming_budget(model), compress="int4")
+    assert [nbytes for _name, nbytes in plan.blocks] == [quantized_bytes(layer) for layer in model]
+    # int4 would code float matrices; quantized weights stay as they are, and nothing else here is a matrix
+    streamed = [layer for name, layer in zip((n for n, _b in plan.blocks), model) if name not in plan.kept]
+    assert streamed and plan.forward_bytes == sum(nbytes_of(t) for layer in streamed for t in layer.parameters())
 
 
 def test_a_paged_out_quantized_weight_is_served():
@@ -159,7 +169,7 @@ def test_adapters_on_quantized_weights_train_bit_for_bit(activations, monkeypatc
     train(ref, ref_opt, 3)
     assert pager.of(model).stats().evictions > 0
     assert "frozen" not in written  # the quantized page never changes
-    assert "kept from its forward" not in caplog.text  # what autograd saves of them is counted, not taken for a user's view
+    assert "kept from its forward" not in caplog.text  # what autograd saves of them is counted, not a user's view
     assert torch.equal(forward(model, inputs(99)), forward(ref, inputs(99)))
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         if a.requires_grad:

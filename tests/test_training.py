@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import pager
 from helpers import assert_models_equal, assert_same, block_hooks, tensor_page_bytes
 from models import SuperNet, TinyLM
+from pager.training.grads import PagedOutGrad
 
 OPTIMIZERS = {
     "sgd_momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
@@ -430,10 +431,13 @@ def test_an_update_waits_for_a_candidate_that_is_not_sampled_again():
     pg = pager.of(net)
     train_supernet(net, ref, opt, ref_opt, batches(6), gen, len(net.layers[0].candidates))
     assert pg.stats().deferred_steps > 0
-    assert any(b.deferred_steps for b in pg.blocks)
+    pending = [b for b in pg.blocks if b.deferred_steps]
+    assert pending
     moved = pg.stats().h2d_bytes
     ckpt = net.state_dict()  # applies them
-    assert pg.stats().h2d_bytes > moved and not any(b.deferred_steps for b in pg.blocks)
+    assert not any(b.deferred_steps for b in pg.blocks)
+    # (it fetched their pages, unless a prefetch for their next use had brought them already)
+    assert pg.stats().h2d_bytes > moved or all(b.weights.resident for b in pending)
     for k, v in ref.state_dict().items():
         assert_same(ckpt[k], v)
     pager.unwrap(net)
@@ -495,8 +499,11 @@ def test_a_second_backward_through_a_retained_graph(regime):
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_resident_model_trains_without_block_hooks(set_to_none):
     """Once every block has its gradients' page, a model that fits trains with
-    its block hooks off: bit for bit the unwrapped model's steps, gradients in
-    their pages, two forwards into one backward too."""
+    its block hooks off: bit for bit the unwrapped model's steps, two forwards
+    into one backward too. Gradients zeroed in place stay in their pages;
+    gradients set to None leave the device with their pages, and the next
+    ones stay where autograd makes them ([Note: gradients outside their
+    pages, asleep])."""
     model = TinyLM()
     ref = copy.deepcopy(model)
     pager.wrap(model, budget=1 << 30, device="cpu")
@@ -513,11 +520,70 @@ def test_a_resident_model_trains_without_block_hooks(set_to_none):
             if m is model and i > 0:
                 assert block_hooks(model) == 0
                 pages = [s for b in pg.all_blocks() if (s := b.segments.get("grads")) is not None]
-                assert pages and all(p.grad is t for s in pages for p, t in zip(s.params, s.tensors))
+                if set_to_none:  # (the remainder's too: it is not in use between steps)
+                    assert pages and not any(s.resident for s in pages)
+                    assert all(p.grad is not None and p.grad is not t for s in pages for p, t in zip(s.params, s.tensors))
+                else:
+                    assert pages and all(p.grad is t for s in pages for p, t in zip(s.params, s.tensors))
             o.step()
             o.zero_grad(set_to_none=set_to_none)
     assert pg.stats().resident_forwards == 5 + 3  # (steps 1, 3 and 5 run two forwards)
     assert_trained_alike(model, opt, ref, ref_opt, batches(1)[0][0])
+
+
+def test_gradients_set_to_none_leave_the_device_before_the_forward():
+    """[Note: gradients set to None leave the device]: at a budget that holds
+    everything, `zero_grad()` (set_to_none=True) frees the gradients in the
+    unwrapped model; pager's grads pages leave too, before the next forward
+    (whose activations get their room). Awake (a trace on), the backward
+    makes them again, empty: nothing is copied either way, and training
+    equals the unwrapped model bit for bit."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu", trace_steps=8)  # (a trace keeps the pager awake)
+    pg = pager.of(model)
+    during_forward = []
+    model.layers[-1].register_forward_hook(lambda *a: during_forward.append(pg.resident_bytes))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    for i, (ids, tgt) in enumerate(batches(4)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            if m is model:
+                pages = [s for b in pg.all_blocks() if (s := b.segments.get("grads")) is not None]
+                assert pages and all(p.grad is t for s in pages for p, t in zip(s.params, s.tensors))
+            o.step()
+            o.zero_grad()
+        if i > 0:  # weights and Adam's state only
+            assert during_forward[-1] == pg.total_bytes - sum(s.nbytes for s in pages), i
+    s = pg.stats()
+    assert s.resident_forwards == 0 and s.d2h_bytes == 0 and s.h2d_bytes == tensor_page_bytes(model)
+    assert_trained_alike(model, opt, ref, ref_opt, batches(1)[0][0])
+
+
+def test_gradients_made_asleep_go_into_their_pages_before_a_block_leaves():
+    """[Note: gradients outside their pages, asleep]: gradients made while the
+    pager slept with their pages dropped are adopted into their pages when a
+    lower budget wakes it between backward and step; the blocks then leave
+    with them, and the step equals the unwrapped model's."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    pg = pager.of(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    data = batches(4)
+    for i, (ids, tgt) in enumerate(data):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            if m is model and i == 2:
+                assert pg.asleep and not any(b.segments["grads"].resident for b in pg.blocks)
+                pg.set_budget(regime_budget(model, "streams"))  # wakes it: gradients into pages, blocks leave
+                assert not pg.asleep and pg.stats().evictions > 0
+                for b in pg.blocks:  # none left on the device outside the budget
+                    seg = b.segments["grads"]
+                    assert all(p.grad is t or isinstance(p.grad, PagedOutGrad) for p, t in zip(seg.params, seg.tensors))
+            o.step()
+            o.zero_grad()
+    assert_trained_alike(model, opt, ref, ref_opt, data[0][0])
 
 
 def test_a_graph_built_asleep_keeps_every_block_until_autograd_lets_go():
@@ -628,8 +694,8 @@ def test_a_forward_that_wakes_the_pager_leaves_a_graph_built_asleep_its_blocks()
     pg.start_trace(steps=1)
     second, ref_second = lm_loss(model, c, tc), lm_loss(ref, c, tc)
     assert block_hooks(model) == 2 * len(pg.blocks)
-    with pytest.raises(ValueError, match="between steps"):
-        pg.set_budget(regime_budget(model, "streams"))
+    with pytest.raises(ValueError, match="between steps"):  # (the held blocks' weights and state take more)
+        pg.set_budget(tensor_page_bytes(model))
     (first + second).backward()
     (ref_first + ref_second).backward()
     for p, q in zip(model.parameters(), ref.parameters()):

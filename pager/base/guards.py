@@ -190,17 +190,17 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if func in _METADATA:
         return handle(func, args, kwargs)
-    if func in _DETACH:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
-        return _detached_wrapper(args[0])
     tensors = _tensors_of(args, kwargs)
-    if _unserved(tensors) == []:  # its block is pinned by this thread (shared mode: in use, still guarded)
-        own = cls.guarded_class  # (its inner tensors pass their guards unserved too)
-        return own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
     if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
         raise RuntimeError(
             "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
             "the model's tensors have their own memory since, and this view has none. Take the view again "
             "from the unwrapped model.")
+    if func in _DETACH:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
+        return _detached_wrapper(args[0])
+    if _unserved(tensors) == []:  # its block is pinned by this thread (shared mode: in use, still guarded)
+        own = cls.guarded_class  # (its inner tensors pass their guards unserved too)
+        return own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
     return _serve_owners(owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
 
 

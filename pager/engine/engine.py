@@ -381,6 +381,15 @@ class Engine:
         owner.left(block)
         return True
 
+    def drop(self, block, seg: Segment) -> None:
+        """RESIDENT -> HOST for one segment whose bytes nobody wants (its
+        gradients were set to None): memory freed, nothing written back, its
+        page marked empty. The block stays (its other pages)."""
+        assert seg.kind == "grads" and seg.resident and block.pins == block.resident_for_life, (block, seg.kind)
+        seg.host_valid = False
+        self._leave(block, seg, self._ready_event(block), write=False)
+        self._moved()
+
     def _ready_event(self, block):
         # [Note: the last use, or a fresh event]
         # The write-back and the reuse of the memory are ordered after the

@@ -24,7 +24,8 @@ def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
     order = [owned.get(i, []) for i in range(len(pager.named_blocks))] + [owned.get(None, [])]
     if pager.sources is None:  # (pages from files live in their disk tier's memory)
         pages = [page for named in order for _kind, page in _pages(named)]
-        pager.engine.host.reserve(pager, [layout(wrappers.expand([(n, t) for n, t, _p in page]))[1] for page in pages])
+        sizes = [layout(wrappers.expand([(n, t) for n, t, _p in page]))[1] for page in pages]
+        pager.engine.host.reserve(pager, sizes)
     if pager.share_host is not None:
         pager.share_host(pager)  # the weights pages: one copy for the ranks of this node
     for i, (name, module) in enumerate(pager.named_blocks):
@@ -76,7 +77,7 @@ def _pages(named: list) -> list:
 
 
 def _build_weights(pager, block: Block, named: list) -> None:
-    for name, t, _p in wrappers.expand_entries(named):
+    for _n, t, _p in wrappers.expand_entries(named):
         pager.original_device[id(t)] = t.device
     pages = _pages(named) or [("weights", [])]
     for kind, page in pages:

@@ -137,7 +137,7 @@ class Hooks:
     # with grad disabled enabled it) keeps the blocks until the next forward.
     def _can_sleep(self) -> bool:
         return (
-            self.pager.all_resident
+            (self.pager.all_resident or self.pager.grad_pages.only_empty_pages_out())
             and not self.pager.tracer.enabled
             and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.pager.blocks)
             and (not torch.is_grad_enabled() or self._can_train_asleep())
@@ -190,6 +190,7 @@ class Hooks:
             me = threading.get_ident()
             while any(t != me for t in self.pager.asleep_readers):  # ...and other threads' that began asleep finish
                 time.sleep(1e-5)
+            self.pager.grad_pages.adopt_outside()  # before anything may leave ([Note: gradients outside ...])
             for block in self.pager.blocks:
                 self.uses.track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
                 self._install_block_hooks(block)
@@ -230,6 +231,8 @@ class Hooks:
                 self.pager.activations.forward_reaches(None)  # ops before the first block
             self.structure.check()
             self._release_stale_backward_holds()
+            if torch.is_grad_enabled():
+                self.pager.grad_pages.drop_unset()  # ([Note: gradients set to None leave the device])
             self.pager.steps.start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
@@ -395,6 +398,8 @@ class Hooks:
         slot = self.pager.grad_slots.get(id(param))
         if slot is not None:
             seg = slot[0].segments["grads"]
+            if self.pager.asleep and not seg.resident and not seg.host_valid:
+                return  # its page was dropped: the gradient stays as autograd made it ([Note: gradients outside ...])
             if seg.state is PageState.RESIDENT:
                 view, grad = seg.tensors[slot[1]], param.grad
                 if grad is view:

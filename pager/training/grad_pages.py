@@ -57,6 +57,67 @@ class GradPages:
         if not seg.host_valid:
             seg.summaries = {}  # the device copy will hold no gradient worth describing
 
+    def drop_unset(self) -> None:
+        """[Note: gradients set to None leave the device]
+        `zero_grad()` (set_to_none=True) tells autograd to start the next
+        gradients afresh, and frees them in the unwrapped model, so that the
+        forward's activations have their room. A resident block keeps its
+        grads page, so at a budget that holds everything the forward would
+        peak higher than the unwrapped model by every gradient. So at each
+        training forward, the grads pages of resident blocks not in use
+        (the remainder too) whose gradients are all None are dropped (no
+        write-back, their pages marked empty); the block's next backward
+        allocates them again, and prefetch leaves such pages to it. (A
+        pending deferred update reads its page: such a page stays.)"""
+        pager = self.pager
+        for block in pager.all_blocks():
+            seg = block.segments.get("grads")
+            if (seg is not None and seg.resident and block.pins == block.resident_for_life  # (not in use)
+                    and not block.deferred_steps and all(p.grad is None for p in seg.params)):
+                pager.engine.drop(block, seg)
+
+    # [Note: gradients outside their pages, asleep]
+    # A pager may sleep through a training step with grads pages dropped
+    # (`only_empty_pages_out`): every other page is on the device, and the
+    # room the dropped pages left is the room their gradients take, so
+    # gradients stay where autograd makes them (`Hooks._on_grad`), as in the
+    # unwrapped model, and the step reads them there. When the pager wakes
+    # (a forward that needs the hooks, a block chosen to leave), they move
+    # into their pages (`adopt_outside`) before anything may leave. (Asleep
+    # training needs the model alone on its engine, so that room is there.)
+    def only_empty_pages_out(self) -> bool:
+        """Every page of the model is on the device but grads pages that hold nothing."""
+        pager = self.pager
+        missing = pager.total_bytes - pager.resident_bytes
+        for block in pager.all_blocks():
+            seg = block.segments.get("grads")
+            if seg is not None and not seg.resident and not seg.host_valid:
+                missing -= seg.nbytes
+        return missing == 0
+
+    def adopt_outside(self) -> None:
+        """Gradients autograd made while the pager slept into their pages (see the Note)."""
+        pager = self.pager
+        for block in pager.all_blocks():
+            seg = block.segments.get("grads")
+            if seg is None or seg.resident or not _outside(seg):
+                continue
+            pager.uses.acquire(block, ("grads",), record=False)
+            try:
+                self.gather(seg)
+            finally:
+                pager.uses.release(block)
+
+    @staticmethod
+    def holds_gradients(block: Block) -> bool:
+        """Whether `block`'s grads page holds a gradient still wanted (or
+        a pending update reads it): worth fetching ahead."""
+        seg = block.segments.get("grads")
+        if seg is None:
+            return False
+        return bool(block.deferred_steps) or any(
+            isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg for p in seg.params)
+
     def expose(self, block: Block) -> None:
         seg = block.segments.get("grads")
         if seg is None or not seg.resident:
@@ -93,3 +154,9 @@ class GradPages:
             elif isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
                 present = True  # fetched but never exposed: the page still holds it
         seg.host_valid = present or bool(block.deferred_steps)
+
+
+def _outside(seg: Segment) -> bool:
+    """Some gradient of `seg` is a tensor of autograd's, not in its page."""
+    return any(p.grad is not None and not isinstance(p.grad, PagedOutGrad) and p.grad is not t
+               for p, t in zip(seg.params, seg.tensors))
