@@ -179,6 +179,7 @@ class Segment:
     pending: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
     summary_event: object = None       # on the d2h stream: the summaries are computed
+    dropped: bool = False              # left empty, its gradients set to None (training/grad_pages.py)
     # Under a disk tier ([Note: the disk tier] in engine/disk.py): the tier caching
     # its page, where its bytes are on disk (`Piece`s; None: nowhere yet),
     # whether the host page is newer than the disk's, and the last copy that

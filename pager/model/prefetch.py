@@ -44,9 +44,8 @@ def prefetch(pager) -> None:
             continue  # the common case once the working set is resident
         if "grads" in kinds:
             block.owner.grad_pages.ensure_segment(block)
-            if not block.owner.grad_pages.holds_gradients(block):
-                # (an empty grads page moves nothing: it is made at the use, so that
-                # gradients set to None take no room before: [Note: gradients set to None leave the device])
+            if getattr(block.segments.get("grads"), "dropped", False):
+                # (empty: made at its use, [Note: gradients set to None leave the device])
                 kinds = tuple(k for k in kinds if k != "grads")
         missing = block.missing_bytes(kinds)
         for dep in block.deps:

@@ -26,6 +26,7 @@ class GradPages:
 
     def __init__(self, pager):
         self.pager = pager
+        self.dropped_bytes = 0  # of grads pages dropped empty and not made again since
 
     def ensure_segment(self, block: Block) -> None:
         if "grads" in block.segments:
@@ -47,6 +48,9 @@ class GradPages:
         a PagedOutGrad until the block is acquired and compute has waited on the
         copy (`expose`). Otherwise user code between a prefetch and the
         use (zero_grad(set_to_none=False), a read) would race the copy."""
+        if seg.dropped:  # made again: see only_empty_pages_out
+            seg.dropped = False
+            self.dropped_bytes -= seg.nbytes
         present = False
         for i, p in enumerate(seg.params):
             if isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg:
@@ -64,17 +68,25 @@ class GradPages:
         forward's activations have their room. A resident block keeps its
         grads page, so at a budget that holds everything the forward would
         peak higher than the unwrapped model by every gradient. So at each
-        training forward, the grads pages of resident blocks not in use
-        (the remainder too) whose gradients are all None are dropped (no
-        write-back, their pages marked empty); the block's next backward
-        allocates them again, and prefetch leaves such pages to it. (A
-        pending deferred update reads its page: such a page stays.)"""
+        training forward of a model whose pages are all on the device, the
+        grads pages of blocks not in use (the remainder too) whose gradients
+        are all None are dropped (no write-back, their pages marked empty);
+        the model then trains asleep with its gradients outside their pages
+        (the Note below). Where blocks stream, the budget bounds the peak and
+        nothing is dropped: a dropped page would come back at the backward,
+        taking room from blocks fetched ahead. (A pending deferred update
+        reads its page: such a page stays.)"""
         pager = self.pager
-        for block in pager.all_blocks():
-            seg = block.segments.get("grads")
-            if (seg is not None and seg.resident and block.pins == block.resident_for_life  # (not in use)
-                    and not block.deferred_steps and all(p.grad is None for p in seg.params)):
-                pager.engine.drop(block, seg)
+        if not (pager.all_resident or self.only_empty_pages_out()):
+            return  # blocks stream: the budget bounds the peak, and their pages come and go anyway
+        with guards.unguarded():  # (reading .grad of idle blocks' parameters: no guard to pass)
+            for block in [b for b in pager.engine.resident if b.owner is pager]:
+                seg = block.segments.get("grads")
+                if (seg is not None and seg.resident and block.pins == block.resident_for_life  # (not in use)
+                        and not block.deferred_steps and all(p.grad is None for p in seg.params)):
+                    pager.engine.drop(block, seg)
+                    seg.dropped = True
+                    self.dropped_bytes += seg.nbytes
 
     # [Note: gradients outside their pages, asleep]
     # A pager may sleep through a training step with grads pages dropped
@@ -86,14 +98,8 @@ class GradPages:
     # into their pages (`adopt_outside`) before anything may leave. (Asleep
     # training needs the model alone on its engine, so that room is there.)
     def only_empty_pages_out(self) -> bool:
-        """Every page of the model is on the device but grads pages that hold nothing."""
-        pager = self.pager
-        missing = pager.total_bytes - pager.resident_bytes
-        for block in pager.all_blocks():
-            seg = block.segments.get("grads")
-            if seg is not None and not seg.resident and not seg.host_valid:
-                missing -= seg.nbytes
-        return missing == 0
+        """Every page of the model is on the device but grads pages dropped empty."""
+        return self.pager.resident_bytes + self.dropped_bytes == self.pager.total_bytes
 
     def adopt_outside(self) -> None:
         """Gradients autograd made while the pager slept into their pages (see the Note)."""
@@ -107,16 +113,6 @@ class GradPages:
                 self.gather(seg)
             finally:
                 pager.uses.release(block)
-
-    @staticmethod
-    def holds_gradients(block: Block) -> bool:
-        """Whether `block`'s grads page holds a gradient still wanted (or
-        a pending update reads it): worth fetching ahead."""
-        seg = block.segments.get("grads")
-        if seg is None:
-            return False
-        return bool(block.deferred_steps) or any(
-            isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg for p in seg.params)
 
     def expose(self, block: Block) -> None:
         seg = block.segments.get("grads")
