@@ -6,7 +6,7 @@ GPU and against the floor of the bytes it streams (at the pinned rate
 measured in the same run); the bf16 model streamed beside them shows the
 bytes saved. Forward of 1x512 tokens (link-bound) and of one token.
 
-    python -m benchmarks.bench_quantized [--reps 5] [--layers 32]
+    python -m benchmarks.bench_quantized [--reps 5] [--layers 32] [--only int4]
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def bench(args, rows, gbps):
         rows.append(Row("7B-shaped quantized", "skipped", None, note=why))
         return
     for name, config in variants:
+        if args.only and args.only not in name:
+            continue
         try:
             model = made(args.layers, config)
         except Exception as e:  # (a quantization this torch/GPU lacks a kernel for: said, not hidden)
@@ -82,13 +84,15 @@ def bench(args, rows, gbps):
             with torch.no_grad():
                 model(x)
             torch.cuda.synchronize()
-            moved = pg.stats().h2d_bytes
+            stats = pg.stats()
+            moved, stalled = stats.h2d_bytes, stats.stall_seconds * 1e3
             floor = moved / (gbps * 1e6)
             workload = f"{args.layers} layers {w}"
             rows.append(Row(workload, f"{name} all on GPU", gpu_ms[w], None, 1.0, "itself",
                             f"{total / GiB:.2f} GiB of pages"))
             rows.append(Row(workload, f"{name} pager 2 GiB", ms, None, ms / max(floor, 1e-9), "its floor",
-                            f"{moved / 1e9:.2f} GB streamed, floor {floor:.1f} ms; {ms / gpu_ms[w]:.2f}x all on GPU"))
+                            f"{moved / 1e9:.2f} GB streamed, floor {floor:.1f} ms; {ms / gpu_ms[w]:.2f}x all on GPU; "
+                            f"compute waited {stalled:.1f} ms for fetches"))
             print(rows[-2], rows[-1], sep="\n")
         pager.unwrap(model)
         del model, pg
@@ -99,6 +103,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--only", choices=["bf16", "int8", "int4"], help="one of the models")
     args = ap.parse_args(argv)
     env = environment()
     gbps = pinned_h2d_gbps()
