@@ -15,11 +15,14 @@ wrap it is rebuilt around its inner views (`__tensor_unflatten__`, which
 reports the device storage's device) and swapped into the user's object
 with `torch.utils.swap_tensors`, PyTorch's own way to change a tensor's
 implementation in place (`Module.to` does so for these subclasses): the
-object, its class, its attributes and `isinstance(p, nn.Parameter)` stay.
-Unwrap does the same back onto the original device.
+object, its class, its attributes and `isinstance(p, nn.Parameter)` stay
+(`follow_inner`; where torch.compile's guards hold weak references to it,
+which `swap_tensors` refuses, the same swap of implementations runs after
+pager's own check that nothing else holds it). Unwrap does the same back
+onto the original device.
 
 While its block is not in use the wrapper, too, has a guard class (a
-subclass of its own, made per class by `guards.wrapper_guard_class`) whose
+subclass of its own, made per class by `guards.guard_class`) whose
 `__torch_function__` serves the access with the block's tensors given their
 own classes, so the wrapper's own `__torch_function__` and kernels run as
 they would unwrapped. Its inner tensors are guarded like any tensor.
@@ -65,6 +68,10 @@ def refusal(name: str, t: torch.Tensor) -> str | None:
                 f"that requires grad; pager pages such weights frozen only. Freeze it "
                 f"(`{name.rsplit('.', 1)[-1]}.requires_grad_(False)`) and train adapters beside it (LoRA), or "
                 f"train the unquantized model.")
+    if t._use_count() > 1:
+        return (f"pager: {name!r} is a {cls} (a quantized weight) that something besides the model holds "
+                f"(an autograd graph of a forward not run backward yet?); pager moves such weights onto the "
+                f"device in place. Run the backward, or drop the graph, before wrapping.")
     for inner_name, inner in inner_tensors(t):
         if is_wrapper(inner) or own_dispatch(inner) or inner.layout != torch.strided:
             return (f"pager: {name!r} is a {cls} whose inner tensor {inner_name!r} is a "
@@ -115,21 +122,13 @@ def rebuilt(t: torch.Tensor, inner: dict, cls=None) -> torch.Tensor:
     return (cls or type(t)).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
 
 
-def rebind(t: torch.Tensor, inner: dict) -> None:
-    """Make wrapper `t` (the same object, class and attributes) wrap the tensors
-    of `inner`, on their device: see the Note. `t` must have no autograd
-    history (a frozen parameter has none)."""
-    new = rebuilt(t, inner)
+def follow_inner(t: torch.Tensor) -> None:
+    """Make wrapper `t` (the same object, class and attributes) report the
+    device its inner tensors are on now: see the Note. `t` must have no
+    autograd history (a frozen parameter has none)."""
+    new = rebuilt(t, dict(inner_tensors(t)))
     if new.device != t.device:
         _swap_impl(t, new)
-    for n, inner_t in inner.items():
-        if getattr(t, n) is not inner_t:
-            setattr(t, n, inner_t)
-    for n, inner_t in inner.items():
-        if getattr(t, n) is not inner_t:
-            raise RuntimeError(
-                f"pager: {type(t).__qualname__}.__tensor_unflatten__ did not keep the inner tensor {n!r} it was "
-                f"given (it made a copy); pager cannot page this class: keep its module out of the blocks.")
 
 
 def _swap_impl(t: torch.Tensor, new: torch.Tensor) -> None:

@@ -94,7 +94,7 @@ def _build_weights(pager, block: Block, named: list) -> None:
         seg.inner_ids = frozenset(id(t) for _n, t in wrappers.expand(wrapped))
         with guards.unguarded():
             for t in seg.wrappers:  # onto the device storage's device, around their inner views
-                wrappers.rebind(t, dict(wrappers.inner_tensors(t)))
+                wrappers.follow_inner(t)
         guards.register(pager, block, seg)
         guards.guard(seg)
     block.weight_segments = tuple(block.segments[kind] for kind, _page in pages)

@@ -143,7 +143,7 @@ def close(pager) -> None:
             t.data = v
         for seg in block.weight_segments:
             for w in seg.wrappers:  # back onto the original device, around their inner tensors
-                wrappers.rebind(w, dict(wrappers.inner_tensors(w)))
+                wrappers.follow_inner(w)
         for p, g in grad_values:
             p.grad = _restore(g, p.device)
     pager.engine.leave(pager)  # everything above holds its own copy now
