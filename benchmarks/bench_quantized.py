@@ -16,7 +16,8 @@ import argparse
 import torch
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
+from benchmarks.bench_compile import forward_ms
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
 from benchmarks.models import build
 
 BUDGET = 2 * GiB
@@ -45,15 +46,6 @@ def made(layers: int, config):
 
         quantize_(model, config)
     return model
-
-
-def forward_ms(model, x, reps):
-    def fwd():
-        with torch.no_grad():
-            model(x)
-
-    fwd()
-    return time_ms(fwd, warmup=2, reps=reps)
 
 
 def bench(args, rows, gbps):

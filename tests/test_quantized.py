@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pager
-import pager.engine.tiers as tiers
 from pager.base.wrappers import nbytes_of
 from quantized import QuantizedWeight, quantize, quantized_bytes
+from test_adapters import written_back_by_kind
 
 
 class Layer(nn.Module):
@@ -133,18 +133,6 @@ def adapted(seed=0):
         m.base.weight = nn.Parameter(QuantizedWeight.of(m.base.weight), requires_grad=False)
         m.base.bias.requires_grad_(False)
     return model
-
-
-def written_back_by_kind(monkeypatch) -> dict:
-    written: dict = {}
-    down = tiers.HostTier.down
-
-    def counting(self, block, seg, after=()):
-        written[seg.kind] = written.get(seg.kind, 0) + seg.nbytes
-        return down(self, block, seg, after)
-
-    monkeypatch.setattr(tiers.HostTier, "down", counting)
-    return written
 
 
 def train(model, opt, steps, clip=True):
