@@ -98,16 +98,6 @@ def expand(named: list) -> list:
     return out
 
 
-def expand_entries(named: list) -> list:
-    """`named` (name, tensor, is_param) entries, and after each wrapper its inner tensors (not parameters)."""
-    out = []
-    for name, t, is_param in named:
-        out.append((name, t, is_param))
-        if is_wrapper(t):
-            out += [(f"{name}.{n}", inner, False) for n, inner in inner_tensors(t)]
-    return out
-
-
 def nbytes_of(t: torch.Tensor) -> int:
     """The bytes `t` holds: a wrapper's inner tensors', else its own."""
     if is_wrapper(t):

@@ -77,8 +77,8 @@ def _pages(named: list) -> list:
 
 
 def _build_weights(pager, block: Block, named: list) -> None:
-    for _n, t, _p in wrappers.expand_entries(named):
-        pager.original_device[id(t)] = t.device
+    for _n, t in [(n, t) for n, t, _p in named] + wrappers.expand([(n, t) for n, t, _p in named]):
+        pager.original_device[id(t)] = t.device  # (a quantized weight's inner tensors too)
     pages = _pages(named) or [("weights", [])]
     for kind, page in pages:
         # The remainder is fetched once; a page of trainable parameters beside a
@@ -87,11 +87,12 @@ def _build_weights(pager, block: Block, named: list) -> None:
         pieces = [pager.sources[id(t)] for _n, t, _p in page] if pager.sources is not None else None
         tensors = [(n, t) for n, t, _p in page]
         wrapped = [(n, t) for n, t in tensors if wrappers.is_wrapper(t)]  # ([Note: wrapper-subclass weights])
+        inner = wrappers.expand(wrapped)
         seg = pager.engine.add_segment(block, kind, wrappers.expand(tensors), values=pieces is None, pieces=pieces,
                                        codec=None if plain else pager.compress,
-                                       keep_plain=frozenset(n for n, _t in wrappers.expand(wrapped)))
+                                       keep_plain=frozenset(n for n, _t in inner))
         seg.wrappers = [t for _n, t in wrapped]
-        seg.inner_ids = frozenset(id(t) for _n, t in wrappers.expand(wrapped))
+        seg.inner_ids = frozenset(id(t) for _n, t in inner)
         with guards.unguarded():
             for t in seg.wrappers:  # onto the device storage's device, around their inner views
                 wrappers.follow_inner(t)

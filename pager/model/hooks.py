@@ -137,7 +137,7 @@ class Hooks:
     # with grad disabled enabled it) keeps the blocks until the next forward.
     def _can_sleep(self) -> bool:
         return (
-            (self.pager.all_resident or self.pager.grad_pages.only_empty_pages_out())
+            self.pager.grad_pages.only_empty_pages_out()  # (all resident, but dropped empty grads pages)
             and not self.pager.tracer.enabled
             and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.pager.blocks)
             and (not torch.is_grad_enabled() or self._can_train_asleep())

@@ -77,7 +77,7 @@ class GradPages:
         taking room from blocks fetched ahead. (A pending deferred update
         reads its page: such a page stays.)"""
         pager = self.pager
-        if not (pager.all_resident or self.only_empty_pages_out()):
+        if not self.only_empty_pages_out():
             return  # blocks stream: the budget bounds the peak, and their pages come and go anyway
         with guards.unguarded():  # (reading .grad of idle blocks' parameters: no guard to pass)
             for block in [b for b in pager.engine.resident if b.owner is pager]:
@@ -98,7 +98,8 @@ class GradPages:
     # into their pages (`adopt_outside`) before anything may leave. (Asleep
     # training needs the model alone on its engine, so that room is there.)
     def only_empty_pages_out(self) -> bool:
-        """Every page of the model is on the device but grads pages dropped empty."""
+        """Every page of the model is on the device but grads pages dropped
+        empty (none dropped: every page)."""
         return self.pager.resident_bytes + self.dropped_bytes == self.pager.total_bytes
 
     def adopt_outside(self) -> None:
