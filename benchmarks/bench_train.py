@@ -214,36 +214,42 @@ def bench_train_sweep(args, rows):
     for peer in filter(None, args.peers.split(",")):
         rows.append(run_peer(peer, cpu_ref, ids, tgt, gpu_ms, args.reps, w))
         print(rows[-1])
-    for share in args.shares:
-        for activations in args.policies:
-            budget = int(share * state_bytes)
-            model = copy.deepcopy(cpu_ref)
-            pager.wrap(model, budget=budget, device="cuda", activations=activations)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            pg = pager.of(model)
-            step = make_step(model, opt, ids, tgt)
-            for _ in range(AUTO_MAX_TRIAL_STEPS if activations == "auto" else 0):
-                if pg.stats().activations_policy != "auto":
-                    break
-                step()
-            ms, peak = measure(step, args.reps, warmed=pg.reset)
-            s = pg.stats()
-            rows.append(Row(
-                w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {s.activations_policy}",
-                ms, peak, ms / gpu_ms, "all on GPU",
-                f"allocator peak {peak / (budget / GiB):.2f}x the budget; pager's own peak "
-                f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
-                f"{s.activation_reserve_bytes / GiB:.2f} GiB of the budget set aside); per step "
-                f"{s.h2d_bytes / 1e9 / (args.reps + 1):.1f} GB in, {s.d2h_bytes / 1e9 / (args.reps + 1):.1f} GB out "
-                f"(blocks), activations {s.activations_sent_bytes / 1e9 / (args.reps + 1):.1f} GB out; host RSS "
-                f"{host_rss_gib():.1f} GiB",
-                {"budget": budget, "share": share, "peak_device": s.peak_device_bytes,
-                 "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes},
-            ))
-            print(rows[-1])
-            pager.unwrap(model)
-            del model, opt, step
-            free_cuda()
+    for share, activations, placement in ((s, a, p) for s in args.shares for a in args.policies
+                                          for p in args.placements):
+        budget = int(share * state_bytes)
+        model = copy.deepcopy(cpu_ref)
+        pager.wrap(model, budget=budget, device="cuda", activations=activations, optimizer_step=placement)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        pg = pager.of(model)
+        step = make_step(model, opt, ids, tgt)
+        for _ in range(AUTO_MAX_TRIAL_STEPS if activations == "auto" else 0):
+            if pg.stats().activations_policy != "auto":
+                break
+            step()
+        ms, peak = measure(step, args.reps, warmed=pg.reset)
+        s = pg.stats()
+        rows.append(Row(
+            w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {s.activations_policy}, "
+            f"optimizer_step={placement}",
+            ms, peak, ms / gpu_ms, "all on GPU",
+            f"allocator peak {peak / (budget / GiB):.2f}x the budget; pager's own peak "
+            f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
+            f"{s.activation_reserve_bytes / GiB:.2f} GiB of the budget set aside); per step "
+            f"{s.h2d_bytes / 1e9 / (args.reps + 1):.1f} GB in, {s.d2h_bytes / 1e9 / (args.reps + 1):.1f} GB out "
+            f"(blocks), activations {s.activations_sent_bytes / 1e9 / (args.reps + 1):.1f} GB out; "
+            f"{s.host_steps / (args.reps + 1):.0f} block updates on the host per step "
+            f"({1e3 * s.host_step_seconds / (args.reps + 1):.0f} ms of the host's, fetches waited "
+            f"{1e3 * s.host_step_wait_seconds / (args.reps + 1):.1f} ms), "
+            f"{s.deferred_steps / (args.reps + 1):.0f} deferred; host RSS {host_rss_gib():.1f} GiB",
+            {"budget": budget, "share": share, "placement": placement, "peak_device": s.peak_device_bytes,
+             "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes,
+             "host_steps": s.host_steps, "host_step_s": s.host_step_seconds,
+             "host_wait_s": s.host_step_wait_seconds},
+        ))
+        print(rows[-1])
+        pager.unwrap(model)
+        del model, opt, step
+        free_cuda()
 
 
 def run_peer(peer, cpu_ref, ids, tgt, gpu_ms, reps, w):
@@ -382,6 +388,7 @@ def main(argv=None):
     ap.add_argument("--shares", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.8, 1.0],
                     help="sweep: budgets as shares of weights + grads + AdamW state")
     ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
+    ap.add_argument("--placements", nargs="*", default=["auto", "device"], help="sweep: optimizer_step=")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
     ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],

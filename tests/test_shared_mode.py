@@ -94,7 +94,7 @@ def test_another_threads_read_applies_a_pending_update_without_touching_the_opti
     groups and gradients are untouched, and training goes on bit for bit."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="device")
     opts = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = batches(4)
     for ids, tgt in data[:2]:

@@ -369,7 +369,7 @@ def test_deferred_updates_equal_immediate_ones_with_a_schedule_clip_and_eval(set
     also when checkpoints and an eval forward come in between."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="device")
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=torch.tensor(1e-2), weight_decay=0.01)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
@@ -405,7 +405,7 @@ def test_two_steps_on_the_same_gradients_and_a_clip_between():
     the gradients as the clip after the first left them."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="device")
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     for ids, tgt in batches(3):
         for m, o, clip in ((model, opt, torch_clip), (ref, ref_opt, torch_clip)):
@@ -425,7 +425,7 @@ def test_an_update_waits_for_a_candidate_that_is_not_sampled_again():
     again or something reads it."""
     net = SuperNet(n_layers=4)
     ref = copy.deepcopy(net)
-    pager.wrap(net, budget=_supernet_budget(net), device="cpu")
+    pager.wrap(net, budget=_supernet_budget(net), device="cpu", optimizer_step="device")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (net, ref))
     gen = torch.Generator().manual_seed(3)
     pg = pager.of(net)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..model import discover
-from ..training import distributed
+from ..training import distributed, host_step
 from ..rows.table import choose as choose_row_tables
 from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
@@ -38,6 +38,7 @@ def wrap(
     prefetch: int = 2,
     trace_steps: int = 0,
     defer_step: bool = True,
+    optimizer_step: str = "auto",
     activations: str = "keep",
     compress: str | None = None,
     rows=None,
@@ -76,6 +77,21 @@ def wrap(
             `opt.step()` when the block is next used (bit for bit the same
             values; its transfers then overlap the next forward). False steps
             every block during `opt.step()`.
+        optimizer_step: where a block's optimizer update runs ([Note: the
+            optimizer step on the host] in training/host_step.py). "host": on
+            the CPU, over the block's host pages, in a worker thread that
+            starts at `opt.step()` and runs ahead of the next forward, which
+            brings the new weights up: the optimizer state never crosses the
+            link (ZeRO-Offload's and torchao's CPUOffloadOptimizer's
+            placement); blocks still on the device at `step()` leave first.
+            "device": on the device (the GPU), the block's state brought in
+            with it. "auto" (default): on the host for a block whose pages are
+            all in host memory at `step()` where the host is measured to finish
+            it before the next forward reaches the block, else on the device.
+            Either way each block's first update runs on the device (it makes
+            the state), and so do updates the host cannot run: `capturable`
+            or `differentiable` optimizers, compressed or shared pages, a disk
+            tier; under "auto", optimizers from outside `torch.optim` too.
         activations: what a block's training forward saves for its backward:
             "keep" it on the device (as without pager); "offload" it: each
             saved activation of 1 MiB or more goes to pinned host memory as the
@@ -147,13 +163,15 @@ def wrap(
         >>> print(pager.of(model).stats())
     """
     return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
-                 prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, activations=activations,
+                 prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, optimizer_step=optimizer_step,
+                 activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
                  dist_timeout=dist_timeout, share_host_pages=share_host_pages)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
-          prefetch=2, trace_steps=0, defer_step=True, activations="keep", compress=None, rows=None, row_cache=None,
+          prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="keep", compress=None,
+          rows=None, row_cache=None,
           process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
@@ -171,6 +189,9 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
         raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    if optimizer_step not in host_step.MODES:
+        raise ValueError(f"pager: optimizer_step={optimizer_step!r} must be \"auto\" (on the host where it is "
+                         "measured to keep up, else on the device), \"host\" (the CPU) or \"device\".")
     check_codec(compress)
     if activations not in ("keep", "offload", "recompute", "auto"):
         raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
@@ -202,7 +223,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations, engine=engine, name=name, compress=compress)
+                  activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step)
     pager.min_budget_bytes = min_budget
     if share_host_pages:
         pager.share_host = lambda p: distributed.share_host_pages(p, group, dist_timeout)

@@ -273,6 +273,7 @@ class Block:
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
         self.under_compile = False    # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])
         self.deferred_steps: list = []  # optimizer updates applied at its next use (training.optim.Deferred)
+        self.host_update = None       # its optimizer update running on the host (a Future; training/host_step.py)
         self.part = False             # a part of a large block, split off (model.discover.split_large)
         self.parts_merged = False     # its parts are to be fetched with it (Pager._merge_parts)...
         self.merged_deps = False      # ...and are among its deps

@@ -88,6 +88,10 @@ class Owner(Protocol):
         """Device bytes its activations take from the budget, or None if it
         does not page activations (the budget is then its blocks')."""
 
+    def host_pages_ready(self, block) -> None:
+        """Before `block`'s pages are copied up: work on them in host memory
+        (an optimizer update on the host) is done."""
+
     def grads_arriving(self, block, seg) -> None:
         """A grads page is about to be fetched: set `seg.host_valid` to whether
         its page holds a gradient still wanted (else nothing is copied)."""
@@ -290,6 +294,8 @@ class Engine:
         copy up enqueued. Compute has not waited yet (`wait`)."""
         block.settled = False  # until an acquire has ordered compute after this fetch
         owner = block.owner
+        if block.host_update is not None:
+            owner.host_pages_ready(block)  # (its optimizer update on the host writes the pages copied below)
         allocated, moved, decoded, nbytes, first, end = False, False, False, 0, None, None
         last_copy = None  # the end of a copy enqueued after every allocation so far
         for kind in kinds:

@@ -233,6 +233,7 @@ class Hooks:
             self._release_stale_backward_holds()
             if torch.is_grad_enabled():
                 self.pager.grad_pages.drop_unset()  # ([Note: gradients set to None leave the device])
+                self.pager.host_steps.forward_starts()
             self.pager.steps.start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
@@ -256,6 +257,8 @@ class Hooks:
             return
         saving.end_saving()
         self.root_depth = max(0, self.root_depth - 1)
+        if self.root_depth == 0:
+            self.pager.host_steps.forward_ends()
         marks = self.forward_marks()
         if len(marks) <= 1:  # this thread's request ends
             self.pager.steps.note_carried(args, kwargs)

@@ -24,6 +24,7 @@ from ..rows.table import find_row_table
 from ..training.activations import KEEP, Activations
 from ..training.grad_ops import GradOps
 from ..training.grad_pages import GradPages
+from ..training.host_step import HostSteps
 from ..training.optim import attach as attach_optimizer
 from .direct_calls import DirectCalls
 from .hooks import Hooks
@@ -43,7 +44,7 @@ class Pager:
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
                  activations="keep", engine: Engine | None = None, name: str | None = None,
-                 compress: str | None = None):
+                 compress: str | None = None, optimizer_step: str = "auto"):
         self.model = model
         self.device = device
         self.prefetch_depth = prefetch_depth
@@ -94,6 +95,7 @@ class Pager:
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)
+        self.host_steps = HostSteps(self, optimizer_step)  # where updates run ([Note: the optimizer step on the host])
         self.steps = Steps(self)  # the step boundary: plan, kept set, advice
         self.direct_calls = DirectCalls(self)  # guards for modules called outside their block's forward
         self.hooks = Hooks(self)
@@ -145,6 +147,9 @@ class Pager:
 
     # ------------------------------------------------------------ residency
     # ------------------------------------- leaving (called by the engine)
+    def host_pages_ready(self, block: Block) -> None:
+        self.host_steps.wait(block)
+
     def grads_arriving(self, block: Block, seg: Segment) -> None:
         self.grad_pages.arriving(block, seg)
 
@@ -338,7 +343,8 @@ class Pager:
 
         Needed only to read weights or optimizer state by other means than the
         model's forward, `state_dict()` and `clip_grad_norm_` (those apply what
-        they need themselves). See `wrap(defer_step=...)`.
+        they need themselves). See `wrap(defer_step=...)`. Updates running on
+        the host (`wrap(optimizer_step=...)`) are waited for.
 
         Example:
             >>> opt.step()
@@ -348,6 +354,7 @@ class Pager:
 
     @_locked
     def _apply_deferred(self, blocks) -> None:
+        self.host_steps.wait_all()  # (updates running on the host: [Note: the optimizer step on the host])
         for block in blocks:
             if block.deferred_steps:
                 self.uses.acquire(block, STEP, record=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from itertools import chain, islice
 
 from ..base.common import PREFETCH_WINDOW, STEP, WEIGHTS, _record_range
+from ..training.host_step import host_update_landed
 
 
 def prefetch(pager) -> None:
@@ -38,6 +39,8 @@ def prefetch(pager) -> None:
         if use is None:
             return
         block, kinds = use
+        if block.host_update is not None and not host_update_landed(block):
+            return  # its optimizer update is still running on the host (and those after it: one at a time, in order)
         if block.deferred_steps:
             kinds = STEP  # its pending update runs at this use
         elif kinds is WEIGHTS and not block.deps and block.weights.resident:

@@ -58,6 +58,9 @@ class Stats:
     steps: int = 0
     order_changes: int = 0
     deferred_steps: int = 0  # optimizer updates of a block deferred to its next use
+    host_steps: int = 0  # optimizer updates of a block run on the host ([Note: the optimizer step on the host])
+    host_step_seconds: float = 0.0  # the host's time running them
+    host_step_wait_seconds: float = 0.0  # time fetches waited for them
     row_hits: int = 0  # row tables: rows a lookup or an update found in the device cache
     row_misses: int = 0  # ... and rows it did not (read ahead, or read from the host table)
     row_ahead_hits: int = 0  # ... of those, rows taken from rows read ahead (`expect_rows`)
@@ -137,6 +140,8 @@ class Stats:
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
             + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")
+            + (f"; {self.host_steps} block updates on the host ({self.host_step_seconds * 1e3:.1f} ms; fetches "
+               f"waited {self.host_step_wait_seconds * 1e3:.1f} ms for them)" if self.host_steps else "")
             + (f"; {self.on_demand} accesses to paged-out tensors fetched their block" if self.on_demand else "")
             + (f"; {self.resident_forwards} forwards ran with every block resident, unhooked"
                if self.resident_forwards else "")

@@ -106,6 +106,7 @@ def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def close(pager) -> None:
     """Put every tensor back on its original device with its current value."""
     pager.apply_deferred()
+    pager.host_steps.close()
     if pager.transport.is_cuda:
         torch.cuda.synchronize(pager.device)  # unwrap is not a hot path: settle all copies
     pager.hooks.remove()

@@ -39,7 +39,9 @@ once instead.
 
 from __future__ import annotations
 
+import collections
 import copy
+import sys
 from dataclasses import dataclass
 from operator import is_not
 
@@ -49,6 +51,7 @@ from ..base import guards
 from ..base.block import Block
 from ..base.common import STEP
 from .grads import PagedOutGrad, replay
+from .host_step import HostJob, host_factor, writeback_events
 
 
 @dataclass
@@ -69,8 +72,10 @@ class OptimizerLink:
         self.pager = pager
         self.optimizer = optimizer
         self._saved_params: list | None = None
+        self._stepping = False  # inside the optimizer's own step, called by pager
+        self._call = None  # the frame of the user's step() call in progress ([Note: a step inside a step])
         self._in_place: list = []  # blocks the user's own step() updates ([Note: a step asleep])
-        self._stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
+        self.stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -101,9 +106,24 @@ class OptimizerLink:
         pager.optimizers.remove(self)
 
     # --------------------------------------------------------------- step
+    # [Note: a step inside a step]
+    # An optimizer subclass's step may call a hooked step again (its
+    # `super().step()`, hooked once the parent class has an instance): its
+    # hooks (ours) run again inside the first call. Inside a step pager runs
+    # itself (`_stepping`), or inside the user's own call (the frame that
+    # called the pre-hook is still on the stack), the inner hooks do nothing:
+    # the inner body is the outer step's. A user's step that raised leaves
+    # its call open (no post-hook): the next step puts the groups back first.
     def _pre_step(self, optimizer, args, kwargs):
+        if self._stepping:
+            return  # (see the Note above)
+        caller = sys._getframe(1)
+        if self._call is not None:
+            if _calls_inside(caller, self._call):
+                return
+            self._end_step(optimizer)  # the last call raised inside the optimizer's own step
         # The hook's args are the call's positional arguments, the optimizer first.
-        if len(args) > 1 or kwargs.get("closure") is not None:
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
             raise ValueError(
                 "pager: optimizer.step(closure) is not supported on a paged model (the closure would "
                 "re-run forward inside the streamed step); call step() without a closure."
@@ -114,8 +134,9 @@ class OptimizerLink:
             except BaseException:
                 # The user's step() raises without calling post-hooks: the
                 # groups must not stay narrowed.
-                self._post_step(optimizer, (), {})
+                self._end_step(optimizer)
                 raise
+        self._call = caller
 
     def _stream_step(self, optimizer) -> None:
         pager = self.pager
@@ -138,12 +159,16 @@ class OptimizerLink:
                 owner = pager.param_blocks.get(id(p))
                 if owner is not None and id(owner) in shares:
                     shares[id(owner)][gi].append(p)
-        now, options = [], None
+        now, options, factors, after = [], None, {}, []
+        host = self._to_step_on_host(blocks)
         for block in blocks:
-            if self._can_defer(block):
+            if id(block) in host or self._can_defer(block):
                 if options is None:  # the groups' options as they are now, once per step
                     options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in groups]
-                self._defer(block, shares[id(block)], options)
+                if id(block) in host:
+                    self._step_on_host(block, shares[id(block)], options, factors, after)
+                else:
+                    self._defer(block, shares[id(block)], options)
             else:
                 now.append(block)
         pager.scheduler.expect([(b, STEP) for b in now])
@@ -154,6 +179,8 @@ class OptimizerLink:
             ids = {id(b) for b in together}
             for run in ([together] if together else []) + [[b] for b in now if id(b) not in ids]:
                 self._step_blocks(optimizer, run, shares)
+            if not pager.defer_step:
+                pager.host_steps.wait_all()  # (every update done within step(), wherever it ran)
         finally:
             for g, params in zip(groups, self._saved_params):
                 g["params"] = [p for p in params if not pager.managed(p)]
@@ -182,7 +209,7 @@ class OptimizerLink:
                 self._adopt_state(block)
                 block.mark_dirty(("weights", "state"))
                 if "state" not in block.segments:
-                    self._stateless.add(id(block))
+                    self.stateless.add(id(block))
         finally:
             for block in acquired:
                 pager.uses.release(block)
@@ -213,7 +240,7 @@ class OptimizerLink:
         return (
             pager.asleep
             and not pager.shared_mode  # (other threads: a use pins what it touches)
-            and all(("state" in b.segments or id(b) in self._stateless) and not b.deferred_steps for b in blocks)
+            and all(("state" in b.segments or id(b) in self.stateless) and not b.deferred_steps for b in blocks)
         )
 
     def _after_step_in_place(self) -> None:
@@ -229,11 +256,17 @@ class OptimizerLink:
                         self._adopt_state(block)
                     finally:
                         pager.uses.release(block)
-                    self._stateless.discard(id(block))
+                    self.stateless.discard(id(block))
                 else:
                     self._adopt_state(block)
 
     def _post_step(self, optimizer, args, kwargs):
+        if self._stepping or (self._call is not None and sys._getframe(1) is not self._call):
+            return  # ([Note: a step inside a step])
+        self._end_step(optimizer)
+
+    def _end_step(self, optimizer) -> None:
+        self._call = None
         if self._saved_params is not None:
             for g, params in zip(optimizer.param_groups, self._saved_params):
                 g["params"] = params
@@ -242,18 +275,102 @@ class OptimizerLink:
             self._after_step_in_place()
 
     def _step_once(self, optimizer) -> None:
-        if self._raw_step is not None:
-            self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
-        else:
-            optimizer.step()
+        self._stepping = True
+        try:
+            if self._raw_step is not None:
+                self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
+            else:
+                optimizer.step()
+        finally:
+            self._stepping = False
 
     def _can_defer(self, block: Block) -> bool:
+        if not self.pager.defer_step or "state" not in block.segments:
+            return False  # no state yet: its first step adopts it
+        return self.gradients_on_host(block)
+
+    def gradients_on_host(self, block: Block) -> bool:
+        """Its gradients are in its host page (paged out, or None), and the
+        update reads them there: no GradScaler scale handed to a fused step."""
         seg = block.segments.get("grads")
-        if not self.pager.defer_step or seg is None or seg.resident or "state" not in block.segments:
-            return False  # gradients on the device: step now; no state yet: its first step adopts it
+        if seg is None or seg.resident:
+            return False  # gradients on the device: step now
         if getattr(self.optimizer, "grad_scale", None) is not None:
             return False  # GradScaler hands fused optimizers a scale that step() reads
         return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
+
+    # ------------------------------------------------------ on the host
+    def _host_capable(self) -> bool:
+        """Whether this optimizer's updates may run on the host ([Note: the
+        optimizer step on the host] in training/host_step.py)."""
+        mode = self.pager.host_steps.mode
+        if mode == "device" or self._raw_step is None:
+            return False
+        if mode == "auto" and type(self.optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+            return False  # (another's update may be slow on the host, or not per parameter: asked for by "host")
+        return not any(g.get("capturable") or g.get("differentiable") for g in self.optimizer.param_groups)
+
+    def _to_step_on_host(self, blocks: list[Block]) -> set:
+        """ids of the blocks whose update runs on the host this step."""
+        steps = self.pager.host_steps
+        if not self._host_capable():
+            return set()
+        able = [b for b in blocks if steps.can_step(b, id(b) in self.stateless)]
+        if steps.mode == "host":
+            self._send_down(able)
+        able = [b for b in able if self.gradients_on_host(b) and self._pages_on_host(b)]
+        able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
+        return {id(b) for b in steps.choose(able)} if able else set()
+
+    def _pages_on_host(self, block: Block) -> bool:
+        """Every page of `block` is in host memory: its weights too leave now
+        if they were fetched ahead (idle, so unchanged since)."""
+        if any(seg.resident for seg in block.segments.values()):
+            return block.pins == 0 and self.pager.engine.evict(block)
+        return True
+
+    def _send_down(self, blocks: list[Block]) -> None:
+        """Under optimizer_step="host": blocks on the device and idle leave
+        (their gradients go down), so that they update on the host too."""
+        engine = self.pager.engine
+        for block in blocks:
+            if block in engine.resident and block.pins == 0:
+                engine.evict(block)
+
+    def _step_on_host(self, block: Block, shares: list, options: list, factors: dict, after: list) -> None:
+        """Hand `block`'s update to the host's worker: a shadow of the
+        optimizer over the block's host pages (see the Note there)."""
+        pager = self.pager
+        weights, grads, state = block.segments["weights"], block.segments["grads"], block.segments.get("state")
+        weights_host = dict(zip(map(id, weights.tensors), weights.host_views()))
+        grads_host = grads.host_views()
+        state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
+        override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(self.optimizer) else {}
+        groups, shadow_state, entries, nbytes = [], collections.defaultdict(dict), [], 0
+        for g, share, opts in zip(self.optimizer.param_groups, shares, options):
+            stand_ins = []
+            for p in share:
+                if not isinstance(p.grad, PagedOutGrad):
+                    continue  # (its gradient is None: the update passes over it)
+                stand_in = weights_host[id(p)]
+                stand_in.grad = grads_host[p.grad.index]
+                own = self.optimizer.state.get(p)
+                if own:
+                    shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
+                    entries.append((p.grad.param_name, own, shadow_state[stand_in],
+                                    {k for k in own if (id(p), k) in state_host}))
+                stand_ins.append(stand_in)
+                nbytes += stand_in.nbytes
+            groups.append({**g, **opts, **override, "params": stand_ins})
+        shadow = shadow_of(self.optimizer, groups, shadow_state)
+        transport = pager.transport
+        scales = [(grads_host[i], [(op, host_factor(f, factors, transport, after)) for op, f in ops])
+                  for i, ops in grads.pending.items()]
+        for i in grads.pending:
+            grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
+        grads.pending.clear()  # what is recorded from now on applies after the update
+        pager.host_steps.submit(block, HostJob(self._raw_step, shadow, entries, scales,
+                                               writeback_events(block) + after, nbytes))
 
     def _defer(self, block: Block, shares: list, options: list) -> None:
         # While the update is pending, the grads page is fetched and kept
@@ -311,11 +428,8 @@ class OptimizerLink:
                     g["params"] = share
                     g.update(options)
             return
-        shadow = object.__new__(type(optimizer))
-        shadow.__dict__.update(optimizer.__dict__)
-        shadow.param_groups = [
-            {**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)
-        ]
+        shadow = shadow_of(optimizer, [{**g, **options, "params": share}
+                                       for g, share, options in zip(optimizer.param_groups, d.shares, d.options)])
         self._raw_step(shadow)
 
     def _blocks_to_step(self) -> list[Block]:
@@ -433,6 +547,32 @@ class OptimizerLink:
                     seg.cache.written(seg, None)
 
 
+def _calls_inside(frame, outer) -> bool:
+    """Whether `frame` runs inside the call whose frame is `outer`."""
+    while frame is not None:
+        if frame is outer:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def shadow_of(optimizer, groups: list, state=None):
+    """An object of `optimizer`'s class that shares its attributes but has
+    `groups` (and `state`) of its own, and none of its hooks: a step of it
+    touches nothing the user holds but the state entries given, and a
+    hooked step that its own step calls (a subclass's `super().step()`)
+    does not come back to pager."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    shadow.param_groups = groups
+    if state is not None:
+        shadow.state = state
+    shadow._optimizer_step_pre_hooks = collections.OrderedDict()
+    shadow._optimizer_step_post_hooks = collections.OrderedDict()
+    shadow._pager_shadow = True  # (not attached by the global hook)
+    return shadow
+
+
 def _snapshot(value):
     # An option that is a tensor (a tensor lr) may be changed in place by a
     # scheduler before the update runs.
@@ -444,6 +584,8 @@ def _auto_attach(optimizer, args, kwargs) -> None:
     parameters the first time it steps, so the user's loop needs no change."""
     from ..base.common import _PAGERS
 
+    if getattr(optimizer, "_pager_shadow", False):
+        return
     for pager in list(_PAGERS.values()):
         if any(link.optimizer is optimizer for link in pager.optimizers):
             continue

@@ -1,0 +1,295 @@
+"""Optimizer updates run on the host: `HostSteps`, one per wrapped model.
+
+[Note: the optimizer step on the host]
+A block whose pages are all in host memory when `opt.step()` is called (its
+gradients went down as it left in the backward) is updated where its bytes
+are: a worker thread runs the optimizer's own update over the block's host
+pages, and its next use brings the new weights up. Its optimizer state
+never crosses the link, and neither do its gradients a second time or its
+weights a third: a step moves weights up and gradients down, 8 bytes per
+fp32 parameter, against 24 for an update on the device (gradients and
+state up, state and weights down). This is ZeRO-Offload's and torchao's
+CPUOffloadOptimizer's step, per block and beside the other placement.
+
+The update starts at `step()`, not as the gradients reach the host: until
+the user calls it, clipping, GradScaler's unscale, the learning rate and
+`zero_grad` may still change what it computes. It runs in the order of the
+next forward, so it overlaps that forward; a block's fetch waits for its
+own update (`wait`, called by the engine before any copy of its pages), and
+prefetch passes over a block whose update is still running (`ready`). The
+worker runs one update at a time, in the order they were given: when the
+last is done, every earlier one is.
+
+What runs is the optimizer's undecorated `step` on a shadow of it (its own
+param groups and state dict, as for a deferred update, [Note: deferred
+updates] in training/optim.py): the block's parameters are stand-ins whose
+data are views of the weights page and whose `.grad` are views of the
+grads page; the state entries in the state page are its views, the others
+(Adam's host-side `step`) the optimizer's own objects, updated in place as
+the optimizer would. The group options are those at `step()` time, and the
+zeroing and scaling recorded on the gradients before the step (a clip) are
+applied to the page first, as on the device. On the CPU device the update is
+the optimizer's own code on the same bytes: bit for bit the unwrapped
+model's. On CUDA, torch's fused CPU kernel runs for Adam, AdamW, SGD and
+Adagrad (the per-tensor loop would take several times as long): within the
+kernels' rounding of the device's.
+
+A block steps on the host when `optimizer_step` allows it and its update
+can run there: a `torch.optim` optimizer without `capturable` or
+`differentiable` (any optimizer of the `Optimizer` class under "host"), the
+block's first update done (its state exists, laid out in its page), no
+update of it still deferred, and plain pages of its own (not compressed,
+not in the node's shared copy, not under a disk tier). Under "auto", also
+only if its update is estimated done before the next forward reaches it:
+from the measured seconds per byte of the host's updates and the last
+training forward's length (CUDA events), the blocks are taken in forward
+order while the worker keeps ahead; the rest update on the device, where
+the link brings their state. (A block's place in the forward is estimated
+from its place in the model.) Under "host", blocks still on the device at
+`step()` leave first (their gradients go down), so that every update but the
+first runs on the host.
+
+Whatever reads a page from outside a block's use waits for the updates in
+flight first: the model's and the optimizer's `state_dict()` and
+`load_state_dict()`, `unwrap`, `Pager.apply_deferred()`. One exception: a
+host-side entry of the optimizer's state (Adam's `step` count on the CPU)
+read between `step()` and the block's next use may still show the count
+before the update (as for a deferred update).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..base.block import PageState
+from ..base.common import WORKER_PREFIX
+from .grads import replay
+
+MODES = ("auto", "device", "host")
+FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
+RATE_WEIGHT = 0.5  # weight of the newest measurement in the running estimates
+
+
+class HostJob:
+    """One block's update on the host: a shadow optimizer over its pages."""
+
+    def __init__(self, step, shadow, entries: list, scales: list, after: list, nbytes: int):
+        self.step = step        # the optimizer class's undecorated step
+        self.shadow = shadow    # its groups and state over the host pages
+        self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
+        self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
+        self.after = after      # CUDA events: pages written back, factors copied
+        self.nbytes = nbytes    # bytes of the parameters it updates
+        self.seconds = 0.0
+
+    def run(self) -> "HostJob":
+        for event in self.after:
+            event.synchronize()  # the pages' write-backs (and the factors' copies) have landed in host memory
+        start = time.perf_counter()
+        with torch.no_grad():
+            for view, ops in self.scales:
+                replay(view, ops)
+        given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
+        self.step(self.shadow)
+        self._put_back(given)
+        self.seconds = time.perf_counter() - start
+        return self
+
+    def _put_back(self, given: list) -> None:
+        """State entries the optimizer replaced rather than updated in place:
+        into the page, or (host-side ones) into the optimizer's state."""
+        for (name, own, shadow, page), before in zip(self.entries, given):
+            for key, value in shadow.items():
+                if key not in before:
+                    raise RuntimeError(
+                        f"pager: the optimizer made new state {key!r} for {name!r} in an update on the host (an "
+                        f"option that adds state, such as amsgrad or momentum, turned on after the first step?); "
+                        f"its page has no room for it. Wrap with optimizer_step=\"device\" for such changes.")
+                if value is not before[key]:
+                    if key in page:
+                        with torch.no_grad():
+                            before[key].copy_(value)
+                    else:
+                        own[key] = value
+
+
+class HostSteps:
+    """Where each block's optimizer update runs, and the updates on the host.
+
+    Args:
+        pager: the model's `Pager`.
+        mode: "auto", "device" or "host" (`wrap(optimizer_step=...)`).
+    """
+
+    def __init__(self, pager, mode: str):
+        self.pager = pager
+        self.mode = mode
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: set = set()  # blocks whose `host_update` may still be running
+        self.seconds_per_byte: float | None = None  # measured: host update time per parameter byte
+        self.forward_seconds: float | None = None   # measured: the last training forward on the device
+        self._forward_events = None  # (start, end) CUDA events, reused
+        self._forward_open = False
+        self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
+
+    # ---------------------------------------------------------- placement
+    def wanted(self) -> bool:
+        return self.mode != "device"
+
+    def can_step(self, block, stateless: bool) -> bool:
+        """Whether `block`'s update may run on the host (see the Note), where
+        and how its gradients are aside (`OptimizerLink.gradients_on_host`).
+        `stateless`: its updates make no state (SGD without momentum)."""
+        if block.resident_for_life or block.deferred_steps or "grads" not in block.segments:
+            return False
+        if "state" not in block.segments and not stateless:
+            return False  # its first update (on the device) makes its state and lays it out in a page
+        return not any(seg.encoded is not None or seg.shared or seg.cache is not None
+                       for kind, seg in block.segments.items() if kind != "frozen")
+
+    def choose(self, blocks: list) -> list:
+        """Of `blocks` (in next-forward order, each able to step on the host),
+        those that do: all of them under "host", or while measured on the
+        CPU device; under "auto" on CUDA, those the worker is estimated to
+        finish before the forward reaches them."""
+        if self.mode == "host" or not self.pager.transport.is_cuda:
+            return blocks
+        self._read_forward()
+        if self.seconds_per_byte is None or self.forward_seconds is None:
+            return blocks  # not measured yet: measure
+        per_block = self.forward_seconds / max(1, len(self.pager.blocks))
+        clock, chosen = 0.0, []
+        for block in blocks:
+            cost = self.seconds_per_byte * block.weights.nbytes
+            if clock + cost <= per_block * block.index:
+                chosen.append(block)
+                clock += cost
+        return chosen
+
+    # ---------------------------------------------------------- running
+    def submit(self, block, job: HostJob) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}host-step")
+        future = self._pool.submit(job.run)
+        future.add_done_callback(self._measured)
+        block.host_update = future
+        self._running.add(block)
+        self.pager.counters.host_steps += 1
+
+    def wait(self, block) -> None:
+        """Before `block`'s pages are copied or read: its update on the host
+        is done (the engine calls this before a fetch, through the owner)."""
+        future, block.host_update = block.host_update, None
+        self._running.discard(block)
+        if future is None:
+            return
+        if not future.done():
+            start = time.perf_counter()
+            future.exception()  # (waits)
+            self.pager.counters.host_step_wait_seconds += time.perf_counter() - start
+        self._result(block, future)
+
+    def wait_all(self) -> None:
+        for block in list(self._running):
+            self.wait(block)
+
+    def close(self) -> None:
+        self.wait_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    @staticmethod
+    def _result(block, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            raise RuntimeError(
+                f"pager: the optimizer's update of block {block.name!r} on the host raised (its weights and "
+                f"state may be partly updated, as after a step that raised): {error!r}") from error
+
+    def _measured(self, future: Future) -> None:
+        # (on the worker thread: a float written whole)
+        if future.exception() is None:
+            job = future.result()
+            rate = job.seconds / max(1, job.nbytes)
+            old = self.seconds_per_byte
+            self.seconds_per_byte = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
+            self.pager.counters.host_step_seconds += job.seconds
+
+    # ---------------------------------------------------------- measuring
+    def forward_starts(self) -> None:
+        """A training forward starts (CUDA: its length is measured for "auto")."""
+        if self.mode != "auto" or not self.pager.optimizers or not self.pager.transport.is_cuda:
+            return
+        if self._forward_events is None:
+            self._forward_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._forward_events[0].record()
+        self._forward_open = True
+
+    def forward_ends(self) -> None:
+        if self._forward_open:
+            self._forward_events[1].record()
+            self._forward_open = False
+
+    def _read_forward(self) -> None:
+        events = self._forward_events
+        if events is None or self._forward_open or not events[1].query():
+            return
+        seconds = events[0].elapsed_time(events[1]) / 1e3
+        old = self.forward_seconds
+        self.forward_seconds = seconds if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * seconds
+
+    # ---------------------------------------------------------- building
+    def fused_on_host(self, optimizer) -> bool:
+        """Whether the update runs torch's fused CPU kernel instead of the
+        optimizer's per-tensor code: on CUDA only (on the CPU device the
+        update must be the optimizer's own, bit for bit), for the classes
+        that have one, where this torch has it (tried once)."""
+        cls = type(optimizer)
+        if not self.pager.transport.is_cuda or cls.__module__.split(".")[:2] != ["torch", "optim"] \
+                or cls.__name__ not in FUSED_ON_HOST:
+            return False
+        if cls not in self._fused:
+            p = torch.nn.Parameter(torch.zeros(2))
+            p.grad = torch.zeros(2)
+            try:
+                cls([p], lr=0.0, fused=True).step()
+                self._fused[cls] = True
+            except (RuntimeError, ValueError, TypeError):
+                self._fused[cls] = False
+        return self._fused[cls]
+
+
+def host_update_landed(block) -> bool:
+    """`block`'s update on the host is done and did not raise (one that
+    raised is reported by the use that needs the block, not by a prefetch)."""
+    future = block.host_update
+    return future.done() and future.exception() is None
+
+
+def host_factor(factor, cache: dict, transport, after: list):
+    """A scaling factor as the host reads it: a device tensor (a clip's
+    coefficient) copied to pinned memory on the compute stream (the event
+    it is done by goes into `after`), once per tensor per step."""
+    if not isinstance(factor, torch.Tensor):
+        return factor
+    known = cache.get(id(factor))
+    if known is not None:
+        return known[1]
+    if factor.device.type == "cuda":
+        copy = torch.empty(factor.shape, dtype=factor.dtype, pin_memory=True)
+        copy.copy_(factor, non_blocking=True)  # (on the compute stream, after the op that made it)
+        after.append(transport.record_compute())
+    else:
+        copy = factor.clone()  # (the step's value, whatever the caller does with the tensor later)
+    cache[id(factor)] = (factor, copy)
+    return copy
+
+
+def writeback_events(block) -> list:
+    """Events of write-backs of `block`'s pages that may still be running."""
+    return [seg.writeback_event for seg in block.segments.values()
+            if seg.state is PageState.WRITING_BACK and seg.writeback_event is not None]

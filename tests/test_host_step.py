@@ -1,0 +1,233 @@
+"""Optimizer updates on the host ([Note: the optimizer step on the host] in
+training/host_step.py), on the CPU device: bit for bit the unwrapped model."""
+
+import copy
+import functools
+import threading
+import time
+
+import pytest
+import torch
+
+import pager
+from helpers import assert_models_equal
+from models import SuperNet, TinyLM
+from test_training import (_opt_states_equal, _supernet_budget, batches, lm_loss, regime_budget, torch_clip, train,
+                           train_supernet)
+
+OPTIMIZERS = {
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "adam_fused": functools.partial(torch.optim.Adam, lr=1e-2, weight_decay=0.01, fused=True),
+    "sgd_momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05),
+    "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    "adagrad": functools.partial(torch.optim.Adagrad, lr=1e-2),
+}
+
+
+def updates(model, steps) -> int:
+    """Block updates a run of `steps` steps makes (every trainable block, each step)."""
+    return steps * sum(1 for b in pager.of(model).all_blocks() if b.trainable)
+
+
+@pytest.mark.parametrize("placement", ["host", "auto"])
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+def test_updates_on_the_host_equal_the_unwrapped_model(opt_name, placement):
+    """Accumulation, torch's clip_grad_norm_ and an LR schedule, zero_grad
+    both ways: every update on the host ("host"), or the paged-out blocks'
+    there and the resident ones' on the device ("auto")."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step=placement)
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    data = batches(7)
+    train(model, opt, data, clip=torch_clip, sched=scheds[0])
+    train(ref, ref_opt, data, clip=torch_clip, sched=scheds[1])
+    s = pager.of(model).stats()
+    assert s.host_steps > 0
+    if placement == "auto":
+        assert s.host_steps < updates(model, len(data)) - len(data)  # (the first step's are all on the device)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    _opt_states_equal(opt, ref_opt, model, ref)
+
+
+def test_grad_scaler_with_updates_on_the_host():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="host")
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=2) for _ in range(2)]
+    data = batches(6)
+    for step, (ids, tgt) in enumerate(data):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            loss = lm_loss(m, ids, tgt) * (float("inf") if step == 3 else 1.0)  # step 3 overflows: skipped
+            scaler.scale(loss).backward()
+            scaler.unscale_(o)
+            torch_clip(m)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert pager.of(model).stats().host_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+    _opt_states_equal(opt, ref_opt, model, ref)
+
+
+def test_a_checkpoint_taken_while_updates_run_resumes_bit_for_bit():
+    """state_dict() waits for the updates in flight; loading the checkpoint
+    and redoing the steps gives the same model."""
+    model = TinyLM()
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="host")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    data = batches(8)
+    train(model, opt, data[:4], accumulate=False)
+    assert pager.of(model).host_steps._running  # updates of the last step.. maybe still running
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, data[4:], accumulate=False)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    train(model, opt, data[4:], accumulate=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, first[k]), k
+
+
+def test_a_supernet_with_unused_candidates_updates_on_the_host():
+    net = SuperNet(n_layers=4)
+    ref = copy.deepcopy(net)
+    pager.wrap(net, budget=_supernet_budget(net), device="cpu", optimizer_step="host")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (net, ref))
+    train_supernet(net, ref, opt, ref_opt, batches(8), torch.Generator().manual_seed(3),
+                   len(net.layers[0].candidates))
+    assert pager.of(net).stats().host_steps > 0
+    pager.unwrap(net)
+    assert_models_equal(net, ref)
+    _opt_states_equal(opt, ref_opt, net, ref)
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD whose updates take a while (on the host: the next forward must wait)."""
+
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def test_the_next_use_waits_for_a_slow_update_on_the_host():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
+    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+    data = batches(5)
+    train(model, opt, data, accumulate=False)
+    train(ref, ref_opt, data, accumulate=False)
+    s = pager.of(model).stats()
+    assert s.host_steps > 0 and s.host_step_wait_seconds > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_another_thread_reads_a_weight_while_its_update_runs():
+    """A read from another thread of a parameter whose block is being updated
+    on the host sees the updated value (its fetch waits for the update)."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
+    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+    for ids, tgt in batches(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+    running = [b for b in pager.of(model).host_steps._running if not b.host_update.done()]
+    assert running
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(float(p.sum()) for p in model.parameters()))
+    reader.start()
+    reader.join(timeout=60)
+    assert seen == [float(q.sum()) for q in ref.parameters()]
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+class FailingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        if self.param_groups[0]["params"] and self.state.get(self.param_groups[0]["params"][0], {}).get("fail"):
+            raise FloatingPointError("injected")
+        return super().step(closure)
+
+
+def test_an_update_that_raises_on_the_host_is_reported_at_the_next_use():
+    model = TinyLM()
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
+    opt = FailingSGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = batches(3)
+    train(model, opt, data[:2], accumulate=False)
+    ids, tgt = data[2]
+    lm_loss(model, ids, tgt).backward()
+    block = next(b for b in pager.of(model).blocks
+                 if "state" in b.segments and not any(seg.resident for seg in b.segments.values()))
+    opt.state[block.params[0]]["fail"] = True
+    opt.step()  # (returns: the update runs on the host)
+    with pytest.raises(RuntimeError, match=f"update of block {block.name!r} on the host raised"):
+        with torch.no_grad():
+            model(ids)
+
+
+def test_defer_step_false_finishes_host_updates_within_step():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", defer_step=False,
+               optimizer_step="host")
+    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+    for ids, tgt in batches(4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+        assert not any(b.host_update is not None for b in pager.of(model).blocks)
+    assert pager.of(model).stats().host_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_auto_leaves_optimizers_from_outside_torch_optim_on_the_device():
+    """Their update may be slow on the host, or not per parameter: under
+    "auto" they step on the device (deferred); "host" asks for the host."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu")
+    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+    data = batches(4)
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    s = pager.of(model).stats()
+    assert s.host_steps == 0 and s.deferred_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_subclass_whose_step_calls_its_parents_hooked_step():
+    """[Note: a step inside a step] in training/optim.py: with the parent
+    class's step hooked (an instance of it exists), the inner call's hooks do
+    nothing, and each parameter is updated once."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # (hooks SGD.step)
+    for placement in ("host", "device"):
+        model = TinyLM()
+        ref = copy.deepcopy(model)
+        pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu",
+                   optimizer_step=placement)
+        opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+        data = batches(4)
+        train(model, opt, data)
+        train(ref, ref_opt, data)
+        pager.unwrap(model)
+        assert_models_equal(model, ref)
+        _opt_states_equal(opt, ref_opt, model, ref)
+
+
+def test_optimizer_step_is_checked():
+    with pytest.raises(ValueError, match="optimizer_step='cpu'"):
+        pager.wrap(TinyLM(), budget="1GiB", device="cpu", optimizer_step="cpu")
