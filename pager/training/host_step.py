@@ -44,7 +44,18 @@ only if its update is estimated done before the next forward reaches it:
 from the measured seconds per byte of the host's updates and the last
 training forward's length (CUDA events), the blocks are taken in forward
 order while the worker keeps ahead; the rest update on the device, where
-the link brings their state. (A block's place in the forward is estimated
+the link brings their state.
+
+[Note: the host's order]
+The worker runs, of the updates given, the first in forward order whose
+pages have landed in host memory (their write-backs' events have
+completed), and polls while none has. `loss.backward()` returns once its
+kernels are queued, so the host may reach `step()` while the GPU still runs
+the backward: the blocks whose gradients came down first (the last of the
+forward) are then updated during the backward's tail, as torchao's step
+does for each parameter, while the first block of the next forward still
+goes first once its gradients are down. Two updates of one block (two
+steps with no use between) run in the order given. (A block's place in the forward is estimated
 from its place in the model.) Under "host", blocks still on the device at
 `step()` leave first (their gradients go down), so that every update but the
 first runs on the host.
@@ -59,8 +70,9 @@ before the update (as for a deferred update).
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -71,6 +83,7 @@ from .grads import replay
 MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
 RATE_WEIGHT = 0.5  # weight of the newest measurement in the running estimates
+POLL_SECONDS = 2e-4  # how often the worker looks again while no update's pages have landed
 
 
 class HostJob:
@@ -85,9 +98,13 @@ class HostJob:
         self.nbytes = nbytes    # bytes of the parameters it updates
         self.seconds = 0.0
 
+    def landed(self) -> bool:
+        """The pages' write-backs (and the factors' copies) have landed in host memory."""
+        return all(event.query() for event in self.after)
+
     def run(self) -> "HostJob":
         for event in self.after:
-            event.synchronize()  # the pages' write-backs (and the factors' copies) have landed in host memory
+            event.synchronize()  # (landed, as the worker only runs jobs that have)
         start = time.perf_counter()
         with torch.no_grad():
             for view, ops in self.scales:
@@ -116,6 +133,54 @@ class HostJob:
                         own[key] = value
 
 
+class HostWorker:
+    """The thread that runs updates on the host ([Note: the host's order])."""
+
+    def __init__(self):
+        self._queue: list = []  # (job, its Future, Futures it must follow), in forward order within a step
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"{WORKER_PREFIX}host-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: HostJob, after=()) -> Future:
+        future = Future()
+        with self._ready:
+            self._queue.append((job, future, after))
+            self._ready.notify()
+        return future
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                item = self._next()
+            if item is None:
+                time.sleep(POLL_SECONDS)  # (nothing has landed yet)
+                continue
+            job, future, _after = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job.run())
+                except BaseException as error:  # (reported by the use that waits for it)
+                    future.set_exception(error)
+
+    def _next(self):
+        for i, (job, _future, after) in enumerate(self._queue):
+            if all(f.done() for f in after) and job.landed():
+                return self._queue.pop(i)
+        return None
+
+
 class HostSteps:
     """Where each block's optimizer update runs, and the updates on the host.
 
@@ -127,7 +192,7 @@ class HostSteps:
     def __init__(self, pager, mode: str):
         self.pager = pager
         self.mode = mode
-        self._pool: ThreadPoolExecutor | None = None
+        self._worker: HostWorker | None = None
         self._running: set = set()  # blocks whose `host_update` may still be running
         self.seconds_per_byte: float | None = None  # measured: host update time per parameter byte
         self.forward_seconds: float | None = None   # measured: the last training forward on the device
@@ -171,9 +236,10 @@ class HostSteps:
 
     # ---------------------------------------------------------- running
     def submit(self, block, job: HostJob) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{WORKER_PREFIX}host-step")
-        future = self._pool.submit(job.run)
+        if self._worker is None:
+            self._worker = HostWorker()
+        earlier = block.host_update
+        future = self._worker.submit(job, after=() if earlier is None else (earlier,))
         future.add_done_callback(self._measured)
         block.host_update = future
         self._running.add(block)
@@ -198,9 +264,9 @@ class HostSteps:
 
     def close(self) -> None:
         self.wait_all()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     @staticmethod
     def _result(block, future: Future) -> None:
