@@ -1,6 +1,8 @@
-"""Draw the budget sweep (sweep.json) and a pager trace (trace.json) as PNGs.
+"""Draw the budget sweep (sweep.json), the training sweep (train_sweep.json)
+and a pager trace (trace.json) as PNGs.
 
     python -m benchmarks.plot sweep.json budget.png
+    python -m benchmarks.plot --train train_sweep.json train_budget.png
     python -m benchmarks.plot --trace trace.json timeline.png
 """
 
@@ -39,6 +41,37 @@ def plot_sweep(path: str, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def plot_train_sweep(path: str, png: str) -> None:
+    """Step time (against all on GPU) and allocator peak against the budget,
+    per activations policy and optimizer placement, with the peers as lines."""
+    d = json.load(open(path))
+    series, lines = {}, []
+    for row in d["rows"]:
+        extra = row.get("extra") or {}
+        if "share" in extra:
+            label = row["method"].split("), ", 1)[1]
+            series.setdefault(label, []).append((100 * extra["share"], row["ratio"], row["peak_gib"]))
+        elif row["ms"] is not None:
+            lines.append((row["method"].split(" (")[0], row["ratio"], row["peak_gib"]))
+    fig, (ax_time, ax_peak) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, points in series.items():
+        points.sort()
+        ax_time.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax_peak.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=label)
+    for (label, ratio, peak), style in zip(lines, ("-", ":", "-.", "--")):
+        ax_time.axhline(ratio, color="grey", ls=style, lw=1.2, label=f"{label} ({ratio:.2f}x)")
+        ax_peak.axhline(peak, color="grey", ls=style, lw=1.2, label=f"{label} ({peak:.1f} GiB)")
+    ax_time.set_ylabel("step time / all on GPU")
+    ax_peak.set_ylabel("allocator peak (GiB)")
+    for ax in (ax_time, ax_peak):
+        ax.set_xlabel("budget (% of weights + gradients + AdamW state)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{d['rows'][0]['workload']} — {d['env']['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def plot_trace(path: str, png: str) -> None:
     events = json.load(open(path))["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
@@ -63,5 +96,7 @@ def plot_trace(path: str, png: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--trace":
         plot_trace(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--train":
+        plot_train_sweep(sys.argv[2], sys.argv[3])
     else:
         plot_sweep(sys.argv[1], sys.argv[2])

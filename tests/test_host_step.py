@@ -231,3 +231,25 @@ def test_a_subclass_whose_step_calls_its_parents_hooked_step():
 def test_optimizer_step_is_checked():
     with pytest.raises(ValueError, match="optimizer_step='cpu'"):
         pager.wrap(TinyLM(), budget="1GiB", device="cpu", optimizer_step="cpu")
+
+
+def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host():
+    """[Note: how many update on the host]: the rule alone, with the forward's
+    length and the waits given (on CUDA they come from events and fetches)."""
+    from types import SimpleNamespace
+
+    from pager.training.host_step import WAIT_SHARE, HostSteps
+
+    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True))
+    steps = HostSteps(fake, "auto")
+    steps._read_forward = lambda: 0.1  # a forward of 100 ms
+    blocks = list(range(6))
+    assert steps.choose(blocks) == blocks  # nothing waited
+    for expected in (5, 4, 3):
+        steps.waited_seconds += 2 * WAIT_SHARE * 0.1  # the last forward waited too long
+        assert steps.choose(blocks) == blocks[:expected]
+    steps.waited_seconds += WAIT_SHARE * 0.1 / 2  # a little: as many as before
+    assert steps.choose(blocks) == blocks[:3]
+    assert steps.choose(blocks) == blocks[:4]  # no wait: one block back to the host
+    steps.mode = "host"
+    assert steps.choose(blocks) == blocks

@@ -39,12 +39,10 @@ can run there: a `torch.optim` optimizer without `capturable` or
 `differentiable` (any optimizer of the `Optimizer` class under "host"), the
 block's first update done (its state exists, laid out in its page), no
 update of it still deferred, and plain pages of its own (not compressed,
-not in the node's shared copy, not under a disk tier). Under "auto", also
-only if its update is estimated done before the next forward reaches it:
-from the measured seconds per byte of the host's updates and the last
-training forward's length (CUDA events), the blocks are taken in forward
-order while the worker keeps ahead; the rest update on the device, where
-the link brings their state.
+not in the node's shared copy, not under a disk tier). Under "host", blocks
+still on the device at `step()` leave first (their gradients go down), so
+that every update but the first runs on the host. A block's place in the
+next forward is taken from its place in the model.
 
 [Note: the host's order]
 The worker runs, of the updates given, the first in forward order whose
@@ -55,10 +53,19 @@ the backward: the blocks whose gradients came down first (the last of the
 forward) are then updated during the backward's tail, as torchao's step
 does for each parameter, while the first block of the next forward still
 goes first once its gradients are down. Two updates of one block (two
-steps with no use between) run in the order given. (A block's place in the forward is estimated
-from its place in the model.) Under "host", blocks still on the device at
-`step()` leave first (their gradients go down), so that every update but the
-first runs on the host.
+steps with no use between) run in the order given.
+
+[Note: how many update on the host]
+Under "auto" the host takes as many of a step's blocks as it keeps up with:
+when the last forward's fetches waited for updates on the host longer than
+`WAIT_SHARE` of that forward's length (CUDA events around it), one block
+more updates on the device from the next step on; when they waited less
+than a quarter of that, one block fewer. The blocks given to the device are
+the last of the forward (their deferred update rides on their fetch, late
+in the forward, where the link has room), so the host reaches the first
+blocks sooner. What counts is whether a forward waited, not an estimate of
+the host's work: its rate varies with whatever else reads host memory, and
+the backward's tail hides a part of it.
 
 Whatever reads a page from outside a block's use waits for the updates in
 flight first: the model's and the optimizer's `state_dict()` and
@@ -82,20 +89,19 @@ from .grads import replay
 
 MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
-RATE_WEIGHT = 0.5  # weight of the newest measurement in the running estimates
+WAIT_SHARE = 0.02  # "auto": a forward may wait this share of its length for updates on the host
 POLL_SECONDS = 2e-4  # how often the worker looks again while no update's pages have landed
 
 
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list, nbytes: int):
+    def __init__(self, step, shadow, entries: list, scales: list, after: list):
         self.step = step        # the optimizer class's undecorated step
         self.shadow = shadow    # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
         self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
         self.after = after      # CUDA events: pages written back, factors copied
-        self.nbytes = nbytes    # bytes of the parameters it updates
         self.seconds = 0.0
 
     def landed(self) -> bool:
@@ -194,8 +200,9 @@ class HostSteps:
         self.mode = mode
         self._worker: HostWorker | None = None
         self._running: set = set()  # blocks whose `host_update` may still be running
-        self.seconds_per_byte: float | None = None  # measured: host update time per parameter byte
-        self.forward_seconds: float | None = None   # measured: the last training forward on the device
+        self.on_device = 0  # under "auto": how many of a step's blocks update on the device ([Note: how many...])
+        self.waited_seconds = 0.0  # fetches' waits for updates on the host, since wrap
+        self._waited_then = 0.0
         self._forward_events = None  # (start, end) CUDA events, reused
         self._forward_open = False
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
@@ -217,22 +224,19 @@ class HostSteps:
 
     def choose(self, blocks: list) -> list:
         """Of `blocks` (in next-forward order, each able to step on the host),
-        those that do: all of them under "host", or while measured on the
-        CPU device; under "auto" on CUDA, those the worker is estimated to
-        finish before the forward reaches them."""
+        those that do: all of them under "host" and on the CPU device; under
+        "auto" on CUDA, all but the last `on_device` ([Note: how many update
+        on the host])."""
         if self.mode == "host" or not self.pager.transport.is_cuda:
             return blocks
-        self._read_forward()
-        if self.seconds_per_byte is None or self.forward_seconds is None:
-            return blocks  # not measured yet: measure
-        per_block = self.forward_seconds / max(1, len(self.pager.blocks))
-        clock, chosen = 0.0, []
-        for block in blocks:
-            cost = self.seconds_per_byte * block.weights.nbytes
-            if clock + cost <= per_block * block.index:
-                chosen.append(block)
-                clock += cost
-        return chosen
+        forward = self._read_forward()
+        if forward is not None:
+            waited, self._waited_then = self.waited_seconds - self._waited_then, self.waited_seconds
+            if waited > WAIT_SHARE * forward:
+                self.on_device = min(self.on_device + 1, len(blocks))
+            elif waited < WAIT_SHARE / 4 * forward:
+                self.on_device = max(self.on_device - 1, 0)
+        return blocks[: len(blocks) - self.on_device]
 
     # ---------------------------------------------------------- running
     def submit(self, block, job: HostJob) -> None:
@@ -255,7 +259,9 @@ class HostSteps:
         if not future.done():
             start = time.perf_counter()
             future.exception()  # (waits)
-            self.pager.counters.host_step_wait_seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.pager.counters.host_step_wait_seconds += waited
+            self.waited_seconds += waited
         self._result(block, future)
 
     def wait_all(self) -> None:
@@ -277,13 +283,9 @@ class HostSteps:
                 f"state may be partly updated, as after a step that raised): {error!r}") from error
 
     def _measured(self, future: Future) -> None:
-        # (on the worker thread: a float written whole)
+        # (on the worker thread)
         if future.exception() is None:
-            job = future.result()
-            rate = job.seconds / max(1, job.nbytes)
-            old = self.seconds_per_byte
-            self.seconds_per_byte = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
-            self.pager.counters.host_step_seconds += job.seconds
+            self.pager.counters.host_step_seconds += future.result().seconds
 
     # ---------------------------------------------------------- measuring
     def forward_starts(self) -> None:
@@ -300,13 +302,12 @@ class HostSteps:
             self._forward_events[1].record()
             self._forward_open = False
 
-    def _read_forward(self) -> None:
+    def _read_forward(self) -> float | None:
+        """Seconds the last training forward took on the device (None: not measured, or not done)."""
         events = self._forward_events
         if events is None or self._forward_open or not events[1].query():
-            return
-        seconds = events[0].elapsed_time(events[1]) / 1e3
-        old = self.forward_seconds
-        self.forward_seconds = seconds if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * seconds
+            return None
+        return events[0].elapsed_time(events[1]) / 1e3
 
     # ---------------------------------------------------------- building
     def fused_on_host(self, optimizer) -> bool:

@@ -346,7 +346,7 @@ class OptimizerLink:
         grads_host = grads.host_views()
         state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
         override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(self.optimizer) else {}
-        groups, shadow_state, entries, nbytes = [], collections.defaultdict(dict), [], 0
+        groups, shadow_state, entries = [], collections.defaultdict(dict), []
         for g, share, opts in zip(self.optimizer.param_groups, shares, options):
             stand_ins = []
             for p in share:
@@ -360,7 +360,6 @@ class OptimizerLink:
                     entries.append((p.grad.param_name, own, shadow_state[stand_in],
                                     {k for k in own if (id(p), k) in state_host}))
                 stand_ins.append(stand_in)
-                nbytes += stand_in.nbytes
             groups.append({**g, **opts, **override, "params": stand_ins})
         shadow = shadow_of(self.optimizer, groups, shadow_state)
         transport = pager.transport
@@ -369,8 +368,7 @@ class OptimizerLink:
         for i in grads.pending:
             grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
         grads.pending.clear()  # what is recorded from now on applies after the update
-        pager.host_steps.submit(block, HostJob(self._raw_step, shadow, entries, scales,
-                                               writeback_events(block) + after, nbytes))
+        pager.host_steps.submit(block, HostJob(self._raw_step, shadow, entries, scales, writeback_events(block) + after))
 
     def _defer(self, block: Block, shares: list, options: list) -> None:
         # While the update is pending, the grads page is fetched and kept
