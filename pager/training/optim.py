@@ -318,6 +318,8 @@ class OptimizerLink:
         able = [b for b in blocks if steps.can_step(b, id(b) in self.stateless)]
         if steps.mode == "host":
             self._send_down(able)
+        else:  # (a block whose state is on the device updates there: nothing to move for it)
+            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident])
         able = [b for b in able if self.gradients_on_host(b) and self._pages_on_host(b)]
         able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
         return {id(b) for b in steps.choose(able)} if able else set()
@@ -330,8 +332,11 @@ class OptimizerLink:
         return True
 
     def _send_down(self, blocks: list[Block]) -> None:
-        """Under optimizer_step="host": blocks on the device and idle leave
-        (their gradients go down), so that they update on the host too."""
+        """Blocks on the device and idle leave (their gradients go down), so
+        that they update on the host too: under "host" every one; under
+        "auto" those whose state is in host memory (an update on the device
+        would bring it up and take it back, 16 bytes a parameter in fp32,
+        where the host's moves 8: gradients down, weights up)."""
         engine = self.pager.engine
         for block in blocks:
             if block in engine.resident and block.pins == 0:
