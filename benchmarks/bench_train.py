@@ -247,6 +247,14 @@ def bench_train_sweep(args, rows):
              "host_wait_s": s.host_step_wait_seconds},
         ))
         print(rows[-1])
+        if args.trace_share == share and activations == args.policies[0] and placement == args.placements[0]:
+            import os
+
+            pg.start_trace(steps=2)  # where the time goes: fetches, write-backs, waits, computes
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            pg.trace(os.path.join(os.environ.get("OUT") or ".", "train_trace.json"))
         pager.unwrap(model)
         del model, opt, step
         free_cuda()
@@ -389,6 +397,8 @@ def main(argv=None):
                     help="sweep: budgets as shares of weights + grads + AdamW state")
     ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
     ap.add_argument("--placements", nargs="*", default=["auto", "device"], help="sweep: optimizer_step=")
+    ap.add_argument("--trace-share", type=float, default=None,
+                    help="sweep: write a trace of two steps at this share (first policy and placement)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
     ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],
