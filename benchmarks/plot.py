@@ -3,7 +3,7 @@ and a pager trace (trace.json) as PNGs.
 
     python -m benchmarks.plot sweep.json budget.png
     python -m benchmarks.plot --train train_sweep.json train_budget.png
-    python -m benchmarks.plot --trace trace.json timeline.png
+    python -m benchmarks.plot --trace trace.json timeline.png ["title"]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def plot_train_sweep(path: str, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
-def plot_trace(path: str, png: str) -> None:
+def plot_trace(path: str, png: str, title: str | None = None) -> None:
     events = json.load(open(path))["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     spans = [e for e in events if e["ph"] == "X"]
@@ -87,7 +87,7 @@ def plot_trace(path: str, png: str) -> None:
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, list(colors), ncol=4, fontsize=8, loc="upper right")
-    ax.set_title("pager timeline: fetches on the h2d stream overlap compute (budget of 2 layers)")
+    ax.set_title(title or "pager timeline: fetches on the h2d stream overlap compute (budget of 2 layers)")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -95,7 +95,7 @@ def plot_trace(path: str, png: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--trace":
-        plot_trace(sys.argv[2], sys.argv[3])
+        plot_trace(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
     elif sys.argv[1] == "--train":
         plot_train_sweep(sys.argv[2], sys.argv[3])
     else:

@@ -130,24 +130,45 @@ def test_the_next_use_waits_for_a_slow_update_on_the_host():
     assert_models_equal(model, ref)
 
 
+class GatedSGD(torch.optim.SGD):
+    """SGD whose updates on the host (pager's worker thread) wait until `gate` is set."""
+
+    gate = threading.Event()
+
+    def step(self, closure=None):
+        if threading.current_thread().name.startswith("pager-"):
+            assert self.gate.wait(timeout=60)
+        return super().step(closure)
+
+
 def test_another_thread_reads_a_weight_while_its_update_runs():
     """A read from another thread of a parameter whose block is being updated
     on the host sees the updated value (its fetch waits for the update)."""
     model = TinyLM()
     ref = copy.deepcopy(model)
     pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
-    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
-    for ids, tgt in batches(3):
+    opt, ref_opt = GatedSGD(model.parameters(), lr=0.05, momentum=0.9), SlowSGD(ref.parameters(), lr=0.05,
+                                                                                momentum=0.9)
+    GatedSGD.gate.set()
+    data = batches(3)
+    for i, (ids, tgt) in enumerate(data):
+        if i == len(data) - 1:
+            GatedSGD.gate.clear()  # the last step's updates on the host wait
         for m, o in ((model, opt), (ref, ref_opt)):
             lm_loss(m, ids, tgt).backward()
             o.step()
-    running = [b for b in pager.of(model).host_steps._running if not b.host_update.done()]
+    running = [b for b in pager.of(model).blocks if b.host_update is not None and not b.host_update.done()]
     assert running
     seen = []
-    reader = threading.Thread(target=lambda: seen.extend(float(p.sum()) for p in model.parameters()))
+    reader = threading.Thread(target=lambda: seen.extend(float(p.detach().sum()) for p in model.parameters()))
     reader.start()
+    try:
+        time.sleep(0.05)
+        assert reader.is_alive()  # (waiting for the updates)
+    finally:
+        GatedSGD.gate.set()
     reader.join(timeout=60)
-    assert seen == [float(q.sum()) for q in ref.parameters()]
+    assert seen == [float(q.detach().sum()) for q in ref.parameters()]
     pager.unwrap(model)
     assert_models_equal(model, ref)
 

@@ -75,8 +75,8 @@ def wrap(
         trace_steps: record a timeline of the last N steps for `trace()` (off: 0).
         defer_step: apply the optimizer update of a block that is paged out at
             `opt.step()` when the block is next used (bit for bit the same
-            values; its transfers then overlap the next forward). False steps
-            every block during `opt.step()`.
+            values; its transfers then overlap the next forward). False
+            finishes every update, wherever it runs, within `opt.step()`.
         optimizer_step: where a block's optimizer update runs ([Note: the
             optimizer step on the host] in training/host_step.py). "host": on
             the CPU, over the block's host pages, in a worker thread that
@@ -85,9 +85,11 @@ def wrap(
             link (ZeRO-Offload's and torchao's CPUOffloadOptimizer's
             placement); blocks still on the device at `step()` leave first.
             "device": on the device (the GPU), the block's state brought in
-            with it. "auto" (default): on the host for a block whose pages are
-            all in host memory at `step()` where the host is measured to finish
-            it before the next forward reaches the block, else on the device.
+            with it. "auto" (default): on the host for a block whose state is
+            in host memory at `step()` (one still on the device leaves first),
+            as many as the host updates without the next forward waiting for
+            it (measured, [Note: how many update on the host]); on the device
+            for the rest.
             Either way each block's first update runs on the device (it makes
             the state), and so do updates the host cannot run: `capturable`
             or `differentiable` optimizers, compressed or shared pages, a disk

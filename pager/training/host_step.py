@@ -13,12 +13,11 @@ CPUOffloadOptimizer's step, per block and beside the other placement.
 
 The update starts at `step()`, not as the gradients reach the host: until
 the user calls it, clipping, GradScaler's unscale, the learning rate and
-`zero_grad` may still change what it computes. It runs in the order of the
-next forward, so it overlaps that forward; a block's fetch waits for its
-own update (`wait`, called by the engine before any copy of its pages), and
-prefetch passes over a block whose update is still running (`ready`). The
-worker runs one update at a time, in the order they were given: when the
-last is done, every earlier one is.
+`zero_grad` may still change what it computes. It runs ahead of the next
+forward (the Note on the host's order below); a block's fetch waits for
+its own update (`wait`, called through the engine before any copy of its
+pages), and prefetch stops at a block whose update is still running
+(`host_update_landed`). One worker thread runs the updates, one at a time.
 
 What runs is the optimizer's undecorated `step` on a shadow of it (its own
 param groups and state dict, as for a deferred update, [Note: deferred
@@ -39,10 +38,13 @@ can run there: a `torch.optim` optimizer without `capturable` or
 `differentiable` (any optimizer of the `Optimizer` class under "host"), the
 block's first update done (its state exists, laid out in its page), no
 update of it still deferred, and plain pages of its own (not compressed,
-not in the node's shared copy, not under a disk tier). Under "host", blocks
-still on the device at `step()` leave first (their gradients go down), so
-that every update but the first runs on the host. A block's place in the
-next forward is taken from its place in the model.
+not in the node's shared copy, not under a disk tier). Blocks still on the
+device at `step()` and idle leave first (their gradients go down): under
+"host" every one, under "auto" those whose state is in host memory (on the
+device their update would bring it up and take it back: 16 bytes a
+parameter against the host's 8); a block whose state is on the device
+updates there. A block's place in the next forward is taken from its
+place in the model.
 
 [Note: the host's order]
 The worker runs, of the updates given, the first in forward order whose

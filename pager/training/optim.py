@@ -318,8 +318,10 @@ class OptimizerLink:
         able = [b for b in blocks if steps.can_step(b, id(b) in self.stateless)]
         if steps.mode == "host":
             self._send_down(able)
-        else:  # (a block whose state is on the device updates there: nothing to move for it)
-            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident])
+        else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
+            kept = self.pager.scheduler.kept
+            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident
+                             and b not in kept])
         able = [b for b in able if self.gradients_on_host(b) and self._pages_on_host(b)]
         able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
         return {id(b) for b in steps.choose(able)} if able else set()
