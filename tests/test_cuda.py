@@ -324,7 +324,7 @@ def test_supernet_on_gpu():
     net = SuperNet(d=128, n_layers=4)
     ref = copy.deepcopy(net).to(GPU)
     budget = regime_budget(net, "streams")
-    pager.wrap(net, budget=budget, device=GPU)
+    pager.wrap(net, budget=budget, device=GPU, optimizer_step="device")  # (on the host: test_host_step, bit for bit)
     opt, ref_opt = torch.optim.Adam(net.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(8)]
     train_supernet(net, ref, opt, ref_opt, data, torch.Generator().manual_seed(0), n_candidates=4)
