@@ -274,3 +274,30 @@ def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host()
     assert steps.choose(blocks) == blocks[:4]  # no wait: one block back to the host
     steps.mode = "host"
     assert steps.choose(blocks) == blocks
+
+
+def test_the_workers_thread_ends_when_idle_and_comes_back(monkeypatch):
+    import pager.training.host_step as host_step
+
+    monkeypatch.setattr(host_step, "IDLE_SECONDS", 0.05)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu", optimizer_step="host")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    data = batches(6)
+
+    worker = pager.of(model).host_steps
+
+    train(model, opt, data[:3])
+    thread = worker._worker._thread
+    assert thread is not None and thread.is_alive()
+    pager.of(model).apply_deferred()  # (the updates in flight done)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and worker._worker._thread is None
+    train(model, opt, data[3:])
+    assert worker.pager.stats().host_steps > 0
+    train(ref, ref_opt, data[:3])
+    train(ref, ref_opt, data[3:])
+    pager.unwrap(model)
+    assert worker._worker is None
+    assert_models_equal(model, ref)

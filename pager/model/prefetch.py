@@ -40,7 +40,7 @@ def prefetch(pager) -> None:
             return
         block, kinds = use
         if block.host_update is not None and not host_update_landed(block):
-            return  # its optimizer update is still running on the host (and those after it: one at a time, in order)
+            return  # its optimizer update is still running on the host (what comes after it waits its turn)
         if block.deferred_steps:
             kinds = STEP  # its pending update runs at this use
         elif kinds is WEIGHTS and not block.deps and block.weights.resident:

@@ -93,6 +93,7 @@ MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
 WAIT_SHARE = 0.02  # "auto": a forward may wait this share of its length for updates on the host
 POLL_SECONDS = 2e-4  # how often the worker looks again while no update's pages have landed
+IDLE_SECONDS = 30.0  # the worker's thread ends after this long without work
 
 
 class HostJob:
@@ -142,34 +143,42 @@ class HostJob:
 
 
 class HostWorker:
-    """The thread that runs updates on the host ([Note: the host's order])."""
+    """The thread that runs updates on the host ([Note: the host's order]).
+    It ends after `IDLE_SECONDS` without work (a model dropped without
+    `unwrap` leaves no thread behind) and starts again with the next."""
 
     def __init__(self):
         self._queue: list = []  # (job, its Future, Futures it must follow), in forward order within a step
         self._ready = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"{WORKER_PREFIX}host-step", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def submit(self, job: HostJob, after=()) -> Future:
         future = Future()
         with self._ready:
             self._queue.append((job, future, after))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"{WORKER_PREFIX}host-step", daemon=True)
+                self._thread.start()
             self._ready.notify()
         return future
 
     def close(self) -> None:
+        """Let the thread go (its work is done: `HostSteps.close` waited for it)."""
         with self._ready:
-            self._closed = True
+            thread, self._thread = self._thread, None
             self._ready.notify()
-        self._thread.join()
+        if thread is not None:
+            thread.join()
 
     def _loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._ready:
-                while not self._queue and not self._closed:
-                    self._ready.wait()
+                if not self._queue and self._thread is me:
+                    self._ready.wait(IDLE_SECONDS)
                 if not self._queue:
+                    if self._thread is me:
+                        self._thread = None  # (idle: the next submit starts another)
                     return
                 item = self._next()
             if item is None:
