@@ -115,6 +115,40 @@ def test_plan_matches_what_a_run_does(blocks_budget):
     assert f"{1e3 * p.forward_floor_seconds:.1f} ms" in str(p)
 
 
+def test_plan_of_a_training_step_counts_where_updates_run():
+    """A step's bytes under the default placement (updates of streamed blocks
+    on the host: weights up twice, gradients down) and with every update on
+    the device; the plan's saving in what a step moves in as the run's, within
+    0.15 of the device placement's bytes."""
+    moved = {}
+    for placement in ("auto", "device"):
+        model = cyclic(n=8)
+        budget = 3 * 4 * tensor_page_bytes(model[0])  # about 3 blocks with gradients and AdamW state
+        # (defer_step=False: every update done within step(), so that what moves does not
+        # depend on how far the host's updates got when the forward came)
+        p = pager.plan(model, budget, device="cpu", optimizer_step=placement, defer_step=False)
+        pager.wrap(model, budget=budget, device="cpu", optimizer_step=placement, defer_step=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        pg = pager.of(model)
+        torch.manual_seed(0)
+        for i in range(5):
+            if i == 4:
+                pg.reset()
+            model(torch.randn(2, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        s = pg.stats()
+        moved[placement] = (p.train_h2d_bytes, p.train_d2h_bytes, s.h2d_bytes, s.d2h_bytes, s.host_steps)
+        pager.unwrap(model)
+    (plan_in, plan_out, run_in, run_out, host_steps), device = moved["auto"], moved["device"]
+    assert host_steps > 0 and device[4] == 0
+    assert plan_in < device[0] and plan_out < device[1] and run_in < device[2] and run_out < device[3]
+    # (an estimate: which blocks the scheduler keeps varies from run to run)
+    assert abs(plan_in / device[0] - run_in / device[2]) <= 0.15, moved
+    with pytest.raises(ValueError, match="optimizer_step='cpu'"):
+        pager.plan(cyclic(), "1MiB", device="cpu", optimizer_step="cpu")
+
+
 def test_plan_of_a_tied_decoder_and_too_small_a_budget():
     model = TinyLM()
     p = pager.plan(model, "1MiB", device="cpu")

@@ -12,6 +12,7 @@ from ..base.block import ALIGN_BYTES
 from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..base.budget import format_bytes, parse_budget
 from .fake import SavedBytes, measure_saved
+from ..training import host_step
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
 from ..engine.schedule import Scheduler
 
@@ -136,12 +137,18 @@ class Plan:
 
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
          link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
-         disk_gbps: float | None = None, optimizer=None, compress: str | None = None) -> Plan:
+         disk_gbps: float | None = None, optimizer=None, compress: str | None = None,
+         optimizer_step: str = "auto") -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
         model: the model (not wrapped; nothing is changed).
-        budget, device, blocks, defer_step: as for `pager.wrap`.
+        budget, device, blocks, defer_step, optimizer_step: as for `pager.wrap`.
+            A streamed block's update on the host ("auto", "host") moves its
+            weights up for the forward and the backward and its gradients
+            down; on the device, its gradients and state up and its weights
+            and state down besides. ("auto" may give the device some blocks
+            where the host falls behind: the figures are then its best case.)
         state_factor: optimizer state bytes per weight byte (Adam 2, SGD with
             momentum 1) for the training figures, without `optimizer`.
         optimizer: the optimizer that will train the model (built on its
@@ -166,6 +173,9 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     """
     from ..base.budget import resolve_device
 
+    if optimizer_step not in host_step.MODES:
+        raise ValueError(f"pager: plan(optimizer_step={optimizer_step!r}) takes what wrap takes: "
+                         f"{', '.join(map(repr, host_step.MODES))}.")
     device = resolve_device(device)
     budget_bytes = parse_budget(budget, device)
     # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
@@ -198,8 +208,12 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     train_kept = _kept(names, step_sizes, budget_bytes, fixed)
     least = sizing.least_room(step_sizes, fixed)  # what `Pager.least_room_bytes` will be with every segment
     h2d = d2h = 0
+    on_host = optimizer_step != "device"
     for name, w, g, s in zip(names, own, grads, states):
-        if name not in train_kept:
+        if name not in train_kept and on_host:
+            h2d += 2 * w  # forward and backward ([Note: the optimizer step on the host])
+            d2h += g      # gradients leave in backward; the host updates weights and state where they are
+        elif name not in train_kept:
             if defer_step:  # the forward brings all in for the last step's update, the backward the weights
                 h2d += (w + g + s) + w
             else:  # forward, backward, then the step brings all in
