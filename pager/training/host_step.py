@@ -85,61 +85,14 @@ from concurrent.futures import Future
 
 import torch
 
-from ..base.block import PageState
 from ..base.common import WORKER_PREFIX
-from .grads import replay
+from .host_jobs import HostJob
 
 MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
 WAIT_SHARE = 0.02  # "auto": a forward may wait this share of its length for updates on the host
 POLL_SECONDS = 2e-4  # how often the worker looks again while no update's pages have landed
 IDLE_SECONDS = 30.0  # the worker's thread ends after this long without work
-
-
-class HostJob:
-    """One block's update on the host: a shadow optimizer over its pages."""
-
-    def __init__(self, step, shadow, entries: list, scales: list, after: list):
-        self.step = step        # the optimizer class's undecorated step
-        self.shadow = shadow    # its groups and state over the host pages
-        self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
-        self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
-        self.after = after      # CUDA events: pages written back, factors copied
-        self.seconds = 0.0
-
-    def landed(self) -> bool:
-        """The pages' write-backs (and the factors' copies) have landed in host memory."""
-        return all(event.query() for event in self.after)
-
-    def run(self) -> "HostJob":
-        for event in self.after:
-            event.synchronize()  # (landed, as the worker only runs jobs that have)
-        start = time.perf_counter()
-        with torch.no_grad():
-            for view, ops in self.scales:
-                replay(view, ops)
-        given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
-        self.step(self.shadow)
-        self._put_back(given)
-        self.seconds = time.perf_counter() - start
-        return self
-
-    def _put_back(self, given: list) -> None:
-        """State entries the optimizer replaced rather than updated in place:
-        into the page, or (host-side ones) into the optimizer's state."""
-        for (name, own, shadow, page), before in zip(self.entries, given):
-            for key, value in shadow.items():
-                if key not in before:
-                    raise RuntimeError(
-                        f"pager: the optimizer made new state {key!r} for {name!r} in an update on the host (an "
-                        f"option that adds state, such as amsgrad or momentum, turned on after the first step?); "
-                        f"its page has no room for it. Wrap with optimizer_step=\"device\" for such changes.")
-                if value is not before[key]:
-                    if key in page:
-                        with torch.no_grad():
-                            before[key].copy_(value)
-                    else:
-                        own[key] = value
 
 
 class HostWorker:
@@ -219,9 +172,6 @@ class HostSteps:
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
 
     # ---------------------------------------------------------- placement
-    def wanted(self) -> bool:
-        return self.mode != "device"
-
     def can_step(self, block, stateless: bool) -> bool:
         """Whether `block`'s update may run on the host (see the Note), where
         and how its gradients are aside (`OptimizerLink.gradients_on_host`).
@@ -232,6 +182,40 @@ class HostSteps:
             return False  # its first update (on the device) makes its state and lays it out in a page
         return not any(seg.encoded is not None or seg.shared or seg.cache is not None
                        for kind, seg in block.segments.items() if kind != "frozen")
+
+    def blocks_for(self, link, blocks: list) -> set:
+        """ids of `blocks` (those with gradients at `step()`) whose update
+        runs on the host this step; blocks that leave for it leave now."""
+        if not link.host_capable():
+            return set()
+        able = [b for b in blocks if self.can_step(b, id(b) in link.stateless)]
+        if self.mode == "host":
+            self._send_down(able)
+        else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
+            kept = self.pager.scheduler.kept
+            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident
+                             and b not in kept])
+        able = [b for b in able if link.gradients_on_host(b) and self._pages_on_host(b)]
+        able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
+        return {id(b) for b in self.choose(able)} if able else set()
+
+    def _pages_on_host(self, block) -> bool:
+        """Every page of `block` is in host memory: its weights too leave now
+        if they were fetched ahead (idle, so unchanged since)."""
+        if any(seg.resident for seg in block.segments.values()):
+            return block.pins == 0 and self.pager.engine.evict(block)
+        return True
+
+    def _send_down(self, blocks: list) -> None:
+        """Blocks on the device and idle leave (their gradients go down), so
+        that they update on the host too: under "host" every one; under
+        "auto" those whose state is in host memory (an update on the device
+        would bring it up and take it back, 16 bytes a parameter in fp32,
+        where the host's moves 8: gradients down, weights up)."""
+        engine = self.pager.engine
+        for block in blocks:
+            if block in engine.resident and block.pins == 0:
+                engine.evict(block)
 
     def choose(self, blocks: list) -> list:
         """Of `blocks` (in next-forward order, each able to step on the host),
@@ -346,28 +330,3 @@ def host_update_landed(block) -> bool:
     raised is reported by the use that needs the block, not by a prefetch)."""
     future = block.host_update
     return future.done() and future.exception() is None
-
-
-def host_factor(factor, cache: dict, transport, after: list):
-    """A scaling factor as the host reads it: a device tensor (a clip's
-    coefficient) copied to pinned memory on the compute stream (the event
-    it is done by goes into `after`), once per tensor per step."""
-    if not isinstance(factor, torch.Tensor):
-        return factor
-    known = cache.get(id(factor))
-    if known is not None:
-        return known[1]
-    if factor.device.type == "cuda":
-        copy = torch.empty(factor.shape, dtype=factor.dtype, pin_memory=True)
-        copy.copy_(factor, non_blocking=True)  # (on the compute stream, after the op that made it)
-        after.append(transport.record_compute())
-    else:
-        copy = factor.clone()  # (the step's value, whatever the caller does with the tensor later)
-    cache[id(factor)] = (factor, copy)
-    return copy
-
-
-def writeback_events(block) -> list:
-    """Events of write-backs of `block`'s pages that may still be running."""
-    return [seg.writeback_event for seg in block.segments.values()
-            if seg.state is PageState.WRITING_BACK and seg.writeback_event is not None]

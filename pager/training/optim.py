@@ -39,7 +39,6 @@ once instead.
 
 from __future__ import annotations
 
-import collections
 import copy
 import sys
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from ..base import guards
 from ..base.block import Block
 from ..base.common import STEP
 from .grads import PagedOutGrad, replay
-from .host_step import HostJob, host_factor, writeback_events
+from .host_jobs import host_job, shadow_of
 
 
 @dataclass
@@ -160,13 +159,13 @@ class OptimizerLink:
                 if owner is not None and id(owner) in shares:
                     shares[id(owner)][gi].append(p)
         now, options, factors, after = [], None, {}, []
-        host = self._to_step_on_host(blocks)
+        host = pager.host_steps.blocks_for(self, blocks)
         for block in blocks:
             if id(block) in host or self._can_defer(block):
                 if options is None:  # the groups' options as they are now, once per step
                     options = [{k: _snapshot(v) for k, v in g.items() if k != "params"} for g in groups]
                 if id(block) in host:
-                    self._step_on_host(block, shares[id(block)], options, factors, after)
+                    pager.host_steps.submit(block, host_job(self, block, shares[id(block)], options, factors, after))
                 else:
                     self._defer(block, shares[id(block)], options)
             else:
@@ -299,8 +298,7 @@ class OptimizerLink:
             return False  # GradScaler hands fused optimizers a scale that step() reads
         return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
 
-    # ------------------------------------------------------ on the host
-    def _host_capable(self) -> bool:
+    def host_capable(self) -> bool:
         """Whether this optimizer's updates may run on the host ([Note: the
         optimizer step on the host] in training/host_step.py)."""
         mode = self.pager.host_steps.mode
@@ -309,73 +307,6 @@ class OptimizerLink:
         if mode == "auto" and type(self.optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
             return False  # (another's update may be slow on the host, or not per parameter: asked for by "host")
         return not any(g.get("capturable") or g.get("differentiable") for g in self.optimizer.param_groups)
-
-    def _to_step_on_host(self, blocks: list[Block]) -> set:
-        """ids of the blocks whose update runs on the host this step."""
-        steps = self.pager.host_steps
-        if not self._host_capable():
-            return set()
-        able = [b for b in blocks if steps.can_step(b, id(b) in self.stateless)]
-        if steps.mode == "host":
-            self._send_down(able)
-        else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
-            kept = self.pager.scheduler.kept
-            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident
-                             and b not in kept])
-        able = [b for b in able if self.gradients_on_host(b) and self._pages_on_host(b)]
-        able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
-        return {id(b) for b in steps.choose(able)} if able else set()
-
-    def _pages_on_host(self, block: Block) -> bool:
-        """Every page of `block` is in host memory: its weights too leave now
-        if they were fetched ahead (idle, so unchanged since)."""
-        if any(seg.resident for seg in block.segments.values()):
-            return block.pins == 0 and self.pager.engine.evict(block)
-        return True
-
-    def _send_down(self, blocks: list[Block]) -> None:
-        """Blocks on the device and idle leave (their gradients go down), so
-        that they update on the host too: under "host" every one; under
-        "auto" those whose state is in host memory (an update on the device
-        would bring it up and take it back, 16 bytes a parameter in fp32,
-        where the host's moves 8: gradients down, weights up)."""
-        engine = self.pager.engine
-        for block in blocks:
-            if block in engine.resident and block.pins == 0:
-                engine.evict(block)
-
-    def _step_on_host(self, block: Block, shares: list, options: list, factors: dict, after: list) -> None:
-        """Hand `block`'s update to the host's worker: a shadow of the
-        optimizer over the block's host pages (see the Note there)."""
-        pager = self.pager
-        weights, grads, state = block.segments["weights"], block.segments["grads"], block.segments.get("state")
-        weights_host = dict(zip(map(id, weights.tensors), weights.host_views()))
-        grads_host = grads.host_views()
-        state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
-        override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(self.optimizer) else {}
-        groups, shadow_state, entries = [], collections.defaultdict(dict), []
-        for g, share, opts in zip(self.optimizer.param_groups, shares, options):
-            stand_ins = []
-            for p in share:
-                if not isinstance(p.grad, PagedOutGrad):
-                    continue  # (its gradient is None: the update passes over it)
-                stand_in = weights_host[id(p)]
-                stand_in.grad = grads_host[p.grad.index]
-                own = self.optimizer.state.get(p)
-                if own:
-                    shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
-                    entries.append((p.grad.param_name, own, shadow_state[stand_in],
-                                    {k for k in own if (id(p), k) in state_host}))
-                stand_ins.append(stand_in)
-            groups.append({**g, **opts, **override, "params": stand_ins})
-        shadow = shadow_of(self.optimizer, groups, shadow_state)
-        transport = pager.transport
-        scales = [(grads_host[i], [(op, host_factor(f, factors, transport, after)) for op, f in ops])
-                  for i, ops in grads.pending.items()]
-        for i in grads.pending:
-            grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
-        grads.pending.clear()  # what is recorded from now on applies after the update
-        pager.host_steps.submit(block, HostJob(self._raw_step, shadow, entries, scales, writeback_events(block) + after))
 
     def _defer(self, block: Block, shares: list, options: list) -> None:
         # While the update is pending, the grads page is fetched and kept
@@ -559,23 +490,6 @@ def _calls_inside(frame, outer) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def shadow_of(optimizer, groups: list, state=None):
-    """An object of `optimizer`'s class that shares its attributes but has
-    `groups` (and `state`) of its own, and none of its hooks: a step of it
-    touches nothing the user holds but the state entries given, and a
-    hooked step that its own step calls (a subclass's `super().step()`)
-    does not come back to pager."""
-    shadow = object.__new__(type(optimizer))
-    shadow.__dict__.update(optimizer.__dict__)
-    shadow.param_groups = groups
-    if state is not None:
-        shadow.state = state
-    shadow._optimizer_step_pre_hooks = collections.OrderedDict()
-    shadow._optimizer_step_post_hooks = collections.OrderedDict()
-    shadow._pager_shadow = True  # (not attached by the global hook)
-    return shadow
 
 
 def _snapshot(value):

@@ -1,0 +1,140 @@
+"""What one block's optimizer update on the host is made of: `HostJob`, a
+shadow of the optimizer over the block's host pages ([Note: the optimizer
+step on the host] in training/host_step.py), and `host_job`, which makes it
+at `step()` from the user's optimizer."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from ..base.block import PageState
+from .grads import PagedOutGrad, replay
+
+
+class HostJob:
+    """One block's update on the host: a shadow optimizer over its pages."""
+
+    def __init__(self, step, shadow, entries: list, scales: list, after: list):
+        self.step = step        # the optimizer class's undecorated step
+        self.shadow = shadow    # its groups and state over the host pages
+        self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
+        self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
+        self.after = after      # CUDA events: pages written back, factors copied
+        self.seconds = 0.0
+
+    def landed(self) -> bool:
+        """The pages' write-backs (and the factors' copies) have landed in host memory."""
+        return all(event.query() for event in self.after)
+
+    def run(self) -> "HostJob":
+        for event in self.after:
+            event.synchronize()  # (landed, as the worker only runs jobs that have)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for view, ops in self.scales:
+                replay(view, ops)
+        given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
+        self.step(self.shadow)
+        self._put_back(given)
+        self.seconds = time.perf_counter() - start
+        return self
+
+    def _put_back(self, given: list) -> None:
+        """State entries the optimizer replaced rather than updated in place:
+        into the page, or (host-side ones) into the optimizer's state."""
+        for (name, own, shadow, page), before in zip(self.entries, given):
+            for key, value in shadow.items():
+                if key not in before:
+                    raise RuntimeError(
+                        f"pager: the optimizer made new state {key!r} for {name!r} in an update on the host (an "
+                        f"option that adds state, such as amsgrad or momentum, turned on after the first step?); "
+                        f"its page has no room for it. Wrap with optimizer_step=\"device\" for such changes.")
+                if value is not before[key]:
+                    if key in page:
+                        with torch.no_grad():
+                            before[key].copy_(value)
+                    else:
+                        own[key] = value
+
+
+def shadow_of(optimizer, groups: list, state=None):
+    """An object of `optimizer`'s class that shares its attributes but has
+    `groups` (and `state`) of its own, and none of its hooks: a step of it
+    touches nothing the user holds but the state entries given, and a
+    hooked step that its own step calls (a subclass's `super().step()`)
+    does not come back to pager."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    shadow.param_groups = groups
+    if state is not None:
+        shadow.state = state
+    shadow._optimizer_step_pre_hooks = collections.OrderedDict()
+    shadow._optimizer_step_post_hooks = collections.OrderedDict()
+    shadow._pager_shadow = True  # (not attached by the global hook)
+    return shadow
+
+
+def host_job(link, block, shares: list, options: list, factors: dict, after: list) -> HostJob:
+    """`block`'s update as `link`'s optimizer would run it at this `step()`:
+    its parameters' stand-ins over the weights page with the grads page's
+    views as gradients, the state page's views as state, the groups'
+    options as they are now (`options`), and the zeroing and scaling
+    recorded on its gradients to apply first (their pending list is then
+    cleared: what comes later applies after the update). `factors` and
+    `after` are shared by a step's jobs (`host_factor`)."""
+    optimizer, pager = link.optimizer, link.pager
+    weights, grads, state = block.segments["weights"], block.segments["grads"], block.segments.get("state")
+    weights_host = dict(zip(map(id, weights.tensors), weights.host_views()))
+    grads_host = grads.host_views()
+    state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
+    override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(optimizer) else {}
+    groups, shadow_state, entries = [], collections.defaultdict(dict), []
+    for g, share, opts in zip(optimizer.param_groups, shares, options):
+        stand_ins = []
+        for p in share:
+            if not isinstance(p.grad, PagedOutGrad):
+                continue  # (its gradient is None: the update passes over it)
+            stand_in = weights_host[id(p)]
+            stand_in.grad = grads_host[p.grad.index]
+            own = optimizer.state.get(p)
+            if own:
+                shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
+                entries.append((p.grad.param_name, own, shadow_state[stand_in],
+                                {k for k in own if (id(p), k) in state_host}))
+            stand_ins.append(stand_in)
+        groups.append({**g, **opts, **override, "params": stand_ins})
+    scales = [(grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
+              for i, ops in grads.pending.items()]
+    for i in grads.pending:
+        grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
+    grads.pending.clear()  # what is recorded from now on applies after the update
+    return HostJob(link._raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
+                   writeback_events(block) + after)
+
+
+def host_factor(factor, cache: dict, transport, after: list):
+    """A scaling factor as the host reads it: a device tensor (a clip's
+    coefficient) copied to pinned memory on the compute stream (the event
+    it is done by goes into `after`), once per tensor per step."""
+    if not isinstance(factor, torch.Tensor):
+        return factor
+    known = cache.get(id(factor))
+    if known is not None:
+        return known[1]
+    if factor.device.type == "cuda":
+        copy = torch.empty(factor.shape, dtype=factor.dtype, pin_memory=True)
+        copy.copy_(factor, non_blocking=True)  # (on the compute stream, after the op that made it)
+        after.append(transport.record_compute())
+    else:
+        copy = factor.clone()  # (the step's value, whatever the caller does with the tensor later)
+    cache[id(factor)] = (factor, copy)
+    return copy
+
+
+def writeback_events(block) -> list:
+    """Events of write-backs of `block`'s pages that may still be running."""
+    return [seg.writeback_event for seg in block.segments.values()
+            if seg.state is PageState.WRITING_BACK and seg.writeback_event is not None]
