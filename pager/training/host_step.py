@@ -42,8 +42,9 @@ not in the node's shared copy, not under a disk tier). Blocks still on the
 device at `step()` and idle leave first (their gradients go down): under
 "host" every one, under "auto" those whose state is in host memory (on the
 device their update would bring it up and take it back: 16 bytes a
-parameter against the host's 8); a block whose state is on the device
-updates there. A block's place in the next forward is taken from its
+parameter against the host's 8) but for the ones the scheduler keeps on the
+device (their leaving would make a block use's work grow with the number
+of blocks); a block whose state is on the device updates there. A block's place in the next forward is taken from its
 place in the model.
 
 [Note: the host's order]
