@@ -165,7 +165,8 @@ class HostSteps:
         self.mode = mode
         self._worker: HostWorker | None = None
         self._running: set = set()  # blocks whose `host_update` may still be running
-        self.on_device = 0  # under "auto": how many of a step's blocks update on the device ([Note: how many...])
+        # Under "auto": how many of a step's blocks update on the device ([Note: how many update on the host]).
+        self.on_device = 0
         self.waited_seconds = 0.0  # fetches' waits for updates on the host, since wrap
         self._waited_then = 0.0
         self._forward_events = None  # (start, end) CUDA events, reused
