@@ -32,18 +32,15 @@ class Thin(nn.Module):
         return x
 
 
-def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0):
-    """Delay every copy on the h2d stream (and optionally compute before
-    each release): a missing wait then reads bytes not yet landed, or
-    overwrites bytes still being read."""
-    h2d = transport.h2d
-
-    def slow_h2d(device_flat, host, after=()):
-        with torch.cuda.stream(transport.h2d_stream):
-            torch.cuda._sleep(h2d_cycles)
-        return h2d(device_flat, host, after)
-
-    transport.h2d = slow_h2d
+def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0, d2h_cycles=0):
+    """Delay every copy on the h2d stream (and optionally every write-back on
+    the d2h stream, and compute before each release): a missing wait then
+    reads bytes not yet landed, or overwrites bytes still being read (an
+    update on the host that did not wait for its gradients' write-back would
+    read the old page)."""
+    for name, stream, cycles in (("h2d", transport.h2d_stream, h2d_cycles), ("d2h", transport.d2h_stream, d2h_cycles)):
+        if cycles:
+            setattr(transport, name, _delayed(getattr(transport, name), stream, cycles))
     if compute_cycles:
         record = transport.record_compute
 
@@ -52,6 +49,15 @@ def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0):
             return record()
 
         transport.record_compute = slow_record
+
+
+def _delayed(copy, stream, cycles):
+    def slow_copy(dst, src, after=()):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+        return copy(dst, src, after)
+
+    return slow_copy
 
 
 @pytest.mark.parametrize("factory,inputs", [
@@ -213,19 +219,6 @@ def test_a_graph_built_asleep_lets_the_blocks_go_once_its_backward_ends_on_gpu()
     assert_close_to_reference(model, ref)
 
 
-def _slow_d2h(transport, cycles=2_000_000):
-    """Delay every write-back on the d2h stream: an update on the host that
-    did not wait for its gradients' write-back would read the old page."""
-    d2h = transport.d2h
-
-    def slow_d2h(host, device_flat, after=()):
-        with torch.cuda.stream(transport.d2h_stream):
-            torch.cuda._sleep(cycles)
-        return d2h(host, device_flat, after)
-
-    transport.d2h = slow_d2h
-
-
 class SlowAdam(torch.optim.Adam):
     """Adam whose every update takes a while more: on the host, the next
     forward's fetches must wait for it."""
@@ -246,8 +239,7 @@ def test_training_races_and_peak_memory(defer_step, placement, make):
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, "streams")
     pager.wrap(model, budget=budget, device=GPU, defer_step=defer_step, optimizer_step=placement)
-    _sleepy(pager.of(model).transport, h2d_cycles=1_000_000, compute_cycles=1_000_000)
-    _slow_d2h(pager.of(model).transport)
+    _sleepy(pager.of(model).transport, h2d_cycles=1_000_000, compute_cycles=1_000_000, d2h_cycles=2_000_000)
     opt, ref_opt = make(model.parameters(), lr=1e-3), make(ref.parameters(), lr=1e-3)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
     # cuBLAS takes a workspace per thread at its first matmul (the autograd
@@ -284,7 +276,7 @@ def test_updates_on_the_host_with_clipping_and_a_schedule_on_gpu():
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model).to(GPU)
     pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="host")
-    _slow_d2h(pager.of(model).transport)
+    _sleepy(pager.of(model).transport, h2d_cycles=0, d2h_cycles=2_000_000)
     make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
 

@@ -116,20 +116,6 @@ class SlowSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_the_next_use_waits_for_a_slow_update_on_the_host():
-    model = TinyLM()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
-    opt, ref_opt = (SlowSGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
-    data = batches(5)
-    train(model, opt, data, accumulate=False)
-    train(ref, ref_opt, data, accumulate=False)
-    s = pager.of(model).stats()
-    assert s.host_steps > 0 and s.host_step_wait_seconds > 0
-    pager.unwrap(model)
-    assert_models_equal(model, ref)
-
-
 class GatedSGD(torch.optim.SGD):
     """SGD whose updates on the host (pager's worker thread) wait until `gate` is set."""
 
@@ -139,6 +125,40 @@ class GatedSGD(torch.optim.SGD):
         if threading.current_thread().name.startswith("pager-"):
             assert self.gate.wait(timeout=60)
         return super().step(closure)
+
+
+def test_the_next_use_waits_for_a_slow_update_on_the_host():
+    """The last step's updates are held back on the host (gated) while the
+    next forward runs: its fetches wait for them, and it computes with the
+    updated weights."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
+    opt, ref_opt = GatedSGD(model.parameters(), lr=0.05, momentum=0.9), SlowSGD(ref.parameters(), lr=0.05,
+                                                                                momentum=0.9)
+    GatedSGD.gate.set()
+    data = batches(5)
+    train(model, opt, data[:4], accumulate=False)
+    train(ref, ref_opt, data[:4], accumulate=False)
+    ids, _tgt = data[4]
+    GatedSGD.gate.clear()
+    lm_loss(model, *data[3]).backward()  # (one more step for each, gated on the host)
+    opt.step()
+    lm_loss(ref, *data[3]).backward()
+    ref_opt.step()
+    opener = threading.Timer(0.05, GatedSGD.gate.set)
+    opener.start()
+    try:
+        with torch.no_grad():
+            out = model(ids)
+    finally:
+        opener.join()
+    with torch.no_grad():
+        assert torch.equal(out, ref(ids))
+    s = pager.of(model).stats()
+    assert s.host_steps > 0 and s.host_step_wait_seconds > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
 
 
 def test_another_thread_reads_a_weight_while_its_update_runs():

@@ -496,6 +496,16 @@ def test_a_second_backward_through_a_retained_graph(regime):
 # -- training asleep: see [Note: asleep] in model/hooks.py ---------------------
 
 
+def _fitting_pair():
+    """A TinyLM wrapped under a budget that holds it all, its unwrapped twin,
+    its pager, and an Adam for each."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 30, device="cpu")
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    return model, ref, pager.of(model), opt, ref_opt
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_resident_model_trains_without_block_hooks(set_to_none):
     """Once every block has its gradients' page, a model that fits trains with
@@ -504,11 +514,7 @@ def test_a_resident_model_trains_without_block_hooks(set_to_none):
     gradients set to None leave the device with their pages, and the next
     ones stay where autograd makes them ([Note: gradients outside their
     pages, asleep])."""
-    model = TinyLM()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=1 << 30, device="cpu")
-    pg = pager.of(model)
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    model, ref, pg, opt, ref_opt = _fitting_pair()
     for i, (ids, tgt) in enumerate(batches(6)):
         if i == 1:  # (the first backward makes the gradients' pages)
             pg.reset()
@@ -565,11 +571,7 @@ def test_gradients_made_asleep_go_into_their_pages_before_a_block_leaves():
     pager slept with their pages dropped are adopted into their pages when a
     lower budget wakes it between backward and step; the blocks then leave
     with them, and the step equals the unwrapped model's."""
-    model = TinyLM()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=1 << 30, device="cpu")
-    pg = pager.of(model)
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    model, ref, pg, opt, ref_opt = _fitting_pair()
     data = batches(4)
     for i, (ids, tgt) in enumerate(data):
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -590,11 +592,7 @@ def test_a_graph_built_asleep_keeps_every_block_until_autograd_lets_go():
     """Its backward has no hooks to bring a block back: while autograd holds
     what the forward saved (a retained graph too), no block may leave; then
     the budget may drop and training goes on paged, equal to unwrapped."""
-    model = TinyLM()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=1 << 30, device="cpu")
-    pg = pager.of(model)
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    model, ref, pg, opt, ref_opt = _fitting_pair()
     data = batches(5)
     small = regime_budget(model, "streams")
 

@@ -30,8 +30,7 @@ class HostJob:
         return all(event.query() for event in self.after)
 
     def run(self) -> "HostJob":
-        for event in self.after:
-            event.synchronize()  # (landed, as the worker only runs jobs that have)
+        """(The worker runs a job only once it has `landed`.)"""
         start = time.perf_counter()
         with torch.no_grad():
             for view, ops in self.scales:
@@ -111,7 +110,7 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
-    return HostJob(link._raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
+    return HostJob(link.raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
                    writeback_events(block) + after)
 
 

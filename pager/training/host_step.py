@@ -185,10 +185,19 @@ class HostSteps:
         return not any(seg.encoded is not None or seg.shared or seg.cache is not None
                        for kind, seg in block.segments.items() if kind != "frozen")
 
+    def optimizer_can(self, link) -> bool:
+        """Whether `link`'s optimizer's updates may run on the host (see the Note)."""
+        if self.mode == "device" or link.raw_step is None:
+            return False
+        optimizer = link.optimizer
+        if self.mode == "auto" and type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+            return False  # (another's update may be slow on the host, or not per parameter: asked for by "host")
+        return not any(g.get("capturable") or g.get("differentiable") for g in optimizer.param_groups)
+
     def blocks_for(self, link, blocks: list) -> set:
         """ids of `blocks` (those with gradients at `step()`) whose update
         runs on the host this step; blocks that leave for it leave now."""
-        if not link.host_capable():
+        if not self.optimizer_can(link):
             return set()
         able = [b for b in blocks if self.can_step(b, id(b) in link.stateless)]
         if self.mode == "host":

@@ -79,7 +79,7 @@ class OptimizerLink:
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
-        self._raw_step = getattr(type(optimizer).step, "__wrapped__", None)
+        self.raw_step = getattr(type(optimizer).step, "__wrapped__", None)
         # state_dict()/load_state_dict() read and write the state tensors: they
         # must be on the device or refer to host copies.
         self._swapped: list = []
@@ -276,8 +276,8 @@ class OptimizerLink:
     def _step_once(self, optimizer) -> None:
         self._stepping = True
         try:
-            if self._raw_step is not None:
-                self._raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
+            if self.raw_step is not None:
+                self.raw_step(optimizer)  # the step without its hooks: they run once, around the user's call
             else:
                 optimizer.step()
         finally:
@@ -297,16 +297,6 @@ class OptimizerLink:
         if getattr(self.optimizer, "grad_scale", None) is not None:
             return False  # GradScaler hands fused optimizers a scale that step() reads
         return all(p.grad is None or (isinstance(p.grad, PagedOutGrad) and p.grad.segment is seg) for p in block.params)
-
-    def host_capable(self) -> bool:
-        """Whether this optimizer's updates may run on the host ([Note: the
-        optimizer step on the host] in training/host_step.py)."""
-        mode = self.pager.host_steps.mode
-        if mode == "device" or self._raw_step is None:
-            return False
-        if mode == "auto" and type(self.optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
-            return False  # (another's update may be slow on the host, or not per parameter: asked for by "host")
-        return not any(g.get("capturable") or g.get("differentiable") for g in self.optimizer.param_groups)
 
     def _defer(self, block: Block, shares: list, options: list) -> None:
         # While the update is pending, the grads page is fetched and kept
@@ -351,7 +341,7 @@ class OptimizerLink:
 
     def _step_shadow(self, d: Deferred) -> None:
         optimizer = self.optimizer
-        if self._raw_step is None:  # not a torch.optim.Optimizer: its groups are narrowed for the call
+        if self.raw_step is None:  # not a torch.optim.Optimizer: its groups are narrowed for the call
             groups = optimizer.param_groups
             saved = [(g["params"], {k: g[k] for k in options if k in g}) for g, options in zip(groups, d.options)]
             try:
@@ -366,7 +356,7 @@ class OptimizerLink:
             return
         shadow = shadow_of(optimizer, [{**g, **options, "params": share}
                                        for g, share, options in zip(optimizer.param_groups, d.shares, d.options)])
-        self._raw_step(shadow)
+        self.raw_step(shadow)
 
     def _blocks_to_step(self) -> list[Block]:
         """Blocks with a gradient: resident ones first, then in next-forward order."""
