@@ -30,7 +30,8 @@ class HostJob:
         return all(event.query() for event in self.after)
 
     def run(self) -> "HostJob":
-        """(The worker runs a job only once it has `landed`.)"""
+        for event in self.after:
+            event.synchronize()  # (a guard: the worker runs only jobs that have landed)
         start = time.perf_counter()
         with torch.no_grad():
             for view, ops in self.scales:

@@ -44,8 +44,8 @@ device at `step()` and idle leave first (their gradients go down): under
 device their update would bring it up and take it back: 16 bytes a
 parameter against the host's 8) but for the ones the scheduler keeps on the
 device (their leaving would make a block use's work grow with the number
-of blocks); a block whose state is on the device updates there. A block's place in the next forward is taken from its
-place in the model.
+of blocks); a block whose state is on the device updates there. A
+block's place in the next forward is taken from its place in the model.
 
 [Note: the host's order]
 The worker runs, of the updates given, the first in forward order whose
