@@ -226,8 +226,10 @@ def bench_train_sweep(args, rows):
         ms, peak = measure(step, args.reps, warmed=pg.reset)
         s = pg.stats()
         rows.append(Row(
-            w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {s.activations_policy}, "
-            f"optimizer_step={placement}",
+            w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {activations}"
+            + (f" ({s.activations_kept_blocks} blocks kept, the rest {s.activations_policy})"
+               if activations == "auto" and s.activations_policy != "keep" else
+               " (all kept)" if activations == "auto" else "") + f", optimizer_step={placement}",
             ms, peak, ms / gpu_ms, "all on GPU",
             f"allocator peak {peak / (budget / GiB):.2f}x the budget; pager's own peak "
             f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
@@ -241,7 +243,8 @@ def bench_train_sweep(args, rows):
             {"budget": budget, "share": share, "placement": placement, "peak_device": s.peak_device_bytes,
              "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes,
              "host_steps": s.host_steps, "host_step_s": s.host_step_seconds,
-             "host_wait_s": s.host_step_wait_seconds},
+             "host_wait_s": s.host_step_wait_seconds, "activations": activations,
+             "chosen": s.activations_policy, "kept_blocks": s.activations_kept_blocks},
         ))
         print(rows[-1])
         if args.trace_share == share and activations == args.policies[0] and placement == args.placements[0]:

@@ -49,7 +49,8 @@ def plot_train_sweep(path: str, png: str) -> None:
     for row in d["rows"]:
         extra = row.get("extra") or {}
         if "share" in extra:
-            label = row["method"].split("), ", 1)[1]
+            label = (f"activations {extra['activations']}, optimizer_step={extra['placement']}" if "activations" in extra
+                     else row["method"].split("), ", 1)[1])
             series.setdefault(label, []).append((100 * extra["share"], row["ratio"], row["peak_gib"]))
         elif row["ms"] is not None:
             lines.append((row["method"].split(" (")[0], row["ratio"], row["peak_gib"]))

@@ -77,6 +77,6 @@ def run_threads(target, n):
     return errors
 
 
-def block_hooks(model) -> int:
-    """Pager's forward hooks on the model's blocks: two per block, none while the pager sleeps ([Note: asleep])."""
-    return sum(len(b.hook_handles) for b in pager.of(model).blocks)
+def hooked_blocks(model) -> int:
+    """The model's blocks with pager's forward hooks on: none while the pager sleeps ([Note: asleep])."""
+    return sum(bool(b.hook_handles) for b in pager.of(model).blocks)

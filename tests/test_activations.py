@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import assert_models_equal, assert_same, tensor_page_bytes
+from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import TinyLM
 from test_training import batches, regime_budget, torch_clip, train
 
@@ -54,8 +54,16 @@ def test_training_with_activations_paged_matches_unwrapped(policy, regime, autoc
     data = batches(6)
     train(model, opt, data, clip=torch_clip, autocast=autocast)  # with accumulation
     train(ref, ref_opt, data, clip=torch_clip, autocast=autocast)
-    assert_acted(p, policy)
     s = p.stats()
+    if policy == "auto" and regime == "fits":
+        # Room beyond the blocks for all of it: every block keeps its activations
+        # once they are measured (the first pass sent them out).
+        assert s.activations_policy == "keep" and s.activations_kept_blocks == len(p.activations.offload.order) > 0
+        assert s.recomputes == 0
+        pager.unwrap(model)
+        assert_models_equal(model, ref)
+        return
+    assert_acted(p, policy)
     if policy != "recompute":
         assert s.activations_ahead_bytes > 0  # brought at the block's pre-backward, before autograd asked
     if policy == "recompute":
@@ -148,7 +156,7 @@ def test_no_grad_forwards_and_the_keep_policy_send_nothing(policy):
         model(batches(1)[0][0])
     assert p.stats().activations_sent_bytes == 0 and p.stats().recomputes == 0
     kept = TinyLM()
-    pager.wrap(kept, budget=regime_budget(kept, "streams"), device="cpu")
+    pager.wrap(kept, budget=regime_budget(kept, "streams"), device="cpu", activations="keep")
     kept(batches(1)[0][0]).sum().backward()
     assert pager.of(kept).activations is None and pager.of(kept).stats().activations_sent_bytes == 0
 
@@ -311,12 +319,19 @@ class SlowAgain(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+def no_room_to_keep(p):
+    """No optimizer state here, so every block fits the budget beside its
+    gradients, and "auto" would keep the activations: make it try the two."""
+    p.activations.spare_bytes = lambda: 0
+
+
 @pytest.mark.parametrize("slow", ["recompute", "offload"])
 def test_auto_tries_both_and_keeps_the_faster(slow, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(*[SlowAgain() for _ in range(4)])
     ref = copy.deepcopy(model)
     p = offloading(model, streams(model), "auto")
+    no_room_to_keep(p)
     if slow == "offload":
         send = p.transport.send_to_host
 
@@ -404,6 +419,44 @@ def test_blocks_and_activations_stay_within_the_budget_together(policy):
     assert_models_equal(model, ref)
 
 
+@pytest.mark.parametrize("room", ["all", "some", "none"])
+def test_auto_keeps_the_activations_the_budget_has_room_for(room):
+    """[Note: activations, the automatic choice]: beyond every block with its
+    gradients and Adam's state, the budget's room keeps activations, the last
+    blocks of the forward first; blocks never give up room for them (no
+    evictions once measured), the rest is offloaded or recomputed, and the
+    two together stay within the budget, with the values of the unwrapped model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(6)])
+    ref = copy.deepcopy(model)
+    probe = offloading(copy.deepcopy(model), 1 << 30, "auto")
+    wide_steps(probe.model, torch.optim.Adam(probe.model.parameters(), lr=1e-2), 1)
+    saved = max(probe.activations.saved_bytes.values())  # a block's activations, each storage once
+    blocks = 6 * 4 * tensor_page_bytes(model[0])  # weights, grads, Adam's two states
+    budget = {"all": 1 << 30, "some": blocks + 6 * saved, "none": blocks * 3 // 4}[room]
+    p = offloading(model, budget, "auto")
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    wide_steps(model, opt, 8)  # (measured at the first pass; offload and recompute tried after)
+    p.reset()
+    wide_steps(model, opt, 3, seed=1)
+    s = p.stats()
+    order = p.activations.offload.order
+    if room == "all":  # nothing moves, and no hooks run: as "keep"
+        assert s.activations_policy == "keep" and s.activations_kept_blocks == 6
+        assert s.activations_sent_bytes == s.recomputes == 0 and hooked_blocks(model) == 0
+    elif room == "some":
+        assert 1 < s.activations_kept_blocks < 6 and p.activations.kept == set(order[-s.activations_kept_blocks:])
+        assert s.activations_policy in ("offload", "recompute")
+        assert s.activations_sent_bytes > 0 or s.recomputes > 0
+        assert s.evictions == 0 and s.peak_device_bytes <= budget
+    else:
+        assert s.activations_kept_blocks == 0 and s.evictions > 0 and s.peak_device_bytes <= budget
+    wide_steps(ref, ref_opt, 8)
+    wide_steps(ref, ref_opt, 3, seed=1)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 @pytest.mark.parametrize("policy", ["offload", "recompute"])
 def test_the_ledger_counts_a_storage_once_and_lets_go_when_the_graph_goes(policy):
     torch.manual_seed(0)
@@ -444,6 +497,7 @@ def test_activations_that_leave_blocks_too_little_room_are_named():
 def test_the_chosen_policy_survives_a_reset():
     model = nn.Sequential(*[SlowAgain() for _ in range(4)])
     p = offloading(model, streams(model), "auto")
+    no_room_to_keep(p)
     for _ in range(8):
         model(torch.randn(8, 32)).sum().backward()
     chosen = p.stats().activations_policy

@@ -140,6 +140,21 @@ def test_whole_model_compile_with_activations_under_the_budget_is_refused_clearl
         F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten()).backward()
 
 
+def test_whole_model_compile_under_the_default_activations_keeps_them_and_says_so(caplog):
+    """activations="auto" (the default) cannot offload or recompute under
+    `torch.compile(model)`: it keeps every block's activations, counted under
+    the budget, says so once, and trains as the compiled model."""
+    model, ref, counter = pair("whole", optimizer_step="device")
+    with caplog.at_level("WARNING", logger="pager"):
+        frames = train_steps(model, ref, 6, counter)
+    assert frames[-1] >= 1 and frames[-1] == frames[2], frames
+    s = pager.of(unwrapped(model)).stats()
+    assert s.activations_kept_blocks == len(unwrapped(model).layers) and s.recomputes == 0
+    assert s.activations_sent_bytes == 0 and s.peak_activation_bytes > 0 and s.evictions > 0
+    assert caplog.text.count("keeps them all on the device") == 1
+    assert_equal_models(model, ref)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_compiled_blocks_train_like_the_compiled_model():

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import block_hooks, reading_in_a_thread, run_threads, tensor_page_bytes
+from helpers import hooked_blocks, reading_in_a_thread, run_threads, tensor_page_bytes
 from models import SuperNet, TinyLM, tiny_cnn
 from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
@@ -212,7 +212,7 @@ def test_a_graph_built_asleep_lets_the_blocks_go_once_its_backward_ends_on_gpu()
             o.step()
             o.zero_grad()
         if i == 2:
-            assert block_hooks(model) == 0
+            assert hooked_blocks(model) == 0
             pg.set_budget(regime_budget(model, "streams"))
     assert pg.stats().evictions > 0
     pager.unwrap(model)

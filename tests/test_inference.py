@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import assert_models_equal, assert_same, block_hooks, tensor_page_bytes
+from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import Nested, SuperNet, TinyLM, tiny_cnn
 
 
@@ -356,13 +356,13 @@ def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():
     with torch.no_grad():
         for _ in range(3):
             assert_same(model(ids), ref(ids))
-        assert block_hooks(model) == 0 and pg.stats().resident_forwards >= 1
+        assert hooked_blocks(model) == 0 and pg.stats().resident_forwards >= 1
         s = pg.stats()  # unhooked uses are counted from the last hooked step's order
         assert s.resident_uses == s.resident_forwards * len(pg.blocks) and s.hit_rate > 0.5
         # A lower budget: blocks must move, so the hooks are back before the forward.
         pg.set_budget(3 * tensor_page_bytes(model.layers[0]) + tensor_page_bytes(model.embed))
         assert_same(model(ids), ref(ids))
-        assert block_hooks(model) == 2 * len(pg.blocks)
+        assert hooked_blocks(model) == len(pg.blocks)
         assert pg.stats().evictions > 0
     # A first training step needs the hooks (its backward makes the gradients' pages): awake, and equal.
     pg.set_budget(1 << 30)
@@ -370,7 +370,7 @@ def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():
     for m, o in ((model, opt), (ref, ref_opt)):
         m(ids).sum().backward()
         o.step()
-    assert block_hooks(model) == 2 * len(pg.blocks)
+    assert hooked_blocks(model) == len(pg.blocks)
     pager.unwrap(model)
     assert_models_equal(model, ref)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())

@@ -220,7 +220,8 @@ def test_a_view_kept_by_a_training_forward_where_pager_cannot_search_keeps_its_b
         layer.keep = False
     ref = copy.deepcopy(model)
     one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
-    pager.wrap(model, budget=4 * one + 4096, device="cpu")  # a kept block and a step's block fit
+    # A kept block and a step's block fit (activations beside the budget).
+    pager.wrap(model, budget=4 * one + 4096, device="cpu", activations="keep")
     blocks = pager.of(model).blocks
     x = torch.randn(4, 32)
     first_left = []

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pager
-from helpers import assert_models_equal, assert_same, block_hooks, tensor_page_bytes
+from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import SuperNet, TinyLM
 from pager.training.grads import PagedOutGrad
 
@@ -524,7 +524,7 @@ def test_a_resident_model_trains_without_block_hooks(set_to_none):
                 loss = loss + lm_loss(m, ids.flip(0), tgt.flip(0))  # two forwards, one backward
             loss.backward()
             if m is model and i > 0:
-                assert block_hooks(model) == 0
+                assert hooked_blocks(model) == 0
                 pages = [s for b in pg.all_blocks() if (s := b.segments.get("grads")) is not None]
                 if set_to_none:  # (the remainder's too: it is not in use between steps)
                     assert pages and not any(s.resident for s in pages)
@@ -604,7 +604,7 @@ def test_a_graph_built_asleep_keeps_every_block_until_autograd_lets_go():
     step(model, opt, *data[0])
     step(ref, ref_opt, *data[0])
     loss, ref_loss = lm_loss(model, *data[1]), lm_loss(ref, *data[1])
-    assert block_hooks(model) == 0
+    assert hooked_blocks(model) == 0
     with pytest.raises(ValueError, match="between steps"):
         pg.set_budget(small)
     for retain in (True, False):  # a second pass through the retained graph
@@ -620,7 +620,7 @@ def test_a_graph_built_asleep_keeps_every_block_until_autograd_lets_go():
     for ids, tgt in data[2:]:
         step(model, opt, ids, tgt)
         step(ref, ref_opt, ids, tgt)
-    assert block_hooks(model) == 2 * len(pg.blocks) and pg.stats().peak_resident_bytes <= (1 << 30)
+    assert hooked_blocks(model) == len(pg.blocks) and pg.stats().peak_resident_bytes <= (1 << 30)
     assert_trained_alike(model, opt, ref, ref_opt, data[0][0])
 
 
@@ -633,13 +633,13 @@ def test_a_supernet_trains_asleep_once_every_candidate_has_its_gradients_page():
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref))
     for step, path in enumerate(([0, 0], [1, 1], [2, 2], [3, 3], [0, 1], [2, 0])):
         if step == 3:  # every candidate but the last has its page
-            assert block_hooks(net) > 0 and pager.of(net).stats().resident_forwards == 0
+            assert hooked_blocks(net) > 0 and pager.of(net).stats().resident_forwards == 0
         net.set_path(path), ref.set_path(path)
         for m, o in ((net, opt), (ref, ref_opt)):
             lm_loss(m, *batches(1)[0]).backward()
             o.step()
             o.zero_grad()
-    assert block_hooks(net) == 0 and pager.of(net).stats().resident_forwards == 2
+    assert hooked_blocks(net) == 0 and pager.of(net).stats().resident_forwards == 2
     pager.unwrap(net)
     assert_models_equal(net, ref)
 
@@ -666,7 +666,7 @@ def test_a_step_asleep_runs_in_the_users_call_and_adopts_state_that_appears(monk
             lm_loss(m, ids, tgt).backward()
             o.step()
             o.zero_grad()
-    assert first > 0 and len(streamed) == first and block_hooks(model) == 0
+    assert first > 0 and len(streamed) == first and hooked_blocks(model) == 0
     pages = [b.segments["state"] for b in pager.of(model).all_blocks() if "state" in b.segments]
     assert len(pages) == len(pager.of(model).all_blocks())
     assert all(opt.state[p]["momentum_buffer"] is view for s in pages for (p, _k), view in zip(s.keys, s.tensors))
@@ -688,10 +688,10 @@ def test_a_forward_that_wakes_the_pager_leaves_a_graph_built_asleep_its_blocks()
         o.step()
         o.zero_grad()
     first, ref_first = lm_loss(model, b, tb), lm_loss(ref, b, tb)
-    assert block_hooks(model) == 0
+    assert hooked_blocks(model) == 0
     pg.start_trace(steps=1)
     second, ref_second = lm_loss(model, c, tc), lm_loss(ref, c, tc)
-    assert block_hooks(model) == 2 * len(pg.blocks)
+    assert hooked_blocks(model) == len(pg.blocks)
     with pytest.raises(ValueError, match="between steps"):  # (the held blocks' weights and state take more)
         pg.set_budget(tensor_page_bytes(model))
     (first + second).backward()

@@ -39,7 +39,7 @@ def wrap(
     trace_steps: int = 0,
     defer_step: bool = True,
     optimizer_step: str = "auto",
-    activations: str = "keep",
+    activations: str = "auto",
     compress: str | None = None,
     rows=None,
     row_cache=None,
@@ -94,20 +94,22 @@ def wrap(
             the state), and so do updates the host cannot run: `capturable`
             or `differentiable` optimizers, compressed or shared pages, a disk
             tier; under "auto", optimizers from outside `torch.optim` too.
-        activations: what a block's training forward saves for its backward:
-            "keep" it on the device (as without pager); "offload" it: each
-            saved activation of 1 MiB or more goes to pinned host memory as the
-            forward moves on and comes back, a block ahead, for the backward
-            (see [Note: activations off the device] in training/activations.py); or
-            "recompute" it: a block keeps only its inputs, and its forward runs
-            again (same dropout masks) when its backward needs what it saved:
-            checkpointing without changing the model (see [Note: activations
-            recomputed]); or "auto": offload and recompute are each timed on a
-            few training passes and the faster stays (see [Note: activations,
-            the automatic choice]). The last block of a forward keeps its own.
-            With "offload", "recompute" or "auto" the budget bounds blocks and
-            activations together ([Note: one budget] in training/activations.py); with
-            "keep", blocks only.
+        activations: what a block's training forward saves for its backward.
+            "auto" (the default): blocks keep theirs on the device as far as
+            the budget has room beyond every block with its gradients and
+            optimizer state, the last blocks of the forward first; the others
+            are offloaded or recomputed, whichever was faster on a few timed
+            training passes (see [Note: activations, the automatic choice]
+            in training/activations.py). "offload": each saved activation of
+            1 MiB or more goes to pinned host memory as the forward moves on
+            and comes back, a block ahead, for the backward (see [Note:
+            activations off the device]). "recompute": a block keeps only its
+            inputs, and its forward runs again (same dropout masks) when its
+            backward needs what it saved: checkpointing without changing the
+            model (see [Note: activations recomputed]). With these three the
+            budget bounds blocks and activations together ([Note: one
+            budget]), and the last block of a forward keeps its own. "keep":
+            on the device, as without pager; the budget bounds blocks only.
         compress: store blocks' weights compressed in their host pages and
             decode them on the device after each copy, so fetches move fewer
             bytes ([Note: compressed pages] in codec/compress.py). None: plain
@@ -172,7 +174,7 @@ def wrap(
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
-          prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="keep", compress=None,
+          prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
           rows=None, row_cache=None,
           process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built

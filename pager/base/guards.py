@@ -406,14 +406,15 @@ def handle(func, args, kwargs):
         )
     if func in _VIEWS and not any(type(t) in STAND_INS for t in tensors):
         return _paged_out_view(func, args, kwargs)
-    if func is torch.Tensor.__repr__:
-        # Printed from a copy, so the guard's class name does not show.
-        return serve(lambda: func(_unguarded_clone(args[0], keep_requires_grad=True), *args[1:], **kwargs),
-                     [args[0]])
+    if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
+        # Printed from a copy, so the guard's class name does not show (a
+        # stand-in's: of the gradient it stands for, back on the device).
+        return serve(lambda: func(_unguarded_clone(_real(args[0]), keep_requires_grad=True), *args[1:],
+                                  **kwargs), [args[0]])
     if func in _NUMPY:
         # numpy() shares memory, which a page cannot (its storage must stay
         # resizable): a read-only copy, so a write through it is an error.
-        array = serve(lambda: func(_unguarded_clone(args[0]), *args[1:], **kwargs), [args[0]])
+        array = serve(lambda: func(_unguarded_clone(_real(args[0])), *args[1:], **kwargs), [args[0]])
         array.flags.writeable = False
         return array
     owners = owners_of(tensors)

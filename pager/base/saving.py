@@ -42,11 +42,15 @@ class _Frame:
     it is the active frame (what `_pack` reads) while it lasts, whose hooks
     are on top, and what pack does with activations."""
 
-    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below")
+    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below", "saved_bytes",
+                 "storages")
 
     def __init__(self, pushed, activates, hooks, offload, recompute, ledger, below):
         self.pushed, self.activates, self.hooks, self.below = pushed, activates, hooks, below
         self.offload, self.recompute, self.ledger = offload, recompute, ledger
+        # With a ledger: device bytes of what was saved (each storage once),
+        # whatever the policy did with it: what keeping it would hold.
+        self.saved_bytes, self.storages = 0, None
 
 
 tls = threading.local()  # this thread's frames; `training/activations.py` reads `recording`
@@ -83,15 +87,17 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
 
 
 def end_saving():
-    """Close the matching `begin_saving`. Returns which hooks were on: `OURS`
-    (autograd's saved views of blocks were counted), `OTHERS` (the user's,
-    e.g. checkpointing's recomputation: what they hold is unknown), or None."""
+    """Close the matching `begin_saving`. Returns its frame: `hooks` says
+    which hooks were on: `OURS` (autograd's saved views of blocks were
+    counted), `OTHERS` (the user's, e.g. checkpointing's recomputation: what
+    they hold is unknown), or None; `saved_bytes`, what it saved on the
+    ledger's device."""
     frame = tls.stack.pop()
     if frame.activates:
         tls.active = frame.below
     if frame.pushed:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-    return frame.hooks
+    return frame
 
 
 @contextmanager
@@ -131,6 +137,8 @@ def _pack(t):
     frame = tls.active
     number = next_save()
     entry = entry_of(t)
+    if entry is None and frame.ledger is not None and t.device == frame.ledger.device:
+        _count(frame, t)
     if entry is None and frame.recompute is not None:
         return frame.recompute.drop(t, number)
     if entry is None and frame.offload is not None and frame.offload.wants(t):
@@ -142,6 +150,16 @@ def _pack(t):
     elif frame.ledger is not None and t.device == frame.ledger.device:
         return Kept(saved, frame.ledger)
     return saved, saved._version
+
+
+def _count(frame, t) -> None:
+    storage = t.untyped_storage()
+    if frame.storages is None:
+        frame.storages = set()
+    elif storage.data_ptr() in frame.storages:
+        return
+    frame.storages.add(storage.data_ptr())
+    frame.saved_bytes += storage.nbytes()
 
 
 def _unpack(packed):

@@ -117,6 +117,16 @@ class Room:
             return self.usable_bytes()
         return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in owners))
 
+    def spare_bytes(self, owner) -> int:
+        """What the budget holds beyond every block of every owner with all
+        its pages, and beyond what else is reserved (`owner`'s carried state
+        and row caches, other owners' activations): the room `owner` may keep
+        activations in without taking any from blocks ([Note: activations,
+        the automatic choice] in training/activations.py)."""
+        others = sum(o.activation_reserve_bytes() or 0 for o in self.engine.owners if o is not owner)
+        others += sum(o.carried_bytes + o.row_bytes for o in self.engine.owners)
+        return self.usable_bytes() - self.engine.total_bytes - others
+
     def usable_bytes(self) -> int:
         """The budget less the staging ring of compressed pages (if any), never
         less than the least room that runs."""

@@ -125,7 +125,7 @@ class Hooks:
     # A forward that builds a graph (training) sleeps too when nothing its
     # backward would need the hooks for can happen (`_can_train_asleep`):
     # every trainable block has its gradients' page, activations stay as
-    # autograd saves them, no reducer, and the model is alone on its engine.
+    # autograd saves them ("keep", or "auto" keeping all), no reducer, and the model is alone on its engine.
     # Its backward then has no pre-backward hooks to bring a block back, so
     # no block of the model may leave while the graph can still be read
     # (`graphs_asleep`): until a backward through one of its outputs ends
@@ -146,7 +146,7 @@ class Hooks:
     def _can_train_asleep(self) -> bool:
         pager = self.pager
         return (
-            pager.activations is None
+            (pager.activations is None or pager.activations.all_kept)
             and pager.reducer is None
             and len(pager.engine.owners) == 1
             # A first gradient of a block makes its page, which may need room.
@@ -216,7 +216,7 @@ class Hooks:
         # which is always called ([Note: activations off the device]).
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
-            acts.pass_starts()
+            acts.pass_starts()  # (before the ops before the first block)
         saving.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
                             ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
@@ -227,8 +227,6 @@ class Hooks:
         if self.root_depth == 0:
             if self.pager.reducer is not None and torch.is_grad_enabled():
                 self.pager.reducer.forward_starts()
-            if self.pager.activations is not None:
-                self.pager.activations.forward_reaches(None)  # ops before the first block
             self.structure.check()
             self._release_stale_backward_holds()
             if torch.is_grad_enabled():
@@ -322,13 +320,15 @@ class Hooks:
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
             again = activations.recomputing()
-            hooks = None if again else saving.end_saving()
+            frame = None if again else saving.end_saving()
             with self.lock:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
                 if not again:
-                    self.uses.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), hooks))
+                    self.uses.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), frame.hooks))
+                    if frame.ledger is not None:
+                        self.pager.activations.forward_saved(block, frame.saved_bytes)
                 self.uses.release(block)
             if torch.is_grad_enabled() and not again:
                 self.register_pre_backward(block, output)

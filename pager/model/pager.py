@@ -43,7 +43,7 @@ class Pager:
     """
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
-                 activations="keep", engine: Engine | None = None, name: str | None = None,
+                 activations="auto", engine: Engine | None = None, name: str | None = None,
                  compress: str | None = None, optimizer_step: str = "auto"):
         self.model = model
         self.device = device
@@ -70,7 +70,9 @@ class Pager:
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
         self.activations = (Activations(activations, self.transport, self.counters,
-                                        budget_bytes=lambda: self.engine.budget_bytes) if activations != KEEP else None)
+                                        budget_bytes=lambda: self.engine.budget_bytes,
+                                        spare_bytes=lambda: self.engine.room.spare_bytes(self))
+                            if activations != KEEP else None)
         if self.activations is not None:
             self.activations.ledger.note_blocks(0)
         self.tracer = Tracer(cuda=device.type == "cuda")

@@ -77,6 +77,7 @@ class Stats:
     activations_brought_bytes: int = 0  # copied back for backwards
     activations_ahead_bytes: int = 0    # of those, copied back before autograd asked for them
     activations_policy: str = "keep"  # "auto" until it has chosen ([Note: activations, the automatic choice])
+    activations_kept_blocks: int = 0  # "auto": blocks whose activations the last training pass kept on the device
     # activations="recompute" ([Note: activations recomputed] in training/activations.py):
     recomputes: int = 0                      # blocks' forwards run again in a backward
     activations_recomputed_bytes: int = 0    # what they saved again for the backward
@@ -212,6 +213,7 @@ def zero_counters(obj) -> None:
     """Reset the counting fields of a Stats or BlockStats in place."""
     for f in fields(obj):
         if f.name in ("name", "nbytes", "blocks", "resident_bytes", "budget_bytes", "peak_resident_bytes",
-                      "activations_policy", "activation_bytes", "activation_reserve_bytes", "carried_bytes"):
+                      "activations_policy", "activations_kept_blocks", "activation_bytes", "activation_reserve_bytes",
+                      "carried_bytes"):
             continue  # state, not counters (peaks restart in `Pager.reset`)
         setattr(obj, f.name, type(getattr(obj, f.name))())

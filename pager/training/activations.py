@@ -181,38 +181,62 @@ class Activations:
     and recompute it. Gives `begin_saving` its arguments.
 
     [Note: activations, the automatic choice]
-    Which of offload and recompute is faster depends on the link's load (the
-    blocks' own traffic grows as the budget shrinks) against the compute a
-    forward costs again; measured on the 1B decoder, mixing them block by
-    block costs the weighted sum of the two, never less. So "auto" tries both
-    on whole training passes: after `AUTO_WARMUP_PASSES`, each policy runs
-    `AUTO_TRIAL_PASSES` passes (alternating, so that both see the same drift)
-    timed on compute's clock from the root forward's start to the backward's
-    end (events: no synchronization), and the one with the faster best pass
-    stays (`stats().activations_policy`); the best, as a policy's first pass
-    pays one-time costs (lazy imports, the allocator growing). Values are the
-    same under both (bit for bit on the CPU device), so trying costs time only.
+    "auto" (the default) decides per block, at the start of each training
+    pass. First, what the budget has room for stays: the room is the budget
+    less every block with all its pages (weights, gradients, optimizer state)
+    and less what the activations that do not stay held in the last pass
+    (`Room.spare_bytes`); walking back from the forward's last block, each
+    block whose last forward saved (on the device, each storage once:
+    `forward_saved`) what still fits keeps it. So activations never take room
+    that blocks use (a block that left would cost its bytes both ways, as an
+    activation sent out does), the last blocks, which the backward needs
+    first and whose copies would have no time to overlap, stay first, and
+    where everything fits, nothing moves: as "keep", within the budget. The
+    first pass, with nothing measured yet, keeps nothing.
+    The other blocks are offloaded or recomputed, one policy for them all:
+    which is faster depends on the link's load (the blocks' own traffic
+    grows as the budget shrinks) against the compute a forward costs again;
+    measured on the 1B decoder, mixing the two block by block costs the
+    weighted sum of the two, never less. So both are tried on whole training
+    passes: after `AUTO_WARMUP_PASSES`, each runs `AUTO_TRIAL_PASSES` passes
+    (alternating, so that both see the same drift) timed on compute's clock
+    from the root forward's start to the backward's end (events: no
+    synchronization), and the one with the faster best pass stays
+    (`stats().activations_policy`); the best, as a policy's first pass pays
+    one-time costs (lazy imports, the allocator growing). A pass in which
+    every block keeps is no trial. Values are the same under every policy
+    (bit for bit on the CPU device), so choosing costs time only.
     Never the one that breaks the budget where the other holds it: a trial
     pass whose blocks and activations held more than the budget together
     (offload keeps activations under its threshold on the device; blocks
     cannot shrink below what runs) counts against its policy. While trials
     alternate, blocks get the budget less the most any trial pass's
     activations held, so that neither policy's pass runs on the other's
-    smaller reserve.
+    smaller reserve. Under `torch.compile` of the whole model, where neither
+    can run ([Note: pager under torch.compile] in model/hooks.py), "auto"
+    keeps every block's activations, counted, and says so once.
 
     Args:
-        policy: "offload", "recompute" or "auto" (see the Notes).
+        policy: "keep", "offload", "recompute" or "auto" (see the Notes).
         transport: the pager's transport.
         stats: the pager's `Stats`.
+        budget_bytes: the budget now (None: unbounded).
+        spare_bytes: what the budget holds beyond every block with all its
+            pages, and beyond what else is reserved (`Room.spare_bytes`).
     """
 
-    def __init__(self, policy: str, transport, stats, budget_bytes=lambda: None):
-        self.stats, self.transport, self.budget_bytes = stats, transport, budget_bytes
+    def __init__(self, policy: str, transport, stats, budget_bytes=lambda: None, spare_bytes=lambda: 0):
+        self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
-        self.of_block: dict = {}  # block -> policy, where it differs from `policy`
-        self.policy = OFFLOAD if policy == AUTO else policy
+        self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
         self.asked = policy  # (what the user said, for errors)
+        self.kept: set = set()  # "auto": blocks whose activations stay this pass
+        self.kept_bytes = 0     # ... what their last forwards saved
+        self._kept_all = False  # ... and that is every block of the last forward
+        self.saved_bytes: dict = {}  # block -> what its forwards saved in the last training pass
+        self._saving: dict = {}      # ... in the pass under way
+        self._compiled_whole = False  # a block ran under torch.compile of the whole model ("auto": all keep)
         self._choosing = policy == AUTO
         self._passes = 0  # training passes started
         self._start = None  # (policy, clock) of the trial pass under way
@@ -221,21 +245,53 @@ class Activations:
         self._over: dict = {OFFLOAD: False, RECOMPUTE: False}  # a trial pass of it held more than the budget
         stats.activations_policy = policy
 
+    @property
+    def all_kept(self) -> bool:
+        """Every block keeps its activations this pass ("auto")."""
+        return self._compiled_whole or self._kept_all
+
     def pass_starts(self) -> None:
-        """A training forward starts at the root ("auto": a trial may start)."""
+        """A training forward starts at the root, before its first block:
+        "auto" chooses what stays, and a trial may start."""
+        self.offload.forward_reaches(None)
+        if self.asked != AUTO:
+            return
+        self._choose_kept()
+        self.stats.activations_policy = KEEP if self.all_kept else (AUTO if self._choosing else self.policy)
         if not self._choosing:
             return
         self._settle_trials()
-        if self._choosing and self._passes >= AUTO_WARMUP_PASSES:
+        if self._choosing and self._passes >= AUTO_WARMUP_PASSES and not self.all_kept:
             tried = {p: len(v) + sum(t[0] == p for t in self._timed) for p, v in self._seconds.items()}
             if min(tried.values()) < AUTO_TRIAL_PASSES:  # (else: the last ones' times are on their way)
                 self.policy = min((OFFLOAD, RECOMPUTE), key=tried.get)  # alternating
                 self._start = (self.policy, self.transport.clock())
         self._passes += 1
 
+    def _choose_kept(self) -> None:
+        """The blocks whose activations stay this pass (see the Note)."""
+        others = max(self.ledger.last_pass_peak - self.kept_bytes, 0)  # what the rest held, last pass
+        room = self.spare_bytes() - others
+        self.kept, self.kept_bytes, self._kept_all = set(), 0, False
+        for block in reversed(self.offload.order):
+            nbytes = self.saved_bytes.get(block)
+            if nbytes is None or self.kept_bytes + nbytes > room:
+                break
+            self.kept.add(block)
+            self.kept_bytes += nbytes
+        else:
+            self._kept_all = bool(self.kept)
+        self.stats.activations_kept_blocks = len(self.offload.order) if self._compiled_whole else len(self.kept)
+
+    def forward_saved(self, block, nbytes: int) -> None:
+        """`block`'s training forward saved `nbytes` on the device (each storage once)."""
+        self._saving[block] = self._saving.get(block, 0) + nbytes
+
     def pass_ends(self) -> None:
         """A backward ended ("auto": the trial pass under way ends)."""
         self.offload.pass_ends()
+        self.saved_bytes.update(self._saving)  # (a block a pass did not use keeps its last measure)
+        self._saving.clear()
         together = self.ledger.pass_ends(keep_most=self._choosing)
         if self._start is not None:
             budget = self.budget_bytes()
@@ -261,32 +317,39 @@ class Activations:
             self.policy = min(held, key=best.get)
             self.stats.activations_policy = self.policy
             self._choosing = False
-            log.info("pager: activations=\"auto\" chose %r (a training pass took %.1f ms with activations offloaded, "
-                     "%.1f ms recomputed%s)", self.policy, 1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE],
+            log.info("pager: activations=\"auto\" chose %r for the blocks that do not keep theirs (a training pass "
+                     "took %.1f ms with activations offloaded, %.1f ms recomputed%s)", self.policy,
+                     1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE],
                      "".join(f"; {p} held more than the budget" for p in best if self._over[p]))
 
     def forward_reaches(self, block) -> None:
-        """The forward enters `block` (None: a new forward, before its first block)."""
+        """The training forward enters `block`."""
         self.offload.forward_reaches(block)
 
     def between_blocks(self):
         """The `offload` and `recompute` of ops outside blocks (what they save belongs to the block before)."""
-        return (self.offload if self.policy == OFFLOAD else None), None
+        return (self.offload if self.policy == OFFLOAD and not self.all_kept else None), None
 
     def for_block(self, block, args, kwargs):
         """The `offload` and `recompute` of `block`'s training forward."""
-        policy = self.of_block.get(block, self.policy)
-        if policy == KEEP or self.offload.stays(block):
+        if block in self.kept or self._compiled_whole or self.offload.stays(block):
             return None, None
         if block.under_compile and getattr(block.module, "_compiled_call_impl", None) is None:
+            if self.asked == AUTO:
+                self._compiled_whole = True
+                log.warning("pager: the model runs under torch.compile of the whole model, where activations can be "
+                            "neither offloaded nor recomputed: activations=\"auto\" keeps them all on the device, "
+                            "within the budget (blocks get less room). Compile the blocks themselves "
+                            "(`module.compile()` on each) to let it offload or recompute them.")
+                return None, None
             raise RuntimeError(
                 f"pager: block {block.name!r} runs compiled by torch.compile of the whole model, with its "
-                f"activations {'recomputed' if policy == RECOMPUTE else 'offloaded'} (activations="
+                f"activations {'recomputed' if self.policy == RECOMPUTE else 'offloaded'} (activations="
                 f"{self.asked!r}): pager's saved-tensor hooks are not for graphs compiled that way (a "
                 "recomputation, in the backward, would not run compiled). Compile the blocks themselves "
                 "instead (`module.compile()` on each, before or after wrap), or keep activations "
                 "(activations=\"keep\"); see [Note: pager under torch.compile] in model/hooks.py.")
-        if policy == RECOMPUTE:
+        if self.policy == RECOMPUTE:
             return None, Recompute(block, args, kwargs, self.stats, self.ledger)
         return self.offload, None
 
@@ -341,6 +404,7 @@ class ActivationOffload:
         self.keep_last = keep_last
         self.bring_ahead = BRING_AHEAD_BLOCKS
         self._order: list = []  # blocks in the order this forward reached them
+        self.order: list = []   # ... the last forward did
         self._stay: set = set()  # blocks whose activations stay (the last ones of the previous forward)
         self._lock = threading.Lock()  # unpack runs on autograd's threads
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
@@ -355,7 +419,8 @@ class ActivationOffload:
         if block is None:
             # The last blocks' activations are the backward's first need:
             # sending them out and straight back would only cost link time.
-            self._stay = set(self._order[-self.keep_last:]) if self.keep_last and self._order else set()
+            self.order = self._order or self.order
+            self._stay = set(self.order[-self.keep_last:]) if self.keep_last else set()
             self._order = []
         elif not self._order or self._order[-1] is not block:
             self._order.append(block)
@@ -387,10 +452,10 @@ class ActivationOffload:
             group = self._groups[-1]
             group[1].append(weakref.ref(sent))
             group[2] += nbytes
-            # The cap grows to the largest block's activations.
-            self.ledger.flight_cap = max(IN_FLIGHT_MIN_BYTES, self.ledger.flight_cap, group[2])
             self.stats.activations_sent_bytes += nbytes
-            if written is not None:
+            if written is not None:  # (else the copy is done: nothing in flight, no cap to count)
+                # The cap grows to the largest block's activations.
+                self.ledger.flight_cap = max(IN_FLIGHT_MIN_BYTES, self.ledger.flight_cap, group[2])
                 # Its memory, not its graph: a graph node's hooks hold the pager,
                 # which holds this queue (a cycle through C++ that gc cannot break).
                 with unguarded():
