@@ -314,24 +314,30 @@ def bench_supernet(args, rows):
     free_cuda()
 
     budget = int(0.25 * 3 * total)  # a quarter of weights + Adam state
-    for defer in (True, False):
+    # (updates deferred to the next use on the device, then where the bytes
+    # are; activations beside the budget, then under it)
+    for placement, activations in (("device", "keep"), ("auto", "keep"), ("auto", "auto")):
         model = copy.deepcopy(cpu_ref)
-        pager.wrap(model, budget=budget, device="cuda", defer_step=defer)
+        pager.wrap(model, budget=budget, device="cuda", optimizer_step=placement, activations=activations)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step = stepper(model, opt, True)
-        for _ in range(8):
-            step()
         pg = pager.of(model)
+        for i in range(AUTO_MAX_TRIAL_STEPS):  # (every candidate gets its state; "auto" chooses)
+            if i >= 8 and pg.stats().activations_policy != "auto":
+                break
+            step()
         pg.reset()
         torch.cuda.reset_peak_memory_stats()
         ms = time_ms(step, warmup=1, reps=args.reps * 2)
         s = pg.stats()
         steps = 1 + args.reps * 2
         rows.append(Row(
-            w, f"pager, budget 1/4 of weights+Adam ({budget / GiB:.1f} GiB){'' if defer else ', defer_step=False'}", ms,
+            w, f"pager, budget 1/4 of weights+Adam ({budget / GiB:.1f} GiB), optimizer_step={placement}, "
+            f"activations={activations}" + (f" ({s.activations_policy})" if activations == "auto" else ""), ms,
             torch.cuda.max_memory_allocated() / GiB, ms / gpu_ms, "fully resident",
             f"hit {100 * s.hit_rate:.0f}%, {s.h2d_bytes / steps / 1e9:.2f} GB in / {s.d2h_bytes / steps / 1e9:.2f} GB "
-            f"out per step; {s.deferred_steps / steps:.0f} block updates deferred per step",
+            f"out per step; {s.deferred_steps / steps:.0f} block updates deferred, {s.host_steps / steps:.0f} on "
+            f"the host per step; pager's own peak {s.peak_device_bytes / GiB:.2f} GiB",
         ))
         print(rows[-1])
         pager.unwrap(model)
