@@ -329,7 +329,9 @@ def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, c
         # every block's inputs, the last block's own, one block's recomputed, and what ops outside blocks keep
         "recompute": sum(n for i, n in enumerate(sb.inputs) if i != last) + sb.saved[last] + largest + sb.outside,
     }
-    acts["auto"] = max(acts["offload"], acts["recompute"])  # it tries both
+    # It keeps what fits beside every block (all of it where it can), and tries the two for the rest.
+    spare = budget - blocks_bytes
+    acts["auto"] = sb.total if sb.total <= spare else max(acts["offload"], acts["recompute"], min(spare, sb.total))
     peaks = {"keep": (acts["keep"], min(budget, blocks_bytes) + acts["keep"])}
     for policy in ("offload", "recompute", "auto"):
         room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
@@ -342,8 +344,8 @@ def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
     keep_acts, keep_total = peaks["keep"]
     if keep_total > budget:
         notes.append(
-            f"with activations kept (the default), a training step holds {format_bytes(keep_acts)} of them beside "
-            f"the blocks' budget: activations=\"auto\" (or \"offload\", \"recompute\") puts them under it")
+            f"with activations=\"keep\", a training step holds {format_bytes(keep_acts)} of them beside "
+            f"the blocks' budget: \"auto\" (the default), \"offload\" and \"recompute\" put them under it")
     fitting = [p for p in ("offload", "recompute") if peaks[p][1] <= budget]
     if not fitting:
         need = least + min(peaks["offload"][0], peaks["recompute"][0])

@@ -217,7 +217,7 @@ class Activations:
     keeps every block's activations, counted, and says so once.
 
     Args:
-        policy: "keep", "offload", "recompute" or "auto" (see the Notes).
+        policy: "offload", "recompute" or "auto" (see the Notes; "keep" needs no `Activations`).
         transport: the pager's transport.
         stats: the pager's `Stats`.
         budget_bytes: the budget now (None: unbounded).
