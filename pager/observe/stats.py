@@ -149,7 +149,7 @@ class Stats:
             + (f"; blocks and activations peaked at {format_bytes(self.peak_device_bytes)} together "
                f"(activations {format_bytes(self.peak_activation_bytes)} at most, "
                f"{format_bytes(self.activation_reserve_bytes)} of the budget set aside for them)"
-               if self.peak_device_bytes else "")
+               if self.peak_activation_bytes or self.activation_reserve_bytes else "")
             + (f"; a forward carried {format_bytes(self.carried_bytes)} of state (a KV cache; at most "
                f"{format_bytes(self.peak_carried_bytes)}), held out of the blocks' room" if self.peak_carried_bytes else "")
             + (f"; {self.compressed_blocks} blocks' weights compressed: pages of {format_bytes(self.page_bytes)} "
