@@ -127,16 +127,23 @@ class GatedSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_the_next_use_waits_for_a_slow_update_on_the_host():
-    """The last step's updates are held back on the host (gated) while the
-    next forward runs: its fetches wait for them, and it computes with the
-    updated weights."""
+def _gated_pair():
+    """A streamed TinyLM updated on the host by `GatedSGD` (the gate open),
+    and its twin updated by `SlowSGD`, with their optimizers."""
     model = TinyLM()
     ref = copy.deepcopy(model)
     pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
     opt, ref_opt = GatedSGD(model.parameters(), lr=0.05, momentum=0.9), SlowSGD(ref.parameters(), lr=0.05,
                                                                                 momentum=0.9)
     GatedSGD.gate.set()
+    return model, ref, opt, ref_opt
+
+
+def test_the_next_use_waits_for_a_slow_update_on_the_host():
+    """The last step's updates are held back on the host (gated) while the
+    next forward runs: its fetches wait for them, and it computes with the
+    updated weights."""
+    model, ref, opt, ref_opt = _gated_pair()
     data = batches(5)
     train(model, opt, data[:4], accumulate=False)
     train(ref, ref_opt, data[:4], accumulate=False)
@@ -164,12 +171,7 @@ def test_the_next_use_waits_for_a_slow_update_on_the_host():
 def test_another_thread_reads_a_weight_while_its_update_runs():
     """A read from another thread of a parameter whose block is being updated
     on the host sees the updated value (its fetch waits for the update)."""
-    model = TinyLM()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=1), device="cpu", optimizer_step="host")
-    opt, ref_opt = GatedSGD(model.parameters(), lr=0.05, momentum=0.9), SlowSGD(ref.parameters(), lr=0.05,
-                                                                                momentum=0.9)
-    GatedSGD.gate.set()
+    model, ref, opt, ref_opt = _gated_pair()
     data = batches(3)
     for i, (ids, tgt) in enumerate(data):
         if i == len(data) - 1:
