@@ -444,6 +444,7 @@ def test_auto_keeps_the_activations_the_budget_has_room_for(room):
     if room == "all":  # nothing moves, and no hooks run: as "keep"
         assert s.activations_policy == "keep" and s.activations_kept_blocks == 6
         assert s.activations_sent_bytes == s.recomputes == 0 and hooked_blocks(model) == 0
+        assert s.peak_activation_bytes == 0  # (asleep: no saved-tensor hooks of pager's, nothing counted)
     elif room == "some":
         assert 1 < s.activations_kept_blocks < 6 and p.activations.kept == set(order[-s.activations_kept_blocks:])
         assert s.activations_policy in ("offload", "recompute")

@@ -235,6 +235,13 @@ class Hooks:
             self.pager.steps.start_step()
             self.held_for_graph = False
             self.sleep() if self._can_sleep() else self.wake()
+            if self.pager.asleep and acts is not None:
+                # Training asleep: every block keeps its activations ("auto")
+                # and none can leave, so autograd keeps them as without pager:
+                # this forward's saves need no hooks of ours (the top frame is
+                # the one begun above).
+                saving.end_saving()
+                saving.begin_saving(False)
         else:
             if outermost:
                 self.pager.steps.another_request()
