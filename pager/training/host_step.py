@@ -80,8 +80,10 @@ before the update (as for a deferred update).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -105,6 +107,7 @@ class HostWorker:
         self._queue: list = []  # (job, its Future, Futures it must follow), in forward order within a step
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
+        _WORKERS.add(self)
 
     def submit(self, job: HostJob, after=()) -> Future:
         future = Future()
@@ -150,6 +153,20 @@ class HostWorker:
             if all(f.done() for f in after) and job.landed():
                 return self._queue.pop(i)
         return None
+
+
+# A daemon thread still alive when the interpreter finalizes is stopped
+# where it stands, and with torch's C++ on its stack that aborts the process
+# ("terminate called without an active exception"; a spawned rank dies of
+# SIGABRT). So at exit each worker finishes its queue and its thread ends,
+# as `close` does.
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers() -> None:
+    for worker in list(_WORKERS):
+        worker.close()
 
 
 class HostSteps:
