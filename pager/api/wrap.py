@@ -17,6 +17,7 @@ from ..training.checkpoint import close
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.engine import Engine
+from ..engine.split_fetch import resolve_helpers as split_fetch_helpers
 from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
@@ -46,6 +47,7 @@ def wrap(
     process_group=None,
     dist_timeout: float = 600.0,
     share_host_pages: bool = False,
+    split_fetch=None,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -159,6 +161,16 @@ def wrap(
             serving one model (each streaming for its own requests) hold its
             weights in host memory once. A block whose weights change on a
             rank (training) gets a page of that rank's own.
+        split_fetch: other GPUs of this host whose PCIe links carry a share of
+            every fetch: "all" (every GPU that can write to `device` over a
+            peer link, NVLink), or a list such as ["cuda:1"]. Each helper
+            copies its share of a page into a small staging ring in its own
+            memory (96 MiB) and on to `device` over the peer link; only
+            `device` computes and only its budget holds blocks. A model
+            streamed for inference or `generate()` is bound by the link: with
+            one helper its fetches take about half as long ([Note: split
+            fetch] in engine/split_fetch.py). None (default): `device`'s own
+            link alone.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -170,13 +182,13 @@ def wrap(
                  prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, optimizer_step=optimizer_step,
                  activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
-                 dist_timeout=dist_timeout, share_host_pages=share_host_pages)
+                 dist_timeout=dist_timeout, share_host_pages=share_host_pages, split_fetch=split_fetch)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
-          rows=None, row_cache=None,
-          process_group=None, dist_timeout=600.0, share_host_pages=False, setup=None, rows_from_values=True):
+          rows=None, row_cache=None, process_group=None, dist_timeout=600.0, share_host_pages=False,
+          split_fetch=None, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
@@ -205,6 +217,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
     _check_sharing(share_host_pages, group, compress, setup)
+    helpers = _split_helpers(split_fetch, device, pin, engine, group)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
@@ -227,7 +240,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step)
+                  activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step,
+                  helpers=helpers)
     pager.min_budget_bytes = min_budget
     if share_host_pages:
         pager.share_host = lambda p: distributed.share_host_pages(p, group, dist_timeout)
@@ -314,6 +328,20 @@ def _check_sharing(share, group, compress, setup) -> None:
     if compress is not None or setup is not None:
         raise ValueError("pager: share_host_pages=True is not supported with compress= or with pager.load "
                          "(their pages are not laid out as the plan); wrap without one of them.")
+
+
+def _split_helpers(split_fetch, device, pin, engine, group) -> list:
+    """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked."""
+    if split_fetch is None:
+        return []
+    if engine is not None:
+        raise ValueError("pager: split_fetch= belongs to the budget's engine: this model shares one (pool= or "
+                         "budget=<engine>). Give split_fetch to pager.Pool(...) or to the first model's wrap.")
+    if group is not None:
+        raise ValueError("pager: split_fetch= lends other GPUs' links to this one; with a process group each "
+                         "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
+                         "pass process_group=False for one process that streams over several GPUs.")
+    return split_fetch_helpers(split_fetch, device, pin)
 
 
 def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:

@@ -133,14 +133,17 @@ class Engine:
         pin: page-lock the host tier (CUDA only).
         wait_seconds: how long a use waits for room held by other threads
             before it fails ([Note: waiting for room] in engine/waiting.py).
+        helpers: other GPUs whose links carry shares of each fetch ([Note:
+            split fetch] in engine/split_fetch.py; checked by
+            `split_fetch.resolve_helpers`).
     """
 
     def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
-                 wait_seconds: float = ROOM_WAIT_SECONDS):
+                 wait_seconds: float = ROOM_WAIT_SECONDS, helpers=()):
         self.device = device
         self.budget_bytes = budget_bytes
         self.pool = None  # the `Pool` this engine serves, if it was made for one
-        self.transport = CudaTransport(device) if device.type == "cuda" else CpuTransport(device)
+        self.transport = CudaTransport(device, helpers) if device.type == "cuda" else CpuTransport(device)
         self.host = HostTier(self.transport, pin=pin and device.type == "cuda")
         self.owners: list = []
         self.resident: dict = {}  # ordered set of blocks with device bytes, oldest first
@@ -311,6 +314,8 @@ class Engine:
                 # A page still being written back is final only once that copy is done.
                 after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
                 start, end = self.host.up(block, seg, after=after)
+                if seg.encoded is None:
+                    owner.counters.split_fetch_bytes += self.transport.helper_bytes(seg.nbytes)
                 first = first if moved else start
                 moved = True
                 decoded = decoded or seg.encoded is not None

@@ -36,6 +36,7 @@ import torch
 
 from ..codec.compress import decode
 from ..codec.kernels import decode_on_device
+from .split_fetch import SplitFetch
 
 STAGING_SLOTS = 3  # copies of pieces in flight while earlier ones decode
 
@@ -63,6 +64,9 @@ class CpuTransport:
         t0 = time.perf_counter()
         device_flat.copy_(host)
         return t0, time.perf_counter()
+
+    def helper_bytes(self, nbytes: int) -> int:
+        return 0  # (no other GPUs' links: split_fetch needs CUDA)
 
     def h2d_encoded(self, device_flat: torch.Tensor, page: torch.Tensor, encoded, after=()):
         """Decode compressed `page` (laid out by `encoded`) into `device_flat`."""
@@ -128,9 +132,12 @@ class CudaTransport:
 
     is_cuda = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, helpers=()):
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        # Other GPUs whose links carry shares of each fetch ([Note: split fetch] in engine/split_fetch.py).
+        self.split = SplitFetch(torch.device("cuda", self.index), list(helpers), _Current) if helpers else None
+        self._split_unjoined = None  # the end of the last split copy, until a fetch's mark covers it
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_stream = torch.cuda.Stream(device)
         self.decode_stream = torch.cuda.Stream(device, priority=-1)  # see [Note: staging and decoding ...]
@@ -178,9 +185,17 @@ class CudaTransport:
                 self.h2d_stream.wait_event(event)
         with self.on(self.h2d_stream):
             start = self._record(self.h2d_stream, timing=True)
+            if self.split is not None and self.split.splits(device_flat.numel()):
+                # Shares over other GPUs' links too; the end is on the split's join stream.
+                self._split_unjoined = self.split.copy(device_flat, host, self.h2d_stream, start)
+                return start, self._split_unjoined
             device_flat.copy_(host, non_blocking=True)
             # Timed: the pager measures the copy and how long compute waited for it.
             return start, self._record(self.h2d_stream, timing=True)
+
+    def helper_bytes(self, nbytes: int) -> int:
+        """Of a plain page of `nbytes` fetched now, what other GPUs' links carry."""
+        return self.split.helper_bytes(nbytes) if self.split is not None else 0
 
     def h2d_encoded(self, device_flat: torch.Tensor, page: torch.Tensor, encoded, after=()):
         """Copy compressed `page` up piece by piece and decode each into
@@ -312,13 +327,17 @@ class CudaTransport:
         # must wait on this mark before touching it, even when nothing was copied.
         # The end of the fetch's last plain copy is such a mark: those waits
         # were enqueued before the fetch, and nothing after the copy.
-        if last_copy is not None and not decoded:
-            return last_copy
+        unjoined, self._split_unjoined = self._split_unjoined, None
+        if last_copy is not None and not decoded and (unjoined is None or last_copy is unjoined):
+            return last_copy  # (a split copy's end comes after every copy before it)
         mark = self._record(self.h2d_stream, timing=True)
         if decoded:
             # The fetch decoded pages: it ends when the decode stream (after this mark) does.
             self.decode_stream.wait_event(mark)
             mark = self._record(self.decode_stream, timing=True)
+        if unjoined is not None:
+            # A split copy's shares may land after this mark: the fetch ends when they have.
+            mark = self.split.join(mark)
         return mark
 
     def compute_waits(self, event) -> None:

@@ -44,7 +44,7 @@ class Pager:
 
     def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
                  activations="auto", engine: Engine | None = None, name: str | None = None,
-                 compress: str | None = None, optimizer_step: str = "auto"):
+                 compress: str | None = None, optimizer_step: str = "auto", helpers=()):
         self.model = model
         self.device = device
         self.prefetch_depth = prefetch_depth
@@ -52,7 +52,7 @@ class Pager:
         self.defer_step = defer_step  # see [Note: deferred updates] in training/optim.py
         # The budget, what is resident, the copy streams and the host tier
         # (shared with other models when `engine` is given).
-        self.engine = engine if engine is not None else Engine(device, budget_bytes, pin=pin)
+        self.engine = engine if engine is not None else Engine(device, budget_bytes, pin=pin, helpers=helpers)
         self.transport = self.engine.transport
         self.scheduler = Scheduler()
         self.blocks: list[Block] = []

@@ -18,6 +18,7 @@ import numbers
 from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import ROOM_WAIT_SECONDS
 from ..engine.engine import Engine
+from ..engine.split_fetch import resolve_helpers
 from ..observe.stats import PoolStats
 
 
@@ -42,6 +43,8 @@ class Pool:
         pin: page-lock host pages (fast asynchronous copies).
         wait_seconds: how long a request waits for room that other requests
             hold before it fails.
+        split_fetch: other GPUs whose links carry a share of every fetch of
+            the pool's models, as for `pager.wrap` ("all", or ["cuda:1"]).
 
     Example:
         >>> pool = pager.Pool(budget="20GiB")
@@ -52,12 +55,15 @@ class Pool:
         >>> print(pool.report())
     """
 
-    def __init__(self, budget, *, device=None, pin: bool = True, wait_seconds: float = ROOM_WAIT_SECONDS):
+    def __init__(self, budget, *, device=None, pin: bool = True, wait_seconds: float = ROOM_WAIT_SECONDS,
+                 split_fetch=None):
         if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, numbers.Real) or not wait_seconds > 0:
             raise ValueError(f"pager: Pool(wait_seconds={wait_seconds!r}) must be a number of seconds > 0 (how long "
                              f"a request waits for room other requests hold).")
         device = resolve_device(device)
-        self.engine = Engine(device, parse_budget(budget, device), pin=pin, wait_seconds=float(wait_seconds))
+        helpers = resolve_helpers(split_fetch, device, pin)
+        self.engine = Engine(device, parse_budget(budget, device), pin=pin, wait_seconds=float(wait_seconds),
+                             helpers=helpers)
         self.engine.pool = self
 
     def __repr__(self) -> str:

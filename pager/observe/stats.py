@@ -51,6 +51,7 @@ class Stats:
     prefetches: int = 0
     stall_seconds: float = 0.0
     h2d_seconds: float = 0.0  # time the copy streams were busy, each way
+    split_fetch_bytes: int = 0  # of h2d_bytes, what other GPUs' links carried (split_fetch=)
     d2h_seconds: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -137,7 +138,10 @@ class Stats:
         return (
             f"pager: {self.steps} steps, {self.hits} hits / {self.misses} misses "
             f"({100 * self.hit_rate:.1f}% hit), {self.prefetches} prefetches, {self.evictions} evictions; "
-            f"moved {format_bytes(self.h2d_bytes)} to device, {format_bytes(self.d2h_bytes)} back; "
+            f"moved {format_bytes(self.h2d_bytes)} to device"
+            + (f" ({format_bytes(self.split_fetch_bytes)} of it over other GPUs' links)" if self.split_fetch_bytes
+               else "")
+            + f", {format_bytes(self.d2h_bytes)} back; "
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
             + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")

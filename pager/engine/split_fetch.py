@@ -1,0 +1,194 @@
+"""Fetches split over the PCIe links of several GPUs: `SplitFetch`.
+
+[Note: split fetch]
+A paged model's forward is bound by one PCIe link (about 55 GB/s pinned on
+Gen5 x16) while the host's other GPUs leave theirs idle. With
+`wrap(..., split_fetch=["cuda:1"])` a page's copy up to the device is cut
+into shares: the device's own h2d stream copies the first over its link,
+and each helper GPU copies its share over its own link into a ring of
+staging buffers in its memory, then on to the device over NVLink (a peer
+copy, several times a PCIe link's rate). A helper's share crosses in chunks
+(`CHUNK_BYTES`), so its link copies the next chunk while the last one is on
+NVLink. All links carry the page at once: with one helper a fetch takes
+about half the time. Only the device computes; the helpers lend their links
+and `STAGING_SLOTS` chunks of memory each (`staging_bytes`), nothing of the
+device's budget.
+
+Ordering, by events as everywhere in transport.py:
+- A helper's peer copy writes memory that the device's h2d stream
+  allocated, so it waits on `start`: recorded on the h2d stream after the
+  fetch's own waits (the memory's last readers, the page's write-back), as
+  the plain copy is.
+- A staging slot is overwritten only after the peer copy that read it (its
+  `read` event).
+- The fetch ends on the join stream (on the device), which waits on the h2d
+  stream's share and on each helper's last peer copy; compute waits on that
+  end as on a plain copy's. A fetch whose last copy was a plain one joins
+  the split copies before it in `CudaTransport.mark_h2d`.
+- torch's copy between two devices orders itself after the current streams
+  of both devices, and the destination's current stream after itself. The
+  device's current stream during a helper's peer copy is that helper's
+  `receive_stream`, which runs nothing, so that barrier holds back neither
+  compute nor the h2d stream nor another helper.
+
+A page below `SPLIT_MIN_BYTES` goes over the device's link alone (its copy
+is short; the events would cost more than they save), and so does a
+compressed page (its pieces are decoded from the device's staging ring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPLIT_MIN_BYTES = 4 << 20  # smaller pages go over the device's own link alone
+CHUNK_BYTES = 32 << 20     # a helper's share crosses to the device in chunks of this
+STAGING_SLOTS = 3          # chunks of a helper in flight (copied up, crossing, free)
+ALIGN_BYTES = 1 << 16      # shares start at multiples of this
+
+
+def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.device]:
+    """The helper GPUs `split_fetch` names, checked; [] for None.
+
+    `split_fetch` is None, "all" (every other GPU that can write to
+    `device` over a peer link), or a device or a list of devices."""
+    if split_fetch is None:
+        return []
+    if device.type != "cuda":
+        raise ValueError(f"pager: split_fetch={split_fetch!r} splits fetches over several GPUs' links; this model "
+                         f"runs on {device}. Run it on a CUDA device, or leave split_fetch out.")
+    if not pin:
+        raise ValueError("pager: split_fetch= needs page-locked host pages (pin=True): a copy from pageable memory "
+                         "runs through the host's own staging and gains nothing from a second link.")
+    own = device.index if device.index is not None else torch.cuda.current_device()
+    if isinstance(split_fetch, str) and split_fetch == "all":
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())
+                if i != own and torch.cuda.can_device_access_peer(i, own)]
+    names = list(split_fetch) if isinstance(split_fetch, (list, tuple)) else [split_fetch]
+    helpers = []
+    for name in names:
+        helper = _device_of(name, split_fetch)
+        if helper.index == own:
+            raise ValueError(f"pager: split_fetch={split_fetch!r} names the model's own device (cuda:{own}); name "
+                             f"only other GPUs, whose links would otherwise stay idle.")
+        if helper in helpers:
+            raise ValueError(f"pager: split_fetch={split_fetch!r} names {helper} twice; name each GPU once.")
+        if not torch.cuda.can_device_access_peer(helper.index, own):
+            raise ValueError(f"pager: split_fetch: {helper} cannot write to cuda:{own} over a peer link (no NVLink "
+                             f"or PCIe peer access between them), so its share would cross through host memory "
+                             f"again; leave it out of split_fetch.")
+        helpers.append(helper)
+    return helpers
+
+
+def _device_of(name, split_fetch) -> torch.device:
+    try:
+        helper = torch.device("cuda", name) if isinstance(name, int) and not isinstance(name, bool) else torch.device(name)
+    except (RuntimeError, TypeError):
+        helper = None
+    if helper is None or helper.type != "cuda" or helper.index is None:
+        raise ValueError(f"pager: split_fetch={split_fetch!r}: {name!r} is not a CUDA device with an index; give "
+                         f"devices such as \"cuda:1\" or 1, or \"all\".")
+    if helper.index >= torch.cuda.device_count():
+        raise ValueError(f"pager: split_fetch={split_fetch!r}: {helper} does not exist; this process sees "
+                         f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES).")
+    return helper
+
+
+class _Helper:
+    """One helper GPU: its streams, its staging ring and what it carried."""
+
+    def __init__(self, helper: torch.device, device: torch.device, chunk_bytes: int):
+        self.device = helper
+        self.index = helper.index
+        self.h2d_stream = torch.cuda.Stream(helper)   # host -> staging, over the helper's link
+        self.peer_stream = torch.cuda.Stream(helper)  # staging -> the device, over NVLink
+        self.receive_stream = torch.cuda.Stream(device)  # the device's side of the peer copies (see Note)
+        with torch.cuda.device(helper):
+            self.slots = [torch.empty(chunk_bytes, dtype=torch.uint8, device=helper) for _ in range(STAGING_SLOTS)]
+        self.landed = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]  # a chunk is in the slot
+        self.read = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]    # ... and has left it
+        self.used = [False] * STAGING_SLOTS
+        self.next_slot = 0
+        self.carried_bytes = 0
+
+
+class SplitFetch:
+    """The copy of one page up to `device`, in shares over the device's own
+    link and the helpers' (see [Note: split fetch])."""
+
+    def __init__(self, device: torch.device, helpers: list[torch.device], current):
+        self.device = device
+        self.min_bytes, self.chunk_bytes = SPLIT_MIN_BYTES, CHUNK_BYTES
+        self.helpers = [_Helper(h, device, self.chunk_bytes) for h in helpers]
+        self.join_stream = torch.cuda.Stream(device)
+        self.current = current  # `CudaTransport.on`-like: (stream, device index) -> context
+        self.own_share = 1.0 / (1 + len(helpers))  # of each split page, over the device's own link
+
+    @property
+    def staging_bytes(self) -> int:
+        """Memory each helper holds for its staging ring (out of no budget of the device's)."""
+        return self.chunk_bytes * STAGING_SLOTS
+
+    def splits(self, nbytes: int) -> bool:
+        return nbytes >= self.min_bytes
+
+    def helper_bytes(self, nbytes: int) -> int:
+        """Of a page of `nbytes`, what the helpers' links carry."""
+        return nbytes - self._own_bytes(nbytes) if self.splits(nbytes) else 0
+
+    def _own_bytes(self, nbytes: int) -> int:
+        return min(nbytes, -(-int(nbytes * self.own_share) // ALIGN_BYTES) * ALIGN_BYTES)
+
+    def copy(self, device_flat: torch.Tensor, host: torch.Tensor, h2d_stream, start):
+        """Enqueue the copy of `host` into `device_flat` (both uint8, equal
+        sizes): the device's share on `h2d_stream` (current; `start` recorded
+        on it after its waits), the rest over the helpers. Returns the event
+        on the join stream after every share."""
+        nbytes = device_flat.numel()
+        own = self._own_bytes(nbytes)
+        device_flat[:own].copy_(host[:own], non_blocking=True)
+        own_end = torch.cuda.Event()
+        own_end.record(h2d_stream)
+        rest = nbytes - own
+        bounds = [own + rest * k // len(self.helpers) for k in range(len(self.helpers) + 1)]
+        self.join_stream.wait_event(own_end)  # the device's share has landed
+        for helper, lo, hi in zip(self.helpers, bounds, bounds[1:]):
+            if hi > lo:
+                self.join_stream.wait_event(self._carry(helper, device_flat, host, lo, hi, start))
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.join_stream)
+        return end
+
+    def _carry(self, helper: _Helper, device_flat, host, lo: int, hi: int, start):
+        """Bytes [lo, hi) over `helper`: up into its staging, chunk by chunk,
+        and across to the device. Returns the event after the last crossing."""
+        # The destination is the h2d stream's memory: free to write only from `start` on.
+        helper.peer_stream.wait_event(start)
+        for off in range(lo, hi, self.chunk_bytes):
+            n = min(self.chunk_bytes, hi - off)
+            i = helper.next_slot
+            helper.next_slot = (i + 1) % STAGING_SLOTS
+            if helper.used[i]:
+                # The slot's last chunk must have crossed before it is overwritten.
+                helper.h2d_stream.wait_event(helper.read[i])
+            staged = helper.slots[i][:n]
+            with self.current(helper.h2d_stream, helper.index):
+                staged.copy_(host[off: off + n], non_blocking=True)
+                helper.landed[i].record(helper.h2d_stream)
+            # The chunk crosses once it is in the slot.
+            helper.peer_stream.wait_event(helper.landed[i])
+            with self.current(helper.receive_stream, self.device.index), \
+                    self.current(helper.peer_stream, helper.index):
+                device_flat[off: off + n].copy_(staged, non_blocking=True)
+                helper.read[i].record(helper.peer_stream)
+            helper.used[i] = True
+        helper.carried_bytes += hi - lo
+        return helper.read[(helper.next_slot - 1) % STAGING_SLOTS]
+
+    def join(self, mark):
+        """An event after `mark` (on the device's h2d or decode stream) and
+        after every split copy enqueued so far."""
+        self.join_stream.wait_event(mark)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.join_stream)
+        return end
