@@ -5,7 +5,7 @@ link while cuda:1 fetches the rest over its link and passes it on over the
 peer link (NVLink): [Note: split fetch] in pager/engine/split_fetch.py.
 
 1. `links`: pinned host-to-device GB/s of each GPU alone, of both at once
-   (one 1 GiB copy each, concurrently: whether the host feeds two links),
+   (a 1 GiB copy each, enqueued together: whether the host feeds two links),
    and the peer copy cuda:1 -> cuda:0.
 2. Per shape (random-weight `transformers` Llamas: a 7B-shaped one and a
    slice of a 70B-shaped one, bf16) and per budget (a share of the model's
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import threading
+import statistics
+import time
 
 import torch
 
@@ -50,10 +51,10 @@ def link_rows() -> list:
             devs[i].copy_(host, non_blocking=True)
 
     def both():
-        threads = [threading.Thread(target=copy_on, args=(i,)) for i in (0, 1)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        [torch.cuda.synchronize(i) for i in (0, 1)]
+        copy_on(0)  # (both enqueued from this thread; pinned copies return at once)
+        copy_on(1)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
 
     rows = []
     for i in (0, 1):
@@ -61,14 +62,13 @@ def link_rows() -> list:
             ms = time_ms(lambda: copy_on(i) or torch.cuda.synchronize(i), warmup=2, reps=5)
         rows.append(Row("links", f"h2d cuda:{i} alone", ms, note=f"{nbytes / ms / 1e6:.1f} GB/s",
                         extra={"gbps": nbytes / ms / 1e6}))
-    import time as _time
     both()
     t = []
     for _ in range(5):
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         both()
-        t.append((_time.perf_counter() - t0) * 1e3)
-    ms = sorted(t)[2]
+        t.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(t)
     rows.append(Row("links", "h2d cuda:0 and cuda:1 at once", ms, note=f"{2 * nbytes / ms / 1e6:.1f} GB/s together",
                     extra={"gbps": 2 * nbytes / ms / 1e6}))
     with torch.cuda.device(1):

@@ -5,31 +5,31 @@ A paged model's forward is bound by one PCIe link (about 55 GB/s pinned on
 Gen5 x16) while the host's other GPUs leave theirs idle. With
 `wrap(..., split_fetch=["cuda:1"])` a page's copy up to the device is cut
 into shares: the device's own h2d stream copies the first over its link,
-and each helper GPU copies its share over its own link into a ring of
-staging buffers in its memory, then on to the device over NVLink (a peer
-copy, several times a PCIe link's rate). A helper's share crosses in chunks
-(`CHUNK_BYTES`), so its link copies the next chunk while the last one is on
-NVLink. All links carry the page at once: with one helper a fetch takes
-about half the time. Only the device computes; the helpers lend their links
-and `STAGING_SLOTS` chunks of memory each (`staging_bytes`), nothing of the
-device's budget.
+and each helper GPU copies its share over its own link into a staging
+buffer in its memory, then on to the device over the peer link (NVLink,
+several times a PCIe link's rate). A helper's share goes in chunks
+(`CHUNK_BYTES`) on two streams by turns, each chunk copied up and then
+across on one stream, so one stream's link copy runs while the other's
+chunk crosses, and a stream's own order keeps its staging buffer from
+being overwritten before it has crossed: no event per chunk. All links
+carry the page at once: with one helper a fetch takes about half the time.
+Only the device computes; each helper lends its link and two chunks of
+its memory (`staging_bytes`), nothing of the device's budget.
 
 Ordering, by events as everywhere in transport.py:
-- A helper's peer copy writes memory that the device's h2d stream
-  allocated, so it waits on `start`: recorded on the h2d stream after the
-  fetch's own waits (the memory's last readers, the page's write-back), as
-  the plain copy is.
-- A staging slot is overwritten only after the peer copy that read it (its
-  `read` event).
-- The fetch ends on the join stream (on the device), which waits on the h2d
-  stream's share and on each helper's last peer copy; compute waits on that
-  end as on a plain copy's. A fetch whose last copy was a plain one joins
-  the split copies before it in `CudaTransport.mark_h2d`.
+- A helper's streams wait on `start` before their first copy: recorded on
+  the device's h2d stream after the fetch's own waits (the destination's
+  last readers, the page's write-back), so a crossing never writes memory
+  still in use, as the device's own copy does not.
 - torch's copy between two devices orders itself after the current streams
-  of both devices, and the destination's current stream after itself. The
-  device's current stream during a helper's peer copy is that helper's
-  `receive_stream`, which runs nothing, so that barrier holds back neither
-  compute nor the h2d stream nor another helper.
+  of both devices, and the destination's current stream after itself. While
+  a fetch's chunks cross, the device's current stream is the join stream:
+  it runs nothing else, so it gathers every crossing without holding back
+  compute or the h2d stream.
+- The fetch ends on the join stream once it has also waited for the
+  device's own share; compute waits on that end as on a plain copy's. A
+  fetch whose last copy was a plain one joins the split copies before it
+  in `CudaTransport.mark_h2d`.
 
 A page below `SPLIT_MIN_BYTES` goes over the device's link alone (its copy
 is short; the events would cost more than they save), and so does a
@@ -41,8 +41,7 @@ from __future__ import annotations
 import torch
 
 SPLIT_MIN_BYTES = 4 << 20  # smaller pages go over the device's own link alone
-CHUNK_BYTES = 32 << 20     # a helper's share crosses to the device in chunks of this
-STAGING_SLOTS = 3          # chunks of a helper in flight (copied up, crossing, free)
+CHUNK_BYTES = 32 << 20     # a helper's share goes up and across in chunks of this
 ALIGN_BYTES = 1 << 16      # shares start at multiples of this
 
 
@@ -95,20 +94,16 @@ def _device_of(name, split_fetch) -> torch.device:
 
 
 class _Helper:
-    """One helper GPU: its streams, its staging ring and what it carried."""
+    """One helper GPU: two streams, each with its staging buffer, taken by turns."""
 
-    def __init__(self, helper: torch.device, device: torch.device, chunk_bytes: int):
+    def __init__(self, helper: torch.device, chunk_bytes: int):
         self.device = helper
         self.index = helper.index
-        self.h2d_stream = torch.cuda.Stream(helper)   # host -> staging, over the helper's link
-        self.peer_stream = torch.cuda.Stream(helper)  # staging -> the device, over NVLink
-        self.receive_stream = torch.cuda.Stream(device)  # the device's side of the peer copies (see Note)
+        # Each copies a chunk up over the helper's link, then across to the device.
+        self.streams = [torch.cuda.Stream(helper) for _ in range(2)]
         with torch.cuda.device(helper):
-            self.slots = [torch.empty(chunk_bytes, dtype=torch.uint8, device=helper) for _ in range(STAGING_SLOTS)]
-        self.landed = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]  # a chunk is in the slot
-        self.read = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]    # ... and has left it
-        self.used = [False] * STAGING_SLOTS
-        self.next_slot = 0
+            self.staging = [torch.empty(chunk_bytes, dtype=torch.uint8, device=helper) for _ in range(2)]
+        self.turn = 0
         self.carried_bytes = 0
 
 
@@ -119,15 +114,15 @@ class SplitFetch:
     def __init__(self, device: torch.device, helpers: list[torch.device], current):
         self.device = device
         self.min_bytes, self.chunk_bytes = SPLIT_MIN_BYTES, CHUNK_BYTES
-        self.helpers = [_Helper(h, device, self.chunk_bytes) for h in helpers]
+        self.helpers = [_Helper(h, self.chunk_bytes) for h in helpers]
         self.join_stream = torch.cuda.Stream(device)
-        self.current = current  # `CudaTransport.on`-like: (stream, device index) -> context
+        self.current = current  # (stream, device index) -> a context making it current (`_Current`)
         self.own_share = 1.0 / (1 + len(helpers))  # of each split page, over the device's own link
 
     @property
     def staging_bytes(self) -> int:
-        """Memory each helper holds for its staging ring (out of no budget of the device's)."""
-        return self.chunk_bytes * STAGING_SLOTS
+        """Memory each helper holds for its staging (out of no budget of the device's)."""
+        return 2 * self.chunk_bytes
 
     def splits(self, nbytes: int) -> bool:
         return nbytes >= self.min_bytes
@@ -151,39 +146,34 @@ class SplitFetch:
         own_end.record(h2d_stream)
         rest = nbytes - own
         bounds = [own + rest * k // len(self.helpers) for k in range(len(self.helpers) + 1)]
-        self.join_stream.wait_event(own_end)  # the device's share has landed
-        for helper, lo, hi in zip(self.helpers, bounds, bounds[1:]):
-            if hi > lo:
-                self.join_stream.wait_event(self._carry(helper, device_flat, host, lo, hi, start))
+        # The device's side of each crossing is the join stream (see Note).
+        with self.current(self.join_stream, self.device.index):
+            for helper, lo, hi in zip(self.helpers, bounds, bounds[1:]):
+                if hi > lo:
+                    self._carry(helper, device_flat, host, lo, hi, start)
+        self.join_stream.wait_event(own_end)  # the device's own share has landed too
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.join_stream)
         return end
 
-    def _carry(self, helper: _Helper, device_flat, host, lo: int, hi: int, start):
-        """Bytes [lo, hi) over `helper`: up into its staging, chunk by chunk,
-        and across to the device. Returns the event after the last crossing."""
-        # The destination is the h2d stream's memory: free to write only from `start` on.
-        helper.peer_stream.wait_event(start)
-        for off in range(lo, hi, self.chunk_bytes):
+    def _carry(self, helper: _Helper, device_flat, host, lo: int, hi: int, start) -> None:
+        """Bytes [lo, hi) over `helper`: chunk by chunk, up into a staging
+        buffer and across to the device, on its two streams by turns."""
+        chunks = range(lo, hi, self.chunk_bytes)
+        for k in range(min(2, len(chunks))):
+            # The destination is the h2d stream's memory: free to write only from `start` on.
+            helper.streams[(helper.turn + k) % 2].wait_event(start)
+        for off in chunks:
             n = min(self.chunk_bytes, hi - off)
-            i = helper.next_slot
-            helper.next_slot = (i + 1) % STAGING_SLOTS
-            if helper.used[i]:
-                # The slot's last chunk must have crossed before it is overwritten.
-                helper.h2d_stream.wait_event(helper.read[i])
-            staged = helper.slots[i][:n]
-            with self.current(helper.h2d_stream, helper.index):
+            i = helper.turn
+            helper.turn = 1 - i
+            staged = helper.staging[i][:n]
+            # One stream: the chunk crosses after it is up, and the next chunk
+            # up this buffer waits for this crossing.
+            with self.current(helper.streams[i], helper.index):
                 staged.copy_(host[off: off + n], non_blocking=True)
-                helper.landed[i].record(helper.h2d_stream)
-            # The chunk crosses once it is in the slot.
-            helper.peer_stream.wait_event(helper.landed[i])
-            with self.current(helper.receive_stream, self.device.index), \
-                    self.current(helper.peer_stream, helper.index):
                 device_flat[off: off + n].copy_(staged, non_blocking=True)
-                helper.read[i].record(helper.peer_stream)
-            helper.used[i] = True
         helper.carried_bytes += hi - lo
-        return helper.read[(helper.next_slot - 1) % STAGING_SLOTS]
 
     def join(self, mark):
         """An event after `mark` (on the device's h2d or decode stream) and
