@@ -1,22 +1,26 @@
-"""One model streamed over two GPUs' links (`split_fetch=`, issue 43 item 3).
+"""One model streamed over several GPUs' links (`split_fetch=`, issue 43 item 3).
 
 The GPU that computes (cuda:0) fetches each block's share over its own PCIe
-link while cuda:1 fetches the rest over its link and passes it on over the
-peer link (NVLink): [Note: split fetch] in pager/engine/split_fetch.py.
+link while each other GPU fetches its share over its own link and passes it
+on over the peer link (NVLink): [Note: split fetch] in
+pager/engine/split_fetch.py.
 
-1. `links`: pinned host-to-device GB/s of each GPU alone, of both at once
-   (a 1 GiB copy each, enqueued together: whether the host feeds two links),
-   and the peer copy cuda:1 -> cuda:0.
+1. `links`: pinned host-to-device GB/s of each GPU alone, of the first k at
+   once (a 1 GiB copy each, enqueued together: whether the host feeds k
+   links), and each peer copy into cuda:0.
 2. Per shape (random-weight `transformers` Llamas: a 7B-shaped one and a
    slice of a 70B-shaped one, bf16) and per budget (a share of the model's
    bytes): a forward (prefill, batch 1) and greedy `generate()` per token,
-   with the pager on cuda:0's link alone and split over both, and all on
-   cuda:0. One wrap serves both pager runs: "one link" is the same model
-   with its transport's split set aside (`transport.split = None`, the
-   state `split_fetch=None` wraps with), so pages, budget and schedule are
-   the same. Tokens are compared with all-on-GPU's.
-3. `shares`: the forward at one budget with the device's own share of each
-   page at 0.4, 0.5 and 0.6 (the rest over cuda:1).
+   with the pager on cuda:0's link alone, split over 2 links, ... over all
+   the GPUs', and all on cuda:0. One wrap (`split_fetch="all"`) serves every
+   pager run: "one link" is the same model with its transport's split set
+   aside (`transport.split = None`, the state `split_fetch=None` wraps
+   with), and k links a `SplitFetch` of the first k-1 helpers (the state
+   `split_fetch=helpers[:k-1]` wraps with), so pages, budget and schedule
+   are the same. Tokens are compared with all-on-GPU's.
+3. `shares`: the forward at the first budget over every link, with the
+   device's own share of each page at 0.4, 0.5 and 0.6 (the rest shared
+   evenly by the helpers).
 
     python -m benchmarks.bench_split [--shapes 7b,70b] [--budgets 0.25,0.5]
 """
@@ -33,6 +37,8 @@ import torch
 import pager
 from benchmarks.bench_generate import decode
 from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
+from pager.engine.split_fetch import SplitFetch
+from pager.engine.transport import _Current
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     "7b": (4096, 11008, 32, 32, 32),
@@ -40,41 +46,44 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads
 }
 
 
-def link_rows() -> list:
+def link_rows(n: int) -> list:
+    """Pinned h2d GB/s of each GPU alone, of all at once (enqueued together:
+    whether the host feeds them all), and of each peer copy into cuda:0."""
     nbytes = 1 << 30
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    devs = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in (0, 1)]
-    streams = [torch.cuda.Stream(f"cuda:{i}") for i in (0, 1)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+    streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
 
     def copy_on(i):
         with torch.cuda.stream(streams[i]):
             devs[i].copy_(host, non_blocking=True)
 
-    def both():
-        copy_on(0)  # (both enqueued from this thread; pinned copies return at once)
-        copy_on(1)
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+    def wall_ms(gpus) -> float:
+        t = []
+        for _ in range(6):
+            for i in gpus:
+                copy_on(i)  # (pinned copies return at once: all run together)
+            t0 = time.perf_counter()
+            for i in gpus:
+                torch.cuda.synchronize(i)
+            for i in gpus:
+                copy_on(i)
+            for i in gpus:
+                torch.cuda.synchronize(i)
+            t.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(t[1:])
 
     rows = []
-    for i in (0, 1):
+    for gpus in [[i] for i in range(n)] + [list(range(k)) for k in range(2, n + 1)]:
+        ms = wall_ms(gpus)
+        name = f"h2d cuda:{gpus[0]} alone" if len(gpus) == 1 else f"h2d cuda:0-{gpus[-1]} at once"
+        rows.append(Row("links", name, ms, note=f"{len(gpus) * nbytes / ms / 1e6:.1f} GB/s",
+                        extra={"gbps": len(gpus) * nbytes / ms / 1e6}))
+    for i in range(1, n):
         with torch.cuda.device(i):
-            ms = time_ms(lambda: copy_on(i) or torch.cuda.synchronize(i), warmup=2, reps=5)
-        rows.append(Row("links", f"h2d cuda:{i} alone", ms, note=f"{nbytes / ms / 1e6:.1f} GB/s",
+            ms = time_ms(lambda: devs[0].copy_(devs[i], non_blocking=True), warmup=2, reps=5)
+        rows.append(Row("links", f"peer cuda:{i} -> cuda:0", ms, note=f"{nbytes / ms / 1e6:.1f} GB/s",
                         extra={"gbps": nbytes / ms / 1e6}))
-    both()
-    t = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        both()
-        t.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(t)
-    rows.append(Row("links", "h2d cuda:0 and cuda:1 at once", ms, note=f"{2 * nbytes / ms / 1e6:.1f} GB/s together",
-                    extra={"gbps": 2 * nbytes / ms / 1e6}))
-    with torch.cuda.device(1):
-        ms = time_ms(lambda: devs[0].copy_(devs[1], non_blocking=True), warmup=2, reps=5)
-    rows.append(Row("links", "peer cuda:1 -> cuda:0", ms, note=f"{nbytes / ms / 1e6:.1f} GB/s",
-                    extra={"gbps": nbytes / ms / 1e6}))
     for r in rows:
         print(r, flush=True)
     return rows
@@ -98,9 +107,14 @@ def shape_rows(args, shape: str, links: dict) -> list:
     gpu, model = build(shape)
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     pager.wrap(model, budget=int(max(map(float, args.budgets.split(","))) * model_bytes), device="cuda:0",
-               split_fetch=["cuda:1"])
+               split_fetch="all")
     pg = pager.of(model)
     split = pg.transport.split
+    helpers = [h.device for h in split.helpers]
+    # "split_fetch=helpers[:k]" for each k, on the same pages: the transport with fewer helpers.
+    variants = [("one link", None)] + [
+        (f"split over {k + 1} links", split if k == len(helpers) else SplitFetch(split.device, helpers[:k], _Current))
+        for k in range(1, len(helpers) + 1)]
     ids = torch.randint(3, 32000, (1, args.prompt), device="cuda:0")
     with torch.no_grad():
         gpu_fwd = time_ms(lambda: gpu(ids), warmup=2, reps=args.reps)
@@ -108,13 +122,15 @@ def shape_rows(args, shape: str, links: dict) -> list:
     want = gpu.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=args.new,
                         min_new_tokens=args.new, do_sample=False, pad_token_id=0)
     rows = []
+    n = len(helpers) + 1
     wl = (f"{shape}-shaped Llama bf16, {SHAPES[shape][2]} layers, {model_bytes / GiB:.1f} GiB; links "
-          f"{links['h2d cuda:0 alone']:.1f} and {links['h2d cuda:1 alone']:.1f} GB/s, "
-          f"{links['h2d cuda:0 and cuda:1 at once']:.1f} together, peer {links['peer cuda:1 -> cuda:0']:.0f}")
+          + ", ".join(f"{links[f'h2d cuda:{i} alone']:.1f}" for i in range(n))
+          + f" GB/s, {links[f'h2d cuda:0-{n - 1} at once']:.1f} together, peer "
+          + ", ".join(f"{links[f'peer cuda:{i} -> cuda:0']:.0f}" for i in range(1, n)))
     for share in map(float, args.budgets.split(",")):
         pg.set_budget(int(share * model_bytes))
         times = {}
-        for method, helper in (("one link", None), ("split over 2 links", split)):
+        for method, helper in variants:
             pg.transport.split = helper
             with torch.no_grad():
                 pg.reset()
@@ -133,7 +149,7 @@ def shape_rows(args, shape: str, links: dict) -> list:
                             f"forward {fwd:.1f} ms ({per_fwd / 1e9:.2f} GB; all on GPU {gpu_fwd:.1f} ms); decode "
                             f"{tok:.1f} ms/token, median {tok_median:.1f}, {tok / one[1]:.2f}x one link's "
                             f"({per_token / 1e9:.2f} GB/token; all on GPU {gpu_tok:.1f} ms); "
-                            f"{s.split_fetch_bytes / max(s.h2d_bytes, 1):.0%} of bytes over cuda:1; "
+                            f"{s.split_fetch_bytes / max(s.h2d_bytes, 1):.0%} of bytes over other GPUs; "
                             f"tokens equal to all on GPU's: {float((out == want).float().mean()):.0%}",
                             {"forward_ms": fwd, "decode_ms": tok, "decode_median_ms": tok_median,
                              "forward_bytes": per_fwd, "token_bytes": per_token, "gpu_forward_ms": gpu_fwd,
@@ -145,13 +161,13 @@ def shape_rows(args, shape: str, links: dict) -> list:
         pg.transport.split = split
         pg.set_budget(int(float(args.budgets.split(",")[0]) * model_bytes))
         for own in map(float, args.shares.split(",")):
-            split.own_share = own
+            split.own_share = own  # (the rest shared evenly by the helpers)
             with torch.no_grad():
                 fwd = time_ms(lambda: model(ids), warmup=2, reps=args.reps)
             rows.append(Row(f"{wl}; budget {args.budgets.split(',')[0]}", f"own share {own:.2f}", fwd,
                             extra={"own_share": own, "forward_ms": fwd}))
             print(rows[-1], flush=True)
-        split.own_share = 0.5
+        split.own_share = 1 / n
     pager.unwrap(model)
     del model, gpu
     free_cuda()
@@ -166,13 +182,13 @@ def main(argv=None):
     p.add_argument("--short", type=int, default=3)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--shares", default="0.4,0.5,0.6")
+    p.add_argument("--shares", default="0.4,0.5,0.6", help="own shares to try with every helper ('' skips)")
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("bench_split: skipped, needs two CUDA GPUs")
         return
     env = environment()
-    rows = link_rows()
+    rows = link_rows(torch.cuda.device_count())
     links = {r.method: r.extra["gbps"] for r in rows}
     for shape in args.shapes.split(","):
         rows += shape_rows(args, shape, links)
