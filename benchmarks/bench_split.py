@@ -62,12 +62,10 @@ def link_rows(n: int) -> list:
         t = []
         for _ in range(6):
             for i in gpus:
-                copy_on(i)  # (pinned copies return at once: all run together)
+                torch.cuda.synchronize(i)
             t0 = time.perf_counter()
             for i in gpus:
-                torch.cuda.synchronize(i)
-            for i in gpus:
-                copy_on(i)
+                copy_on(i)  # (pinned copies return at once: all run together)
             for i in gpus:
                 torch.cuda.synchronize(i)
             t.append((time.perf_counter() - t0) * 1e3)

@@ -1,7 +1,8 @@
 """Every benchmark: forward (with the compute-bound case), the budget sweep
 and its plot, training (decoder vs peers, NAS supernet), what
 transparency costs (clip, GradScaler, on-demand access), and Hugging Face
-decode with the host time per block use. Results land in $OUT
+decode with the host time per block use, and one model over several GPUs'
+links (`split`, on machines with two or more). Results land in $OUT
 (or .). All of it takes longer than one 10-minute device call: split it.
 
     python -m benchmarks.run_all --skip transparency,generate   # ~9 min
@@ -29,10 +30,11 @@ STEPS = {
     "lora": ["-m", "benchmarks.bench_lora"],
     "compile": ["-m", "benchmarks.bench_compile"],
     "quantized": ["-m", "benchmarks.bench_quantized"],
+    "split": ["-m", "benchmarks.bench_split"],  # (skips itself with fewer than two GPUs)
 }
 # seconds (measured ~75, ~110, ~260, ~100, ~200, ~160, ~180)
 LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170, "generate": 300, "lora": 300,
-          "compile": 300, "quantized": 300}
+          "compile": 300, "quantized": 300, "split": 300}
 
 
 def main():

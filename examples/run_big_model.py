@@ -4,7 +4,7 @@ On a GPU: a 7B-shaped bf16 decoder stack (16 layers, 6.5 GB) under a 2 GiB
 budget. Without one: a small fp32 decoder on the CPU device (host memory
 stands for device memory), same paging code, checked against the unpaged model.
 
-    python examples/run_big_model.py [--budget 2GiB] [--layers 16]
+    python examples/run_big_model.py [--budget 2GiB] [--layers 16] [--split-fetch all]
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def main():
     ap.add_argument("--compress", choices=["lossless", "fp8", "int4"], default=None,
                     help="weights compressed in their host pages, decoded on the device (bf16 models; on the CPU "
                          "the example's model is bf16 then)")
+    ap.add_argument("--split-fetch", default=None,
+                    help='other GPUs whose links carry a share of every fetch: "all" or "cuda:1,cuda:2" (docs/split-fetch.md)')
     args = ap.parse_args()
+    split = args.split_fetch if args.split_fetch in (None, "all") else args.split_fetch.split(",")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     if cuda:
@@ -52,7 +55,7 @@ def main():
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = args.budget or 3 * layer_bytes(model)
-    pager.wrap(model, budget=budget, device=device, compress=args.compress)
+    pager.wrap(model, budget=budget, device=device, compress=args.compress, split_fetch=split)
     pg = pager.of(model)
     if reference is not None and args.compress in ("fp8", "int4"):
         reference.load_state_dict(model.state_dict())  # lossy: the model computes with the decoded weights
