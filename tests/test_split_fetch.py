@@ -43,6 +43,11 @@ def test_split_fetch_on_the_cpu_device_is_refused_before_anything_changes():
         pager.Pool(budget=10**6, device="cpu", split_fetch="all")
 
 
+def test_a_plan_with_split_fetch_on_the_cpu_device_is_refused():
+    with pytest.raises(ValueError, match="split_fetch"):
+        pager.plan(Thin(64, 3), budget=10**6, device="cpu", split_fetch=["cuda:1"])
+
+
 def test_split_fetch_belongs_to_the_pool_not_to_its_models():
     pool = pager.Pool(budget=10**6, device="cpu")
     with pytest.raises(ValueError, match=r"Give split_fetch to pager.Pool"):
@@ -186,3 +191,22 @@ def test_split_fetch_refusals_name_the_device_and_the_fix(split, pin, match):
         pager.wrap(model, budget=10**6, device=GPU, pin=pin, split_fetch=split)
     with pytest.raises(ValueError, match="not wrapped"):
         pager.of(model)
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_the_link_rate_of_plan_and_report_goes_over_the_helpers():
+    """The measured ceiling that `report()` compares fetches with, and the
+    floor `plan` gives, come through the split fetch path."""
+    model = Thin()
+    budget = 2 * tensor_page_bytes(model.layers[0])
+    plan = pager.plan(model, budget, device=GPU, split_fetch=["cuda:1"])
+    assert plan.writeback_gbps > 0 and plan.link_gbps > 0
+    assert any("split_fetch over 1 other GPU" in n for n in plan.notes)
+    pager.wrap(model, budget=budget, device=GPU, split_fetch=["cuda:1"])
+    helper = pager.of(model).transport.split.helpers[0]
+    before = helper.carried_bytes
+    with torch.no_grad():
+        model(torch.randn(4, 512, device=GPU))
+    assert "measured peak" in pager.of(model).report()
+    assert helper.carried_bytes - before >= 3 * (128 << 20)  # (the probe's three copies of 256 MiB, half each)

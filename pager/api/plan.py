@@ -15,6 +15,7 @@ from .fake import SavedBytes, measure_saved
 from ..training import host_step
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
 from ..engine.schedule import Scheduler
+from ..engine.split_fetch import resolve_helpers
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 
@@ -56,6 +57,8 @@ class Plan:
     host_kept: list[str] = field(default_factory=list)
     forward_disk_bytes: int = 0
     disk_gbps: float | None = None
+    # With `split_fetch`: the device's own link, which write-backs take (`link_gbps` is the fetches' rate).
+    writeback_gbps: float | None = None
 
     @property
     def fits_all(self) -> bool:
@@ -80,7 +83,8 @@ class Plan:
 
     @property
     def train_floor_seconds(self) -> float:
-        return max(self.train_h2d_bytes, self.train_d2h_bytes) / (self.link_gbps * 1e9)
+        writeback_gbps = self.writeback_gbps or self.link_gbps
+        return max(self.train_h2d_bytes / self.link_gbps, self.train_d2h_bytes / writeback_gbps) / 1e9
 
     def __str__(self) -> str:
         total = sum(n for _b, n in self.blocks)
@@ -138,7 +142,7 @@ class Plan:
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
          link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
          disk_gbps: float | None = None, optimizer=None, compress: str | None = None,
-         optimizer_step: str = "auto") -> Plan:
+         optimizer_step: str = "auto", split_fetch=None) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
@@ -158,6 +162,8 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             it, and a forward's bytes at the codec's usual ratio (an
             estimate: the real ratio depends on the values).
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
+        split_fetch: as for `pager.wrap`: the link's rate is then measured
+            over the helpers' links too (the forward's floor with them).
         inputs: a batch as the model's forward takes it (a tensor, a tuple of
             positional arguments or a dict of keyword arguments; values do
             not matter, only shapes and dtypes): the forward then runs on fake
@@ -177,6 +183,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         raise ValueError(f"pager: plan(optimizer_step={optimizer_step!r}) takes what wrap takes: "
                          f"{', '.join(map(repr, host_step.MODES))}.")
     device = resolve_device(device)
+    helpers = resolve_helpers(split_fetch, device, pin=True)
     budget_bytes = parse_budget(budget, device)
     # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
     sizing = discover.adapters_resident(discover.size_up(model, blocks), budget_bytes)[0]
@@ -221,11 +228,16 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             d2h += g + (w + s)           # gradients leave in backward; weights and state after their update
 
     if link_gbps is None and device.type == "cuda":
+        from ..engine.transport import CudaTransport
         from ..observe.report import measure_link_gbps
 
         link, measured = measure_link_gbps(device, pinned=True), True
+        writeback = link  # (fetches over the helpers' links too; write-backs over the device's own)
+        if helpers:
+            link = measure_link_gbps(device, pinned=True, transport=CudaTransport(device, helpers))
     else:
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
+        writeback = None
     notes = []
     if compress:
         notes.append(f"compress={compress!r}: a forward's bytes at the codec's usual ratio "
@@ -259,6 +271,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
         out.disk_gbps = disk_gbps
+    if helpers:
+        out.writeback_gbps = writeback
+        out.notes.append(f"split_fetch over {len(helpers)} other GPU(s): fetches at {link:.1f} GB/s measured over "
+                         f"every link, write-backs at {writeback:.1f} GB/s over the device's own")
     return out
 
 

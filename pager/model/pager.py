@@ -241,11 +241,13 @@ class Pager:
 
     def link_gbps(self) -> float:
         """The host-to-device copy rate this machine reaches from page-locked
-        memory (measured once, 256 MiB), the ceiling for fetches."""
+        memory (measured once, 256 MiB, through the fetch path: over the
+        helpers' links too under `split_fetch`), the ceiling for fetches."""
         if getattr(self, "_link_gbps", None) is None:
             from ..observe.report import measure_link_gbps
 
-            self._link_gbps = measure_link_gbps(self.device, pinned=self.arena.pin)
+            with self.engine.lock:  # (the probe goes through the copy streams the fetches use)
+                self._link_gbps = measure_link_gbps(self.device, pinned=self.arena.pin, transport=self.transport)
         return self._link_gbps
 
     @_locked

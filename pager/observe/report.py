@@ -12,23 +12,30 @@ from ..base.budget import format_bytes
 LINK_PROBE_BYTES = 256 << 20
 
 
-def measure_link_gbps(device: torch.device, pinned: bool) -> float:
-    """Host-to-device GB/s for one large copy (best of 3)."""
+def measure_link_gbps(device: torch.device, pinned: bool, transport=None) -> float:
+    """Host-to-device GB/s for one large copy (best of 3); through
+    `transport`'s fetch path if given (over its helpers' links too where it
+    splits fetches: [Note: split fetch] in engine/split_fetch.py)."""
     host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
     dev = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
     best = float("inf")
     for _ in range(3):
-        if device.type == "cuda":
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            dev.copy_(host)
+            best = min(best, time.perf_counter() - t0)
+            continue
+        if transport is not None:
+            start, end = transport.h2d(dev, host)
+        else:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             dev.copy_(host, non_blocking=True)
             end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dev.copy_(host)
-            best = min(best, time.perf_counter() - t0)
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    if transport is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)  # (the probe's memory is freed on return: every copy into it is done)
     return LINK_PROBE_BYTES / best / 1e9
 
 
