@@ -33,7 +33,8 @@ def main():
                     help="weights compressed in their host pages, decoded on the device (bf16 models; on the CPU "
                          "the example's model is bf16 then)")
     ap.add_argument("--split-fetch", default=None,
-                    help='other GPUs whose links carry a share of every fetch: "all" or "cuda:1,cuda:2" (docs/split-fetch.md)')
+                    help='other GPUs whose links carry a share of every fetch: "all" or "cuda:1,cuda:2" '
+                         '(docs/split-fetch.md)')
     args = ap.parse_args()
     split = args.split_fetch if args.split_fetch in (None, "all") else args.split_fetch.split(",")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

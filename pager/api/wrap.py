@@ -164,8 +164,8 @@ def wrap(
         split_fetch: other GPUs of this host whose PCIe links carry a share of
             every fetch: "all" (every GPU that can write to `device` over a
             peer link, NVLink), or a list such as ["cuda:1"]. Each helper
-            copies its share of a page into a small staging ring in its own
-            memory (96 MiB) and on to `device` over the peer link; only
+            copies its share of a page into two staging buffers in its own
+            memory (64 MiB) and on to `device` over the peer link; only
             `device` computes and only its budget holds blocks. A model
             streamed for inference or `generate()` is bound by the link: with
             one helper its fetches take about half as long ([Note: split

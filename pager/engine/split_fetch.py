@@ -38,7 +38,11 @@ compressed page (its pieces are decoded from the device's staging ring).
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("pager")
 
 SPLIT_MIN_BYTES = 4 << 20  # smaller pages go over the device's own link alone
 CHUNK_BYTES = 32 << 20     # a helper's share goes up and across in chunks of this
@@ -60,8 +64,12 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
                          "runs through the host's own staging and gains nothing from a second link.")
     own = device.index if device.index is not None else torch.cuda.current_device()
     if isinstance(split_fetch, str) and split_fetch == "all":
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())
-                if i != own and torch.cuda.can_device_access_peer(i, own)]
+        helpers = [torch.device("cuda", i) for i in range(torch.cuda.device_count())
+                   if i != own and torch.cuda.can_device_access_peer(i, own)]
+        if not helpers:
+            log.warning("pager: split_fetch=\"all\": no other GPU of this process can write to cuda:%d over a peer "
+                        "link (%d visible); fetches go over its own link alone.", own, torch.cuda.device_count())
+        return helpers
     names = list(split_fetch) if isinstance(split_fetch, (list, tuple)) else [split_fetch]
     helpers = []
     for name in names:
@@ -81,7 +89,8 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
 
 def _device_of(name, split_fetch) -> torch.device:
     try:
-        helper = torch.device("cuda", name) if isinstance(name, int) and not isinstance(name, bool) else torch.device(name)
+        is_index = isinstance(name, int) and not isinstance(name, bool)
+        helper = torch.device("cuda", name) if is_index else torch.device(name)
     except (RuntimeError, TypeError):
         helper = None
     if helper is None or helper.type != "cuda" or helper.index is None:
