@@ -54,6 +54,37 @@ def test_split_fetch_belongs_to_the_pool_not_to_its_models():
         pager.wrap(Thin(64, 3), pool=pool, split_fetch=["cuda:1"])
 
 
+@pytest.fixture
+def four_gpus_seen(monkeypatch):
+    """`resolve_helpers` on any machine: four GPUs, cuda:3 without a peer link to cuda:0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: 3 not in (a, b))
+
+
+def test_the_helpers_named_are_checked_and_all_takes_those_with_a_peer_link(four_gpus_seen, pager_log):
+    cuda0 = torch.device("cuda", 0)
+    assert split_fetch.resolve_helpers("all", cuda0, pin=True) == [torch.device("cuda", 1), torch.device("cuda", 2)]
+    assert split_fetch.resolve_helpers([2, "cuda:1"], cuda0, pin=True) == [torch.device("cuda", 2),
+                                                                          torch.device("cuda", 1)]
+    assert split_fetch.resolve_helpers("cuda:2", cuda0, pin=True) == [torch.device("cuda", 2)]
+    with pytest.raises(ValueError, match=r"cuda:3 cannot write to cuda:0 over a peer link"):
+        split_fetch.resolve_helpers(["cuda:1", "cuda:3"], cuda0, pin=True)
+    with pytest.raises(ValueError, match=r"cuda:4 does not exist; this process sees 4 GPU"):
+        split_fetch.resolve_helpers([4], cuda0, pin=True)
+    with pytest.raises(ValueError, match=r"names the model's own device \(cuda:0\)"):
+        split_fetch.resolve_helpers(["cuda:0"], cuda0, pin=True)
+    with pytest.raises(ValueError, match=r"names cuda:1 twice"):
+        split_fetch.resolve_helpers(["cuda:1", 1], cuda0, pin=True)
+    with pytest.raises(ValueError, match=r"True is not a CUDA device"):
+        split_fetch.resolve_helpers([True], cuda0, pin=True)
+    with pytest.raises(ValueError, match=r"needs page-locked host pages"):
+        split_fetch.resolve_helpers(["cuda:1"], cuda0, pin=False)
+    assert not pager_log.records
+    # On cuda:3, "all" finds no GPU with a peer link, and says so.
+    assert split_fetch.resolve_helpers("all", torch.device("cuda", 3), pin=True) == []
+    assert "no other GPU of this process can write to cuda:3" in pager_log.text
+
+
 # ---------------------------------------------------------------- two GPUs
 @pytest.fixture
 def small_shares(monkeypatch):
