@@ -188,7 +188,7 @@ def main(argv=None):
     env = environment()
     rows = link_rows(torch.cuda.device_count())
     links = {r.method: r.extra["gbps"] for r in rows}
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         rows += shape_rows(args, shape, links)
     save(rows, "split", env)
 
