@@ -127,3 +127,16 @@ class SuperNet(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class Thin(nn.Module):
+    """Layers with little arithmetic per byte: fetches dominate, races show."""
+
+    def __init__(self, d=1024, n=12):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x

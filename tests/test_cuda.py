@@ -11,25 +11,12 @@ import torch.nn as nn
 
 import pager
 from helpers import hooked_blocks, reading_in_a_thread, run_threads, tensor_page_bytes
-from models import SuperNet, TinyLM, tiny_cnn
+from models import SuperNet, Thin, TinyLM, tiny_cnn
 from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
 pytestmark = pytest.mark.cuda
 
 GPU = torch.device("cuda")
-
-
-class Thin(nn.Module):
-    """Layers with little arithmetic per byte: fetches dominate, races show."""
-
-    def __init__(self, d=1024, n=12):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0, d2h_cycles=0):

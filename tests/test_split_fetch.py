@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import pager
 from helpers import tensor_page_bytes
+from models import Thin
 from pager.engine import split_fetch
 
 GPU = torch.device("cuda", 0)
@@ -18,17 +19,9 @@ two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device
                               reason="needs two CUDA GPUs")
 
 
-class Thin(nn.Module):
-    """Layers with little arithmetic per byte: fetches dominate, races show."""
-
-    def __init__(self, d=512, n=8):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+def thin():
+    """A `Thin` of 1 MiB layers: several pages a forward, each split."""
+    return Thin(512, 8)
 
 
 def test_split_fetch_on_the_cpu_device_is_refused_before_anything_changes():
@@ -119,7 +112,7 @@ def _slow_helpers(transport, cycles=1_000_000):
 @two_gpus
 @pytest.mark.parametrize("compute_sleep", [0, 3_000_000])
 def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(small_shares, compute_sleep):
-    model = Thin().eval()
+    model = thin().eval()
     ref = copy.deepcopy(model).to(GPU)
     budget = 2 * tensor_page_bytes(model.layers[0])
     helper_before = torch.cuda.memory_allocated(1)
@@ -150,7 +143,7 @@ def test_training_over_two_links_equals_the_one_gpu_pager_bit_for_bit(small_shar
     """Weights, gradients and optimizer state come up split (updates on the
     device): the same kernels on the same GPU give the same bits."""
     torch.manual_seed(0)
-    start = Thin()
+    start = thin()
     data = [(torch.randn(16, 512, device=GPU), torch.randn(16, 512, device=GPU)) for _ in range(4)]
     budget = int(2.5 * 4 * tensor_page_bytes(start.layers[0]))
     results = []
@@ -194,8 +187,8 @@ def test_generate_over_two_links_equals_the_bare_model(small_shares):
 @pytest.mark.cuda
 @two_gpus
 def test_a_pool_fetches_over_two_links(small_shares):
-    pool = pager.Pool(budget=3 * tensor_page_bytes(Thin().layers[0]), device=GPU, split_fetch=["cuda:1"])
-    models = [Thin().eval() for _ in range(2)]
+    pool = pager.Pool(budget=3 * tensor_page_bytes(thin().layers[0]), device=GPU, split_fetch=["cuda:1"])
+    models = [thin().eval() for _ in range(2)]
     refs = [copy.deepcopy(m).to(GPU) for m in models]
     for i, m in enumerate(models):
         pager.wrap(m, pool=pool, name=f"m{i}")
@@ -229,7 +222,7 @@ def test_split_fetch_refusals_name_the_device_and_the_fix(split, pin, match):
 def test_the_link_rate_of_plan_and_report_goes_over_the_helpers():
     """The measured ceiling that `report()` compares fetches with, and the
     floor `plan` gives, come through the split fetch path."""
-    model = Thin()
+    model = thin()
     budget = 2 * tensor_page_bytes(model.layers[0])
     plan = pager.plan(model, budget, device=GPU, split_fetch=["cuda:1"])
     assert plan.writeback_gbps > 0 and plan.link_gbps > 0

@@ -240,9 +240,8 @@ class Pager:
         return report_of(self)
 
     def link_gbps(self) -> float:
-        """The host-to-device copy rate this machine reaches from page-locked
-        memory (measured once, 256 MiB, through the fetch path: over the
-        helpers' links too under `split_fetch`), the ceiling for fetches."""
+        """The ceiling for fetches: host-to-device GB/s from page-locked memory
+        (measured once, 256 MiB, on the fetch path: with `split_fetch`'s links)."""
         if getattr(self, "_link_gbps", None) is None:
             from ..observe.report import measure_link_gbps
 
