@@ -80,3 +80,22 @@ def run_threads(target, n):
 def hooked_blocks(model) -> int:
     """The model's blocks with pager's forward hooks on: none while the pager sleeps ([Note: asleep])."""
     return sum(bool(b.hook_handles) for b in pager.of(model).blocks)
+
+
+def streamed_llama(hidden: int, device):
+    """A 6-layer `LlamaForCausalLM` (random weights, `hidden` wide), a copy
+    of it on `device`, and a budget of its remainder and 3 layers: decode
+    streams layers across token boundaries. Skips without transformers."""
+    import copy
+
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ref = copy.deepcopy(model).to(device)
+    layer = tensor_page_bytes(model.model.layers[0])
+    return model, ref, tensor_page_bytes(model) - 3 * layer  # (the remainder and 3 of the 6 layers)

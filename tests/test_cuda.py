@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import hooked_blocks, reading_in_a_thread, run_threads, tensor_page_bytes
+from helpers import hooked_blocks, reading_in_a_thread, run_threads, streamed_llama, tensor_page_bytes
 from models import SuperNet, Thin, TinyLM, tiny_cnn
 from test_training import OPTIMIZERS, batches, lm_loss, regime_budget, train, train_supernet
 
@@ -806,15 +806,8 @@ def test_generate_with_delayed_copies_equals_the_bare_model(batch, compute_sleep
     blocks come while this one's last compute), with the KV cache growing
     in the budget: with every copy delayed (and compute too), the tokens
     are those of the model all on the GPU."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    ref = copy.deepcopy(model).to(GPU)
-    layer = tensor_page_bytes(model.model.layers[0])
-    rest = tensor_page_bytes(model) - 6 * layer
-    pager.wrap(model, budget=rest + 3 * layer, device=GPU)
+    model, ref, budget = streamed_llama(128, GPU)
+    pager.wrap(model, budget=budget, device=GPU)
     _sleepy(pager.of(model).transport, compute_cycles=compute_sleep)
     ids = torch.randint(0, 256, (batch, 7), device=GPU)
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import pager
-from helpers import tensor_page_bytes
+from helpers import streamed_llama, tensor_page_bytes
 from models import Thin
 from pager.engine import split_fetch
 
@@ -168,15 +168,8 @@ def test_training_over_two_links_equals_the_one_gpu_pager_bit_for_bit(small_shar
 @pytest.mark.cuda
 @two_gpus
 def test_generate_over_two_links_equals_the_bare_model(small_shares):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    ref = copy.deepcopy(model).to(GPU)
-    layer = tensor_page_bytes(model.model.layers[0])
-    rest = tensor_page_bytes(model) - 6 * layer
-    pager.wrap(model, budget=rest + 3 * layer, device=GPU, split_fetch="all")
+    model, ref, budget = streamed_llama(256, GPU)
+    pager.wrap(model, budget=budget, device=GPU, split_fetch="all")
     _slow_helpers(pager.of(model).transport)
     ids = torch.randint(0, 256, (2, 7), device=GPU)
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
