@@ -35,6 +35,15 @@ outside the blocks' use applies pending updates first: model and optimizer
 `state_dict()` / `load_state_dict()`, `Pager.clip_grad_norm_`, `unwrap`, and
 `Pager.apply_deferred()`. `wrap(..., defer_step=False)` steps every block at
 once instead.
+
+[Note: a step inside a step]
+An optimizer subclass's step may call a hooked step again (its
+`super().step()`, hooked once the parent class has an instance): its hooks
+(ours) run again inside the first call. Inside a step pager runs itself
+(`OptimizerLink._stepping`), or inside the user's own call (the frame that
+called the pre-hook is still on the stack), the inner hooks do nothing: the
+inner body is the outer step's. A user's step that raised leaves its call
+open (no post-hook): the next step puts the groups back first.
 """
 
 from __future__ import annotations
@@ -105,17 +114,9 @@ class OptimizerLink:
         pager.optimizers.remove(self)
 
     # --------------------------------------------------------------- step
-    # [Note: a step inside a step]
-    # An optimizer subclass's step may call a hooked step again (its
-    # `super().step()`, hooked once the parent class has an instance): its
-    # hooks (ours) run again inside the first call. Inside a step pager runs
-    # itself (`_stepping`), or inside the user's own call (the frame that
-    # called the pre-hook is still on the stack), the inner hooks do nothing:
-    # the inner body is the outer step's. A user's step that raised leaves
-    # its call open (no post-hook): the next step puts the groups back first.
     def _pre_step(self, optimizer, args, kwargs):
         if self._stepping:
-            return  # (see the Note above)
+            return  # ([Note: a step inside a step])
         caller = sys._getframe(1)
         if self._call is not None:
             if _calls_inside(caller, self._call):
