@@ -4,9 +4,14 @@ Each rank trains the same fp32 decoder (AdamW) on its own batch under its own
 budget; pager averages each block's gradients over the group as its backward
 ends. Per rank, three runs of the same step: the paged model alone
 (`process_group=False`: no averaging, what one GPU does), the paged model in
-the group, and, when weights + grads + AdamW state fit the GPU, DDP over the
-same group. The ratio of the first two is what the averaging costs; across
-world sizes, samples/s per rank at the same budget is the scaling.
+the group, the paged model with block owners (`block_owners=True`: each
+block's update and optimizer state on one rank, weights in one host copy per
+node; two ranks or more), and, when weights + grads + AdamW state fit the
+GPU, DDP over the same group. The ratio of the first two is what the
+averaging costs; across world sizes, samples/s per rank at the same budget
+is the scaling. Host memory: what the run added to each rank's PSS
+(proportional set size: a page shared by N ranks counts 1/N on each),
+summed over the ranks, and pager's host pages by kind.
 
     torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--reps 4]
     torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
@@ -18,12 +23,14 @@ import argparse
 import copy
 import os
 
+import psutil
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, save, time_ms
+from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
 from benchmarks.models import Decoder
 
 VOCAB = 32000
@@ -35,6 +42,29 @@ def step_fn(model, opt, ids, tgt):
         opt.step()
         opt.zero_grad()
     return step
+
+
+def pss_gib() -> float:
+    return psutil.Process().memory_full_info().pss / GiB
+
+
+def host_pages_gib(model) -> dict:
+    """This rank's host pages by kind; weights in the node's shared copy
+    are counted by the node's first rank only."""
+    p, out = pager.of(model), {}
+    first = dist.get_rank() == 0 if p.reducer is not None else True
+    for block in p.all_blocks():
+        for kind, seg in block.segments.items():
+            if seg.host is None or (p.engine.host.is_shared(p, seg.host) and not first):
+                continue
+            out[kind] = out.get(kind, 0.0) + seg.nbytes / GiB
+    return out
+
+
+def summed(value: float) -> float:
+    t = torch.tensor([value], device="cuda")
+    dist.all_reduce(t)
+    return float(t)
 
 
 def main():
@@ -60,19 +90,32 @@ def main():
     workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, "
                 f"{state_gib:.1f} GiB with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, "
                 f"{world} rank(s)")
-    for label, group in (("pager, one rank's step (process_group=False)", False),
-                         ("pager, gradients averaged over the group", dist.group.WORLD)):
+    runs = [("pager, one rank's step (process_group=False)", False, {}),
+            ("pager, gradients averaged over the group", dist.group.WORLD, {})]
+    if world > 1:
+        runs.append(("pager, block owners", dist.group.WORLD, {"block_owners": True}))
+    for label, group, options in runs:
         model = copy.deepcopy(base)
-        pager.wrap(model, budget=f"{args.budget_gib}GiB", process_group=group)
+        before = pss_gib()
+        pager.wrap(model, budget=f"{args.budget_gib}GiB", process_group=group, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = step_fn(model, opt, ids, tgt)
         pager.of(model).reset()
         torch.cuda.reset_peak_memory_stats()
         ms[label] = time_ms(step, warmup=2, reps=args.reps)
         s = pager.of(model).stats()
-        note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; host RSS {host_rss_gib():.1f} GiB; "
-                f"{s.h2d_bytes / max(s.steps, 1) / 1e9:.1f} GB h2d per step; averaged {s.reduced_bytes / 1e9:.1f} GB "
-                f"in {s.reductions} reductions")
+        added = pss_gib() - before
+        added_all = summed(added) if group is not False else added
+        pages = host_pages_gib(model)
+        pages_all = {k: summed(v) if group is not False else v for k, v in sorted(pages.items())}
+        note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; host PSS added {added:.1f} GiB "
+                f"this rank, {added_all:.1f} GiB all ranks; host pages (all ranks) "
+                + ", ".join(f"{k} {v:.1f}" for k, v in pages_all.items())
+                + f" GiB; {s.h2d_bytes / max(s.steps, 1) / 1e9:.1f} GB h2d per step; averaged "
+                f"{s.reduced_bytes / 1e9:.1f} GB in {s.reductions} reductions; waited "
+                f"{s.owner_wait_seconds * 1e3 / max(s.steps, 1):.1f} ms/step for owners, "
+                f"{s.host_step_wait_seconds * 1e3 / max(s.steps, 1):.1f} ms/step for host updates "
+                f"({s.host_steps} on the host)")
         rows.append(Row(workload, label, ms[label], torch.cuda.max_memory_allocated() / GiB, note=note))
         pager.unwrap(model)
         del model, opt, step

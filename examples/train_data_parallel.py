@@ -2,7 +2,9 @@
 same decoder on its own batches under its own budget, and pager averages each
 block's gradients over the ranks as soon as the block's backward ends
 (the values of `DistributedDataParallel`). Gradient accumulation uses
-`pager.of(model).no_sync()`, as DDP's `no_sync()`.
+`pager.of(model).no_sync()`, as DDP's `no_sync()`. `--block-owners` has each
+block updated by one rank, which alone holds its AdamW state and writes its
+weights into the node's one host copy (`wrap(..., block_owners=True)`).
 
 On GPUs, one rank per GPU (NCCL):
 
@@ -35,7 +37,7 @@ import pager  # noqa: E402
 from benchmarks.models import Decoder  # noqa: E402
 
 
-def train(rank: int, world: int, steps: int, accumulate: int) -> None:
+def train(rank: int, world: int, steps: int, accumulate: int, owners: bool = False) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         # (ranks spawned here on a machine of one GPU share it)
@@ -48,7 +50,7 @@ def train(rank: int, world: int, steps: int, accumulate: int) -> None:
     # 40% of what a step holds without pager: weights, gradients, AdamW's two states.
     budget = int(0.4 * 4 * sum(p.numel() * p.element_size() for p in model.parameters()))
     ddp = None if cuda else torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    model = pager.wrap(model, budget=budget)  # the process group is picked up (process_group= to choose)
+    model = pager.wrap(model, budget=budget, block_owners=owners)  # the process group is picked up
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3) if ddp is not None else None
     device = pager.of(model).device
@@ -78,6 +80,12 @@ def train(rank: int, world: int, steps: int, accumulate: int) -> None:
     if rank == 0:
         print(f"{world} ranks: {s.reductions} block reductions, {s.reduced_bytes / 1e9:.3f} GB averaged per rank; "
               f"peak blocks on the device {s.peak_resident_bytes / 2**20:.1f} MiB")
+    if owners:
+        state = opt.state_dict()  # (every rank: gathered from the blocks' owners)
+        if ddp is not None:
+            ref = ddp_opt.state_dict()["state"]
+            assert all(torch.equal(v, ref[i][k]) for i, e in state["state"].items() for k, v in e.items()), \
+                "pager's gathered optimizer state and DDP's disagree"
     if ddp is not None:
         for p, q in zip(model.parameters(), ddp.module.parameters()):
             assert torch.equal(p.detach().clone(), q.detach()), "pager and DDP disagree"
@@ -86,10 +94,10 @@ def train(rank: int, world: int, steps: int, accumulate: int) -> None:
     pager.unwrap(model)
 
 
-def _spawned(rank: int, world: int, init: str, steps: int, accumulate: int) -> None:
+def _spawned(rank: int, world: int, init: str, steps: int, accumulate: int, owners: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        train(rank, world, steps, accumulate)
+        train(rank, world, steps, accumulate, owners)
     finally:
         dist.destroy_process_group()
 
@@ -98,11 +106,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--accumulate", type=int, default=2, help="micro-steps per step (all but the last in no_sync)")
+    ap.add_argument("--block-owners", action="store_true", help="each block's update and state on one rank")
     args = ap.parse_args()
     if "RANK" in os.environ:  # started by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
-            train(dist.get_rank(), dist.get_world_size(), args.steps, args.accumulate)
+            train(dist.get_rank(), dist.get_world_size(), args.steps, args.accumulate, args.block_owners)
         finally:
             dist.destroy_process_group()
         return
@@ -110,7 +119,8 @@ def main():
     init = os.path.join(tempfile.mkdtemp(), "init")
     print(f"not started by torchrun: running {world} local ranks (gloo, "
           f"{'GPU' if torch.cuda.is_available() else 'CPU device'})")
-    torch.multiprocessing.spawn(_spawned, args=(world, init, args.steps, args.accumulate), nprocs=world)
+    torch.multiprocessing.spawn(_spawned, args=(world, init, args.steps, args.accumulate, args.block_owners),
+                                nprocs=world)
 
 
 if __name__ == "__main__":

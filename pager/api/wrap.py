@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..model import discover
-from ..training import distributed, host_step
+from ..training import distributed, host_step, owners
 from ..rows.table import choose as choose_row_tables
 from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
@@ -47,6 +47,7 @@ def wrap(
     process_group=None,
     dist_timeout: float = 600.0,
     share_host_pages: bool = False,
+    block_owners: bool = False,
     split_fetch=None,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
@@ -161,6 +162,15 @@ def wrap(
             serving one model (each streaming for its own requests) hold its
             weights in host memory once. A block whose weights change on a
             rank (training) gets a page of that rank's own.
+        block_owners: with a process group whose ranks are on one host,
+            each trained block is updated by one rank, its owner, which
+            alone holds its optimizer state and writes its new weights into
+            the node's shared page (implies `share_host_pages`); the others
+            read them there at their next use ([Note: block owners] in
+            training/owners.py). N ranks hold the weights and the optimizer
+            state once between them; the values stay DDP's.
+            `opt.state_dict()` and `unwrap` then gather the state from the
+            owners: call them on every rank.
         split_fetch: other GPUs of this host whose PCIe links carry a share of
             every fetch: "all" (every GPU that can write to `device` over a
             peer link, NVLink), or a list such as ["cuda:1"]. Each helper
@@ -182,13 +192,14 @@ def wrap(
                  prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, optimizer_step=optimizer_step,
                  activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
-                 dist_timeout=dist_timeout, share_host_pages=share_host_pages, split_fetch=split_fetch)
+                 dist_timeout=dist_timeout, share_host_pages=share_host_pages, block_owners=block_owners,
+                 split_fetch=split_fetch)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
           rows=None, row_cache=None, process_group=None, dist_timeout=600.0, share_host_pages=False,
-          split_fetch=None, setup=None, rows_from_values=True):
+          block_owners=False, split_fetch=None, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
@@ -216,10 +227,13 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
+    _check_owners(block_owners, group, model)
+    share_host_pages = True if block_owners else share_host_pages
     _check_sharing(share_host_pages, group, compress, setup)
     helpers = _split_helpers(split_fetch, device, pin, engine, group)
     if group is not None:
-        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
+        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None,
+                             one_host=block_owners)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
@@ -283,6 +297,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
             close(pager)  # every tensor back where it was: the model as it was given
             raise
         pager.reducer = distributed.Reducer(pager, group, dist_timeout)
+        if block_owners:
+            pager.owners = owners.BlockOwners(pager, group, dist_timeout)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)
@@ -330,6 +346,18 @@ def _check_sharing(share, group, compress, setup) -> None:
                          "(their pages are not laid out as the plan); wrap without one of them.")
 
 
+def _check_owners(block_owners, group, model) -> None:
+    if not isinstance(block_owners, bool):
+        raise ValueError(f"pager: block_owners={block_owners!r} must be True or False.")
+    if not block_owners:
+        return
+    if group is None:
+        raise ValueError("pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
+                         "node; it needs a process group (torch.distributed initialized with more than one rank, "
+                         "or process_group=...).")
+    owners.check_model(model)
+
+
 def _split_helpers(split_fetch, device, pin, engine, group) -> list:
     """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked."""
     if split_fetch is None:
@@ -344,7 +372,7 @@ def _split_helpers(split_fetch, device, pin, engine, group) -> list:
     return split_fetch_helpers(split_fetch, device, pin)
 
 
-def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
+def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool, one_host: bool = False) -> None:
     """Refuse what data parallelism cannot do, before anything changes; then
     give every rank rank 0's weights (unless they come from one checkpoint)."""
     if tables:
@@ -358,6 +386,10 @@ def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool)
         raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
                          f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
     distributed.check_same_model(model, group, timeout, device)
+    if one_host and not distributed.ranks_on_one_host(group, timeout, device):
+        raise ValueError("pager: block_owners=True needs every rank of the process group on one host (they share "
+                         "its host pages); owners across nodes are not built. Wrap with block_owners=False, or "
+                         "give each node its own process group.")
     if broadcast:
         distributed.broadcast_from_first(model, group, device, timeout)
 

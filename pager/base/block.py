@@ -274,6 +274,7 @@ class Block:
         self.under_compile = False    # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])
         self.deferred_steps: list = []  # optimizer updates applied at its next use (training.optim.Deferred)
         self.host_update = None       # its optimizer update running on the host (a Future; training/host_step.py)
+        self.owner_update = None      # the count of its owner's updates its pages must hold before a read (training/owners.py)
         self.part = False             # a part of a large block, split off (model.discover.split_large)
         self.parts_merged = False     # its parts are to be fetched with it (Pager._merge_parts)...
         self.merged_deps = False      # ...and are among its deps

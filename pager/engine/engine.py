@@ -297,8 +297,8 @@ class Engine:
         copy up enqueued. Compute has not waited yet (`wait`)."""
         block.settled = False  # until an acquire has ordered compute after this fetch
         owner = block.owner
-        if block.host_update is not None:
-            owner.host_pages_ready(block)  # (its optimizer update on the host writes the pages copied below)
+        if block.host_update is not None or block.owner_update is not None:
+            owner.host_pages_ready(block)  # (its optimizer update, on the host or another rank's, writes the pages)
         allocated, moved, decoded, nbytes, first, end = False, False, False, 0, None, None
         last_copy = None  # the end of a copy enqueued after every allocation so far
         for kind in kinds:
@@ -391,6 +391,22 @@ class Engine:
         owner.counters.evictions += 1
         owner.left(block)
         return True
+
+    def write_back(self, block, kinds):
+        """Copy the changed pages of `kinds` of resident `block` to host
+        memory now; they stay on the device, clean from here on. Returns the
+        last copy's end (a CUDA event; None on the CPU device or if nothing
+        was copied)."""
+        ready, end = self.transport.record_compute(), None
+        for kind in kinds:
+            seg = block.segments.get(kind)
+            if seg is None or not seg.resident or not seg.is_dirty():
+                continue
+            # The copy reads what compute wrote (the update): ordered after it.
+            start, end = self.host.down(block, seg, after=(ready,))
+            self.meter.copied(block, "d2h", start, end, seg.nbytes)
+            seg.snapshot_versions()
+        return end if self.transport.is_cuda else None
 
     def drop(self, block, seg: Segment) -> None:
         """RESIDENT -> HOST for one segment whose bytes nobody wants (its

@@ -95,6 +95,7 @@ class Pager:
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Steps.start_step)
         self.reducer = None  # a `training.distributed.Reducer` when gradients are averaged over a process group
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
+        self.owners = None  # a `training.owners.BlockOwners` under wrap(block_owners=True)
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)
         self.host_steps = HostSteps(self, optimizer_step)  # where updates run ([Note: the optimizer step on the host])
@@ -151,6 +152,8 @@ class Pager:
     # ------------------------------------- leaving (called by the engine)
     def host_pages_ready(self, block: Block) -> None:
         self.host_steps.wait(block)
+        if self.owners is not None:
+            self.owners.wait(block)
 
     def grads_arriving(self, block: Block, seg: Segment) -> None:
         self.grad_pages.arriving(block, seg)
@@ -182,6 +185,8 @@ class Pager:
 
     def page_leaving(self, block: Block, seg: Segment, ready, dirty: bool) -> bool:
         if seg.kind != "grads":
+            if dirty and seg.kind == "weights" and self.owners is not None:
+                self.owners.weights_leaving(block, seg)
             return dirty
         self.grad_pages.page_out(block, seg)  # host_valid now says if any gradient is still wanted
         if not (dirty and seg.host_valid):
@@ -358,6 +363,8 @@ class Pager:
     @_locked
     def _apply_deferred(self, blocks) -> None:
         self.host_steps.wait_all()  # (updates running on the host: [Note: the optimizer step on the host])
+        if self.owners is not None:
+            self.owners.wait_all()  # (updates by the blocks' owners: [Note: block owners])
         for block in blocks:
             if block.deferred_steps:
                 self.uses.acquire(block, STEP, record=False)

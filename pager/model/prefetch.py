@@ -41,6 +41,8 @@ def prefetch(pager) -> None:
         block, kinds = use
         if block.host_update is not None and not host_update_landed(block):
             return  # its optimizer update is still running on the host (what comes after it waits its turn)
+        if block.owner_update is not None and not pager.owners.landed(block):
+            return  # its owner (another rank) has not published its update yet
         if block.deferred_steps:
             kinds = STEP  # its pending update runs at this use
         elif kinds is WEIGHTS and not block.deps and block.weights.resident:

@@ -78,6 +78,8 @@ class StateDicts:
         def load_post(module, incompatible_keys):
             with self.pager.lock:
                 self.pager.uses.release(block)
+                if self.pager.owners is not None:
+                    self.pager.owners.loaded(block)  # ([Note: block owners])
 
         return load_post
 

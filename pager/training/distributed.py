@@ -145,22 +145,37 @@ def share_host_pages(pager, group, timeout_seconds: float) -> None:
     never a page another rank is rewriting. So inference on N ranks holds the
     weights once per node; training holds each changed block per rank, as
     without sharing (optimizer state sharded by block is not built)."""
-    device = pager.device
+    with node_file(group, timeout_seconds, pager.device, "share_host_pages=True", "the node's shared host pages") \
+            as path:
+        pager.engine.host.share(pager, path)
+
+
+@contextlib.contextmanager
+def node_file(group, timeout_seconds: float, device, option: str, what: str):
+    """A path in /dev/shm that every rank of a node gets alike, for the
+    `with` body to map (the file is made by the first to map it). The
+    node's first rank names it; once every rank has mapped it, it is
+    unlinked: the memory lives as long as a rank maps it."""
     host = socket.gethostname()
     hosts = _gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node")
     rank = dist.get_rank(group)
     first = hosts.index(host)  # the node's first rank names the file
     folder = "/dev/shm"
     if not os.path.isdir(folder):
-        raise ValueError(f"pager: share_host_pages=True needs {folder} (shared memory, Linux); it is not here. "
-                         "Wrap without share_host_pages.")
+        raise ValueError(f"pager: {option} needs {folder} (shared memory, Linux); it is not here. "
+                         f"Wrap without {option.split('=')[0]}.")
     name = f"pager-{uuid.uuid4().hex}" if rank == first else ""
-    names = _gather_texts(group, name, timeout_seconds, device, "wrap: naming the node's shared host pages")
+    names = _gather_texts(group, name, timeout_seconds, device, f"wrap: naming {what}")
     path = os.path.join(folder, names[first])
-    pager.engine.host.share(pager, path)
-    _gather_texts(group, "mapped", timeout_seconds, device, "wrap: waiting for the node's ranks to map its pages")
+    yield path
+    _gather_texts(group, "mapped", timeout_seconds, device, f"wrap: waiting for the node's ranks to map {what}")
     if rank == first:
         os.unlink(path)  # (mapped by every rank of the node: the memory stays while one maps it)
+
+
+def ranks_on_one_host(group, timeout_seconds: float, device) -> bool:
+    host = socket.gethostname()
+    return len(set(_gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node"))) == 1
 
 
 def _gather_texts(group, text: str, timeout_seconds: float, device, what: str, width: int = 256) -> list[str]:

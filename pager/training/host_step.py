@@ -199,7 +199,7 @@ class HostSteps:
             return False
         if "state" not in block.segments and not stateless:
             return False  # its first update (on the device) makes its state and lays it out in a page
-        return not any(seg.encoded is not None or seg.shared or seg.cache is not None
+        return not any(seg.encoded is not None or seg.shared or seg.cache is not None  # (a block owned: not shared)
                        for kind, seg in block.segments.items() if kind != "frozen")
 
     def optimizer_can(self, link) -> bool:
@@ -268,6 +268,9 @@ class HostSteps:
         earlier = block.host_update
         future = self._worker.submit(job, after=() if earlier is None else (earlier,))
         future.add_done_callback(self._measured)
+        owners = self.pager.owners
+        if owners is not None and owners.owns(block):
+            future.add_done_callback(lambda f: owners.published_on_host(block, f))  # ([Note: block owners])
         block.host_update = future
         self._running.add(block)
         self.pager.counters.host_steps += 1

@@ -96,9 +96,13 @@ class OptimizerLink:
         self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
         self._handles.append(optimizer.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._after_load_state_dict))
+        if pager.owners is not None:
+            pager.owners.keep_own_state(optimizer)  # (loaded before it was attached)
 
     def detach(self) -> None:
         """Give the optimizer its state back as ordinary tensors on the parameters' devices."""
+        if self.pager.owners is not None:
+            self.pager.owners.give_whole_state(self.optimizer)  # (a collective: every rank unwraps)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -145,6 +149,8 @@ class OptimizerLink:
         self._in_place = []  # (a user's step that raised never reached the post-hook)
         self._step_row_tables(optimizer)
         blocks = self._blocks_to_step()
+        if pager.owners is not None:
+            blocks = pager.owners.take_step(blocks)  # (the others' blocks: [Note: block owners])
         if self._can_step_in_place(blocks):
             self._in_place = blocks
             if not pager.row_params:
@@ -210,6 +216,8 @@ class OptimizerLink:
                 block.mark_dirty(("weights", "state"))
                 if "state" not in block.segments:
                     self.stateless.add(id(block))
+            if pager.owners is not None:
+                pager.owners.updated_on_device(blocks)  # (the node's page gets the update now)
         finally:
             for block in acquired:
                 pager.uses.release(block)
@@ -239,6 +247,7 @@ class OptimizerLink:
         pager = self.pager
         return (
             pager.asleep
+            and pager.owners is None  # (the others' blocks leave at a step)
             and not pager.shared_mode  # (other threads: a use pins what it touches)
             and all(("state" in b.segments or id(b) in self.stateless) and not b.deferred_steps for b in blocks)
         )
@@ -287,6 +296,8 @@ class OptimizerLink:
     def _can_defer(self, block: Block) -> bool:
         if not self.pager.defer_step or "state" not in block.segments:
             return False  # no state yet: its first step adopts it
+        if self.pager.owners is not None and self.pager.owners.owns(block):
+            return False  # the other ranks wait for its update: made now
         return self.gradients_on_host(block)
 
     def gradients_on_host(self, block: Block) -> bool:
@@ -444,6 +455,8 @@ class OptimizerLink:
         for p, key, view in self._swapped:
             optimizer.state[p][key] = view
         self._swapped = []
+        if self.pager.owners is not None:  # (each rank holds its blocks' share: [Note: block owners])
+            state_dict["state"] = self.pager.owners.gather_state(optimizer, state_dict["state"])
         return state_dict
 
     def _before_load_state_dict(self, optimizer, state_dict) -> None:
@@ -454,6 +467,8 @@ class OptimizerLink:
         # load_state_dict() replaced every state tensor with a new one (cast to
         # the parameter's device). Put the values into the pages.
         pager = self.pager
+        if pager.owners is not None:
+            pager.owners.keep_own_state(optimizer)
         if pager.transport.is_cuda:
             torch.cuda.synchronize(pager.device)
         for block in pager.all_blocks():

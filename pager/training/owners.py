@@ -1,0 +1,297 @@
+"""Block owners: each block's optimizer update made by one rank of the node,
+which alone holds the block's optimizer state (`wrap(..., block_owners=True)`).
+
+[Note: block owners]
+Data parallel without owners keeps everything on every rank: N ranks of a
+node hold N copies of the optimizer state (8 bytes a parameter for AdamW in
+fp32) and of the weights. With owners, the ranks of one node keep one copy
+of each:
+
+- Weights: one copy in the node's shared host pages ([Note: one host copy
+  per node] in training/distributed.py). Each block that trains and is
+  paged (not the remainder, which every rank keeps on its device) has an
+  owner rank, chosen at wrap: the blocks in model order, each to the rank
+  with the fewest trainable bytes so far, so the ranks hold equal shares
+  and consecutive blocks alternate.
+- Gradients are averaged over the ranks as without owners (every rank
+  holds the average: `clip_grad_norm_` and reads of `.grad` are DDP's).
+- At `optimizer.step()`, a rank updates its own blocks (and the replicated
+  ones) only: the optimizer never sees another rank's block, so it makes
+  no state for it. The owner writes the block's new weights into the
+  node's page in place (an update on the host writes them there; one on
+  the device is copied down at once) and then publishes it: the block's
+  slot in a small shared counter file holds how many updates of the block
+  the page holds.
+- A rank that does not own the block counts the updates it expects (one
+  per `step()` in which the block had gradients: the same on every rank,
+  as the averaging agrees on which parameters have them), and drops its
+  copy on the device at `step()`; its next fetch of the block waits until
+  the counter reaches that count, and reads the page. Prefetch stops at a
+  block whose update has not been published yet.
+
+The page is never read while it is written: its owner writes it only at a
+step, after the block's gradients were averaged, which needs every rank's
+backward of the block to have ended; the others read it for their next
+forward only once the counter says the update is there. Whatever reads
+weights from outside a block's use (`state_dict()`, `unwrap`) waits for the
+updates expected first, as it does for deferred ones. The values are those
+of one rank updating everything: the same optimizer code on the same
+averaged gradients, so on the CPU device the weights, gradients and state
+equal DDP's bit for bit.
+
+Checkpoints: `opt.state_dict()` gathers every rank's share (a collective:
+every rank calls it, as with FSDP; each gets the whole state), and
+`opt.load_state_dict(full)` keeps this rank's share, so a checkpoint taken
+on N ranks resumes on M. `model.load_state_dict()` is called on every rank
+too: each block's owner writes its page and publishes it; the others drop
+their copy. `unwrap` gives each rank's optimizer the whole state back
+(a collective too).
+
+What this holds: the weights once per node, the state once per node; the
+gradients pages per rank (each rank's average is read by its own clipping
+and `.grad`). Weights that change outside `step()` and `load_state_dict()`
+(running statistics, a user's in-place edit) would leave a page that the
+ranks do not agree on: BatchNorm's running statistics are refused at wrap,
+and any other change to a paged block's weights raises when the block
+leaves.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .distributed import control_on_cpu, node_file, wait_for
+
+log = logging.getLogger("pager")
+POLL_SECONDS = 50e-6
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a model whose weights change outside
+    the optimizer's step in every forward (see the Note)."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training:
+            raise ValueError(
+                f"pager: block_owners=True: {name or '<root>'} ({type(m).__name__}) updates its running statistics "
+                "in every training forward, on each rank its own, and with owners the ranks read one copy of its "
+                "weights. Use block_owners=False, or BatchNorm without running statistics "
+                "(track_running_stats=False), or SyncBatchNorm's statistics computed before wrapping.")
+
+
+def assign(blocks: list, world: int) -> dict:
+    """block -> its owner rank: in model order, each to the rank with the
+    fewest trainable bytes so far (ties: the lowest rank)."""
+    load, owner = [0] * world, {}
+    for block in blocks:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[block] = rank
+        load[rank] += sum(p.numel() * p.element_size() for p in block.params if p.requires_grad)
+    return owner
+
+
+class BlockOwners:
+    """Which rank updates each block, and the node's counters of published
+    updates ([Note: block owners]). One per wrapped model.
+
+    Args:
+        pager: the model's `Pager` (its weights pages in the node's shared copy).
+        group: the process group (its ranks on one host).
+        timeout_seconds: how long a fetch waits for an owner's update.
+    """
+
+    def __init__(self, pager, group, timeout_seconds: float):
+        self.pager = pager
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout_seconds = timeout_seconds
+        sharded = [b for b in pager.blocks if b.trainable and not b.resident_for_life]
+        unshared = [b.name for b in sharded if not b.weights.shared]
+        if unshared:
+            raise RuntimeError(f"pager: block_owners=True: the weights pages of blocks {unshared[:3]} are not in "
+                               "the node's shared copy; wrap with share_host_pages=True.")
+        self.owner_of = assign(sharded, self.world)
+        self.slot = {b: i for i, b in enumerate(sharded)}
+        with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
+                as path:
+            counters = torch.from_file(path, shared=True, size=max(1, len(sharded)), dtype=torch.int64)
+        self.counters = counters.numpy()  # (read at fetches: numpy indexing costs less than a tensor's)
+        self._counters_tensor = counters
+        self.published: dict = {}  # block of this rank -> updates of it written to its page
+        self.expected: dict = {}   # block of another rank -> updates of it this rank has to read
+        for block, rank in self.owner_of.items():
+            if rank == self.rank:
+                block.weights.shared = False  # written in place: the others read its updates there
+        self.cpu_group = group if control_on_cpu(group) else dist.new_group(
+            dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+
+    def mine(self, block) -> bool:
+        """Whether this rank updates `block` (its own, or one every rank keeps)."""
+        return self.owner_of.get(block, self.rank) == self.rank
+
+    def owns(self, block) -> bool:
+        """Whether `block` is this rank's and the others read its updates."""
+        return self.owner_of.get(block) == self.rank
+
+    # -------------------------------------------------------------- a step
+    def take_step(self, blocks: list) -> list:
+        """Of the blocks with gradients at `step()`, those this rank updates;
+        each of the others will be read from the node's page once its owner
+        has published the update."""
+        mine = []
+        for block in blocks:
+            if self.mine(block):
+                mine.append(block)
+            else:
+                self._expect(block)
+        return mine
+
+    def _expect(self, block) -> None:
+        self.expected[block] = block.owner_update = self.expected.get(block, 0) + 1
+        engine = self.pager.engine
+        if block in engine.resident and not (block.pins == 0 and engine.evict(block)):
+            raise RuntimeError(
+                f"pager: block_owners=True: rank {self.rank} cannot take the update of block {block.name!r} from "
+                f"its owner (rank {self.owner_of[block]}): at optimizer.step() the block is in use, or views of its "
+                "tensors are kept outside pager, so its copy on the device cannot be replaced. Drop those views "
+                "before step().")
+
+    def updated_on_device(self, blocks: list) -> None:
+        """`blocks` were updated on the device: this rank's pages get the new
+        weights now, and are published once the copies have landed."""
+        own = [b for b in blocks if self.owns(b)]
+        events = [self.pager.engine.write_back(b, ("weights",)) for b in own]
+        for event in events:
+            if event is not None:
+                event.synchronize()  # (the others may read the page from the moment it is published)
+        for block in own:
+            self.publish(block)
+
+    def publish(self, block) -> None:
+        """The node's page of `block` holds one update more (on any thread)."""
+        count = self.published[block] = self.published.get(block, 0) + 1
+        self.counters[self.slot[block]] = count
+
+    def published_on_host(self, block, future) -> None:
+        """Done callback of `block`'s update on the host (on its worker)."""
+        if future.exception() is None:
+            self.publish(block)
+
+    # -------------------------------------------------------------- reading
+    def landed(self, block) -> bool:
+        return self.counters[self.slot[block]] >= block.owner_update
+
+    def wait(self, block) -> None:
+        """Before `block`'s pages are read here: its owner's updates are in them."""
+        want = block.owner_update
+        if want is None:
+            return
+        slot = self.slot[block]
+        if self.counters[slot] < want:
+            start = time.perf_counter()
+            while self.counters[slot] < want:
+                if time.perf_counter() - start > self.timeout_seconds:
+                    raise RuntimeError(
+                        f"pager: rank {self.rank} of {self.world} waited {self.timeout_seconds:g} s (dist_timeout) "
+                        f"for update {want} of block {block.name!r} from its owner, rank {self.owner_of[block]} "
+                        f"(block_owners=True; the page holds {self.counters[slot]}). That rank probably died or "
+                        "raised, or did not call optimizer.step() (or load_state_dict()) as this one did: every "
+                        "rank must run the same steps.")
+                time.sleep(POLL_SECONDS)
+            self.pager.counters.owner_wait_seconds += time.perf_counter() - start
+        block.owner_update = None
+
+    def wait_all(self) -> None:
+        for block in self.expected:
+            self.wait(block)
+
+    def weights_leaving(self, block, seg) -> None:
+        """`seg` (a weights page of `block`) leaves changed, outside a step:
+        raise where the node's ranks would no longer agree on its page."""
+        if block in self.owner_of:
+            raise RuntimeError(
+                f"pager: block_owners=True: the weights of block {block.name!r} (owned by rank "
+                f"{self.owner_of[block]}) changed on rank {self.rank} outside optimizer.step() and "
+                "load_state_dict() (running statistics, or an in-place change): the node's ranks read one copy "
+                "of them, which its owner alone writes. Change weights through the optimizer or "
+                "load_state_dict() on every rank, or wrap with block_owners=False.")
+
+    # -------------------------------------------------------------- loading
+    def loaded(self, block) -> None:
+        """`model.load_state_dict()` wrote `block`'s weights (on every rank):
+        its owner's page gets them and is published; the others drop theirs
+        and read the page."""
+        if block not in self.owner_of:
+            return
+        if self.owns(block):
+            self.updated_on_device([block])
+        else:
+            block.weights.force_dirty = False  # (the owner writes the same values; this copy is dropped)
+            block.weights.snapshot_versions()
+            self._expect(block)
+
+    # -------------------------------------------------------------- state
+    def gather_state(self, optimizer, state: dict) -> dict:
+        """`optimizer.state_dict()["state"]` (by parameter index) with every
+        rank's share: each sharded parameter's entries from its owner."""
+        index = _param_index(optimizer)
+        own = {index[id(p)] for b, r in self.owner_of.items() if r == self.rank for p in b.params if id(p) in index}
+        shard = {i: v for i, v in state.items() if i in own}
+        merged = dict(state)
+        for part in self._gather(shard, "gathering the optimizer's state from the blocks' owners"):
+            merged.update(part)
+        return dict(sorted(merged.items()))
+
+    def keep_own_state(self, optimizer) -> None:
+        """After `load_state_dict()`: the state of the other ranks' blocks goes."""
+        for block, rank in self.owner_of.items():
+            if rank != self.rank:
+                for p in block.params:
+                    optimizer.state.pop(p, None)
+
+    def give_whole_state(self, optimizer) -> None:
+        """Before the optimizer is detached (unwrap): the state of the other
+        ranks' blocks, gathered, on each parameter's original device."""
+        state = optimizer.state_dict()["state"]
+        index = _param_index(optimizer)
+        for block, rank in self.owner_of.items():
+            if rank == self.rank:
+                continue
+            for p in block.params:
+                entry = state.get(index.get(id(p)))
+                if entry is not None:
+                    device = self.pager.original_device[id(p)]
+                    optimizer.state[p] = {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                          for k, v in entry.items()}
+
+    def _gather(self, obj, what: str) -> list:
+        """Every rank's `obj` (pickled), in rank order, over the CPU group."""
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        wait_for(dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.cpu_group, async_op=True), what,
+                 self.cpu_group, self.timeout_seconds)
+        width = max(int(s) for s in sizes)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
+        wait_for(dist.all_gather(parts, padded, group=self.cpu_group, async_op=True), what, self.cpu_group,
+                 self.timeout_seconds)
+        return [torch.load(io.BytesIO(p[: int(s)].numpy().tobytes()), weights_only=False)
+                for p, s in zip(parts, sizes)]
+
+
+def _param_index(optimizer) -> dict:
+    """id(param) -> its index in `optimizer.state_dict()` (torch's packing)."""
+    index = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index.setdefault(id(p), len(index))
+    return index
+

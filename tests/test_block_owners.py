@@ -1,0 +1,235 @@
+"""Block owners (`wrap(..., block_owners=True)`, [Note: block owners]): each
+trained block is updated by one rank, which alone holds its optimizer state
+and writes its weights into the node's shared page. Spawned gloo ranks on
+the CPU device, against DDP: bit for bit on two ranks."""
+
+import contextlib
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pager
+from helpers import assert_models_equal, assert_same
+from models import SuperNet, TinyLM, tiny_cnn
+from test_data_parallel import (OPTIMIZERS, _lm_pair, assert_optimizer_states_equal, assert_same_on_every_rank,
+                                rank_batches, spawn)
+from test_training import _supernet_budget, lm_loss
+
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (shared host pages)")]
+
+
+def assert_state_dicts_equal(sd, ref_sd, exact=True):
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    for i, entry in ref_sd["state"].items():
+        assert entry.keys() == sd["state"][i].keys()
+        for key, value in entry.items():
+            assert_same(sd["state"][i][key], value, exact)
+    assert sd["param_groups"] == ref_sd["param_groups"]
+
+
+def assert_state_held_by_owners(model, opt):
+    """Each sharded block's state is on its owner alone; the rest on every rank."""
+    owners = pager.of(model).owners
+    for block, rank in owners.owner_of.items():
+        held = any(p in opt.state and opt.state[p] for p in block.params)
+        assert held == (rank == owners.rank), (block.name, rank, owners.rank)
+    assert len(set(owners.owner_of.values())) == owners.world  # every rank owns some
+
+
+def owners_train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", clip=None,
+                    device="cpu", **options):
+    model, ddp = _lm_pair(rank, regime, device, block_owners=True, **options)
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
+    for ids, tgt in rank_batches(rank, steps):
+        ids, tgt = ids.to(device), tgt.to(device)
+        micro = [(ids, tgt), (ids.flip(0), tgt.flip(0)), (ids.roll(1, 1), tgt)] if accumulate else [(ids, tgt)]
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            with (pager.of(model).no_sync() if not last else contextlib.nullcontext()):
+                lm_loss(model, x, y).backward()
+            with (ddp.no_sync() if not last else contextlib.nullcontext()):
+                lm_loss(ddp, x, y).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert_same(norm, torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip), exact)
+        for p, q in zip(model.parameters(), ddp.module.parameters()):
+            assert_same(p.grad, q.grad, exact)  # every rank holds the average
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    stats = pager.of(model).stats()
+    if regime == "streams":
+        assert stats.peak_resident_bytes <= stats.budget_bytes
+    if options.get("optimizer_step") == "host":
+        assert stats.host_steps > 0  # (the owners' updates ran on the host and were published from there)
+    assert_same_on_every_rank(model)
+    assert_state_held_by_owners(model, opt)
+    assert_state_dicts_equal(opt.state_dict(), ref_opt.state_dict(), exact)  # gathered from the owners
+    assert_models_equal(model, ddp.module, exact)  # (state_dict: the weights as the owners' updates left them)
+    pager.unwrap(model)  # every rank's optimizer gets the whole state back
+    if exact:
+        assert_optimizer_states_equal(opt, ref_opt, list(model.parameters()), list(ddp.module.parameters()))
+    assert_models_equal(model, ddp.module, exact)
+
+
+@pytest.mark.parametrize("regime", ["fits", "streams"])
+def test_owners_train_as_ddp_bit_for_bit(tmp_path, regime):
+    spawn(owners_train_lm, 2, tmp_path, regime=regime)
+
+
+def test_owners_with_accumulation_and_clipping_equal_ddp(tmp_path):
+    spawn(owners_train_lm, 2, tmp_path, regime="streams", accumulate=True, clip=0.5)
+
+
+@pytest.mark.parametrize("optimizer_step", ["host", "device"])
+def test_owners_update_on_the_host_or_the_device(tmp_path, optimizer_step):
+    spawn(owners_train_lm, 2, tmp_path, regime="streams", optimizer="sgd", optimizer_step=optimizer_step)
+
+
+def test_owners_on_four_ranks(tmp_path):
+    """Within rounding of DDP (gloo's ring on four ranks: see test_four_ranks)."""
+    spawn(owners_train_lm, 4, tmp_path, regime="streams", steps=3, exact=False, optimizer="sgd")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("optimizer_step", ["auto", "host", "device"])
+def test_gpu_owners_train_as_ddp(tmp_path, optimizer_step):
+    """Two ranks: NCCL on two GPUs (gloo on one); within rounding of DDP's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    spawn(owners_train_lm, 2, tmp_path, backend=backend, regime="streams", accumulate=True, clip=0.5,
+          exact=False, optimizer="sgd", device="cuda", optimizer_step=optimizer_step, steps=5)
+
+
+def owners_supernet(rank, world, tmp, steps=6):
+    """Ranks on different paths: a block one rank skipped still gets its
+    owner's update on every rank."""
+    torch.manual_seed(7)
+    net = SuperNet(n_layers=4)
+    ddp = DDP(copy.deepcopy(net), find_unused_parameters=True)
+    pager.wrap(net, budget=_supernet_budget(net), device="cpu", block_owners=True)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    paths = torch.Generator().manual_seed(50 + rank)
+    for ids, tgt in rank_batches(rank, steps):
+        path = torch.randint(0, 3, (4,), generator=paths).tolist()
+        net.set_path(path), ddp.module.set_path(path)
+        pager.of(net).expect(net.path_modules(path))
+        lm_loss(net, ids, tgt).backward()
+        lm_loss(ddp, ids, tgt).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_same_on_every_rank(net)
+    assert_state_dicts_equal(opt.state_dict(), ref_opt.state_dict())
+    pager.unwrap(net)
+    assert_optimizer_states_equal(opt, ref_opt, list(net.parameters()), list(ddp.module.parameters()))
+    assert_models_equal(net, ddp.module)
+
+
+def test_owners_supernet_ranks_on_different_paths_equal_ddp(tmp_path):
+    spawn(owners_supernet, 2, tmp_path)
+
+
+def owners_resume(rank, world, tmp, phase, steps=2):
+    """Phase 0 trains on 4 ranks and saves (every rank gathers the state,
+    rank 0 writes it); phase 1 loads it on 2 ranks (each keeps its own
+    blocks' share) and goes on, against DDP loaded from the same file."""
+    exact = world <= 2
+    model, ddp = _lm_pair(rank, "streams", block_owners=True)
+    opt, ref_opt = OPTIMIZERS["sgd"](model.parameters()), OPTIMIZERS["sgd"](ddp.parameters())
+    path = os.path.join(tmp, "checkpoint.pt")
+    if phase == 1:
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"]), opt.load_state_dict(copy.deepcopy(state["opt"]))
+        ddp.module.load_state_dict(state["model"]), ref_opt.load_state_dict(copy.deepcopy(state["opt"]))
+        assert_models_equal(model, ddp.module)
+    for ids, tgt in rank_batches(rank + 10 * phase, steps):
+        lm_loss(model, ids, tgt).backward(), lm_loss(ddp, ids, tgt).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_same_on_every_rank(model)
+    assert_state_held_by_owners(model, opt)  # (the state loaded before the optimizer's first step, too)
+    sd = opt.state_dict()  # (on every rank: a collective)
+    if phase == 0 and rank == 0:
+        torch.save({"model": model.state_dict(), "opt": sd}, path)
+    assert_state_dicts_equal(sd, ref_opt.state_dict(), exact)
+    assert_models_equal(model, ddp.module, exact)
+    dist.barrier()
+
+
+def test_owners_checkpoint_taken_on_four_ranks_resumes_on_two(tmp_path):
+    spawn(owners_resume, 4, tmp_path, phase=0)
+    spawn(owners_resume, 2, tmp_path, phase=1)
+
+
+def owners_rank_stops(rank, world, tmp):
+    """Rank 1 stops after the first step: rank 0 gets pager's error within
+    dist_timeout (waiting for rank 1's update, or in the averaging), and the
+    checkpoint taken before loads."""
+    model, _ddp = _lm_pair(rank, "streams", block_owners=True)
+    p = pager.of(model)
+    p.reducer.timeout_seconds = p.owners.timeout_seconds = 3
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    path = os.path.join(tmp, "before.pt")
+    for step, (ids, tgt) in enumerate(rank_batches(rank, 3)):
+        if step == 1 and rank == 1:
+            os._exit(0)  # gone without a word, before its second forward
+        try:
+            lm_loss(model, ids, tgt).backward()
+        except RuntimeError as e:
+            assert rank == 0 and step == 1, (rank, step)
+            assert "pager: rank 0 of 2" in str(e), str(e)
+            state = torch.load(path, weights_only=True)
+            assert state.keys() == model.state_dict().keys()
+            (tmp_path_of(tmp) / "rank0-done").write_text(str(e))
+            return
+        opt.step(), opt.zero_grad()
+        if step == 0:
+            model.state_dict()  # (rank 0 saves; every rank reads: its forward waits for the owners' updates)
+            if rank == 0:
+                torch.save(model.state_dict(), path)
+    raise AssertionError(f"rank {rank} was not stopped")
+
+
+def tmp_path_of(tmp):
+    import pathlib
+
+    return pathlib.Path(tmp)
+
+
+def test_owners_a_rank_that_dies_gives_the_others_a_clear_error(tmp_path):
+    t0 = time.monotonic()
+    spawn(owners_rank_stops, 2, tmp_path)
+    assert time.monotonic() - t0 < 60
+    message = (tmp_path / "rank0-done").read_text()
+    assert "from its owner" in message or "averaging the gradients" in message \
+        or "agreeing on the blocks used" in message, message
+
+
+def owners_refusals(rank, world, tmp):
+    cnn = tiny_cnn()
+    before = copy.deepcopy(cnn.state_dict())
+    with pytest.raises(ValueError, match="running statistics"):
+        pager.wrap(cnn, budget="1GiB", device="cpu", block_owners=True)
+    assert all(torch.equal(v, before[k]) for k, v in cnn.state_dict().items())
+    with pytest.raises(ValueError, match="block_owners='yes' must be True or False"):
+        pager.wrap(TinyLM(), budget="1GiB", device="cpu", block_owners="yes")
+    model = TinyLM()
+    pager.wrap(model, budget="1GiB", device="cpu", block_owners=True)
+    assert pager.of(model).owners is not None
+    pager.unwrap(model)
+
+
+def test_owners_refusals(tmp_path):
+    spawn(owners_refusals, 2, tmp_path)
+
+
+def test_owners_need_a_process_group():
+    with pytest.raises(ValueError, match="block_owners=True .* needs a process group"):
+        pager.wrap(TinyLM(), budget="1GiB", device="cpu", block_owners=True)
