@@ -97,7 +97,7 @@ def main():
     for label, group, options in runs:
         model = copy.deepcopy(base)
         before = pss_gib()
-        pager.wrap(model, budget=f"{args.budget_gib}GiB", process_group=group, **options)
+        pager.wrap(model, budget=f"{args.budget_gib}GiB", process_group=group, dist_timeout=120, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = step_fn(model, opt, ids, tgt)
         pager.of(model).reset()
@@ -107,7 +107,8 @@ def main():
         added = pss_gib() - before
         added_all = summed(added) if group is not False else added
         pages = host_pages_gib(model)
-        pages_all = {k: summed(v) if group is not False else v for k, v in sorted(pages.items())}
+        pages_all = {k: summed(pages.get(k, 0.0)) if group is not False else pages.get(k, 0.0)
+                     for k in ("weights", "grads", "state")}  # (the same collectives on every rank)
         note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; host PSS added {added:.1f} GiB "
                 f"this rank, {added_all:.1f} GiB all ranks; host pages (all ranks) "
                 + ", ".join(f"{k} {v:.1f}" for k, v in pages_all.items())
@@ -117,6 +118,8 @@ def main():
                 f"{s.host_step_wait_seconds * 1e3 / max(s.steps, 1):.1f} ms/step for host updates "
                 f"({s.host_steps} on the host)")
         rows.append(Row(workload, label, ms[label], torch.cuda.max_memory_allocated() / GiB, note=note))
+        if rank == 0:
+            print(f"{label}: {ms[label]:.1f} ms; {note}", flush=True)
         pager.unwrap(model)
         del model, opt, step
         free_cuda()

@@ -81,6 +81,7 @@ before the update (as for a deferred update).
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -103,7 +104,8 @@ class HostWorker:
     It ends after `IDLE_SECONDS` without work (a model dropped without
     `unwrap` leaves no thread behind) and starts again with the next."""
 
-    def __init__(self):
+    def __init__(self, threads: int = 0):
+        self.threads = threads  # its updates' CPU threads (0: torch's setting; see `host_threads`)
         self._queue: list = []  # (job, its Future, Futures it must follow), in forward order within a step
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -129,6 +131,8 @@ class HostWorker:
 
     def _loop(self) -> None:
         me = threading.current_thread()
+        if self.threads:
+            torch.set_num_threads(self.threads)  # (this thread's OpenMP setting; threads running keep theirs)
         while True:
             with self._ready:
                 if not self._queue and self._thread is me:
@@ -153,6 +157,19 @@ class HostWorker:
             if all(f.done() for f in after) and job.landed():
                 return self._queue.pop(i)
         return None
+
+
+def host_threads() -> int:
+    """CPU threads for the updates on the host of one rank of several on
+    this host (0: torch's own setting). torchrun sets OMP_NUM_THREADS=1 for
+    each of several ranks, which leaves a rank's updates one core (a step
+    2.5x as long, 2x H200); they get this rank's share of the cores it may
+    run on instead, never fewer than torch's setting."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if ranks <= 1:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(torch.get_num_threads(), cores // ranks)
 
 
 # A daemon thread still alive when the interpreter finalizes is stopped
@@ -264,7 +281,7 @@ class HostSteps:
     # ---------------------------------------------------------- running
     def submit(self, block, job: HostJob) -> None:
         if self._worker is None:
-            self._worker = HostWorker()
+            self._worker = HostWorker(host_threads() if self.pager.transport.is_cuda else 0)
         earlier = block.host_update
         future = self._worker.submit(job, after=() if earlier is None else (earlier,))
         future.add_done_callback(self._measured)
