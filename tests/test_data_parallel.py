@@ -136,6 +136,24 @@ def test_activations_off_the_device_equal_ddp(tmp_path, activations):
     spawn(train_lm, 2, tmp_path, regime="streams", activations=activations, steps=3)
 
 
+def train_with_a_control_group(rank, world, tmp):
+    """A group without a CPU backend (NCCL's case) gets a gloo group of the
+    same ranks for the small exchanges ([Note: small exchanges go over the
+    CPU]): here gloo pretends to be such a group."""
+    from pager.training import distributed
+
+    distributed.control_on_cpu = lambda group: False
+    model, ddp = _lm_pair(rank, "streams")
+    reducer = pager.of(model).reducer
+    assert reducer.control_group is not reducer.group
+    pager.unwrap(model)
+    train_lm(rank, world, tmp, regime="streams", accumulate=True, steps=3)
+
+
+def test_flags_go_over_a_cpu_group_of_the_same_ranks(tmp_path):
+    spawn(train_with_a_control_group, 2, tmp_path)
+
+
 def adapters_on_quantized_ranks(rank, world, tmp):
     from test_quantized import adapted, forward, inputs, quantized_bytes
 

@@ -81,6 +81,25 @@ def control_on_cpu(group) -> bool:
     return any(name in str(dist.get_backend(group)).lower() for name in ("gloo", "mpi"))
 
 
+def control_group(group, timeout_seconds: float):
+    """A group of the same ranks with a CPU backend, for pager's small
+    exchanges on the host (`group` itself where it has one).
+
+    [Note: small exchanges go over the CPU]
+    Through NCCL, a handful of flags must be copied to the device, reduced
+    on a stream and copied back, and the host waits for that stream: at
+    the end of a backward it then waits for every reduction queued before
+    (they follow the backward's kernels), so it reaches `opt.step()` only
+    once the GPU has finished the backward, and updates on the host can no
+    longer overlap the backward's tail (measured on 2x H200: a step 1.19x
+    as long in a group of one rank). Over gloo the host exchanges them
+    without touching the device. Made at wrap, by every rank."""
+    if control_on_cpu(group):
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                          timeout=timedelta(seconds=timeout_seconds), use_local_synchronization=True)
+
+
 def check_same_model(model: torch.nn.Module, group, timeout_seconds: float, device) -> None:
     """Every rank must wrap the same model (names, shapes, dtypes): else the
     ranks would reduce buffers that do not match. Raises naming the ranks."""
@@ -216,7 +235,7 @@ class Reducer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_seconds = timeout_seconds
-        self.cpu_control = control_on_cpu(group)
+        self.control_group = control_group(group, timeout_seconds)
         self.cuda = pager.transport.is_cuda
         self.comm_stream = torch.cuda.Stream(pager.device) if self.cuda else None
         self.sync_next = True    # False inside no_sync(): the next forwards' backward does not reduce
@@ -362,14 +381,10 @@ class Reducer:
                 p.grad = None  # no rank gave it a gradient (DDP leaves it None too)
 
     def _control(self, flags: torch.Tensor, what: str) -> None:
-        """`flags` (uint8, on the CPU) becomes their maximum over the ranks."""
-        if self.cpu_control:
-            self._wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
-            return
-        with torch.cuda.stream(self.comm_stream):
-            staged = flags.to(self.pager.device)
-            dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=self.group)
-            flags.copy_(staged.cpu())  # (the host waits for the comm stream: a handful of bytes)
+        """`flags` (uint8, on the CPU) becomes their maximum over the ranks,
+        over the CPU group: the host never waits for the device here."""
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+        self._wait(work, what)
 
     def _wait(self, work, what: str) -> None:
         wait_for(work, what, self.group, self.timeout_seconds)

@@ -14,6 +14,21 @@ from ..base.block import PageState
 from .grads import PagedOutGrad, replay
 
 
+class AfterCopy:
+    """Work for the host worker once a copy has landed (`fn` on the worker:
+    publishing a block's update, [Note: block owners] in training/owners.py)."""
+
+    def __init__(self, event, fn):
+        self.event, self.fn = event, fn
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def run(self) -> "AfterCopy":
+        self.fn()
+        return self
+
+
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 

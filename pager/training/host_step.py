@@ -90,7 +90,7 @@ from concurrent.futures import Future
 import torch
 
 from ..base.common import WORKER_PREFIX
-from .host_jobs import HostJob
+from .host_jobs import AfterCopy, HostJob
 
 MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
@@ -291,6 +291,13 @@ class HostSteps:
         block.host_update = future
         self._running.add(block)
         self.pager.counters.host_steps += 1
+
+    def after_copy(self, event, fn) -> None:
+        """Run `fn` on the worker once `event` (a copy; None: none) has
+        landed, without holding up the thread that asks."""
+        if self._worker is None:
+            self._worker = HostWorker(host_threads() if self.pager.transport.is_cuda else 0)
+        self._worker.submit(AfterCopy(event, fn))
 
     def wait(self, block) -> None:
         """Before `block`'s pages are copied or read: its update on the host

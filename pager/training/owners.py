@@ -61,12 +61,11 @@ from __future__ import annotations
 import io
 import logging
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .distributed import control_on_cpu, node_file, wait_for
+from .distributed import node_file, wait_for
 
 log = logging.getLogger("pager")
 POLL_SECONDS = 50e-6
@@ -127,8 +126,7 @@ class BlockOwners:
         for block, rank in self.owner_of.items():
             if rank == self.rank:
                 block.weights.shared = False  # written in place: the others read its updates there
-        self.cpu_group = group if control_on_cpu(group) else dist.new_group(
-            dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+        self.cpu_group = pager.reducer.control_group  # ([Note: small exchanges go over the CPU])
 
     def mine(self, block) -> bool:
         """Whether this rank updates `block` (its own, or one every rank keeps)."""
@@ -163,14 +161,12 @@ class BlockOwners:
 
     def updated_on_device(self, blocks: list) -> None:
         """`blocks` were updated on the device: this rank's pages get the new
-        weights now, and are published once the copies have landed."""
-        own = [b for b in blocks if self.owns(b)]
-        events = [self.pager.engine.write_back(b, ("weights",)) for b in own]
-        for event in events:
-            if event is not None:
-                event.synchronize()  # (the others may read the page from the moment it is published)
-        for block in own:
-            self.publish(block)
+        weights now, each published (by the host worker) once its copy has
+        landed: the others may read the page from the moment it is."""
+        for block in blocks:
+            if self.owns(block):
+                event = self.pager.engine.write_back(block, ("weights",))
+                self.pager.host_steps.after_copy(event, lambda b=block: self.publish(b))
 
     def publish(self, block) -> None:
         """The node's page of `block` holds one update more (on any thread)."""
