@@ -221,10 +221,19 @@ def owners_refusals(rank, world, tmp):
     assert all(torch.equal(v, before[k]) for k, v in cnn.state_dict().items())
     with pytest.raises(ValueError, match="block_owners='yes' must be True or False"):
         pager.wrap(TinyLM(), budget="1GiB", device="cpu", block_owners="yes")
-    model = TinyLM()
-    pager.wrap(model, budget="1GiB", device="cpu", block_owners=True)
-    assert pager.of(model).owners is not None
-    pager.unwrap(model)
+    # A paged block's weights changed outside step() and load_state_dict():
+    # the ranks would no longer agree on its page. Rank 1, which does not
+    # own layers.0, raises as its copy leaves at the step.
+    model, _ddp = _lm_pair(rank, "streams", block_owners=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids, tgt = rank_batches(rank, 1)[0]
+    lm_loss(model, ids, tgt).backward()
+    with torch.no_grad():
+        model.layers[0].mlp[0].weight.add_(1.0)
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"weights of block 'layers.0' \(owned by rank 0\) changed on rank 1 "
+                                               r"outside optimizer.step\(\)"):
+            opt.step()
 
 
 def test_owners_refusals(tmp_path):

@@ -377,7 +377,7 @@ class Engine:
         with _record_range("evict", block.name):
             for kind in ("weights", "frozen", "state"):
                 if kind in block.segments and block.segments[kind].resident:
-                    self._readopt(block, block.segments[kind])
+                    _readopt(block, block.segments[kind])
             owner.pages_leaving(block)
             ready = owner.leave_after(block, self._ready_event(block))
             for seg in block.segments.values():
@@ -393,19 +393,14 @@ class Engine:
         return True
 
     def write_back(self, block, kinds):
-        """Copy the changed pages of `kinds` of resident `block` to host
-        memory now; they stay on the device, clean from here on. Returns the
-        last copy's end (a CUDA event; None on the CPU device or if nothing
-        was copied)."""
-        ready, end = self.transport.record_compute(), None
-        for kind in kinds:
-            seg = block.segments.get(kind)
-            if seg is None or not seg.resident or not seg.is_dirty():
-                continue
-            # The copy reads what compute wrote (the update): ordered after it.
-            start, end = self.host.down(block, seg, after=(ready,))
-            self.meter.copied(block, "d2h", start, end, seg.nbytes)
-            seg.snapshot_versions()
+        """Copy `block`'s changed pages of `kinds` down now; they stay on the
+        device, clean. Returns the last copy's end (CUDA event) or None."""
+        ready, end = self.transport.record_compute(), None  # (the copies read what compute wrote)
+        for seg in (block.segments[k] for k in kinds if k in block.segments):
+            if seg.resident and seg.is_dirty():
+                start, end = self.host.down(block, seg, after=(ready,))
+                self.meter.copied(block, "d2h", start, end, seg.nbytes)
+                seg.snapshot_versions()
         return end if self.transport.is_cuda else None
 
     def drop(self, block, seg: Segment) -> None:
@@ -444,25 +439,6 @@ class Engine:
         self.transport.free(seg.flat, after=(ready, writeback, block.fetch_event))
         seg.state = PageState.WRITING_BACK if writeback is not None else PageState.HOST
         self._count_resident(block, -seg.nbytes)
-
-    def _readopt(self, block, seg: Segment) -> None:
-        """Tensors given new memory by `t.data = new` since their fetch: copy
-        the new value into the page and make them views of it again (else the
-        page would keep the old bytes)."""
-        for slot, t in zip(seg.slots, seg.tensors):
-            if storage_key(t) == seg.storage_key:
-                continue
-            with torch._C.DisableTorchFunctionSubclass():
-                if t.shape != slot.shape or t.dtype != slot.dtype:
-                    raise RuntimeError(
-                        f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
-                        f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
-                        f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
-                    )
-                view = slot.view_of(seg.flat)
-                view.copy_(t.detach())
-                t.data = view
-            seg.force_dirty = True
 
     def _allocate(self, block, seg: Segment) -> None:
         """Device memory for `seg`; on out-of-memory, evict what can go and retry once."""
@@ -533,6 +509,26 @@ class Engine:
             self.transport.release_staging()  # no page left to stage
         self.room.forget(owner)
         self.waiters.room_may_be_back()
+
+
+def _readopt(block, seg: Segment) -> None:
+    """Tensors given new memory by `t.data = new` since their fetch: copy
+    the new value into the page and make them views of it again (else the
+    page would keep the old bytes)."""
+    for slot, t in zip(seg.slots, seg.tensors):
+        if storage_key(t) == seg.storage_key:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.shape != slot.shape or t.dtype != slot.dtype:
+                raise RuntimeError(
+                    f"pager: {slot.name!r} (block {block.name!r}) was given data of shape {tuple(t.shape)} "
+                    f"and dtype {t.dtype} through `.data =` after wrap; its page holds {tuple(slot.shape)} "
+                    f"{slot.dtype}. Change shapes before wrapping: pager.unwrap(model), change, wrap again."
+                )
+            view = slot.view_of(seg.flat)
+            view.copy_(t.detach())
+            t.data = view
+        seg.force_dirty = True
 
 
 def _out_of_memory(engine: Engine, block, seg: Segment) -> BudgetError:

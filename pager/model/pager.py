@@ -19,7 +19,7 @@ from ..engine.engine import Engine
 from ..engine.schedule import Scheduler
 from ..observe.stats import Stats
 from ..observe.trace import Tracer
-from ..observe.views import report_of, reset_counters, snapshot
+from ..observe.views import link_gbps_of, report_of, reset_counters, snapshot
 from ..rows.table import find_row_table
 from ..training.activations import KEEP, Activations
 from ..training.grad_ops import GradOps
@@ -179,14 +179,14 @@ class Pager:
         return ready if self.reducer is None else self.reducer.after_reduction(block, ready)
 
     def pages_leaving(self, block: Block) -> None:
+        if self.owners is not None:
+            self.owners.check_leaving(block)  # (before anything leaves)
         grads = block.segments.get("grads")
         if grads is not None and grads.resident:
             self.grad_pages.gather(grads)
 
     def page_leaving(self, block: Block, seg: Segment, ready, dirty: bool) -> bool:
         if seg.kind != "grads":
-            if dirty and seg.kind == "weights" and self.owners is not None:
-                self.owners.weights_leaving(block, seg)
             return dirty
         self.grad_pages.page_out(block, seg)  # host_valid now says if any gradient is still wanted
         if not (dirty and seg.host_valid):
@@ -247,12 +247,7 @@ class Pager:
     def link_gbps(self) -> float:
         """The ceiling for fetches: host-to-device GB/s from page-locked memory
         (measured once, 256 MiB, on the fetch path: with `split_fetch`'s links)."""
-        if getattr(self, "_link_gbps", None) is None:
-            from ..observe.report import measure_link_gbps
-
-            with self.engine.lock:  # (the probe goes through the copy streams the fetches use)
-                self._link_gbps = measure_link_gbps(self.device, pinned=self.arena.pin, transport=self.transport)
-        return self._link_gbps
+        return link_gbps_of(self)
 
     @_locked
     def reset(self) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..base.budget import format_bytes
-from .report import system_lines
+from .report import measure_link_gbps, system_lines
 from .stats import Stats, zero_counters
 
 
@@ -52,6 +52,14 @@ def report_of(pager) -> str:
             f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk")
     lines += system_lines(pager)
     return "\n".join(lines)
+
+
+def link_gbps_of(pager) -> float:
+    """`Pager.link_gbps`: measured once per pager."""
+    if getattr(pager, "_link_gbps", None) is None:
+        with pager.engine.lock:  # (the probe goes through the copy streams the fetches use)
+            pager._link_gbps = measure_link_gbps(pager.device, pinned=pager.arena.pin, transport=pager.transport)
+    return pager._link_gbps
 
 
 def reset_counters(pager) -> None:

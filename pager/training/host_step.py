@@ -216,7 +216,8 @@ class HostSteps:
             return False
         if "state" not in block.segments and not stateless:
             return False  # its first update (on the device) makes its state and lays it out in a page
-        return not any(seg.encoded is not None or seg.shared or seg.cache is not None  # (a block owned: not shared)
+        # (a block this rank owns has its shared page marked its own: [Note: block owners])
+        return not any(seg.encoded is not None or seg.shared or seg.cache is not None
                        for kind, seg in block.segments.items() if kind != "frozen")
 
     def optimizer_can(self, link) -> bool:
@@ -279,11 +280,14 @@ class HostSteps:
         return blocks[: len(blocks) - self.on_device]
 
     # ---------------------------------------------------------- running
-    def submit(self, block, job: HostJob) -> None:
+    def _started_worker(self) -> HostWorker:
         if self._worker is None:
             self._worker = HostWorker(host_threads() if self.pager.transport.is_cuda else 0)
+        return self._worker
+
+    def submit(self, block, job: HostJob) -> None:
         earlier = block.host_update
-        future = self._worker.submit(job, after=() if earlier is None else (earlier,))
+        future = self._started_worker().submit(job, after=() if earlier is None else (earlier,))
         future.add_done_callback(self._measured)
         owners = self.pager.owners
         if owners is not None and owners.owns(block):
@@ -295,9 +299,7 @@ class HostSteps:
     def after_copy(self, event, fn) -> None:
         """Run `fn` on the worker once `event` (a copy; None: none) has
         landed, without holding up the thread that asks."""
-        if self._worker is None:
-            self._worker = HostWorker(host_threads() if self.pager.transport.is_cuda else 0)
-        self._worker.submit(AfterCopy(event, fn))
+        self._started_worker().submit(AfterCopy(event, fn))
 
     def wait(self, block) -> None:
         """Before `block`'s pages are copied or read: its update on the host

@@ -206,7 +206,7 @@ class OptimizerLink:
                 if "state" not in block.segments:
                     # The optimizer is about to create this block's state on the
                     # device (outside the pages): make room for it first.
-                    pager.engine.room.make_room(self._state_estimate(block), protect={block})
+                    pager.engine.room.make_room(_state_estimate(pager, block), protect={block})
             pager.prefetch()
             for gi, g in enumerate(optimizer.param_groups):
                 g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
@@ -258,7 +258,7 @@ class OptimizerLink:
         with pager.lock:
             for block in blocks:
                 if "state" not in block.segments:
-                    if not self._device_state(block):
+                    if not _device_state(self.optimizer, pager, block):
                         continue
                     pager.uses.acquire(block, STEP)
                     try:
@@ -381,20 +381,6 @@ class OptimizerLink:
         resident = pager.engine.resident  # (an ordered set: read once, not rebuilt per block)
         return [b for b in wanted if b in resident] + [b for b in wanted if b not in resident]
 
-    def _state_estimate(self, block: Block) -> int:
-        """Bytes of state the first update of `block` will create (learned from
-        the blocks adopted so far; Adam's two moments before that)."""
-        ratio = 2.0
-        seen = [b for b in self.pager.all_blocks() if "state" in b.segments]
-        if seen:
-            ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
-        return int(ratio * block.weights.nbytes)
-
-    def _device_state(self, block: Block) -> list:
-        """(parameter, key) of each state tensor the optimizer holds on the device for `block`."""
-        return [(p, key) for p in block.params for key, value in self.optimizer.state.get(p, {}).items()
-                if isinstance(value, torch.Tensor) and value.device == self.pager.device and value.numel() > 0]
-
     def _adopt_state(self, block: Block) -> None:
         """Move state the optimizer created on the device into the block's page."""
         opt_state = self.optimizer.state
@@ -408,7 +394,7 @@ class OptimizerLink:
                         view.copy_(value)
                         opt_state[p][key] = view
             return
-        keys = self._device_state(block)
+        keys = _device_state(self.optimizer, self.pager, block)
         if not keys:
             return
         named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
@@ -487,6 +473,22 @@ class OptimizerLink:
                 seg.host_valid = True
                 if seg.cache is not None:
                     seg.cache.written(seg, None)
+
+
+def _state_estimate(pager, block: Block) -> int:
+    """Bytes of state the first update of `block` will create (learned from
+    the blocks adopted so far; Adam's two moments before that)."""
+    ratio = 2.0
+    seen = [b for b in pager.all_blocks() if "state" in b.segments]
+    if seen:
+        ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
+    return int(ratio * block.weights.nbytes)
+
+
+def _device_state(optimizer, pager, block: Block) -> list:
+    """(parameter, key) of each state tensor `optimizer` holds on the device for `block`."""
+    return [(p, key) for p in block.params for key, value in optimizer.state.get(p, {}).items()
+            if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0]
 
 
 def _calls_inside(frame, outer) -> bool:

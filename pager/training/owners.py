@@ -19,9 +19,10 @@ of each:
   ones) only: the optimizer never sees another rank's block, so it makes
   no state for it. The owner writes the block's new weights into the
   node's page in place (an update on the host writes them there; one on
-  the device is copied down at once) and then publishes it: the block's
-  slot in a small shared counter file holds how many updates of the block
-  the page holds.
+  the device is copied down at once, never deferred) and then publishes
+  it, from the host worker once the page holds it: the block's slot in a
+  small shared counter file holds how many updates of the block the page
+  holds.
 - A rank that does not own the block counts the updates it expects (one
   per `step()` in which the block had gradients: the same on every rank,
   as the averaging agrees on which parameters have them), and drops its
@@ -206,10 +207,11 @@ class BlockOwners:
         for block in self.expected:
             self.wait(block)
 
-    def weights_leaving(self, block, seg) -> None:
-        """`seg` (a weights page of `block`) leaves changed, outside a step:
-        raise where the node's ranks would no longer agree on its page."""
-        if block in self.owner_of:
+    def check_leaving(self, block) -> None:
+        """`block` is about to leave: raise if its weights changed outside a
+        step, where the node's ranks would no longer agree on its page."""
+        seg = block.segments["weights"]
+        if block in self.owner_of and seg.resident and seg.is_dirty():
             raise RuntimeError(
                 f"pager: block_owners=True: the weights of block {block.name!r} (owned by rank "
                 f"{self.owner_of[block]}) changed on rank {self.rank} outside optimizer.step() and "
