@@ -96,8 +96,6 @@ class OptimizerLink:
         self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
         self._handles.append(optimizer.register_load_state_dict_pre_hook(self._before_load_state_dict))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._after_load_state_dict))
-        if pager.owners is not None:
-            pager.owners.keep_own_state(optimizer)  # (loaded before it was attached)
 
     def detach(self) -> None:
         """Give the optimizer its state back as ordinary tensors on the parameters' devices."""
@@ -185,6 +183,8 @@ class OptimizerLink:
             ids = {id(b) for b in together}
             for run in ([together] if together else []) + [[b] for b in now if id(b) not in ids]:
                 self._step_blocks(optimizer, run, shares)
+            if pager.owners is not None:
+                pager.owners.after_step()  # (the kept blocks' updates reach the others: [Note: block owners])
             if not pager.defer_step:
                 pager.host_steps.wait_all()  # (every update done within step(), wherever it ran)
         finally:
@@ -294,10 +294,9 @@ class OptimizerLink:
             self._stepping = False
 
     def _can_defer(self, block: Block) -> bool:
-        if not self.pager.defer_step or "state" not in block.segments:
-            return False  # no state yet: its first step adopts it
-        if self.pager.owners is not None and self.pager.owners.owns(block):
-            return False  # the other ranks wait for its update: made now
+        owners = self.pager.owners
+        if not self.pager.defer_step or "state" not in block.segments or (owners and owners.owns(block)):
+            return False  # no state yet (its first step adopts it), or other ranks wait for its update
         return self.gradients_on_host(block)
 
     def gradients_on_host(self, block: Block) -> bool:
@@ -542,6 +541,8 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
             "from model.parameters()."
         )
     link = OptimizerLink(pager, optimizer)
+    if pager.owners is not None:
+        pager.owners.keep_own_state(optimizer)  # (loaded before it was attached: [Note: block owners])
     pager.optimizers.append(link)
     _warn_if_rows_lazy(pager, optimizer)
     return link

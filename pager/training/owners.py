@@ -8,16 +8,14 @@ fp32) and of the weights. With owners, the ranks of one node keep one copy
 of each:
 
 - Weights: one copy in the node's shared host pages ([Note: one host copy
-  per node] in training/distributed.py). Each block that trains and is
-  paged (not the remainder, which every rank keeps on its device) has an
+  per node] in training/distributed.py). Each block that trains has an
   owner rank, chosen at wrap: the blocks in model order, each to the rank
   with the fewest trainable bytes so far, so the ranks hold equal shares
   and consecutive blocks alternate.
 - Gradients are averaged over the ranks as without owners (every rank
   holds the average: `clip_grad_norm_` and reads of `.grad` are DDP's).
-- At `optimizer.step()`, a rank updates its own blocks (and the replicated
-  ones) only: the optimizer never sees another rank's block, so it makes
-  no state for it. The owner writes the block's new weights into the
+- At `optimizer.step()`, a rank updates its own blocks only: the
+  optimizer never sees another rank's block, so it makes no state for it. The owner writes the block's new weights into the
   node's page in place (an update on the host writes them there; one on
   the device is copied down at once, never deferred) and then publishes
   it, from the host worker once the page holds it: the block's slot in a
@@ -29,6 +27,11 @@ of each:
   copy on the device at `step()`; its next fetch of the block waits until
   the counter reaches that count, and reads the page. Prefetch stops at a
   block whose update has not been published yet.
+- Blocks that stay on every rank's device for life (the remainder:
+  embeddings and a head outside blocks; the blocks it borrows from) have
+  owners too, but no page is read for them: at the end of each `step()`
+  every rank takes part in a broadcast of each such block's weights (that
+  had gradients) from its owner, on the device.
 
 The page is never read while it is written: its owner writes it only at a
 step, after the block's gradients were averaged, which needs every rank's
@@ -48,7 +51,8 @@ too: each block's owner writes its page and publishes it; the others drop
 their copy. `unwrap` gives each rank's optimizer the whole state back
 (a collective too).
 
-What this holds: the weights once per node, the state once per node; the
+What this holds: the weights' pages once per node, the state once per node
+(the kept blocks' weights are on every device, as without owners); the
 gradients pages per rank (each rank's average is read by its own clipping
 and `.grad`). Weights that change outside `step()` and `load_state_dict()`
 (running statistics, a user's in-place edit) would leave a page that the
@@ -115,8 +119,12 @@ class BlockOwners:
         if unshared:
             raise RuntimeError(f"pager: block_owners=True: the weights pages of blocks {unshared[:3]} are not in "
                                "the node's shared copy; wrap with share_host_pages=True.")
-        self.owner_of = assign(sharded, self.world)
+        # Blocks on every rank's device for life (the remainder: embeddings,
+        # a head) have owners too; their updates reach the others by broadcast.
+        self.kept = [b for b in pager.all_blocks() if b.trainable and b.resident_for_life]
+        self.owner_of = assign(sharded + self.kept, self.world)
         self.slot = {b: i for i, b in enumerate(sharded)}
+        self._kept_stepped: list = []  # kept blocks with gradients at this step()
         with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
                 as path:
             counters = torch.from_file(path, shared=True, size=max(1, len(sharded)), dtype=torch.int64)
@@ -130,25 +138,41 @@ class BlockOwners:
         self.cpu_group = pager.reducer.control_group  # ([Note: small exchanges go over the CPU])
 
     def mine(self, block) -> bool:
-        """Whether this rank updates `block` (its own, or one every rank keeps)."""
+        """Whether this rank updates `block`."""
         return self.owner_of.get(block, self.rank) == self.rank
 
     def owns(self, block) -> bool:
-        """Whether `block` is this rank's and the others read its updates."""
-        return self.owner_of.get(block) == self.rank
+        """Whether `block` is this rank's and the others read its updates from its page."""
+        return self.owner_of.get(block) == self.rank and block in self.slot
 
     # -------------------------------------------------------------- a step
     def take_step(self, blocks: list) -> list:
         """Of the blocks with gradients at `step()`, those this rank updates;
         each of the others will be read from the node's page once its owner
         has published the update."""
-        mine = []
+        mine, given = [], set(blocks)
+        self._kept_stepped = [b for b in self.kept if b in given]  # (the same order on every rank)
         for block in blocks:
             if self.mine(block):
                 mine.append(block)
-            else:
+            elif block in self.slot:
                 self._expect(block)
         return mine
+
+    def after_step(self) -> None:
+        """After this rank's updates (every rank, at each `step()`): each
+        kept block that had gradients gets its owner's new weights, on the
+        device, by broadcast over the group."""
+        for block in self._kept_stepped:
+            src = dist.get_global_rank(self.group, self.owner_of[block])
+            flat = block.weights.flat
+            what = f"broadcasting the weights of block {block.name!r} from its owner"
+            if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
+                dist.broadcast(flat, src, group=self.group)
+            else:
+                wait_for(dist.broadcast(flat, src, group=self.group, async_op=True), what, self.group,
+                         self.timeout_seconds)
+        self._kept_stepped = []
 
     def _expect(self, block) -> None:
         self.expected[block] = block.owner_update = self.expected.get(block, 0) + 1
@@ -211,7 +235,7 @@ class BlockOwners:
         """`block` is about to leave: raise if its weights changed outside a
         step, where the node's ranks would no longer agree on its page."""
         seg = block.segments["weights"]
-        if block in self.owner_of and seg.resident and seg.is_dirty():
+        if block in self.slot and seg.resident and seg.is_dirty():
             raise RuntimeError(
                 f"pager: block_owners=True: the weights of block {block.name!r} (owned by rank "
                 f"{self.owner_of[block]}) changed on rank {self.rank} outside optimizer.step() and "
@@ -224,8 +248,8 @@ class BlockOwners:
         """`model.load_state_dict()` wrote `block`'s weights (on every rank):
         its owner's page gets them and is published; the others drop theirs
         and read the page."""
-        if block not in self.owner_of:
-            return
+        if block not in self.slot:
+            return  # (a kept block: loaded on every rank's device alike)
         if self.owns(block):
             self.updated_on_device([block])
         else:
