@@ -352,3 +352,35 @@ def test_a_process_that_ends_with_the_host_worker_alive_exits_cleanly():
     for _ in range(3):  # (it aborted in most runs)
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_rank_of_several_updates_on_its_share_of_the_cores(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for each of several ranks; the host
+    worker takes the rank's share of the cores instead, never fewer than
+    torch's setting, and leaves torch's setting alone for one process."""
+    from pager.training import host_step
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert host_step.host_threads() == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_step.host_threads() == 8
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 12)
+    assert host_step.host_threads() == 12
+
+
+def test_the_host_worker_runs_on_the_threads_it_was_given():
+    from pager.training.host_jobs import AfterCopy
+    from pager.training.host_step import HostWorker
+
+    before = torch.get_num_threads()
+    seen = []
+    worker = HostWorker(threads=3)
+    try:
+        worker.submit(AfterCopy(None, lambda: seen.append(torch.get_num_threads()))).result(timeout=10)
+        worker.close()
+        assert seen == [3]
+        assert torch.get_num_threads() == before  # (this thread keeps its own setting)
+    finally:
+        torch.set_num_threads(before)  # (threads started later take the last setting)
