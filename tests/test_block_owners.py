@@ -35,17 +35,19 @@ def assert_state_dicts_equal(sd, ref_sd, exact=True):
 
 
 def assert_state_held_by_owners(model, opt):
-    """Each sharded block's state is on its owner alone; the rest on every rank."""
+    """Each block's state is on its owner alone (of this rank's node)."""
     owners = pager.of(model).owners
     for block, rank in owners.owner_of.items():
         held = any(p in opt.state and opt.state[p] for p in block.params)
         assert held == (rank == owners.rank), (block.name, rank, owners.rank)
-    assert len(set(owners.owner_of.values())) == owners.world  # every rank owns some
+    assert set(owners.owner_of.values()) == set(owners.node)  # every rank of the node owns some
 
 
 def owners_train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", clip=None,
-                    device="cpu", **options):
+                    device="cpu", node=None, **options):
     model, ddp = _lm_pair(rank, regime, device, block_owners=True, **options)
+    if node is not None:  # (the ranks of this rank's host)
+        assert pager.of(model).owners.node == node
     opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
     for ids, tgt in rank_batches(rank, steps):
         ids, tgt = ids.to(device), tgt.to(device)
@@ -106,6 +108,22 @@ def test_gpu_owners_train_as_ddp(tmp_path, optimizer_step):
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     spawn(owners_train_lm, 2, tmp_path, backend=backend, regime="streams", accumulate=True, clip=0.5,
           exact=False, optimizer="sgd", device="cuda", optimizer_step=optimizer_step, steps=5)
+
+
+def owners_on_two_nodes(rank, world, tmp):
+    import socket
+
+    socket.gethostname = lambda: f"node{rank // 2}"  # ranks 0-1 one host, 2-3 another
+    node = [0, 1] if rank < 2 else [2, 3]
+    owners_train_lm(rank, world, tmp, regime="streams", steps=3, exact=False, optimizer="sgd", node=node)
+
+
+def test_owners_on_two_nodes_of_two_ranks(tmp_path):
+    """Each node has its owners, its shared pages and its counters
+    (hierarchical ownership): every node updates every block once, from the
+    gradients averaged over all four ranks. Within rounding of DDP (four
+    ranks: see test_four_ranks)."""
+    spawn(owners_on_two_nodes, 4, tmp_path)
 
 
 def owners_supernet(rank, world, tmp, steps=6):

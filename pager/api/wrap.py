@@ -162,13 +162,13 @@ def wrap(
             serving one model (each streaming for its own requests) hold its
             weights in host memory once. A block whose weights change on a
             rank (training) gets a page of that rank's own.
-        block_owners: with a process group whose ranks are on one host,
-            each trained block is updated by one rank, its owner, which
-            alone holds its optimizer state and writes its new weights into
-            the node's shared page (implies `share_host_pages`); the others
-            read them there at their next use ([Note: block owners] in
-            training/owners.py). N ranks hold the weights and the optimizer
-            state once between them; the values stay DDP's.
+        block_owners: with a process group, each trained block is updated
+            by one rank of each node, its owner there, which alone on the
+            node holds its optimizer state and writes its new weights into
+            the node's shared page (implies `share_host_pages`); the node's
+            others read them there at their next use ([Note: block owners]
+            in training/owners.py). The N ranks of a node hold the weights
+            and the optimizer state once between them; the values stay DDP's.
             `opt.state_dict()` and `unwrap` then gather the state from the
             owners: call them on every rank.
         split_fetch: other GPUs of this host whose PCIe links carry a share of
@@ -232,8 +232,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     _check_sharing(share_host_pages, group, compress, setup)
     helpers = _split_helpers(split_fetch, device, pin, engine, group)
     if group is not None:
-        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None,
-                             one_host=block_owners)
+        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
@@ -372,7 +371,7 @@ def _split_helpers(split_fetch, device, pin, engine, group) -> list:
     return split_fetch_helpers(split_fetch, device, pin)
 
 
-def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool, one_host: bool = False) -> None:
+def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
     """Refuse what data parallelism cannot do, before anything changes; then
     give every rank rank 0's weights (unless they come from one checkpoint)."""
     if tables:
@@ -386,10 +385,6 @@ def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool,
         raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
                          f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
     distributed.check_same_model(model, group, timeout, device)
-    if one_host and not distributed.ranks_on_one_host(group, timeout, device):
-        raise ValueError("pager: block_owners=True needs every rank of the process group on one host (they share "
-                         "its host pages); owners across nodes are not built. Wrap with block_owners=False, or "
-                         "give each node its own process group.")
     if broadcast:
         distributed.broadcast_from_first(model, group, device, timeout)
 

@@ -193,9 +193,11 @@ def node_file(group, timeout_seconds: float, device, option: str, what: str):
         os.unlink(path)  # (mapped by every rank of the node: the memory stays while one maps it)
 
 
-def ranks_on_one_host(group, timeout_seconds: float, device) -> bool:
+def node_ranks(group, timeout_seconds: float, device) -> list[int]:
+    """The ranks of `group` on this rank's host, in order."""
     host = socket.gethostname()
-    return len(set(_gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node"))) == 1
+    hosts = _gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node")
+    return [r for r, h in enumerate(hosts) if h == host]
 
 
 def _gather_texts(group, text: str, timeout_seconds: float, device, what: str, width: int = 256) -> list[str]:

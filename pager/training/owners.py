@@ -5,7 +5,8 @@ which alone holds the block's optimizer state (`wrap(..., block_owners=True)`).
 Data parallel without owners keeps everything on every rank: N ranks of a
 node hold N copies of the optimizer state (8 bytes a parameter for AdamW in
 fp32) and of the weights. With owners, the ranks of one node keep one copy
-of each:
+of each (every node does the same on its own: hierarchical ownership; the
+nodes share nothing but the averaging of gradients):
 
 - Weights: one copy in the node's shared host pages ([Note: one host copy
   per node] in training/distributed.py). Each block that trains has an
@@ -66,11 +67,12 @@ from __future__ import annotations
 import io
 import logging
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .distributed import node_file, wait_for
+from .distributed import node_file, node_ranks, wait_for
 
 log = logging.getLogger("pager")
 POLL_SECONDS = 50e-6
@@ -105,7 +107,7 @@ class BlockOwners:
 
     Args:
         pager: the model's `Pager` (its weights pages in the node's shared copy).
-        group: the process group (its ranks on one host).
+        group: the process group (on one host or several).
         timeout_seconds: how long a fetch waits for an owner's update.
     """
 
@@ -122,7 +124,13 @@ class BlockOwners:
         # Blocks on every rank's device for life (the remainder: embeddings,
         # a head) have owners too; their updates reach the others by broadcast.
         self.kept = [b for b in pager.all_blocks() if b.trainable and b.resident_for_life]
-        self.owner_of = assign(sharded + self.kept, self.world)
+        # Owners are ranks of this node (each node updates every block, from
+        # the same averaged gradients, and holds its state once).
+        self.node = node = node_ranks(group, timeout_seconds, pager.device)
+        self.owner_of = {b: node[i] for b, i in assign(sharded + self.kept, len(node)).items()}
+        self.node_group = group if len(node) == self.world else dist.new_group(
+            [dist.get_global_rank(group, r) for r in node], timeout=timedelta(seconds=timeout_seconds),
+            use_local_synchronization=True)
         self.slot = {b: i for i, b in enumerate(sharded)}
         self._kept_stepped: list = []  # kept blocks with gradients at this step()
         with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
@@ -168,9 +176,9 @@ class BlockOwners:
             flat = block.weights.flat
             what = f"broadcasting the weights of block {block.name!r} from its owner"
             if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
-                dist.broadcast(flat, src, group=self.group)
+                dist.broadcast(flat, src, group=self.node_group)
             else:
-                wait_for(dist.broadcast(flat, src, group=self.group, async_op=True), what, self.group,
+                wait_for(dist.broadcast(flat, src, group=self.node_group, async_op=True), what, self.group,
                          self.timeout_seconds)
         self._kept_stepped = []
 
