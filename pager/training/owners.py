@@ -140,8 +140,8 @@ class BlockOwners:
         self._counters_tensor = counters
         self.published: dict = {}  # block of this rank -> updates of it written to its page
         self.expected: dict = {}   # block of another rank -> updates of it this rank has to read
-        for block, rank in self.owner_of.items():
-            if rank == self.rank:
+        for block in self.slot:
+            if self.owner_of[block] == self.rank:
                 block.weights.shared = False  # written in place: the others read its updates there
         self.cpu_group = pager.reducer.control_group  # ([Note: small exchanges go over the CPU])
 
