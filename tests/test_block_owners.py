@@ -3,7 +3,6 @@ trained block is updated by one rank, which alone holds its optimizer state
 and writes its weights into the node's shared page. Spawned gloo ranks on
 the CPU device, against DDP: bit for bit on two ranks."""
 
-import contextlib
 import copy
 import os
 import time
@@ -17,7 +16,7 @@ import pager
 from helpers import assert_models_equal, assert_same
 from models import SuperNet, TinyLM, tiny_cnn
 from test_data_parallel import (OPTIMIZERS, _lm_pair, assert_optimizer_states_equal, assert_same_on_every_rank,
-                                rank_batches, spawn)
+                                rank_batches, spawn, train_beside_ddp)
 from test_training import _supernet_budget, lm_loss
 
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -49,22 +48,7 @@ def owners_train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=T
     if node is not None:  # (the ranks of this rank's host)
         assert pager.of(model).owners.node == node
     opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
-    for ids, tgt in rank_batches(rank, steps):
-        ids, tgt = ids.to(device), tgt.to(device)
-        micro = [(ids, tgt), (ids.flip(0), tgt.flip(0)), (ids.roll(1, 1), tgt)] if accumulate else [(ids, tgt)]
-        for i, (x, y) in enumerate(micro):
-            last = i == len(micro) - 1
-            with (pager.of(model).no_sync() if not last else contextlib.nullcontext()):
-                lm_loss(model, x, y).backward()
-            with (ddp.no_sync() if not last else contextlib.nullcontext()):
-                lm_loss(ddp, x, y).backward()
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            assert_same(norm, torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip), exact)
-        for p, q in zip(model.parameters(), ddp.module.parameters()):
-            assert_same(p.grad, q.grad, exact)  # every rank holds the average
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    train_beside_ddp(model, ddp, opt, ref_opt, rank, steps, accumulate, clip, exact, device)
     stats = pager.of(model).stats()
     if regime == "streams":
         assert stats.peak_resident_bytes <= stats.budget_bytes

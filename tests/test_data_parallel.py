@@ -89,10 +89,9 @@ OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=1e-2),
               "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
 
 
-def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", device="cpu",
-             clip=None, **options):
-    model, ddp = _lm_pair(rank, regime, device, **options)
-    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
+def train_beside_ddp(model, ddp, opt, ref_opt, rank, steps, accumulate, clip, exact, device):
+    """`steps` steps of the paged model and of DDP's on this rank's batches;
+    their gradients (and clipping norms) must agree at every step."""
     for ids, tgt in rank_batches(rank, steps):
         ids, tgt = ids.to(device), tgt.to(device)
         micro = [(ids, tgt), (ids.flip(0), tgt.flip(0)), (ids.roll(1, 1), tgt)] if accumulate else [(ids, tgt)]
@@ -109,6 +108,13 @@ def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, op
             assert_same(p.grad, q.grad, exact)  # averaged, read through pager's stand-ins where paged out
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+
+
+def train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", device="cpu",
+             clip=None, **options):
+    model, ddp = _lm_pair(rank, regime, device, **options)
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), OPTIMIZERS[optimizer](ddp.parameters())
+    train_beside_ddp(model, ddp, opt, ref_opt, rank, steps, accumulate, clip, exact, device)
     stats = pager.of(model).stats()
     assert stats.reductions > 0 and stats.reduced_bytes > 0
     if regime == "streams":

@@ -231,8 +231,7 @@ class Pager:
     # ---------------------------------------------------------------- public
     @_locked
     def stats(self) -> Stats:
-        """Counters since the last `reset()` (see `Stats`), with per-block rows:
-        a snapshot, which later steps do not change."""
+        """Counters since the last `reset()` (see `Stats`), with per-block rows: a snapshot."""
         return snapshot(self)
 
     def report(self) -> str:
@@ -245,8 +244,7 @@ class Pager:
         return report_of(self)
 
     def link_gbps(self) -> float:
-        """The ceiling for fetches: host-to-device GB/s from page-locked memory
-        (measured once, 256 MiB, on the fetch path: with `split_fetch`'s links)."""
+        """The ceiling for fetches: host-to-device GB/s, measured once (256 MiB) on the fetch path."""
         return link_gbps_of(self)
 
     @_locked
