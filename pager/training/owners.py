@@ -58,7 +58,7 @@ gradients pages per rank (each rank's average is read by its own clipping
 and `.grad`). Weights that change outside `step()` and `load_state_dict()`
 (running statistics, a user's in-place edit) would leave a page that the
 ranks do not agree on: BatchNorm's running statistics are refused at wrap,
-and any other change to a paged block's weights raises when the block
+and any other change to a paged block's weights raises before the block
 leaves.
 """
 
