@@ -164,7 +164,8 @@ def share_host_pages(pager, group, timeout_seconds: float) -> None:
     write, `HostTier._store_private` in engine/tiers.py): the others go on reading the shared copy,
     never a page another rank is rewriting. So inference on N ranks holds the
     weights once per node; training holds each changed block per rank, as
-    without sharing (optimizer state sharded by block is not built)."""
+    without sharing, unless each block has one writer per node ([Note:
+    block owners] in training/owners.py)."""
     with node_file(group, timeout_seconds, pager.device, "share_host_pages=True", "the node's shared host pages") \
             as path:
         pager.engine.host.share(pager, path)
@@ -176,10 +177,8 @@ def node_file(group, timeout_seconds: float, device, option: str, what: str):
     `with` body to map (the file is made by the first to map it). The
     node's first rank names it; once every rank has mapped it, it is
     unlinked: the memory lives as long as a rank maps it."""
-    host = socket.gethostname()
-    hosts = _gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node")
     rank = dist.get_rank(group)
-    first = hosts.index(host)  # the node's first rank names the file
+    first = node_ranks(group, timeout_seconds, device)[0]  # the node's first rank names the file
     folder = "/dev/shm"
     if not os.path.isdir(folder):
         raise ValueError(f"pager: {option} needs {folder} (shared memory, Linux); it is not here. "

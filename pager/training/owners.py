@@ -136,8 +136,7 @@ class BlockOwners:
         with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
                 as path:
             counters = torch.from_file(path, shared=True, size=max(1, len(sharded)), dtype=torch.int64)
-        self.counters = counters.numpy()  # (read at fetches: numpy indexing costs less than a tensor's)
-        self._counters_tensor = counters
+        self.counters = counters.numpy()  # (read at fetches: numpy indexing costs less than a tensor's; keeps the map)
         self.published: dict = {}  # block of this rank -> updates of it written to its page
         self.expected: dict = {}   # block of another rank -> updates of it this rank has to read
         for block in self.slot:
