@@ -7,14 +7,20 @@ ends. Per rank, three runs of the same step: the paged model alone
 the group, the paged model with block owners (`block_owners=True`: each
 block's update and optimizer state on one rank, weights in one host copy per
 node; two ranks or more), and, when weights + grads + AdamW state fit the
-GPU, DDP over the same group. The ratio of the first two is what the
-averaging costs; across world sizes, samples/s per rank at the same budget
-is the scaling. Host memory: what the run added to each rank's PSS
-(proportional set size: a page shared by N ranks counts 1/N on each),
-summed over the ranks, and pager's host pages by kind.
+GPU, DDP over the same group; then the peers over the same group
+(`--peers`, each skipped with a line saying so where it is not installed):
+FSDP2 all on the GPUs, FSDP2 with `CPUOffloadPolicy`, DeepSpeed ZeRO-3 with
+parameters and optimizer offloaded to the CPU (its CPU Adam builds at first
+use). The ratio of the first two is what the averaging costs; across world
+sizes, samples/s per rank at the same budget is the scaling. Host memory:
+what the run added to each rank's PSS (proportional set size: a page shared
+by N ranks counts 1/N on each), summed over the ranks, and pager's host
+pages by kind. The links: each rank's pinned host-to-device rate alone and
+with every rank copying at once (GPUs behind one PCIe switch share it).
 
-    torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--reps 4]
+    torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--reps 4] [--peers ...]
     torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
+    ... --profile DIR   # a torch.profiler trace of two block-owner steps per rank (gzipped Chrome JSON)
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
 from benchmarks.models import Decoder
 
 VOCAB = 32000
@@ -67,6 +73,95 @@ def summed(value: float) -> float:
     return float(t)
 
 
+def link_gbps(rank: int, world: int) -> tuple[float, float]:
+    """This rank's pinned host-to-device GB/s alone (ranks in turn) and with
+    every rank copying at once."""
+    alone = 0.0
+    for r in range(world):
+        dist.barrier()
+        if r == rank:
+            alone = pinned_h2d_gbps()
+    dist.barrier()
+    together = pinned_h2d_gbps()
+    free_cuda()
+    return alone, together
+
+
+def profiled(step, path: str) -> None:
+    """Two steps of `step` under torch.profiler, written to `path` (gzipped Chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
+def peer_rows(names: str, base, ids, tgt, local: int, reps: int, world: int, workload: str, first: float) -> list:
+    rows = []
+    for name in filter(None, names.split(",")):
+        if name not in PEERS:
+            raise SystemExit(f"bench_dp: unknown peer {name!r}; choose from {', '.join(PEERS)}")
+        before = pss_gib()
+        try:
+            label, step = PEERS[name](copy.deepcopy(base), ids, tgt, local)
+        except ImportError as e:
+            rows.append(Row(workload, name, None, note=f"not installed ({e}): not run"))
+            if dist.get_rank() == 0:
+                print(f"{name}: not installed ({e}); skipped", flush=True)
+            continue
+        torch.cuda.reset_peak_memory_stats()
+        t = time_ms(step, warmup=2, reps=reps)
+        added_all = summed(pss_gib() - before)
+        note = f"{ids.shape[0] * world / (t / 1e3):.2f} samples/s in all; host PSS added {added_all:.1f} GiB all ranks"
+        rows.append(Row(workload, label, t, torch.cuda.max_memory_allocated() / GiB, t / first,
+                        "pager, one rank's step", note))
+        if dist.get_rank() == 0:
+            print(f"{label}: {t:.1f} ms; {note}", flush=True)
+        del step
+        free_cuda()
+    return rows
+
+
+def fsdp2(offload: bool):
+    def build(model, ids, tgt, local):
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+        if not offload:
+            model.cuda()
+        for layer in model.layers:
+            fully_shard(layer, **policy)
+        fully_shard(model, **policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        label = "FSDP2 + CPUOffloadPolicy" if offload else "FSDP2, all on the GPUs"
+        return label, step_fn(model, opt, ids, tgt)
+    return build
+
+
+def deepspeed_zero3(model, ids, tgt, local):
+    import deepspeed
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": ids.shape[0],
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step():
+        loss = F.cross_entropy(engine(ids).flatten(0, 1), tgt.flatten())
+        engine.backward(loss)
+        engine.step()
+    return "DeepSpeed ZeRO-3, parameters and optimizer offloaded", step
+
+
+PEERS = {"fsdp2": fsdp2(False), "fsdp2-offload": fsdp2(True), "deepspeed": deepspeed_zero3}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -75,6 +170,8 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--peers", default="fsdp2,fsdp2-offload,deepspeed")
+    ap.add_argument("--profile", default=None, help="a folder: trace two block-owner steps on every rank there")
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -87,6 +184,14 @@ def main():
     base = Decoder(n_layers=args.layers, d=args.width, ff=int(args.width * 2.75), heads=16, vocab=VOCAB)
     state_gib = 4 * sum(p.numel() * 4 for p in base.parameters()) / GiB  # weights, grads, AdamW's two
     rows, ms = [], {}
+    alone, together = link_gbps(rank, world)
+    links = torch.tensor([alone, together], device="cuda")
+    gathered = [torch.zeros_like(links) for _ in range(world)]
+    dist.all_gather(gathered, links)
+    links_note = ("pinned h2d GB/s per rank, alone: " + ", ".join(f"{float(g[0]):.1f}" for g in gathered)
+                  + "; all at once: " + ", ".join(f"{float(g[1]):.1f}" for g in gathered))
+    if rank == 0:
+        print(links_note, flush=True)
     workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, "
                 f"{state_gib:.1f} GiB with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, "
                 f"{world} rank(s)")
@@ -104,6 +209,9 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         ms[label] = time_ms(step, warmup=2, reps=args.reps)
         s = pager.of(model).stats()
+        if args.profile and options.get("block_owners"):
+            os.makedirs(args.profile, exist_ok=True)
+            profiled(step, os.path.join(args.profile, f"owners_rank{rank}_of{world}.json.gz"))
         added = pss_gib() - before
         added_all = summed(added) if group is not False else added
         pages = host_pages_gib(model)
@@ -134,10 +242,16 @@ def main():
         t = time_ms(step_fn(ddp, opt, ids, tgt), warmup=2, reps=args.reps)
         rows.append(Row(workload, "DDP, all on the GPU", t, torch.cuda.max_memory_allocated() / GiB, t / first,
                         "pager, one rank's step", f"{args.batch * world / (t / 1e3):.2f} samples/s in all"))
+        del ddp, opt
+        free_cuda()
     else:
         rows.append(Row(workload, "DDP, all on the GPU", None, note="does not fit the GPU: not run"))
+    rows += peer_rows(args.peers, base, ids, tgt, local, args.reps, world, workload, first)
     if rank == 0:
-        save(rows, f"bench_dp_{world}", environment())
+        env = environment()
+        env["links"] = links_note
+        save(rows, f"bench_dp_{world}", env)
+        print(f"\n{links_note}")
     dist.destroy_process_group()
 
 

@@ -89,7 +89,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..base.common import WORKER_PREFIX
+from ..base.common import WORKER_PREFIX, _record_range
 from .host_jobs import AfterCopy, HostJob
 
 MODES = ("auto", "device", "host")
@@ -310,7 +310,8 @@ class HostSteps:
             return
         if not future.done():
             start = time.perf_counter()
-            future.exception()  # (waits)
+            with _record_range("host_step_wait", block.name):
+                future.exception()  # (waits)
             waited = time.perf_counter() - start
             self.pager.counters.host_step_wait_seconds += waited
             self.waited_seconds += waited

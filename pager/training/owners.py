@@ -72,6 +72,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..base.common import _record_range
 from .distributed import node_file, node_ranks, wait_for
 
 log = logging.getLogger("pager")
@@ -221,18 +222,23 @@ class BlockOwners:
             return
         slot = self.slot[block]
         if self.counters[slot] < want:
-            start = time.perf_counter()
-            while self.counters[slot] < want:
-                if time.perf_counter() - start > self.timeout_seconds:
-                    raise RuntimeError(
-                        f"pager: rank {self.rank} of {self.world} waited {self.timeout_seconds:g} s (dist_timeout) "
-                        f"for update {want} of block {block.name!r} from its owner, rank {self.owner_of[block]} "
-                        f"(block_owners=True; the page holds {self.counters[slot]}). That rank probably died or "
-                        "raised, or did not call optimizer.step() (or load_state_dict()) as this one did: every "
-                        "rank must run the same steps.")
-                time.sleep(POLL_SECONDS)
-            self.pager.counters.owner_wait_seconds += time.perf_counter() - start
+            with _record_range("owner_wait", block.name):
+                self._poll(block, slot, want)
         block.owner_update = None
+
+    def _poll(self, block, slot: int, want: int) -> None:
+        """Sleep until `block`'s counter reaches `want` (raise after `timeout_seconds`)."""
+        start = time.perf_counter()
+        while self.counters[slot] < want:
+            if time.perf_counter() - start > self.timeout_seconds:
+                raise RuntimeError(
+                    f"pager: rank {self.rank} of {self.world} waited {self.timeout_seconds:g} s (dist_timeout) "
+                    f"for update {want} of block {block.name!r} from its owner, rank {self.owner_of[block]} "
+                    f"(block_owners=True; the page holds {self.counters[slot]}). That rank probably died or "
+                    "raised, or did not call optimizer.step() (or load_state_dict()) as this one did: every "
+                    "rank must run the same steps.")
+            time.sleep(POLL_SECONDS)
+        self.pager.counters.owner_wait_seconds += time.perf_counter() - start
 
     def wait_all(self) -> None:
         for block in self.expected:
