@@ -18,7 +18,7 @@ by N ranks counts 1/N on each), summed over the ranks, and pager's host
 pages by kind. The links: each rank's pinned host-to-device rate alone and
 with every rank copying at once (GPUs behind one PCIe switch share it).
 
-    torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--reps 4] [--peers ...]
+    torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--warmup 4] [--reps 6] [--peers ...]
     torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
     ... --profile DIR   # a torch.profiler trace of two block-owner steps per rank (gzipped Chrome JSON)
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 
 import psutil
 
@@ -36,10 +37,33 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save, time_ms
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
 from benchmarks.models import Decoder
 
 VOCAB = 32000
+
+
+def step_times(step, warmup: int, reps: int) -> tuple[float, float, list]:
+    """(ms a step over `reps` steps run back to back, as a training loop that
+    does not wait for the GPU; median ms of `reps` steps each waited for;
+    every waited-for step's ms, warm-up first: pager learns the order and
+    where updates run over its first steps, and the list shows when the step
+    settles)."""
+    each = []
+    for _ in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        each.append(start.elapsed_time(end))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps, statistics.median(each[warmup:]), each
 
 
 def step_fn(model, opt, ids, tgt):
@@ -99,7 +123,7 @@ def profiled(step, path: str) -> None:
     prof.export_chrome_trace(path)
 
 
-def peer_rows(names: str, base, ids, tgt, local: int, reps: int, world: int, workload: str, first: float) -> list:
+def peer_rows(names: str, base, ids, tgt, local: int, args, world: int, workload: str, first: float) -> list:
     rows = []
     for name in filter(None, names.split(",")):
         if name not in PEERS:
@@ -113,9 +137,10 @@ def peer_rows(names: str, base, ids, tgt, local: int, reps: int, world: int, wor
                 print(f"{name}: not installed ({e}); skipped", flush=True)
             continue
         torch.cuda.reset_peak_memory_stats()
-        t = time_ms(step, warmup=2, reps=reps)
+        t, waited, _ = step_times(step, args.warmup, args.reps)
         added_all = summed(pss_gib() - before)
-        note = f"{ids.shape[0] * world / (t / 1e3):.2f} samples/s in all; host PSS added {added_all:.1f} GiB all ranks"
+        note = (f"{ids.shape[0] * world / (t / 1e3):.2f} samples/s in all; each step waited for: {waited:.1f} ms; "
+                f"host PSS added {added_all:.1f} GiB all ranks")
         rows.append(Row(workload, label, t, torch.cuda.max_memory_allocated() / GiB, t / first,
                         "pager, one rank's step", note))
         if dist.get_rank() == 0:
@@ -169,7 +194,8 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=4.0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--peers", default="fsdp2,fsdp2-offload,deepspeed")
     ap.add_argument("--profile", default=None, help="a folder: trace two block-owner steps on every rank there")
     args = ap.parse_args()
@@ -207,7 +233,7 @@ def main():
         step = step_fn(model, opt, ids, tgt)
         pager.of(model).reset()
         torch.cuda.reset_peak_memory_stats()
-        ms[label] = time_ms(step, warmup=2, reps=args.reps)
+        ms[label], waited, each = step_times(step, args.warmup, args.reps)
         s = pager.of(model).stats()
         if args.profile and options.get("block_owners"):
             os.makedirs(args.profile, exist_ok=True)
@@ -217,14 +243,15 @@ def main():
         pages = host_pages_gib(model)
         pages_all = {k: summed(pages.get(k, 0.0)) if group is not False else pages.get(k, 0.0)
                      for k in ("weights", "grads", "state")}  # (the same collectives on every rank)
-        note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; host PSS added {added:.1f} GiB "
+        note = (f"{args.batch * world / (ms[label] / 1e3):.2f} samples/s in all; each step waited for: {waited:.1f} ms; "
+                f"host PSS added {added:.1f} GiB "
                 f"this rank, {added_all:.1f} GiB all ranks; host pages (all ranks) "
                 + ", ".join(f"{k} {v:.1f}" for k, v in pages_all.items())
                 + f" GiB; {s.h2d_bytes / max(s.steps, 1) / 1e9:.1f} GB h2d per step; averaged "
                 f"{s.reduced_bytes / 1e9:.1f} GB in {s.reductions} reductions; waited "
                 f"{s.owner_wait_seconds * 1e3 / max(s.steps, 1):.1f} ms/step for owners, "
                 f"{s.host_step_wait_seconds * 1e3 / max(s.steps, 1):.1f} ms/step for host updates "
-                f"({s.host_steps} on the host)")
+                f"({s.host_steps} on the host); steps (ms): " + " ".join(f"{t:.0f}" for t in each))
         rows.append(Row(workload, label, ms[label], torch.cuda.max_memory_allocated() / GiB, note=note))
         if rank == 0:
             print(f"{label}: {ms[label]:.1f} ms; {note}", flush=True)
@@ -239,14 +266,14 @@ def main():
         ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base).cuda(), device_ids=[local])
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         torch.cuda.reset_peak_memory_stats()
-        t = time_ms(step_fn(ddp, opt, ids, tgt), warmup=2, reps=args.reps)
+        t, _, _ = step_times(step_fn(ddp, opt, ids, tgt), args.warmup, args.reps)
         rows.append(Row(workload, "DDP, all on the GPU", t, torch.cuda.max_memory_allocated() / GiB, t / first,
                         "pager, one rank's step", f"{args.batch * world / (t / 1e3):.2f} samples/s in all"))
         del ddp, opt
         free_cuda()
     else:
         rows.append(Row(workload, "DDP, all on the GPU", None, note="does not fit the GPU: not run"))
-    rows += peer_rows(args.peers, base, ids, tgt, local, args.reps, world, workload, first)
+    rows += peer_rows(args.peers, base, ids, tgt, local, args, world, workload, first)
     if rank == 0:
         env = environment()
         env["links"] = links_note
