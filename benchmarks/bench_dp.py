@@ -196,6 +196,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--runs", default="alone,averaged,owners", help="pager's runs: alone, averaged, owners")
     ap.add_argument("--peers", default="fsdp2,fsdp2-offload,deepspeed")
     ap.add_argument("--profile", default=None, help="a folder: trace two block-owner steps on every rank there")
     args = ap.parse_args()
@@ -221,10 +222,11 @@ def main():
     workload = (f"{args.layers}-layer d={args.width} fp32 decoder ({state_gib / 4:.1f} GiB weights, "
                 f"{state_gib:.1f} GiB with grads and AdamW state), {args.batch}x{args.seq} tokens per rank, "
                 f"{world} rank(s)")
-    runs = [("pager, one rank's step (process_group=False)", False, {}),
-            ("pager, gradients averaged over the group", dist.group.WORLD, {})]
+    runs = [("pager, one rank's step (process_group=False)", False, {}, "alone"),
+            ("pager, gradients averaged over the group", dist.group.WORLD, {}, "averaged")]
     if world > 1:
-        runs.append(("pager, block owners", dist.group.WORLD, {"block_owners": True}))
+        runs.append(("pager, block owners", dist.group.WORLD, {"block_owners": True}, "owners"))
+    runs = [r[:3] for r in runs if r[3] in args.runs.split(",")]
     for label, group, options in runs:
         model = copy.deepcopy(base)
         before = pss_gib()

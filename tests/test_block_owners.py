@@ -83,6 +83,37 @@ def test_owners_on_four_ranks(tmp_path):
     spawn(owners_train_lm, 4, tmp_path, regime="streams", steps=3, exact=False, optimizer="sgd")
 
 
+def owners_slow_publisher(rank, world, tmp, optimizer_step):
+    """Rank 1 publishes each update 50 ms late: rank 0's fetches of its
+    blocks wait, and count for "auto" only where the update ran on the host."""
+    model, ddp = _lm_pair(rank, "streams", block_owners=True, optimizer_step=optimizer_step)
+    owners = pager.of(model).owners
+    if rank == 1:
+        publish = owners.publish
+
+        def late(block, on_host=False):
+            time.sleep(0.05)
+            publish(block, on_host)
+        owners.publish = late
+    opt, ref_opt = OPTIMIZERS["sgd"](model.parameters()), OPTIMIZERS["sgd"](ddp.parameters())
+    train_beside_ddp(model, ddp, opt, ref_opt, rank, 3, False, None, True, "cpu")
+    assert_models_equal(model, ddp.module)  # (waits for the last updates)
+    p = pager.of(model)
+    if rank == 0:
+        waited = p.stats().owner_wait_seconds
+        assert waited > 0.05
+        if optimizer_step == "host":  # (a block's first update is on the device: it makes the state)
+            assert p.host_steps.waited_seconds > 0.01  # (its own updates on the host wait microseconds)
+        else:
+            assert p.host_steps.waited_seconds == 0  # (an owner's device falling behind is no case for the host)
+    pager.unwrap(model)
+
+
+@pytest.mark.parametrize("optimizer_step", ["host", "device"])
+def test_owners_late_on_the_host_count_as_waits_for_the_host(tmp_path, optimizer_step):
+    spawn(owners_slow_publisher, 2, tmp_path, optimizer_step=optimizer_step)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("optimizer_step", ["auto", "host", "device"])
 def test_gpu_owners_train_as_ddp(tmp_path, optimizer_step):

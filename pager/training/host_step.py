@@ -68,7 +68,9 @@ the last of the forward (their deferred update rides on their fetch, late
 in the forward, where the link has room), so the host reaches the first
 blocks sooner. What counts is whether a forward waited, not an estimate of
 the host's work: its rate varies with whatever else reads host memory, and
-the backward's tail hides a part of it.
+the backward's tail hides a part of it. Under block owners a forward also
+waits for other ranks' updates on the host, and those waits count too
+([Note: block owners]).
 
 Whatever reads a page from outside a block's use waits for the updates in
 flight first: the model's and the optimizer's `state_dict()` and

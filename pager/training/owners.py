@@ -28,6 +28,13 @@ nodes share nothing but the averaging of gradients):
   copy on the device at `step()`; its next fetch of the block waits until
   the counter reaches that count, and reads the page. Prefetch stops at a
   block whose update has not been published yet.
+- Where an owner's updates run is chosen as for one rank ([Note: how many
+  update on the host]), its own blocks only, and a fetch that waited for
+  an owner's update counts as a wait for the host where that update ran on
+  the host (the owner says so beside the counter): the ranks of a node
+  share its host and wait alike, so when the owners' hosts fall behind,
+  each gives the device more of its own blocks. A wait for an update on an
+  owner's device does not count (more updates there would not shorten it).
 - Blocks that stay on every rank's device for life (the remainder:
   embeddings and a head outside blocks; the blocks it borrows from) have
   owners too, but no page is read for them: at the end of each `step()`
@@ -136,8 +143,10 @@ class BlockOwners:
         self._kept_stepped: list = []  # kept blocks with gradients at this step()
         with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
                 as path:
-            counters = torch.from_file(path, shared=True, size=max(1, len(sharded)), dtype=torch.int64)
-        self.counters = counters.numpy()  # (read at fetches: numpy indexing costs less than a tensor's; keeps the map)
+            shared = torch.from_file(path, shared=True, size=max(1, 2 * len(sharded)), dtype=torch.int64)
+        # (read at fetches: numpy indexing costs less than a tensor's; each view keeps the map)
+        self.counters = shared.numpy()[: len(sharded)]
+        self.on_host = shared.numpy()[len(sharded):]  # 1 where the update last published ran on the host
         self.published: dict = {}  # block of this rank -> updates of it written to its page
         self.expected: dict = {}   # block of another rank -> updates of it this rank has to read
         for block in self.slot:
@@ -201,15 +210,18 @@ class BlockOwners:
                 event = self.pager.engine.write_back(block, ("weights",))
                 self.pager.host_steps.after_copy(event, lambda b=block: self.publish(b))
 
-    def publish(self, block) -> None:
-        """The node's page of `block` holds one update more (on any thread)."""
+    def publish(self, block, on_host: bool = False) -> None:
+        """The node's page of `block` holds one update more (on any thread),
+        made on the host if `on_host` (said before the count, which the
+        others read first)."""
         count = self.published[block] = self.published.get(block, 0) + 1
+        self.on_host[self.slot[block]] = on_host
         self.counters[self.slot[block]] = count
 
     def published_on_host(self, block, future) -> None:
         """Done callback of `block`'s update on the host (on its worker)."""
         if future.exception() is None:
-            self.publish(block)
+            self.publish(block, on_host=True)
 
     # -------------------------------------------------------------- reading
     def landed(self, block) -> bool:
@@ -238,7 +250,10 @@ class BlockOwners:
                     "raised, or did not call optimizer.step() (or load_state_dict()) as this one did: every "
                     "rank must run the same steps.")
             time.sleep(POLL_SECONDS)
-        self.pager.counters.owner_wait_seconds += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.pager.counters.owner_wait_seconds += waited
+        if self.on_host[slot]:  # (the owner's host fell behind: "auto" gives the device more of each rank's own)
+            self.pager.host_steps.waited_seconds += waited
 
     def wait_all(self) -> None:
         for block in self.expected:
