@@ -9,16 +9,18 @@ policy doing nothing."""
 import copy
 import gc
 import logging
+import random
 import time
 import weakref
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import pager
 from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
-from models import TinyLM
+from models import SuperNet, TinyLM
 from test_training import batches, regime_budget, torch_clip, train
 
 
@@ -639,3 +641,35 @@ def test_activations_being_copied_out_do_not_hold_the_graph_or_the_pager():
     del model, opt
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("share", [0.2, 0.3])
+def test_recomputing_a_larger_block_than_the_last_pass_holds_the_budget(share):
+    """A supernet's path differs from step to step, so a pass may recompute
+    a wider candidate than the last pass did (and the first pass has no last
+    one): blocks fetched before that was known leave before its recomputation
+    runs, and every pass holds the budget, the first but for what the head
+    saves after the last block's use; values equal the unwrapped supernet's,
+    bit for bit."""
+    torch.manual_seed(0)
+    net = SuperNet(vocab=256, d=64, n_layers=8, widths=(2, 4, 6, 8))
+    ref = copy.deepcopy(net)
+    budget = int(share * 3 * tensor_page_bytes(net))  # of weights and Adam's two states
+    pager.wrap(net, budget=budget, device="cpu", activations="recompute")
+    p = pager.of(net)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-3) for m in (net, ref))
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    head_input = 4 * 31 * 64 * 4  # (the head's input, fp32: saved after the last block's use)
+    for step in range(8):
+        path = [rng.randrange(4) for _ in net.layers]
+        net.set_path(path), ref.set_path(path)
+        p.expect(net.path_modules(path))
+        p.reset()
+        ids = torch.randint(0, 256, (4, 32), generator=g)
+        for model, o in ((net, opt), (ref, ref_opt)):
+            F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+            o.step()
+            o.zero_grad()
+        s = p.stats()
+        assert s.recomputes > 0 and s.peak_device_bytes <= budget + (head_input if step == 0 else 0), (step, s, budget)
+    assert_models_equal(net, ref)

@@ -314,6 +314,9 @@ class Hooks:
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
+                    if grad and self.pager.activations is not None and self.pager.activations.ledger.grew():
+                        # Blocks fetched while activations held less leave as for a fetch ([Note: one budget]).
+                        self.pager.engine.room.make_room(0, protect=(block, *block.deps))
                     self.pager.prefetch()
                 if grad and self.pager.reducer is not None:
                     self.pager.reducer.forward_use(block)
@@ -367,8 +370,11 @@ class Hooks:
                 self.pager.reducer.backward_starts()
         self.uses.acquire(block, BACKWARD)
         self.backward_holds[block] = self.backward_holds.get(block, 0) + 1
-        if self.pager.activations is not None:
-            self.pager.activations.backward_reaches(block)
+        activations = self.pager.activations
+        if activations is not None:
+            activations.backward_reaches(block)
+            if activations.ledger.recompute_comes(block) or activations.ledger.grew():  # ([Note: one budget])
+                self.pager.engine.room.make_room(0, protect=(block, *block.deps))
         self.pager.prefetch()
 
     def _register_post_backward(self, block: Block, args, kwargs):

@@ -58,7 +58,17 @@ storage count once), as it is saved and until it is freed (a brought or
 recomputed activation: until it is handed to autograd). Blocks get the budget
 less the most the activations held in the last training pass (`reserve`;
 during the first pass, what they hold so far), so from the second training
-step on, blocks and activations stay within the budget together. What stays
+step on, blocks and activations stay within the budget together. A pass
+may recompute more than the last (a supernet's wider candidate; the first
+pass has no last): from a block's backward until its recomputation has run,
+the reserve is at least what activations hold now and what the block's
+forward dropped (counted as it dropped it), and blocks leave as for a fetch
+until they fit the room left (`Ledger.recompute_comes`); a prefetch then
+does not take that room back. And while activations hold more than in the
+whole last pass (`Ledger.grew`), each block's use, forward or backward, has
+the blocks fetched before leave until they fit the room left. So under
+recompute a pass holds the budget but for what is saved between two uses
+(the head's input after the last block, on the order of one activation). What stays
 outside: a block's temporaries while it runs, the loss and the gradients
 flowing between blocks in the backward, and the allocator's rounding: the
 slack (`stats()` gives the allocator's own peak beside pager's).
@@ -108,6 +118,11 @@ class Ledger:
         # reserve holds however the copies happen to run then.
         self.flight = self.flight_cap = 0
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
+        # block -> what its forwards in this pass dropped, to be recomputed in
+        # its backward; and of that, what blocks whose backward has begun will
+        # recompute (counted in `reserve` until each recomputation has run)
+        self.dropped: dict = {}
+        self.coming = 0
         self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
         self.pass_peak_with_blocks = 0  # ... in the training pass under way
         self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
@@ -168,11 +183,30 @@ class Ledger:
             peak = self.pass_peak if not keep_most else max(self.pass_peak, self.last_pass_peak)
             self.last_pass_peak, self.pass_peak = peak, self.live
             together, self.pass_peak_with_blocks = self.pass_peak_with_blocks, self.live + self.blocks
+            self.dropped.clear()
+            self.coming = 0
             return together
+
+    def recompute_comes(self, block) -> bool:
+        """`block`'s backward begins: True if its recomputation, still to
+        run, makes the reserve larger than it was ([Note: one budget])."""
+        before = self.reserve()
+        self.coming += self.dropped.pop(block, 0)
+        return self.reserve() > before
+
+    def grew(self) -> bool:
+        """Activations hold more now than in the whole last pass (the first
+        pass, or one larger than the last): blocks fetched before may hold
+        their room."""
+        return self.live > self.last_pass_peak
+
+    def recomputed(self, nbytes: int) -> None:
+        """A recomputation that dropped `nbytes` has run (what it kept is in `live`)."""
+        self.coming = max(self.coming - nbytes, 0)
 
     def reserve(self) -> int:
         """The share of the budget that activations take from blocks."""
-        return max(self.last_pass_peak, self.live)
+        return max(self.last_pass_peak, self.live + self.coming)
 
 
 class Activations:
@@ -589,6 +623,7 @@ class Recompute:
                          for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
+        self.dropped_bytes = 0  # what they held
         self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
         self.values: dict = {}   # index -> recomputed tensor, until handed out
@@ -599,6 +634,9 @@ class Recompute:
         dropped = Dropped(self, len(self.holders), t.shape, t.dtype)
         self.index_of[number - self.first_save] = dropped.index
         self.holders.append(weakref.ref(dropped))
+        nbytes = _nbytes(t)  # (what `keep` will count)
+        self.dropped_bytes += nbytes
+        self.ledger.dropped[self.block] = self.ledger.dropped.get(self.block, 0) + nbytes
         return dropped
 
     def value(self, dropped: Dropped) -> torch.Tensor:
@@ -633,6 +671,7 @@ class Recompute:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             tls.recording = None
             _set_rng(rng_now, self.devices)
+            self.ledger.recomputed(self.dropped_bytes)
         missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
         if missing:
             raise RuntimeError(
