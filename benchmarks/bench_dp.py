@@ -16,7 +16,11 @@ sizes, samples/s per rank at the same budget is the scaling. Host memory:
 what the run added to each rank's PSS (proportional set size: a page shared
 by N ranks counts 1/N on each), summed over the ranks, and pager's host
 pages by kind. The links: each rank's pinned host-to-device rate alone and
-with every rank copying at once (GPUs behind one PCIe switch share it).
+with every rank copying at once (GPUs behind one PCIe switch share it, and
+so do all of a host's GPUs its memory). Steps: `--warmup` of them each
+waited for, `--reps` more waited for (their median, and each step's time
+listed: where pager settles), and `--reps` run back to back, as a training
+loop that does not wait for the GPU: the figure reported.
 
     torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--warmup 4] [--reps 6] [--peers ...]
     torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
