@@ -34,12 +34,20 @@ def assert_state_dicts_equal(sd, ref_sd, exact=True):
 
 
 def assert_state_held_by_owners(model, opt):
-    """Each block's state is on its owner alone (of this rank's node)."""
+    """Each block's state is on its owner alone (of this rank's node); a
+    kept block's (the remainder's), each parameter's on its own owner."""
     owners = pager.of(model).owners
     for block, rank in owners.owner_of.items():
         held = any(p in opt.state and opt.state[p] for p in block.params)
         assert held == (rank == owners.rank), (block.name, rank, owners.rank)
+    for block in owners.kept:
+        for p in block.params:
+            if p.requires_grad:
+                assert bool(opt.state.get(p)) == owners.mine_param(p), (block.name, owners.rank)
     assert set(owners.owner_of.values()) == set(owners.node)  # every rank of the node owns some
+    kept = [owners.param_owner[id(p)] for b in owners.kept for p in b.params if p.requires_grad]
+    if len(owners.node) > 1 and len(kept) > 1:
+        assert len(set(kept)) > 1  # (the remainder's state is not all on one rank)
 
 
 def owners_train_lm(rank, world, tmp, regime, accumulate=False, steps=4, exact=True, optimizer="adam", clip=None,

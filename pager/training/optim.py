@@ -158,10 +158,11 @@ class OptimizerLink:
             return
         # Each block's share of each group, in the group's order (one pass).
         shares = {id(b): [[] for _ in groups] for b in blocks}
+        mine = pager.owners.mine_param if pager.owners is not None else None  # (a kept block's: by parameter)
         for gi, params in enumerate(self._saved_params):
             for p in params:
                 owner = pager.param_blocks.get(id(p))
-                if owner is not None and id(owner) in shares:
+                if owner is not None and id(owner) in shares and (mine is None or mine(p)):
                     shares[id(owner)][gi].append(p)
         now, options, factors, after = [], None, {}, []
         host = pager.host_steps.blocks_for(self, blocks)

@@ -37,9 +37,13 @@ nodes share nothing but the averaging of gradients):
   owner's device does not count (more updates there would not shorten it).
 - Blocks that stay on every rank's device for life (the remainder:
   embeddings and a head outside blocks; the blocks it borrows from) have
-  owners too, but no page is read for them: at the end of each `step()`
-  every rank takes part in a broadcast of each such block's weights (that
-  had gradients) from its owner, on the device.
+  owners by parameter, not by block: their optimizer state is on the
+  owner's device, and a remainder's embedding and head (AdamW state of 1 GB
+  for a 32000-word vocabulary at d=2048 in fp32) would leave one rank that
+  much less room for blocks, slowing its backward and so every rank's step.
+  No page is read for them: at the end of each `step()` every rank takes
+  part in a broadcast of each of their parameters (of the blocks that had
+  gradients) from its owner, on the device.
 
 The page is never read while it is written: its owner writes it only at a
 step, after the block's gradients were averaged, which needs every rank's
@@ -98,15 +102,23 @@ def check_model(model: torch.nn.Module) -> None:
                 "(track_running_stats=False), or SyncBatchNorm's statistics computed before wrapping.")
 
 
-def assign(blocks: list, world: int) -> dict:
-    """block -> its owner rank: in model order, each to the rank with the
-    fewest trainable bytes so far (ties: the lowest rank)."""
-    load, owner = [0] * world, {}
-    for block in blocks:
+def assign(blocks: list, params: list, world: int) -> tuple[dict, dict]:
+    """(block -> its owner rank, id(param) -> its owner rank): the blocks in
+    model order, then the parameters (of the kept blocks) from the largest,
+    each to the rank with the fewest trainable bytes so far (ties: the
+    lowest rank)."""
+    load, owner, param_owner = [0] * world, {}, {}
+
+    def take(nbytes: int) -> int:
         rank = min(range(world), key=lambda r: (load[r], r))
-        owner[block] = rank
-        load[rank] += sum(p.numel() * p.element_size() for p in block.params if p.requires_grad)
-    return owner
+        load[rank] += nbytes
+        return rank
+    for block in blocks:
+        owner[block] = take(sum(p.numel() * p.element_size() for p in block.params if p.requires_grad))
+        param_owner.update((id(p), owner[block]) for p in block.params)
+    for p in sorted(params, key=lambda p: -p.numel() * p.element_size()):  # (stable: model order among equals)
+        param_owner[id(p)] = take(p.numel() * p.element_size())
+    return owner, param_owner
 
 
 class BlockOwners:
@@ -135,7 +147,10 @@ class BlockOwners:
         # Owners are ranks of this node (each node updates every block, from
         # the same averaged gradients, and holds its state once).
         self.node = node = node_ranks(group, timeout_seconds, pager.device)
-        self.owner_of = {b: node[i] for b, i in assign(sharded + self.kept, len(node)).items()}
+        kept_params = [p for b in self.kept for p in b.params if p.requires_grad]
+        owner, param_owner = assign(sharded, kept_params, len(node))
+        self.owner_of = {b: node[i] for b, i in owner.items()}  # the sharded blocks
+        self.param_owner = {k: node[i] for k, i in param_owner.items()}  # their parameters, and the kept blocks'
         self.node_group = group if len(node) == self.world else dist.new_group(
             [dist.get_global_rank(group, r) for r in node], timeout=timedelta(seconds=timeout_seconds),
             use_local_synchronization=True)
@@ -155,8 +170,14 @@ class BlockOwners:
         self.cpu_group = pager.reducer.control_group  # ([Note: small exchanges go over the CPU])
 
     def mine(self, block) -> bool:
-        """Whether this rank updates `block`."""
-        return self.owner_of.get(block, self.rank) == self.rank
+        """Whether this rank updates `block` (a kept block: some of its parameters)."""
+        if block in self.owner_of:
+            return self.owner_of[block] == self.rank
+        return any(self.param_owner.get(id(p)) == self.rank for p in block.params) or block not in self.kept
+
+    def mine_param(self, param) -> bool:
+        """Whether this rank updates `param` (one of a block it updates)."""
+        return self.param_owner.get(id(param), self.rank) == self.rank
 
     def owns(self, block) -> bool:
         """Whether `block` is this rank's and the others read its updates from its page."""
@@ -181,14 +202,16 @@ class BlockOwners:
         kept block that had gradients gets its owner's new weights, on the
         device, by broadcast over the group."""
         for block in self._kept_stepped:
-            src = dist.get_global_rank(self.group, self.owner_of[block])
-            flat = block.weights.flat
-            what = f"broadcasting the weights of block {block.name!r} from its owner"
-            if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
-                dist.broadcast(flat, src, group=self.node_group)
-            else:
-                wait_for(dist.broadcast(flat, src, group=self.node_group, async_op=True), what, self.group,
-                         self.timeout_seconds)
+            for p in block.params:
+                if id(p) not in self.param_owner:
+                    continue  # (frozen: unchanged)
+                src = dist.get_global_rank(self.group, self.param_owner[id(p)])
+                what = f"broadcasting the weights of block {block.name!r} from their owners"
+                if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
+                    dist.broadcast(p.data, src, group=self.node_group)
+                else:
+                    wait_for(dist.broadcast(p.data, src, group=self.node_group, async_op=True), what, self.group,
+                             self.timeout_seconds)
         self._kept_stepped = []
 
     def _expect(self, block) -> None:
@@ -290,7 +313,7 @@ class BlockOwners:
         """`optimizer.state_dict()["state"]` (by parameter index) with every
         rank's share: each sharded parameter's entries from its owner."""
         index = _param_index(optimizer)
-        own = {index[id(p)] for b, r in self.owner_of.items() if r == self.rank for p in b.params if id(p) in index}
+        own = {i for key, i in index.items() if self.param_owner.get(key) == self.rank}
         shard = {i: v for i, v in state.items() if i in own}
         merged = dict(state)
         for part in self._gather(shard, "gathering the optimizer's state from the blocks' owners"):
@@ -299,9 +322,9 @@ class BlockOwners:
 
     def keep_own_state(self, optimizer) -> None:
         """After `load_state_dict()`: the state of the other ranks' blocks goes."""
-        for block, rank in self.owner_of.items():
-            if rank != self.rank:
-                for p in block.params:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if not self.mine_param(p):
                     optimizer.state.pop(p, None)
 
     def give_whole_state(self, optimizer) -> None:
@@ -309,11 +332,9 @@ class BlockOwners:
         ranks' blocks, gathered, on each parameter's original device."""
         state = optimizer.state_dict()["state"]
         index = _param_index(optimizer)
-        for block, rank in self.owner_of.items():
-            if rank == self.rank:
-                continue
-            for p in block.params:
-                entry = state.get(index.get(id(p)))
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                entry = None if self.mine_param(p) else state.get(index.get(id(p)))
                 if entry is not None:
                     device = self.pager.original_device[id(p)]
                     optimizer.state[p] = {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
