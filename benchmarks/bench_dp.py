@@ -171,21 +171,9 @@ def fsdp2(offload: bool):
 
 
 def deepspeed_zero3(model, ids, tgt, local):
-    import deepspeed
+    from benchmarks.bench_train import deepspeed_zero3_step
 
-    cfg = {
-        "train_micro_batch_size_per_gpu": ids.shape[0],
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-
-    def step():
-        loss = F.cross_entropy(engine(ids).flatten(0, 1), tgt.flatten())
-        engine.backward(loss)
-        engine.step()
-    return "DeepSpeed ZeRO-3, parameters and optimizer offloaded", step
+    return "DeepSpeed ZeRO-3, parameters and optimizer offloaded", deepspeed_zero3_step(model, ids, tgt)
 
 
 PEERS = {"fsdp2": fsdp2(False), "fsdp2-offload": fsdp2(True), "deepspeed": deepspeed_zero3}

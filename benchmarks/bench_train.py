@@ -169,10 +169,12 @@ def peer_fsdp2(cpu_ref, ids, tgt, gpu_ms, reps, w):
     return Row(w, "FSDP2 CPUOffloadPolicy", ms, peak, ms / gpu_ms, "all on GPU")
 
 
-def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
+def deepspeed_zero3_step(model, ids, tgt):
+    """A training step of `model` under DeepSpeed ZeRO-3 with parameters and
+    AdamW offloaded to the CPU (its CPU Adam builds at first use); in a
+    process group of torchrun's, or of one process (RANK, WORLD_SIZE, ... set)."""
     import deepspeed
 
-    model = copy.deepcopy(cpu_ref)
     cfg = {
         "train_micro_batch_size_per_gpu": ids.shape[0],
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -185,7 +187,11 @@ def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
         loss = F.cross_entropy(engine(ids).flatten(0, 1), tgt.flatten())
         engine.backward(loss)
         engine.step()
+    return step
 
+
+def peer_deepspeed(cpu_ref, ids, tgt, gpu_ms, reps, w):
+    step = deepspeed_zero3_step(copy.deepcopy(cpu_ref), ids, tgt)
     ms, peak = measure(step, reps)
     return Row(w, "DeepSpeed ZeRO-3 offload", ms, peak, ms / gpu_ms, "all on GPU")
 
