@@ -127,14 +127,15 @@ def profiled(step, path: str) -> None:
     prof.export_chrome_trace(path)
 
 
-def peer_rows(names: str, base, ids, tgt, local: int, args, world: int, workload: str, first: float) -> list:
+def peer_rows(names: str, base, ids, tgt, args, world: int, workload: str, first: float) -> list:
+    """The peers `names` (comma-separated keys of PEERS) on the same steps, each a Row."""
     rows = []
     for name in filter(None, names.split(",")):
         if name not in PEERS:
             raise SystemExit(f"bench_dp: unknown peer {name!r}; choose from {', '.join(PEERS)}")
         before = pss_gib()
         try:
-            label, step = PEERS[name](copy.deepcopy(base), ids, tgt, local)
+            label, step = PEERS[name](copy.deepcopy(base), ids, tgt)
         except ImportError as e:
             rows.append(Row(workload, name, None, note=f"not installed ({e}): not run"))
             if dist.get_rank() == 0:
@@ -155,7 +156,7 @@ def peer_rows(names: str, base, ids, tgt, local: int, args, world: int, workload
 
 
 def fsdp2(offload: bool):
-    def build(model, ids, tgt, local):
+    def build(model, ids, tgt):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
@@ -170,7 +171,7 @@ def fsdp2(offload: bool):
     return build
 
 
-def deepspeed_zero3(model, ids, tgt, local):
+def deepspeed_zero3(model, ids, tgt):
     from benchmarks.bench_train import deepspeed_zero3_step
 
     return "DeepSpeed ZeRO-3, parameters and optimizer offloaded", deepspeed_zero3_step(model, ids, tgt)
@@ -267,7 +268,7 @@ def main():
         free_cuda()
     else:
         rows.append(Row(workload, "DDP, all on the GPU", None, note="does not fit the GPU: not run"))
-    rows += peer_rows(args.peers, base, ids, tgt, local, args, world, workload, first)
+    rows += peer_rows(args.peers, base, ids, tgt, args, world, workload, first)
     if rank == 0:
         env = environment()
         env["links"] = links_note
