@@ -284,3 +284,24 @@ def test_owners_refusals(tmp_path):
 def test_owners_need_a_process_group():
     with pytest.raises(ValueError, match="block_owners=True .* needs a process group"):
         pager.wrap(TinyLM(), budget="1GiB", device="cpu", block_owners=True)
+
+
+def test_owners_spread_the_remainders_parameters():
+    """Blocks alternate in model order; the remainder's parameters, largest
+    first, go to the ranks with the fewest bytes: an embedding and a head on
+    two different ranks, not both on one ([Note: block owners])."""
+    from pager.training.owners import assign
+
+    class Block:  # (what assign reads of a block)
+        def __init__(self, n):
+            self.params = [param(n)]
+
+    def param(n):
+        return torch.nn.Parameter(torch.zeros(n))
+    blocks = [Block(100) for _ in range(4)]
+    embed, norm, head = param(1000), param(10), param(1000)
+    owner, param_owner = assign(blocks, [embed, norm, head], 2)
+    assert [owner[b] for b in blocks] == [0, 1, 0, 1]
+    assert {param_owner[id(embed)], param_owner[id(head)]} == {0, 1}
+    assert param_owner[id(norm)] == 0  # (the ranks are even again after the head: the lowest)
+    assert all(param_owner[id(b.params[0])] == owner[b] for b in blocks)
