@@ -702,3 +702,47 @@ def test_a_forward_that_wakes_the_pager_leaves_a_graph_built_asleep_its_blocks()
     pg.set_budget(regime_budget(model, "streams"))
     assert pg.stats().evictions > 0
     assert_trained_alike(model, opt, ref, ref_opt, a)
+
+
+@pytest.mark.parametrize("micro_steps", [2, 3])
+def test_the_micro_steps_of_gradient_accumulation_are_predicted_in_their_cycle(micro_steps, caplog):
+    """[Note: steps in a cycle of orders] in engine/schedule.py: a step begins
+    at each forward, so accumulation makes a cycle of orders (micro-steps,
+    then the last one with the optimizer's step); once it has been seen
+    twice, each step is predicted by its own kind: no order changes, no
+    advice to call expect(), and the values of the unwrapped model."""
+    torch.manual_seed(0)
+    model = TinyLM(n_layers=6)
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    p = pager.of(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    g = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="pager"):
+        for step in range(10):
+            if step == 4:  # (the cycle seen twice)
+                p.reset()
+            data = batches(micro_steps, generator=g)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                for ids, tgt in data:
+                    lm_loss(m, ids, tgt).backward()
+                o.step()
+                o.zero_grad()
+    assert p.stats().order_changes == 0
+    assert "order of blocks changed" not in caplog.text
+    assert_models_equal(model, ref)
+
+
+def test_the_scheduler_predicts_a_step_by_the_one_a_cycle_before():
+    from pager.engine.schedule import Scheduler
+
+    a, b, c = ([(object(), ("weights",))] * n for n in (1, 2, 3))  # three orders
+    s = Scheduler()
+    predicted = []
+    for order in [a, a, b] * 4 + [c, c, c]:
+        s.recording = list(order)
+        s.start_step()
+        predicted.append(len(s.plan))  # (the orders differ in length)
+    # Two cycles seen (a a b a a b): the step a cycle before; a new order: the last one, as before.
+    assert predicted[6:12] == [1, 2, 1, 1, 2, 1]
+    assert predicted[-2:] == [3, 3]

@@ -31,16 +31,34 @@ it. Training keeps the earliest (its measured figures), and models sharing
 an engine keep the latest (so that a request's kept tail overlaps the next
 request's fetches).
 
+[Note: steps in a cycle of orders]
+A step begins at each root forward, so gradient accumulation makes steps of
+two orders in a cycle: micro-steps' forward and backward, then the last
+micro-step's with the optimizer's step after it (with three micro-steps,
+A A B A A B). The last recording alone would predict each step by the one
+before, and miss where they differ (the optimizer's step, and the forward
+after it): two order changes and a miss or two a step on the CPU device with
+two micro-steps. So the orders of the last `2 * MAX_PERIOD` steps (a hash
+of each recording) are searched for the cycle, of up to `MAX_PERIOD` steps,
+that the most recent of them follow longest, seen at least twice; the
+coming step is predicted by the step one cycle before it. (The shortest
+cycle that the last two cycles repeat would be fooled by two equal steps in
+a longer cycle: A A B; a cycle all the steps remembered follow, by a step
+of warm-up or one evaluation forward, for as many steps again.) A step of one order every time, or of a new order each time (a
+supernet's path), is predicted by the last recording, as before. Once per
+step: the hash reads the recording once, the search compares integers.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from itertools import chain, islice
 
 from ..base.common import BACKWARD, WEIGHTS
 
 INF = float("inf")
+MAX_PERIOD = 8  # steps: the longest cycle of orders recognized (gradient accumulation's micro-steps)
 
 
 class Scheduler:
@@ -53,6 +71,7 @@ class Scheduler:
         self.kept_version = 0  # counts changes of `kept` (the room sorts idle blocks by it: engine/room.py)
         self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
         self._positions_of = None       # the plan they index
+        self._history: deque = deque(maxlen=2 * MAX_PERIOD)  # (hash, recording) of the last steps
 
     @property
     def kept(self) -> frozenset:
@@ -65,13 +84,32 @@ class Scheduler:
         self.kept_version += 1
 
     def start_step(self) -> bool:
-        """Make the last step's recording the plan. True if the order changed."""
-        changed = bool(self.plan) and bool(self.recording) and self.recording != self.plan
-        if self.recording:
-            self.plan = self.recording
+        """Make the last step's recording the plan, or, where the last steps'
+        orders repeat in a cycle, the one a cycle before the coming step
+        ([Note: steps in a cycle of orders]). True if the step's order was
+        not the one predicted."""
+        recording = self.recording
+        changed = bool(self.plan) and bool(recording) and recording != self.plan
+        if recording:
+            self._history.append((hash(tuple(recording)), recording))
+            self.plan = self._history[-self._period()][1]
         self.recording = []
         self.pos = 0
         return changed
+
+    def _period(self) -> int:
+        """The cycle, in steps, that the most recent steps' orders follow
+        longest, seen at least twice (1 where none: the last order predicts
+        the next); ties go to the shorter."""
+        keys = [key for key, _recording in self._history]
+        n, best, longest = len(keys), 1, 0
+        for period in range(1, min(MAX_PERIOD, n // 2) + 1):
+            run = 0  # steps, from the last back, equal to the one a cycle before
+            while run < n - period and keys[n - 1 - run] == keys[n - 1 - run - period]:
+                run += 1
+            if run >= period and run > longest:
+                best, longest = period, run
+        return best
 
     def expect(self, uses: list) -> None:
         """The next acquisitions will be `uses` ((block, kinds) pairs), in this order."""
