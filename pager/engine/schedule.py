@@ -41,12 +41,13 @@ after it): two order changes and a miss or two a step on the CPU device with
 two micro-steps. So the orders of the last `2 * MAX_PERIOD` steps (a hash
 of each recording) are searched for the cycle, of up to `MAX_PERIOD` steps,
 that the most recent of them follow longest, seen at least twice; the
-coming step is predicted by the step one cycle before it. (The shortest
-cycle that the last two cycles repeat would be fooled by two equal steps in
-a longer cycle: A A B; a cycle all the steps remembered follow, by a step
-of warm-up or one evaluation forward, for as many steps again.) A step of one order every time, or of a new order each time (a
-supernet's path), is predicted by the last recording, as before. Once per
-step: the hash reads the recording once, the search compares integers.
+coming step is predicted by the step one cycle before it. Longest, not
+shortest: two equal steps in a longer cycle (A A B) repeat with a cycle of
+one; and the most recent, not all remembered, so that a step of warm-up or
+one evaluation forward does not hide the cycle for 16 steps. A step of one
+order every time, or of a new order each time (a supernet's path), is
+predicted by the last recording, as before. Once per step: the hash reads
+the recording once, and the rest compares integers.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Scheduler:
         self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
         self._positions_of = None       # the plan they index
         self._history: deque = deque(maxlen=2 * MAX_PERIOD)  # (hash, recording) of the last steps
+        self._plan_key = None  # the hash of `plan`
 
     @property
     def kept(self) -> frozenset:
@@ -89,10 +91,12 @@ class Scheduler:
         ([Note: steps in a cycle of orders]). True if the step's order was
         not the one predicted."""
         recording = self.recording
-        changed = bool(self.plan) and bool(recording) and recording != self.plan
+        changed = False
         if recording:
-            self._history.append((hash(tuple(recording)), recording))
-            self.plan = self._history[-self._period()][1]
+            key = hash(tuple(recording))
+            changed = bool(self.plan) and key != self._plan_key
+            self._history.append((key, recording))
+            self._plan_key, self.plan = self._history[-self._period()]
         self.recording = []
         self.pos = 0
         return changed

@@ -314,9 +314,8 @@ class Hooks:
                     except BaseException:
                         block.unpinned_calls += 1  # the post-hook (always called) must not release
                         raise
-                    if grad and self.pager.activations is not None and self.pager.activations.ledger.grew():
-                        # Blocks fetched while activations held less leave as for a fetch ([Note: one budget]).
-                        self.pager.engine.room.make_room(0, protect=(block, *block.deps))
+                    if grad and self.pager.activations is not None:
+                        self._room_for_activations(block, backward=False)
                     self.pager.prefetch()
                 if grad and self.pager.reducer is not None:
                     self.pager.reducer.forward_use(block)
@@ -370,12 +369,19 @@ class Hooks:
                 self.pager.reducer.backward_starts()
         self.uses.acquire(block, BACKWARD)
         self.backward_holds[block] = self.backward_holds.get(block, 0) + 1
-        activations = self.pager.activations
-        if activations is not None:
-            activations.backward_reaches(block)
-            if activations.ledger.recompute_comes(block) or activations.ledger.grew():  # ([Note: one budget])
-                self.pager.engine.room.make_room(0, protect=(block, *block.deps))
+        if self.pager.activations is not None:
+            self.pager.activations.backward_reaches(block)
+            self._room_for_activations(block, backward=True)
         self.pager.prefetch()
+
+    def _room_for_activations(self, block: Block, backward: bool) -> None:
+        """Where activations will hold more than when the resident blocks were
+        fetched (a pass larger than the last, a recomputation about to run),
+        those blocks leave as for a fetch ([Note: one budget] in training/activations.py)."""
+        ledger = self.pager.activations.ledger
+        more = ledger.recompute_comes(block) if backward else False  # (counts its recomputation: always asked)
+        if more or ledger.grew():
+            self.pager.engine.room.make_room(0, protect=(block, *block.deps))
 
     def _register_post_backward(self, block: Block, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))

@@ -173,7 +173,9 @@ class BlockOwners:
         """Whether this rank updates `block` (a kept block: some of its parameters)."""
         if block in self.owner_of:
             return self.owner_of[block] == self.rank
-        return any(self.param_owner.get(id(p)) == self.rank for p in block.params) or block not in self.kept
+        if block in self.kept:
+            return any(self.param_owner.get(id(p)) == self.rank for p in block.params)
+        return True  # (no owner: every rank updates it)
 
     def mine_param(self, param) -> bool:
         """Whether this rank updates `param` (one of a block it updates)."""
@@ -202,11 +204,11 @@ class BlockOwners:
         kept block that had gradients gets its owner's new weights, on the
         device, by broadcast over the group."""
         for block in self._kept_stepped:
+            what = f"broadcasting the weights of block {block.name!r} from their owners"
             for p in block.params:
                 if id(p) not in self.param_owner:
                     continue  # (frozen: unchanged)
                 src = dist.get_global_rank(self.group, self.param_owner[id(p)])
-                what = f"broadcasting the weights of block {block.name!r} from their owners"
                 if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
                     dist.broadcast(p.data, src, group=self.node_group)
                 else:
