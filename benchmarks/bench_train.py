@@ -241,13 +241,15 @@ def bench_train_sweep(args, rows):
             f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
             f"{s.activation_reserve_bytes / GiB:.2f} GiB of the budget set aside); per step "
             f"{s.h2d_bytes / 1e9 / (args.reps + 1):.1f} GB in, {s.d2h_bytes / 1e9 / (args.reps + 1):.1f} GB out "
-            f"(blocks), activations {s.activations_sent_bytes / 1e9 / (args.reps + 1):.1f} GB out; "
+            f"(blocks), activations {s.activations_sent_bytes / 1e9 / (args.reps + 1):.1f} GB out, "
+            f"{s.activations_reused_bytes / 1e9 / (args.reps + 1):.1f} GB of them used where they still were; "
             f"{s.host_steps / (args.reps + 1):.0f} block updates on the host per step "
             f"({1e3 * s.host_step_seconds / (args.reps + 1):.0f} ms of the host's, fetches waited "
             f"{1e3 * s.host_step_wait_seconds / (args.reps + 1):.1f} ms), "
             f"{s.deferred_steps / (args.reps + 1):.0f} deferred; host RSS {host_rss_gib():.1f} GiB",
             {"budget": budget, "share": share, "placement": placement, "peak_device": s.peak_device_bytes,
              "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes,
+             "reused": s.activations_reused_bytes,
              "host_steps": s.host_steps, "host_step_s": s.host_step_seconds,
              "host_wait_s": s.host_step_wait_seconds, "activations": activations,
              "chosen": s.activations_policy, "kept_blocks": s.activations_kept_blocks},

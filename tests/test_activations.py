@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pager
+from pager.training import activations as activations_module
 from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import SuperNet, TinyLM
 from test_training import batches, regime_budget, torch_clip, train
@@ -36,7 +37,8 @@ def assert_acted(p, policy, backwards=1):
     s = p.stats()
     if policy in ("offload", "auto"):
         assert s.activations_sent_bytes > 0 and (s.recomputes == 0) == (policy == "offload")
-        assert s.activations_brought_bytes == backwards * s.activations_sent_bytes
+        # (each comes back once a backward: copied in, or used where it still was)
+        assert s.activations_brought_bytes + s.activations_reused_bytes == backwards * s.activations_sent_bytes
     if policy in ("recompute", "auto"):
         assert s.recomputes > 0 and s.activations_recomputed_bytes > 0
         assert (s.activations_sent_bytes == 0) == (policy == "recompute")
@@ -75,6 +77,110 @@ def test_training_with_activations_paged_matches_unwrapped(policy, regime, autoc
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
+
+
+class _Pending:
+    """The event of a copy out that has not completed (on the CPU device a
+    copy is done when it returns; on a GPU the link may still carry it)."""
+
+    def query(self):
+        return False
+
+
+def copies_out_pending(p, monkeypatch, cap_bytes):
+    """Copies out stay under way until more than `cap_bytes` (or a block's
+    activations, if more) are, as on a GPU whose link lags the forward."""
+    send = p.transport.send_to_host
+    monkeypatch.setattr(p.transport, "send_to_host", lambda t, host=None: (send(t, host)[0], _Pending()))
+    monkeypatch.setattr(activations_module, "IN_FLIGHT_MIN_BYTES", cap_bytes)
+
+
+@pytest.mark.parametrize("cap_bytes", [0, 1 << 40])
+def test_activations_still_on_the_device_are_used_there(monkeypatch, cap_bytes):
+    """An activation whose device memory is still held for its copy out when
+    the backward asks for it is used where it is, not copied back ([Note:
+    activations off the device]): with the copies out lagging by about a
+    block (cap 0) the last blocks' are reused and the others brought; with
+    none done, all are. Bit for bit equal to the unwrapped model either way."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    p = offloading(model, regime_budget(model, "streams"))
+    copies_out_pending(p, monkeypatch, cap_bytes)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(6)
+    train(model, opt, data, clip=torch_clip)
+    train(ref, ref_opt, data, clip=torch_clip)
+    s = p.stats()
+    assert_acted(p, "offload")
+    assert s.activations_reused_bytes > 0
+    assert (s.activations_brought_bytes > 0) == (cap_bytes == 0)
+    assert p.activations.ledger.flight == 0 and not p.activations.offload._in_flight  # (each let go at its pass's end)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+class ShiftsWhatItSaved(nn.Module):
+    """A ReLU block (the ReLU saves its output) that shifts that output in
+    place once it has used it, or does not."""
+
+    def __init__(self, d, in_place):
+        super().__init__()
+        self.lin, self.in_place = nn.Linear(d, d), in_place
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        out = h * 2
+        if self.in_place:
+            h.sub_(0.25)
+        return out
+
+
+def test_an_activation_changed_in_place_after_its_save_is_not_used_where_it_is(monkeypatch):
+    """A saved activation changed in place since its save (unwrapped, autograd
+    would refuse the backward) is copied back as it was saved ([Note:
+    activations off the device]), not used as it is on the device: the same
+    gradients as a model that does not change it."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    # (not the last block: its activations stay on the device, where pager's
+    # hooks refuse a change in place as autograd does)
+    model.layers = nn.Sequential(*(ShiftsWhatItSaved(16, in_place=i < 5) for i in range(6)))
+    model.forward = model.layers.forward
+    ref = copy.deepcopy(model)
+    for block in ref.layers:
+        block.in_place = False
+    p = offloading(model, regime_budget(model, "streams"))
+    copies_out_pending(p, monkeypatch, 1 << 40)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x.clone()).sum().backward()
+            o.step()
+            o.zero_grad()
+    s = p.stats()
+    assert s.activations_reused_bytes > 0  # (the linears' inputs, unchanged)
+    assert s.activations_brought_bytes > 0  # (the ReLUs' outputs, shifted since)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_the_ledger_counts_copies_out_as_full_only_while_a_forward_may_send():
+    """A pass's peak counts the queue of copies out as full while the forward
+    sends (the next pass's timing may fill it); once the backward has begun it
+    only drains, and what it holds counts as it is ([Note: one budget])."""
+    ledger = activations_module.Ledger(torch.device("cpu"))
+    ledger.flight_cap = 100
+    ledger.add(10, flight=10)
+    assert ledger.pass_peak == 100  # (10 in flight, counted as the cap)
+    ledger.sending = False  # (the backward began)
+    ledger.add(50)
+    assert ledger.pass_peak == 100 and ledger.live == 60  # 60 counted as they are, not 150
+    ledger.sub(0, flight=10)  # (what was in flight is held for the backward now)
+    ledger.add(60)
+    assert ledger.pass_peak == 120
+    ledger.pass_ends()
+    assert ledger.sending and ledger.last_pass_peak == 120
 
 class SavesViews(nn.Module):
     """Saves views of its input (a contiguous slice, a transposed one) and its

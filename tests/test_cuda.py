@@ -591,6 +591,40 @@ def test_activations_offloaded_on_gpu_parity_races_and_peak():
     assert peaks["offload"] <= budget + 8 * act, (peaks, budget, act)
 
 
+
+def test_activations_still_being_copied_out_are_used_where_they_are_on_gpu():
+    """With the copies out lagging the forward (each held up on the d2h
+    stream), the last streamed blocks' activations are still on the device
+    when the backward begins: they are used there, not copied back ([Note:
+    activations off the device]), compute waiting for their copies out
+    before their memory is reused. The same gradients as all on the GPU."""
+    d, n, rows = 1024, 12, 2048
+    torch.manual_seed(0)
+    model = Thin(d=d, n=n)
+    ref = copy.deepcopy(model).to(GPU)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, activations="offload")
+    p = pager.of(model)
+    send = p.transport.send_to_host
+
+    def slow_send(t):
+        with torch.cuda.stream(p.transport.d2h_stream):
+            torch.cuda._sleep(10_000_000)
+        return send(t)
+
+    p.transport.send_to_host = slow_send
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        x = torch.randn(rows, d, device=GPU)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    s = p.stats()
+    assert s.activations_reused_bytes > 0 and s.activations_brought_bytes > 0
+    assert s.activations_reused_bytes + s.activations_brought_bytes == s.activations_sent_bytes
+    pager.unwrap(model)
+    assert_close_to_reference(model, ref)
+
 class WideDrop(nn.Module):
     """An MLP block with dropout: it saves about ten inputs' worth."""
 

@@ -99,6 +99,9 @@ class CpuTransport:
     def forget_brought(self, device_t: torch.Tensor) -> None:
         pass
 
+    def forget_sent(self, device_t: torch.Tensor) -> None:
+        pass
+
     def side(self, fn, after=()):
         """Run `fn` (device work) off the compute stream; here: now."""
         return fn(), None
@@ -300,6 +303,11 @@ class CudaTransport:
         """`device_t` (from `bring_to_device`) is dropped unused: its memory
         must not be reused before the copy into it is done."""
         device_t.record_stream(self.h2d_stream)
+
+    def forget_sent(self, device_t: torch.Tensor) -> None:
+        """`device_t` (given to `send_to_host`) is dropped: its memory must not
+        be reused before the copy out has read it."""
+        device_t.record_stream(self.d2h_stream)
 
     def side(self, fn, after=()):
         """Run `fn` (small kernels, e.g. norms of gradients about to leave) on

@@ -78,6 +78,7 @@ class Stats:
     activations_sent_bytes: int = 0     # saved activations copied to host memory during forwards
     activations_brought_bytes: int = 0  # copied back for backwards
     activations_ahead_bytes: int = 0    # of those, copied back before autograd asked for them
+    activations_reused_bytes: int = 0   # not copied back: still on the device for their copy out, used there
     activations_policy: str = "keep"  # "auto" until it has chosen ([Note: activations, the automatic choice])
     activations_kept_blocks: int = 0  # "auto": blocks whose activations the last training pass kept on the device
     # activations="recompute" ([Note: activations recomputed] in training/activations.py):

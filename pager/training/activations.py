@@ -21,7 +21,13 @@ notice, and the allocator reserves more meanwhile). When the backward reaches
 a block (its pre-backward hook), the activations of that block and of the
 block before it (the next one backward) are copied back on the h2d stream, so
 the copy of one overlaps the backward of the other; an activation that was
-not brought ahead is brought when autograd asks for it. A copy on the host is
+not brought ahead is brought when autograd asks for it. One whose device
+memory is still held for its copy out (the forward's last sends, when the
+backward begins before the link has carried them) is not copied back: the
+backward uses the device tensor itself, unchanged since it was saved (its
+version), compute first waiting for the copy out to have read it, as for
+any memory it frees ("reused": no copy in, and one block's activations held
+once, not twice, where the forward meets the backward). A copy on the host is
 the value as it was saved, so an in-place change after the forward cannot
 corrupt the gradient (autograd would refuse it; here it is simply not seen).
 A tensor that a block's forward saves several times (a norm's output saved
@@ -113,10 +119,13 @@ class Ledger:
         self.device = device
         self.live = self.peak = self.pass_peak = self.last_pass_peak = 0
         # Of `live`: activations whose copy out is under way. How many are at
-        # a given moment depends on the link's timing, up to `flight_cap`; a
-        # pass's peak counts the queue as full, so that the next pass's
-        # reserve holds however the copies happen to run then.
+        # a given moment depends on the link's timing, up to `flight_cap`;
+        # while a forward may still send (`sending`), a pass's peak counts the
+        # queue as full, so that the next pass's reserve holds however the
+        # copies happen to run then. Once the backward has begun the queue
+        # only drains: what is still in it counts as it is.
         self.flight = self.flight_cap = 0
+        self.sending = True
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
         # block -> what its forwards in this pass dropped, to be recomputed in
         # its backward; and of that, what blocks whose backward has begun will
@@ -132,7 +141,8 @@ class Ledger:
         with self._lock:
             self.live += nbytes
             self.flight += flight
-            self.pass_peak = max(self.pass_peak, self.live - self.flight + max(self.flight, self.flight_cap))
+            full = max(self.flight, self.flight_cap) if self.sending else self.flight
+            self.pass_peak = max(self.pass_peak, self.live - self.flight + full)
             self.peak = max(self.peak, self.live)
             self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
             self.pass_peak_with_blocks = max(self.pass_peak_with_blocks, self.live + self.blocks)
@@ -185,6 +195,7 @@ class Ledger:
             together, self.pass_peak_with_blocks = self.pass_peak_with_blocks, self.live + self.blocks
             self.dropped.clear()
             self.coming = 0
+            self.sending = True
             return together
 
     def recompute_comes(self, block) -> bool:
@@ -396,12 +407,14 @@ class Sent:
     for every save of the same tensor in a block's forward."""
 
     __slots__ = ("offload", "host", "written_event", "device", "ready_event", "saves", "left", "handed",
-                 "__weakref__")
+                 "outgoing", "reused", "__weakref__")
 
     def __init__(self, offload, host, written_event):
         self.offload, self.host, self.written_event = offload, host, written_event
         self.device = None       # brought back ahead of the backward, not yet asked for
-        self.ready_event = None  # on the h2d stream: `device` holds the bytes
+        self.ready_event = None  # `device` holds the bytes (h2d), or its copy out has read them (`reused`)
+        self.outgoing = None     # the device tensor's `_Outgoing` while it is held for its copy out
+        self.reused = False      # `device` is the forward's own tensor, not a copy
         self.saves = self.left = 1  # saves that hold it; of those, unpacks still to come in this backward
         self.handed = None       # the device copy given to autograd, while other saves will ask for it
 
@@ -410,10 +423,22 @@ class Sent:
 
     def __del__(self):
         if self.device is not None:  # brought, never asked for (the graph went): may still be landing
-            self.offload.transport.forget_brought(self.device)
+            transport = self.offload.transport
+            (transport.forget_sent if self.reused else transport.forget_brought)(self.device)
             self.offload.ledger.sub(_nbytes(self.device))
         elif self.handed is not None:
             self.offload.ledger.sub(_nbytes(self.handed))
+
+
+class _Outgoing:
+    """A device tensor held until its copy out (`event`) has read it."""
+
+    __slots__ = ("tensor", "event", "nbytes", "version", "sent")
+
+    def __init__(self, tensor, event, nbytes: int, sent):
+        self.tensor, self.event, self.nbytes = tensor, event, nbytes
+        self.version = tensor._version  # (reused only unchanged since it was saved)
+        self.sent = weakref.ref(sent)
 
 
 class ActivationOffload:
@@ -444,7 +469,7 @@ class ActivationOffload:
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
         self._forward_block = None  # the block whose forward ran last: what is saved now belongs to it
         self._by_view: dict = {}  # what the last group sent, by view (`_sent_already`)
-        # Device tensors being copied out, oldest first: (tensor, event, bytes);
+        # Device tensors being copied out, oldest first (`_Outgoing`);
         # their bytes are the ledger's `flight`, their cap its `flight_cap`.
         self._in_flight: deque = deque()
 
@@ -456,6 +481,7 @@ class ActivationOffload:
             self.order = self._order or self.order
             self._stay = set(self.order[-self.keep_last:]) if self.keep_last else set()
             self._order = []
+            self.ledger.sending = True
         elif not self._order or self._order[-1] is not block:
             self._order.append(block)
         self._forward_block = block
@@ -493,7 +519,8 @@ class ActivationOffload:
                 # Its memory, not its graph: a graph node's hooks hold the pager,
                 # which holds this queue (a cycle through C++ that gc cannot break).
                 with unguarded():
-                    self._in_flight.append((t.detach(), written, nbytes))
+                    sent.outgoing = _Outgoing(t.detach(), written, nbytes, sent)
+                self._in_flight.append(sent.outgoing)
                 self.ledger.add(nbytes, flight=nbytes)
             self._settle()
         return sent
@@ -520,15 +547,20 @@ class ActivationOffload:
         waiting for their copy (so that the memory may be reused at once: see
         [Note: activations off the device])."""
         q, ledger = self._in_flight, self.ledger
-        while q and q[0][1].query():
-            nbytes = q.popleft()[2]
-            ledger.sub(nbytes, flight=nbytes)
+        while q and q[0].event.query():
+            self._let_go(q.popleft())
         cap = max(IN_FLIGHT_MIN_BYTES, ledger.flight_cap) if cap is None else cap
         while ledger.flight > cap:
-            _t, event, nbytes = q.popleft()
+            out = q.popleft()
             # Compute reuses this memory only after the copy out has read it.
-            self.transport.compute_waits(event)
-            ledger.sub(nbytes, flight=nbytes)
+            self.transport.compute_waits(out.event)
+            self._let_go(out)
+
+    def _let_go(self, out: _Outgoing) -> None:
+        self.ledger.sub(out.nbytes, flight=out.nbytes)
+        sent = out.sent()
+        if sent is not None:
+            sent.outgoing = None
 
     def pass_ends(self) -> None:
         """The backward ended: every copy out was ordered before it; compute
@@ -542,11 +574,13 @@ class ActivationOffload:
             if device is None:
                 if sent.device is None:
                     self._start_bringing(sent)
-                else:
+                elif not sent.reused:
                     self.stats.activations_ahead_bytes += _nbytes(sent.host)
                 device, event = sent.device, sent.ready_event
                 sent.device = sent.ready_event = None  # the backward holds it now; freed after its use
-                # The bytes must have landed (a later save's unpack gets it after this wait).
+                # Brought: the bytes must have landed (a later save's unpack
+                # gets it after this wait). Reused: compute frees it after its
+                # use, and reuses the memory only after the copy out has read it.
                 self.transport.compute_waits(event)
             sent.left -= 1
             sent.handed = device if sent.left > 0 else None  # kept for the saves still to ask
@@ -559,20 +593,37 @@ class ActivationOffload:
         """`block`'s backward is about to run: bring its activations and the
         previous block's (next backward) ahead of autograd's asking."""
         with self._lock:
-            self._settle()
+            self.ledger.sending = False  # (the forward is over: the queue only drains)
             i = next((i for i in range(len(self._groups) - 1, -1, -1) if self._groups[i][0] is block), None)
             if i is None:
+                self._settle()
                 return
-            for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]:
-                for ref in refs:
-                    sent = ref()
-                    if sent is not None and sent.device is None and sent.handed is None:
-                        self._start_bringing(sent)
+            coming = [sent for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]
+                      for sent in (ref() for ref in refs)
+                      if sent is not None and sent.device is None and sent.handed is None]
+            for sent in coming:  # (before `_settle` lets them go: used where they are)
+                if sent.outgoing is not None:
+                    self._start_bringing(sent)
+            self._settle()
+            for sent in coming:
+                if sent.device is None:
+                    self._start_bringing(sent)
             # Done with; so is the one before, if it is of ops before the first block.
             del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i: i + 1]
 
     def _start_bringing(self, sent: Sent) -> None:
+        """`sent` to the device: the forward's own tensor if it is still there
+        for its copy out and unchanged (see the Note), else a copy in."""
+        out = sent.outgoing
+        if out is not None and out.tensor._version == out.version:
+            self._in_flight.remove(out)
+            sent.outgoing = None
+            sent.device, sent.ready_event, sent.reused = out.tensor, out.event, True
+            self.ledger.sub(0, flight=out.nbytes)  # (no longer counted as copied out: held for the backward)
+            self.stats.activations_reused_bytes += out.nbytes
+            return
         sent.device, sent.ready_event = self.transport.bring_to_device(sent.host, sent.written_event)
+        sent.reused = False
         self.stats.activations_brought_bytes += _nbytes(sent.host)
         self.ledger.add(_nbytes(sent.host))
 
