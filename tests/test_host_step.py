@@ -287,19 +287,68 @@ def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host()
 
     from pager.training.host_step import WAIT_SHARE, HostSteps
 
-    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True))
+    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[])
     steps = HostSteps(fake, "auto")
     steps._read_forward = lambda: 0.1  # a forward of 100 ms
     blocks = list(range(6))
-    assert steps.choose(blocks) == blocks  # nothing waited
+
+    def choose(blocks):  # (a step: a forward, then the optimizer's step)
+        steps.forward_starts()
+        return steps.choose(blocks)
+
+    assert choose(blocks) == blocks  # nothing waited
     for expected in (5, 4, 3):
         steps.waited_seconds += 2 * WAIT_SHARE * 0.1  # the last forward waited too long
-        assert steps.choose(blocks) == blocks[:expected]
+        assert choose(blocks) == blocks[:expected]
+        assert steps.choose(blocks) == blocks[:expected]  # (a second optimizer's step: the same forward)
     steps.waited_seconds += WAIT_SHARE * 0.1 / 2  # a little: as many as before
-    assert steps.choose(blocks) == blocks[:3]
-    assert steps.choose(blocks) == blocks[:4]  # no wait: one block back to the host
+    assert choose(blocks) == blocks[:3]
+    assert choose(blocks) == blocks[:4]  # no wait: one block back to the host
     steps.mode = "host"
     assert steps.choose(blocks) == blocks
+
+
+def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_longer():
+    """[Note: how many update on the host]: a block given to the device is on
+    trial for one forward; if that forward is longer than the one before, it
+    goes back to the host and no more go to the device for `HOLD_STEPS`
+    steps, however the forwards wait. While activations="auto" times its
+    trials, nothing moves."""
+    from types import SimpleNamespace
+
+    from pager.training.host_step import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE, HostSteps
+
+    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[],
+                           activations=SimpleNamespace(choosing=False))
+    steps = HostSteps(fake, "auto")
+    blocks = list(range(6))
+    forward = [0.1]
+    steps._read_forward = lambda: forward[0]
+
+    def choose(blocks):  # (a step: a forward, then the optimizer's step)
+        steps.forward_starts()
+        return steps.choose(blocks)
+
+    def waited_too_long():
+        steps.waited_seconds += 2 * WAIT_SHARE * forward[0]
+
+    waited_too_long()
+    assert choose(blocks) == blocks[:5]  # one on trial
+    waited_too_long()
+    assert choose(blocks) == blocks[:4]  # the forward did not grow: kept, and one more on trial
+    forward[0] *= 1 + 2 * SLOWER_SHARE
+    waited_too_long()
+    assert choose(blocks) == blocks[:5]  # it grew: that one goes back
+    for _ in range(HOLD_STEPS - 1):
+        waited_too_long()
+        assert choose(blocks) == blocks[:5]  # held there, though the forwards wait
+    waited_too_long()
+    assert choose(blocks) == blocks[:4]  # tried again
+    fake.activations.choosing = True
+    for _ in range(3):
+        waited_too_long()
+        assert choose(blocks) == blocks[:4]  # activations' trials: nothing moves
+    assert choose(blocks[:1]) == []  # (fewer blocks than on the device: all of them there)
 
 
 def test_the_workers_thread_ends_when_idle_and_comes_back(monkeypatch):

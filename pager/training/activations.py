@@ -291,6 +291,11 @@ class Activations:
         stats.activations_policy = policy
 
     @property
+    def choosing(self) -> bool:
+        """"auto" has not chosen yet: its trial passes run under either policy."""
+        return self._choosing
+
+    @property
     def all_kept(self) -> bool:
         """Every block keeps its activations this pass ("auto")."""
         return self._compiled_whole or self._kept_all
