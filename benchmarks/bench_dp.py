@@ -24,7 +24,7 @@ loop that does not wait for the GPU: the figure reported.
 
     torchrun --nproc-per-node 2 -m benchmarks.bench_dp [--layers 12] [--budget-gib 4] [--warmup 4] [--reps 6] [--peers ...]
     torchrun --nproc-per-node 1 -m benchmarks.bench_dp      # one GPU: the averaging's own cost
-    ... --profile DIR   # a torch.profiler trace of two block-owner steps per rank (gzipped Chrome JSON)
+    ... --profile DIR   # a torch.profiler trace of two block-owner steps per rank (gzipped Chrome JSON; python -m benchmarks.profile_summary reads it)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
+from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, profiled, save
 from benchmarks.models import Decoder
 
 VOCAB = 32000
@@ -113,18 +113,6 @@ def link_gbps(rank: int, world: int) -> tuple[float, float]:
     together = pinned_h2d_gbps()
     free_cuda()
     return alone, together
-
-
-def profiled(step, path: str) -> None:
-    """Two steps of `step` under torch.profiler, written to `path` (gzipped Chrome trace)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
 
 
 def peer_rows(names: str, base, ids, tgt, args, world: int, workload: str, first: float) -> list:

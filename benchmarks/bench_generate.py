@@ -35,7 +35,7 @@ import time
 import torch
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, interleaved_ms, pinned_h2d_gbps, save
+from benchmarks.harness import GiB, Row, environment, free_cuda, interleaved_ms, out_path, pinned_h2d_gbps, save
 
 
 def write_profile(fn, times: int, name: str) -> None:
@@ -48,7 +48,7 @@ def write_profile(fn, times: int, name: str) -> None:
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-    with open(os.path.join(os.environ.get("OUT") or ".", name), "w") as f:
+    with open(out_path(name), "w") as f:
         f.write(text.getvalue())
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 
 import torch
 
 import pager
-from benchmarks.harness import environment, free_cuda, pinned_h2d_gbps, time_ms
+from benchmarks.harness import environment, free_cuda, out_path, pinned_h2d_gbps, time_ms
 from benchmarks.models import build, layer_bytes
 
 
@@ -100,7 +99,7 @@ def main(argv=None):
                 print(label, "failed:", type(e).__name__, str(e)[:200])
                 out["lines"][label + f" (failed: {type(e).__name__})"] = None
             free_cuda()
-    path = os.path.join(os.environ.get("OUT") or ".", "sweep.json")
+    path = out_path("sweep.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", path)

@@ -11,6 +11,7 @@
 
     python -m benchmarks.bench_train [--only decoder|supernet] [--reps 5] [--offload-budgets 6 4]
     python -m benchmarks.bench_train --only sweep [--shares 0.25 0.4 0.6 0.8 1.0] [--policies offload recompute]
+        [--profile-share 1.0]   # torch.profiler traces: python -m benchmarks.profile_summary $OUT/train_profile_*.json.gz
 
 3. (--only sweep) The 1B step against the budget, which then bounds blocks
    and activations together, from 25% to 100% of weights + grads + AdamW
@@ -32,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, pinned_h2d_gbps, save, time_ms
+from benchmarks.harness import (GiB, Row, environment, free_cuda, host_rss_gib, out_path, pinned_h2d_gbps, profiled,
+                                save, time_ms)
 from benchmarks.models import Decoder, SuperNet
 
 VOCAB = 32000
@@ -211,10 +213,14 @@ def bench_train_sweep(args, rows):
     state_bytes = 16 * sum(p.numel() for p in gpu.parameters())  # fp32 weights, grads, AdamW's two states
     cpu_ref = cpu_copy(decoder_1b, gpu)
     opt = torch.optim.AdamW(gpu.parameters(), lr=1e-4)
-    gpu_ms, gpu_peak = measure(make_step(gpu, opt, ids, tgt), args.reps)
+    gpu_step = make_step(gpu, opt, ids, tgt)
+    gpu_ms, gpu_peak = measure(gpu_step, args.reps)
     rows.append(Row(w, f"all on GPU (weights+grads+AdamW {state_bytes / GiB:.1f} GiB)", gpu_ms, gpu_peak, 1.0,
                     "itself"))
     print(rows[-1])
+    if args.profile_share is not None:
+        profiled(gpu_step, out_path("train_profile_bare.json.gz"))
+    del gpu_step
     del gpu, opt
     free_cuda()
     for share, activations, placement in ((s, a, p) for s in args.shares for a in args.policies
@@ -255,14 +261,15 @@ def bench_train_sweep(args, rows):
              "chosen": s.activations_policy, "kept_blocks": s.activations_kept_blocks},
         ))
         print(rows[-1])
-        if args.trace_share == share and activations == args.policies[0] and placement == args.placements[0]:
-            import os
-
+        first = activations == args.policies[0] and placement == args.placements[0]
+        if args.profile_share == share and first:
+            profiled(step, out_path(f"train_profile_{share:g}.json.gz"))
+        if args.trace_share == share and first:
             pg.start_trace(steps=2)  # where the time goes: fetches, write-backs, waits, computes
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
-            pg.trace(os.path.join(os.environ.get("OUT") or ".", "train_trace.json"))
+            pg.trace(out_path("train_trace.json"))
         pager.unwrap(model)
         del model, opt, step
         free_cuda()
@@ -418,6 +425,9 @@ def main(argv=None):
     ap.add_argument("--placements", nargs="*", default=["auto", "device"], help="sweep: optimizer_step=")
     ap.add_argument("--trace-share", type=float, default=None,
                     help="sweep: write a trace of two steps at this share (first policy and placement)")
+    ap.add_argument("--profile-share", type=float, default=None,
+                    help="sweep: torch.profiler traces of two steps at this share (first policy and placement) and "
+                         "of the bare model (benchmarks.profile_summary reads them)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="torchao,fsdp2,deepspeed")
     ap.add_argument("--offload-budgets", type=float, nargs="*", default=[6.0],

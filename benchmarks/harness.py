@@ -127,11 +127,29 @@ def table(rows: list[Row]) -> str:
 
 
 def save(rows: list[Row], name: str, env: dict) -> None:
-    out = os.environ.get("OUT") or "."
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
+    with open(out_path(f"{name}.json"), "w") as f:
         json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
     print(f"\n## {name} ({env['device']}; host {env.get('host', '?')}; torch {env['torch']}, commit {env['commit']})\n")
     print(table(rows))
+
+
+def out_path(name: str) -> str:
+    """Where a benchmark writes `name`: `$OUT`, else the current folder."""
+    return os.path.join(os.environ.get("OUT") or ".", name)
+
+
+def profiled(step, path: str) -> None:
+    """Two steps of `step` under torch.profiler, written to `path` (a Chrome
+    trace, gzipped if it ends in .gz; `python -m benchmarks.profile_summary`
+    says where the time went)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
 
 
 def free_cuda() -> None:
