@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, profiled, save
+from benchmarks.harness import GiB, Row, environment, event_ms, free_cuda, pinned_h2d_gbps, profiled, save
 from benchmarks.models import Decoder
 
 VOCAB = 32000
@@ -53,21 +53,8 @@ def step_times(step, warmup: int, reps: int) -> tuple[float, float, list]:
     every waited-for step's ms, warm-up first: pager learns the order and
     where updates run over its first steps, and the list shows when the step
     settles)."""
-    each = []
-    for _ in range(warmup + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        each.append(start.elapsed_time(end))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps, statistics.median(each[warmup:]), each
+    each = [event_ms(step) for _ in range(warmup + reps)]
+    return event_ms(step, reps) / reps, statistics.median(each[warmup:]), each
 
 
 def step_fn(model, opt, ids, tgt):

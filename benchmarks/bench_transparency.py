@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import pager
 from benchmarks.bench_train import VOCAB, cpu_copy, decoder_1b
-from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
+from benchmarks.harness import GiB, Row, environment, event_ms, free_cuda, pinned_h2d_gbps, save
 
 
 def make_step(model, opt, ids, tgt, variant, scaler):
@@ -54,15 +54,6 @@ def make_step(model, opt, ids, tgt, variant, scaler):
 VARIANTS = {"fp32": None, "fp32 + clip": "fp32", "fp16 autocast": None, "fp16 + GradScaler + clip": "fp16 autocast"}
 
 
-def timed(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def bench_steps(reps, rows):
     w = "1B decoder AdamW step 4x1024"
     ids = torch.randint(0, VOCAB, (4, 1024), device="cuda")
@@ -88,7 +79,7 @@ def bench_steps(reps, rows):
         times = {v: [] for v in VARIANTS}
         for _ in range(reps):  # interleaved, so drift hits every variant alike
             for v in VARIANTS:
-                times[v].append(timed(steps[v]))
+                times[v].append(event_ms(steps[v]))
         if where == "all on GPU":
             peak_gib = torch.cuda.max_memory_allocated() / GiB
         results[where] = {v: statistics.median(t) for v, t in times.items()}
@@ -113,7 +104,7 @@ def bench_steps(reps, rows):
                 steps[v]()
             for _ in range(reps):
                 for v in shared:
-                    shared[v].append(timed(steps[v]))
+                    shared[v].append(event_ms(steps[v]))
             for v, t in shared.items():
                 ms = statistics.median(t)
                 shared_rows.append(Row(w, f"pager, {v}, shared mode (timed after the others)", ms, None,

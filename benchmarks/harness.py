@@ -31,20 +31,24 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+def event_ms(fn, times: int = 1) -> float:
+    """ms of `times` calls of `fn()` run back to back, from CUDA events
+    around them (waited for at the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(times):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
     """Median wall time of `fn()` in ms, from CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(reps))
 
 
 def interleaved_ms(fns, warmup: int = 3, reps: int = 40) -> list[tuple[float, float]]:
