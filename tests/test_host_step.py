@@ -280,22 +280,33 @@ def test_optimizer_step_is_checked():
         pager.wrap(TinyLM(), budget="1GiB", device="cpu", optimizer_step="cpu")
 
 
-def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host():
-    """[Note: how many update on the host]: the rule alone, with the forward's
-    length and the waits given (on CUDA they come from events and fetches)."""
+def auto_steps(forward, choosing=False):
+    """`HostSteps` under "auto" as on CUDA, its forwards `forward[0]` seconds
+    long (on CUDA they come from events), activations "auto" `choosing` or
+    not; and a step: a forward, then the optimizer's step choosing."""
     from types import SimpleNamespace
 
-    from pager.training.host_step import WAIT_SHARE, HostSteps
+    from pager.training.host_step import HostSteps
 
-    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[])
+    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[],
+                           activations=SimpleNamespace(choosing=choosing))
     steps = HostSteps(fake, "auto")
-    steps._read_forward = lambda: 0.1  # a forward of 100 ms
-    blocks = list(range(6))
+    steps._read_forward = lambda: forward[0]
 
-    def choose(blocks):  # (a step: a forward, then the optimizer's step)
+    def step(blocks):
         steps.forward_starts()
         return steps.choose(blocks)
 
+    return steps, step
+
+
+def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host():
+    """[Note: how many update on the host]: the rule alone, with the forward's
+    length and the waits given (on CUDA they come from events and fetches)."""
+    from pager.training.host_step import WAIT_SHARE
+
+    steps, choose = auto_steps([0.1])  # a forward of 100 ms
+    blocks = list(range(6))
     assert choose(blocks) == blocks  # nothing waited
     for expected in (5, 4, 3):
         steps.waited_seconds += 2 * WAIT_SHARE * 0.1  # the last forward waited too long
@@ -314,20 +325,11 @@ def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_lon
     goes back to the host and no more go to the device for `HOLD_STEPS`
     steps, however the forwards wait. While activations="auto" times its
     trials, nothing moves."""
-    from types import SimpleNamespace
+    from pager.training.host_step import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE
 
-    from pager.training.host_step import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE, HostSteps
-
-    fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[],
-                           activations=SimpleNamespace(choosing=False))
-    steps = HostSteps(fake, "auto")
-    blocks = list(range(6))
     forward = [0.1]
-    steps._read_forward = lambda: forward[0]
-
-    def choose(blocks):  # (a step: a forward, then the optimizer's step)
-        steps.forward_starts()
-        return steps.choose(blocks)
+    steps, choose = auto_steps(forward)
+    blocks = list(range(6))
 
     def waited_too_long():
         steps.waited_seconds += 2 * WAIT_SHARE * forward[0]
@@ -344,7 +346,7 @@ def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_lon
         assert choose(blocks) == blocks[:5]  # held there, though the forwards wait
     waited_too_long()
     assert choose(blocks) == blocks[:4]  # tried again
-    fake.activations.choosing = True
+    steps.pager.activations.choosing = True
     for _ in range(3):
         waited_too_long()
         assert choose(blocks) == blocks[:4]  # activations' trials: nothing moves
