@@ -132,14 +132,9 @@ def peer_rows(names: str, base, ids, tgt, args, world: int, workload: str, first
 
 def fsdp2(offload: bool):
     def build(model, ids, tgt):
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from benchmarks.bench_train import fsdp2_sharded
 
-        policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
-        if not offload:
-            model.cuda()
-        for layer in model.layers:
-            fully_shard(layer, **policy)
-        fully_shard(model, **policy)
+        model = fsdp2_sharded(model, offload)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         label = "FSDP2 + CPUOffloadPolicy" if offload else "FSDP2, all on the GPUs"
         return label, step_fn(model, opt, ids, tgt)

@@ -156,16 +156,26 @@ def peer_torchao(cpu_ref, ids, tgt, gpu_ms, reps, w):
     return Row(w, "torchao CPUOffloadOptimizer", ms, peak, ms / gpu_ms, "all on GPU")
 
 
+def fsdp2_sharded(model, offload: bool = True):
+    """`model` (its layers, then itself) under FSDP2 in the process group
+    there is, with CPUOffloadPolicy if `offload` (else moved to the GPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    if not offload:
+        model.cuda()
+    for layer in model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
 def peer_fsdp2(cpu_ref, ids, tgt, gpu_ms, reps, w):
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
-    model = copy.deepcopy(cpu_ref)
-    for layer in model.layers:
-        fully_shard(layer, offload_policy=CPUOffloadPolicy())
-    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    model = fsdp2_sharded(copy.deepcopy(cpu_ref))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ms, peak = measure(make_step(model, opt, ids, tgt), reps)
     return Row(w, "FSDP2 CPUOffloadPolicy", ms, peak, ms / gpu_ms, "all on GPU")
