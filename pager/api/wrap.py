@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..model import discover
-from ..training import distributed, host_step, owners
+from ..training import distributed, host_step, masters, owners
 from ..rows.table import choose as choose_row_tables
 from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
@@ -49,6 +49,7 @@ def wrap(
     share_host_pages: bool = False,
     block_owners: bool = False,
     split_fetch=None,
+    master_weights: bool = False,
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -181,6 +182,16 @@ def wrap(
             one helper its fetches take about half as long ([Note: split
             fetch] in engine/split_fetch.py). None (default): `device`'s own
             link alone.
+        master_weights: train a bf16 or fp16 model with a float32 master
+            of each such parameter and float32 optimizer state (ZeRO-Offload's
+            bf16 mode): every update steps the master with the gradient in
+            float32, and the weight gets its rounding. The master is an entry
+            of the parameter's optimizer state, `opt.state[p]["master_weight"]`:
+            it pages with the block's state (in host memory, where the update
+            runs on the host: only bf16 weights and gradients cross the
+            link), and `opt.state_dict()` saves it ([Note: master weights] in
+            training/masters.py). `unwrap` leaves the optimizer the state
+            torch's own update of the parameter keeps (no master, its dtype).
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -193,13 +204,13 @@ def wrap(
                  activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
                  dist_timeout=dist_timeout, share_host_pages=share_host_pages, block_owners=block_owners,
-                 split_fetch=split_fetch)
+                 split_fetch=split_fetch, master_weights=master_weights)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
           rows=None, row_cache=None, process_group=None, dist_timeout=600.0, share_host_pages=False,
-          block_owners=False, split_fetch=None, setup=None, rows_from_values=True):
+          block_owners=False, split_fetch=None, master_weights=False, setup=None, rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
@@ -216,6 +227,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
         raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    if not isinstance(master_weights, bool):
+        raise ValueError(f"pager: master_weights={master_weights!r} must be True or False.")
     if optimizer_step not in host_step.MODES:
         raise ValueError(f"pager: optimizer_step={optimizer_step!r} must be \"auto\" (on the host where it is "
                          "measured to keep up, else on the device), \"host\" (the CPU) or \"device\".")
@@ -237,6 +250,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if blocks is None and rows is None and group is None and engine is None:
         # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
         tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
+    if master_weights:
+        _check_master_tables(tables)
     sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, [m for _n, m in tables]),
                                                        budget_bytes)
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
@@ -256,6 +271,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
                   activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step,
                   helpers=helpers)
     pager.min_budget_bytes = min_budget
+    pager.master_weights = master_weights
     if share_host_pages:
         pager.share_host = lambda p: distributed.share_host_pages(p, group, dist_timeout)
     total, named = sizing.total, sizing.named
@@ -304,6 +320,18 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if optimizer is not None:
         pager.attach(optimizer)
     return model
+
+
+def _check_master_tables(tables: list) -> None:
+    """A row table updates its rows in its own dtype ([Note: exact updates
+    of touched rows] in rows/table.py): under master_weights a bf16 one
+    would be the exception, so it is refused."""
+    for name, module in tables:
+        if masters.wants_master(module.weight):
+            raise ValueError(
+                f"pager: master_weights=True, but the embedding table {name!r} ({module.weight.dtype}) is paged by "
+                f"rows, whose updates run in the table's own dtype. Give it float32, a budget that holds it beside "
+                f"a block (it then pages as a block, with masters), or rows=[] to page it as a block.")
 
 
 def of(model: nn.Module) -> Pager:

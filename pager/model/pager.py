@@ -96,6 +96,7 @@ class Pager:
         self.reducer = None  # a `training.distributed.Reducer` when gradients are averaged over a process group
         self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
         self.owners = None  # a `training.owners.BlockOwners` under wrap(block_owners=True)
+        self.master_weights = False  # float32 masters of bf16 weights ([Note: master weights] in training/masters.py)
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)
         self.host_steps = HostSteps(self, optimizer_step)  # where updates run ([Note: the optimizer step on the host])

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..base.block import PageState
+from . import masters
 from .grads import PagedOutGrad, replay
 
 
@@ -32,12 +33,13 @@ class AfterCopy:
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list):
+    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict):
         self.step = step        # the optimizer class's undecorated step
         self.shadow = shadow    # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
         self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
         self.after = after      # CUDA events: pages written back, factors copied
+        self.rounded = rounded  # id of a master -> (gradient, weight) ([Note: master weights] in training/masters.py)
         self.seconds = 0.0
 
     def landed(self) -> bool:
@@ -52,7 +54,10 @@ class HostJob:
             for view, ops in self.scales:
                 replay(view, ops)
         given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
-        self.step(self.shadow)
+        if self.rounded:
+            masters.step_each(self.step, self.shadow, self.rounded)
+        else:
+            self.step(self.shadow)
         self._put_back(given)
         self.seconds = time.perf_counter() - start
         return self
@@ -106,19 +111,23 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     grads_host = grads.host_views()
     state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
     override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(optimizer) else {}
-    groups, shadow_state, entries = [], collections.defaultdict(dict), []
+    groups, shadow_state, entries, rounded = [], collections.defaultdict(dict), [], {}
     for g, share, opts in zip(optimizer.param_groups, shares, options):
         stand_ins = []
         for p in share:
             if not isinstance(p.grad, PagedOutGrad):
                 continue  # (its gradient is None: the update passes over it)
             stand_in = weights_host[id(p)]
-            stand_in.grad = grads_host[p.grad.index]
+            if pager.master_weights and masters.wants_master(p):
+                rounded[id(state_host[(id(p), masters.MASTER)])] = (grads_host[p.grad.index], stand_in)
+                stand_in = state_host[(id(p), masters.MASTER)]  # (its first update, on the device, made it)
+            else:
+                stand_in.grad = grads_host[p.grad.index]
             own = optimizer.state.get(p)
             if own:
-                shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
+                shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items() if k != masters.MASTER}
                 entries.append((p.grad.param_name, own, shadow_state[stand_in],
-                                {k for k in own if (id(p), k) in state_host}))
+                                {k for k in own if (id(p), k) in state_host and k != masters.MASTER}))
             stand_ins.append(stand_in)
         groups.append({**g, **opts, **override, "params": stand_ins})
     scales = [(grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
@@ -127,7 +136,7 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
     return HostJob(link.raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
-                   writeback_events(block) + after)
+                   writeback_events(block) + after, rounded)
 
 
 def host_factor(factor, cache: dict, transport, after: list):

@@ -58,6 +58,7 @@ import torch
 from ..base import guards
 from ..base.block import Block
 from ..base.common import STEP
+from . import masters
 from .grads import PagedOutGrad, replay
 from .host_jobs import host_job, shadow_of
 
@@ -92,6 +93,7 @@ class OptimizerLink:
         # state_dict()/load_state_dict() read and write the state tensors: they
         # must be on the device or refer to host copies.
         self._swapped: list = []
+        self._loaded_float32: dict = {}  # ([Note: master weights] in training/masters.py)
         self._handles.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
         self._handles.append(optimizer.register_state_dict_post_hook(self._after_state_dict))
         self._handles.append(optimizer.register_load_state_dict_pre_hook(self._before_load_state_dict))
@@ -113,6 +115,10 @@ class OptimizerLink:
                 st = self.optimizer.state.get(p)
                 if st is not None and key in st:
                     st[key] = value.detach().to(pager.original_device[id(p)], copy=True)
+        if pager.master_weights:  # (torch's update of a bf16 parameter reads state of its dtype)
+            for p in list(self.optimizer.state):
+                if masters.MASTER in self.optimizer.state[p]:
+                    self.optimizer.state[p] = masters.narrowed(self.optimizer.state[p], p.dtype)
         pager.optimizers.remove(self)
 
     # --------------------------------------------------------------- step
@@ -211,7 +217,10 @@ class OptimizerLink:
             pager.prefetch()
             for gi, g in enumerate(optimizer.param_groups):
                 g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
-            self._step_once(optimizer)
+            if pager.master_weights:
+                masters.device_update(self.raw_step, optimizer, optimizer.param_groups)
+            else:
+                self._step_once(optimizer)
             for block in blocks:
                 self._adopt_state(block)
                 block.mark_dirty(("weights", "state"))
@@ -248,6 +257,7 @@ class OptimizerLink:
         pager = self.pager
         return (
             pager.asleep
+            and not pager.master_weights  # (the user's own step would update the bf16 weights)
             and pager.owners is None  # (the others' blocks leave at a step)
             and not pager.shared_mode  # (other threads: a use pins what it touches)
             and all(("state" in b.segments or id(b) in self.stateless) and not b.deferred_steps for b in blocks)
@@ -366,9 +376,11 @@ class OptimizerLink:
                     g["params"] = share
                     g.update(options)
             return
-        shadow = shadow_of(optimizer, [{**g, **options, "params": share}
-                                       for g, share, options in zip(optimizer.param_groups, d.shares, d.options)])
-        self.raw_step(shadow)
+        groups = [{**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)]
+        if self.pager.master_weights:
+            masters.device_update(self.raw_step, optimizer, groups)
+        else:
+            self.raw_step(shadow_of(optimizer, groups))
 
     def _blocks_to_step(self) -> list[Block]:
         """Blocks with a gradient: resident ones first, then in next-forward order."""
@@ -446,13 +458,18 @@ class OptimizerLink:
         return state_dict
 
     def _before_load_state_dict(self, optimizer, state_dict) -> None:
+        pager = self.pager
+        if pager.master_weights:  # (checked before anything changes)
+            self._loaded_float32 = masters.saved_float32(optimizer, state_dict, masters.param_names(pager))
         # Updates still pending would otherwise run on the loaded state.
-        self.pager.apply_deferred()
+        pager.apply_deferred()
 
     def _after_load_state_dict(self, optimizer) -> None:
         # load_state_dict() replaced every state tensor with a new one (cast to
         # the parameter's device). Put the values into the pages.
         pager = self.pager
+        kept, self._loaded_float32 = self._loaded_float32, {}
+        masters.restore_float32(optimizer, kept)  # (torch cast them to the parameters' dtype)
         if pager.owners is not None:
             pager.owners.keep_own_state(optimizer)
         if pager.transport.is_cuda:
@@ -477,12 +494,15 @@ class OptimizerLink:
 
 def _state_estimate(pager, block: Block) -> int:
     """Bytes of state the first update of `block` will create (learned from
-    the blocks adopted so far; Adam's two moments before that)."""
-    ratio = 2.0
+    the blocks adopted so far; before that, Adam's two moments, in float32
+    with a float32 master under [Note: master weights])."""
     seen = [b for b in pager.all_blocks() if "state" in b.segments]
     if seen:
         ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
-    return int(ratio * block.weights.nbytes)
+        return int(ratio * block.weights.nbytes)
+    if pager.master_weights:
+        return sum((12 if masters.wants_master(p) else 2 * p.dtype.itemsize) * p.numel() for p in block.params)
+    return 2 * block.weights.nbytes
 
 
 def _device_state(optimizer, pager, block: Block) -> list:
@@ -541,6 +561,13 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
             "pager: attach() got an optimizer that holds none of this model's parameters; build it "
             "from model.parameters()."
         )
+    if pager.master_weights and getattr(getattr(type(optimizer), "step", None), "__wrapped__", None) is None:
+        raise ValueError(
+            f"pager: master_weights=True steps the optimizer on float32 masters through torch.optim's undecorated "
+            f"step, which {type(optimizer).__name__} does not have (not a torch.optim.Optimizer, or its step is not "
+            f"decorated by one). Use a torch.optim optimizer, or wrap without master_weights.")
+    if pager.master_weights:
+        masters.check_attached_state(optimizer, masters.param_names(pager))
     link = OptimizerLink(pager, optimizer)
     if pager.owners is not None:
         pager.owners.keep_own_state(optimizer)  # (loaded before it was attached: [Note: block owners])
