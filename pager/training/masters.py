@@ -42,7 +42,7 @@ import threading
 
 import torch
 
-from . import host_jobs
+from .shadow import shadow_of
 
 MASTER = "master_weight"  # the optimizer-state key of a parameter's float32 master
 
@@ -85,7 +85,7 @@ def step_each(raw_step, shadow, rounded: dict) -> None:
             if low is not None:
                 stand_in.grad = float_grad(low[0])
             try:
-                raw_step(host_jobs.shadow_of(shadow, [{**group, "params": [stand_in]}]))
+                raw_step(shadow_of(shadow, [{**group, "params": [stand_in]}]))
             finally:
                 if low is not None:
                     stand_in.grad = None
@@ -118,7 +118,7 @@ def device_update(raw_step, optimizer, groups: list) -> None:
             made.append((own, master))
             params.append(master)
         shadow_groups.append({**group, "params": params})
-    step_each(raw_step, host_jobs.shadow_of(optimizer, shadow_groups, state), rounded)
+    step_each(raw_step, shadow_of(optimizer, shadow_groups, state), rounded)
     for own, master in made:
         own.update(state[master])
         own[MASTER] = master

@@ -60,7 +60,8 @@ from ..base.block import Block
 from ..base.common import STEP
 from . import masters
 from .grads import PagedOutGrad, replay
-from .host_jobs import host_job, shadow_of
+from .host_jobs import host_job
+from .shadow import shadow_of
 
 
 @dataclass
