@@ -12,12 +12,14 @@ process of its own, so the host holds one system's copy at a time.
 - DeepSpeed ZeRO-Offload: stage 2, bf16, AdamW offloaded to the CPU (its CPU
   Adam over float32 masters and state); one process.
 - torchao CPUOffloadOptimizer (fused CPU AdamW): it keeps the state in the
-  parameters' dtype, bf16, so it trains less precisely, and the whole bf16
-  model, its gradients and the activations stay on the GPU.
+  parameters' dtype, so on the bf16 model ("torchao") its state is bf16 and it
+  trains less precisely; with float32 state ("torchao32") the model is float32
+  on the GPU, its forward under bf16 autocast, gradients offloaded as made.
 - All on the GPU with plain AdamW (state in bf16): the compute floor, where it
   fits; not the same training either.
 
-    python -m benchmarks.bench_finetune [--layers 24] [--budgets 16 32] [--systems pager,deepspeed,torchao,gpu]
+    python -m benchmarks.bench_finetune [--layers 24] [--budgets 16 32]
+        [--systems pager,deepspeed,torchao,torchao32,gpu]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from benchmarks.models import Decoder
 
 VOCAB, BATCH, SEQ = 32000, 4, 1024
 LR = 1e-5
+SETTLE_STEPS = 8  # pager: steps after activations' trials while the host's share settles ([Note: how many update on the host])
 WORKLOAD = "7B-shaped bf16 full fine-tune, AdamW, 4x1024"
 
 
@@ -94,7 +97,7 @@ def run_pager(layers: int, reps: int, budget_gib: float) -> Row:
         if pg.stats().activations_policy != "auto":
             break
         step()
-    ms, peak = timed(step, reps)
+    ms, peak = timed(step, reps, before=SETTLE_STEPS)
     pg.reset()
     step()
     s = pg.stats()
@@ -142,6 +145,25 @@ def run_torchao(layers: int, reps: int) -> Row:
     return Row(WORKLOAD, "torchao CPUOffloadOptimizer (bf16 state)", ms, peak, extra={"host_rss_gib": host_rss_gib()})
 
 
+def run_torchao_float32(layers: int, reps: int) -> Row:
+    """torchao with float32 state: the model in float32 on the GPU (its
+    forward under bf16 autocast), gradients offloaded as they are made."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    ids, tgt = batch()
+    model = build(layers).float().cuda()
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=LR, fused=True)
+    step = plain_step(model, opt, ids, tgt)
+
+    def autocast_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step()
+
+    ms, peak = timed(autocast_step, reps)
+    return Row(WORKLOAD, "torchao CPUOffloadOptimizer, float32 model under bf16 autocast (float32 state)", ms, peak,
+               extra={"host_rss_gib": host_rss_gib()})
+
+
 def run_gpu(layers: int, reps: int) -> Row:
     ids, tgt = batch()
     model = build(layers).cuda()
@@ -156,7 +178,8 @@ def child(system: str, layers: int, reps: int, budget: float | None) -> None:
     if system == "pager":
         row = run_pager(layers, reps, budget)
     else:
-        row = {"deepspeed": run_deepspeed, "torchao": run_torchao, "gpu": run_gpu}[system](layers, reps)
+        row = {"deepspeed": run_deepspeed, "torchao": run_torchao, "torchao32": run_torchao_float32,
+               "gpu": run_gpu}[system](layers, reps)
     print("ROW " + json.dumps(asdict(row)), flush=True)
 
 
@@ -178,7 +201,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--budgets", type=float, nargs="*", default=[16.0, 32.0])
-    ap.add_argument("--systems", default="pager,deepspeed,torchao,gpu")
+    ap.add_argument("--systems", default="pager,deepspeed,torchao,torchao32,gpu")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--child", default=None)
     ap.add_argument("--budget", type=float, default=None)
