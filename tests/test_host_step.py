@@ -319,30 +319,6 @@ def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host()
     assert steps.choose(blocks) == blocks
 
 
-def test_auto_gives_the_device_as_many_as_half_the_wait_would_update_on_the_host():
-    """[Note: how many update on the host]: with the host's updates measured
-    (10 ms each), a forward that waited 100 ms gives the device the blocks
-    of half of it at once (5), within the blocks there are; on trial
-    together, and taken back together if the next forward grew."""
-    from pager.training.host_step import SLOWER_SHARE
-
-    forward = [0.5]
-    steps, choose = auto_steps(forward)
-    steps._update_seconds, steps._updates = 0.04, 4  # (10 ms an update)
-    blocks = list(range(12))
-    steps.waited_seconds += 0.1
-    assert choose(blocks) == blocks[:7]
-    steps.waited_seconds += 0.04  # 2 more
-    assert choose(blocks) == blocks[:5]
-    forward[0] *= 1 + 2 * SLOWER_SHARE
-    steps.waited_seconds += 0.1
-    assert choose(blocks) == blocks[:7]  # the two on trial made it longer: both back
-    steps, choose = auto_steps([0.5])
-    steps._update_seconds, steps._updates = 0.01, 1
-    steps.waited_seconds += 10.0
-    assert choose(blocks[:3]) == []  # (never more than the blocks there are)
-
-
 def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_longer():
     """[Note: how many update on the host]: a block given to the device is on
     trial for one forward; if that forward is longer than the one before, it

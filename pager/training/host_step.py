@@ -61,14 +61,9 @@ steps with no use between) run in the order given.
 [Note: how many update on the host]
 Under "auto" the host takes as many of a step's blocks as it keeps up with:
 when the last forward's fetches waited for updates on the host longer than
-`WAIT_SHARE` of that forward's length (CUDA events around it), more blocks
-update on the device from the next step on: as many as the host's updates
-of half that wait would take (the mean of its updates so far), at least
-one; when they waited less than a quarter of that share, one block fewer.
-Halving the estimate converges in a few steps and stops short of the
-link's share: a block moved costs the link its state both ways (on an H100,
-a 24-layer 7B-shaped bf16 model with float32 masters waited 1.1 s a step
-for its host after 16 steps of one block at a time). The blocks given to the device are
+`WAIT_SHARE` of that forward's length (CUDA events around it), one block
+more updates on the device from the next step on; when they waited less
+than a quarter of that, one block fewer. The blocks given to the device are
 the last of the forward (their deferred update rides on their fetch, late
 in the forward, where the link has room), so the host reaches the first
 blocks sooner. What counts is whether a forward waited, not an estimate of
@@ -76,12 +71,12 @@ the host's work: its rate varies with whatever else reads host memory, and
 the backward's tail hides a part of it. Under block owners a forward also
 waits for other ranks' updates on the host, and those waits count too
 ([Note: block owners]).
-The blocks given to the device are on trial for one forward: their state
-now crosses the link both ways, and where the link was already busy, or the
+A block given to the device is on trial for one forward: its state now
+crosses the link both ways, and where the link was already busy, or the
 host's AdamW shares host memory with those copies, the forward grows
 though the host has less to do. If that forward is longer than the one
-before by more than `SLOWER_SHARE`, they go back to the host and the count
-stays below them for `HOLD_STEPS` steps (on an H100 of a 16-core
+before by more than `SLOWER_SHARE`, the block goes back to the host and
+the count stays below it for `HOLD_STEPS` steps (on an H100 of a 16-core
 host, 1B decoder at 40%, the count had climbed to 6 while the forwards
 still waited for the host, the step at 1.3x-1.45x against 1.02x with none
 given). While activations="auto" times its trials, whose passes differ by
@@ -220,8 +215,7 @@ class HostSteps:
         self._running: set = set()  # blocks whose `host_update` may still be running
         # Under "auto": how many of a step's blocks update on the device ([Note: how many update on the host]).
         self.on_device = 0
-        self._trial = None  # (the forward's seconds before the last blocks given to the device, how many: on trial)
-        self._update_seconds, self._updates = 0.0, 0  # the host's updates: their time and count, since wrap
+        self._trial = None  # the forward's seconds before the last block given to the device (on trial)
         self._ceiling, self._ceiling_until = 0, 0  # on_device stays at most this until that many choices
         self._choices = 0
         self.waited_seconds = 0.0  # fetches' waits for updates on the host, since wrap
@@ -304,20 +298,18 @@ class HostSteps:
         return blocks[: len(blocks) - min(self.on_device, len(blocks))]
 
     def _place(self, forward: float, waited: float, n: int) -> None:
-        """More or one fewer on the device, after a forward of `forward`
+        """One more or one fewer on the device, after a forward of `forward`
         seconds that waited `waited` for the host (see the Note)."""
         self._choices += 1
-        trial, self._trial = self._trial, None
-        if trial is not None and forward > (1 + SLOWER_SHARE) * trial[0]:
-            self.on_device = max(self.on_device - trial[1], 0)  # (those on trial made it slower)
+        before, self._trial = self._trial, None
+        if before is not None and forward > (1 + SLOWER_SHARE) * before:
+            self.on_device = max(self.on_device - 1, 0)  # (the one on trial made it slower)
             self._ceiling, self._ceiling_until = self.on_device, self._choices + HOLD_STEPS
             return
-        ceiling = min(self._ceiling if self._choices < self._ceiling_until else n, n)
-        if waited > WAIT_SHARE * forward and self.on_device < ceiling:
-            mean = self._update_seconds / self._updates if self._updates else 0.0
-            more = min(max(1, int(waited / 2 / mean) if mean > 0 else 1), ceiling - self.on_device)
-            self._trial = (forward, more)
-            self.on_device += more
+        ceiling = self._ceiling if self._choices < self._ceiling_until else n
+        if waited > WAIT_SHARE * forward and self.on_device < min(ceiling, n):
+            self._trial = forward
+            self.on_device += 1
         elif waited < WAIT_SHARE / 4 * forward:
             self.on_device = max(self.on_device - 1, 0)
 
@@ -380,10 +372,7 @@ class HostSteps:
     def _measured(self, future: Future) -> None:
         # (on the worker thread)
         if future.exception() is None:
-            seconds = future.result().seconds
-            self.pager.counters.host_step_seconds += seconds
-            self._update_seconds += seconds
-            self._updates += 1
+            self.pager.counters.host_step_seconds += future.result().seconds
 
     # ---------------------------------------------------------- measuring
     def forward_starts(self) -> None:
