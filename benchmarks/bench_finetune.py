@@ -38,7 +38,7 @@ from benchmarks.models import Decoder
 
 VOCAB, BATCH, SEQ = 32000, 4, 1024
 LR = 1e-5
-SETTLE_STEPS = 8  # pager: steps after activations' trials while the host's share settles ([Note: how many update on the host])
+SETTLE_STEPS = 8  # pager: steps after activations' trials while the host's share settles
 WORKLOAD = "7B-shaped bf16 full fine-tune, AdamW, 4x1024"
 
 
@@ -193,8 +193,8 @@ def in_process_of_its_own(system: str, args, budget=None) -> Row:
         return Row(**json.loads(rows[-1]))
     tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
     skipped = "ModuleNotFoundError" in (run.stderr or "")
-    return Row(WORKLOAD, method, None, note=("skipped: not installed: " if skipped else f"failed (rc {run.returncode}): ")
-               + " / ".join(tail)[-300:])
+    said = "skipped: not installed: " if skipped else f"failed (rc {run.returncode}): "
+    return Row(WORKLOAD, method, None, note=said + " / ".join(tail)[-300:])
 
 
 def main(argv=None):

@@ -1,8 +1,9 @@
 """Every benchmark: forward (with the compute-bound case), the budget sweep
 and its plot, training (decoder vs peers, NAS supernet), what
 transparency costs (clip, GradScaler, on-demand access), and Hugging Face
-decode with the host time per block use, and one model over several GPUs'
-links (`split`, on machines with two or more). Results land in $OUT
+decode with the host time per block use, one model over several GPUs'
+links (`split`, on machines with two or more), and a 7B-shaped bf16 full
+fine-tune (`finetune`: a host of 128 GiB). Results land in $OUT
 (or .). All of it takes longer than one 10-minute device call: split it.
 
     python -m benchmarks.run_all --skip transparency,generate   # ~9 min
@@ -31,10 +32,12 @@ STEPS = {
     "compile": ["-m", "benchmarks.bench_compile"],
     "quantized": ["-m", "benchmarks.bench_quantized"],
     "split": ["-m", "benchmarks.bench_split"],  # (skips itself with fewer than two GPUs)
+    # (5.1B parameters: each system's host copy is 89-120 GiB, in turn)
+    "finetune": ["-m", "benchmarks.bench_finetune", "--systems", "pager,torchao32,deepspeed", "--budgets", "16"],
 }
 # seconds (measured ~75, ~110, ~260, ~100, ~200, ~160, ~180)
 LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170, "generate": 300, "lora": 300,
-          "compile": 300, "quantized": 300, "split": 300}
+          "compile": 300, "quantized": 300, "split": 300, "finetune": 540}
 
 
 def main():

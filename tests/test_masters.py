@@ -264,3 +264,72 @@ def test_master_weights_on_gpu_with_delayed_copies(placement):
     with torch.no_grad():
         for p in model.parameters():
             assert torch.equal(p.to(GPU), opt.state[p][MASTER].to(GPU).to(torch.bfloat16))
+
+
+def owners_with_masters(rank, world, tmp, optimizer_step):
+    """Block owners ([Note: block owners]) with masters: each rank's masters
+    and state only for the blocks it owns, the weights DDP's with hand-kept
+    masters on every rank, bit for bit, and `state_dict()` gathers them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from test_block_owners import assert_state_held_by_owners
+    from test_data_parallel import assert_same_on_every_rank, rank_batches
+
+    torch.manual_seed(100 + rank)  # (wrap broadcasts rank 0's weights)
+    model = bf16_lm()
+    ref = DDP(copy.deepcopy(model))
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=6), device="cpu", block_owners=True,
+               optimizer_step=optimizer_step, master_weights=True)
+    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), HandMasters(ref.module, OPTIMIZERS["adamw"])
+    for ids, tgt in rank_batches(rank, 4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m, ids, tgt).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_on_every_rank(model)
+    assert_models_equal(model, ref.module)
+    assert_state_held_by_owners(model, opt)
+    saved = opt.state_dict()["state"]  # (gathered from the owners: a collective)
+    for i, m in enumerate(ref_opt.masters):
+        assert_same(saved[i][MASTER], m.detach())
+        assert_same(saved[i]["exp_avg"], ref_opt.state[m]["exp_avg"])
+    assert dist.get_world_size() == world
+    pager.unwrap(model)
+
+
+@pytest.mark.parametrize("optimizer_step", ["host", "device"])
+def test_block_owners_with_master_weights_equal_ddp_with_masters(tmp_path, optimizer_step):
+    import os
+
+    import torch.distributed as dist
+
+    from test_data_parallel import spawn
+
+    if not dist.is_available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs torch.distributed and /dev/shm (shared host pages)")
+    spawn(owners_with_masters, 2, tmp_path, optimizer_step=optimizer_step)
+
+
+@pytest.mark.parametrize("budget", ["streams", "tight"])
+def test_adapters_of_a_frozen_bf16_model_train_on_masters(budget):
+    """LoRA-style adapters on a frozen bf16 model ([Note: frozen pages]):
+    the adapters get masters and float32 state, bit for bit the hand-kept
+    loop, whether they stay on the device (a budget with room) or stream
+    with their blocks."""
+    from test_adapters import adapted_lm, trainable
+
+    model = adapted_lm(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    room = regime_budget(model, "streams", state_factor=6 if budget == "streams" else 0)
+    pager.wrap(model, budget=room, device="cpu", master_weights=True)
+    opt = OPTIMIZERS["adamw"](trainable(model))
+    ref_opt = HandMasters(ref, OPTIMIZERS["adamw"])
+    data = batches(5)
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    assert_models_equal(model, ref)
+    for p, m in zip(model.parameters(), ref_opt.masters):
+        if p.requires_grad:
+            assert_same(opt.state[p][MASTER], m.detach())
+            assert opt.state[p]["exp_avg"].dtype == torch.float32

@@ -214,6 +214,27 @@ def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
     assert pager.of(model).stats().evictions > 0
 
 
+def test_plans_training_budget_with_master_weights():
+    """A bf16 model under master_weights keeps float32 state and a float32
+    master a parameter: the plan's least budget that trains counts them
+    (with bf16 state counted, training at it runs out of room)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
+    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
+    assert least > 1.7 * plain
+    pager.wrap(model, budget=least, device="cpu", optimizer=opt, master_weights=True)
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert pager.of(model).stats().evictions > 0
+
+
 def test_tqdms_monitor_thread_is_not_a_user_of_the_tensors():
     """Progress bars (transformers' save and load show them) leave tqdm's
     monitor thread running: it never reads a tensor, so a model stays out of

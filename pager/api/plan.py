@@ -8,11 +8,11 @@ import torch
 
 from ..model import discover
 from ..base import wrappers
-from ..base.block import ALIGN_BYTES
+from ..base.block import ALIGN_BYTES, align
 from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..base.budget import format_bytes, parse_budget
 from .fake import SavedBytes, measure_saved
-from ..training import host_step
+from ..training import host_step, masters
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
 from ..engine.schedule import Scheduler
 from ..engine.split_fetch import resolve_helpers
@@ -142,12 +142,14 @@ class Plan:
 def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
          link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
          disk_gbps: float | None = None, optimizer=None, compress: str | None = None,
-         optimizer_step: str = "auto", split_fetch=None) -> Plan:
+         optimizer_step: str = "auto", split_fetch=None, master_weights: bool = False) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
         model: the model (not wrapped; nothing is changed).
-        budget, device, blocks, defer_step, optimizer_step: as for `pager.wrap`.
+        budget, device, blocks, defer_step, optimizer_step, master_weights: as
+            for `pager.wrap` (under `master_weights` a bf16 parameter's state
+            is float32, with its float32 master beside it).
             A streamed block's update on the host ("auto", "host") moves its
             weights up for the forward and the backward and its gradients
             down; on the device, its gradients and state up and its weights
@@ -195,7 +197,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
-    state_of = _state_bytes(optimizer, device, state_factor)
+    state_of = _state_bytes(optimizer, device, state_factor, master_weights)
 
     def trainable(i):
         return sum(discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
@@ -278,12 +280,20 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     return out
 
 
-def _state_bytes(optimizer, device, state_factor: float):
+def _state_bytes(optimizer, device, state_factor: float, master_weights: bool = False):
     """Page bytes of the optimizer state a parameter has on `device`: its
     tensors the size of the parameter, and its scalars (`step`), each in a
-    slot of its own. Without an optimizer, `state_factor` x the parameter."""
+    slot of its own. Without an optimizer, `state_factor` x the parameter.
+    Under `master_weights` a bf16 parameter's are float32, and its master
+    is one more ([Note: master weights] in training/masters.py)."""
+    def widened(p) -> tuple[int, int]:  # (bytes of one state tensor of `p`, of its master)
+        if master_weights and masters.wants_master(p):
+            wide = align(4 * p.numel())
+            return wide, wide
+        return discover.aligned_bytes(p), 0
+
     if optimizer is None:
-        return lambda p: int(state_factor * discover.aligned_bytes(p))
+        return lambda p: int(state_factor * widened(p)[0]) + widened(p)[1]
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     name = type(optimizer).__name__
 
@@ -294,7 +304,8 @@ def _state_bytes(optimizer, device, state_factor: float):
             copies = copies(g)
         # torch keeps `step` beside the parameter only when fused or capturable (else on the CPU)
         here = device.type == "cpu" or g.get("fused") or g.get("capturable")
-        return int(copies * discover.aligned_bytes(p)) + (scalars * ALIGN_BYTES if here else 0)
+        one, master = widened(p)
+        return int(copies * one) + master + (scalars * ALIGN_BYTES if here else 0)
 
     return of
 

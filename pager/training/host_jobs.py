@@ -107,11 +107,11 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
                 stand_in = state_host[(id(p), masters.MASTER)]  # (its first update, on the device, made it)
             else:
                 stand_in.grad = grads_host[p.grad.index]
-            own = optimizer.state.get(p)
+            own = masters.without_master(optimizer.state.get(p) or {})
             if own:
-                shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items() if k != masters.MASTER}
-                entries.append((p.grad.param_name, own, shadow_state[stand_in],
-                                {k for k in own if (id(p), k) in state_host and k != masters.MASTER}))
+                shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
+                entries.append((p.grad.param_name, optimizer.state[p], shadow_state[stand_in],
+                                {k for k in own if (id(p), k) in state_host}))
             stand_ins.append(stand_in)
         groups.append({**g, **opts, **override, "params": stand_ins})
     scales = [(grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])

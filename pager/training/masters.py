@@ -69,7 +69,7 @@ def float_grad(grad: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def float_state(own: dict) -> dict:
+def without_master(own: dict) -> dict:
     """A parameter's state entries for an update on its master: all but the master."""
     return {k: v for k, v in own.items() if k != MASTER}
 
@@ -113,7 +113,7 @@ def device_update(raw_step, optimizer, groups: list) -> None:
             master = own.get(MASTER)
             if master is None:
                 master = p.detach().float()
-            state[master] = float_state(own)
+            state[master] = without_master(own)
             rounded[id(master)] = (p.grad, p)
             made.append((own, master))
             params.append(master)

@@ -377,7 +377,8 @@ class OptimizerLink:
                     g["params"] = share
                     g.update(options)
             return
-        groups = [{**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)]
+        groups = [{**g, **options, "params": share}
+                  for g, share, options in zip(optimizer.param_groups, d.shares, d.options)]
         if self.pager.master_weights:
             masters.device_update(self.raw_step, optimizer, groups)
         else:
