@@ -164,8 +164,8 @@ def test_plan_command_line(tmp_path):
     (tmp_path / "mymodels.py").write_text(
         "import torch.nn as nn\ndef build():\n    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])\n"
     )
-    run = lambda budget, *more: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "pager", "plan", "mymodels:build", "--budget", budget, "--device", "cpu", *more],
+    run = lambda budget, *more, factory="mymodels:build": subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "pager", "plan", factory, "--budget", budget, "--device", "cpu", *more],
         cwd=tmp_path, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])},
     )
@@ -179,6 +179,11 @@ def test_plan_command_line(tmp_path):
     assert "saves 48.00 KiB for its backward" in batch.stdout and "activations=recompute:" in batch.stdout
     wrong = run("40KiB", "--inputs", "32x64:float99")
     assert wrong.returncode == 2 and "'float99' is not a torch dtype" in wrong.stderr
+    (tmp_path / "mybf16.py").write_text(
+        "import torch, torch.nn as nn\ndef build():\n"
+        "    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)\n")
+    bf16 = [run("40KiB", *more, factory="mybf16:build").stdout for more in ([], ["--master-weights"])]
+    assert "WILL NOT TRAIN" not in bf16[0] and "WILL NOT TRAIN" in bf16[1]  # (float32 state and masters counted)
 
 
 # ------------------------------------------------------------------ warnings

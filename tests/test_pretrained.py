@@ -215,24 +215,33 @@ def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
 
 
 def test_plans_training_budget_with_master_weights():
-    """A bf16 model under master_weights keeps float32 state and a float32
+    """A bf16 Llama under master_weights keeps float32 state and a float32
     master a parameter: the plan's least budget that trains counts them
-    (with bf16 state counted, training at it runs out of room)."""
+    (with bf16 state counted, training at it runs out of room), and training
+    under it equals the hand-kept masters' loop."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    import copy
+
+    from helpers import assert_models_equal
+    from test_masters import HandMasters
+
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), HandMasters(ref, torch.optim.AdamW)
     plain = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
     least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
     assert least > 1.7 * plain
     pager.wrap(model, budget=least, device="cpu", optimizer=opt, master_weights=True)
     for i in range(3):
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
     assert pager.of(model).stats().evictions > 0
+    assert_models_equal(model, ref)  # (bit for bit the loop that keeps masters by hand)
 
 
 def test_tqdms_monitor_thread_is_not_a_user_of_the_tensors():
