@@ -333,3 +333,33 @@ def test_adapters_of_a_frozen_bf16_model_train_on_masters(budget):
         if p.requires_grad:
             assert_same(opt.state[p][MASTER], m.detach())
             assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_master_weights_with_compressed_pages_and_with_the_disk_tier(tmp_path):
+    """bf16 weights stored compressed ("lossless": a block stores plain once
+    trained), and a model loaded from files under a host budget with its
+    pages spilled to disk (updates on the device, the masters in the
+    spilled state pages): both bit for bit the hand-kept loop."""
+    st = pytest.importorskip("safetensors.torch")
+    from test_disk import BIG, _layer_bytes, _meta, _state
+
+    model = bf16_lm()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=6), device="cpu", compress="lossless",
+               master_weights=True)
+    runs = [(model, OPTIMIZERS["adamw"](model.parameters()), ref, HandMasters(ref, OPTIMIZERS["adamw"]))]
+
+    ref = TinyLM(**BIG).to(torch.bfloat16)
+    st.save_file(_state(ref), tmp_path / "model.safetensors")
+    model, layer = _meta(**BIG).to(torch.bfloat16), _layer_bytes(ref)
+    pager.load(model, tmp_path / "model.safetensors", budget=16 * layer + 8 * ref.embed.weight.nbytes + (1 << 20),
+               device="cpu", host_budget=8 * layer, spill=tmp_path / "spill", master_weights=True)
+    runs.append((model, OPTIMIZERS["adamw"](model.parameters()), ref, HandMasters(ref, OPTIMIZERS["adamw"])))
+    for model, opt, ref, ref_opt in runs:
+        data = batches(5)
+        train(model, opt, data)
+        train(ref, ref_opt, data)
+        assert pager.of(model).stats().evictions > 0
+        assert_models_equal(model, ref)
+        assert_states_equal(opt, model, ref_opt)
+    assert pager.of(runs[1][0]).stats().spills > 0
