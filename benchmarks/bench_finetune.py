@@ -135,51 +135,44 @@ def run_deepspeed(layers: int, reps: int) -> Row:
                extra={"host_rss_gib": host_rss_gib()})
 
 
-def run_torchao(layers: int, reps: int) -> Row:
-    from torchao.optim import CPUOffloadOptimizer
+ON_GPU = {
+    "torchao": "torchao CPUOffloadOptimizer (bf16 state)",
+    "torchao32": "torchao CPUOffloadOptimizer, float32 model under bf16 autocast (float32 state)",
+    "gpu": "all on GPU, AdamW (bf16 state, no masters)",
+}
 
+
+def run_on_gpu(system: str, layers: int, reps: int) -> Row:
+    """The whole model on the GPU (`ON_GPU`): torchao on the bf16 model; torchao
+    with float32 state (the model in float32, its forward under bf16
+    autocast, gradients offloaded as they are made); or plain fused AdamW."""
     ids, tgt = batch()
-    model = build(layers).cuda()
-    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, fused=True)
-    ms, peak = timed(plain_step(model, opt, ids, tgt), reps)
-    return Row(WORKLOAD, "torchao CPUOffloadOptimizer (bf16 state)", ms, peak, extra={"host_rss_gib": host_rss_gib()})
+    model = (build(layers).float() if system == "torchao32" else build(layers)).cuda()
+    if system == "gpu":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    else:
+        from torchao.optim import CPUOffloadOptimizer
 
-
-def run_torchao_float32(layers: int, reps: int) -> Row:
-    """torchao with float32 state: the model in float32 on the GPU (its
-    forward under bf16 autocast), gradients offloaded as they are made."""
-    from torchao.optim import CPUOffloadOptimizer
-
-    ids, tgt = batch()
-    model = build(layers).float().cuda()
-    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=LR, fused=True)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=system == "torchao32",
+                                  lr=LR, fused=True)
     step = plain_step(model, opt, ids, tgt)
 
     def autocast_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=system == "torchao32"):
             step()
 
     ms, peak = timed(autocast_step, reps)
-    return Row(WORKLOAD, "torchao CPUOffloadOptimizer, float32 model under bf16 autocast (float32 state)", ms, peak,
-               extra={"host_rss_gib": host_rss_gib()})
-
-
-def run_gpu(layers: int, reps: int) -> Row:
-    ids, tgt = batch()
-    model = build(layers).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    ms, peak = timed(plain_step(model, opt, ids, tgt), reps)
-    return Row(WORKLOAD, "all on GPU, AdamW (bf16 state, no masters)", ms, peak,
-               extra={"host_rss_gib": host_rss_gib()})
+    return Row(WORKLOAD, ON_GPU[system], ms, peak, extra={"host_rss_gib": host_rss_gib()})
 
 
 def child(system: str, layers: int, reps: int, budget: float | None) -> None:
     """Runs one system in this process and prints its row as the last line."""
     if system == "pager":
         row = run_pager(layers, reps, budget)
+    elif system == "deepspeed":
+        row = run_deepspeed(layers, reps)
     else:
-        row = {"deepspeed": run_deepspeed, "torchao": run_torchao, "torchao32": run_torchao_float32,
-               "gpu": run_gpu}[system](layers, reps)
+        row = run_on_gpu(system, layers, reps)
     print("ROW " + json.dumps(asdict(row)), flush=True)
 
 

@@ -10,9 +10,10 @@ import pager
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(**kw):
-    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, **kw)
+def _llama(num_hidden_layers=4, **kw):
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4,
+                                    max_position_embeddings=64, **kw)
 
 
 def _mistral():  # grouped KV heads
@@ -184,6 +185,16 @@ def test_load_pages_tables_by_rows_from_the_files_when_asked(tmp_path):
     assert_same(ref, model)
 
 
+def _train_llamas(pairs, steps=3):
+    """`steps` steps of each (model, optimizer) of `pairs` on the same batches."""
+    for i in range(steps):
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
+        for m, o in pairs:
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+
+
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
 def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
     """Issue 40's case: a budget that runs inference (the remainder and three
@@ -192,8 +203,7 @@ def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
     from helpers import assert_models_equal
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    config = _llama(num_hidden_layers=6)
     ref = transformers.AutoModelForCausalLM.from_config(config)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.load_state_dict(ref.state_dict())
@@ -204,12 +214,7 @@ def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
     short = pager.plan(model, int(0.9 * least), device="cpu", optimizer=opt)
     assert short.runs and not short.trains and "WILL NOT TRAIN" in str(short)
     pager.wrap(model, budget=least, device="cpu", optimizer=opt)
-    for i in range(3):
-        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
-        for m, o in ((ref, ro), (model, opt)):
-            m(ids, labels=ids).loss.backward()
-            o.step()
-            o.zero_grad()
+    _train_llamas([(ref, ro), (model, opt)])
     assert_models_equal(model, ref)
     assert pager.of(model).stats().evictions > 0
 
@@ -220,8 +225,7 @@ def test_plans_training_budget_with_master_weights():
     (with bf16 state counted, training at it runs out of room), and training
     under it equals the hand-kept masters' loop."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    config = _llama(num_hidden_layers=6)
     import copy
 
     from helpers import assert_models_equal
@@ -234,12 +238,7 @@ def test_plans_training_budget_with_master_weights():
     least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
     assert least > 1.7 * plain
     pager.wrap(model, budget=least, device="cpu", optimizer=opt, master_weights=True)
-    for i in range(3):
-        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(ids, labels=ids).loss.backward()
-            o.step()
-            o.zero_grad()
+    _train_llamas([(model, opt), (ref, ref_opt)])
     assert pager.of(model).stats().evictions > 0
     assert_models_equal(model, ref)  # (bit for bit the loop that keeps masters by hand)
 

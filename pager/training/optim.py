@@ -90,7 +90,7 @@ class OptimizerLink:
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
-        self.raw_step = getattr(type(optimizer).step, "__wrapped__", None)
+        self.raw_step = raw_step_of(optimizer)
         self.state_dicts = StateDictHooks(pager, optimizer)  # what state_dict() and load_state_dict() see
         self._handles += self.state_dicts.handles
 
@@ -430,6 +430,12 @@ def _device_state(optimizer, pager, block: Block) -> list:
             if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0]
 
 
+def raw_step_of(optimizer):
+    """The optimizer class's step without torch.optim's decoration (its
+    hooks, grad mode), or None where it has none."""
+    return getattr(getattr(type(optimizer), "step", None), "__wrapped__", None)
+
+
 def _calls_inside(frame, outer) -> bool:
     """Whether `frame` runs inside the call whose frame is `outer`."""
     while frame is not None:
@@ -480,7 +486,7 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
             "pager: attach() got an optimizer that holds none of this model's parameters; build it "
             "from model.parameters()."
         )
-    if pager.master_weights and getattr(getattr(type(optimizer), "step", None), "__wrapped__", None) is None:
+    if pager.master_weights and raw_step_of(optimizer) is None:
         raise ValueError(
             f"pager: master_weights=True steps the optimizer on float32 masters through torch.optim's undecorated "
             f"step, which {type(optimizer).__name__} does not have (not a torch.optim.Optimizer, or its step is not "
