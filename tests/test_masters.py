@@ -11,7 +11,6 @@ import torch
 import pager
 from helpers import assert_models_equal, assert_same
 from models import TinyLM
-from pager.training import masters
 from pager.training.masters import MASTER
 from test_training import batches, lm_loss, regime_budget, torch_clip, train
 
@@ -93,48 +92,6 @@ def test_master_weights_equal_masters_kept_by_hand(opt_name, placement, defer_st
     # the weights (updates below a bf16 ulp accumulate there).
     assert any(not torch.equal(opt.state[p][MASTER].to(torch.bfloat16).float(), opt.state[p][MASTER])
                for p in model.parameters())
-
-
-@pytest.mark.parametrize("piece_elements", [64, 100, 192])
-@pytest.mark.parametrize("opt_name", OPTIMIZERS)
-def test_masters_stepped_in_pieces_on_the_host_equal_whole_updates(opt_name, piece_elements, monkeypatch):
-    """[Note: a master's update in pieces]: with pieces smaller than the
-    parameters (100 is taken down to 64, a whole number of cache lines), the
-    host's updates equal the hand-kept loop's whole-tensor ones bit for bit,
-    Adam's step counted once a step."""
-    pieces = []
-    step_in_pieces = masters.step_in_pieces
-    monkeypatch.setattr(masters, "HOST_PIECE_ELEMENTS", piece_elements)
-    monkeypatch.setattr(masters, "step_in_pieces", lambda *a: pieces.append(a[3].numel()) or step_in_pieces(*a))
-    model = bf16_lm()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=6), device="cpu",
-               optimizer_step="host", master_weights=True)
-    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), HandMasters(ref, OPTIMIZERS[opt_name])
-    data = batches(5)
-    train(model, opt, data, clip=torch_clip, sched=scheduled(opt))
-    train(ref, ref_opt, data, clip=torch_clip, sched=scheduled(ref_opt))
-    assert pager.of(model).stats().host_steps > 0 and pieces and min(pieces) > piece_elements - piece_elements % 64
-    assert_models_equal(model, ref)
-    assert_states_equal(opt, model, ref_opt)
-
-
-def test_an_update_that_is_not_elementwise_is_not_stepped_in_pieces(monkeypatch):
-    """A subclass may compute across elements: its masters step whole."""
-    class Mine(torch.optim.AdamW):
-        pass
-    monkeypatch.setattr(masters, "HOST_PIECE_ELEMENTS", 8)
-    monkeypatch.setattr(masters, "step_in_pieces", lambda *a: pytest.fail("a subclass's update went in pieces"))
-    model = bf16_lm()
-    ref = copy.deepcopy(model)
-    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=6), device="cpu",
-               optimizer_step="host", master_weights=True)
-    opt, ref_opt = Mine(model.parameters(), lr=1e-2), HandMasters(ref, functools.partial(Mine, lr=1e-2))
-    data = batches(3)
-    train(model, opt, data)
-    train(ref, ref_opt, data)
-    assert pager.of(model).stats().host_steps > 0
-    assert_models_equal(model, ref)
 
 
 def test_without_the_option_bf16_state_and_a_lower_precision_run():

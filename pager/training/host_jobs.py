@@ -34,14 +34,13 @@ class AfterCopy:
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict, piece_elements: int):
+    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict):
         self.step = step        # the optimizer class's undecorated step
         self.shadow = shadow    # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
         self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
         self.after = after      # CUDA events: pages written back, factors copied
         self.rounded = rounded  # id of a master -> (gradient, weight) ([Note: master weights] in training/masters.py)
-        self.piece_elements = piece_elements  # masters step in pieces of this many (0: whole)
         self.seconds = 0.0
 
     def landed(self) -> bool:
@@ -57,7 +56,7 @@ class HostJob:
                 replay(view, ops)
         given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
         if self.rounded:
-            masters.step_each(self.step, self.shadow, self.rounded, self.piece_elements)
+            masters.step_each(self.step, self.shadow, self.rounded)
         else:
             self.step(self.shadow)
         self._put_back(given)
@@ -120,9 +119,8 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
-    piece_elements = masters.HOST_PIECE_ELEMENTS if masters.steps_elementwise(optimizer) else 0
     return HostJob(link.raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
-                   writeback_events(block) + after, rounded, piece_elements)
+                   writeback_events(block) + after, rounded)
 
 
 def host_factor(factor, cache: dict, transport, after: list):

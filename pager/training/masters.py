@@ -34,25 +34,6 @@ by hand: `master.grad = p.grad.float()`, the optimizer on the masters,
 
 Parameters of float32 or wider have no master: they step as without the
 option, in the same shadow.
-
-[Note: a master's update in pieces]
-On the host a whole-tensor update of a master runs three passes over
-memory: the gradient's conversion into the float32 scratch, the kernel
-(reading the scratch again), and the rounding into the weight (reading
-the master again): 40 bytes a parameter with AdamW, where the kernel alone
-reads and writes 28 with a bf16 gradient. For the update of an optimizer
-that is elementwise (`ELEMENTWISE`), a master larger than
-`HOST_PIECE_ELEMENTS` steps a piece at a time: convert, step, round, so the
-scratch and the piece of the master are still in the cores' caches when
-the next pass reads them. Each piece is stepped with views of the
-parameter-shaped state entries and a copy of the others (Adam's `step`),
-which every piece advances alike; the last piece's values are written back.
-Elementwise, every element sees the same operations either way, provided
-it lands in the same lane of the kernel's vector code: torch's fused CPU
-kernels vectorize by whole cache lines from a tensor's start and finish
-its tail in scalar code, whose rounding can differ (fused multiply-adds),
-so pieces start at a multiple of `PIECE_ALIGN` elements. Then the result
-is the whole update's, bit for bit (tests/test_masters.py).
 """
 
 from __future__ import annotations
@@ -64,9 +45,6 @@ import torch
 from .shadow import shadow_of
 
 MASTER = "master_weight"  # the optimizer-state key of a parameter's float32 master
-ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes whose update is elementwise
-HOST_PIECE_ELEMENTS = 1 << 20  # a master's piece on the host ([Note: a master's update in pieces])
-PIECE_ALIGN = 64  # pieces are a multiple of this many elements (whole cache lines of float32, and more)
 
 
 def wants_master(p: torch.Tensor) -> bool:
@@ -91,31 +69,19 @@ def float_grad(grad: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def steps_elementwise(optimizer) -> bool:
-    """Whether `optimizer`'s update is elementwise: torch's own classes in `ELEMENTWISE`."""
-    cls = type(optimizer)
-    return cls.__module__.split(".")[:2] == ["torch", "optim"] and cls.__name__ in ELEMENTWISE
-
-
 def without_master(own: dict) -> dict:
     """A parameter's state entries for an update on its master: all but the master."""
     return {k: v for k, v in own.items() if k != MASTER}
 
 
-def step_each(raw_step, shadow, rounded: dict, piece_elements: int = 0) -> None:
+def step_each(raw_step, shadow, rounded: dict) -> None:
     """Run `raw_step` over `shadow`'s parameters one at a time. For each in
     `rounded` (id of a master -> (its low-precision gradient, the weight
     that gets its rounding)), the gradient is given in float32 for the
-    update, and the weight gets the master's value after it; with
-    `piece_elements`, a larger master steps in pieces of that many
-    elements (`step_in_pieces`: only for an update that is elementwise)."""
-    piece_elements -= piece_elements % PIECE_ALIGN
+    update, and the weight gets the master's value after it."""
     for group in shadow.param_groups:
         for stand_in in group["params"]:
             low = rounded.get(id(stand_in))
-            if low is not None and 0 < piece_elements < stand_in.numel() and shadow.state.get(stand_in):
-                step_in_pieces(raw_step, shadow, group, stand_in, low, piece_elements)
-                continue
             if low is not None:
                 stand_in.grad = float_grad(low[0])
             try:
@@ -126,38 +92,6 @@ def step_each(raw_step, shadow, rounded: dict, piece_elements: int = 0) -> None:
             if low is not None:
                 with torch.no_grad():
                     low[1].copy_(stand_in)
-
-
-def step_in_pieces(raw_step, shadow, group: dict, master: torch.Tensor, low: tuple, piece_elements: int) -> None:
-    """Step `master` (its state in `shadow`) a piece of `piece_elements` at
-    a time ([Note: a master's update in pieces]); `low` is (its gradient,
-    its weight)."""
-    own = shadow.state[master]
-    flat = {k: v.view(-1) for k, v in own.items() if isinstance(v, torch.Tensor) and v.shape == master.shape}
-    scalars = {k: v for k, v in own.items() if k not in flat}  # (Adam's step: each piece steps a copy)
-    master_flat, grad_flat, weight_flat = master.view(-1), low[0].view(-1), low[1].view(-1)
-    for start in range(0, master.numel(), piece_elements):
-        span = slice(start, start + piece_elements)
-        piece = master_flat[span]
-        views = {k: v[span] for k, v in flat.items()}
-        piece_state = {**views, **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}}
-        piece.grad = float_grad(grad_flat[span])
-        try:
-            raw_step(shadow_of(shadow, [{**group, "params": [piece]}], {piece: piece_state}))
-        finally:
-            piece.grad = None
-        with torch.no_grad():
-            for k, view in views.items():
-                if piece_state[k] is not view:  # (replaced, not updated in place)
-                    view.copy_(piece_state[k])
-            weight_flat[span].copy_(piece)
-    for k, value in piece_state.items():
-        if k in flat:
-            continue
-        if isinstance(own.get(k), torch.Tensor) and isinstance(value, torch.Tensor) and own[k].shape == value.shape:
-            own[k].copy_(value)  # (in place: the page holds it)
-        else:
-            own[k] = value  # (a new entry is reported by the caller, as for a whole update)
 
 
 def device_update(raw_step, optimizer, groups: list) -> None:
