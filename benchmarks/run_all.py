@@ -3,7 +3,8 @@ and its plot, training (decoder vs peers, NAS supernet), what
 transparency costs (clip, GradScaler, on-demand access), and Hugging Face
 decode with the host time per block use, one model over several GPUs'
 links (`split`, on machines with two or more), and a 7B-shaped bf16 full
-fine-tune (`finetune`: a host of 128 GiB). Results land in $OUT
+fine-tune (`finetune`: a host of 128 GiB) with its host update by part
+(`host_update`). Results land in $OUT
 (or .). All of it takes longer than one 10-minute device call: split it.
 
     python -m benchmarks.run_all --skip transparency,generate   # ~9 min
@@ -34,10 +35,12 @@ STEPS = {
     "split": ["-m", "benchmarks.bench_split"],  # (skips itself with fewer than two GPUs)
     # (5.1B parameters: each system's host copy is 89-120 GiB, in turn)
     "finetune": ["-m", "benchmarks.bench_finetune", "--systems", "pager,torchao32,deepspeed", "--budgets", "16"],
+    "host_update": ["-m", "benchmarks.bench_host_update"],  # (the host's share of "finetune", by part)
 }
 # seconds (measured ~75, ~110, ~260, ~100, ~200, ~160, ~180)
 LIMITS = {"forward": 120, "sweep": 170, "train": 300, "transparency": 170, "generate": 300, "lora": 300,
-          "compile": 300, "quantized": 300, "split": 300, "finetune": 540}
+          "compile": 300, "quantized": 300, "split": 300, "finetune": 540,
+          "host_update": 120}
 
 
 def main():
