@@ -209,6 +209,38 @@ def test_unwrap_leaves_the_state_torch_keeps_for_the_parameter():
     train(model, opt, batches(2))  # (raises if the state's dtype were not the parameter's)
 
 
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_state_made_by_the_constructor_is_made_again_for_the_masters(placement):
+    """Adagrad makes its state in its constructor, before pager attaches it:
+    a sum of 0.1 (not a bf16 value) made for the bf16 parameter is made
+    again for its float32 master, and the run equals the hand-kept loop's
+    bit for bit. State an update changed is still refused."""
+    make = functools.partial(torch.optim.Adagrad, lr=1e-2, lr_decay=0.01, initial_accumulator_value=0.1)
+    model = bf16_lm()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams", state_factor=6), device="cpu",
+               optimizer_step=placement, master_weights=True)
+    opt, ref_opt = make(model.parameters()), HandMasters(ref, make)
+    data = batches(5)
+    train(model, opt, data, clip=torch_clip)
+    train(ref, ref_opt, data, clip=torch_clip)
+    assert (pager.of(model).stats().host_steps > 0) == (placement == "host")
+    assert_models_equal(model, ref)
+    assert_states_equal(opt, model, ref_opt)
+
+    stepped = bf16_lm()
+    opt = make(stepped.parameters())
+    last = list(stepped.parameters())[-1]
+    last.grad = torch.ones_like(last)
+    opt.step()  # (one parameter's state changed; the others' are still the constructor's)
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in stepped.parameters()}
+    pager.wrap(stepped, budget=regime_budget(stepped, "streams", state_factor=6), device="cpu", master_weights=True)
+    with pytest.raises(ValueError, match=r"state for '.*' \(torch.bfloat16\) without a float32 master"):
+        pager.of(stepped).attach(opt)
+    for p in stepped.parameters():  # (nothing remade)
+        assert all(torch.equal(v, before[p][k]) and v.dtype == before[p][k].dtype for k, v in opt.state[p].items())
+
+
 def test_master_weights_refuses_what_it_cannot_step():
     class NotTorch:  # an optimizer-like object without torch.optim's step
         def __init__(self, params):

@@ -131,21 +131,67 @@ def param_names(pager) -> dict:
 
 def check_attached_state(optimizer, names: dict) -> None:
     """At `attach`: state the optimizer already holds for a parameter with a
-    master must be this option's, float32 (raises, naming the parameter)."""
-    for p in (p for g in optimizer.param_groups for p in g["params"]):
-        own = optimizer.state.get(p)
-        if not own or id(p) not in names or not wants_master(p):
+    master must be this option's, float32 (raises, naming the parameter),
+    or what the optimizer's constructor made (Adagrad's sum and step), which
+    is made again for a float32 master (`made_at_construction`)."""
+    remade = []  # (state, its float32 remake): put in only once nothing is refused
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            own = optimizer.state.get(p)
+            if not own or id(p) not in names or not wants_master(p):
+                continue
+            if MASTER not in own:
+                fresh = made_at_construction(optimizer, group, p, own)
+                if fresh is None:
+                    raise ValueError(
+                        f"pager: the optimizer holds state for {names[id(p)]!r} ({p.dtype}) without a float32 "
+                        f"master: made or loaded without master_weights=True. Give this model an optimizer with "
+                        f"fresh state, or wrap it without master_weights.")
+                remade.append((own, fresh))
+            elif own[MASTER].dtype != torch.float32:
+                raise ValueError(
+                    f"pager: the optimizer's state was loaded before pager attached it, and torch's load_state_dict "
+                    f"cast the float32 master of {names[id(p)]!r} and its state to {p.dtype}. Attach it first, "
+                    f"then load: pager.of(model).attach(opt) (or wrap(..., optimizer=opt)), then "
+                    f"opt.load_state_dict(...).")
+    for own, fresh in remade:
+        own.clear()
+        own.update(fresh)  # (its first update makes the master: `device_update`)
+
+
+def made_at_construction(optimizer, group: dict, p: torch.Tensor, own: dict) -> dict | None:
+    """If `own` (`p`'s state) is what `optimizer`'s class makes for `p` in
+    its constructor, the same for a float32 master of `p`, on `own`'s
+    devices; else None. Judged from optimizers of the class over one-element
+    stand-ins (of `p`'s dtype, and of float32) with `group`'s options: an
+    entry of the stand-in's shape is per element, and `own`'s must hold
+    that one value everywhere."""
+    options = {k: group[k] for k in optimizer.defaults if k in group}
+    shape = (1,) * p.dim()
+    try:
+        low, high = (type(optimizer)([torch.zeros(shape, dtype=dtype)], **options) for dtype in (p.dtype, torch.float32))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    low_state, high_state = (next(iter(o.state.values()), {}) for o in (low, high))
+    if set(low_state) != set(own) or set(high_state) != set(own):
+        return None
+    fresh = {}
+    for key, value in own.items():
+        made = low_state[key]
+        if not isinstance(value, torch.Tensor) or not isinstance(made, torch.Tensor):
+            if value != made:
+                return None
+            fresh[key] = high_state[key]
             continue
-        if MASTER not in own:
-            raise ValueError(
-                f"pager: the optimizer holds state for {names[id(p)]!r} ({p.dtype}) without a float32 master: made "
-                f"or loaded without master_weights=True. Give this model an optimizer with fresh state, or wrap it "
-                f"without master_weights.")
-        if own[MASTER].dtype != torch.float32:
-            raise ValueError(
-                f"pager: the optimizer's state was loaded before pager attached it, and torch's load_state_dict "
-                f"cast the float32 master of {names[id(p)]!r} and its state to {p.dtype}. Attach it first, then "
-                f"load: pager.of(model).attach(opt) (or wrap(..., optimizer=opt)), then opt.load_state_dict(...).")
+        per_element = made.shape == shape and value.shape == p.shape
+        if not per_element and made.shape != value.shape:
+            return None
+        made = made.to(value.device)
+        if not torch.equal(value, made.expand(value.shape) if per_element else made):
+            return None
+        made_high = high_state[key]
+        fresh[key] = (made_high.expand(p.shape).clone() if per_element else made_high).to(value.device)
+    return fresh
 
 
 def saved_float32(optimizer, state_dict: dict, names: dict) -> dict:
