@@ -746,3 +746,42 @@ def test_the_scheduler_predicts_a_step_by_the_one_a_cycle_before():
     # Two cycles seen (a a b a a b): the step a cycle before; a new order: the last one, as before.
     assert predicted[6:12] == [1, 2, 1, 1, 2, 1]
     assert predicted[-2:] == [3, 3]
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_parameters_unfrozen_after_training_started(placement):
+    """A block that was wholly frozen gets its gradient page at its first
+    backward, whenever that is: unfreezing it needs nothing. A parameter
+    unfrozen in a block whose gradient page exists has no room there: the
+    backward raises, naming it and the fix; the model, unwrapped and wrapped
+    again, then trains on as the unwrapped one, bit for bit."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    kwargs = dict(budget=regime_budget(model, "streams"), device="cpu", optimizer_step=placement)
+    pager.wrap(model, **kwargs)
+    late = "layers.3.mlp.0.weight"
+    runs = []
+    for m in (model, ref):
+        m.get_submodule("layers.0").requires_grad_(False)
+        m.get_parameter(late).requires_grad_(False)
+        runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    data = batches(6)
+    for m, opt in runs:
+        train(m, opt, data[:2], accumulate=False)
+        m.get_submodule("layers.0").requires_grad_(True)
+        train(m, opt, data[2:3], accumulate=False)
+    assert_models_equal(model, ref)
+
+    for m, _opt in runs:
+        m.get_parameter(late).requires_grad_(True)
+    said = r"'layers\.3\.mlp\.0\.weight' \(block 'layers\.3'\) has a gradient.*pager\.unwrap"
+    with pytest.raises(RuntimeError, match=said):
+        lm_loss(model, *data[3]).backward()
+    runs[0][1].zero_grad()
+    pager.unwrap(model)
+    pager.wrap(model, **kwargs)
+    for m, opt in runs:
+        train(m, opt, data[3:], accumulate=False)
+    assert_models_equal(model, ref)
+    states = [opt.state[m.get_parameter(late)] for m, opt in runs]
+    assert_same(states[0]["exp_avg"], states[1]["exp_avg"])

@@ -437,6 +437,8 @@ class Hooks:
         block, i = self.pager.grad_slots.get(id(param), (None, None))
         if block is None:
             block = self.pager.param_blocks[id(param)]
+            if "grads" in block.segments:
+                raise RuntimeError(unfrozen_message(block, param))
             self.pager.grad_pages.ensure_segment(block)
             block, i = self.pager.grad_slots[id(param)]
         seg = block.segments["grads"]
@@ -452,3 +454,14 @@ class Hooks:
         finally:
             if acquired:
                 self.uses.release(block)
+
+
+def unfrozen_message(block, param) -> str:
+    """The error for a gradient of a parameter that did not require grad when
+    its block's gradient page was laid out (at the block's first backward)."""
+    name = next((n for n, p in zip(block.param_names, block.params) if p is param), "?")
+    return (f"pager: {name!r} (block {block.name!r}) has a gradient, but it did not require grad when the "
+            f"block's gradient page was laid out, at its first backward; the page has no room for it. To change "
+            f"which parameters train after training started, unwrap and wrap again: pager.unwrap(model), set "
+            f"requires_grad, then pager.wrap(model, ...) (the optimizer keeps its state; it is attached again at "
+            f"its next step). Parameters unfrozen before their block's first backward need nothing.")

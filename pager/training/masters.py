@@ -169,7 +169,8 @@ def made_at_construction(optimizer, group: dict, p: torch.Tensor, own: dict) -> 
     options = {k: group[k] for k in optimizer.defaults if k in group}
     shape = (1,) * p.dim()
     try:
-        low, high = (type(optimizer)([torch.zeros(shape, dtype=dtype)], **options) for dtype in (p.dtype, torch.float32))
+        low, high = (type(optimizer)([torch.zeros(shape, dtype=dtype)], **options)
+                     for dtype in (p.dtype, torch.float32))
     except (TypeError, ValueError, RuntimeError):
         return None
     low_state, high_state = (next(iter(o.state.values()), {}) for o in (low, high))
