@@ -222,6 +222,32 @@ def test_views_outputs_and_dropout_masks(policy):
 
 
 @pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_batchnorm_running_statistics_count_each_batch_once(policy):
+    """[Note: buffers a forward changes]: a recomputed block's BatchNorm
+    leaves its running statistics and its batch count as the forward left
+    them, so they equal the unwrapped model's (and so does evaluation)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU()) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
+    p = offloading(model, 12 * one + 4096, policy)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    for _ in range(4):
+        x = torch.randn(16, 32)
+        for m, opt in zip((model, ref), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_acted(p, policy)
+    assert_models_equal(model, ref)  # (buffers too: running_mean, running_var, num_batches_tracked)
+    for m in (model, ref):
+        m.eval()
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        assert_same(model(x), ref(x))
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
 def test_a_graph_kept_for_a_second_backward(policy):
     model = TinyLM()
     ref = copy.deepcopy(model)

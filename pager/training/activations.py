@@ -55,6 +55,18 @@ tensor of another shape or dtype than in the forward, or an input changed in
 place since, is an error (the recomputation would differ). The block's own
 weights are saved as they are: they page with the block.
 
+[Note: buffers a forward changes]
+BatchNorm's training forward updates its running statistics in place
+(running_mean, running_var, num_batches_tracked), so running it again would
+count the batch twice, and the model would no longer be the unwrapped one
+(torch's own checkpoint has that flaw). `Recompute` notes the version of
+each buffer of the block at the forward's start; at the recomputation, the
+buffers whose version moved since (the forward changed them:
+num_batches_tracked), and the running statistics of the norm layers in it
+(their kernel updates them without moving the version), are copied aside
+and put back after it. The recomputation's outputs do not depend on them (a
+training BatchNorm normalizes by the batch's statistics).
+
 [Note: one budget]
 With `activations` other than "keep", the budget bounds blocks and
 activations together: what pager's hooks hold on the device for a backward
@@ -684,6 +696,8 @@ class Recompute:
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
         self.values: dict = {}   # index -> recomputed tensor, until handed out
         self.lock = threading.Lock()  # unpack runs on autograd's threads
+        with unguarded():  # ([Note: buffers a forward changes])
+            self.buffers = [(b, b._version) for b in block.module.buffers()] if block.module is not None else []
 
     def drop(self, t, number: int) -> Dropped:
         """Drop `t`, the thread's `number`-th save."""
@@ -716,6 +730,7 @@ class Recompute:
                                       self.spec)
         rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         _set_rng(self.rng, self.devices)
+        changed = [(b, b.clone()) for b, version in self.buffers if b._version != version or id(b) in self._stats()]
         tls.recording = (self, [0])
         torch._C._autograd._push_saved_tensors_default_hooks(*_AGAIN_HOOKS)
         try:
@@ -727,6 +742,11 @@ class Recompute:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             tls.recording = None
             _set_rng(rng_now, self.devices)
+            with torch.no_grad():
+                for buffer, before in changed:
+                    # (the forward changed it once already; through .data: the recomputed graph may
+                    # have saved it, at the version it has)
+                    buffer.data.copy_(before)
             self.ledger.recomputed(self.dropped_bytes)
         missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
         if missing:
@@ -736,6 +756,12 @@ class Recompute:
                 "tensors each time it runs (no control flow on values or on global state that changes); use "
                 "activations=\"offload\" or \"keep\" for this model.")
         self.stats.recomputes += 1
+
+    def _stats(self) -> set:
+        """ids of the block's running statistics (BatchNorm's, InstanceNorm's):
+        their kernel updates them without moving their version."""
+        return {id(b) for m in self.block.module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                for b in (m.running_mean, m.running_var) if b is not None}
 
     def keep(self, i: int, t) -> None:
         """The recomputation saved `t` as its `i`-th tensor."""
