@@ -223,6 +223,66 @@ def test_assigning_data_of_a_parameter():
     assert_models_equal(model, ref)
 
 
+class StemAndLayers(nn.Module):
+    """A stem with BatchNorm (the remainder, resident: `_apply` converts it
+    first) before layers that page."""
+
+    def __init__(self, d=32, n_layers=6):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(8, d), nn.BatchNorm1d(d))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(d), nn.ReLU())
+                                    for _ in range(n_layers))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_conversion_of_the_wrapped_model():
+    """`model.to()` to the device and dtype it has changes nothing (a loop
+    that moves its model, as trainers do, runs); one to another dtype is
+    refused by the first paged-out tensor, and what was converted before it
+    (the resident remainder's parameters, gradients and BatchNorm buffers)
+    is put back: the model trains on as the unwrapped one, bit for bit
+    ([Note: a refused conversion leaves the model as it was] in
+    base/conversions.py)."""
+    model = StemAndLayers()
+    ref = copy.deepcopy(model)
+    layer_bytes = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())
+    pager.wrap(model, budget=8 * layer_bytes + 40000, device="cpu", blocks=list(model.layers))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def step(m, opt, zero=True):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        if zero:
+            opt.zero_grad()
+
+    for m, opt in zip((model, ref), opts):
+        step(m, opt)
+        step(m, opt, zero=False)  # (gradients present for the conversion)
+    assert pager.of(model).stats().evictions > 0
+    assert model.to("cpu") is model and model.cpu().float() is model
+    with pytest.raises(RuntimeError, match=r"dtype and device stay as wrap made them.*tensors changed before"):
+        model.to(torch.float16)
+    for (name, t), (_n, r) in zip(list(model.named_parameters()) + list(model.named_buffers()),
+                                  list(ref.named_parameters()) + list(ref.named_buffers())):
+        assert t.dtype == r.dtype, name
+        assert_same(t, r)
+        assert t.grad is None or (t.grad.dtype == r.grad.dtype and torch.equal(t.grad, r.grad)), name
+    for m, opt in zip((model, ref), opts):
+        opt.zero_grad()
+        for _ in range(3):
+            step(m, opt)
+    assert_models_equal(model, ref)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 def test_gradients_read_after_backward():
     model, ref, _ = wrapped_pair(steps=1)
     ids, tgt = batches(2)[1]

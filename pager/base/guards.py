@@ -53,6 +53,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .block import storage_key
+from .conversions import put_back_converted
 from .common import outside_compile
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
 from .saving import saving
@@ -383,6 +384,8 @@ def handle(func, args, kwargs):
                 return func(*args, **kwargs)
             with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
                 return func(*args, **kwargs)
+    if func == _DATA_SET and len(args) > 1 and args[1] is args[0]:
+        return None  # (`t.data = t`: `module.to()` to the device and dtype it has; nothing changes)
     tensors = _tensors_of(args, kwargs)
     sleepers = _unserved(tensors)
     if sleepers is not None:
@@ -392,11 +395,14 @@ def handle(func, args, kwargs):
         if result is not _WOKE:
             return result
     if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
-        name = _name_of(args[0])
+        name, entry = _name_of(args[0]), entry_of(args[0])
+        undone = put_back_converted(entry[0]) if entry is not None else []
         raise RuntimeError(
             f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
-            f"(pager would keep paging the old bytes). Copy into it instead: "
-            f"`with torch.no_grad(): tensor.copy_(new)`, or unwrap, change, and wrap again."
+            f"(pager would keep paging the old bytes); a wrapped model's dtype and device stay as wrap made "
+            f"them (`model.to(...)`, `.half()`: unwrap, convert, wrap again). To change a value, copy into it: "
+            f"`with torch.no_grad(): tensor.copy_(new)`."
+            + (f" The {len(undone)} tensors changed before this one are as they were." if undone else "")
         )
     if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
         raise RuntimeError(
