@@ -730,7 +730,8 @@ class Recompute:
                                       self.spec)
         rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         _set_rng(self.rng, self.devices)
-        changed = [(b, b.clone()) for b, version in self.buffers if b._version != version or id(b) in self._stats()]
+        stats = self._stats() if self.buffers else set()
+        changed = [(b, b.clone()) for b, version in self.buffers if b._version != version or id(b) in stats]
         tls.recording = (self, [0])
         torch._C._autograd._push_saved_tensors_default_hooks(*_AGAIN_HOOKS)
         try:
