@@ -53,8 +53,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .block import storage_key
-from .conversions import put_back_converted
 from .common import outside_compile
+from .conversions import put_back_converted
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
 from .saving import saving
 from .wrappers import inner_tensors, is_wrapper
