@@ -2,6 +2,8 @@
 `save_pretrained` (sharded or not), built on the meta device and paged
 from the files by `pager.from_pretrained` or `pager.load` in one call."""
 
+import copy
+
 import pytest
 import torch
 
@@ -281,3 +283,27 @@ def test_load_encodes_pages_as_it_reads_them(tmp_path, codec):
         assert torch.equal(model(ids).logits, ref(ids).logits)
     with pytest.raises(ValueError, match="host_budget"):
         pager.from_pretrained(folder, budget=budget, device="cpu", compress=codec, host_budget="1MiB")
+
+
+def test_the_hugging_face_trainer_trains_a_wrapped_model(tmp_path):
+    """`transformers.Trainer` moves the model it is given (`model.to(device)`,
+    to where it is) and runs its loop (clipping, a schedule, AdamW): on a
+    wrapped model that streams, as on the unwrapped one, bit for bit."""
+    pytest.importorskip("accelerate")
+    from helpers import assert_models_equal
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama(num_hidden_layers=4))
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=2 * sum(p.numel() * p.element_size() for p in model.parameters()), device="cpu")
+    ids = torch.randint(0, 128, (8, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    losses = []
+    for m in (model, ref):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=2, learning_rate=1e-3,
+            max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0)
+        losses.append(transformers.Trainer(model=m, args=args, train_dataset=data).train().training_loss)
+    assert pager.of(model).stats().evictions > 0
+    assert losses[0] == losses[1]
+    assert_models_equal(model, ref)
