@@ -102,7 +102,8 @@ def run_pager(layers: int, reps: int, budget_gib: float) -> Row:
     step()
     s = pg.stats()
     note = (f"per step {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; {s.host_steps} updates on "
-            f"the host ({1e3 * s.host_step_seconds:.0f} ms of the host's), waited for "
+            f"the host ({1e3 * s.host_step_seconds:.0f} ms of the host's; {s.host_master_passes} masters in one "
+            f"pass), waited for "
             f"{1e3 * s.host_step_wait_seconds:.0f} ms; activations {s.activations_policy}")
     return Row(WORKLOAD, f"pager, budget {budget_gib:g} GiB, master_weights", ms, peak, note=note,
                extra={"host_rss_gib": host_rss_gib()})

@@ -53,8 +53,15 @@ class Layer:
         return t.pin_memory() if pin else t
 
     def update(self) -> None:
-        """The whole update, as pager runs it on the host."""
+        """The whole update in three passes, as pager runs it on the CPU device."""
         masters.step_each(self.raw_step, shadow_of(self.optimizer, [self.group], self.state), self.rounded)
+
+    def update_in_one_pass(self) -> None:
+        """The whole update, as pager runs it on a CUDA run's host."""
+        passes = masters.step_each(self.raw_step, shadow_of(self.optimizer, [self.group], self.state),
+                                   self.rounded, one_pass=True)
+        if passes != len(self.masters):
+            raise RuntimeError("the one pass did not take these masters (its compile failed: see the log)")
 
     def convert(self) -> None:
         for g in self.grads:
@@ -122,11 +129,19 @@ def main(argv=None):
     layer = Layer(args.d, args.ff)
     worker = HostWorker(host_threads() if torch.cuda.is_available() else 0)
     on_worker = OnWorker(layer.update)
+    start = time.perf_counter()
+    layer.update_in_one_pass()
+    compile_s = time.perf_counter() - start
+    one_pass = OnWorker(layer.update_in_one_pass)
     rows = [(f"whole update, this thread ({torch.get_num_threads()} threads)", best_ms(layer.update, args.reps)),
             (f"whole update, pager's host worker ({worker.threads or torch.get_num_threads()} threads)",
              on_worker_ms(worker, on_worker, args.reps)),
             ("whole update, pager's host worker, this thread busy in Python",
              on_worker_ms(worker, on_worker, args.reps, busy=True)),
+            ("one pass, this thread", best_ms(layer.update_in_one_pass, args.reps)),
+            ("one pass, pager's host worker", on_worker_ms(worker, one_pass, args.reps)),
+            ("one pass, pager's host worker, this thread busy in Python",
+             on_worker_ms(worker, one_pass, args.reps, busy=True)),
             ("part: gradients to float32", best_ms(layer.convert, args.reps)),
             ("part: fused AdamW on float32", best_ms(layer.kernel, args.reps)),
             ("part: masters rounded into the weights", best_ms(layer.round, args.reps))]
@@ -136,6 +151,7 @@ def main(argv=None):
                note=f"{layer.params / ms / 1e6:.2f} G parameters/s") for method, ms in rows]
     env = environment()
     env["params"] = f"{layer.params / 1e6:.0f}M (d={args.d}, ff={args.ff})"
+    env["one_pass_first_call_s"] = round(compile_s, 1)  # (its compile, once per process)
     save(out, "bench_host_update", env)
 
 

@@ -62,6 +62,7 @@ class Stats:
     host_steps: int = 0  # optimizer updates of a block run on the host ([Note: the optimizer step on the host])
     host_step_seconds: float = 0.0  # the host's time running them
     host_step_wait_seconds: float = 0.0  # time fetches waited for them
+    host_master_passes: int = 0  # float32 masters those updates updated in one pass ([Note: a master's update in one pass])
     owner_wait_seconds: float = 0.0  # block_owners=True: time fetches waited for the blocks' owners' updates
     row_hits: int = 0  # row tables: rows a lookup or an update found in the device cache
     row_misses: int = 0  # ... and rows it did not (read ahead, or read from the host table)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..base.block import PageState
-from . import masters
+from . import master_pass, masters
 from .grads import PagedOutGrad, replay
 from .shadow import shadow_of
 
@@ -34,14 +34,17 @@ class AfterCopy:
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict):
+    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict,
+                 one_pass: bool = False):
         self.step = step        # the optimizer class's undecorated step
         self.shadow = shadow    # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
         self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
         self.after = after      # CUDA events: pages written back, factors copied
         self.rounded = rounded  # id of a master -> (gradient, weight) ([Note: master weights] in training/masters.py)
+        self.one_pass = one_pass  # masters' updates in one pass where it can ([Note: a master's update in one pass])
         self.seconds = 0.0
+        self.passes = 0  # masters updated in one pass
 
     def landed(self) -> bool:
         """The pages' write-backs (and the factors' copies) have landed in host memory."""
@@ -56,7 +59,7 @@ class HostJob:
                 replay(view, ops)
         given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
         if self.rounded:
-            masters.step_each(self.step, self.shadow, self.rounded)
+            self.passes = masters.step_each(self.step, self.shadow, self.rounded, self.one_pass)
         else:
             self.step(self.shadow)
         self._put_back(given)
@@ -94,7 +97,8 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     weights_host = dict(zip(map(id, weights.tensors), weights.host_views()))
     grads_host = grads.host_views()
     state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
-    override = {"fused": True, "foreach": False} if pager.host_steps.fused_on_host(optimizer) else {}
+    fused = pager.host_steps.fused_on_host(optimizer)
+    override = {"fused": True, "foreach": False} if fused else {}
     groups, shadow_state, entries, rounded = [], collections.defaultdict(dict), [], {}
     for g, share, opts in zip(optimizer.param_groups, shares, options):
         stand_ins = []
@@ -120,7 +124,7 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
     return HostJob(link.raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
-                   writeback_events(block) + after, rounded)
+                   writeback_events(block) + after, rounded, one_pass=fused and master_pass.takes(optimizer))
 
 
 def host_factor(factor, cache: dict, transport, after: list):

@@ -373,6 +373,7 @@ class HostSteps:
         # (on the worker thread)
         if future.exception() is None:
             self.pager.counters.host_step_seconds += future.result().seconds
+            self.pager.counters.host_master_passes += future.result().passes
 
     # ---------------------------------------------------------- measuring
     def forward_starts(self) -> None:

@@ -42,6 +42,7 @@ import threading
 
 import torch
 
+from . import master_pass
 from .shadow import shadow_of
 
 MASTER = "master_weight"  # the optimizer-state key of a parameter's float32 master
@@ -74,14 +75,22 @@ def without_master(own: dict) -> dict:
     return {k: v for k, v in own.items() if k != MASTER}
 
 
-def step_each(raw_step, shadow, rounded: dict) -> None:
+def step_each(raw_step, shadow, rounded: dict, one_pass: bool = False) -> int:
     """Run `raw_step` over `shadow`'s parameters one at a time. For each in
     `rounded` (id of a master -> (its low-precision gradient, the weight
     that gets its rounding)), the gradient is given in float32 for the
-    update, and the weight gets the master's value after it."""
+    update, and the weight gets the master's value after it; or, with
+    `one_pass`, all three in one pass where it takes the parameter ([Note:
+    a master's update in one pass] in training/master_pass.py). Returns how
+    many masters were updated in one pass."""
+    passes = 0
     for group in shadow.param_groups:
         for stand_in in group["params"]:
             low = rounded.get(id(stand_in))
+            if low is not None and one_pass \
+                    and master_pass.update(shadow, group, stand_in, shadow.state.get(stand_in, {}), *low):
+                passes += 1
+                continue
             if low is not None:
                 stand_in.grad = float_grad(low[0])
             try:
@@ -92,6 +101,7 @@ def step_each(raw_step, shadow, rounded: dict) -> None:
             if low is not None:
                 with torch.no_grad():
                     low[1].copy_(stand_in)
+    return passes
 
 
 def device_update(raw_step, optimizer, groups: list) -> None:
