@@ -5,35 +5,54 @@ Under `master_weights=True`, an update on the host of a bf16 parameter is
 three passes over host memory: the gradient converted to float32, torch's
 fused AdamW over the master and moments, and the master rounded into the
 weights page ([Note: master weights] in training/masters.py). Host memory
-is what they wait for: on an H100's 16-core host, one 202M-parameter
-layer of Llama-7B's shape took 64 ms in three passes, and the fused kernel
-alone (given float32 gradients) 34 ms. In the 7B-shaped fine-tune these
+is what they wait for. On an H100's 16-core host, one 202M-parameter layer
+of Llama-7B's shape took 64-88 ms in three passes, and the fused kernel
+alone (given float32 gradients) 34-42 ms. In the 7B-shaped fine-tune these
 updates were the step: 24 of them, one after another, were most of its
 1.7 s.
 
-Here the three passes are one loop, compiled by `torch.compile` (inductor's
-C++ for the CPU). It reads the bf16 gradient, the master and the two
-moments once. It writes the moments, the master and the bf16 weight once.
-The same layer took 40 ms on pager's worker.
+Here the three are one loop (master_pass.c): it reads the bf16 gradient,
+the master and the two moments once, and writes the moments, the master
+and the bf16 weight once, for all the tensors of a block in one call. The
+arithmetic is that of torch's fused CPU kernel (`FusedAdamKernel.cpp`, its
+vectorized body) in float32, and the rounding torch's round-to-nearest-even,
+so the result lands within that kernel's rounding.
+
+Why C through ctypes, and not torch.compile: the same loop compiled by
+inductor ran as fast (41 ms for that layer, against 34 ms for the fused
+kernel alone), but inductor's CPU kernels run with the GIL held. The
+training loop's thread then waited for each of the worker's kernels: the
+7B-shaped step went from 1.7 s to 5.7 s. A ctypes call gives up the GIL for
+its length, and a block's tensors take one call, so the worker takes the
+GIL back once per block. The loop's threads are its own (pthreads, one
+part of each tensor per thread, as many threads as torch's setting on the
+worker): OpenMP would bring a second runtime into the process beside
+torch's.
 
 Where it runs: where the fused CPU kernel would (a CUDA run; on the CPU
 device an update is the optimizer's own code, bit for bit), for
 `torch.optim.Adam` and `AdamW` with options it computes as torch's kernel
-does (not amsgrad, capturable or differentiable), for contiguous pages. The
-arithmetic is torch's fused CPU kernel's (`FusedAdamKernel.cpp`) in
-float32, so the result lands within that kernel's rounding. A parameter it
-does not take goes the three passes' way.
+does (not amsgrad, capturable or differentiable), for contiguous bf16
+weights and gradients with float32 master and moments. A tensor it does not
+take goes the three passes' way.
 
-Compiling needs a C++ compiler. It is tried once per process, on a small
-probe, by the first update on the host that can use it (on the worker, not
-in the training loop's thread). The probe must match the uncompiled loop.
-Where compiling or the probe fails, pager logs why (a warning) and keeps the
-three passes.
+The loop is built once per process, at the first update that can use it (on
+the worker, not in the training loop's thread), by the machine's C compiler
+(`$CC`, else `cc`, `gcc` or `clang`), for this machine's CPU, into a
+temporary folder (a fraction of a second). It must then match the loop in
+torch ops (`adam_pass`) on a probe. Where there is no compiler, the build
+fails or the probe differs, pager logs why (a warning) and keeps the three
+passes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import shutil
+import subprocess
+import tempfile
 import threading
 
 import torch
@@ -41,67 +60,109 @@ import torch
 log = logging.getLogger("pager")
 
 CLASSES = ("Adam", "AdamW")  # torch.optim classes updated here
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "master_pass.c")
+FLAGS = (["-O3", "-march=native"], ["-O3"])  # (the second where the compiler knows no -march=native)
+COMMON_FLAGS = ["-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
+N_COEF = 9  # `coefficients` per tensor
 
 
 def adam_pass(grad, master, exp_avg, exp_avg_sq, weight, c):
-    """One Adam/AdamW update of `master` (and its moments) from `grad` (its
-    bf16 or fp16 gradient), in place, with `weight` given the master's
-    rounding. All 1-D, contiguous. `c` (float32): step size, the square
-    root of the second bias correction, 1 - lr x weight decay (AdamW; else
-    1), weight decay (Adam; else 0), 1 - beta1, beta2, 1 - beta2, eps, and
-    -1 to maximize (else 1). In the order of torch's fused CPU kernel."""
+    """The loop of master_pass.c in torch ops (its reference, and the
+    probe's): one update of `master` and its moments from `grad`, in place,
+    with `weight` given the master's rounding. `c`: `coefficients`."""
     g = grad.float() * c[8]
     g = g + master * c[3]  # (Adam's weight decay: into the gradient)
-    m = exp_avg + (g - exp_avg) * c[4]  # (torch's lerp, for a weight below 0.5)
-    v = exp_avg_sq * c[5] + g * g * c[6]
     p = master * c[2]  # (AdamW's: on the master)
-    p = p - c[0] * m / (v.sqrt() / c[1] + c[7])
+    m = exp_avg + (g - exp_avg) * c[4] if abs(float(c[4])) < 0.5 else g + (g - exp_avg) * (c[4] - 1)
+    v = exp_avg_sq * c[5] + c[6] * g * g
+    p = p + (-c[0]) * m / (v.sqrt() / c[1] + c[7])
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     master.copy_(p)
     weight.copy_(p)
 
 
+def coefficients(optimizer, group: dict, step: float) -> list:
+    """For an update at `step` with `group`'s options: step size, the square
+    root of the second bias correction, 1 - lr x weight decay (AdamW; else
+    1), weight decay (Adam; else 0), 1 - beta1, beta2, 1 - beta2, eps, -1 to
+    maximize (else 1). Reckoned in double, as torch's kernel does."""
+    lr, (beta1, beta2) = float(group["lr"]), map(float, group["betas"])
+    decay = float(group.get("weight_decay", 0.0))
+    decoupled = type(optimizer).__name__ == "AdamW" or group.get("decoupled_weight_decay", False)
+    return [lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, 1 - lr * decay if decoupled else 1.0,
+            0.0 if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),
+            -1.0 if group.get("maximize") else 1.0]
+
+
 class OnePass:
-    """`adam_pass` compiled, made once per process ([Note: a master's update in one pass])."""
+    """master_pass.c's loop, built and loaded once per process."""
 
     _lock = threading.Lock()
-    _compiled = None
+    _kernel = None
     _tried = False
 
     @classmethod
     def kernel(cls):
-        """The compiled pass, or None where it could not be made."""
+        """The loop (a ctypes function), or None where it could not be made."""
         with cls._lock:
             if not cls._tried:
                 cls._tried = True
-                cls._compiled = cls._made()
-            return cls._compiled
-
-    @staticmethod
-    def _made():
-        try:
-            compiled = torch.compile(adam_pass, dynamic=True, fullgraph=True)
-            probe = _probe()
-            expected = _probe()
-            adam_pass(*expected)
-            compiled(*probe)
-            for got, want in zip(probe[1:5], expected[1:5]):
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-            return compiled
-        except Exception as error:  # (no compiler, an inductor that cannot, a result not as expected)
-            log.warning("pager: a float32 master's update on the host in one pass could not be compiled (%r); "
-                        "its three passes run instead (slower: [Note: a master's update in one pass])", error)
-            return None
+                try:
+                    cls._kernel = _checked(_built())
+                except Exception as error:  # (no compiler, a failed build, a probe that differs)
+                    log.warning("pager: a float32 master's update on the host in one pass is not available (%s); "
+                                "its three passes run instead (slower: [Note: a master's update in one pass])",
+                                error)
+            return cls._kernel
 
 
-def _probe() -> tuple:
+def _built():
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler: set CC, or install cc, gcc or clang")
+    with tempfile.TemporaryDirectory(prefix="pager-") as folder:
+        library = os.path.join(folder, "pager_master_pass.so")
+        for flags in FLAGS:
+            built = subprocess.run([compiler, *flags, *COMMON_FLAGS, "-o", library, SOURCE],
+                                   capture_output=True, text=True, timeout=120)
+            if built.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} could not build {SOURCE}: {built.stderr.strip()[-500:]}")
+        kernel = ctypes.CDLL(library).pager_adam_bf16  # (mapped: the file may go)
+    pointers = ctypes.POINTER(ctypes.c_void_p)
+    kernel.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), pointers, pointers, pointers, pointers,
+                       pointers, ctypes.POINTER(ctypes.c_float), ctypes.c_int64]
+    kernel.restype = None
+    return kernel
+
+
+def _checked(kernel):
+    """`kernel`, if it computes `adam_pass` on a probe (a size with a ragged tail, both lerp forms)."""
     gen = torch.Generator().manual_seed(0)
-    n = 1000  # (a size of no special case: the compiled loop is for any)
-    master = torch.randn(n, generator=gen)
-    return (torch.randn(n, generator=gen).to(torch.bfloat16), master, torch.randn(n, generator=gen) * 0.1,
-            torch.rand(n, generator=gen), master.to(torch.bfloat16),
-            torch.tensor([1e-3, 0.5, 0.9999, 0.01, 0.1, 0.999, 0.001, 1e-8, 1.0]))
+    for c1 in (0.1, 0.7):
+        n = 1000 + 7
+        c = coefficients(torch.optim.Adam([torch.zeros(1)]), {"lr": 1e-3, "betas": (1 - c1, 0.999),
+                                                               "weight_decay": 0.01, "eps": 1e-8}, 3.0)
+        master = torch.randn(n, generator=gen)
+        mine = [torch.randn(n, generator=gen).to(torch.bfloat16), master, torch.randn(n, generator=gen) * 0.1,
+                torch.rand(n, generator=gen), master.to(torch.bfloat16)]
+        expected = [t.clone() for t in mine]
+        adam_pass(*expected, torch.tensor(c, dtype=torch.float32))
+        _call(kernel, [mine], [c], threads=3)
+        for got, want in zip(mine[1:], expected[1:]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    return kernel
+
+
+def _call(kernel, tensors: list, coefs: list, threads: int) -> None:
+    """`kernel` over `tensors` ((grad, master, exp_avg, exp_avg_sq, weight) each) with their `coefs`."""
+    n = len(tensors)
+    columns = [(ctypes.c_void_p * n)(*(ts[i].data_ptr() for ts in tensors)) for i in range(5)]
+    sizes = (ctypes.c_int64 * n)(*(ts[1].numel() for ts in tensors))
+    flat = (ctypes.c_float * (n * N_COEF))(*(x for c in coefs for x in c))
+    kernel(n, sizes, *columns, flat, threads)
 
 
 def takes(optimizer) -> bool:
@@ -110,35 +171,32 @@ def takes(optimizer) -> bool:
     return cls.__module__.split(".")[:2] == ["torch", "optim"] and cls.__name__ in CLASSES
 
 
-def update(optimizer, group: dict, master, state: dict, grad, weight) -> bool:
-    """`master`'s update by `optimizer`'s class with `group`'s options and
-    its `state`, from `grad`, rounded into `weight`, in one pass; False
-    (nothing changed) where this pass does not take it."""
+def _fits(group: dict, master, state: dict, grad, weight) -> bool:
     step = state.get("step")
     if (group.get("amsgrad") or group.get("capturable") or group.get("differentiable")
             or not isinstance(step, torch.Tensor) or step.numel() != 1
-            or "exp_avg" not in state or "exp_avg_sq" not in state):
+            or not isinstance(state.get("exp_avg"), torch.Tensor)
+            or not isinstance(state.get("exp_avg_sq"), torch.Tensor)):
         return False
     tensors = (grad, master, state["exp_avg"], state["exp_avg_sq"], weight)
-    if any(t.device.type != "cpu" or not t.is_contiguous() or t.numel() != master.numel() for t in tensors) \
-            or any(t.dtype != torch.float32 for t in tensors[1:4]):
-        return False
-    kernel = OnePass.kernel()
+    dtypes = (torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16)
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == master.numel() and t.dtype == d
+               for t, d in zip(tensors, dtypes))
+
+
+def update(optimizer, items: list) -> set:
+    """The updates by `optimizer`'s class of the masters in `items` ((its
+    group, master, state, bf16 gradient, bf16 weight) each) that this pass
+    takes, in one call, each weight given its master's rounding and each
+    step counted; returns their ids (the others are left as they were)."""
+    taken = [item for item in items if _fits(*item)]
+    kernel = OnePass.kernel() if taken else None
     if kernel is None:
-        return False
-    with torch.no_grad():
-        kernel(*(t.view(-1) for t in tensors), coefficients(optimizer, group, float(step) + 1))
-    step += 1  # (in place, as torch's kernels count)
-    return True
-
-
-def coefficients(optimizer, group: dict, step: float) -> torch.Tensor:
-    """`adam_pass`'s `c` for this update, in double as torch's kernel
-    reckons them, then float32."""
-    lr, (beta1, beta2) = float(group["lr"]), map(float, group["betas"])
-    decay = group.get("weight_decay", 0.0)
-    decoupled = type(optimizer).__name__ == "AdamW" or group.get("decoupled_weight_decay", False)
-    return torch.tensor([lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5,
-                         1 - lr * decay if decoupled else 1.0, 0.0 if decoupled else decay,
-                         1 - beta1, beta2, 1 - beta2, group["eps"], -1.0 if group.get("maximize") else 1.0],
-                        dtype=torch.float32)
+        return set()
+    coefs = [coefficients(optimizer, group, float(state["step"]) + 1) for group, _m, state, _g, _w in taken]
+    tensors = [(grad, master, state["exp_avg"], state["exp_avg_sq"], weight)
+               for _group, master, state, grad, weight in taken]
+    _call(kernel, tensors, coefs, torch.get_num_threads())
+    for _group, _master, state, _grad, _weight in taken:
+        state["step"] += 1  # (in place, as torch's kernels count)
+    return {id(master) for _group, master, _s, _g, _w in taken}

@@ -80,17 +80,19 @@ def step_each(raw_step, shadow, rounded: dict, one_pass: bool = False) -> int:
     `rounded` (id of a master -> (its low-precision gradient, the weight
     that gets its rounding)), the gradient is given in float32 for the
     update, and the weight gets the master's value after it; or, with
-    `one_pass`, all three in one pass where it takes the parameter ([Note:
-    a master's update in one pass] in training/master_pass.py). Returns how
+    `one_pass`, all three in one pass for the masters it takes ([Note: a
+    master's update in one pass] in training/master_pass.py). Returns how
     many masters were updated in one pass."""
-    passes = 0
+    taken = set()
+    if one_pass:
+        taken = master_pass.update(shadow, [(group, stand_in, shadow.state.get(stand_in, {}), *rounded[id(stand_in)])
+                                            for group in shadow.param_groups for stand_in in group["params"]
+                                            if id(stand_in) in rounded])
     for group in shadow.param_groups:
         for stand_in in group["params"]:
-            low = rounded.get(id(stand_in))
-            if low is not None and one_pass \
-                    and master_pass.update(shadow, group, stand_in, shadow.state.get(stand_in, {}), *low):
-                passes += 1
+            if id(stand_in) in taken:
                 continue
+            low = rounded.get(id(stand_in))
             if low is not None:
                 stand_in.grad = float_grad(low[0])
             try:
@@ -101,7 +103,7 @@ def step_each(raw_step, shadow, rounded: dict, one_pass: bool = False) -> int:
             if low is not None:
                 with torch.no_grad():
                     low[1].copy_(stand_in)
-    return passes
+    return len(taken)
 
 
 def device_update(raw_step, optimizer, groups: list) -> None:
