@@ -98,9 +98,10 @@ def run_pager(layers: int, reps: int, budget_gib: float) -> Row:
             break
         step()
     ms, peak = timed(step, reps, before=SETTLE_STEPS)
+    pg.apply_deferred()  # (the updates on the host of the steps before done: the counts below are one step's)
     pg.reset()
     step()
-    pg.apply_deferred()  # (the step's updates on the host done, so that the counts below are the whole step's)
+    pg.apply_deferred()
     s = pg.stats()
     note = (f"per step {s.h2d_bytes / 1e9:.1f} GB in, {s.d2h_bytes / 1e9:.1f} GB out; {s.host_steps} updates on "
             f"the host ({1e3 * s.host_step_seconds:.0f} ms of the host's; {s.host_master_passes} masters in one "

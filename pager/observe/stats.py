@@ -148,8 +148,9 @@ class Stats:
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"
             + (f"; {self.deferred_steps} block updates deferred to their next use" if self.deferred_steps else "")
-            + (f"; {self.host_steps} block updates on the host ({self.host_step_seconds * 1e3:.1f} ms; fetches "
-               f"waited {self.host_step_wait_seconds * 1e3:.1f} ms for them)" if self.host_steps else "")
+            + (f"; {self.host_steps} block updates on the host ({self.host_step_seconds * 1e3:.1f} ms"
+               + (f", {self.host_master_passes} masters in one pass" if self.host_master_passes else "")
+               + f"; fetches waited {self.host_step_wait_seconds * 1e3:.1f} ms for them)" if self.host_steps else "")
             + (f"; {self.on_demand} accesses to paged-out tensors fetched their block" if self.on_demand else "")
             + (f"; {self.resident_forwards} forwards ran with every block resident, unhooked"
                if self.resident_forwards else "")

@@ -22,7 +22,9 @@ Each update runs the optimizer's own undecorated step on a shadow of it
 masters, one parameter at a time: its bf16 gradient is converted into a
 float32 scratch tensor first (on the host one buffer is reused, grown to
 the largest gradient: a fresh one would fault in its pages every time), and
-afterwards the weight gets `copy_` of the master. Wherever the update runs
+afterwards the weight gets `copy_` of the master. On the host of a CUDA
+run, torch's Adam and AdamW do the three in one pass instead ([Note: a
+master's update in one pass] in training/master_pass.py). Wherever the update runs
 (on the device at `step()`, deferred to the block's next fetch, or on the
 host over the pages: [Note: the optimizer step on the host]), the bytes
 that cross the link are those of the bf16 weights and gradients; the master
