@@ -68,7 +68,7 @@ def test_one_pass_lands_within_torchs_fused_kernels_rounding(case, loop):
     else:
         def pass_fn(optimizer, group, master, state, grad, weight):
             state["step"] += 1
-            c = master_pass.coefficients(optimizer, group, float(state["step"]))
+            c = master_pass.coefficients(group, float(state["step"]), master_pass.decoupled_decay(optimizer, group))
             master_pass.adam_pass(grad, master, state["exp_avg"], state["exp_avg_sq"], weight, torch.tensor(c))
 
     cls, options = CASES[case]

@@ -82,14 +82,19 @@ def adam_pass(grad, master, exp_avg, exp_avg_sq, weight, c):
     weight.copy_(p)
 
 
-def coefficients(optimizer, group: dict, step: float) -> list:
+def decoupled_decay(optimizer, group: dict) -> bool:
+    """Whether the weight decay is AdamW's (on the master), not Adam's (into the gradient)."""
+    return type(optimizer).__name__ == "AdamW" or bool(group.get("decoupled_weight_decay", False))
+
+
+def coefficients(group: dict, step: float, decoupled: bool) -> list:
     """For an update at `step` with `group`'s options: step size, the square
-    root of the second bias correction, 1 - lr x weight decay (AdamW; else
-    1), weight decay (Adam; else 0), 1 - beta1, beta2, 1 - beta2, eps, -1 to
-    maximize (else 1). Reckoned in double, as torch's kernel does."""
+    root of the second bias correction, 1 - lr x weight decay (AdamW, where
+    `decoupled`; else 1), weight decay (Adam; else 0), 1 - beta1, beta2,
+    1 - beta2, eps, -1 to maximize (else 1). Reckoned in double, as torch's
+    kernel does."""
     lr, (beta1, beta2) = float(group["lr"]), map(float, group["betas"])
     decay = float(group.get("weight_decay", 0.0))
-    decoupled = type(optimizer).__name__ == "AdamW" or group.get("decoupled_weight_decay", False)
     return [lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, 1 - lr * decay if decoupled else 1.0,
             0.0 if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),
             -1.0 if group.get("maximize") else 1.0]
@@ -143,8 +148,8 @@ def _checked(kernel):
     gen = torch.Generator().manual_seed(0)
     for c1 in (0.1, 0.7):
         n = 1000 + 7
-        c = coefficients(torch.optim.Adam([torch.zeros(1)]), {"lr": 1e-3, "betas": (1 - c1, 0.999),
-                                                               "weight_decay": 0.01, "eps": 1e-8}, 3.0)
+        c = coefficients({"lr": 1e-3, "betas": (1 - c1, 0.999), "weight_decay": 0.01, "eps": 1e-8}, 3.0,
+                         decoupled=False)
         master = torch.randn(n, generator=gen)
         mine = [torch.randn(n, generator=gen).to(torch.bfloat16), master, torch.randn(n, generator=gen) * 0.1,
                 torch.rand(n, generator=gen), master.to(torch.bfloat16)]
@@ -193,7 +198,8 @@ def update(optimizer, items: list) -> set:
     kernel = OnePass.kernel() if taken else None
     if kernel is None:
         return set()
-    coefs = [coefficients(optimizer, group, float(state["step"]) + 1) for group, _m, state, _g, _w in taken]
+    coefs = [coefficients(group, float(state["step"]) + 1, decoupled_decay(optimizer, group))
+             for group, _m, state, _g, _w in taken]
     tensors = [(grad, master, state["exp_avg"], state["exp_avg_sq"], weight)
                for _group, master, state, grad, weight in taken]
     _call(kernel, tensors, coefs, torch.get_num_threads())
