@@ -761,6 +761,49 @@ def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     assert_within(model, ref, fused_twin.spread(ref))
 
 
+def test_the_state_leaves_its_room_to_activations_on_gpu():
+    """[Note: the state's room, for activations]: at a budget that holds
+    every block with its gradients and Adam's state but only two blocks'
+    activations, the state goes to host memory, the updates run there, and
+    activations take its room; with copies delayed both ways (a missing wait
+    reads gradients not yet down, or weights not yet up), within the budget
+    and the allocator's slack, the values within the spread of torch's own
+    kernels."""
+    d, n, rows = 1024, 12, 2048
+    act = rows * d * 4  # a block's input, fp32
+    training_block = 4 * tensor_page_bytes(WideDrop(d))  # weights, grads, Adam's two states
+    model, ref, p, opt, ref_opt, budget = _wide_drop_training(d, n, "auto", lambda m: n * training_block + 20 * act)
+    _sleepy(p.transport, h2d_cycles=0, d2h_cycles=1_000_000)
+    fused_twin = FusedTwin(ref)
+    peak = 0
+    for step in range(10):
+        if step == 7:  # ("auto" has tried offload and recompute, and chosen)
+            p.reset()
+        x = torch.randn(rows, d, device=GPU)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() - p.resident_bytes  # what is not pager's
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(10 + step)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        if step >= 7:
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        torch.manual_seed(10 + step)
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        fused_twin.step(x, 10 + step)
+    s, room = p.stats(), p.host_steps.state_room
+    assert room.trading and room.state_bytes > 0 and s.host_steps > 0, (room.trading, room.state_bytes, s)
+    assert s.activations_kept_blocks > 4, s  # (two blocks' room beside the state; more without it)
+    assert s.peak_device_bytes <= budget, s
+    assert peak <= budget + 3 * 10 * act, (peak, budget, act, s.peak_device_bytes)
+    pager.unwrap(model)
+    assert_within(model, ref, fused_twin.spread(ref))
+
+
 @pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
 def test_unwrap_lets_the_pager_and_its_pinned_pages_go(activations):
     """A process that wraps models one after another gets its pinned host

@@ -73,7 +73,7 @@ class Hooks:
         self.root_depth = 0
         self.backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
-        self._backward_passes = 0  # ended backward passes (end_of_backward)
+        self.backward_passes = 0  # ended backward passes (end_of_backward)
         self.sleeping_forwards = 0
         self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
         self.held_for_graph = False
@@ -352,8 +352,8 @@ class Hooks:
         fired = [-1]  # the backward pass it fired in: once per pass (a retained graph's second pass too)
 
         def pre_backward(grad):
-            if fired[0] != self._backward_passes:
-                fired[0] = self._backward_passes
+            if fired[0] != self.backward_passes:
+                fired[0] = self.backward_passes
                 self._pre_backward(block)
             return grad
 
@@ -401,11 +401,15 @@ class Hooks:
             self.backward_holds[block] -= 1
             self.uses.track_kept_views(block, (), ("backward",))
             self.uses.release(block)
+            room = self.pager.host_steps.state_room
+            if block.pins == 0 and room.leaves_after_backward(block) and block in self.pager.engine.resident \
+                    and not block.resident_for_life and self.pager.engine.evict(block):
+                room.left_after_backward(block)  # its gradients go down now ([Note: the state's room, for activations])
 
     @_locked
     def end_of_backward(self, finished: bool = True) -> None:
         self._final_callback_queued = False
-        self._backward_passes += 1
+        self.backward_passes += 1
         if self.pager.activations is not None and finished:
             self.pager.activations.pass_ends()
         for block, holds in list(self.backward_holds.items()):

@@ -32,6 +32,7 @@ def prefetch(pager) -> None:
     alone = len(engine.owners) == 1
     uses = None if alone else islice(_upcoming(pager), PREFETCH_WINDOW)
     peek = pager.scheduler.peek
+    awaiting = pager.host_steps.state_room.awaiting
     fetched = 0
     for distance in range(PREFETCH_WINDOW):
         # (alone, by index into the plan: no iterator made at every use)
@@ -41,6 +42,8 @@ def prefetch(pager) -> None:
         block, kinds = use
         if block.host_update is not None and not host_update_landed(block):
             return  # its optimizer update is still running on the host (what comes after it waits its turn)
+        if block in awaiting:
+            return  # ... or not given yet ([Note: the state's room, for activations] in training/state_room.py)
         if block.owner_update is not None and not pager.owners.landed(block):
             return  # its owner (another rank) has not published its update yet
         if block.deferred_steps:

@@ -345,6 +345,14 @@ class Activations:
             self._kept_all = bool(self.kept)
         self.stats.activations_kept_blocks = len(self.offload.order) if self._compiled_whole else len(self.kept)
 
+    def last_pass_bytes(self) -> int | None:
+        """What the last training forward's blocks saved on the device (each
+        storage once), all of them kept; None before one was measured."""
+        order = dict.fromkeys(self.offload.order)  # (a block used twice saved its uses' sum)
+        if not order or any(b not in self.saved_bytes for b in order):
+            return None
+        return sum(self.saved_bytes[b] for b in order)
+
     def forward_saved(self, block, nbytes: int) -> None:
         """`block`'s training forward saved `nbytes` on the device (each storage once)."""
         self._saving[block] = self._saving.get(block, 0) + nbytes

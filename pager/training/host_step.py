@@ -103,6 +103,7 @@ import torch
 
 from ..base.common import WORKER_PREFIX, _record_range
 from .host_jobs import AfterCopy, HostJob
+from .state_room import StateRoom
 
 MODES = ("auto", "device", "host")
 FUSED_ON_HOST = ("Adam", "AdamW", "SGD", "Adagrad")  # torch.optim classes with a fused CPU kernel
@@ -224,6 +225,7 @@ class HostSteps:
         self._forward_open = False
         self._forward_read = False  # the last forward's length was used by `choose`
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
+        self.state_room = StateRoom(pager)  # ([Note: the state's room, for activations] in training/state_room.py)
 
     # ---------------------------------------------------------- placement
     def can_step(self, block, stateless: bool) -> bool:
@@ -251,9 +253,11 @@ class HostSteps:
         """ids of `blocks` (those with gradients at `step()`) whose update
         runs on the host this step; blocks that leave for it leave now."""
         if not self.optimizer_can(link):
+            self.state_room.placed(blocks, set())
             return set()
         able = [b for b in blocks if self.can_step(b, id(b) in link.stateless)]
-        if self.mode == "host":
+        self.state_room.step_starts()
+        if self.mode == "host" or self.state_room.trades(able):  # ([Note: the state's room, for activations])
             self._send_down(able)
         else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
             kept = self.pager.scheduler.kept
@@ -261,7 +265,9 @@ class HostSteps:
                              and b not in kept])
         able = [b for b in able if link.gradients_on_host(b) and self._pages_on_host(b)]
         able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
-        return {id(b) for b in self.choose(able)} if able else set()
+        host = {id(b) for b in self.choose(able)} if able else set()
+        self.state_room.placed(blocks, host)
+        return host
 
     def _pages_on_host(self, block) -> bool:
         """Every page of `block` is in host memory: its weights too leave now

@@ -1,0 +1,139 @@
+"""The state of blocks updated on the host leaves its device room to
+activations ([Note: the state's room, for activations] in
+training/state_room.py). The trade is in a link's bytes, so it runs where a
+link separates the device from host memory; here, on the CPU device, it is
+switched on by hand (`linked`), and the values stay the unwrapped model's
+bit for bit."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pager
+from pager.training import state_room
+from helpers import assert_models_equal, hooked_blocks, tensor_page_bytes
+from test_activations import Wide, offloading, wide_steps
+
+LAYERS = 6
+
+
+@pytest.fixture
+def linked(monkeypatch):
+    monkeypatch.setattr(state_room, "link_between", lambda pager: True)
+
+
+def one_block_saves(model) -> int:
+    """What one block's training forward saves (each storage once)."""
+    probe = offloading(copy.deepcopy(model), 1 << 30, "auto")
+    wide_steps(probe.model, torch.optim.Adam(probe.model.parameters(), lr=1e-2), 1)
+    return max(probe.activations.saved_bytes.values())
+
+
+def trained(budget, steps=8, **kwargs):
+    """A model of `LAYERS` wide blocks, trained under `budget` with
+    activations="auto", beside its unwrapped copy; the pager after `steps`
+    steps and 3 more after a reset of its stats."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
+    ref = copy.deepcopy(model)
+    p = offloading(model, budget, "auto", **kwargs)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (model, ref))
+    wide_steps(model, opt, steps)
+    p.reset()
+    wide_steps(model, opt, 3, seed=1)
+    wide_steps(ref, ref_opt, steps)
+    wide_steps(ref, ref_opt, 3, seed=1)
+    return p, model, ref
+
+
+def holds_blocks_not_activations(model) -> int:
+    """A budget that holds every block with its gradients and Adam's state,
+    and one block's activations beside them, not all."""
+    return LAYERS * 4 * tensor_page_bytes(model[0]) + one_block_saves(model)
+
+
+def test_the_state_leaves_its_room_to_activations(monkeypatch):
+    """With a link, the blocks' state goes to host memory, their updates run
+    there, and the activations take its room: more blocks keep theirs, and
+    fewer bytes cross, within the budget. Without one (the CPU device as it
+    is), the state of blocks on the device stays there."""
+    torch.manual_seed(0)
+    budget = holds_blocks_not_activations(nn.Sequential(*[Wide() for _ in range(LAYERS)]))
+    p_alone, model, ref = trained(budget)
+    s_alone = p_alone.stats()
+    assert not p_alone.host_steps.state_room.trading
+    assert s_alone.activations_kept_blocks <= 2  # (the host's blocks' state, only: see below)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+    monkeypatch.setattr(state_room, "link_between", lambda pager: True)
+    p, model, ref = trained(budget)
+    s, room = p.stats(), p.host_steps.state_room
+    assert room.trading and room.state_bytes == sum(b.segments["state"].nbytes for b in p.blocks)
+    assert s.host_steps == 3 * LAYERS  # (every update on the host)
+    assert s.activations_kept_blocks > s_alone.activations_kept_blocks + 1
+    assert s.activations_sent_bytes + s.h2d_bytes < s_alone.activations_sent_bytes + s_alone.h2d_bytes
+    assert s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_model_that_fits_keeps_its_state_and_sleeps(linked):
+    """Where every activation stays beside every block's state, nothing
+    trades: the state stays, and the model trains asleep."""
+    p, model, ref = trained(1 << 30)
+    s, room = p.stats(), p.host_steps.state_room
+    assert not room.trading and room.state_bytes == 0 and s.host_steps == 0
+    assert s.activations_policy == "keep" and hooked_blocks(model) == 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_budget_too_small_for_the_blocks_trades_nothing(linked):
+    """Where the blocks' weights and gradients alone exceed the budget, the
+    state's room would go to them: the state stays where it is."""
+    torch.manual_seed(0)
+    budget = int(2.5 * 4 * tensor_page_bytes(Wide()))
+    p, model, ref = trained(budget)
+    assert not p.host_steps.state_room.trading
+    assert p.stats().host_steps > 0  # (blocks stream: their state is in host memory anyway)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_blocks_leave_after_the_last_backward_of_a_step(linked):
+    """Under accumulation the blocks updated on the host stay on the device
+    through the step's earlier backward passes, and leave as their backward
+    ends in its last (their gradients go down during the backward); clipping
+    and accumulation keep the unwrapped model's values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
+    ref = copy.deepcopy(model)
+    budget = holds_blocks_not_activations(model)
+    p = offloading(model, budget, "auto")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    g = torch.Generator().manual_seed(0)
+    resident_after = []
+    for step in range(8):
+        xs = [torch.randn(256, 32, generator=g) for _ in range(2)]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            for i, x in enumerate(xs):
+                m(x).pow(2).mean().backward()
+                if m is model and step >= 6:
+                    resident_after.append((i, {b.name for b in p.engine.resident}))
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+    room = p.host_steps.state_room
+    assert room.trading and room.backwards_per_step == 2
+    traded = {b.name for b in room.on_host}
+    for i, resident in resident_after:
+        if i == 0:
+            assert traded <= resident, (traded, resident)  # still there for the second micro-batch
+        else:
+            assert not traded & resident - {p.blocks[0].name}, (traded, resident)  # (the first: no backward hook)
+    assert p.stats().host_steps > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
