@@ -761,14 +761,14 @@ def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     assert_within(model, ref, fused_twin.spread(ref))
 
 
-def test_the_state_leaves_its_room_to_activations_on_gpu():
-    """[Note: the state's room, for activations]: at a budget that holds
-    every block with its gradients and Adam's state but only two blocks'
-    activations, the state goes to host memory, the updates run there, and
-    activations take its room; with copies delayed both ways (a missing wait
-    reads gradients not yet down, or weights not yet up), within the budget
-    and the allocator's slack, the values within the spread of torch's own
-    kernels."""
+def test_the_state_leaves_the_device_on_gpu():
+    """[Note: the state off the device]: at a budget that holds every block
+    with its gradients and Adam's state but only two blocks' activations,
+    the state goes to host memory and the updates run there; with copies
+    delayed both ways (a missing wait reads gradients not yet down, or
+    weights not yet up), within the budget and the allocator's slack, and
+    less than the blocks with their state, the values within the spread of
+    torch's own kernels."""
     d, n, rows = 1024, 12, 2048
     act = rows * d * 4  # a block's input, fp32
     training_block = 4 * tensor_page_bytes(WideDrop(d))  # weights, grads, Adam's two states
@@ -797,8 +797,7 @@ def test_the_state_leaves_its_room_to_activations_on_gpu():
         fused_twin.step(x, 10 + step)
     s, room = p.stats(), p.host_steps.state_room
     assert room.trading and room.state_bytes > 0 and s.host_steps > 0, (room.trading, room.state_bytes, s)
-    assert s.activations_kept_blocks > 4, s  # (two blocks' room beside the state; more without it)
-    assert s.peak_device_bytes <= budget, s
+    assert s.peak_device_bytes <= budget - room.state_bytes // 2, s  # (the state is not there)
     assert peak <= budget + 3 * 10 * act, (peak, budget, act, s.peak_device_bytes)
     pager.unwrap(model)
     assert_within(model, ref, fused_twin.spread(ref))

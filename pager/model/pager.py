@@ -71,10 +71,7 @@ class Pager:
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
         self.activations = (Activations(activations, self.transport, self.counters,
                                         budget_bytes=lambda: self.engine.budget_bytes,
-                                        # (the state of blocks updated on the host is not on the device:
-                                        # [Note: the state's room, for activations] in training/state_room.py)
-                                        spare_bytes=lambda: self.engine.room.spare_bytes(self)
-                                        + self.host_steps.state_room.state_bytes)
+                                        spare_bytes=lambda: self.engine.room.spare_bytes(self))
                             if activations != KEEP else None)
         if self.activations is not None:
             self.activations.ledger.note_blocks(0)

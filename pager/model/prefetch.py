@@ -43,7 +43,7 @@ def prefetch(pager) -> None:
         if block.host_update is not None and not host_update_landed(block):
             return  # its optimizer update is still running on the host (what comes after it waits its turn)
         if block in awaiting:
-            return  # ... or not given yet ([Note: the state's room, for activations] in training/state_room.py)
+            return  # ... or not given yet ([Note: the state off the device] in training/state_room.py)
         if block.owner_update is not None and not pager.owners.landed(block):
             return  # its owner (another rank) has not published its update yet
         if block.deferred_steps:

@@ -225,7 +225,7 @@ class HostSteps:
         self._forward_open = False
         self._forward_read = False  # the last forward's length was used by `choose`
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
-        self.state_room = StateRoom(pager)  # ([Note: the state's room, for activations] in training/state_room.py)
+        self.state_room = StateRoom(pager)  # ([Note: the state off the device] in training/state_room.py)
 
     # ---------------------------------------------------------- placement
     def can_step(self, block, stateless: bool) -> bool:
@@ -257,7 +257,7 @@ class HostSteps:
             return set()
         able = [b for b in blocks if self.can_step(b, id(b) in link.stateless)]
         self.state_room.step_starts()
-        if self.mode == "host" or self.state_room.trades(able):  # ([Note: the state's room, for activations])
+        if self.mode == "host" or self.state_room.trades(able):  # ([Note: the state off the device])
             self._send_down(able)
         else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
             kept = self.pager.scheduler.kept

@@ -1,42 +1,49 @@
-"""The device room that the optimizer state of blocks updated on the host
-leaves to activations: `StateRoom`, one per wrapped model.
+"""Where a budget holds every block's weights and gradients but not its
+activations beside the blocks' optimizer state, the state goes to host memory
+and the updates run there: `StateRoom`, one per wrapped model.
 
-[Note: the state's room, for activations]
-A block updated on the host ([Note: the optimizer step on the host] in
-training/host_step.py) needs no optimizer state on the device, and its
-weights change on the host at every step, so they are fetched anew after
-each update wherever they were. The room its state took is worth more to
-activations: a block's activations kept on the device save their bytes out
-and back (on the ~1B decoder of RESULTS.md, 0.5 GB each way a block a step),
-where its state kept there saves nothing once its update runs on the host,
-and its update moves 8 bytes a parameter a step where a kept state moves
-none (0.47 GB a block there). So under `optimizer_step="auto"` on CUDA, with
-activations counted (not "keep"):
+[Note: the state off the device]
+Under `optimizer_step="auto"` a block whose state is on the device updates
+there ([Note: the optimizer step on the host] in training/host_step.py). At
+a budget that holds every block with its state, that kept the state of every
+block on the device and sent every activation out: the 1B decoder of
+RESULTS.md at 100% held 15.6 GiB of its 15.7 (17.1 GiB in the allocator,
+above torchao's 16.2) for a step of 1.05x all on the GPU. With the state in
+host memory the same budget runs as one where blocks stream: each block's
+update on the host, its weights up and gradients down (8 bytes a parameter
+a step), the activations out and back as before; measured on an H100, the
+step the same (1.05x) at 13.6 GiB. So under "auto" on CUDA, with activations
+counted (not "keep"):
 
-- The room activations may stay in (`Room.spare_bytes`, [Note: activations,
-  the automatic choice] in training/activations.py) does not count the state
-  of blocks whose last update ran on the host (`state_bytes`).
 - At `step()`, when the last training pass's activations would not all stay
-  in that room, and the state still on the device of blocks that may update
-  on the host would make room for some (`trades`), those blocks update on
-  the host: they leave at `step()`, their state going down once, as under
-  "host". Where every activation stays with the state on the device (a model
-  that fits trains asleep), or where the budget is so small that the state's
-  room would go to blocks anyway (their weights and gradients alone exceed
-  it), nothing changes.
+  in the room the budget has beyond every block with all its pages
+  (`Room.spare_bytes`), and without the state of the blocks that may update
+  on the host (those of earlier steps' host updates, `state_bytes`, and
+  those still on the device) that room would hold every block's weights and
+  gradients (it would not be below zero), those blocks update on the host:
+  they leave at `step()`, their state going down once, as under "host".
+  Where every activation stays beside every block's state (a model that fits
+  trains asleep), or where blocks stream anyway, nothing changes.
 - While it trades, such a block leaves as its backward ends in the step's
   last backward pass (as many passes as the last step had: an accumulation's
   earlier micro-batches keep it), so that its gradients go down while the
   backward runs and `step()` finds its pages on the host, as at a budget
-  where blocks stream. Until `step()` gives its update, prefetch does not
-  bring it back for the next forward (its weights would be the old ones,
-  and its gradients would come back up). At a budget that holds every block, nothing else
-  would make them leave before `step()`, and their gradients would then all
-  go down after the backward, ahead of the first updates.
+  where blocks stream; at a budget that holds every block nothing else would
+  make them leave before `step()`, and their gradients would then all go
+  down after the backward, ahead of the first updates. Until `step()` gives
+  its update, prefetch does not bring it back for the next forward (its
+  weights would be the old ones, and its gradients would come back up).
 
 The blocks "auto" gives the device when the host falls behind ([Note: how
 many update on the host]) bring their state in with their fetch, as at a
 budget where blocks stream.
+
+Tried and measured first: the state's room counted as room for activations
+to stay in ([Note: activations, the automatic choice] in
+training/activations.py). On the 1B decoder at 100% "auto" then kept 8-9
+blocks' activations and recomputed the rest (a pass that offloaded them
+broke the budget): 1.11x-1.13x, slower than offloading all (1.05x), as the
+weights and gradients of every block now crossed the link as well.
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ from __future__ import annotations
 
 class StateRoom:
     """Which blocks' state is in host memory because their update ran there,
-    the room it leaves, and whether their state leaves the device for
-    activations (see the Note).
+    and whether the state of those that may update there leaves the device
+    (see the Note).
 
     Args:
         pager: the model's `Pager`.
@@ -54,8 +61,8 @@ class StateRoom:
     def __init__(self, pager):
         self.pager = pager
         self.on_host: dict = {}  # block -> its state's bytes, for blocks whose last update ran on the host
-        self.state_bytes = 0     # ... their sum: room activations may take
-        self.trading = False     # the last step sent the state of blocks down for activations
+        self.state_bytes = 0     # ... their sum
+        self.trading = False     # the last step sent the state of blocks down (see the Note)
         self.awaiting: set = set()   # blocks that left after their backward for an update not yet given
         self.backwards_per_step = 1  # backward passes between the last two steps
         self._backwards_then = 0     # ended backward passes at the last step
@@ -70,7 +77,7 @@ class StateRoom:
 
     def trades(self, able: list) -> bool:
         """Whether the state of `able` blocks (those whose update may run on
-        the host this step) leaves the device for activations (see the Note)."""
+        the host this step) leaves the device (see the Note)."""
         self.trading = self._trades(able)
         return self.trading
 
@@ -79,13 +86,13 @@ class StateRoom:
         activations = pager.activations
         if activations is None or not link_between(pager) or pager.host_steps.mode != "auto":
             return False
-        spare = pager.engine.room.spare_bytes(pager) + self.state_bytes
+        spare = pager.engine.room.spare_bytes(pager)  # (every block with all its pages)
         wanted = activations.last_pass_bytes()
         if wanted is None or wanted <= spare:
-            return False  # every activation stays as it is (or none was measured yet)
+            return False  # every activation stays beside the state (or none was measured yet)
         more = sum(b.segments["state"].nbytes for b in able
                    if b not in self.on_host and "state" in b.segments and b.segments["state"].resident)
-        return spare + more > 0
+        return spare + self.state_bytes + more > 0  # (else blocks stream anyway)
 
     def placed(self, blocks: list, host_ids: set) -> None:
         """The update of each of `blocks` runs on the host this step if its
