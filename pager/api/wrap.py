@@ -93,7 +93,10 @@ def wrap(
             in host memory at `step()` (one still on the device leaves first),
             as many as the host updates without the next forward waiting for
             it (measured, [Note: how many update on the host]); on the device
-            for the rest.
+            for the rest. Where the budget holds every block's weights and
+            gradients but not the activations beside the state, the state of
+            blocks on the device goes to host memory too, and they update on
+            the host ([Note: the state off the device] in training/state_room.py).
             Either way each block's first update runs on the device (it makes
             the state), and so do updates the host cannot run: `capturable`
             or `differentiable` optimizers, compressed or shared pages, a disk

@@ -8,12 +8,15 @@ there ([Note: the optimizer step on the host] in training/host_step.py). At
 a budget that holds every block with its state, that kept the state of every
 block on the device and sent every activation out: the 1B decoder of
 RESULTS.md at 100% held 15.6 GiB of its 15.7 (17.1 GiB in the allocator,
-above torchao's 16.2) for a step of 1.05x all on the GPU. With the state in
-host memory the same budget runs as one where blocks stream: each block's
-update on the host, its weights up and gradients down (8 bytes a parameter
-a step), the activations out and back as before; measured on an H100, the
-step the same (1.05x) at 13.6 GiB. So under "auto" on CUDA, with activations
-counted (not "keep"):
+above torchao's 16.2) for a step of 1.05x-1.07x all on the GPU: the GPU ran
+every block's AdamW, and the forward waited for its copies out. With the
+state in host memory the same budget runs as one where blocks stream: each
+block's update on the host during the backward's tail and the next forward,
+its weights up and gradients down (8 bytes a parameter a step), the
+activations out and back as before. Measured on an H100 (16-core host), 100%
+then steps at 1.00x-1.01x with 13.2 GiB in the allocator, 60% at 1.00x-1.01x
+against 1.10x. So under "auto" on CUDA, with activations counted (not
+"keep"):
 
 - At `step()`, when the last training pass's activations would not all stay
   in the room the budget has beyond every block with all its pages
