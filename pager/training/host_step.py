@@ -44,7 +44,10 @@ device at `step()` and idle leave first (their gradients go down): under
 device their update would bring it up and take it back: 16 bytes a
 parameter against the host's 8) but for the ones the scheduler keeps on the
 device (their leaving would make a block use's work grow with the number
-of blocks); a block whose state is on the device updates there. A
+of blocks); a block whose state is on the device updates there, but where
+the budget holds every block's weights and gradients and not the
+activations beside their state ([Note: the state off the device] in
+training/state_room.py). A
 block's place in the next forward is taken from its place in the model.
 
 [Note: the host's order]

@@ -22,8 +22,8 @@ against 1.10x. So under "auto" on CUDA, with activations counted (not
   in the room the budget has beyond every block with all its pages
   (`Room.spare_bytes`), and without the state of the blocks that may update
   on the host (those of earlier steps' host updates, `state_bytes`, and
-  those still on the device) that room would hold every block's weights and
-  gradients (it would not be below zero), those blocks update on the host:
+  those still on the device) the budget would hold every block's weights
+  and gradients beside what else it reserves, those blocks update on the host:
   they leave at `step()`, their state going down once, as under "host".
   Where every activation stays beside every block's state (a model that fits
   trains asleep), or where blocks stream anyway, nothing changes.
