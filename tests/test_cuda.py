@@ -719,6 +719,32 @@ def _wide_drop_training(d, n, activations, budget_of):
     return model, ref, p, opt, ref_opt, budget
 
 
+def _steps_beside_reference(paged, reference, fused_twin, p, shape, steps, settled):
+    """`steps` training steps of the wrapped model (`paged`: model and
+    optimizer), its reference and the fused twin on the same inputs and
+    dropout masks; `p`'s stats reset at step `settled`. Returns the
+    allocator's peak over what is not pager's, of the steps from `settled` on."""
+    peak = 0
+    for step in range(steps):
+        if step == settled:
+            p.reset()
+        x = torch.randn(*shape, device=GPU)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() - p.resident_bytes  # what is not pager's
+        torch.cuda.reset_peak_memory_stats()
+        for i, (m, o) in enumerate((paged, reference)):
+            torch.manual_seed(10 + step)
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            if i == 0:
+                torch.cuda.synchronize()
+                if step >= settled:
+                    peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        fused_twin.step(x, 10 + step)
+    return peak
+
+
 @pytest.mark.parametrize("activations", ["offload", "recompute"])
 def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     """[Note: one budget]: with activations paged, blocks get the budget less
@@ -733,26 +759,8 @@ def test_one_budget_bounds_the_allocator_peak_on_gpu(activations):
     model, ref, p, opt, ref_opt, budget = _wide_drop_training(d, n, activations, lambda m: 3 * training_block + 40 * act)
     fused_twin = FusedTwin(ref)
     assert n * training_block > budget  # blocks alone would fill it
-    peak = 0
-    for step in range(4):
-        if step == 2:  # from the second pass on, the last pass's activations are known ([Note: one budget])
-            p.reset()
-        x = torch.randn(rows, d, device=GPU)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated() - p.resident_bytes  # what is not pager's
-        torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(10 + step)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize()
-        if step >= 2:  # the second pass knows the first's activations, and state exists
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        torch.manual_seed(10 + step)
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        fused_twin.step(x, 10 + step)
+    # (from the second pass on, the last pass's activations are known, [Note: one budget], and state exists)
+    peak = _steps_beside_reference((model, opt), (ref, ref_opt), fused_twin, p, (rows, d), steps=4, settled=2)
     s = p.stats()
     assert s.activation_reserve_bytes > 0 and s.peak_device_bytes <= budget, s
     assert peak <= budget + 3 * 10 * act, (peak, budget, act, s.peak_device_bytes)
@@ -775,26 +783,8 @@ def test_the_state_leaves_the_device_on_gpu():
     model, ref, p, opt, ref_opt, budget = _wide_drop_training(d, n, "auto", lambda m: n * training_block + 20 * act)
     _sleepy(p.transport, h2d_cycles=0, d2h_cycles=1_000_000)
     fused_twin = FusedTwin(ref)
-    peak = 0
-    for step in range(10):
-        if step == 7:  # ("auto" has tried offload and recompute, and chosen)
-            p.reset()
-        x = torch.randn(rows, d, device=GPU)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated() - p.resident_bytes  # what is not pager's
-        torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(10 + step)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize()
-        if step >= 7:
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        torch.manual_seed(10 + step)
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        fused_twin.step(x, 10 + step)
+    # (from the eighth step on, "auto" has tried offload and recompute, and chosen)
+    peak = _steps_beside_reference((model, opt), (ref, ref_opt), fused_twin, p, (rows, d), steps=10, settled=7)
     s, room = p.stats(), p.host_steps.state_room
     assert room.trading and room.state_bytes > 0 and s.host_steps > 0, (room.trading, room.state_bytes, s)
     assert s.peak_device_bytes <= budget - room.state_bytes // 2, s  # (the state is not there)

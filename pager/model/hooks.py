@@ -401,10 +401,7 @@ class Hooks:
             self.backward_holds[block] -= 1
             self.uses.track_kept_views(block, (), ("backward",))
             self.uses.release(block)
-            room = self.pager.host_steps.state_room
-            if block.pins == 0 and room.leaves_after_backward(block) and block in self.pager.engine.resident \
-                    and not block.resident_for_life and self.pager.engine.evict(block):
-                room.left_after_backward(block)  # its gradients go down now ([Note: the state off the device])
+            self.pager.host_steps.state_room.backward_ended(block)  # (it may leave: [Note: the state off the device])
 
     @_locked
     def end_of_backward(self, finished: bool = True) -> None:

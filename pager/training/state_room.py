@@ -110,20 +110,18 @@ class StateRoom:
             elif block in self.on_host:
                 self.state_bytes -= self.on_host.pop(block)
 
-    def leaves_after_backward(self, block) -> bool:
-        """Whether `block`, its backward use just ended, leaves now (see the
-        Note): it updates on the host, the state trades, and this is the
-        step's last backward pass."""
-        if not self.trading or block not in self.on_host:
-            return False
-        return self.pager.hooks.backward_passes + 1 - self._backwards_then >= self.backwards_per_step
-
-    def left_after_backward(self, block) -> None:
-        """`block` left after its backward: until `step()` gives its update,
-        its pages in host memory are not yet those of its next use, and
-        prefetch leaves it (model/prefetch.py)."""
-        self.awaiting.add(block)
-
+    def backward_ended(self, block) -> None:
+        """`block`'s backward use has ended: it leaves now if it updates on
+        the host while the state trades and this is the step's last backward
+        pass, and prefetch leaves it until `step()` gives its update (its
+        pages in host memory are not yet those of its next use; see the Note)."""
+        if block.pins or not self.trading or block not in self.on_host:
+            return
+        if self.pager.hooks.backward_passes + 1 - self._backwards_then < self.backwards_per_step:
+            return  # (an accumulation's earlier backward: it stays for the next)
+        engine = self.pager.engine
+        if block in engine.resident and not block.resident_for_life and engine.evict(block):
+            self.awaiting.add(block)
 
 def link_between(pager) -> bool:
     """Whether a link separates `pager`'s device from host memory: the trade
