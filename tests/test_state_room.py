@@ -32,14 +32,14 @@ def one_block_saves(model) -> int:
     return max(probe.activations.saved_bytes.values())
 
 
-def trained(budget, steps=8, **kwargs):
+def trained(budget, steps=8, policy="auto"):
     """A model of `LAYERS` wide blocks, trained under `budget` with
-    activations="auto", beside its unwrapped copy; the pager after `steps`
+    `activations=policy`, beside its unwrapped copy; the pager after `steps`
     steps and 3 more after a reset of its stats."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
     ref = copy.deepcopy(model)
-    p = offloading(model, budget, "auto", **kwargs)
+    p = offloading(model, budget, policy)
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (model, ref))
     wide_steps(model, opt, steps)
     p.reset()
@@ -62,7 +62,8 @@ def test_the_state_leaves_the_device_and_the_updates_run_on_the_host(monkeypatch
     the device stays there, and they update there."""
     torch.manual_seed(0)
     budget = holds_blocks_not_activations(nn.Sequential(*[Wide() for _ in range(LAYERS)]))
-    p_alone, model, ref = trained(budget)
+    # (offload, not "auto": which policy "auto" keeps depends on the machine's timing, and so does the peak)
+    p_alone, model, ref = trained(budget, policy="offload")
     s_alone = p_alone.stats()
     assert not p_alone.host_steps.state_room.trading
     assert s_alone.host_steps < 3 * LAYERS  # (the blocks whose state stays on the device update there)
@@ -70,11 +71,11 @@ def test_the_state_leaves_the_device_and_the_updates_run_on_the_host(monkeypatch
     assert_models_equal(model, ref)
 
     monkeypatch.setattr(state_room, "link_between", lambda pager: True)
-    p, model, ref = trained(budget)
+    p, model, ref = trained(budget, policy="offload")
     s, room = p.stats(), p.host_steps.state_room
     assert room.trading and room.state_bytes == sum(b.segments["state"].nbytes for b in p.blocks)
     assert s.host_steps == 3 * LAYERS  # (every update on the host)
-    assert s.activations_kept_blocks == s_alone.activations_kept_blocks  # (the same activations...)
+    assert s.activations_sent_bytes == s_alone.activations_sent_bytes > 0  # (the same activations out...)
     state = sum(b.segments["state"].nbytes for b in p.blocks)
     assert s.peak_device_bytes <= s_alone.peak_device_bytes - state // 2, (s.peak_device_bytes, s_alone)  # (...less held)
     assert s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
