@@ -140,3 +140,29 @@ def test_blocks_leave_after_the_last_backward_of_a_step(linked):
     assert p.stats().host_steps > 0
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_blocks_with_frozen_weights_keep_them(linked):
+    """A block with frozen parameters (LoRA's base weights) does not leave
+    for its update: its frozen page would go and come back unchanged. At the
+    budget where a block without one trades, it stays on the device, and the
+    values stay the unwrapped model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
+    for layer in model:
+        layer.up.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    budget = holds_blocks_not_activations(model)
+    p = offloading(model, budget, "offload")
+    opt, ref_opt = (torch.optim.Adam([q for q in m.parameters() if q.requires_grad], lr=1e-2) for m in (model, ref))
+    wide_steps(model, opt, 4)
+    p.reset()
+    wide_steps(model, opt, 3, seed=1)
+    wide_steps(ref, ref_opt, 4)
+    wide_steps(ref, ref_opt, 3, seed=1)
+    room, s = p.host_steps.state_room, p.stats()
+    assert all("frozen" in b.segments for b in p.blocks)
+    assert not room.trading and not room.awaiting
+    assert s.evictions == 0, s  # (the blocks stay, frozen pages and all)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)

@@ -260,12 +260,12 @@ class HostSteps:
             return set()
         able = [b for b in blocks if self.can_step(b, id(b) in link.stateless)]
         self.state_room.step_starts()
-        if self.mode == "host" or self.state_room.trades(able):  # ([Note: the state off the device])
+        if self.mode == "host":
             self._send_down(able)
         else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
-            kept = self.pager.scheduler.kept
-            self._send_down([b for b in able if "state" in b.segments and not b.segments["state"].resident
-                             and b not in kept])
+            kept, traded = self.pager.scheduler.kept, set(self.state_room.traded(able))  # ([Note: the state off the device])
+            self._send_down([b for b in able if b in traded or "state" in b.segments
+                             and not b.segments["state"].resident and b not in kept])
         able = [b for b in able if link.gradients_on_host(b) and self._pages_on_host(b)]
         able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
         host = {id(b) for b in self.choose(able)} if able else set()

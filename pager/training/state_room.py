@@ -26,7 +26,9 @@ against 1.10x. So under "auto" on CUDA, with activations counted (not
   and gradients beside what else it reserves, those blocks update on the host:
   they leave at `step()`, their state going down once, as under "host".
   Where every activation stays beside every block's state (a model that fits
-  trains asleep), or where blocks stream anyway, nothing changes.
+  trains asleep), or where blocks stream anyway, nothing changes. Nor does it
+  for a block with frozen parameters (LoRA's base weights): leaving, it would
+  take them along, and they would come back at its next use unchanged.
 - While it trades, such a block leaves as its backward ends in the step's
   last backward pass (as many passes as the last step had: an accumulation's
   earlier micro-batches keep it), so that its gradients go down while the
@@ -78,16 +80,18 @@ class StateRoom:
             self.backwards_per_step = passes - self._backwards_then
             self._backwards_then = passes
 
-    def trades(self, able: list) -> bool:
-        """Whether the state of `able` blocks (those whose update may run on
-        the host this step) leaves the device (see the Note)."""
+    def traded(self, able: list) -> list:
+        """Those of `able` blocks (whose update may run on the host this step)
+        whose state leaves the device now (see the Note): none, or every one
+        that may trade."""
+        able = [b for b in able if tradable(b)]
         self.trading = self._trades(able)
-        return self.trading
+        return able if self.trading else []
 
     def _trades(self, able: list) -> bool:
         pager = self.pager
         activations = pager.activations
-        if activations is None or not link_between(pager) or pager.host_steps.mode != "auto":
+        if not able or activations is None or not link_between(pager) or pager.host_steps.mode != "auto":
             return False
         spare = pager.engine.room.spare_bytes(pager)  # (every block with all its pages)
         wanted = activations.last_pass_bytes()
@@ -115,13 +119,20 @@ class StateRoom:
         the host while the state trades and this is the step's last backward
         pass, and prefetch leaves it until `step()` gives its update (its
         pages in host memory are not yet those of its next use; see the Note)."""
-        if block.pins or not self.trading or block not in self.on_host:
+        if block.pins or not self.trading or block not in self.on_host or not tradable(block):
             return
         if self.pager.hooks.backward_passes + 1 - self._backwards_then < self.backwards_per_step:
             return  # (an accumulation's earlier backward: it stays for the next)
         engine = self.pager.engine
         if block in engine.resident and not block.resident_for_life and engine.evict(block):
             self.awaiting.add(block)
+
+def tradable(block) -> bool:
+    """Whether `block` may leave for its update (see the Note): one with
+    frozen parameters (LoRA's base weights) would leave them too, to be
+    fetched again at its next use though they did not change."""
+    return "frozen" not in block.segments
+
 
 def link_between(pager) -> bool:
     """Whether a link separates `pager`'s device from host memory: the trade
