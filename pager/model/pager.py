@@ -149,8 +149,7 @@ class Pager:
         block.stats.nbytes = block.nbytes()
         return seg
 
-    # ------------------------------------------------------------ residency
-    # ------------------------------------- leaving (called by the engine)
+    # ------------------------------------------- residency (called by the engine)
     def host_pages_ready(self, block: Block) -> None:
         self.host_steps.wait(block)
         if self.owners is not None:
@@ -220,7 +219,7 @@ class Pager:
         """The least room for blocks that runs now: what stays resident, and
         the largest block with the blocks it borrows from, each with every
         segment it has (gradients and optimizer state, once they exist)."""
-        fixed = sum(b.nbytes() for b in self.all_blocks() if b.resident_for_life)
+        fixed = self.fixed_bytes()
         largest = max((b.nbytes() + sum(d.nbytes() for d in b.deps) for b in self.blocks if not b.resident_for_life),
                       default=0)
         return max(fixed + largest, self.min_budget_bytes)

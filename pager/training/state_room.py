@@ -127,6 +127,7 @@ class StateRoom:
         if block in engine.resident and not block.resident_for_life and engine.evict(block):
             self.awaiting.add(block)
 
+
 def tradable(block) -> bool:
     """Whether `block` may leave for its update (see the Note): one with
     frozen parameters (LoRA's base weights) would leave them too, to be
