@@ -101,11 +101,11 @@ def build(shape: str):
     return gpu, cpu
 
 
-def shape_rows(args, shape: str, links: dict) -> list:
+def shape_rows(args, shape: str, links: dict, blocks: str = "auto") -> list:
     gpu, model = build(shape)
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     pager.wrap(model, budget=int(max(map(float, args.budgets.split(","))) * model_bytes), device="cuda:0",
-               split_fetch="all")
+               split_fetch="all", blocks=None if blocks == "auto" else blocks.split("+"))
     pg = pager.of(model)
     split = pg.transport.split
     helpers = [h.device for h in split.helpers]
@@ -124,7 +124,8 @@ def shape_rows(args, shape: str, links: dict) -> list:
     wl = (f"{shape}-shaped Llama bf16, {SHAPES[shape][2]} layers, {model_bytes / GiB:.1f} GiB; links "
           + ", ".join(f"{links[f'h2d cuda:{i} alone']:.1f}" for i in range(n))
           + f" GB/s, {links[f'h2d cuda:0-{n - 1} at once']:.1f} together, peer "
-          + ", ".join(f"{links[f'peer cuda:{i} -> cuda:0']:.0f}" for i in range(1, n)))
+          + ", ".join(f"{links[f'peer cuda:{i} -> cuda:0']:.0f}" for i in range(1, n))
+          + f"; {len(pg.blocks)} blocks" + (f" (blocks={blocks})" if blocks != "auto" else ""))
     for share in map(float, args.budgets.split(",")):
         pg.set_budget(int(share * model_bytes))
         times = {}
@@ -152,7 +153,8 @@ def shape_rows(args, shape: str, links: dict) -> list:
                             {"forward_ms": fwd, "decode_ms": tok, "decode_median_ms": tok_median,
                              "forward_bytes": per_fwd, "token_bytes": per_token, "gpu_forward_ms": gpu_fwd,
                              "gpu_decode_ms": gpu_tok, "budget_share": share, "shape": shape,
-                             "split_share": s.split_fetch_bytes / max(s.h2d_bytes, 1),
+                             "split_share": s.split_fetch_bytes / max(s.h2d_bytes, 1), "blocks": len(pg.blocks),
+                             "blocks_spec": blocks,
                              "forward_ratio": fwd / one[0], "decode_ratio": tok / one[1]}))
             print(rows[-1], flush=True)
     if args.shares:
@@ -181,6 +183,9 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--shares", default="0.4,0.5,0.6", help="own shares to try with every helper ('' skips)")
+    p.add_argument("--blocks", default="auto",
+                   help="comma-separated blocks= to run each shape with: 'auto' (pager's choice) or class names "
+                        "joined by '+' (LlamaDecoderLayer)")
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("bench_split: skipped, needs two CUDA GPUs")
@@ -189,7 +194,8 @@ def main(argv=None):
     rows = link_rows(torch.cuda.device_count())
     links = {r.method: r.extra["gbps"] for r in rows}
     for shape in filter(None, args.shapes.split(",")):
-        rows += shape_rows(args, shape, links)
+        for blocks in args.blocks.split(","):
+            rows += shape_rows(args, shape, links, blocks)
     save(rows, "split", env)
 
 

@@ -233,11 +233,12 @@ def bench_train_sweep(args, rows):
     del gpu_step
     del gpu, opt
     free_cuda()
-    for share, activations, placement in ((s, a, p) for s in args.shares for a in args.policies
-                                          for p in args.placements):
+    for share, activations, placement, covers in ((s, a, p, c) for s in args.shares for a in args.policies
+                                                  for p in args.placements for c in args.covers):
         budget = int(share * state_bytes)
         model = copy.deepcopy(cpu_ref)
-        pager.wrap(model, budget=budget, device="cuda", activations=activations, optimizer_step=placement)
+        pager.wrap(model, budget=budget, device="cuda", activations=activations, optimizer_step=placement,
+                   budget_covers=covers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         pg = pager.of(model)
         step = make_step(model, opt, ids, tgt)
@@ -251,9 +252,11 @@ def bench_train_sweep(args, rows):
             w, f"pager, budget {budget / GiB:.1f} GiB ({100 * share:.0f}%), activations {activations}"
             + (f" ({s.activations_kept_blocks} blocks kept, the rest {s.activations_policy})"
                if activations == "auto" and s.activations_policy != "keep" else
-               " (all kept)" if activations == "auto" else "") + f", optimizer_step={placement}",
+               " (all kept)" if activations == "auto" else "") + f", optimizer_step={placement}"
+            + (f", budget_covers={covers}" if covers != "pager" else ""),
             ms, peak, ms / gpu_ms, "all on GPU",
-            f"allocator peak {peak / (budget / GiB):.2f}x the budget; pager's own peak "
+            f"allocator peak {peak / (budget / GiB):.2f}x the budget; outside pager "
+            f"{s.outside_bytes / GiB:.2f} GiB (learned); pager's own peak "
             f"{s.peak_device_bytes / GiB:.2f} GiB (activations {s.peak_activation_bytes / GiB:.2f} GiB at most, "
             f"{s.activation_reserve_bytes / GiB:.2f} GiB of the budget set aside); per step "
             f"{s.h2d_bytes / 1e9 / (args.reps + 1):.1f} GB in, {s.d2h_bytes / 1e9 / (args.reps + 1):.1f} GB out "
@@ -264,6 +267,7 @@ def bench_train_sweep(args, rows):
             f"{1e3 * s.host_step_wait_seconds / (args.reps + 1):.1f} ms), "
             f"{s.deferred_steps / (args.reps + 1):.0f} deferred; host RSS {host_rss_gib():.1f} GiB",
             {"budget": budget, "share": share, "placement": placement, "peak_device": s.peak_device_bytes,
+             "covers": covers, "outside": s.outside_bytes,
              "reserve": s.activation_reserve_bytes, "h2d": s.h2d_bytes, "d2h": s.d2h_bytes,
              "reused": s.activations_reused_bytes,
              "host_steps": s.host_steps, "host_step_s": s.host_step_seconds,
@@ -271,7 +275,7 @@ def bench_train_sweep(args, rows):
              "chosen": s.activations_policy, "kept_blocks": s.activations_kept_blocks},
         ))
         print(rows[-1])
-        first = activations == args.policies[0] and placement == args.placements[0]
+        first = activations == args.policies[0] and placement == args.placements[0] and covers == args.covers[0]
         if args.profile_share == share and first:
             profiled(step, out_path(f"train_profile_{share:g}.json.gz"))
         if args.trace_share == share and first:
@@ -433,6 +437,7 @@ def main(argv=None):
                     help="sweep: budgets as shares of weights + grads + AdamW state")
     ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
     ap.add_argument("--placements", nargs="*", default=["auto", "device"], help="sweep: optimizer_step=")
+    ap.add_argument("--covers", nargs="*", default=["pager"], help="sweep: budget_covers=")
     ap.add_argument("--trace-share", type=float, default=None,
                     help="sweep: write a trace of two steps at this share (first policy and placement)")
     ap.add_argument("--profile-share", type=float, default=None,

@@ -793,6 +793,58 @@ def test_the_state_leaves_the_device_on_gpu():
     assert_within(model, ref, fused_twin.spread(ref))
 
 
+def test_the_budget_covers_the_loss_on_gpu():
+    """[Note: a budget that covers the process]: a cross-entropy over a wide
+    projection outside the model (its logits, their log-softmax and the
+    gradients of both: half a gigabyte) comes on top of the budget by
+    default; under budget_covers="process" blocks leave it room, learned from
+    the allocator, and the process's peak stays within the budget but for a
+    block's temporaries; the values within the spread of torch's own kernels."""
+    import torch.nn.functional as F
+
+    d, n, rows, vocab, steps = 1024, 12, 2048, 16384, 8
+    act = rows * d * 4  # a block's input, fp32
+    budget = 8 * 4 * tensor_page_bytes(WideDrop(d)) + 20 * act  # 8 blocks with grads and Adam's state
+    torch.manual_seed(0)
+    head = torch.randn(d, vocab, device=GPU) / d ** 0.5
+    xs = [torch.randn(rows, d, device=GPU) for _ in range(steps)]
+    ys = [torch.randint(0, vocab, (rows,), device=GPU) for _ in range(steps)]
+    w = torch.randn(8, 8, device=GPU, requires_grad=True)
+    (w @ w).sum().backward()  # cuBLAS workspaces, before measuring
+    start = nn.Sequential(*[WideDrop(d) for _ in range(n)])
+
+    def train(model, opt, peak_from=steps):
+        for i in range(steps):
+            if i == peak_from:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            torch.manual_seed(10 + i)
+            F.cross_entropy(model(xs[i]) @ head, ys[i]).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    peaks, outside = {}, 0
+    for covers in ("pager", "process"):
+        model = copy.deepcopy(start)
+        base = torch.cuda.memory_allocated()  # (what this process held before: not the test's)
+        pager.wrap(model, budget=budget, device=GPU, activations="recompute", budget_covers=covers)
+        p = pager.of(model)
+        _sleepy(p.transport)
+        peaks[covers] = train(model, torch.optim.Adam(model.parameters(), lr=1e-3), peak_from=4) - base
+        outside = p.stats().outside_bytes
+        pager.unwrap(model)
+    assert outside > 3 * rows * vocab * 4, outside  # (the logits, log-softmax and a gradient at once, at least)
+    assert peaks["process"] <= budget + 3 * 10 * act, (peaks, budget, outside)
+    assert peaks["pager"] > peaks["process"] + outside // 2, (peaks, outside)
+    ref, twin = copy.deepcopy(start).to(GPU), copy.deepcopy(start).to(GPU)
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-3))
+    train(twin, torch.optim.Adam(twin.parameters(), lr=1e-3, fused=True))
+    spread = max((a - b).abs().max().item() for a, b in zip(twin.state_dict().values(), ref.state_dict().values()))
+    assert_within(model, ref, spread)
+
+
 @pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
 def test_unwrap_lets_the_pager_and_its_pinned_pages_go(activations):
     """A process that wraps models one after another gets its pinned host

@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from ..model import discover
+from ..model import discover, outside
 from ..training import distributed, host_step, masters, owners
 from ..rows.table import choose as choose_row_tables
 from ..base import wrappers
@@ -50,6 +50,7 @@ def wrap(
     block_owners: bool = False,
     split_fetch=None,
     master_weights: bool = False,
+    budget_covers: str = "pager",
 ) -> nn.Module:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -199,6 +200,15 @@ def wrap(
             and three passes at about half the speed). `unwrap` leaves the
             optimizer the state torch's own update of the parameter keeps
             (no master, its dtype).
+        budget_covers: what the budget bounds on the device. "pager"
+            (default): what pager holds (blocks, and activations and carried
+            state as above). "process" (CUDA): also what the process holds
+            there outside pager, such as a loss computed over the model's
+            output: blocks leave it room, the most it was seen to take,
+            learned from the caching allocator's counters at each training
+            pass's forward end and backward start ([Note: a budget that
+            covers the process] in model/outside.py; `stats().outside_bytes`).
+            `wrap` then resets the device's peak memory counter once.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -211,13 +221,14 @@ def wrap(
                  activations=activations,
                  compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
                  dist_timeout=dist_timeout, share_host_pages=share_host_pages, block_owners=block_owners,
-                 split_fetch=split_fetch, master_weights=master_weights)
+                 split_fetch=split_fetch, master_weights=master_weights, budget_covers=budget_covers)
 
 
 def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
           prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
           rows=None, row_cache=None, process_group=None, dist_timeout=600.0, share_host_pages=False,
-          block_owners=False, split_fetch=None, master_weights=False, setup=None, rows_from_values=True):
+          block_owners=False, split_fetch=None, master_weights=False, budget_covers="pager", setup=None,
+          rows_from_values=True):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
@@ -239,6 +250,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if optimizer_step not in host_step.MODES:
         raise ValueError(f"pager: optimizer_step={optimizer_step!r} must be \"auto\" (on the host where it is "
                          "measured to keep up, else on the device), \"host\" (the CPU) or \"device\".")
+    counter = outside.check_covers(budget_covers, device)
     check_codec(compress)
     if activations not in ("keep", "offload", "recompute", "auto"):
         raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
@@ -321,6 +333,8 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         pager.reducer = distributed.Reducer(pager, group, dist_timeout)
         if block_owners:
             pager.owners = owners.BlockOwners(pager, group, dist_timeout)
+    if counter is not None:
+        pager.outside = outside.Outside(pager, counter)
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)

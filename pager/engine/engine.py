@@ -70,6 +70,7 @@ class Owner(Protocol):
     name: str          # how messages and the pool name it
     carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
     row_bytes: int  # device bytes of its row tables' caches, held out of the room
+    outside_bytes: int  # device bytes the process holds outside pager, held out of the room (budget_covers="process")
 
     def fixed_bytes(self) -> int:
         """Device bytes of its blocks that stay for life (its remainder, blocks it uses)."""

@@ -100,19 +100,25 @@ class Room:
 
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less what owners'
-        activations take ([Note: one budget] in training/activations.py), never less than
+        activations take ([Note: one budget] in training/activations.py), the
+        state their forwards carry, their row caches and, under
+        `budget_covers="process"`, what the process holds outside pager
+        ([Note: a budget that covers the process] in model/outside.py), never less than
         the least that runs (the largest owner's `least_room`)."""
         owners = self.engine.owners
         if len(owners) == 1:  # (asked at every use that needs room: no lists made)
             owner = owners[0]
             acts = owner.activation_reserve_bytes()
-            if acts is None and not owner.carried_bytes and not owner.row_bytes:
+            if acts is None and not owner.carried_bytes and not owner.row_bytes and not owner.outside_bytes:
                 return self.usable_bytes()
-            reserved = (acts or 0) + owner.carried_bytes + owner.row_bytes
+            reserved = (acts or 0) + owner.carried_bytes + owner.row_bytes + owner.outside_bytes
             return max(self.usable_bytes() - reserved, owner.least_room)
         reserves = [r for r in (o.activation_reserve_bytes() for o in owners) if r is not None]
         reserves += [o.carried_bytes for o in owners if o.carried_bytes]
         reserves += [o.row_bytes for o in owners if o.row_bytes]
+        outside = max((o.outside_bytes for o in owners), default=0)  # (each saw the same process: the most, once)
+        if outside:
+            reserves.append(outside)
         if not reserves:
             return self.usable_bytes()
         return max(self.usable_bytes() - sum(reserves), max(o.least_room for o in owners))
@@ -125,6 +131,7 @@ class Room:
         the automatic choice] in training/activations.py)."""
         others = sum(o.activation_reserve_bytes() or 0 for o in self.engine.owners if o is not owner)
         others += sum(o.carried_bytes + o.row_bytes for o in self.engine.owners)
+        others += max((o.outside_bytes for o in self.engine.owners), default=0)
         return self.usable_bytes() - self.engine.total_bytes - others
 
     def usable_bytes(self) -> int:

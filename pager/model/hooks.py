@@ -148,6 +148,7 @@ class Hooks:
         return (
             (pager.activations is None or pager.activations.all_kept)
             and pager.reducer is None
+            and pager.outside is None  # (autograd's activations would look like the caller's: model/outside.py)
             and len(pager.engine.owners) == 1
             # A first gradient of a block makes its page, which may need room.
             and all("grads" in b.segments or not any(p.requires_grad for p in b.params) for b in pager.all_blocks())
@@ -270,6 +271,8 @@ class Hooks:
             self.pager.thread_state.unrecorded = False
             if self.pager.steps.recorder == threading.get_ident():
                 self.pager.steps.recorder = None
+        if self.root_depth == 0 and self.pager.outside is not None:
+            self.pager.outside.forward_ended()  # ([Note: a budget that covers the process] in model/outside.py)
         if marks and marks.pop():
             self.sleeping_forwards -= 1
             me = threading.get_ident()
@@ -365,6 +368,8 @@ class Hooks:
         if not self._final_callback_queued:
             self._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            if self.pager.outside is not None:
+                self.pager.outside.backward_starts()  # (before this hook's own work)
             if self.pager.reducer is not None:
                 self.pager.reducer.backward_starts()
         self.uses.acquire(block, BACKWARD)

@@ -95,6 +95,10 @@ class Stats:
     # the blocks' room ([Note: carried state] in model/carried.py):
     carried_bytes: int = 0
     peak_carried_bytes: int = 0
+    # Under budget_covers="process": what the process held on the device
+    # outside pager, the most seen, held out of the blocks' room
+    # ([Note: a budget that covers the process] in model/outside.py):
+    outside_bytes: int = 0
     # The caching allocator's own figures (CUDA; 0 on the CPU device), which
     # also hold what pager does not: a block's temporaries while it runs, the
     # loss, gradients between blocks, the user's tensors, rounding:
@@ -160,6 +164,8 @@ class Stats:
                if self.peak_activation_bytes or self.activation_reserve_bytes else "")
             + (f"; a forward carried {format_bytes(self.carried_bytes)} of state (a KV cache; at most "
                f"{format_bytes(self.peak_carried_bytes)}), held out of the blocks' room" if self.peak_carried_bytes else "")
+            + (f"; the process held {format_bytes(self.outside_bytes)} on the device outside pager, held out of "
+               f"the blocks' room" if self.outside_bytes else "")
             + (f"; {self.compressed_blocks} blocks' weights compressed: pages of {format_bytes(self.page_bytes)} "
                f"for {format_bytes(self.plain_page_bytes)} ({self.page_bytes / self.plain_page_bytes:.2f}x)"
                if self.compressed_blocks else "")

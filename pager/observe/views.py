@@ -20,14 +20,14 @@ def snapshot(pager) -> Stats:
     if pager.activations is not None:
         ledger = pager.activations.ledger
         memory = dict(activation_bytes=ledger.live, peak_activation_bytes=ledger.peak,
-                      activation_reserve_bytes=pager.budget_bytes - pager.room_bytes(),
+                      activation_reserve_bytes=max(0, pager.budget_bytes - pager.room_bytes() - pager.outside_bytes),
                       peak_device_bytes=ledger.peak_with_blocks)
     if pager.transport.is_cuda:
         memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(pager.device),
                       allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device))
     weights = [w for b in pager.all_blocks() for w in b.weight_segments]
     return dataclasses.replace(pager.counters, resident_bytes=pager.resident_bytes, blocks=blocks,
-                               carried_bytes=pager.carried_bytes, page_bytes=sum(w.page_bytes for w in weights),
+                               carried_bytes=pager.carried_bytes, outside_bytes=pager.outside_bytes, page_bytes=sum(w.page_bytes for w in weights),
                                plain_page_bytes=sum(w.nbytes for w in weights),
                                compressed_blocks=sum(w.encoded is not None for w in weights), **memory)
 

@@ -1,0 +1,137 @@
+"""What the process holds on the device outside pager, for a budget that
+covers the whole process (`wrap(..., budget_covers="process")`): `Outside`,
+one per wrapped model.
+
+[Note: a budget that covers the process]
+By default the budget bounds what pager holds: blocks, the activations its
+hooks keep, the state a forward carries. What the caller computes outside
+the model stays outside it: a language model's loss over 4x1024 tokens of a
+32000-word vocabulary holds three float32 tensors of the logits' size at
+once in its backward (the log-softmax's output, its gradient and the
+logits' gradient: 1.5 GiB), beside everything pager holds at the forward's
+end. With `budget_covers="process"` pager leaves that room too: blocks get
+the budget less what the process held on the device outside pager, the most
+seen since `wrap` (`outside_bytes`), so that the allocator's peak stays
+within the budget but for a block's temporaries while it runs.
+
+It is read from the caching allocator's counters, twice a training pass and
+never per block use: at the root forward's end (what the caller holds then:
+the model's output, its inputs) and when the backward reaches the model's
+first block. Between those two moments pager's hooks do not run, so what
+pager holds is what it held at the forward's end; if the allocator's peak
+moved in between (the loss and its backward, where the peak of a step
+usually is), the process held the new peak less that, outside pager. A peak
+that does not move says nothing, so `wrap` resets the device's peak counter
+once (as `torch.cuda.reset_peak_memory_stats` does; read it again after
+`wrap` if you measure it); pager itself never resets it again, and reading
+it is yours as before. The figure only grows: after one step with a larger
+loss (a longer batch), blocks keep the smaller room. A model that fits does
+not train unhooked under it ([Note: asleep] in model/hooks.py): there
+autograd would hold the activations where pager cannot tell them from the
+caller's tensors (an inference forward, which saves none, still may).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..base.budget import format_bytes
+
+log = logging.getLogger("pager")
+
+COVERS = ("pager", "process")
+
+
+class AllocatorCounter:
+    """The CUDA caching allocator's counters of one device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def read(self) -> tuple[int, int]:
+        """(bytes allocated now, the most allocated since the last reset)."""
+        s = torch.cuda.memory_stats(self.device)
+        return s.get("allocated_bytes.all.current", 0), s.get("allocated_bytes.all.peak", 0)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def allocator_counter(device: torch.device) -> AllocatorCounter | None:
+    """The allocator's counters of `device`, or None where it keeps none (the CPU)."""
+    return AllocatorCounter(device) if device.type == "cuda" else None
+
+
+def check_covers(covers: str, device: torch.device) -> AllocatorCounter | None:
+    """The counter `budget_covers=covers` reads on `device` (None for "pager"); raises for a bad value."""
+    if covers not in COVERS:
+        raise ValueError(f"pager: budget_covers={covers!r} must be \"pager\" (the budget bounds what pager holds: "
+                         "blocks, activations, carried state) or \"process\" (also what the process holds on the "
+                         "device outside pager, such as the loss).")
+    if covers == "pager":
+        return None
+    counter = allocator_counter(device)
+    if counter is None:
+        raise ValueError(f"pager: budget_covers=\"process\" reads the CUDA caching allocator's counters, and "
+                         f"device {device} keeps none. Use a CUDA device, or leave budget_covers=\"pager\".")
+    return counter
+
+
+class Outside:
+    """Learns `pager.outside_bytes` ([Note: a budget that covers the process]).
+
+    Args:
+        pager: the wrapped model's `Pager`.
+        counter: the device's `AllocatorCounter`.
+    """
+
+    def __init__(self, pager, counter):
+        self.pager = pager
+        self.counter = counter
+        self.held_at_end: int | None = None  # what pager held at the last forward's end (None: not since)
+        self.peak_at_end = 0  # the allocator's peak then
+        counter.reset_peak()
+
+    def held_bytes(self) -> int:
+        """What pager holds on the device now: every model's blocks on this
+        engine, the activations their hooks keep, carried state, row caches
+        and the staging ring."""
+        engine = self.pager.engine
+        held = engine.resident_bytes + engine.transport.staging_bytes
+        for owner in engine.owners:
+            held += owner.carried_bytes + owner.row_bytes
+            if owner.activations is not None:
+                held += owner.activations.ledger.live
+        return held
+
+    def forward_ended(self) -> None:
+        """The root forward ended, its blocks hooked: what the caller holds now."""
+        current, self.peak_at_end = self.counter.read()
+        self.held_at_end = self.held_bytes()
+        self._saw(current - self.held_at_end)
+
+    def backward_starts(self) -> None:
+        """The backward reached the model's first block, before any hook's work."""
+        if self.held_at_end is None:
+            return
+        current, peak = self.counter.read()
+        if peak > self.peak_at_end:  # the loss set a new peak: pager held what it held at the forward's end
+            self._saw(peak - self.held_at_end)
+        self._saw(current - self.held_bytes())
+        self.held_at_end = None
+
+    def _saw(self, nbytes: int) -> None:
+        pager = self.pager
+        if nbytes <= pager.outside_bytes:
+            return
+        pager.outside_bytes = nbytes
+        log.info("pager: the process holds %s on the device outside %s; blocks leave it that room",
+                 format_bytes(nbytes), pager.name)
+        if pager.budget_bytes < pager.least_room + nbytes:
+            pager.warn_once(
+                "outside_crowd", "pager: what the process holds on the device outside pager (%s: the loss, the "
+                "caller's tensors) leaves less of the %s budget than the %s that blocks need at least; blocks take "
+                "that much anyway, so the process holds more than the budget. Raise the budget, or use a smaller "
+                "batch.", format_bytes(nbytes), format_bytes(pager.budget_bytes), format_bytes(pager.least_room))

@@ -1,0 +1,155 @@
+"""`wrap(..., budget_covers="process")`: blocks leave room for what the
+process holds on the device outside pager, such as the loss ([Note: a
+budget that covers the process] in model/outside.py). The figure is read
+from CUDA's caching allocator; on the CPU device a stand-in allocator
+(`Allocator`) counts what pager holds and what the test's "loss" adds, as
+CUDA's would, and the values stay the unwrapped model's bit for bit."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pager
+from pager.model import outside
+from helpers import assert_models_equal, tensor_page_bytes
+from test_activations import Wide, offloading
+
+LAYERS = 6
+
+
+class Allocator:
+    """CUDA's counters as the test's process would move them: pager's own
+    bytes, what the caller holds (`caller_bytes`), and a transient of the
+    loss's backward (`loss`), seen only by the peak."""
+
+    def __init__(self):
+        self.outside = None  # the model's `Outside`, to count what pager holds
+        self.caller_bytes = 0
+        self.peak = 0
+
+    def read(self):
+        current = self.outside.held_bytes() + self.caller_bytes
+        self.peak = max(self.peak, current)
+        return current, self.peak
+
+    def reset_peak(self):
+        self.peak = 0
+
+    def loss(self, nbytes):
+        """The loss's backward holds `nbytes` more at once, then lets go."""
+        self.peak = max(self.peak, self.read()[0] + nbytes)
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    fake = Allocator()
+    monkeypatch.setattr(outside, "allocator_counter", lambda device: fake)
+    return fake
+
+
+def block_bytes(model) -> int:
+    return 4 * tensor_page_bytes(model[0])  # weights, gradients, Adam's two states
+
+
+def steps(model, opt, n, allocator=None, loss_bytes=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        loss = model(torch.randn(256, 32, generator=g)).pow(2).mean()
+        if allocator is not None:
+            allocator.loss(loss_bytes)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def trained(budget, covers, allocator=None, loss_bytes=0):
+    """Six wide blocks under `budget` (activations offloaded) beside an
+    unwrapped copy, 6 steps and 3 more after a reset of the stats."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
+    ref = copy.deepcopy(model)
+    p = offloading(model, budget, "offload", budget_covers=covers)
+    if allocator is not None:
+        allocator.outside = p.outside
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    steps(model, opt, 6, allocator, loss_bytes)
+    p.reset()
+    steps(model, opt, 3, allocator, loss_bytes, seed=1)
+    steps(ref, ref_opt, 6)
+    steps(ref, ref_opt, 3, seed=1)
+    return p, model, ref
+
+
+def test_blocks_leave_room_for_the_loss(allocator):
+    """Without it pager fills the budget, and the loss comes on top; with
+    it, pager learns what the loss holds at its peak and its blocks and
+    activations stay within the budget less that."""
+    budget = 5 * block_bytes(nn.Sequential(*[Wide() for _ in range(LAYERS)]))  # blocks stream
+    loss_bytes = budget // 8
+    p, model, ref = trained(budget, "pager")
+    plain = p.stats()
+    assert p.outside is None and plain.outside_bytes == 0
+    assert plain.peak_device_bytes + loss_bytes > budget  # (the process would hold more than the budget)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+    p, model, ref = trained(budget, "process", allocator, loss_bytes)
+    s = p.stats()
+    assert s.outside_bytes == loss_bytes
+    assert s.peak_device_bytes <= budget - loss_bytes, (s.peak_device_bytes, budget - loss_bytes)
+    assert s.peak_resident_bytes < plain.peak_resident_bytes  # (blocks gave the room)
+    assert "outside pager" in str(s)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_what_the_caller_holds_between_steps_counts_too(allocator):
+    """Tensors the caller keeps on the device (inputs, metrics) are seen at the
+    forward's end, without a peak."""
+    budget = 5 * block_bytes(nn.Sequential(*[Wide() for _ in range(LAYERS)]))
+    allocator.caller_bytes = budget // 8
+    p, model, ref = trained(budget, "process", allocator)
+    s = p.stats()
+    assert s.outside_bytes == budget // 8
+    assert s.peak_device_bytes <= budget - budget // 8
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_loss_larger_than_the_budget_leaves_is_named(allocator, caplog):
+    """Blocks take the least room they run in anyway; the warning names the
+    figures and the fix, and the values stay right."""
+    budget = 4 * block_bytes(nn.Sequential(*[Wide() for _ in range(LAYERS)]))
+    with caplog.at_level(logging.WARNING, logger="pager"):
+        p, model, ref = trained(budget, "process", allocator, loss_bytes=budget)
+    assert p.stats().outside_bytes == budget
+    assert any("outside pager" in r.message and "Raise the budget" in r.message for r in caplog.records)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_a_model_that_fits_trains_hooked_under_it(allocator):
+    """A model that fits trains unhooked by default; covering the process it
+    keeps its hooks (autograd's activations would pass for the caller's), and
+    learns the loss."""
+    budget = 64 * block_bytes(nn.Sequential(*[Wide() for _ in range(LAYERS)]))
+    p, model, ref = trained(budget, "process", allocator, loss_bytes=1000)
+    s = p.stats()
+    assert s.resident_forwards == 0 and s.outside_bytes == 1000
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_bad_values_are_refused_before_anything_changes():
+    model = nn.Sequential(*[Wide() for _ in range(2)])
+    before = [p for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"budget_covers='everything' must be \"pager\""):
+        pager.wrap(model, budget="1MiB", device="cpu", budget_covers="everything")
+    with pytest.raises(ValueError, match=r"device cpu keeps none"):
+        pager.wrap(model, budget="1MiB", device="cpu", budget_covers="process")
+    assert [p for p in model.parameters()] == before
+    pager.wrap(model, budget="1MiB", device="cpu")  # (not left half-wrapped)
+    pager.unwrap(model)
