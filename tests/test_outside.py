@@ -101,6 +101,8 @@ def test_blocks_leave_room_for_the_loss(allocator):
     assert s.outside_bytes == loss_bytes
     assert s.peak_device_bytes <= budget - loss_bytes, (s.peak_device_bytes, budget - loss_bytes)
     assert s.peak_resident_bytes < plain.peak_resident_bytes  # (blocks gave the room)
+    # ("auto" judges a trial pass against the budget less it: [Note: activations, the automatic choice])
+    assert p.activations.budget_bytes() == budget - loss_bytes
     assert "outside pager" in str(s)
     pager.unwrap(model)
     assert_models_equal(model, ref)

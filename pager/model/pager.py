@@ -74,7 +74,7 @@ class Pager:
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
         self.activations = (Activations(activations, self.transport, self.counters,
-                                        budget_bytes=lambda: self.engine.budget_bytes,
+                                        budget_bytes=lambda: self.engine.budget_bytes - self.outside_bytes,
                                         spare_bytes=lambda: self.engine.room.spare_bytes(self))
                             if activations != KEEP else None)
         if self.activations is not None:

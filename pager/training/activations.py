@@ -265,6 +265,8 @@ class Activations:
     (bit for bit on the CPU device), so choosing costs time only.
     Never the one that breaks the budget where the other holds it: a trial
     pass whose blocks and activations held more than the budget together
+    (under `budget_covers="process"`, the budget less what the process holds
+    outside pager: [Note: a budget that covers the process] in model/outside.py)
     (offload keeps activations under its threshold on the device; blocks
     cannot shrink below what runs) counts against its policy. While trials
     alternate, blocks get the budget less the most any trial pass's
