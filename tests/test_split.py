@@ -121,3 +121,22 @@ def test_blocks_are_not_split_when_not_needed_or_named(case):
     else:
         pager.wrap(model, budget=weights_budget(model), device="cpu", blocks=list(model.layers))
     assert not any(b.part for b in pager.of(model).blocks)
+
+
+def rooms(model):
+    """(the sizing of `model`'s default blocks, its remainder, its largest block) at any budget."""
+    sizing = _discover.adapters_resident(_discover.size_up(model), 1 << 40)[0]
+    return sizing, sizing.remainder, max(sizing.own)
+
+
+def test_over_several_links_blocks_split_only_when_two_take_half_the_room():
+    """[Note: splitting large blocks]: over one link, parts where two of the
+    largest blocks take an eighth of the room; over several (split fetch),
+    only where they take half of it."""
+    model = TinyLM()
+    sizing, remainder, largest = rooms(model)
+    budget = remainder + 5 * largest  # (the model does not fit) two take two fifths of the room
+    least = _discover.SPLIT_MIN_BYTES
+    assert _discover.split_large(model, sizing, budget, least, links=1)[1]
+    assert not _discover.split_large(model, sizing, budget, least, links=2)[1]
+    assert _discover.split_large(model, sizing, remainder + 3 * largest, least, links=2)[1]  # (two take 2/3)

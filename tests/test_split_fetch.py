@@ -227,3 +227,22 @@ def test_the_link_rate_of_plan_and_report_goes_over_the_helpers():
         model(torch.randn(4, 512, device=GPU))
     assert "measured peak" in pager.of(model).report()
     assert helper.carried_bytes - before >= 3 * (128 << 20)  # (the probe's three copies of 256 MiB, half each)
+
+
+@two_gpus
+def test_wrap_splits_blocks_for_two_links_only_where_two_take_half_the_room(monkeypatch):
+    """[Note: splitting large blocks]: a budget at which one link's pager
+    pages the layers' projections keeps whole layers over two links."""
+    from models import TinyLM
+    from pager.model import discover
+
+    monkeypatch.setattr(discover, "SPLIT_MIN_BYTES", 1024)  # (the test model's projections are a few KiB)
+    sizing = discover.adapters_resident(discover.size_up(TinyLM()), 1 << 40)[0]
+    budget = sizing.remainder + 5 * max(sizing.own)  # (two take two fifths of the room)
+    parts = {}
+    for split in (None, ["cuda:1"]):
+        model = TinyLM()
+        pager.wrap(model, budget=budget, device=GPU, split_fetch=split)
+        parts[split is None] = sum(b.part for b in pager.of(model).blocks)
+        pager.unwrap(model)
+    assert parts[True] > 0 and parts[False] == 0, parts

@@ -194,7 +194,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     check_codec(compress)
     if blocks is None:
         least_part = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
-        sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part)
+        sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part, links=len(helpers) + 1)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
     state_of = _state_bytes(optimizer, device, state_factor, master_weights)

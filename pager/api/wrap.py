@@ -285,7 +285,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     parts = set()
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
-        sizing, parts = discover.split_large(model, sizing, budget_bytes, least)
+        sizing, parts = discover.split_large(model, sizing, budget_bytes, least, links=_links(helpers, engine))
     pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
                   activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step,
                   helpers=helpers)
@@ -404,6 +404,12 @@ def _check_owners(block_owners, group, model) -> None:
                          "node; it needs a process group (torch.distributed initialized with more than one rank, "
                          "or process_group=...).")
     owners.check_model(model)
+
+
+def _links(helpers, engine) -> int:
+    """The links a fetch goes over: the device's own and its helpers' (a pool's, if it shares one)."""
+    split = engine.transport.split if engine is not None else None
+    return 1 + (len(split.helpers) if split is not None else len(helpers))
 
 
 def _split_helpers(split_fetch, device, pin, engine, group) -> list:

@@ -37,6 +37,16 @@ a block's forward reads a part's weights without calling it (a fused QKV
 concatenation): that read is served like any access to an idle block's tensor
 ([Note: paged-out tensors] in base/guards.py), and the pager then fetches the
 block's parts together with it from its next use on (`Pager._merge_parts`).
+Over several links (`split_fetch`), blocks are split only when two of the
+largest take half of the room (SPLIT_SHARE_LINKS): a split fetch moves a
+page over n links at n times the rate but costs the host more per fetch
+(each helper's copies and their exchange), so with parts the links wait for
+the host. On 2x H200 (a 7B-shaped Llama, bf16, 256-token forward) the
+decoder layers as blocks took 85.2 ms at 50% of its bytes and 116.6 ms at
+25%, their projections as blocks 113.2 and 135.6 ms; over one link the
+parts were faster (129.4 against 141.5 ms at 50%), hence one link keeps
+SPLIT_SHARE. A model whose two layers do not fit half the room (a
+70B-shaped layer) is still split.
 """
 
 from __future__ import annotations
@@ -241,19 +251,22 @@ class Sizing:
 
 SPLIT_MIN_BYTES = 1 << 20  # a part smaller than this stays with its block
 SPLIT_SHARE = 8  # split when two of the largest blocks take 1/SPLIT_SHARE of the room for blocks
+SPLIT_SHARE_LINKS = 2  # ... over several links (split fetch): 1/SPLIT_SHARE_LINKS of it
 
 
 def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
-                min_part_bytes: int = SPLIT_MIN_BYTES) -> tuple[Sizing, set]:
+                min_part_bytes: int = SPLIT_MIN_BYTES, links: int = 1) -> tuple[Sizing, set]:
     """`sizing` with the large parts (of `min_part_bytes` or more) of its
     blocks as nested blocks, when two of the largest blocks take
-    1/SPLIT_SHARE of the room for blocks (see the Note); also the ids of
-    those parts. Unchanged (and an empty set) otherwise. The blocks are
-    sized again from the model, and small adapters stay with the remainder
-    as `adapters_resident` has them."""
+    1/SPLIT_SHARE of the room for blocks (1/SPLIT_SHARE_LINKS when fetches
+    go over more than one link: see the Note); also the ids of those parts.
+    Unchanged (and an empty set) otherwise. The blocks are sized again from
+    the model, and small adapters stay with the remainder as
+    `adapters_resident` has them."""
     named, own, remainder = sizing.named, sizing.own, sizing.remainder
     room = budget_bytes - remainder
-    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or SPLIT_SHARE * 2 * max(own) < room:
+    share = SPLIT_SHARE if links == 1 else SPLIT_SHARE_LINKS
+    if not named or remainder + sum(own) <= budget_bytes or room <= 0 or share * 2 * max(own) < room:
         return sizing, set()
     modules = [m for _n, m in named]
     block_ids = {id(m) for m in modules}
