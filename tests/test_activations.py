@@ -806,3 +806,54 @@ def test_recomputing_a_larger_block_than_the_last_pass_holds_the_budget(share):
         s = p.stats()
         assert s.recomputes > 0 and s.peak_device_bytes <= budget + (head_input if step == 0 else 0), (step, s, budget)
     assert_models_equal(net, ref)
+
+
+class Heads(nn.Module):
+    """Attention-shaped saves: a projection's output seen as heads, transposed
+    (dense, not contiguous), and a slice of one (not dense)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.q, self.k = heads, nn.Linear(d, d), nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        b, d = x.shape[0], x.shape[-1]
+        q = self.q(x).view(b, -1, self.heads, d // self.heads).transpose(1, 2)  # dense
+        k = self.k(x).view(b, -1, self.heads, 2 * d // self.heads)[..., : d // self.heads].transpose(1, 2)  # a slice
+        return x + F.scaled_dot_product_attention(q, k, q).transpose(1, 2).reshape(x.shape)
+
+
+def test_transposed_saves_are_offloaded_with_their_strides():
+    """A saved view that is a permutation of its storage (attention's q, k
+    and v as heads) leaves and comes back with its strides; a slice of a
+    storage, which is not dense, stays; values bit for bit."""
+    from pager.training.activations import _dense
+
+    x = torch.randn(2, 8, 4, 8)
+    assert _dense(x.transpose(1, 2)) and _dense(x) and not _dense(x[..., :4].transpose(1, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Heads() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    p = offloading(model, streams(model), "offload")
+    saved_types = []
+    transport = p.transport
+    send = transport.send_to_host
+
+    def recording(t, host=None):
+        saved_types.append((t.is_contiguous(), t.stride()))
+        out = send(t, host)
+        assert out[0].stride() == t.stride()
+        return out
+
+    transport.send_to_host = recording
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            m(torch.randn(2, 16, 32, generator=g)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert any(not contiguous for contiguous, _stride in saved_types), saved_types  # (the transposed q went)
+    assert p.stats().activations_sent_bytes > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)

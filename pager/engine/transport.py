@@ -277,7 +277,8 @@ class CudaTransport:
         """Copy activation `t` to pinned host memory (`host`, or new) on the
         d2h stream; the host tensor and an event after the copy."""
         if host is None:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator
+            # (its strides: a transposed view's copy is one run of bytes; torch's caching host allocator)
+            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
         # `t` is final only once compute has written it.
         self.d2h_stream.wait_event(self._record(self.compute_stream()))
         with self.on(self.d2h_stream):
@@ -288,7 +289,8 @@ class CudaTransport:
     def bring_to_device(self, host: torch.Tensor, written=None):
         """Copy `host` (written by the d2h copy `written`) to new device memory
         on the h2d stream; the device tensor and an event after the copy."""
-        device_t = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # compute's pool: used and freed there
+        # (the strides it was saved with; compute's pool: used and freed there)
+        device_t = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
         # The new memory may have been freed by compute work still in flight.
         self.h2d_stream.wait_event(self._record(self.compute_stream()))
         if written is not None:

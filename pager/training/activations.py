@@ -7,7 +7,9 @@ instead.
 
 [Note: activations off the device]
 With `activations="offload"`, each activation a training forward saves (a
-contiguous tensor on the device of at least `OFFLOAD_MIN_BYTES`; not a
+dense tensor on the device of at least `OFFLOAD_MIN_BYTES`: contiguous, or a
+permutation of its storage's bytes, as attention's transposed q, k and v,
+which go and come back with their strides, each copy one run of bytes; not a
 block's own weights, which page with the block) is copied to pinned host
 memory on the d2h stream as soon as compute has written it. The graph holds
 a `Sent` instead; it belongs to the block whose forward ran last (ops between
@@ -429,6 +431,20 @@ class Activations:
         self.offload.backward_reaches(block)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers a run of its storage's bytes without gaps or
+    overlaps (contiguous, or a permutation of it: a transposed view), so
+    that a copy with its strides is one run of bytes."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class Sent:
     """An activation on the host, as the graph holds it (see the Note); one
     for every save of the same tensor in a block's forward."""
@@ -519,7 +535,7 @@ class ActivationOffload:
 
     def wants(self, t) -> bool:
         return (self._forward_block not in self._stay and t.device == self.transport.device
-                and t.layout == torch.strided and t.is_contiguous() and _nbytes(t) >= self.min_bytes)
+                and t.layout == torch.strided and _dense(t) and _nbytes(t) >= self.min_bytes)
 
     def send(self, t) -> Sent:
         again = self._sent_already(t)
