@@ -650,7 +650,7 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
             d, n, activations, lambda m: int(2.5 * 4 * tensor_page_bytes(m[0])))
         fused_twin = FusedTwin(ref)
         peak = 0
-        for step in range(9 if activations == "auto" else 3):  # auto: 2 passes, 2 of each policy, the choice
+        for step in range(11 if activations == "auto" else 3):  # auto: 2 passes, 2 of each of 3 trials, the choice
             x = torch.randn(rows, d, device=GPU)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()

@@ -117,6 +117,10 @@ IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute w
 
 KEEP, OFFLOAD, RECOMPUTE, AUTO = "keep", "offload", "recompute", "auto"
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
+# "auto"'s third trial: offload, but saved views that are not contiguous (a
+# transposed q, k, v) stay on the device (stats say "offload"; see the Note).
+OFFLOAD_VIEWS_KEPT = "offload, views kept"
+TRIALS = (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
 AUTO_WARMUP_PASSES = 2  # training passes (forward and backward) before trying: cold start, optimizer state
 AUTO_TRIAL_PASSES = 2   # passes timed under each policy; the one with the faster best pass stays
 
@@ -256,9 +260,16 @@ class Activations:
     which is faster depends on the link's load (the blocks' own traffic
     grows as the budget shrinks) against the compute a forward costs again;
     measured on the 1B decoder, mixing the two block by block costs the
-    weighted sum of the two, never less. So both are tried on whole training
+    weighted sum of the two, never less. Offloading is tried twice: all
+    that a block saves, or its contiguous saves only, the views that are a
+    permutation of their storage (attention's transposed q, k and v) staying
+    on the device: sending those too (2.3 GB more a step on the 1B decoder
+    at 40%, 2 GiB less on the device) makes the forward wait for the link
+    (1.17x against 1.06x), unless the budget has no room for them (under
+    `budget_covers="process"` there: 1.15x within the budget, where the
+    other broke it). So the three are tried on whole training
     passes: after `AUTO_WARMUP_PASSES`, each runs `AUTO_TRIAL_PASSES` passes
-    (alternating, so that both see the same drift) timed on compute's clock
+    (alternating, so that all see the same drift) timed on compute's clock
     from the root forward's start to the backward's end (events: no
     synchronization), and the one with the faster best pass stays
     (`stats().activations_policy`); the best, as a policy's first pass pays
@@ -302,8 +313,8 @@ class Activations:
         self._passes = 0  # training passes started
         self._start = None  # (policy, clock) of the trial pass under way
         self._timed: list = []  # (policy, start, end) of trial passes whose time is not known yet
-        self._seconds: dict = {OFFLOAD: [], RECOMPUTE: []}
-        self._over: dict = {OFFLOAD: False, RECOMPUTE: False}  # a trial pass of it held more than the budget
+        self._seconds: dict = {p: [] for p in TRIALS}
+        self._over: dict = {p: False for p in TRIALS}  # a trial pass of it held more than the budget
         stats.activations_policy = policy
 
     @property
@@ -323,14 +334,14 @@ class Activations:
         if self.asked != AUTO:
             return
         self._choose_kept()
-        self.stats.activations_policy = KEEP if self.all_kept else (AUTO if self._choosing else self.policy)
+        self.stats.activations_policy = KEEP if self.all_kept else (AUTO if self._choosing else self.public_policy)
         if not self._choosing:
             return
         self._settle_trials()
         if self._choosing and self._passes >= AUTO_WARMUP_PASSES and not self.all_kept:
             tried = {p: len(v) + sum(t[0] == p for t in self._timed) for p, v in self._seconds.items()}
             if min(tried.values()) < AUTO_TRIAL_PASSES:  # (else: the last ones' times are on their way)
-                self.policy = min((OFFLOAD, RECOMPUTE), key=tried.get)  # alternating
+                self._set_policy(min(TRIALS, key=tried.get))  # alternating
                 self._start = (self.policy, self.transport.clock())
         self._passes += 1
 
@@ -388,13 +399,22 @@ class Activations:
         if all(len(v) >= AUTO_TRIAL_PASSES for v in self._seconds.values()):
             best = {p: min(v) for p, v in self._seconds.items()}
             held = [p for p in best if not self._over[p]] or list(best)  # (never what breaks the budget, if one holds)
-            self.policy = min(held, key=best.get)
-            self.stats.activations_policy = self.policy
+            self._set_policy(min(held, key=best.get))
+            self.stats.activations_policy = self.public_policy
             self._choosing = False
             log.info("pager: activations=\"auto\" chose %r for the blocks that do not keep theirs (a training pass "
-                     "took %.1f ms with activations offloaded, %.1f ms recomputed%s)", self.policy,
-                     1e3 * best[OFFLOAD], 1e3 * best[RECOMPUTE],
+                     "took %.1f ms with activations offloaded, %.1f ms with their views kept, %.1f ms recomputed%s)",
+                     self.policy, 1e3 * best[OFFLOAD], 1e3 * best[OFFLOAD_VIEWS_KEPT], 1e3 * best[RECOMPUTE],
                      "".join(f"; {p} held more than the budget" for p in best if self._over[p]))
+
+    def _set_policy(self, policy: str) -> None:
+        self.policy = policy
+        self.offload.views = policy != OFFLOAD_VIEWS_KEPT
+
+    @property
+    def public_policy(self) -> str:
+        """The policy as `stats()` names it ("offload" for both ways of offloading)."""
+        return OFFLOAD if self.policy == OFFLOAD_VIEWS_KEPT else self.policy
 
     def forward_reaches(self, block) -> None:
         """The training forward enters `block`."""
@@ -402,7 +422,7 @@ class Activations:
 
     def between_blocks(self):
         """The `offload` and `recompute` of ops outside blocks (what they save belongs to the block before)."""
-        return (self.offload if self.policy == OFFLOAD and not self.all_kept else None), None
+        return (self.offload if self.policy != RECOMPUTE and not self.all_kept else None), None
 
     def for_block(self, block, args, kwargs):
         """The `offload` and `recompute` of `block`'s training forward."""
@@ -504,6 +524,7 @@ class ActivationOffload:
         self.ledger = ledger
         self.min_bytes = min_bytes
         self.keep_last = keep_last
+        self.views = True  # saved views that are not contiguous but dense leave too ("auto" may keep them)
         self.bring_ahead = BRING_AHEAD_BLOCKS
         self._order: list = []  # blocks in the order this forward reached them
         self.order: list = []   # ... the last forward did
@@ -535,7 +556,8 @@ class ActivationOffload:
 
     def wants(self, t) -> bool:
         return (self._forward_block not in self._stay and t.device == self.transport.device
-                and t.layout == torch.strided and _dense(t) and _nbytes(t) >= self.min_bytes)
+                and t.layout == torch.strided and (t.is_contiguous() or self.views and _dense(t))
+                and _nbytes(t) >= self.min_bytes)
 
     def send(self, t) -> Sent:
         again = self._sent_already(t)
