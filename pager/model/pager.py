@@ -64,10 +64,8 @@ class Pager:
         # Names of the row tables wrap chose itself ([Note: a remainder too large for the budget] in api/fit.py).
         self.rows_unasked: set = set()
         self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
-        # What the process holds on the device outside pager, held out of the room under
-        # wrap(budget_covers="process"), learned by `outside` ([Note: a budget that covers the process]).
-        self.outside_bytes = 0
-        self.outside = None
+        self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
+        self.outside = None  # the `Outside` that learns them ([Note: a budget that covers the process])
         self.row_stream = None  # the row tables' side stream and staging (rows/reader.py), on CUDA
         # How the pool and the engine's messages name this model.
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
