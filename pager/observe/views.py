@@ -27,7 +27,8 @@ def snapshot(pager) -> Stats:
                       allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device))
     weights = [w for b in pager.all_blocks() for w in b.weight_segments]
     return dataclasses.replace(pager.counters, resident_bytes=pager.resident_bytes, blocks=blocks,
-                               carried_bytes=pager.carried_bytes, outside_bytes=pager.outside_bytes, page_bytes=sum(w.page_bytes for w in weights),
+                               carried_bytes=pager.carried_bytes, outside_bytes=pager.outside_bytes,
+                               page_bytes=sum(w.page_bytes for w in weights),
                                plain_page_bytes=sum(w.nbytes for w in weights),
                                compressed_blocks=sum(w.encoded is not None for w in weights), **memory)
 

@@ -263,11 +263,11 @@ class Activations:
     weighted sum of the two, never less. Offloading is tried twice: all
     that a block saves, or its contiguous saves only, the views that are a
     permutation of their storage (attention's transposed q, k and v) staying
-    on the device: sending those too (2.3 GB more a step on the 1B decoder
-    at 40%, 2 GiB less on the device) makes the forward wait for the link
-    (1.17x against 1.06x), unless the budget has no room for them (under
-    `budget_covers="process"` there: 1.15x within the budget, where the
-    other broke it). So the three are tried on whole training
+    on the device. Sending those too holds 2 GiB less on the device on the
+    1B decoder at 40%, for 2.3 GB more a step over a link the forward
+    already fills (11.4 GB out against 9.1), so which is faster depends on
+    the link's load, and where the budget has no room for the views only
+    sending them holds it. So the three are tried on whole training
     passes: after `AUTO_WARMUP_PASSES`, each runs `AUTO_TRIAL_PASSES` passes
     (alternating, so that all see the same drift) timed on compute's clock
     from the root forward's start to the backward's end (events: no
