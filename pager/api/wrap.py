@@ -408,7 +408,7 @@ def _check_owners(block_owners, group, model) -> None:
 
 def _links(helpers, engine) -> int:
     """The links a fetch goes over: the device's own and its helpers' (a pool's, if it shares one)."""
-    split = getattr(engine.transport, "split", None) if engine is not None else None  # (none on the CPU device)
+    split = engine.transport.split if engine is not None else None
     return 1 + (len(split.helpers) if split is not None else len(helpers))
 
 

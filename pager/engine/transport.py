@@ -45,6 +45,7 @@ class CpuTransport:
     """Synchronous copies; the 'device' is separate host memory."""
 
     is_cuda = False
+    split = None  # (no other GPUs' links: [Note: split fetch] in engine/split_fetch.py)
 
     def __init__(self, device: torch.device):
         self.device = device

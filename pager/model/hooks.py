@@ -125,7 +125,8 @@ class Hooks:
     # A forward that builds a graph (training) sleeps too when nothing its
     # backward would need the hooks for can happen (`_can_train_asleep`):
     # every trainable block has its gradients' page, activations stay as
-    # autograd saves them ("keep", or "auto" keeping all), no reducer, and the model is alone on its engine.
+    # autograd saves them ("keep", or "auto" keeping all), no reducer, no budget
+    # covering the process (model/outside.py), and the model is alone on its engine.
     # Its backward then has no pre-backward hooks to bring a block back, so
     # no block of the model may leave while the graph can still be read
     # (`graphs_asleep`): until a backward through one of its outputs ends
