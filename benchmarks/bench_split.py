@@ -17,7 +17,9 @@ pager/engine/split_fetch.py.
    aside (`transport.split = None`, the state `split_fetch=None` wraps
    with), and k links a `SplitFetch` of the first k-1 helpers (the state
    `split_fetch=helpers[:k-1]` wraps with), so pages, budget and schedule
-   are the same. Tokens are compared with all-on-GPU's.
+   are the same; then over every link with each helper keeping pages up to
+   the device's budget ([Note: pages kept on helpers]; the others keep
+   none). Tokens are compared with all-on-GPU's.
 3. `shares`: the forward at the first budget over every link, with the
    device's own share of each page at 0.4, 0.5 and 0.6 (the rest shared
    evenly by the helpers).
@@ -37,6 +39,7 @@ import torch
 import pager
 from benchmarks.bench_generate import decode
 from benchmarks.harness import GiB, Row, environment, free_cuda, save, time_ms
+from pager.engine.helper_pages import HelperPages
 from pager.engine.split_fetch import SplitFetch
 from pager.engine.transport import _Current
 
@@ -112,7 +115,8 @@ def shape_rows(args, shape: str, links: dict, blocks: str = "auto") -> list:
     # "split_fetch=helpers[:k]" for each k, on the same pages: the transport with fewer helpers.
     variants = [("one link", None)] + [
         (f"split over {k + 1} links", split if k == len(helpers) else SplitFetch(split.device, helpers[:k], _Current))
-        for k in range(1, len(helpers) + 1)]
+        for k in range(1, len(helpers) + 1)] + [(f"split over {len(helpers) + 1} links, pages kept on helpers", split)]
+    pg.transport.kept_pages = None  # (set per budget for the last variant)
     ids = torch.randint(3, 32000, (1, args.prompt), device="cuda:0")
     with torch.no_grad():
         gpu_fwd = time_ms(lambda: gpu(ids), warmup=2, reps=args.reps)
@@ -131,6 +135,9 @@ def shape_rows(args, shape: str, links: dict, blocks: str = "auto") -> list:
         times = {}
         for method, helper in variants:
             pg.transport.split = helper
+            keeping = method.endswith("kept on helpers")
+            # Each helper may hold as much as the device ([Note: pages kept on helpers]).
+            pg.transport.kept_pages = HelperPages(split, [int(share * model_bytes)] * len(helpers)) if keeping else None
             with torch.no_grad():
                 pg.reset()
                 fwd = time_ms(lambda: model(ids), warmup=2, reps=args.reps)
@@ -148,15 +155,22 @@ def shape_rows(args, shape: str, links: dict, blocks: str = "auto") -> list:
                             f"forward {fwd:.1f} ms ({per_fwd / 1e9:.2f} GB; all on GPU {gpu_fwd:.1f} ms); decode "
                             f"{tok:.1f} ms/token, median {tok_median:.1f}, {tok / one[1]:.2f}x one link's "
                             f"({per_token / 1e9:.2f} GB/token; all on GPU {gpu_tok:.1f} ms); "
-                            f"{s.split_fetch_bytes / max(s.h2d_bytes, 1):.0%} of bytes over other GPUs; "
+                            f"{s.split_fetch_bytes / max(s.h2d_bytes, 1):.0%} of bytes over other GPUs' links, "
+                            f"{s.helper_page_bytes / max(s.h2d_bytes, 1):.0%} from their memory "
+                            f"({s.helper_held_bytes / GiB:.1f} GiB kept); "
                             f"tokens equal to all on GPU's: {float((out == want).float().mean()):.0%}",
                             {"forward_ms": fwd, "decode_ms": tok, "decode_median_ms": tok_median,
                              "forward_bytes": per_fwd, "token_bytes": per_token, "gpu_forward_ms": gpu_fwd,
                              "gpu_decode_ms": gpu_tok, "budget_share": share, "shape": shape,
                              "split_share": s.split_fetch_bytes / max(s.h2d_bytes, 1), "blocks": len(pg.blocks),
                              "blocks_spec": blocks,
-                             "forward_ratio": fwd / one[0], "decode_ratio": tok / one[1]}))
+                             "forward_ratio": fwd / one[0], "decode_ratio": tok / one[1],
+                             "helper_page_share": s.helper_page_bytes / max(s.h2d_bytes, 1),
+                             "helper_held_bytes": s.helper_held_bytes}))
             print(rows[-1], flush=True)
+            if keeping:
+                pg.transport.kept_pages.clear()
+                pg.transport.kept_pages = None
     if args.shares:
         pg.transport.split = split
         pg.set_budget(int(float(args.budgets.split(",")[0]) * model_bytes))

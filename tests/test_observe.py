@@ -312,7 +312,7 @@ def test_warns_when_stalls_dominate(caplog, budget_blocks, fires):
     pager.wrap(model, budget=budget_blocks * tensor_page_bytes(model.layers[0]), device="cpu", prefetch=0)
     transport = pager.of(model).transport
 
-    def slow_h2d(device_flat, host, after=()):
+    def slow_h2d(device_flat, host, after=(), seg=None):
         t0 = time.perf_counter()
         time.sleep(0.01)
         device_flat.copy_(host)

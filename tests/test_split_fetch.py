@@ -78,6 +78,24 @@ def test_the_helpers_named_are_checked_and_all_takes_those_with_a_peer_link(four
     assert "no other GPU of this process can write to cuda:3" in pager_log.text
 
 
+def test_each_helper_may_hold_the_devices_budget_or_the_one_given(four_gpus_seen, monkeypatch):
+    from pager.base import budget
+
+    monkeypatch.setattr(budget, "device_memory", lambda device: (40 << 30, 80 << 30))
+    cuda0, cuda1, cuda2 = (torch.device("cuda", i) for i in range(3))
+    given = {"cuda:2": "10GiB", 1: 0}
+    helpers = split_fetch.resolve_helpers(given, cuda0, pin=True)
+    assert helpers == [cuda2, cuda1]
+    assert split_fetch.helper_budgets(given, helpers, 5 << 30) == [10 << 30, 0]
+    assert split_fetch.helper_budgets("all", [cuda1, cuda2], 5 << 30) == [5 << 30, 5 << 30]
+    assert split_fetch.helper_budgets(["cuda:1"], [cuda1], 5 << 30) == [5 << 30]
+    assert split_fetch.helper_budgets({"cuda:1": "25%"}, [cuda1], 5 << 30) == [20 << 30]
+    for bad, match in [("lots", "not understood"), (-1, "more than 0"), ("100TiB", "larger than cuda:1"),
+                       (True, "not understood")]:
+        with pytest.raises(ValueError, match=rf"split_fetch=.*the budget for cuda:1 is not understood.*{match}"):
+            split_fetch.helper_budgets({"cuda:1": bad}, [cuda1], 5 << 30)
+
+
 # ---------------------------------------------------------------- two GPUs
 @pytest.fixture
 def small_shares(monkeypatch):
@@ -100,12 +118,30 @@ def _slow_helpers(transport, cycles=1_000_000):
                 torch.cuda._sleep(cycles)
         return carry(helper, *args)
 
-    def slow_h2d(dst, src, after=()):
+    def slow_h2d(dst, src, after=(), seg=None):
         with torch.cuda.stream(transport.h2d_stream):
             torch.cuda._sleep(cycles // 2)
-        return h2d(dst, src, after)
+        return h2d(dst, src, after, seg)
 
     split._carry, transport.h2d = slow_carry, slow_h2d
+    kept_pages = transport.kept_pages
+    if kept_pages is None:
+        return
+    copy_up, landed = kept_pages.copy_up, kept_pages.landed
+
+    def slow_copy_up(kept, *args):
+        # (the keep stream runs late: its copy lands long after the fetch was asked for)
+        with torch.cuda.stream(kept.keeper.stream):
+            torch.cuda._sleep(cycles)
+        return copy_up(kept, *args)
+
+    def slow_landed(*args):
+        # (the join stream runs late: a keeping copy reads the device's page while compute would run)
+        with torch.cuda.stream(split.join_stream):
+            torch.cuda._sleep(cycles // 2)
+        return landed(*args)
+
+    kept_pages.copy_up, kept_pages.landed = slow_copy_up, slow_landed
 
 
 @pytest.mark.cuda
@@ -116,8 +152,9 @@ def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(
     ref = copy.deepcopy(model).to(GPU)
     budget = 2 * tensor_page_bytes(model.layers[0])
     helper_before = torch.cuda.memory_allocated(1)
-    pager.wrap(model, budget=budget, device=GPU, split_fetch=["cuda:1"])
+    pager.wrap(model, budget=budget, device=GPU, split_fetch={"cuda:1": 0})  # (its staging alone: every page splits)
     transport = pager.of(model).transport
+    assert transport.kept_pages is None
     assert torch.cuda.memory_allocated(1) - helper_before == transport.split.staging_bytes
     _slow_helpers(transport)
     if compute_sleep:
@@ -131,7 +168,7 @@ def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(
     assert s.evictions > 0 and s.prefetches > 0 and s.peak_resident_bytes <= budget
     # Every page's share beyond the device's own (about half) crossed from the helper.
     page = tensor_page_bytes(model.layers[0])
-    assert s.split_fetch_bytes == s.h2d_bytes // page * transport.helper_bytes(page) > 0.4 * s.h2d_bytes
+    assert s.split_fetch_bytes == s.h2d_bytes // page * transport.split.helper_bytes(page) > 0.4 * s.h2d_bytes
     assert "over other GPUs' links" in str(s)
     pager.unwrap(model)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -139,17 +176,21 @@ def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(
 
 @pytest.mark.cuda
 @two_gpus
-def test_training_over_two_links_equals_the_one_gpu_pager_bit_for_bit(small_shares):
-    """Weights, gradients and optimizer state come up split (updates on the
-    device): the same kernels on the same GPU give the same bits."""
+@pytest.mark.parametrize("optimizer_step", ["device", "host"])
+def test_training_over_two_links_equals_the_one_gpu_pager_bit_for_bit(small_shares, optimizer_step):
+    """Weights, gradients and optimizer state come up split, updated on the
+    device (written back) or on the host: the same kernels give the same
+    bits. The helper's copies of weights pages are dropped as the pages
+    change, and trained pages are not kept again."""
     torch.manual_seed(0)
     start = thin()
     data = [(torch.randn(16, 512, device=GPU), torch.randn(16, 512, device=GPU)) for _ in range(4)]
-    budget = int(2.5 * 4 * tensor_page_bytes(start.layers[0]))
+    page = tensor_page_bytes(start.layers[0])
+    budget = int(2.5 * 4 * page)
     results = []
-    for helpers in (None, ["cuda:1"]):
+    for helpers in (None, {"cuda:1": 16 * page}):
         model = copy.deepcopy(start)
-        pager.wrap(model, budget=budget, device=GPU, optimizer_step="device", activations="keep",
+        pager.wrap(model, budget=budget, device=GPU, optimizer_step=optimizer_step, activations="keep",
                    split_fetch=helpers)
         if helpers:
             _slow_helpers(pager.of(model).transport)
@@ -160,9 +201,95 @@ def test_training_over_two_links_equals_the_one_gpu_pager_bit_for_bit(small_shar
             opt.zero_grad()
         s = pager.of(model).stats()
         assert s.evictions > 0 and (s.split_fetch_bytes > 0) == bool(helpers)
+        if helpers:
+            assert s.host_steps > 0 if optimizer_step == "host" else s.host_steps == 0
+            assert s.helper_held_bytes == 0  # (every page changed at each step)
         pager.unwrap(model)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("compute_sleep", [0, 3_000_000])
+def test_pages_a_helper_keeps_come_over_the_peer_link_with_every_copy_delayed(small_shares, compute_sleep):
+    """[Note: pages kept on helpers]: the pages the device cannot keep are
+    copied to the helper at their second fetch, then come from its memory
+    alone; the values stay the bare model's."""
+    model = thin().eval()
+    ref = copy.deepcopy(model).to(GPU)
+    page = tensor_page_bytes(model.layers[0])
+    budget = 3 * page
+    helper_before = torch.cuda.memory_allocated(1)
+    pager.wrap(model, budget=budget, device=GPU, split_fetch={"cuda:1": 16 * page})
+    pg = pager.of(model)
+    transport = pg.transport
+    _slow_helpers(transport)
+    if compute_sleep:
+        record = transport.record_compute
+        transport.record_compute = lambda: (torch.cuda._sleep(compute_sleep), record())[1]
+    x = torch.randn(8, 512, device=GPU)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(x), ref(x))
+        kept = pg.stats().helper_held_bytes
+        assert kept >= 4 * page  # (the 8 layers less those the device keeps)
+        assert torch.cuda.memory_allocated(1) - helper_before == transport.split.staging_bytes + kept
+        pg.reset()
+        for _ in range(3):
+            x = torch.randn(8, 512, device=GPU)
+            assert torch.equal(model(x), ref(x))
+    s = pg.stats()
+    # Each streamed page came from the helper's memory: nothing over the links.
+    assert s.evictions > 0 and s.split_fetch_bytes == 0 and s.helper_page_bytes == s.h2d_bytes > 0
+    assert s.peak_resident_bytes <= budget and "from copies in other GPUs' memory" in str(s)
+    pager.unwrap(model)
+    assert torch.cuda.memory_allocated(1) - helper_before == transport.split.staging_bytes
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_a_helper_keeps_pages_up_to_its_budget_and_the_rest_split(small_shares):
+    model = thin().eval()
+    ref = copy.deepcopy(model).to(GPU)
+    page = tensor_page_bytes(model.layers[0])
+    staging = 2 * split_fetch.CHUNK_BYTES
+    pager.wrap(model, budget=3 * page, device=GPU, split_fetch={"cuda:1": staging + 2 * page + page // 2})
+    pg = pager.of(model)
+    _slow_helpers(pg.transport)
+    x = torch.randn(8, 512, device=GPU)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), ref(x))
+        pg.reset()
+        assert torch.equal(model(x), ref(x))
+    s = pg.stats()
+    assert s.helper_held_bytes == 2 * page
+    assert 0 < s.helper_page_bytes <= 2 * page and s.split_fetch_bytes > 0
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_weights_changed_after_wrap_drop_the_helpers_copies(small_shares):
+    """A page a helper keeps is stale once its weights change (here through
+    `load_state_dict`, written back from the device): its copy is dropped
+    before a fetch could read it, and the page is kept again later."""
+    model = thin().eval()
+    page = tensor_page_bytes(model.layers[0])
+    pager.wrap(model, budget=3 * page, device=GPU, split_fetch={"cuda:1": 16 * page})
+    pg = pager.of(model)
+    _slow_helpers(pg.transport)
+    x = torch.randn(8, 512, device=GPU)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        assert pg.stats().helper_held_bytes > 0
+        new = thin()
+        model.load_state_dict(new.state_dict())
+        ref = new.to(GPU).eval()
+        for _ in range(4):
+            assert torch.equal(model(x), ref(x))
+    assert pg.stats().helper_held_bytes > 0  # (changed once: kept again)
 
 
 @pytest.mark.cuda
@@ -227,6 +354,22 @@ def test_the_link_rate_of_plan_and_report_goes_over_the_helpers():
         model(torch.randn(4, 512, device=GPU))
     assert "measured peak" in pager.of(model).report()
     assert helper.carried_bytes - before >= 3 * (128 << 20)  # (the probe's three copies of 256 MiB, half each)
+    assert not plan.helper_kept  # (1 MiB pages do not split, and are not kept)
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_a_plan_says_which_streamed_blocks_the_helpers_keep():
+    model = Thin(2048, 8)  # (16 MiB layers)
+    layer = tensor_page_bytes(model.layers[0])
+    alone = pager.plan(model, 3 * layer, device=GPU, split_fetch={"cuda:1": 0})
+    assert not alone.helper_kept and alone.forward_helper_bytes == 0 and alone.peer_gbps is None
+    plan = pager.plan(model, 3 * layer, device=GPU, split_fetch={"cuda:1": 2 * split_fetch.CHUNK_BYTES + 3 * layer})
+    streamed = [n for n, _b in plan.blocks if n not in plan.kept]
+    assert plan.helper_kept == streamed[:3] and plan.forward_helper_bytes == 3 * layer
+    assert plan.forward_bytes == alone.forward_bytes - 3 * layer and plan.peer_gbps > 0
+    assert plan.forward_floor_seconds < alone.forward_floor_seconds
+    assert "kept on a helper" in str(plan) and "from the helpers' memory" in str(plan)
 
 
 @two_gpus

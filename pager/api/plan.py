@@ -15,7 +15,7 @@ from .fake import SavedBytes, measure_saved
 from ..training import host_step, masters
 from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
 from ..engine.schedule import Scheduler
-from ..engine.split_fetch import resolve_helpers
+from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, resolve_helpers
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 
@@ -57,8 +57,13 @@ class Plan:
     host_kept: list[str] = field(default_factory=list)
     forward_disk_bytes: int = 0
     disk_gbps: float | None = None
-    # With `split_fetch`: the device's own link, which write-backs take (`link_gbps` is the fetches' rate).
+    # With `split_fetch`: the device's own link, which write-backs take (`link_gbps` is the fetches' rate),
+    # and the streamed blocks the helpers keep in their memory, which a forward moves over the peer
+    # links at `peer_gbps` ([Note: pages kept on helpers] in engine/helper_pages.py).
     writeback_gbps: float | None = None
+    helper_kept: list[str] = field(default_factory=list)
+    forward_helper_bytes: int = 0
+    peer_gbps: float | None = None
 
     @property
     def fits_all(self) -> bool:
@@ -79,7 +84,8 @@ class Plan:
 
     @property
     def forward_floor_seconds(self) -> float:
-        return self.forward_bytes / (self.link_gbps * 1e9)
+        over_peers = self.forward_helper_bytes / (self.peer_gbps * 1e9) if self.forward_helper_bytes else 0.0
+        return self.forward_bytes / (self.link_gbps * 1e9) + over_peers
 
     @property
     def train_floor_seconds(self) -> float:
@@ -104,11 +110,14 @@ class Plan:
         elif self.fits_all:
             out.append("  everything fits: no paging needed; after the first forward nothing moves")
         out.append(f"  {'block':<40} {'size':>11}  inference")
-        kept = set(self.kept)
+        kept, on_helpers = set(self.kept), set(self.helper_kept)
         for name, n in self.blocks:
-            out.append(f"  {name[-40:]:<40} {format_bytes(n):>11}  {'stays resident' if name in kept else 'streams'}")
+            where = "stays resident" if name in kept else "kept on a helper" if name in on_helpers else "streams"
+            out.append(f"  {name[-40:]:<40} {format_bytes(n):>11}  {where}")
+        peers = (f" and {format_bytes(self.forward_helper_bytes)} from the helpers' memory at {self.peer_gbps:.0f} "
+                 f"GB/s" if self.forward_helper_bytes else "")
         out.append(
-            f"  per forward: {format_bytes(self.forward_bytes)} to the device, PCIe floor "
+            f"  per forward: {format_bytes(self.forward_bytes)} to the device over PCIe{peers}, floor "
             f"{1e3 * self.forward_floor_seconds:.1f} ms at {link}"
         )
         out.append(
@@ -165,7 +174,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
             estimate: the real ratio depends on the values).
         link_gbps: host-to-device GB/s; measured on a CUDA device, else 55 assumed.
         split_fetch: as for `pager.wrap`: the link's rate is then measured
-            over the helpers' links too (the forward's floor with them).
+            over the helpers' links too (the forward's floor with them), and
+            the plan says which streamed blocks the helpers keep in their
+            memory (`plan.helper_kept`), which come over the peer links at
+            their measured rate (`plan.peer_gbps`).
         inputs: a batch as the model's forward takes it (a tensor, a tuple of
             positional arguments or a dict of keyword arguments; values do
             not matter, only shapes and dtypes): the forward then runs on fake
@@ -187,6 +199,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     device = resolve_device(device)
     helpers = resolve_helpers(split_fetch, device, pin=True)
     budget_bytes = parse_budget(budget, device)
+    budgets = helper_budgets(split_fetch, helpers, budget_bytes)  # (what each helper may hold)
     # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
     sizing = discover.adapters_resident(discover.size_up(model, blocks), budget_bytes)[0]
     min_budget = sizing.min_budget
@@ -236,7 +249,7 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         link, measured = measure_link_gbps(device, pinned=True), True
         writeback = link  # (fetches over the helpers' links too; write-backs over the device's own)
         if helpers:
-            link = measure_link_gbps(device, pinned=True, transport=CudaTransport(device, helpers))
+            link = measure_link_gbps(device, pinned=True, transport=CudaTransport(device, [(h, 0) for h in helpers]))
     else:
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
         writeback = None
@@ -275,9 +288,30 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         out.disk_gbps = disk_gbps
     if helpers:
         out.writeback_gbps = writeback
+        if not compress:  # (compressed pages come over the device's link: [Note: pages kept on helpers])
+            staging = 2 * CHUNK_BYTES  # (`SplitFetch.staging_bytes`)
+            out.helper_kept = _on_helpers(names, own, kept, sum(max(0, b - staging) for b in budgets))
+            out.forward_helper_bytes = sum(n for name, n in zip(names, own) if name in out.helper_kept)
+            out.forward_bytes -= out.forward_helper_bytes
+            if out.forward_helper_bytes:
+                from ..observe.report import measure_peer_gbps
+
+                out.peer_gbps = measure_peer_gbps(helpers[0], device)
         out.notes.append(f"split_fetch over {len(helpers)} other GPU(s): fetches at {link:.1f} GB/s measured over "
                          f"every link, write-backs at {writeback:.1f} GB/s over the device's own")
     return out
+
+
+def _on_helpers(names: list, own: list, kept: list, room_bytes: int) -> list:
+    """The streamed blocks the helpers keep: in the forward's order (the
+    order they are fetched a second time in), those that split, while the
+    helpers have room ([Note: pages kept on helpers])."""
+    on_helpers = []
+    for name, n in zip(names, own):
+        if name not in kept and SPLIT_MIN_BYTES <= n <= room_bytes:
+            on_helpers.append(name)
+            room_bytes -= n
+    return on_helpers
 
 
 def _state_bytes(optimizer, device, state_factor: float, master_weights: bool = False):

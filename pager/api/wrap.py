@@ -17,7 +17,7 @@ from ..training.checkpoint import close
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.engine import Engine
-from ..engine.split_fetch import resolve_helpers as split_fetch_helpers
+from ..engine.split_fetch import helper_budgets, resolve_helpers
 from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
@@ -178,14 +178,18 @@ def wrap(
             owners: call them on every rank.
         split_fetch: other GPUs of this host whose PCIe links carry a share of
             every fetch: "all" (every GPU that can write to `device` over a
-            peer link, NVLink), or a list such as ["cuda:1"]. Each helper
-            copies its share of a page into two staging buffers in its own
-            memory (64 MiB) and on to `device` over the peer link; only
-            `device` computes and only its budget holds blocks. A model
-            streamed for inference or `generate()` is bound by the link: with
-            one helper its fetches take about half as long ([Note: split
-            fetch] in engine/split_fetch.py). None (default): `device`'s own
-            link alone.
+            peer link, NVLink), a list such as ["cuda:1"], or a dict of them
+            to their budgets, {"cuda:1": "20GiB"}. Each helper copies its
+            share of a page into two staging buffers in its own memory
+            (64 MiB) and on to `device` over the peer link; only `device`
+            computes. A model streamed for inference or `generate()` is
+            bound by the link: with one helper its fetches take about half
+            as long ([Note: split fetch] in engine/split_fetch.py). Each
+            helper also keeps copies of pages the device cannot keep, up to
+            its budget (by default `budget`; 0: its staging alone), which
+            then come over the peer link alone ([Note: pages kept on
+            helpers] in engine/helper_pages.py; `stats().helper_held_bytes`).
+            None (default): `device`'s own link alone.
         master_weights: train a bf16 or fp16 model with a float32 master
             of each such parameter and float32 optimizer state (ZeRO-Offload's
             bf16 mode): every update steps the master with the gradient in
@@ -262,7 +266,7 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     _check_owners(block_owners, group, model)
     share_host_pages = True if block_owners else share_host_pages
     _check_sharing(share_host_pages, group, compress, setup)
-    helpers = _split_helpers(split_fetch, device, pin, engine, group)
+    helpers = _split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
@@ -412,8 +416,9 @@ def _links(helpers, engine) -> int:
     return 1 + (len(split.helpers) if split is not None else len(helpers))
 
 
-def _split_helpers(split_fetch, device, pin, engine, group) -> list:
-    """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked."""
+def _split_helpers(split_fetch, device, pin, engine, group, budget_bytes: int) -> list:
+    """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked, each
+    with the bytes it may hold."""
     if split_fetch is None:
         return []
     if engine is not None:
@@ -423,7 +428,8 @@ def _split_helpers(split_fetch, device, pin, engine, group) -> list:
         raise ValueError("pager: split_fetch= lends other GPUs' links to this one; with a process group each "
                          "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
                          "pass process_group=False for one process that streams over several GPUs.")
-    return split_fetch_helpers(split_fetch, device, pin)
+    helpers = resolve_helpers(split_fetch, device, pin)
+    return list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
 
 
 def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:

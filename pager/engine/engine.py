@@ -134,9 +134,11 @@ class Engine:
         pin: page-lock the host tier (CUDA only).
         wait_seconds: how long a use waits for room held by other threads
             before it fails ([Note: waiting for room] in engine/waiting.py).
-        helpers: other GPUs whose links carry shares of each fetch ([Note:
-            split fetch] in engine/split_fetch.py; checked by
-            `split_fetch.resolve_helpers`).
+        helpers: (GPU, budget bytes) of other GPUs whose links carry shares
+            of each fetch ([Note: split fetch] in engine/split_fetch.py) and
+            whose memory keeps pages up to their budgets ([Note: pages kept
+            on helpers] in engine/helper_pages.py); checked by
+            `split_fetch.resolve_helpers` and `split_fetch.helper_budgets`.
     """
 
     def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
@@ -316,7 +318,8 @@ class Engine:
                 after = (seg.writeback_event,) if seg.state is PageState.WRITING_BACK else ()
                 start, end = self.host.up(block, seg, after=after)
                 if seg.encoded is None:
-                    owner.counters.split_fetch_bytes += self.transport.helper_bytes(seg.nbytes)
+                    owner.counters.split_fetch_bytes += self.transport.helper_link_bytes
+                    owner.counters.helper_page_bytes += self.transport.helper_memory_bytes
                 first = first if moved else start
                 moved = True
                 decoded = decoded or seg.encoded is not None
@@ -342,6 +345,13 @@ class Engine:
         owner.counters.peak_resident_bytes = max(owner.counters.peak_resident_bytes, owner.resident_bytes)
         block.stats.peak_resident_bytes = max(block.stats.peak_resident_bytes, block.device_bytes())
         self._moved()
+
+    def host_pages_change(self, block) -> None:
+        """`block`'s weight pages are about to change in host memory (its
+        optimizer update runs there): copies of them elsewhere are stale."""
+        if self.transport.kept_pages is not None:
+            for seg in block.weight_segments:
+                self.transport.kept_pages.changed(seg)  # ([Note: pages kept on helpers] in engine/helper_pages.py)
 
     def wait(self, block) -> None:
         """FETCHING -> RESIDENT: compute is ordered after the block's fetch;
@@ -500,6 +510,8 @@ class Engine:
         for block in owner.all_blocks():
             for seg in block.segments.values():
                 seg.state = PageState.HOST
+                if self.transport.kept_pages is not None:
+                    self.transport.kept_pages.drop(seg)
         self.resident_bytes -= owner.resident_bytes  # what numpy still shares is the user's now
         self.total_bytes -= owner.total_bytes
         owner.resident_bytes = owner.total_bytes = 0

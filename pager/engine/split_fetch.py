@@ -42,6 +42,8 @@ import logging
 
 import torch
 
+from ..base.budget import parse_budget
+
 log = logging.getLogger("pager")
 
 SPLIT_MIN_BYTES = 4 << 20  # smaller pages go over the device's own link alone
@@ -53,7 +55,8 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
     """The helper GPUs `split_fetch` names, checked; [] for None.
 
     `split_fetch` is None, "all" (every other GPU that can write to
-    `device` over a peer link), or a device or a list of devices."""
+    `device` over a peer link), a device, a list of devices, or a dict of
+    devices to their budgets (`helper_budgets`)."""
     if split_fetch is None:
         return []
     if device.type != "cuda":
@@ -70,7 +73,7 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
             log.warning("pager: split_fetch=\"all\": no other GPU of this process can write to cuda:%d over a peer "
                         "link (%d visible); fetches go over its own link alone.", own, torch.cuda.device_count())
         return helpers
-    names = list(split_fetch) if isinstance(split_fetch, (list, tuple)) else [split_fetch]
+    names = list(split_fetch) if isinstance(split_fetch, (list, tuple, dict)) else [split_fetch]
     helpers = []
     for name in names:
         helper = _device_of(name, split_fetch)
@@ -85,6 +88,28 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
                              f"again; leave it out of split_fetch.")
         helpers.append(helper)
     return helpers
+
+
+def helper_budgets(split_fetch, helpers: list[torch.device], budget_bytes: int) -> list[int]:
+    """What each of `helpers` (from `resolve_helpers`) may hold in its memory,
+    its staging and the pages it keeps ([Note: pages kept on helpers] in
+    engine/helper_pages.py): the budget a dict `split_fetch` gives it (as
+    `wrap`'s budget, or 0: its staging alone), else `budget_bytes`, the
+    device's."""
+    if not isinstance(split_fetch, dict):
+        return [budget_bytes] * len(helpers)
+    budgets = []
+    for value, helper in zip(split_fetch.values(), helpers):  # (resolve_helpers keeps the dict's order)
+        if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+            budgets.append(0)
+            continue
+        try:
+            budgets.append(parse_budget(value, helper))
+        except ValueError as e:
+            raise ValueError(f"pager: split_fetch={split_fetch!r}: the budget for {helper} is not understood "
+                             f"({e}). Give each helper a budget as for wrap (\"20GiB\", bytes, \"50%\"), or 0 "
+                             f"for its staging alone.") from None
+    return budgets
 
 
 def _device_of(name, split_fetch) -> torch.device:

@@ -15,7 +15,9 @@ residency engine (`engine/engine.py`) knows tiers only through this interface:
                                     page is compressed or shared)
     release(owner)                  give back every page `owner` holds
 
-Pinned host memory sits directly under the device. A model loaded with a
+Pinned host memory sits directly under the device; with `split_fetch`,
+helper GPUs' memory keeps copies of some pages between the two ([Note:
+pages kept on helpers] in engine/helper_pages.py). A model loaded with a
 host budget (`pager.load`) has a disk tier under its host pages
 ([Note: the disk tier] in engine/disk.py): `up` first has the disk tier read the
 page into host memory (or wait for its read ahead), `down` has it place the
@@ -27,6 +29,7 @@ engine free their own pages when they are unwrapped.
 from __future__ import annotations
 
 from ..base.budget import format_bytes
+from ..base.common import WEIGHTS
 from .host import HostArena
 
 
@@ -70,18 +73,24 @@ class HostTier:
         return self.arena_of(owner).allocate(nbytes)
 
     def up(self, block, seg, after=()):
+        kept_pages = self.transport.kept_pages
+        if kept_pages is not None and kept_pages.find(seg) is not None:
+            # A helper GPU keeps a copy ([Note: pages kept on helpers] in engine/helper_pages.py): no host page read.
+            return self.transport.h2d(seg.flat, seg.host, after=after, seg=seg)
         disk = self.disks.get(block.owner)
         if disk is not None:
             disk.page_in(seg)
         if seg.encoded is not None:  # a compressed page: decoded on the way ([Note: compressed pages])
             marks = self.transport.h2d_encoded(seg.flat, seg.host, seg.encoded, after=after)
         else:
-            marks = self.transport.h2d(seg.flat, seg.host, after=after)
+            marks = self.transport.h2d(seg.flat, seg.host, after=after, seg=seg if seg.kind in WEIGHTS else None)
         if disk is not None:
             disk.used(seg, marks[1] if self.transport.is_cuda else None)
         return marks
 
     def down(self, block, seg, after=()):
+        if self.transport.kept_pages is not None:
+            self.transport.kept_pages.changed(seg)  # (a helper's copy of the page is stale from now on)
         if seg.encoded is not None:
             self._store_plain(block, seg)
         elif seg.shared:

@@ -36,6 +36,7 @@ import torch
 
 from ..codec.compress import decode
 from ..codec.kernels import decode_on_device
+from .helper_pages import HelperPages
 from .split_fetch import SplitFetch
 
 STAGING_SLOTS = 3  # copies of pieces in flight while earlier ones decode
@@ -61,13 +62,13 @@ class CpuTransport:
         (torch then forbids resizing the storage): it must stay."""
         return all(seg.flat.untyped_storage().resizable() for seg in block.segments.values() if seg.resident)
 
-    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
+    kept_pages = None  # (no other GPUs' memory either)
+    helper_link_bytes = helper_memory_bytes = 0
+
+    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=(), seg=None):
         t0 = time.perf_counter()
         device_flat.copy_(host)
         return t0, time.perf_counter()
-
-    def helper_bytes(self, nbytes: int) -> int:
-        return 0  # (no other GPUs' links: split_fetch needs CUDA)
 
     def h2d_encoded(self, device_flat: torch.Tensor, page: torch.Tensor, encoded, after=()):
         """Decode compressed `page` (laid out by `encoded`) into `device_flat`."""
@@ -139,8 +140,13 @@ class CudaTransport:
     def __init__(self, device: torch.device, helpers=()):
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        # Other GPUs whose links carry shares of each fetch ([Note: split fetch] in engine/split_fetch.py).
-        self.split = SplitFetch(torch.device("cuda", self.index), list(helpers), _Current) if helpers else None
+        # Other GPUs whose links carry shares of each fetch ([Note: split fetch] in engine/split_fetch.py),
+        # and whose memory keeps pages up to their budgets ([Note: pages kept on helpers] in engine/helper_pages.py).
+        helpers = list(helpers)  # (GPU, bytes it may hold)
+        self.split = SplitFetch(torch.device("cuda", self.index), [h for h, _b in helpers], _Current) if helpers else None
+        keeps = self.split is not None and any(b > self.split.staging_bytes for _h, b in helpers)
+        self.kept_pages = HelperPages(self.split, [b for _h, b in helpers]) if keeps else None
+        self.helper_link_bytes = self.helper_memory_bytes = 0  # of the last plain copy up, what helpers carried
         self._split_unjoined = None  # the end of the last split copy, until a fetch's mark covers it
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_stream = torch.cuda.Stream(device)
@@ -182,24 +188,36 @@ class CudaTransport:
         with self.on(self.h2d_stream):
             flat.untyped_storage().resize_(0)
 
-    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=()):
+    def h2d(self, device_flat: torch.Tensor, host: torch.Tensor, after=(), seg=None):
+        """Copy `host` up into `device_flat` after the events `after`: the
+        (start, end) marks. `seg`: the weights segment whose page it is, which
+        a helper may keep (None: a page that is not kept)."""
         for event in after:
             # The destination may still be read by compute (a reused slot).
             if event is not None:
                 self.h2d_stream.wait_event(event)
+        self.helper_link_bytes = self.helper_memory_bytes = 0
         with self.on(self.h2d_stream):
             start = self._record(self.h2d_stream, timing=True)
             if self.split is not None and self.split.splits(device_flat.numel()):
-                # Shares over other GPUs' links too; the end is on the split's join stream.
-                self._split_unjoined = self.split.copy(device_flat, host, self.h2d_stream, start)
+                # Over other GPUs too; the end is on the split's join stream.
+                self._split_unjoined = self._split_copy(device_flat, host, start, seg)
                 return start, self._split_unjoined
             device_flat.copy_(host, non_blocking=True)
             # Timed: the pager measures the copy and how long compute waited for it.
             return start, self._record(self.h2d_stream, timing=True)
 
-    def helper_bytes(self, nbytes: int) -> int:
-        """Of a plain page of `nbytes` fetched now, what other GPUs' links carry."""
-        return self.split.helper_bytes(nbytes) if self.split is not None else 0
+    def _split_copy(self, device_flat, host, start, seg):
+        """From the helper that keeps the page, else in shares over every
+        link (then kept, where this is its place); the end."""
+        kept_pages = self.kept_pages if seg is not None else None
+        kept = kept_pages.find(seg) if kept_pages is not None else None
+        if kept is not None:
+            self.helper_memory_bytes = device_flat.numel()
+            return kept_pages.copy_up(kept, device_flat, start)
+        self.helper_link_bytes = self.split.helper_bytes(device_flat.numel())
+        end = self.split.copy(device_flat, host, self.h2d_stream, start)
+        return kept_pages.landed(seg, device_flat, end) if kept_pages is not None else end
 
     def h2d_encoded(self, device_flat: torch.Tensor, page: torch.Tensor, encoded, after=()):
         """Copy compressed `page` up piece by piece and decode each into

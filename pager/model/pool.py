@@ -18,7 +18,7 @@ import numbers
 from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import ROOM_WAIT_SECONDS
 from ..engine.engine import Engine
-from ..engine.split_fetch import resolve_helpers
+from ..engine.split_fetch import helper_budgets, resolve_helpers
 from ..observe.stats import PoolStats
 
 
@@ -44,7 +44,8 @@ class Pool:
         wait_seconds: how long a request waits for room that other requests
             hold before it fails.
         split_fetch: other GPUs whose links carry a share of every fetch of
-            the pool's models, as for `pager.wrap` ("all", or ["cuda:1"]).
+            the pool's models, and whose memory keeps pages up to a budget
+            each, as for `pager.wrap` ("all", ["cuda:1"], {"cuda:1": "20GiB"}).
 
     Example:
         >>> pool = pager.Pool(budget="20GiB")
@@ -61,9 +62,10 @@ class Pool:
             raise ValueError(f"pager: Pool(wait_seconds={wait_seconds!r}) must be a number of seconds > 0 (how long "
                              f"a request waits for room other requests hold).")
         device = resolve_device(device)
+        budget_bytes = parse_budget(budget, device)
         helpers = resolve_helpers(split_fetch, device, pin)
-        self.engine = Engine(device, parse_budget(budget, device), pin=pin, wait_seconds=float(wait_seconds),
-                             helpers=helpers)
+        helpers = list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
+        self.engine = Engine(device, budget_bytes, pin=pin, wait_seconds=float(wait_seconds), helpers=helpers)
         self.engine.pool = self
 
     def __repr__(self) -> str:

@@ -39,6 +39,24 @@ def measure_link_gbps(device: torch.device, pinned: bool, transport=None) -> flo
     return LINK_PROBE_BYTES / best / 1e9
 
 
+def measure_peer_gbps(helper: torch.device, device: torch.device) -> float:
+    """GB/s of one large copy from `helper`'s memory into `device`'s over
+    their peer link (best of 3): how pages a helper keeps come up ([Note:
+    pages kept on helpers] in engine/helper_pages.py)."""
+    src = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=helper)
+    dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    best = float("inf")
+    with torch.cuda.device(helper):  # (the copy runs on the source's current stream)
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return LINK_PROBE_BYTES / best / 1e9
+
+
 def system_lines(pager) -> list[str]:
     vm = psutil.virtual_memory()
     lines = [

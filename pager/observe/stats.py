@@ -52,6 +52,7 @@ class Stats:
     stall_seconds: float = 0.0
     h2d_seconds: float = 0.0  # time the copy streams were busy, each way
     split_fetch_bytes: int = 0  # of h2d_bytes, what other GPUs' links carried (split_fetch=)
+    helper_page_bytes: int = 0  # of h2d_bytes, what came from copies other GPUs keep (split_fetch=)
     d2h_seconds: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -99,6 +100,9 @@ class Stats:
     # outside pager, the most seen, held out of the blocks' room
     # ([Note: a budget that covers the process] in model/outside.py):
     outside_bytes: int = 0
+    # With split_fetch: what the helper GPUs keep of the engine's pages now
+    # ([Note: pages kept on helpers] in engine/helper_pages.py), out of no budget of the device's:
+    helper_held_bytes: int = 0
     # The caching allocator's own figures (CUDA; 0 on the CPU device), which
     # also hold what pager does not: a block's temporaries while it runs, the
     # loss, gradients between blocks, the user's tensors, rounding:
@@ -148,6 +152,8 @@ class Stats:
             f"moved {format_bytes(self.h2d_bytes)} to device"
             + (f" ({format_bytes(self.split_fetch_bytes)} of it over other GPUs' links)" if self.split_fetch_bytes
                else "")
+            + (f" ({format_bytes(self.helper_page_bytes)} from copies in other GPUs' memory, which keeps "
+               f"{format_bytes(self.helper_held_bytes)})" if self.helper_page_bytes else "")
             + f", {format_bytes(self.d2h_bytes)} back; "
             f"stalled {self.stall_seconds * 1e3:.1f} ms; resident {format_bytes(self.resident_bytes)} "
             f"(peak {format_bytes(self.peak_resident_bytes)}) of a {format_bytes(self.budget_bytes)} budget"

@@ -26,6 +26,8 @@ def snapshot(pager) -> Stats:
         memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(pager.device),
                       allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device))
     weights = [w for b in pager.all_blocks() for w in b.weight_segments]
+    kept_pages = pager.transport.kept_pages
+    memory.update(helper_held_bytes=kept_pages.held_bytes if kept_pages is not None else 0)
     return dataclasses.replace(pager.counters, resident_bytes=pager.resident_bytes, blocks=blocks,
                                carried_bytes=pager.carried_bytes, outside_bytes=pager.outside_bytes,
                                page_bytes=sum(w.page_bytes for w in weights),

@@ -219,6 +219,7 @@ class BlockOwners:
     def _expect(self, block) -> None:
         self.expected[block] = block.owner_update = self.expected.get(block, 0) + 1
         engine = self.pager.engine
+        engine.host_pages_change(block)  # (the owner writes its new weights into the pages)
         if block in engine.resident and not (block.pins == 0 and engine.evict(block)):
             raise RuntimeError(
                 f"pager: block_owners=True: rank {self.rank} cannot take the update of block {block.name!r} from "
