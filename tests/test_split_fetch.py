@@ -4,6 +4,7 @@ values equal to the one-GPU pager's with every copy delayed, the helper's
 memory, training, generate and a pool."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -151,6 +152,7 @@ def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(
     model = thin().eval()
     ref = copy.deepcopy(model).to(GPU)
     budget = 2 * tensor_page_bytes(model.layers[0])
+    gc.collect()  # (earlier tests' helpers' staging is freed with their engines)
     helper_before = torch.cuda.memory_allocated(1)
     pager.wrap(model, budget=budget, device=GPU, split_fetch={"cuda:1": 0})  # (its staging alone: every page splits)
     transport = pager.of(model).transport
@@ -220,6 +222,7 @@ def test_pages_a_helper_keeps_come_over_the_peer_link_with_every_copy_delayed(sm
     ref = copy.deepcopy(model).to(GPU)
     page = tensor_page_bytes(model.layers[0])
     budget = 3 * page
+    gc.collect()  # (earlier tests' helpers' staging is freed with their engines)
     helper_before = torch.cuda.memory_allocated(1)
     pager.wrap(model, budget=budget, device=GPU, split_fetch={"cuda:1": 16 * page})
     pg = pager.of(model)
