@@ -39,10 +39,10 @@ def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0, d2h_cycles=0):
 
 
 def _delayed(copy, stream, cycles):
-    def slow_copy(dst, src, after=()):
+    def slow_copy(dst, src, after=(), **kw):
         with torch.cuda.stream(stream):
             torch.cuda._sleep(cycles)
-        return copy(dst, src, after)
+        return copy(dst, src, after, **kw)
 
     return slow_copy
 
