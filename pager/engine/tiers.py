@@ -89,7 +89,7 @@ class HostTier:
         return marks
 
     def down(self, block, seg, after=()):
-        if self.transport.kept_pages is not None:
+        if self.transport.kept_pages is not None and seg.kind in WEIGHTS:
             self.transport.kept_pages.changed(seg)  # (a helper's copy of the page is stale from now on)
         if seg.encoded is not None:
             self._store_plain(block, seg)
@@ -133,7 +133,9 @@ class HostTier:
             return True
         segs = [s for k, s in block.segments.items() if k in kinds]
         segs += [w for d in block.deps for w in d.weight_segments]
-        return all(s.resident or disk.ready(s) for s in segs)
+        kept_pages = self.transport.kept_pages  # (a page a helper keeps is not read from disk)
+        return all(s.resident or disk.ready(s) or (kept_pages is not None and kept_pages.find(s) is not None)
+                   for s in segs)
 
     def release(self, owner) -> None:
         """Give back `owner`'s pages (none may be used after this)."""

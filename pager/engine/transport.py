@@ -143,7 +143,8 @@ class CudaTransport:
         # Other GPUs whose links carry shares of each fetch ([Note: split fetch] in engine/split_fetch.py),
         # and whose memory keeps pages up to their budgets ([Note: pages kept on helpers] in engine/helper_pages.py).
         helpers = list(helpers)  # (GPU, bytes it may hold)
-        self.split = SplitFetch(torch.device("cuda", self.index), [h for h, _b in helpers], _Current) if helpers else None
+        own = torch.device("cuda", self.index)
+        self.split = SplitFetch(own, [h for h, _b in helpers], _Current) if helpers else None
         keeps = self.split is not None and any(b > self.split.staging_bytes for _h, b in helpers)
         self.kept_pages = HelperPages(self.split, [b for _h, b in helpers]) if keeps else None
         self.helper_link_bytes = self.helper_memory_bytes = 0  # of the last plain copy up, what helpers carried
