@@ -1,6 +1,7 @@
 """Hooks: the root's forward (where a step starts, `model/steps.py`), each
-block's forward and backward, sleep and wake, and gradients as they
-accumulate into their pages."""
+block's forward and backward, and sleep and wake; gradients as they
+accumulate go into their pages through `GradPages.on_grad`
+(training/grad_pages.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..base import guards
 from ..training import activations
 from ..base import saving
-from ..base.block import Block, PageState
+from ..base.block import Block
 from ..training.checkpoint import StateDicts
 from .structure import Structure
 from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
@@ -98,7 +99,7 @@ class Hooks:
         for block in self.pager.all_blocks():
             for p in block.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(outside_compile(self._on_grad)))
+                    self.handles.append(p.register_post_accumulate_grad_hook(outside_compile(self.pager.grad_pages.on_grad)))
         self.handles += StateDicts(self.pager).install()
 
     def _install_block_hooks(self, block: Block) -> None:
@@ -132,7 +133,7 @@ class Hooks:
     # (`graphs_asleep`): until a backward through one of its outputs ends
     # without keeping it (`retain_graph=False`), or it is dropped (the
     # outputs' hooks, which hold the mark, are freed). Gradients still go
-    # into their pages (`_on_grad`), and the optimizer's step runs as on
+    # into their pages (`GradPages.on_grad`), and the optimizer's step runs as on
     # the unwrapped model ([Note: a step asleep] in training/optim.py). A graph that
     # a forward asleep returns when that cannot be (a forward that started
     # with grad disabled enabled it) keeps the blocks until the next forward.
@@ -422,53 +423,3 @@ class Hooks:
         self.backward_holds.clear()
         if self.pager.reducer is not None:
             self.pager.reducer.backward_finished(finished)
-
-    def _on_grad(self, param: torch.Tensor) -> None:
-        slot = self.pager.grad_slots.get(id(param))
-        if slot is not None:
-            seg = slot[0].segments["grads"]
-            if self.pager.asleep and not seg.resident and not seg.host_valid:
-                return  # its page was dropped: the gradient stays as autograd made it ([Note: gradients outside ...])
-            if seg.state is PageState.RESIDENT:
-                view, grad = seg.tensors[slot[1]], param.grad
-                if grad is view:
-                    return  # accumulated in its page (held by this backward: nothing to change)
-                if self.pager.asleep and seg.exposed and not torch.is_grad_enabled():
-                    view.copy_(grad)  # (nothing leaves while the pager sleeps: no lock, no acquire)
-                    param.grad = view
-                    return
-        self._grad_into_page(param)
-
-    @_locked
-    def _grad_into_page(self, param: torch.Tensor) -> None:
-        block, i = self.pager.grad_slots.get(id(param), (None, None))
-        if block is None:
-            block = self.pager.param_blocks[id(param)]
-            if "grads" in block.segments:
-                raise RuntimeError(unfrozen_message(block, param))
-            self.pager.grad_pages.ensure_segment(block)
-            block, i = self.pager.grad_slots[id(param)]
-        seg = block.segments["grads"]
-        acquired = not seg.resident  # a gradient for a block not acquired for backward
-        if acquired:
-            self.uses.acquire(block, ("grads",), record=False)
-        try:
-            view = seg.tensors[i]
-            if param.grad is not view:
-                with torch.no_grad(), guards.unguarded():
-                    view.copy_(param.grad)
-                param.grad = view
-        finally:
-            if acquired:
-                self.uses.release(block)
-
-
-def unfrozen_message(block, param) -> str:
-    """The error for a gradient of a parameter that did not require grad when
-    its block's gradient page was laid out (at the block's first backward)."""
-    name = next((n for n, p in zip(block.param_names, block.params) if p is param), "?")
-    return (f"pager: {name!r} (block {block.name!r}) has a gradient, but it did not require grad when the "
-            f"block's gradient page was laid out, at its first backward; the page has no room for it. To change "
-            f"which parameters train after training started, unwrap and wrap again: pager.unwrap(model), set "
-            f"requires_grad, then pager.wrap(model, ...) (the optimizer keeps its state; it is attached again at "
-            f"its next step). Parameters unfrozen before their block's first backward need nothing.")

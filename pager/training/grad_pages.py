@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..base import guards
-from ..base.block import Block, Segment
+from ..base.block import Block, PageState, Segment
+from ..base.common import _locked
 from .grads import PagedOutGrad, replay
 
 
@@ -26,6 +27,7 @@ class GradPages:
 
     def __init__(self, pager):
         self.pager = pager
+        self.lock = pager.lock  # (for `_locked`) the engine's, shared by its models
         self.dropped_bytes = 0  # of grads pages dropped empty and not made again since
 
     def ensure_segment(self, block: Block) -> None:
@@ -92,7 +94,7 @@ class GradPages:
     # A pager may sleep through a training step with grads pages dropped
     # (`only_empty_pages_out`): every other page is on the device, and the
     # room the dropped pages left is the room their gradients take, so
-    # gradients stay where autograd makes them (`Hooks._on_grad`), as in the
+    # gradients stay where autograd makes them (`on_grad`), as in the
     # unwrapped model, and the step reads them there. When the pager wakes
     # (a forward that needs the hooks, a block chosen to leave), they move
     # into their pages (`adopt_outside`) before anything may leave. (Asleep
@@ -152,8 +154,59 @@ class GradPages:
                 present = True  # fetched but never exposed: the page still holds it
         seg.host_valid = present or bool(block.deferred_steps)
 
+    def on_grad(self, param: torch.Tensor) -> None:
+        """A gradient of `param` accumulated (its post-accumulate-grad hook): into its page."""
+        slot = self.pager.grad_slots.get(id(param))
+        if slot is not None:
+            seg = slot[0].segments["grads"]
+            if self.pager.asleep and not seg.resident and not seg.host_valid:
+                return  # its page was dropped: the gradient stays as autograd made it ([Note: gradients outside ...])
+            if seg.state is PageState.RESIDENT:
+                view, grad = seg.tensors[slot[1]], param.grad
+                if grad is view:
+                    return  # accumulated in its page (held by this backward: nothing to change)
+                if self.pager.asleep and seg.exposed and not torch.is_grad_enabled():
+                    view.copy_(grad)  # (nothing leaves while the pager sleeps: no lock, no acquire)
+                    param.grad = view
+                    return
+        self._into_page(param)
+
+    @_locked
+    def _into_page(self, param: torch.Tensor) -> None:
+        block, i = self.pager.grad_slots.get(id(param), (None, None))
+        if block is None:
+            block = self.pager.param_blocks[id(param)]
+            if "grads" in block.segments:
+                raise RuntimeError(unfrozen_message(block, param))
+            self.ensure_segment(block)
+            block, i = self.pager.grad_slots[id(param)]
+        seg = block.segments["grads"]
+        acquired = not seg.resident  # a gradient for a block not acquired for backward
+        if acquired:
+            self.pager.uses.acquire(block, ("grads",), record=False)
+        try:
+            view = seg.tensors[i]
+            if param.grad is not view:
+                with torch.no_grad(), guards.unguarded():
+                    view.copy_(param.grad)
+                param.grad = view
+        finally:
+            if acquired:
+                self.pager.uses.release(block)
+
 
 def _outside(seg: Segment) -> bool:
     """Some gradient of `seg` is a tensor of autograd's, not in its page."""
     return any(p.grad is not None and not isinstance(p.grad, PagedOutGrad) and p.grad is not t
                for p, t in zip(seg.params, seg.tensors))
+
+
+def unfrozen_message(block, param) -> str:
+    """The error for a gradient of a parameter that did not require grad when
+    its block's gradient page was laid out (at the block's first backward)."""
+    name = next((n for n, p in zip(block.param_names, block.params) if p is param), "?")
+    return (f"pager: {name!r} (block {block.name!r}) has a gradient, but it did not require grad when the "
+            f"block's gradient page was laid out, at its first backward; the page has no room for it. To change "
+            f"which parameters train after training started, unwrap and wrap again: pager.unwrap(model), set "
+            f"requires_grad, then pager.wrap(model, ...) (the optimizer keeps its state; it is attached again at "
+            f"its next step). Parameters unfrozen before their block's first backward need nothing.")
