@@ -329,7 +329,7 @@ class HostSteps:
         return self._worker
 
     def submit(self, block, job: HostJob) -> None:
-        self.pager.engine.host_pages_change(block)
+        self.pager.engine.host_pages_change(block)  # (the update writes its weights' pages: copies elsewhere are stale)
         earlier = block.host_update
         future = self._started_worker().submit(job, after=() if earlier is None else (earlier,))
         future.add_done_callback(self._measured)
