@@ -21,6 +21,23 @@ from .training.optim import install_global_hook as _install_global_hook
 
 _install_global_hook()
 
-__all__ = ["wrap", "unwrap", "of", "load", "save", "from_pretrained", "CheckpointError", "plan", "Plan", "Pager",
-           "Pool", "Stats", "PoolStats", "BlockStats", "BudgetError", "parse_budget", "format_bytes"]
+__all__ = [
+    "wrap",
+    "unwrap",
+    "of",
+    "load",
+    "save",
+    "from_pretrained",
+    "CheckpointError",
+    "plan",
+    "Plan",
+    "Pager",
+    "Pool",
+    "Stats",
+    "PoolStats",
+    "BlockStats",
+    "BudgetError",
+    "parse_budget",
+    "format_bytes",
+]
 __version__ = "0.1.0"

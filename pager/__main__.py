@@ -17,11 +17,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks")
     p.add_argument("--state-factor", type=float, default=2.0)
-    p.add_argument("--master-weights", action="store_true",
-                   help="count float32 optimizer state and a float32 master for each bf16 parameter")
-    p.add_argument("--inputs", default=None,
-                   help="a batch's shape and dtype, e.g. 4x1024:int64 (token ids) or 8x3x224x224 (float32): "
-                        "predict a training step's peak for each activations= policy")
+    p.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="count float32 optimizer state and a float32 master for each bf16 parameter",
+    )
+    p.add_argument(
+        "--inputs",
+        default=None,
+        help="a batch's shape and dtype, e.g. 4x1024:int64 (token ids) or 8x3x224x224 (float32): "
+        "predict a training step's peak for each activations= policy",
+    )
     args = ap.parse_args(argv)
 
     from . import plan
@@ -33,8 +39,15 @@ def main(argv=None) -> int:
     model = getattr(importlib.import_module(module_name), attr)()
     blocks = args.blocks.split(",") if args.blocks else None
     inputs = _batch(ap, args.inputs) if args.inputs else None
-    result = plan(model, args.budget, device=args.device, blocks=blocks, state_factor=args.state_factor, inputs=inputs,
-                  master_weights=args.master_weights)
+    result = plan(
+        model,
+        args.budget,
+        device=args.device,
+        blocks=blocks,
+        state_factor=args.state_factor,
+        inputs=inputs,
+        master_weights=args.master_weights,
+    )
     print(result)
     return 0 if result.runs else 1
 

@@ -24,9 +24,11 @@ def recreate_meta_buffers(model: nn.Module) -> list:
     device its value, computed by the module that owns it (see the Note).
     Returns (module, name, meta buffer) triples to undo it; raises, naming
     every buffer that cannot be made, before anything changes."""
-    owners = [(prefix, m) for prefix, m in model.named_modules()
-              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set
-                     for n, b in m._buffers.items())]
+    owners = [
+        (prefix, m)
+        for prefix, m in model.named_modules()
+        if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())
+    ]
     # Built under the default dtype the model was (its parameters'): a
     # buffer computed without an explicit dtype then comes out the same.
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
@@ -47,7 +49,8 @@ def recreate_meta_buffers(model: nn.Module) -> list:
             "pager: non-persistent buffers of the model are on the meta device and not in any checkpoint, and "
             f"pager could not compute them again by building their module on the CPU: {', '.join(refused)}. "
             "After building the model on meta, build those modules again on the CPU (e.g. "
-            "`model.model.rotary_emb = type(model.model.rotary_emb)(config)`), then call pager.load.")
+            "`model.model.rotary_emb = type(model.model.rotary_emb)(config)`), then call pager.load."
+        )
     undo = []
     for module, name, buf, value in made:
         module._buffers[name] = value

@@ -65,8 +65,9 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
             if id(t) not in by_id:  # a tied tensor: one fake for all its names
                 by_id[id(t)] = mode.from_tensor(t.detach()).requires_grad_(t.requires_grad and t.is_floating_point())
             fakes[name] = by_id[id(t)]
-        fake_args, fake_kwargs = tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-                                          (args, kwargs))
+        fake_args, fake_kwargs = tree_map(
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
     own = {_key(t) for t in fakes.values()}
     saved, block_inputs, seen = [0] * len(names), [0] * len(names), set()
     stack: list[int] = []
@@ -77,8 +78,9 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
         i = index[id(module)]
         stack.append(i)
         order.append(names[i])
-        block_inputs[i] += sum(_nbytes(t) for t in tree_flatten((a, k))[0]
-                               if isinstance(t, torch.Tensor) and _key(t) not in own)
+        block_inputs[i] += sum(
+            _nbytes(t) for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor) and _key(t) not in own
+        )
 
     def post(module, a, out):
         stack.pop()
@@ -94,9 +96,11 @@ def measure_saved(model: torch.nn.Module, named_blocks, inputs) -> SavedBytes:
                 outside[0] += nbytes
         return t
 
-    handles = [h for _n, m in named_blocks
-               for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
-                         m.register_forward_hook(post, always_call=True))]
+    handles = [
+        h
+        for _n, m in named_blocks
+        for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, always_call=True))
+    ]
     try:
         with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)

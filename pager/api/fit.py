@@ -42,14 +42,26 @@ def fit_remainder(model: nn.Module, budget_bytes: int, tables: list, *, rows_all
     for name, module, nbytes in _remainder_modules(model, sizing):
         if rows_allowed and row_table_problem(model, module) is None:
             by_rows.append((name, module))
-            said.append(("pager: the embedding table %r (%s) does not fit the budget beside the blocks; it is "
-                         "paged by rows (as rows=[%r] asks; rows=[] keeps it whole).", name, format_bytes(nbytes),
-                         name))
+            said.append(
+                (
+                    "pager: the embedding table %r (%s) does not fit the budget beside the blocks; it is "
+                    "paged by rows (as rows=[%r] asks; rows=[] keeps it whole).",
+                    name,
+                    format_bytes(nbytes),
+                    name,
+                )
+            )
         else:
             extra.append(module)
-            said.append(("pager: %r (a %s, %s) does not fit the budget beside the blocks as part of the resident "
-                          "remainder; it is a block of its own (as blocks= naming it asks).", name,
-                          type(module).__name__, format_bytes(nbytes)))
+            said.append(
+                (
+                    "pager: %r (a %s, %s) does not fit the budget beside the blocks as part of the resident "
+                    "remainder; it is a block of its own (as blocks= naming it asks).",
+                    name,
+                    type(module).__name__,
+                    format_bytes(nbytes),
+                )
+            )
         sizing = discover.size_up(model, base + extra, [m for _n, m in tables + by_rows])
         if sizing.min_budget <= budget_bytes:
             for args in said:
@@ -77,24 +89,29 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
     """Why the model cannot run in the budget, and every option that would make it."""
     remainder, sizes = sizing.remainder, sizing.sizes
     largest = max(sizes, default=0)
-    options = [f"raise the budget to {format_bytes(sizing.min_budget)} or more (with room for two of the largest "
-               f"block, {format_bytes(remainder + 2 * largest)}, the next block comes while one computes)"]
+    options = [
+        f"raise the budget to {format_bytes(sizing.min_budget)} or more (with room for two of the largest "
+        f"block, {format_bytes(remainder + 2 * largest)}, the next block comes while one computes)"
+    ]
     tables, others = [], []
     for name, module, _b in _remainder_modules(model, sizing):
         (tables if row_table_problem(model, module) is None else others).append(name)
     if tables:
         options.append(f"page embedding tables by rows (rows={tables[:4]!r})")
     if others:
-        options.append(f"make large modules of the remainder blocks (blocks= naming {others[:4]!r} beside the "
-                       f"layers)")
+        options.append(f"make large modules of the remainder blocks (blocks= naming {others[:4]!r} beside the layers)")
     if largest:
         options.append("split the largest block (blocks= with smaller modules)")
     if remainder > budget_bytes:
-        what = (f"the tensors outside every block (the remainder: embeddings, heads, norms; "
-                f"{format_bytes(remainder)})")
+        what = f"the tensors outside every block (the remainder: embeddings, heads, norms; {format_bytes(remainder)})"
     else:
         name = sizing.named[max(range(len(sizes)), key=sizes.__getitem__)][0]
-        what = (f"block {name!r} ({format_bytes(largest)}) with the resident remainder beside it "
-                f"({format_bytes(remainder)})")
-    return f"pager: {what} does not fit budget={budget!r} ({format_bytes(budget_bytes)}). To run: " + "; or ".join(
-        options) + "."
+        what = (
+            f"block {name!r} ({format_bytes(largest)}) with the resident remainder beside it "
+            f"({format_bytes(remainder)})"
+        )
+    return (
+        f"pager: {what} does not fit budget={budget!r} ({format_bytes(budget_bytes)}). To run: "
+        + "; or ".join(options)
+        + "."
+    )

@@ -9,13 +9,13 @@ import os
 import torch
 import torch.nn as nn
 
-from ..model import discover
-from .buffers import recreate_meta_buffers, undo_buffers
 from ..base import guards, wrappers
 from ..base.budget import parse_budget, resolve_device
-from ..engine.disk import DiskTier, Piece, check_host_budget
 from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, replace_atomically
+from ..engine.disk import DiskTier, Piece, check_host_budget
+from ..model import discover
 from ..rows.table import choose as choose_row_tables
+from .buffers import recreate_meta_buffers, undo_buffers
 
 MAX_NAMED = 8  # tensors named in one error message
 
@@ -67,12 +67,17 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     """
     from .wrap import _wrap
 
-    _refuse_quantized(model, "pager.load reads plain tensors from the checkpoint's files",
-                      "load the unquantized model with pager.load, or quantize in host memory and pager.wrap it")
+    _refuse_quantized(
+        model,
+        "pager.load reads plain tensors from the checkpoint's files",
+        "load the unquantized model with pager.load, or quantize in host memory and pager.wrap it",
+    )
     if options.get("compress") and (host_budget is not None or spill is not None):
-        raise ValueError("pager: load(..., compress=) reads each page once into host memory, encoded as it is "
-                         "read; it takes no host_budget= or spill= (pages of the disk tier are the files' bytes). "
-                         "Leave compress= out to page from the files under a host budget.")
+        raise ValueError(
+            "pager: load(..., compress=) reads each page once into host memory, encoded as it is "
+            "read; it takes no host_budget= or spill= (pages of the disk tier are the files' bytes). "
+            "Leave compress= out to page from the files under a host budget."
+        )
     spill = _spill_folder(spill)
     entries = open_checkpoint(checkpoint)
     made = recreate_meta_buffers(model)  # ([Note: buffers a checkpoint does not hold] in api/buffers.py)
@@ -89,6 +94,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
         return _load_encoded(model, budget, sources, tables, made, options)
     placed = _materialize_meta(model)
     try:
+
         def setup(pager):  # (before its blocks are built)
             pager.sources = {id(t): piece for t, piece in sources}
             if capacity is None:
@@ -128,8 +134,9 @@ def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> 
             if not w.is_meta:
                 continue
             piece = piece_of[id(w)]
-            entry = Entry(piece.name, w.dtype, tuple(w.shape), piece.path, piece.file_offset, piece.nbytes,
-                          piece.tensor)
+            entry = Entry(
+                piece.name, w.dtype, tuple(w.shape), piece.path, piece.file_offset, piece.nbytes, piece.tensor
+            )
             value = nn.Parameter(read_entry(entry), requires_grad=w.requires_grad)
             torch.utils.swap_tensors(w, value)
             read.append((w, value))  # (value now holds the meta tensor)
@@ -198,7 +205,7 @@ def _host_capacity(host_budget, model: nn.Module, blocks) -> int | None:
     if host_budget is None:
         return None
     if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
-        raise ValueError(f"pager: host_budget={host_budget!r}: give bytes (\"24GiB\" or an int), not a share.")
+        raise ValueError(f'pager: host_budget={host_budget!r}: give bytes ("24GiB" or an int), not a share.')
     try:
         nbytes = parse_budget(host_budget, torch.device("cpu"))
     except ValueError as e:
@@ -215,8 +222,11 @@ def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = prefix + "." if prefix else ""
         out += [(dot + n, p) for n, p in module._parameters.items() if p is not None]
-        out += [(dot + n, b) for n, b in module._buffers.items()
-                if b is not None and n not in module._non_persistent_buffers_set]
+        out += [
+            (dot + n, b)
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        ]
     return out
 
 
@@ -237,21 +247,29 @@ def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tens
             continue
         e = entries[found[0]]
         if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape):
-            wrong.append(f"{found[0]!r}: checkpoint {NAMES.get(e.dtype, e.dtype)} {list(e.shape)}, "
-                         f"model {NAMES.get(t.dtype, t.dtype)} {list(t.shape)}")
+            wrong.append(
+                f"{found[0]!r}: checkpoint {NAMES.get(e.dtype, e.dtype)} {list(e.shape)}, "
+                f"model {NAMES.get(t.dtype, t.dtype)} {list(t.shape)}"
+            )
             continue
         out.append((t, _piece(e)))
     known = {n for names in groups.values() for n in names}
     extra = [n for n in entries if n not in known]
     problems = []
-    for what, items in (("missing from the checkpoint", missing), ("in the checkpoint but not in the model", extra),
-                        ("of another dtype or shape", wrong)):
+    for what, items in (
+        ("missing from the checkpoint", missing),
+        ("in the checkpoint but not in the model", extra),
+        ("of another dtype or shape", wrong),
+    ):
         if items:
             more = f" and {len(items) - MAX_NAMED} more" if len(items) > MAX_NAMED else ""
             problems.append(f"{len(items)} tensor(s) {what}: {', '.join(map(str, items[:MAX_NAMED]))}{more}")
     if problems:
-        raise ValueError("pager: the checkpoint does not match the model; " + "; ".join(problems) +
-                         ". Build the model with the checkpoint's configuration (or rename its tensors).")
+        raise ValueError(
+            "pager: the checkpoint does not match the model; "
+            + "; ".join(problems)
+            + ". Build the model with the checkpoint's configuration (or rename its tensors)."
+        )
     for t in list(model.parameters()) + list(model.buffers()):  # values that stay as they are
         if not t.is_meta and id(t) not in {id(s) for s, _p in out}:
             out.append((t, Piece(0, t.numel() * t.element_size(), tensor=t.detach().clone(), name=_name_of(model, t))))
@@ -265,7 +283,9 @@ def _piece(e: Entry) -> Piece:
 
 
 def _name_of(model: nn.Module, t: torch.Tensor) -> str:
-    for n, x in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for n, x in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         if x is t:
             return n
     return "?"
@@ -307,17 +327,24 @@ def save(model: nn.Module, path) -> str:
     from .wrap import of
 
     pager = of(model)
-    _refuse_quantized(model, "pager.save writes plain tensors (one safetensors file)",
-                      "save its state dict instead (host copies, a block at a time): "
-                      "torch.save(model.state_dict(), path), read back with load_state_dict")
+    _refuse_quantized(
+        model,
+        "pager.save writes plain tensors (one safetensors file)",
+        "save its state dict instead (host copies, a block at a time): "
+        "torch.save(model.state_dict(), path), read back with load_state_dict",
+    )
     path = os.path.abspath(os.fspath(path))
     named, seen = [], set()
     for name, t in state_tensors(model):
         if id(t) not in seen:
             seen.add(id(t))
             named.append((name, t))
-    where = {id(t): (seg, i) for block in pager.all_blocks() for seg in block.weight_segments
-             for i, t in enumerate(seg.tensors)}
+    where = {
+        id(t): (seg, i)
+        for block in pager.all_blocks()
+        for seg in block.weight_segments
+        for i, t in enumerate(seg.tensors)
+    }
     by_seg: dict = {}
     for name, t in named:
         by_seg.setdefault(where.get(id(t), (None, 0))[0], []).append((name, t))
@@ -332,7 +359,7 @@ def save(model: nn.Module, path) -> str:
             f.write(header)
             for seg, items in by_seg.items():
                 views = seg.current_views() if seg is not None else None
-                for name, t in items:
+                for _name, t in items:
                     with guards.unguarded():
                         value = views[where[id(t)][1]] if views is not None else t.detach()
                         f.write(_bytes_of(value))
@@ -344,8 +371,10 @@ def _refuse_quantized(model: nn.Module, what: str, fix: str) -> None:
     """Refuse a model with quantized (wrapper-subclass) weights, naming the first."""
     for name, t in state_tensors(model):
         if wrappers.is_wrapper(t):
-            raise ValueError(f"pager: {what}, and {name!r} is a quantized {type(t).__qualname__} (a tensor "
-                             f"subclass wrapping others); {fix}.")
+            raise ValueError(
+                f"pager: {what}, and {name!r} is a quantized {type(t).__qualname__} (a tensor "
+                f"subclass wrapping others); {fix}."
+            )
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

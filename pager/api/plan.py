@@ -6,16 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model import discover
 from ..base import wrappers
 from ..base.block import ALIGN_BYTES, align
-from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..base.budget import format_bytes, parse_budget
-from .fake import SavedBytes, measure_saved
-from ..training import host_step, masters
-from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
+from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..engine.schedule import Scheduler
 from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, resolve_helpers
+from ..model import discover
+from ..training import host_step, masters
+from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
+from .fake import SavedBytes, measure_saved
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 
@@ -100,10 +100,15 @@ class Plan:
             f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
             f"that runs {format_bytes(self.min_budget_bytes)}",
         ]
-        out.append(f"  least budget that trains {format_bytes(self.train_min_budget_bytes)} (the remainder and the "
-                   f"largest block with their gradients and optimizer state)")
+        out.append(
+            f"  least budget that trains {format_bytes(self.train_min_budget_bytes)} (the remainder and the "
+            f"largest block with their gradients and optimizer state)"
+        )
         if not self.runs:
-            out.append(f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} (the remainder and the largest block)")
+            out.append(
+                f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} "
+                "(the remainder and the largest block)"
+            )
         elif not self.trains:
             least = min(self.train_budgets.values(), default=self.train_min_budget_bytes)
             out.append(f"  WILL NOT TRAIN: the budget is below {format_bytes(least)} (inference runs)")
@@ -114,8 +119,11 @@ class Plan:
         for name, n in self.blocks:
             where = "stays resident" if name in kept else "kept on a helper" if name in on_helpers else "streams"
             out.append(f"  {name[-40:]:<40} {format_bytes(n):>11}  {where}")
-        peers = (f" and {format_bytes(self.forward_helper_bytes)} from the helpers' memory at {self.peer_gbps:.0f} "
-                 f"GB/s" if self.forward_helper_bytes else "")
+        peers = (
+            f" and {format_bytes(self.forward_helper_bytes)} from the helpers' memory at {self.peer_gbps:.0f} GB/s"
+            if self.forward_helper_bytes
+            else ""
+        )
         out.append(
             f"  per forward: {format_bytes(self.forward_bytes)} to the device over PCIe{peers}, floor "
             f"{1e3 * self.forward_floor_seconds:.1f} ms at {link}"
@@ -130,28 +138,51 @@ class Plan:
             out.append(
                 f"  a training forward with these inputs saves {format_bytes(sb.total)} for its backward "
                 f"(the largest block {format_bytes(max(sb.saved, default=0))}, outside blocks "
-                f"{format_bytes(sb.outside)}); a training step holds at most:")
+                f"{format_bytes(sb.outside)}); a training step holds at most:"
+            )
             for policy, (acts, together) in self.training_peaks.items():
                 over = "" if together <= self.budget_bytes else f", {format_bytes(together - self.budget_bytes)} over"
                 bound = " (the budget bounds blocks only)" if policy == "keep" else ""
                 least = self.train_budgets.get(policy)
                 trains = f"; trains from a budget of {format_bytes(least)}" if least is not None else ""
-                out.append(f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
-                           f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}{trains}")
+                out.append(
+                    f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
+                    f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}{trains}"
+                )
             out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
         if self.host_budget_bytes is not None:
-            floor = (f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
-                     f"{self.disk_gbps:.2f} GB/s" if self.disk_gbps else " (give disk_gbps= for the disk floor)")
-            out.append(f"  host budget {format_bytes(self.host_budget_bytes)}: host memory keeps {len(self.host_kept)} "
-                       f"blocks; per forward at most {format_bytes(self.forward_disk_bytes)} from disk{floor}")
+            floor = (
+                f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
+                f"{self.disk_gbps:.2f} GB/s"
+                if self.disk_gbps
+                else " (give disk_gbps= for the disk floor)"
+            )
+            out.append(
+                f"  host budget {format_bytes(self.host_budget_bytes)}: host memory keeps {len(self.host_kept)} "
+                f"blocks; per forward at most {format_bytes(self.forward_disk_bytes)} from disk{floor}"
+            )
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)
 
 
-def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_factor: float = 2.0,
-         link_gbps: float | None = None, defer_step: bool = True, inputs=None, host_budget=None,
-         disk_gbps: float | None = None, optimizer=None, compress: str | None = None,
-         optimizer_step: str = "auto", split_fetch=None, master_weights: bool = False) -> Plan:
+def plan(
+    model: torch.nn.Module,
+    budget,
+    *,
+    device=None,
+    blocks=None,
+    state_factor: float = 2.0,
+    link_gbps: float | None = None,
+    defer_step: bool = True,
+    inputs=None,
+    host_budget=None,
+    disk_gbps: float | None = None,
+    optimizer=None,
+    compress: str | None = None,
+    optimizer_step: str = "auto",
+    split_fetch=None,
+    master_weights: bool = False,
+) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
@@ -194,8 +225,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     from ..base.budget import resolve_device
 
     if optimizer_step not in host_step.MODES:
-        raise ValueError(f"pager: plan(optimizer_step={optimizer_step!r}) takes what wrap takes: "
-                         f"{', '.join(map(repr, host_step.MODES))}.")
+        raise ValueError(
+            f"pager: plan(optimizer_step={optimizer_step!r}) takes what wrap takes: "
+            f"{', '.join(map(repr, host_step.MODES))}."
+        )
     device = resolve_device(device)
     helpers = resolve_helpers(split_fetch, device, pin=True)
     budget_bytes = parse_budget(budget, device)
@@ -220,8 +253,11 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
 
     names = [n for n, _m in sizing.named]
     kept = _kept(names, own, budget_bytes, remainder, order="spread")  # a forward's plan only reads weights
-    moved = own if not compress else [
-        sum(_page_bytes(compress, t) for _n, t, _p in owned.get(i, [])) for i in range(len(names))]
+    moved = (
+        own
+        if not compress
+        else [sum(_page_bytes(compress, t) for _n, t, _p in owned.get(i, [])) for i in range(len(names))]
+    )
     forward = sum(n for name, n in zip(names, moved) if name not in kept)
     grads = [trainable(i) for i in range(len(names))]
     states = [state(i) for i in range(len(names))]
@@ -234,13 +270,13 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
     for name, w, g, s in zip(names, own, grads, states):
         if name not in train_kept and on_host:
             h2d += 2 * w  # forward and backward ([Note: the optimizer step on the host])
-            d2h += g      # gradients leave in backward; the host updates weights and state where they are
+            d2h += g  # gradients leave in backward; the host updates weights and state where they are
         elif name not in train_kept:
             if defer_step:  # the forward brings all in for the last step's update, the backward the weights
                 h2d += (w + g + s) + w
             else:  # forward, backward, then the step brings all in
                 h2d += 2 * w + (w + g + s)
-            d2h += g + (w + s)           # gradients leave in backward; weights and state after their update
+            d2h += g + (w + s)  # gradients leave in backward; weights and state after their update
 
     if link_gbps is None and device.type == "cuda":
         from ..engine.transport import CudaTransport
@@ -255,30 +291,51 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
         writeback = None
     notes = []
     if compress:
-        notes.append(f"compress={compress!r}: a forward's bytes at the codec's usual ratio "
-                     f"({USUAL_RATIO[compress]}x of bf16 weights it codes); a ring of staging buffers (3 of the "
-                     f"largest piece, at most {format_bytes(3 * PIECE_BYTES)}) comes out of the budget")
+        notes.append(
+            f"compress={compress!r}: a forward's bytes at the codec's usual ratio "
+            f"({USUAL_RATIO[compress]}x of bf16 weights it codes); a ring of staging buffers (3 of the "
+            f"largest piece, at most {format_bytes(3 * PIECE_BYTES)}) comes out of the budget"
+        )
     if parts:
-        notes.append(f"two of the largest blocks take a large share of the room for blocks: they stream as their "
-                     f"{len(parts)} parts (submodules of at least {format_bytes(discover.SPLIT_MIN_BYTES)})")
+        notes.append(
+            f"two of the largest blocks take a large share of the room for blocks: they stream as their "
+            f"{len(parts)} parts (submodules of at least {format_bytes(discover.SPLIT_MIN_BYTES)})"
+        )
     if names and remainder > budget_bytes // 2:
-        notes.append(f"the remainder ({format_bytes(remainder)}) takes over half the budget: consider blocks= that include those modules")
+        notes.append(
+            f"the remainder ({format_bytes(remainder)}) takes over half the budget: "
+            "consider blocks= that include those modules"
+        )
     room = budget_bytes - remainder
     if names and remainder + sum(own) > budget_bytes and room > 0 and 2 * max(own) > room // 4:
         notes.append(
             f"two of the largest blocks ({format_bytes(2 * max(own))}) take {100 * 2 * max(own) // room}% of the "
             f"room the budget leaves for blocks, and every block that is not kept streams through that room: "
             f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
-            f"submodules rather than reading their weights)")
+            f"submodules rather than reading their weights)"
+        )
     saved, peaks = None, {}
     if inputs is not None:
         saved = measure_saved(model, sizing.named, inputs)
         peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, budget_bytes, least)
     out = Plan(
-        str(device), budget_bytes, min_budget, remainder, list(zip(names, own)),
-        sorted(kept, key=names.index), forward, sorted(train_kept, key=names.index), int(h2d), int(d2h),
-        int(least), link, measured, notes, saved, peaks,
+        str(device),
+        budget_bytes,
+        min_budget,
+        remainder,
+        list(zip(names, own)),
+        sorted(kept, key=names.index),
+        forward,
+        sorted(train_kept, key=names.index),
+        int(h2d),
+        int(d2h),
+        int(least),
+        link,
+        measured,
+        notes,
+        saved,
+        peaks,
         # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
         {p: int(least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()},
     )
@@ -297,8 +354,10 @@ def plan(model: torch.nn.Module, budget, *, device=None, blocks=None, state_fact
                 from ..observe.report import measure_peer_gbps
 
                 out.peer_gbps = measure_peer_gbps(helpers[0], device)
-        out.notes.append(f"split_fetch over {len(helpers)} other GPU(s): fetches at {link:.1f} GB/s measured over "
-                         f"every link, write-backs at {writeback:.1f} GB/s over the device's own")
+        out.notes.append(
+            f"split_fetch over {len(helpers)} other GPU(s): fetches at {link:.1f} GB/s measured over "
+            f"every link, write-backs at {writeback:.1f} GB/s over the device's own"
+        )
     return out
 
 
@@ -320,6 +379,7 @@ def _state_bytes(optimizer, device, state_factor: float, master_weights: bool = 
     slot of its own. Without an optimizer, `state_factor` x the parameter.
     Under `master_weights` a bf16 parameter's are float32, and its master
     is one more ([Note: master weights] in training/masters.py)."""
+
     def widened(p) -> tuple[int, int]:  # (bytes of one state tensor of `p`, of its master)
         if master_weights and masters.wants_master(p):
             wide = align(4 * p.numel())
@@ -405,14 +465,16 @@ def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
     keep_acts, keep_total = peaks["keep"]
     if keep_total > budget:
         notes.append(
-            f"with activations=\"keep\", a training step holds {format_bytes(keep_acts)} of them beside "
-            f"the blocks' budget: \"auto\" (the default), \"offload\" and \"recompute\" put them under it")
+            f'with activations="keep", a training step holds {format_bytes(keep_acts)} of them beside '
+            f'the blocks\' budget: "auto" (the default), "offload" and "recompute" put them under it'
+        )
     fitting = [p for p in ("offload", "recompute") if peaks[p][1] <= budget]
     if not fitting:
         need = least + min(peaks["offload"][0], peaks["recompute"][0])
         notes.append(
             f"activations leave blocks less than the {format_bytes(least)} they need at least under every policy: "
-            f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)")
+            f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)"
+        )
     return notes
 
 

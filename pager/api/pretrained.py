@@ -40,15 +40,21 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     try:
         import transformers
     except ImportError:
-        raise ImportError("pager.from_pretrained needs transformers (pip install transformers); or build the "
-                          "model on the meta device yourself and call pager.load(model, folder, budget).") from None
+        raise ImportError(
+            "pager.from_pretrained needs transformers (pip install transformers); or build the "
+            "model on the meta device yourself and call pager.load(model, folder, budget)."
+        ) from None
     if _version(transformers.__version__) < (4, 56):
-        raise ImportError(f"pager.from_pretrained needs transformers 4.56 or newer (models built with dtype=); "
-                          f"this is {transformers.__version__}: pip install -U transformers.")
+        raise ImportError(
+            f"pager.from_pretrained needs transformers 4.56 or newer (models built with dtype=); "
+            f"this is {transformers.__version__}: pip install -U transformers."
+        )
     folder = os.fspath(folder)
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"pager: from_pretrained({folder!r}): no config.json there; give the folder that "
-                         "save_pretrained wrote (or use pager.load with a model you build).")
+        raise ValueError(
+            f"pager: from_pretrained({folder!r}): no config.json there; give the folder that "
+            "save_pretrained wrote (or use pager.load with a model you build)."
+        )
     config = transformers.AutoConfig.from_pretrained(folder)
     entries = open_checkpoint(folder)  # (refuses a folder without weights, naming what it looked for)
     if dtype is None:
@@ -56,8 +62,11 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     cls = model_class or _class_of(transformers, config)
     with torch.device("meta"):
         # (Auto classes build through `from_config`; a model class through `_from_config`: both take the dtype)
-        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else \
-            cls._from_config(config, dtype=dtype)
+        model = (
+            cls.from_config(config, dtype=dtype)
+            if hasattr(cls, "from_config")
+            else cls._from_config(config, dtype=dtype)
+        )
     model.eval()
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)

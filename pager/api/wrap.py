@@ -7,20 +7,20 @@ import logging
 import torch
 import torch.nn as nn
 
-from ..model import discover, outside
-from ..training import distributed, host_step, masters, owners
-from ..rows.table import choose as choose_row_tables
 from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
-from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
-from ..training.checkpoint import close
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.engine import Engine
+from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..engine.split_fetch import helper_budgets, resolve_helpers
+from ..model import discover, outside
 from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
+from ..rows.table import choose as choose_row_tables
+from ..training import distributed, host_step, masters, owners
+from ..training.checkpoint import close
 from .fit import fit_remainder, too_large_message
 
 log = logging.getLogger("pager")
@@ -220,19 +220,61 @@ def wrap(
         ...     y = model(x.cuda())
         >>> print(pager.of(model).stats())
     """
-    return _wrap(model, budget, pool=pool, name=name, device=device, blocks=blocks, optimizer=optimizer, pin=pin,
-                 prefetch=prefetch, trace_steps=trace_steps, defer_step=defer_step, optimizer_step=optimizer_step,
-                 activations=activations,
-                 compress=compress, rows=rows, row_cache=row_cache, process_group=process_group,
-                 dist_timeout=dist_timeout, share_host_pages=share_host_pages, block_owners=block_owners,
-                 split_fetch=split_fetch, master_weights=master_weights, budget_covers=budget_covers)
+    return _wrap(
+        model,
+        budget,
+        pool=pool,
+        name=name,
+        device=device,
+        blocks=blocks,
+        optimizer=optimizer,
+        pin=pin,
+        prefetch=prefetch,
+        trace_steps=trace_steps,
+        defer_step=defer_step,
+        optimizer_step=optimizer_step,
+        activations=activations,
+        compress=compress,
+        rows=rows,
+        row_cache=row_cache,
+        process_group=process_group,
+        dist_timeout=dist_timeout,
+        share_host_pages=share_host_pages,
+        block_owners=block_owners,
+        split_fetch=split_fetch,
+        master_weights=master_weights,
+        budget_covers=budget_covers,
+    )
 
 
-def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None, optimizer=None, pin=True,
-          prefetch=2, trace_steps=0, defer_step=True, optimizer_step="auto", activations="auto", compress=None,
-          rows=None, row_cache=None, process_group=None, dist_timeout=600.0, share_host_pages=False,
-          block_owners=False, split_fetch=None, master_weights=False, budget_covers="pager", setup=None,
-          rows_from_values=True):
+def _wrap(
+    model,
+    budget=None,
+    *,
+    pool=None,
+    name=None,
+    device=None,
+    blocks=None,
+    optimizer=None,
+    pin=True,
+    prefetch=2,
+    trace_steps=0,
+    defer_step=True,
+    optimizer_step="auto",
+    activations="auto",
+    compress=None,
+    rows=None,
+    row_cache=None,
+    process_group=None,
+    dist_timeout=600.0,
+    share_host_pages=False,
+    block_owners=False,
+    split_fetch=None,
+    master_weights=False,
+    budget_covers="pager",
+    setup=None,
+    rows_from_values=True,
+):
     """`wrap`; `setup(pager)`, if given, runs before the blocks are built
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
@@ -252,14 +294,18 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if not isinstance(master_weights, bool):
         raise ValueError(f"pager: master_weights={master_weights!r} must be True or False.")
     if optimizer_step not in host_step.MODES:
-        raise ValueError(f"pager: optimizer_step={optimizer_step!r} must be \"auto\" (on the host where it is "
-                         "measured to keep up, else on the device), \"host\" (the CPU) or \"device\".")
+        raise ValueError(
+            f'pager: optimizer_step={optimizer_step!r} must be "auto" (on the host where it is '
+            'measured to keep up, else on the device), "host" (the CPU) or "device".'
+        )
     counter = outside.check_covers(budget_covers, device)
     check_codec(compress)
     if activations not in ("keep", "offload", "recompute", "auto"):
-        raise ValueError(f"pager: activations={activations!r} must be \"keep\" (on the device), \"offload\" "
-                         "(to pinned host memory until the backward), \"recompute\" (dropped, and each block's "
-                         "forward run again in its backward) or \"auto\" (the faster of the two, tried).")
+        raise ValueError(
+            f'pager: activations={activations!r} must be "keep" (on the device), "offload" '
+            '(to pinned host memory until the backward), "recompute" (dropped, and each block\'s '
+            'forward run again in its backward) or "auto" (the faster of the two, tried).'
+        )
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
@@ -275,8 +321,9 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
     if master_weights:
         _check_master_tables(tables)
-    sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, [m for _n, m in tables]),
-                                                       budget_bytes)
+    sizing, adapter_bytes = discover.adapters_resident(
+        discover.size_up(model, spec, [m for _n, m in tables]), budget_bytes
+    )
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
@@ -290,9 +337,21 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least, links=_links(helpers, engine))
-    pager = Pager(model, device, budget_bytes, sizing.named, pin=pin, prefetch_depth=prefetch, defer_step=defer_step,
-                  activations=activations, engine=engine, name=name, compress=compress, optimizer_step=optimizer_step,
-                  helpers=helpers)
+    pager = Pager(
+        model,
+        device,
+        budget_bytes,
+        sizing.named,
+        pin=pin,
+        prefetch_depth=prefetch,
+        defer_step=defer_step,
+        activations=activations,
+        engine=engine,
+        name=name,
+        compress=compress,
+        optimizer_step=optimizer_step,
+        helpers=helpers,
+    )
     pager.min_budget_bytes = min_budget
     pager.master_weights = master_weights
     if share_host_pages:
@@ -302,17 +361,26 @@ def _wrap(model, budget=None, *, pool=None, name=None, device=None, blocks=None,
         pager.arena.check_room(total, f"the model ({len(named)} blocks)")
     if total >= PIN_PROGRESS_BYTES and setup is None:
         kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
-        log.warning("pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
-                    format_bytes(total), kind, len(named), seconds * total / 2**30)
+        log.warning(
+            "pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
+            format_bytes(total),
+            kind,
+            len(named),
+            seconds * total / 2**30,
+        )
     if adapter_bytes:
-        log.info("pager: the trainable parameters of otherwise frozen blocks (adapters, %s) stay on the device "
-                 "with their gradients and optimizer state; their blocks stream read-only.",
-                 format_bytes(adapter_bytes))
+        log.info(
+            "pager: the trainable parameters of otherwise frozen blocks (adapters, %s) stay on the device "
+            "with their gradients and optimizer state; their blocks stream read-only.",
+            format_bytes(adapter_bytes),
+        )
     if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
         log.warning(
             "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
             "after the first forward); training pages gradients and optimizer state only if they do not fit "
-            "beside it.", format_bytes(total), format_bytes(budget_bytes)
+            "beside it.",
+            format_bytes(total),
+            format_bytes(budget_bytes),
         )
     try:
         if setup is not None:
@@ -356,7 +424,8 @@ def _check_master_tables(tables: list) -> None:
             raise ValueError(
                 f"pager: master_weights=True, but the embedding table {name!r} ({module.weight.dtype}) is paged by "
                 f"rows, whose updates run in the table's own dtype. Give it float32, a budget that holds it beside "
-                f"a block (it then pages as a block, with masters), or rows=[] to page it as a block.")
+                f"a block (it then pages as a block, with masters), or rows=[] to page it as a block."
+            )
 
 
 def of(model: nn.Module) -> Pager:
@@ -367,7 +436,9 @@ def of(model: nn.Module) -> Pager:
     """
     pager = _PAGERS.get(model)
     if pager is None:
-        raise ValueError(f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first.")
+        raise ValueError(
+            f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first."
+        )
     return pager
 
 
@@ -390,12 +461,16 @@ def _check_sharing(share, group, compress, setup) -> None:
     if not share:
         return
     if group is None:
-        raise ValueError("pager: share_host_pages=True shares the weights' host pages between the ranks of a "
-                         "node; it needs a process group (torch.distributed initialized with more than one rank, "
-                         "or process_group=...).")
+        raise ValueError(
+            "pager: share_host_pages=True shares the weights' host pages between the ranks of a "
+            "node; it needs a process group (torch.distributed initialized with more than one rank, "
+            "or process_group=...)."
+        )
     if compress is not None or setup is not None:
-        raise ValueError("pager: share_host_pages=True is not supported with compress= or with pager.load "
-                         "(their pages are not laid out as the plan); wrap without one of them.")
+        raise ValueError(
+            "pager: share_host_pages=True is not supported with compress= or with pager.load "
+            "(their pages are not laid out as the plan); wrap without one of them."
+        )
 
 
 def _check_owners(block_owners, group, model) -> None:
@@ -404,9 +479,11 @@ def _check_owners(block_owners, group, model) -> None:
     if not block_owners:
         return
     if group is None:
-        raise ValueError("pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
-                         "node; it needs a process group (torch.distributed initialized with more than one rank, "
-                         "or process_group=...).")
+        raise ValueError(
+            "pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
+            "node; it needs a process group (torch.distributed initialized with more than one rank, "
+            "or process_group=...)."
+        )
     owners.check_model(model)
 
 
@@ -422,12 +499,16 @@ def _split_helpers(split_fetch, device, pin, engine, group, budget_bytes: int) -
     if split_fetch is None:
         return []
     if engine is not None:
-        raise ValueError("pager: split_fetch= belongs to the budget's engine: this model shares one (pool= or "
-                         "budget=<engine>). Give split_fetch to pager.Pool(...) or to the first model's wrap.")
+        raise ValueError(
+            "pager: split_fetch= belongs to the budget's engine: this model shares one (pool= or "
+            "budget=<engine>). Give split_fetch to pager.Pool(...) or to the first model's wrap."
+        )
     if group is not None:
-        raise ValueError("pager: split_fetch= lends other GPUs' links to this one; with a process group each "
-                         "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
-                         "pass process_group=False for one process that streams over several GPUs.")
+        raise ValueError(
+            "pager: split_fetch= lends other GPUs' links to this one; with a process group each "
+            "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
+            "pass process_group=False for one process that streams over several GPUs."
+        )
     helpers = resolve_helpers(split_fetch, device, pin)
     return list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
 
@@ -436,15 +517,22 @@ def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool)
     """Refuse what data parallelism cannot do, before anything changes; then
     give every rank rank 0's weights (unless they come from one checkpoint)."""
     if tables:
-        raise ValueError("pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
-                         "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
-                         "(rows=None) for data-parallel training.")
+        raise ValueError(
+            "pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
+            "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
+            "(rows=None) for data-parallel training."
+        )
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
-    if device.type == "cuda" and not distributed.control_on_cpu(group) and device != torch.device(
-            "cuda", torch.cuda.current_device()):
-        raise ValueError(f"pager: this rank pages onto {device} but its current CUDA device is "
-                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first.")
+    if (
+        device.type == "cuda"
+        and not distributed.control_on_cpu(group)
+        and device != torch.device("cuda", torch.cuda.current_device())
+    ):
+        raise ValueError(
+            f"pager: this rank pages onto {device} but its current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first."
+        )
     distributed.check_same_model(model, group, timeout, device)
     if broadcast:
         distributed.broadcast_from_first(model, group, device, timeout)
@@ -454,25 +542,32 @@ def _engine_of(budget, pool) -> Engine | None:
     """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
     if pool is not None:
         if not isinstance(pool, Pool):
-            raise ValueError(f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with "
-                             f"pager.Pool(budget=...).")
+            raise ValueError(
+                f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with pager.Pool(budget=...)."
+            )
         if budget is not None:
-            raise ValueError("pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
-                             "change it with pool.set_budget(...)).")
+            raise ValueError(
+                "pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
+                "change it with pool.set_budget(...))."
+            )
         return pool.engine
     if budget is None:
-        raise ValueError("pager: wrap needs budget= (e.g. budget=\"10GiB\") or pool= (a pager.Pool to share).")
+        raise ValueError('pager: wrap needs budget= (e.g. budget="10GiB") or pool= (a pager.Pool to share).')
     return budget if isinstance(budget, Engine) else None
 
 
 def _shared_device(engine: Engine, device) -> torch.device:
     """The device of a shared engine; `device`, if given, must be it."""
     if not engine.owners and engine.pool is None:
-        raise ValueError("pager: budget= got the engine of a model that was unwrapped; pass "
-                         "pager.of(model).engine of a model that is still wrapped, or a budget.")
+        raise ValueError(
+            "pager: budget= got the engine of a model that was unwrapped; pass "
+            "pager.of(model).engine of a model that is still wrapped, or a budget."
+        )
     if device is not None and resolve_device(device) != engine.device:
-        raise ValueError(f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
-                         f"pass device={str(engine.device)!r} (or leave device out) to share it.")
+        raise ValueError(
+            f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
+            f"pass device={str(engine.device)!r} (or leave device out) to share it."
+        )
     return engine.device
 
 
@@ -535,7 +630,8 @@ def _row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> i
         raise ValueError(
             f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
             f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
-            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget.")
+            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget."
+        )
     return nbytes
 
 
@@ -547,10 +643,14 @@ def _warn_if_staging_crowds(pager) -> None:
         log.warning(
             "pager: the staging ring of compressed pages (%s) leaves %s of the %s budget, less than the %s the "
             "largest block needs beside the remainder; it runs over the budget by up to %s. Raise the budget to "
-            "%s or more.", format_bytes(staging), format_bytes(pager.budget_bytes - staging),
-            format_bytes(pager.budget_bytes), format_bytes(pager.min_budget_bytes),
+            "%s or more.",
+            format_bytes(staging),
+            format_bytes(pager.budget_bytes - staging),
+            format_bytes(pager.budget_bytes),
+            format_bytes(pager.min_budget_bytes),
             format_bytes(pager.min_budget_bytes + staging - pager.budget_bytes),
-            format_bytes(pager.min_budget_bytes + staging))
+            format_bytes(pager.min_budget_bytes + staging),
+        )
 
 
 def _check_fits(budget, budget_bytes, sizing, model) -> None:

@@ -53,7 +53,6 @@ from itertools import chain
 
 import torch
 
-
 ALIGN_BYTES = 512  # every slot and page starts on this boundary
 DIRECT_ALIGN = 4096  # direct (O_DIRECT) reads: file offsets, lengths and memory on this boundary ([Note: direct reads])
 
@@ -69,9 +68,9 @@ def align_up(n: int) -> int:
 class PageState(enum.Enum):
     """Where a segment's bytes are (see [Note: the residency engine] in engine/engine.py)."""
 
-    HOST = "host"                  # only the host page holds them
-    FETCHING = "fetching"          # device memory allocated, the copy up enqueued; compute has not waited on it
-    RESIDENT = "resident"          # compute is ordered after the fetch
+    HOST = "host"  # only the host page holds them
+    FETCHING = "fetching"  # device memory allocated, the copy up enqueued; compute has not waited on it
+    RESIDENT = "resident"  # compute is ordered after the fetch
     WRITING_BACK = "writing back"  # left the device; its write-back to the page may still be running
 
 
@@ -145,8 +144,8 @@ class Segment:
     kind: str
     slots: list[Slot]
     nbytes: int
-    host: torch.Tensor | None          # uint8 page in a host arena (None: on disk only, see engine/disk.py)
-    flat: torch.Tensor                 # uint8 on the device; storage is 0 or nbytes
+    host: torch.Tensor | None  # uint8 page in a host arena (None: on disk only, see engine/disk.py)
+    flat: torch.Tensor  # uint8 on the device; storage is 0 or nbytes
     tensors: list[torch.Tensor] = field(default_factory=list)  # the bound device views
     # Quantized weights whose inner tensors are among `tensors` ([Note:
     # wrapper-subclass weights] in base/wrappers.py), and their own classes while guarded.
@@ -156,21 +155,21 @@ class Segment:
     state: PageState = PageState.HOST
     versions: list[int] = field(default_factory=list)
     force_dirty: bool = False
-    writeback_event: object = None     # last write-back of this page, if any
-    host_valid: bool = True            # the host page holds data worth fetching
-    encoded: object = None             # how the page is compressed (`codec.compress.Encoded`), None: plain
-    shared: bool = False               # the page is in the node's shared copy (written to a private one on change)
+    writeback_event: object = None  # last write-back of this page, if any
+    host_valid: bool = True  # the host page holds data worth fetching
+    encoded: object = None  # how the page is compressed (`codec.compress.Encoded`), None: plain
+    shared: bool = False  # the page is in the node's shared copy (written to a private one on change)
     # While paged out, each tensor's own class (see [Note: paged-out tensors]
     # in base/guards.py), and views handed out by served accesses: (weakref, class).
     classes: list = field(default_factory=list)
     aliases: list = field(default_factory=list)
-    exposed: bool = True               # tensors have their own class (resident, compute waited on the fetch)
-    open: bool = False                 # guarded, but the threads pinning its block pass unserved (shared mode)
-    storage_key: int = 0               # the flat storage's address (_paged registry)
-    storage: object = None             # the flat storage (held: see base.guards.register)
-    base_refs: int = 0                 # references to it from pager's own objects
+    exposed: bool = True  # tensors have their own class (resident, compute waited on the fetch)
+    open: bool = False  # guarded, but the threads pinning its block pass unserved (shared mode)
+    storage_key: int = 0  # the flat storage's address (_paged registry)
+    storage: object = None  # the flat storage (held: see base.guards.register)
+    base_refs: int = 0  # references to it from pager's own objects
     expected_refs: dict = field(default_factory=dict)  # kind of use -> views autograd keeps (_paged Note)
-    saved: list = field(default_factory=list)          # weakrefs: autograd's saved views, counted (_paged Note)
+    saved: list = field(default_factory=list)  # weakrefs: autograd's saved views, counted (_paged Note)
     # grads segments only: the parameters, their names, zeroing/scaling
     # recorded while paged out (slot index -> [(op, factor)], replayed on
     # return), and per-slot norms computed as the gradients left.
@@ -178,8 +177,8 @@ class Segment:
     names: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
-    summary_event: object = None       # on the d2h stream: the summaries are computed
-    dropped: bool = False              # left empty, its gradients set to None (training/grad_pages.py)
+    summary_event: object = None  # on the d2h stream: the summaries are computed
+    dropped: bool = False  # left empty, its gradients set to None (training/grad_pages.py)
     # Under a disk tier ([Note: the disk tier] in engine/disk.py): the tier caching
     # its page, where its bytes are on disk (`Piece`s; None: nowhere yet),
     # whether the host page is newer than the disk's, and the last copy that
@@ -226,8 +225,9 @@ class Segment:
 
     def is_dirty(self) -> bool:
         with torch._C.DisableTorchFunctionSubclass():
-            return self.force_dirty or any(t._version != v for t, v in zip(chain(self.tensors, self.wrappers),
-                                                                            self.versions))
+            return self.force_dirty or any(
+                t._version != v for t, v in zip(chain(self.tensors, self.wrappers), self.versions)
+            )
 
 
 class Block:
@@ -247,37 +247,41 @@ class Block:
         self.owner = owner
         self.segments: dict[str, Segment] = {}
         self.weight_segments: tuple = ()  # its pages of parameters and buffers: weights (and frozen)
-        self.fetch_event = None       # the fetch compute has still to wait on (FETCHING)
+        self.fetch_event = None  # the fetch compute has still to wait on (FETCHING)
         self.pins = 0
-        self.thread_pins: dict = {}   # thread id -> pins it holds (see Engine.unpin)
-        self.unaccounted_use = None   # a use that left views pager could not look for (Uses.keeps_unknown_views)
-        self.deps: list[Block] = []   # blocks owning tensors this block also uses (tied weights)
+        self.thread_pins: dict = {}  # thread id -> pins it holds (see Engine.unpin)
+        self.unaccounted_use = None  # a use that left views pager could not look for (Uses.keeps_unknown_views)
+        self.deps: list[Block] = []  # blocks owning tensors this block also uses (tied weights)
         self.parent: Block | None = None  # the nearest block whose module holds this one's
         self.resident_for_life = False
         self.last_use_tick = 0
-        self.fetched_data = False     # the last fetch moved bytes (a miss if on demand)
-        self.settled = False          # acquired since its last fetch (see Uses.can_use_resident)
-        self.params: list = []        # its parameters (in its weight segments), and their names
+        self.fetched_data = False  # the last fetch moved bytes (a miss if on demand)
+        self.settled = False  # acquired since its last fetch (see Uses.can_use_resident)
+        self.params: list = []  # its parameters (in its weight segments), and their names
         self.param_names: list = []
-        self.trainable = False        # any of its parameters requires grad
-        self.quantized = False        # it has quantized (wrapper-subclass) weights ([Note: wrapper-subclass weights])
+        self.trainable = False  # any of its parameters requires grad
+        self.quantized = False  # it has quantized (wrapper-subclass) weights ([Note: wrapper-subclass weights])
         self.stats = None
-        self.unpinned_calls = 0       # forward calls whose acquire failed
-        self.compute_start = None     # when its current use began (trace)
-        self.uses = 0                 # uses since wrap (not reset by Pager.reset)
-        self.last_use_event = None    # compute event at its last release
-        self.comm_event = None        # its gradients' all-reduce in flight (training.distributed.Reducer)
+        self.unpinned_calls = 0  # forward calls whose acquire failed
+        self.compute_start = None  # when its current use began (trace)
+        self.uses = 0  # uses since wrap (not reset by Pager.reset)
+        self.last_use_event = None  # compute event at its last release
+        self.comm_event = None  # its gradients' all-reduce in flight (training.distributed.Reducer)
         self.release_versions = None  # its tensors' versions then
-        self.guards: list = []        # (inner module, pre-hook, post-hook) for direct calls
-        self.guard_handles = None     # installed while the block is paged out
+        self.guards: list = []  # (inner module, pre-hook, post-hook) for direct calls
+        self.guard_handles = None  # installed while the block is paged out
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
-        self.under_compile = False    # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])
+        self.under_compile = (
+            False  # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])
+        )
         self.deferred_steps: list = []  # optimizer updates applied at its next use (training.optim.Deferred)
-        self.host_update = None       # its optimizer update running on the host (a Future; training/host_step.py)
-        self.owner_update = None      # the count of its owner's updates its pages must hold before a read (training/owners.py)
-        self.part = False             # a part of a large block, split off (model.discover.split_large)
-        self.parts_merged = False     # its parts are to be fetched with it (Pager._merge_parts)...
-        self.merged_deps = False      # ...and are among its deps
+        self.host_update = None  # its optimizer update running on the host (a Future; training/host_step.py)
+        self.owner_update = (
+            None  # the count of its owner's updates its pages must hold before a read (training/owners.py)
+        )
+        self.part = False  # a part of a large block, split off (model.discover.split_large)
+        self.parts_merged = False  # its parts are to be fetched with it (Pager._merge_parts)...
+        self.merged_deps = False  # ...and are among its deps
 
     # -- sizes -------------------------------------------------------------
     @property

@@ -7,10 +7,20 @@ import re
 import torch
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -71,7 +81,7 @@ def parse_budget(budget, device: torch.device) -> int:
         if nbytes > total:
             raise ValueError(
                 f"pager: budget={budget!r} ({format_bytes(nbytes)}) is larger than {device}'s "
-                f"{format_bytes(total)}; give at most its size, e.g. budget=\"90%\" or \"auto\"."
+                f'{format_bytes(total)}; give at most its size, e.g. budget="90%" or "auto".'
             )
     return nbytes
 
@@ -83,7 +93,7 @@ def _parse_string(text: str, device: torch.device) -> int:
         margin = max(AUTO_MARGIN_MIN_BYTES, int(free * AUTO_MARGIN_FRACTION))
         if free - margin <= 0:
             raise ValueError(
-                f"pager: budget=\"auto\" found only {format_bytes(free)} free on {device}, "
+                f'pager: budget="auto" found only {format_bytes(free)} free on {device}, '
                 f"less than the {format_bytes(margin)} kept for activations; free memory on the "
                 f"device or give a budget in bytes."
             )
@@ -94,9 +104,7 @@ def _parse_string(text: str, device: torch.device) -> int:
         except ValueError:
             raise ValueError(f"pager: budget={text!r} is not understood; {_HELP}.") from None
         if not 0 < share <= 100:
-            raise ValueError(
-                f"pager: budget={text!r} is a share of the device's memory and must lie in (0%, 100%]."
-            )
+            raise ValueError(f"pager: budget={text!r} is a share of the device's memory and must lie in (0%, 100%].")
         _free, total = device_memory(device)
         return int(total * share / 100)
     m = _PATTERN.match(s)
@@ -121,11 +129,11 @@ def resolve_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"pager: device={device!r} is not a device; use \"cuda\", \"cuda:0\" or \"cpu\".") from None
+        raise ValueError(f'pager: device={device!r} is not a device; use "cuda", "cuda:0" or "cpu".') from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
-                f"pager: device={device!r} but CUDA is not available here; use device=\"cpu\" "
+                f'pager: device={device!r} but CUDA is not available here; use device="cpu" '
                 f"(the same paging with host memory standing for the GPU) or run on a CUDA machine."
             )
         count = torch.cuda.device_count()
@@ -136,5 +144,5 @@ def resolve_device(device) -> torch.device:
             )
         return torch.device("cuda", index)
     if dev.type != "cpu":
-        raise ValueError(f"pager: device={device!r} is not supported; use a CUDA device or \"cpu\".")
+        raise ValueError(f'pager: device={device!r} is not supported; use a CUDA device or "cpu".')
     return dev

@@ -23,7 +23,7 @@ STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
 ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads' uses, then fails
 SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
 
-_PAGERS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+_PAGERS: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
 WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never touch a model's tensors)
@@ -38,8 +38,9 @@ def other_threads() -> bool:
     if threading.active_count() == 1:
         return False
     me = threading.current_thread()
-    return any(t is not me and not t.name.startswith(WORKER_PREFIX) and not _tqdm_monitor(t)
-               for t in threading.enumerate())
+    return any(
+        t is not me and not t.name.startswith(WORKER_PREFIX) and not _tqdm_monitor(t) for t in threading.enumerate()
+    )
 
 
 def _tqdm_monitor(t: threading.Thread) -> bool:

@@ -35,12 +35,24 @@ TORCH_NAME = "pytorch_model.bin"  # what save_pretrained writes without safetens
 HEADER_LIMIT_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
-                     ("U32", "uint32"), ("U64", "uint64")):
+for _name, _attr in (
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -59,7 +71,7 @@ class Entry:
     dtype: torch.dtype
     shape: tuple
     path: str | None = None
-    offset: int = 0          # of its first byte in the file
+    offset: int = 0  # of its first byte in the file
     nbytes: int = 0
     tensor: torch.Tensor | None = None
 
@@ -79,7 +91,8 @@ def open_checkpoint(path) -> dict[str, Entry]:
         if len(files) != 1:
             raise FileNotFoundError(
                 f"pager: {path!r} holds {len(files)} .safetensors files and no {INDEX_NAME}; give the path of "
-                f"one file, or a folder with one file or with an index of its shards.")
+                f"one file, or a folder with one file or with an index of its shards."
+            )
         return read_header(os.path.join(path, files[0]))
     if not os.path.exists(path):
         raise FileNotFoundError(f"pager: no checkpoint at {path!r}.")
@@ -98,19 +111,24 @@ def read_header(path: str) -> dict[str, Entry]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CheckpointError(f"pager: {path!r} is {size} bytes, too short for a safetensors header "
-                                  f"(8 bytes of length at offset 0); the file is truncated or not safetensors.")
+            raise CheckpointError(
+                f"pager: {path!r} is {size} bytes, too short for a safetensors header "
+                f"(8 bytes of length at offset 0); the file is truncated or not safetensors."
+            )
         (header_bytes,) = struct.unpack("<Q", raw)
         if header_bytes > HEADER_LIMIT_BYTES or 8 + header_bytes > size:
             raise CheckpointError(
                 f"pager: {path!r}: the header length at offset 0 says {header_bytes} bytes, but the file has "
-                f"{size}; the file is truncated, corrupt, or not safetensors.")
+                f"{size}; the file is truncated, corrupt, or not safetensors."
+            )
         text = f.read(header_bytes)
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"pager: {path!r}: the JSON header (offsets 8 to {8 + header_bytes}) does not parse "
-                              f"({e}); the file is corrupt.") from None
+        raise CheckpointError(
+            f"pager: {path!r}: the JSON header (offsets 8 to {8 + header_bytes}) does not parse "
+            f"({e}); the file is corrupt."
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"pager: {path!r}: the header at offset 8 is not a JSON object; the file is corrupt.")
     header.pop("__metadata__", None)
@@ -122,8 +140,9 @@ def read_header(path: str) -> dict[str, Entry]:
     spans.sort()
     for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
-            raise CheckpointError(f"pager: {path!r}: tensors {n0!r} and {n1!r} overlap at offset {s1}; "
-                                  f"the header is corrupt.")
+            raise CheckpointError(
+                f"pager: {path!r}: tensors {n0!r} and {n1!r} overlap at offset {s1}; the header is corrupt."
+            )
     return entries
 
 
@@ -133,10 +152,14 @@ def _entry(path: str, name: str, info, base: int, size: int) -> Entry:
         shape = tuple(int(d) for d in info["shape"])
         start, end = (int(x) for x in info["data_offsets"])
     except (KeyError, TypeError, ValueError) as e:
-        what = f"dtype {info.get('dtype')!r} is not known" if isinstance(info, dict) and "dtype" in info and \
-            info["dtype"] not in DTYPES else f"its entry is malformed ({e!r})"
-        raise CheckpointError(f"pager: {path!r}: tensor {name!r}: {what}; the header is corrupt or from a "
-                              f"newer format.") from None
+        what = (
+            f"dtype {info.get('dtype')!r} is not known"
+            if isinstance(info, dict) and "dtype" in info and info["dtype"] not in DTYPES
+            else f"its entry is malformed ({e!r})"
+        )
+        raise CheckpointError(
+            f"pager: {path!r}: tensor {name!r}: {what}; the header is corrupt or from a newer format."
+        ) from None
     numel = 1
     for d in shape:
         numel *= d
@@ -144,11 +167,13 @@ def _entry(path: str, name: str, info, base: int, size: int) -> Entry:
     if end - start != nbytes or start < 0 or min(shape, default=0) < 0:
         raise CheckpointError(
             f"pager: {path!r}: tensor {name!r} spans offsets {base + start} to {base + end} "
-            f"({end - start} bytes), but {NAMES[dtype]} {list(shape)} needs {nbytes}; the header is corrupt.")
+            f"({end - start} bytes), but {NAMES[dtype]} {list(shape)} needs {nbytes}; the header is corrupt."
+        )
     if base + end > size:
         raise CheckpointError(
             f"pager: {path!r}: tensor {name!r} ends at offset {base + end}, past the end of the file "
-            f"({size} bytes); the file is truncated (an interrupted download or copy).")
+            f"({size} bytes); the file is truncated (an interrupted download or copy)."
+        )
     return Entry(name, dtype, shape, path, base + start, nbytes)
 
 
@@ -157,20 +182,25 @@ def _sharded(index_path: str) -> dict[str, Entry]:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"pager: {index_path!r} is not a safetensors index (a JSON object with a "
-                              f"\"weight_map\"): {e!r}.") from None
+        raise CheckpointError(
+            f'pager: {index_path!r} is not a safetensors index (a JSON object with a "weight_map"): {e!r}.'
+        ) from None
     folder = os.path.dirname(index_path)
     entries, headers = {}, {}
     for name, file in weight_map.items():
         full = os.path.join(folder, file)
         if full not in headers:
             if not os.path.exists(full):
-                raise FileNotFoundError(f"pager: {index_path!r} puts {name!r} in {file!r}, which is not in "
-                                        f"{folder!r}; the checkpoint is incomplete.")
+                raise FileNotFoundError(
+                    f"pager: {index_path!r} puts {name!r} in {file!r}, which is not in "
+                    f"{folder!r}; the checkpoint is incomplete."
+                )
             headers[full] = read_header(full)
         if name not in headers[full]:
-            raise CheckpointError(f"pager: {index_path!r} puts {name!r} in {file!r}, whose header has no such "
-                                  f"tensor; the index and the shards do not match.")
+            raise CheckpointError(
+                f"pager: {index_path!r} puts {name!r} in {file!r}, whose header has no such "
+                f"tensor; the index and the shards do not match."
+            )
         entries[name] = headers[full][name]
     return entries
 
@@ -179,13 +209,16 @@ def _torch_file(path: str) -> dict[str, Entry]:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # torch raises many kinds for a damaged zip or pickle
-        raise CheckpointError(f"pager: {path!r} does not load as a torch.save state dict ({type(e).__name__}: "
-                              f"{e}); the file is corrupt or truncated.") from None
+        raise CheckpointError(
+            f"pager: {path!r} does not load as a torch.save state dict ({type(e).__name__}: "
+            f"{e}); the file is corrupt or truncated."
+        ) from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"pager: {path!r} holds a {type(state).__name__}, not a state dict of tensors "
-                              f"(name -> tensor).")
+        raise CheckpointError(
+            f"pager: {path!r} holds a {type(state).__name__}, not a state dict of tensors (name -> tensor)."
+        )
     return {n: Entry(n, t.dtype, tuple(t.shape), path, tensor=t) for n, t in state.items()}
 
 
@@ -200,8 +233,10 @@ def read_entry(e: Entry) -> torch.Tensor:
         f.seek(e.offset)
         got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
     if got != e.nbytes:
-        raise CheckpointError(f"pager: {e.path!r}: tensor {e.name!r} ends past the end of the file (read {got} "
-                              f"of {e.nbytes} bytes at offset {e.offset}); the file is truncated.")
+        raise CheckpointError(
+            f"pager: {e.path!r}: tensor {e.name!r} ends past the end of the file (read {got} "
+            f"of {e.nbytes} bytes at offset {e.offset}); the file is truncated."
+        )
     return out
 
 

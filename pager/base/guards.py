@@ -59,40 +59,150 @@ from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa
 from .saving import saving
 from .wrappers import inner_tensors, is_wrapper
 
+
 # ------------------------------------------------------------- the classes
 def _names(kind, names):
     return {getattr(getattr(torch.Tensor, n), kind) for n in names if hasattr(torch.Tensor, n)}
 
 
 # Answered from the tensor object alone: no fetch.
-_METADATA = _names("__get__", [
-    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "_version", "layout",
-    "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized",
-    "is_mkldnn", "is_nested", "is_mps", "is_xpu", "retains_grad", "output_nr", "itemsize", "nbytes",
-    "_backward_hooks", "_post_accumulate_grad_hooks", "name", "_cdata", "_grad", "_grad_fn",
-]) | _names("__set__", [
-    "grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "name", "_grad",
-]) | {getattr(torch.Tensor, n) for n in [
-    "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "element_size",
-    "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "retain_grad", "__len__", "_is_view", "is_inference",
-    "__dir__", "__hash__", "_fix_weakref",
-] if hasattr(torch.Tensor, n)} | {
-    torch.numel, torch.is_floating_point, torch.is_complex,
-} | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
+_METADATA = (
+    _names(
+        "__get__",
+        [
+            "shape",
+            "dtype",
+            "device",
+            "requires_grad",
+            "grad",
+            "is_leaf",
+            "grad_fn",
+            "_version",
+            "layout",
+            "ndim",
+            "names",
+            "is_cuda",
+            "is_cpu",
+            "is_meta",
+            "is_sparse",
+            "is_sparse_csr",
+            "is_quantized",
+            "is_mkldnn",
+            "is_nested",
+            "is_mps",
+            "is_xpu",
+            "retains_grad",
+            "output_nr",
+            "itemsize",
+            "nbytes",
+            "_backward_hooks",
+            "_post_accumulate_grad_hooks",
+            "name",
+            "_cdata",
+            "_grad",
+            "_grad_fn",
+        ],
+    )
+    | _names(
+        "__set__",
+        [
+            "grad",
+            "requires_grad",
+            "_backward_hooks",
+            "_post_accumulate_grad_hooks",
+            "name",
+            "_grad",
+        ],
+    )
+    | {
+        getattr(torch.Tensor, n)
+        for n in [
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "stride",
+            "storage_offset",
+            "is_contiguous",
+            "element_size",
+            "get_device",
+            "is_floating_point",
+            "is_complex",
+            "is_signed",
+            "requires_grad_",
+            "register_hook",
+            "register_post_accumulate_grad_hook",
+            "retain_grad",
+            "__len__",
+            "_is_view",
+            "is_inference",
+            "__dir__",
+            "__hash__",
+            "_fix_weakref",
+        ]
+        if hasattr(torch.Tensor, n)
+    }
+    | {
+        torch.numel,
+        torch.is_floating_point,
+        torch.is_complex,
+    }
+    | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
+)
 _DATA_SET = torch.Tensor.data.__set__
 _DATA_GETTER = torch.Tensor.data.__get__
 _GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
 # Views that read no element: answered without a fetch by a view that is
 # itself guarded (and remembered with its segment, so it never dangles).
-_VIEWS = _names("__get__", ["data", "T", "mT"]) | {getattr(torch.Tensor, n) for n in [
-    "detach", "view", "view_as", "t", "transpose", "swapaxes", "permute", "movedim", "unsqueeze",
-    "squeeze", "expand", "expand_as", "narrow", "select", "unflatten", "as_strided", "unbind", "split",
-    "chunk",
-] if hasattr(torch.Tensor, n)} | {getattr(torch, n) for n in [
-    "detach", "t", "transpose", "swapaxes", "permute", "movedim", "unsqueeze", "squeeze", "narrow",
-    "select", "unflatten", "as_strided", "unbind", "split", "chunk",
-] if hasattr(torch, n)}
+_VIEWS = (
+    _names("__get__", ["data", "T", "mT"])
+    | {
+        getattr(torch.Tensor, n)
+        for n in [
+            "detach",
+            "view",
+            "view_as",
+            "t",
+            "transpose",
+            "swapaxes",
+            "permute",
+            "movedim",
+            "unsqueeze",
+            "squeeze",
+            "expand",
+            "expand_as",
+            "narrow",
+            "select",
+            "unflatten",
+            "as_strided",
+            "unbind",
+            "split",
+            "chunk",
+        ]
+        if hasattr(torch.Tensor, n)
+    }
+    | {
+        getattr(torch, n)
+        for n in [
+            "detach",
+            "t",
+            "transpose",
+            "swapaxes",
+            "permute",
+            "movedim",
+            "unsqueeze",
+            "squeeze",
+            "narrow",
+            "select",
+            "unflatten",
+            "as_strided",
+            "unbind",
+            "split",
+            "chunk",
+        ]
+        if hasattr(torch, n)
+    }
+)
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
@@ -164,14 +274,29 @@ def guard_class(cls):
     guard = _GUARDS.get(cls)
     if guard is None and cls not in GUARD_TYPES:
         if _plain_torch_function(cls):
-            guard = type(f"Guarded{cls.__name__}", (cls,), {
-                "__torch_function__": classmethod(_torch_function), "__deepcopy__": _deepcopy,
-                "__reduce_ex__": _reduce_ex, "__module__": __name__})
+            guard = type(
+                f"Guarded{cls.__name__}",
+                (cls,),
+                {
+                    "__torch_function__": classmethod(_torch_function),
+                    "__deepcopy__": _deepcopy,
+                    "__reduce_ex__": _reduce_ex,
+                    "__module__": __name__,
+                },
+            )
         elif hasattr(cls, "__tensor_flatten__"):
-            guard = type(f"Guarded{cls.__name__}", (cls,), {
-                "__torch_function__": classmethod(outside_compile(_wrapper_torch_function)),
-                "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce_ex, "__repr__": _wrapper_repr,
-                "guarded_class": cls, "__module__": __name__})
+            guard = type(
+                f"Guarded{cls.__name__}",
+                (cls,),
+                {
+                    "__torch_function__": classmethod(outside_compile(_wrapper_torch_function)),
+                    "__deepcopy__": _deepcopy,
+                    "__reduce_ex__": _reduce_ex,
+                    "__repr__": _wrapper_repr,
+                    "guarded_class": cls,
+                    "__module__": __name__,
+                },
+            )
         if guard is not None:
             GUARD_TYPES.add(guard)
         _GUARDS[cls] = guard
@@ -196,7 +321,8 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(
             "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
             "the model's tensors have their own memory since, and this view has none. Take the view again "
-            "from the unwrapped model.")
+            "from the unwrapped model."
+        )
     if func in _DETACH:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
         return _detached_wrapper(args[0])
     if _unserved(tensors) == []:  # its block is pinned by this thread (shared mode: in use, still guarded)
@@ -242,6 +368,7 @@ def _wrapper_repr(self):
 # so every operation takes the same C++ path as on the own class; deepcopy and
 # pickling run with the own class (they build the copy from `type(self)`).
 
+
 def _data_get(self):
     entry = TENSORS.get(id(self))
     if entry is not None:
@@ -272,11 +399,19 @@ def in_use_class(cls):
     if in_use is None:
         in_use = cls
         if _plain_torch_function(cls):
-            in_use = type(cls.__name__, (cls,), {
-                "data": property(_data_get, _DATA_SET),
-                "__torch_function__": torch._C._disabled_torch_function_impl,
-                "__deepcopy__": _with_own_class("__deepcopy__"), "__reduce_ex__": _with_own_class("__reduce_ex__"),
-                "own_class": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            in_use = type(
+                cls.__name__,
+                (cls,),
+                {
+                    "data": property(_data_get, _DATA_SET),
+                    "__torch_function__": torch._C._disabled_torch_function_impl,
+                    "__deepcopy__": _with_own_class("__deepcopy__"),
+                    "__reduce_ex__": _with_own_class("__reduce_ex__"),
+                    "own_class": cls,
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                },
+            )
             IN_USE_TYPES.add(in_use)
             allow_foreach(in_use)
         _IN_USE[cls] = in_use
@@ -415,8 +550,9 @@ def handle(func, args, kwargs):
     if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
         # Printed from a copy, so the guard's class name does not show (a
         # stand-in's: of the gradient it stands for, back on the device).
-        return serve(lambda: func(_unguarded_clone(_real(args[0]), keep_requires_grad=True), *args[1:],
-                                  **kwargs), [args[0]])
+        return serve(
+            lambda: func(_unguarded_clone(_real(args[0]), keep_requires_grad=True), *args[1:], **kwargs), [args[0]]
+        )
     if func in _NUMPY:
         # numpy() shares memory, which a page cannot (its storage must stay
         # resizable): a read-only copy, so a write through it is an error.
@@ -447,6 +583,7 @@ def handle(func, args, kwargs):
 # under it). A sleeping pager (every block resident, nothing can leave until
 # it wakes) keeps the guard too, and every thread passes it unserved, counted
 # as a reader; waking waits for the readers before anything may leave.
+
 
 def _unserved(tensors):
     """Shared mode: may this operation run on `tensors` unserved? Yes if each
@@ -522,8 +659,11 @@ def _tensors_of(args, kwargs) -> list:
 
 
 def _is_foreach(func, args) -> bool:
-    return getattr(func, "__name__", "").startswith(("_foreach_", "_amp_foreach_")) and bool(args) and \
-        isinstance(args[0], (list, tuple))
+    return (
+        getattr(func, "__name__", "").startswith(("_foreach_", "_amp_foreach_"))
+        and bool(args)
+        and isinstance(args[0], (list, tuple))
+    )
 
 
 def _serve_foreach(func, args, kwargs):
@@ -591,8 +731,21 @@ def writes_in_place(func) -> bool:
     return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
 
 
-_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+_IN_PLACE_DUNDERS = {
+    "__setitem__",
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+    "__ifloordiv__",
+    "__imod__",
+    "__ipow__",
+    "__iand__",
+    "__ior__",
+    "__ixor__",
+    "__ilshift__",
+    "__irshift__",
+}
 
 
 def owners_of(tensors) -> dict:
@@ -617,9 +770,27 @@ def _real(tree):
 
 
 # Reads that build no graph (and whose output would show the identity node).
-_NO_GRAPH = {"__repr__", "__format__", "__str__", "__reduce_ex__", "__deepcopy__", "__bool__", "__float__",
-             "__int__", "__index__", "__array__", "__len__", "__contains__", "tolist", "item", "numpy",
-             "data_ptr", "untyped_storage", "equal", "allclose"}
+_NO_GRAPH = {
+    "__repr__",
+    "__format__",
+    "__str__",
+    "__reduce_ex__",
+    "__deepcopy__",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__array__",
+    "__len__",
+    "__contains__",
+    "tolist",
+    "item",
+    "numpy",
+    "data_ptr",
+    "untyped_storage",
+    "equal",
+    "allclose",
+}
 
 
 def _call(func, args, kwargs):
@@ -696,7 +867,6 @@ def _name_of(t) -> str:
     return f"a view of block {block.name!r}"
 
 
-
 # ------------------------------------------------------------- kept views
 # [Note: views kept from a use]
 # While a block is in use its tensors have their own class, so a view taken
@@ -724,6 +894,7 @@ def _name_of(t) -> str:
 # operation still running on the block), so the block is checked again when
 # it is chosen to leave (nothing runs on it then): if views are still
 # unaccounted for, it stays (`Pager._evict`).
+
 
 def untracked_refs(seg) -> int:
     """References to `seg`'s storage beyond its own tensors, known views and

@@ -42,8 +42,7 @@ class _Frame:
     it is the active frame (what `_pack` reads) while it lasts, whose hooks
     are on top, and what pack does with activations."""
 
-    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below", "saved_bytes",
-                 "storages")
+    __slots__ = ("pushed", "activates", "hooks", "offload", "recompute", "ledger", "below", "saved_bytes", "storages")
 
     def __init__(self, pushed, activates, hooks, offload, recompute, ledger, below):
         self.pushed, self.activates, self.hooks, self.below = pushed, activates, hooks, below
@@ -178,7 +177,8 @@ def _checked(saved, version):
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
             f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
-            f"version {version} instead. (Checked by pager's saved-tensor hooks, as autograd does.)")
+            f"version {version} instead. (Checked by pager's saved-tensor hooks, as autograd does.)"
+        )
     return saved
 
 

@@ -58,25 +58,33 @@ def refusal(name: str, t: torch.Tensor) -> str | None:
     cls = f"{type(t).__module__}.{type(t).__qualname__}"
     if not is_wrapper(t):
         if own_dispatch(t):
-            return (f"pager: {name!r} is a {cls}, a tensor subclass with its own __torch_dispatch__ but no "
-                    f"__tensor_flatten__, so pager cannot find its bytes. Give the class __tensor_flatten__ and "
-                    f"__tensor_unflatten__ (a traceable wrapper subclass, as torchao's quantized tensors are), or "
-                    f"keep this module out of the blocks.")
+            return (
+                f"pager: {name!r} is a {cls}, a tensor subclass with its own __torch_dispatch__ but no "
+                f"__tensor_flatten__, so pager cannot find its bytes. Give the class __tensor_flatten__ and "
+                f"__tensor_unflatten__ (a traceable wrapper subclass, as torchao's quantized tensors are), or "
+                f"keep this module out of the blocks."
+            )
         return None
     if t.requires_grad:
-        return (f"pager: {name!r} is a {cls} (a tensor subclass wrapping other tensors, e.g. a quantized weight) "
-                f"that requires grad; pager pages such weights frozen only. Freeze it "
-                f"(`{name.rsplit('.', 1)[-1]}.requires_grad_(False)`) and train adapters beside it (LoRA), or "
-                f"train the unquantized model.")
+        return (
+            f"pager: {name!r} is a {cls} (a tensor subclass wrapping other tensors, e.g. a quantized weight) "
+            f"that requires grad; pager pages such weights frozen only. Freeze it "
+            f"(`{name.rsplit('.', 1)[-1]}.requires_grad_(False)`) and train adapters beside it (LoRA), or "
+            f"train the unquantized model."
+        )
     if t._use_count() > 1:
-        return (f"pager: {name!r} is a {cls} (a quantized weight) that something besides the model holds "
-                f"(an autograd graph of a forward not run backward yet?); pager moves such weights onto the "
-                f"device in place. Run the backward, or drop the graph, before wrapping.")
+        return (
+            f"pager: {name!r} is a {cls} (a quantized weight) that something besides the model holds "
+            f"(an autograd graph of a forward not run backward yet?); pager moves such weights onto the "
+            f"device in place. Run the backward, or drop the graph, before wrapping."
+        )
     for inner_name, inner in inner_tensors(t):
         if is_wrapper(inner) or own_dispatch(inner) or inner.layout != torch.strided:
-            return (f"pager: {name!r} is a {cls} whose inner tensor {inner_name!r} is a "
-                    f"{type(inner).__qualname__} (layout {inner.layout}); pager pages wrappers of plain dense "
-                    f"tensors only. Keep this module out of the blocks, or convert the weight.")
+            return (
+                f"pager: {name!r} is a {cls} whose inner tensor {inner_name!r} is a "
+                f"{type(inner).__qualname__} (layout {inner.layout}); pager pages wrappers of plain dense "
+                f"tensors only. Keep this module out of the blocks, or convert the weight."
+            )
     return None
 
 
@@ -129,7 +137,8 @@ def _swap_impl(t: torch.Tensor, new: torch.Tensor) -> None:
     if t._use_count() > 1 or t.grad_fn is not None:
         raise RuntimeError(
             f"pager: cannot move the quantized {type(t).__qualname__} to {new.device}: another object holds its "
-            f"implementation (an autograd graph?). Run the step to its end (backward) first.")
+            f"implementation (an autograd graph?). Run the step to its end (backward) first."
+        )
     attributes = dict(t.__dict__)
     if weakref.getweakrefcount(t) == 0:
         torch.utils.swap_tensors(t, new)

@@ -62,13 +62,13 @@ import torch
 CODECS = ("lossless", "fp8", "int4")
 PIECE_BYTES = 32 << 20  # encoded bytes per piece, about (the unit of staging and decoding)
 PIECE_ALIGN = 64
-TENSOR_KEEP_RATIO = 0.9   # a tensor whose exp4 encoding is larger than this share of its bytes stays raw
-BLOCK_KEEP_RATIO = 0.95   # a block whose encoded page is larger than this share of its bytes stays plain
+TENSOR_KEEP_RATIO = 0.9  # a tensor whose exp4 encoding is larger than this share of its bytes stays raw
+BLOCK_KEEP_RATIO = 0.95  # a block whose encoded page is larger than this share of its bytes stays plain
 MIN_ENCODED_ELEMENTS = 1024  # smaller tensors stay raw: their bytes do not matter
 FP8_GROUP = 128
 INT4_GROUP = 64
 FP8_MAX = 448.0
-LEAST_SCALE = 2.0 ** -100  # scales and minimums at least this (or 0): no subnormal in a decode
+LEAST_SCALE = 2.0**-100  # scales and minimums at least this (or 0): no subnormal in a decode
 LOSSY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 USUAL_RATIO = {"lossless": 0.75, "fp8": 0.52, "int4": 0.28}  # page bytes per plain byte of bf16 weights
 PART_MIN_PAGE_BYTES = 32 << 20  # the least page a part split off a block has under compression
@@ -78,8 +78,11 @@ def page_bytes_estimate(codec: str, t: torch.Tensor) -> int:
     """About the bytes `t` takes in a page under `codec` (its usual ratio if
     the codec codes it, else its own bytes): for plans, before encoding."""
     nbytes = t.numel() * t.element_size()
-    coded = (t.dim() >= 2 and t.numel() >= MIN_ENCODED_ELEMENTS
-             and (t.dtype == torch.bfloat16 if codec == "lossless" else t.dtype in LOSSY_DTYPES))
+    coded = (
+        t.dim() >= 2
+        and t.numel() >= MIN_ENCODED_ELEMENTS
+        and (t.dtype == torch.bfloat16 if codec == "lossless" else t.dtype in LOSSY_DTYPES)
+    )
     if not coded:
         return nbytes
     return int(t.numel() * 2 * USUAL_RATIO[codec])  # (the ratio is per byte of bf16: 2 bytes an element)
@@ -98,12 +101,12 @@ class Piece:
     (codes), int4 (minimums, codes); scales of the lossy codecs and exp4's
     table start the piece."""
 
-    kind: str    # "raw", "exp4", "fp8", "int4"
-    src: int     # where its bytes start in the page
+    kind: str  # "raw", "exp4", "fp8", "int4"
+    src: int  # where its bytes start in the page
     src_bytes: int
-    dst: int     # where its decoded bytes go in the segment's storage
+    dst: int  # where its decoded bytes go in the segment's storage
     dst_bytes: int
-    n: int = 0   # elements it decodes (16-bit words for exp4)
+    n: int = 0  # elements it decodes (16-bit words for exp4)
     dtype: torch.dtype = torch.uint8  # the decoded elements' dtype
     escapes: int = 0
     at: tuple = ()
@@ -126,8 +129,8 @@ class Encoded:
 def check_codec(compress) -> None:
     if compress is not None and compress not in CODECS:
         raise ValueError(
-            f"pager: compress={compress!r} is not a codec; use None (plain pages), \"lossless\" (bf16 weights "
-            f"in about 0.75x the bytes, decoded exactly), \"fp8\" (about 0.52x, lossy) or \"int4\" (about "
+            f'pager: compress={compress!r} is not a codec; use None (plain pages), "lossless" (bf16 weights '
+            f'in about 0.75x the bytes, decoded exactly), "fp8" (about 0.52x, lossy) or "int4" (about '
             f"0.28x, lossy)."
         )
 
@@ -151,7 +154,7 @@ def encode(codec: str, slots, plain: torch.Tensor, device=None, keep_plain: froz
     raw = None  # [start, end) of the current run of raw bytes in the storage
     run: list = []  # the current run of coded tensors: (slot, its exponent counts under lossless)
     for slot in slots:
-        coded = None if slot.name in keep_plain else _coded(codec, slot, there[slot.offset: slot.offset + slot.nbytes])
+        coded = None if slot.name in keep_plain else _coded(codec, slot, there[slot.offset : slot.offset + slot.nbytes])
         if coded is not None and not (run and run[0][0].dtype == slot.dtype):
             parts += _encode_run(codec, there, run)
             run = []
@@ -178,13 +181,14 @@ def encode(codec: str, slots, plain: torch.Tensor, device=None, keep_plain: froz
     for piece, (_p, chunks) in zip(pieces, parts):
         at = piece.src
         for offset_in_piece, chunk in chunks:
-            page[at + offset_in_piece: at + offset_in_piece + chunk.numel()].copy_(chunk)
+            page[at + offset_in_piece : at + offset_in_piece + chunk.numel()].copy_(chunk)
     return Encoded(pieces, offset, plain.numel()), page
 
 
 def _with_src(piece: Piece, src: int) -> Piece:
-    return Piece(piece.kind, src, piece.src_bytes, piece.dst, piece.dst_bytes, piece.n, piece.dtype,
-                 piece.escapes, piece.at)
+    return Piece(
+        piece.kind, src, piece.src_bytes, piece.dst, piece.dst_bytes, piece.n, piece.dtype, piece.escapes, piece.at
+    )
 
 
 def _raw_pieces(plain, start: int, end: int) -> list:
@@ -250,9 +254,9 @@ def _exp4(words: torch.Tensor, dst: int, counts: torch.Tensor) -> list:
     per_piece = PIECE_BYTES * 2 // 3 // 2 * 2  # words: 1.5 bytes each (even, so B bytes are whole)
     out = []
     for k0 in range(0, words.numel(), per_piece):
-        w = words[k0: k0 + per_piece]
+        w = words[k0 : k0 + per_piece]
         n = w.numel()
-        codes = torch.index_select(code_of, 0, exponent[k0: k0 + n].int())
+        codes = torch.index_select(code_of, 0, exponent[k0 : k0 + n].int())
         a = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
         padded = torch.cat([codes, codes.new_zeros(n % 2)])
         b = padded[0::2] | (padded[1::2] << 4)
@@ -263,10 +267,14 @@ def _exp4(words: torch.Tensor, dst: int, counts: torch.Tensor) -> list:
         pos_at = _align(b_at + b.numel())
         val_at = _align(pos_at + 4 * e)
         size = _align(val_at + 2 * e)
-        chunks = [(0, table), (16, a.cpu()), (b_at, b.cpu()), (pos_at, positions.cpu().view(torch.uint8)),
-                  (val_at, values.cpu().view(torch.uint8))]
-        out.append((Piece("exp4", 0, size, dst + 2 * k0, 2 * n, n, torch.bfloat16, e, (b_at, pos_at, val_at)),
-                    chunks))
+        chunks = [
+            (0, table),
+            (16, a.cpu()),
+            (b_at, b.cpu()),
+            (pos_at, positions.cpu().view(torch.uint8)),
+            (val_at, values.cpu().view(torch.uint8)),
+        ]
+        out.append((Piece("exp4", 0, size, dst + 2 * k0, 2 * n, n, torch.bfloat16, e, (b_at, pos_at, val_at)), chunks))
     return out
 
 
@@ -293,11 +301,10 @@ def _fp8(x: torch.Tensor, dtype: torch.dtype, dst: int) -> list:
     out, size = [], dtype.itemsize
     for k0, n in _pieces_of_groups(x.numel(), FP8_GROUP, FP8_GROUP + 4):
         groups = -(-n // FP8_GROUP)
-        s = scale[k0 // FP8_GROUP: k0 // FP8_GROUP + groups]
+        s = scale[k0 // FP8_GROUP : k0 // FP8_GROUP + groups]
         q_at = _align(4 * groups)
-        chunks = [(0, s.cpu().view(torch.uint8)), (q_at, q[k0: k0 + n].cpu().view(torch.uint8))]
-        out.append((Piece("fp8", 0, _align(q_at + n), dst + k0 * size, n * size, n, dtype,
-                          at=(q_at,)), chunks))
+        chunks = [(0, s.cpu().view(torch.uint8)), (q_at, q[k0 : k0 + n].cpu().view(torch.uint8))]
+        out.append((Piece("fp8", 0, _align(q_at + n), dst + k0 * size, n * size, n, dtype, at=(q_at,)), chunks))
     return out
 
 
@@ -318,11 +325,17 @@ def _int4(x: torch.Tensor, dtype: torch.dtype, dst: int) -> list:
         first = k0 // INT4_GROUP
         min_at = _align(2 * groups)
         q_at = _align(min_at + 2 * groups)
-        chunks = [(0, scale[first: first + groups].cpu().view(torch.uint8)),
-                  (min_at, minimum[first: first + groups].cpu().view(torch.uint8)),
-                  (q_at, packed[k0 // 2: k0 // 2 + (n + 1) // 2].cpu())]
-        out.append((Piece("int4", 0, _align(q_at + (n + 1) // 2), dst + k0 * size, n * size, n,
-                          dtype, at=(min_at, q_at)), chunks))
+        chunks = [
+            (0, scale[first : first + groups].cpu().view(torch.uint8)),
+            (min_at, minimum[first : first + groups].cpu().view(torch.uint8)),
+            (q_at, packed[k0 // 2 : k0 // 2 + (n + 1) // 2].cpu()),
+        ]
+        out.append(
+            (
+                Piece("int4", 0, _align(q_at + (n + 1) // 2), dst + k0 * size, n * size, n, dtype, at=(min_at, q_at)),
+                chunks,
+            )
+        )
     return out
 
 
@@ -331,7 +344,7 @@ def decode(page: torch.Tensor, encoded: Encoded, out: torch.Tensor) -> None:
     """Decode the whole `page` into `out` (uint8, the segment's bytes), with
     the reference decoder (torch operations, on `out`'s device)."""
     for piece in encoded.pieces:
-        decode_piece(page[piece.src: piece.src + piece.src_bytes], piece, out[piece.dst: piece.dst + piece.dst_bytes])
+        decode_piece(page[piece.src : piece.src + piece.src_bytes], piece, out[piece.dst : piece.dst + piece.dst_bytes])
 
 
 def decode_piece(src: torch.Tensor, piece: Piece, dst: torch.Tensor) -> None:
@@ -342,27 +355,27 @@ def decode_piece(src: torch.Tensor, piece: Piece, dst: torch.Tensor) -> None:
     elif piece.kind == "exp4":
         b_at, pos_at, val_at = piece.at
         n = piece.n
-        a = src[16: 16 + n].to(torch.int16)
-        b = src[b_at: b_at + (n + 1) // 2]
+        a = src[16 : 16 + n].to(torch.int16)
+        b = src[b_at : b_at + (n + 1) // 2]
         codes = torch.stack([b & 15, b >> 4], dim=1).flatten()[:n]
         exponent = torch.index_select(src[:16].to(torch.int16), 0, codes.int())
         words = dst.view(torch.int16)
         torch.bitwise_or(((a & 0x80) << 8) | (exponent << 7), a & 0x7F, out=words)
         if piece.escapes:
-            positions = src[pos_at: pos_at + 4 * piece.escapes].view(torch.int32).long()
-            words[positions] = src[val_at: val_at + 2 * piece.escapes].view(torch.int16)
+            positions = src[pos_at : pos_at + 4 * piece.escapes].view(torch.int32).long()
+            words[positions] = src[val_at : val_at + 2 * piece.escapes].view(torch.int16)
     elif piece.kind == "fp8":
         (q_at,) = piece.at
         n, groups = piece.n, -(-piece.n // FP8_GROUP)
         scale = src[: 4 * groups].view(torch.float32).repeat_interleave(FP8_GROUP)[:n]
-        q = src[q_at: q_at + n].view(torch.float8_e4m3fn).float()
+        q = src[q_at : q_at + n].view(torch.float8_e4m3fn).float()
         dst.view(piece.dtype).copy_((q * scale).to(piece.dtype))
     else:  # int4
         min_at, q_at = piece.at
         n, groups = piece.n, -(-piece.n // INT4_GROUP)
         scale = src[: 2 * groups].view(torch.bfloat16).float().repeat_interleave(INT4_GROUP)[:n]
-        minimum = src[min_at: min_at + 2 * groups].view(torch.bfloat16).float().repeat_interleave(INT4_GROUP)[:n]
-        packed = src[q_at: q_at + (n + 1) // 2]
+        minimum = src[min_at : min_at + 2 * groups].view(torch.bfloat16).float().repeat_interleave(INT4_GROUP)[:n]
+        packed = src[q_at : q_at + (n + 1) // 2]
         codes = torch.stack([packed & 15, packed >> 4], dim=1).flatten()[:n].float()
         dst.view(piece.dtype).copy_((codes * scale + minimum).to(piece.dtype))
 

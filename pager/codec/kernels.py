@@ -38,12 +38,14 @@ def decode_on_device(src: torch.Tensor, piece: Piece, dst: torch.Tensor, fp8_ker
         b_at, pos_at, val_at = piece.at
         main = triton.cdiv(n, BLOCK)
         _exp4[(main + triton.cdiv(piece.escapes, BLOCK),)](
-            src, dst.view(torch.int16), n, piece.escapes, b_at, pos_at, val_at, main, BLOCK=BLOCK)
+            src, dst.view(torch.int16), n, piece.escapes, b_at, pos_at, val_at, main, BLOCK=BLOCK
+        )
     elif piece.kind == "fp8":
         _fp8[(triton.cdiv(n, BLOCK),)](src, dst.view(piece.dtype), n, piece.at[0], GROUP=FP8_GROUP, BLOCK=BLOCK)
     elif piece.kind == "int4":
-        _int4[(triton.cdiv(n, BLOCK),)](src, dst.view(piece.dtype), n, piece.at[0], piece.at[1],
-                                        GROUP=INT4_GROUP, BLOCK=BLOCK)
+        _int4[(triton.cdiv(n, BLOCK),)](
+            src, dst.view(piece.dtype), n, piece.at[0], piece.at[1], GROUP=INT4_GROUP, BLOCK=BLOCK
+        )
     else:
         dst.copy_(src)
 
@@ -56,10 +58,10 @@ def decoded_copy_from(page: torch.Tensor, encoded: Encoded, device: torch.device
         return decoded_copy(page, encoded)
     out = torch.zeros(encoded.plain_bytes, dtype=torch.uint8)
     for piece in encoded.pieces:
-        staged = page[piece.src: piece.src + piece.src_bytes].to(device)
+        staged = page[piece.src : piece.src + piece.src_bytes].to(device)
         decoded = torch.empty(piece.dst_bytes, dtype=torch.uint8, device=device)
         decode_on_device(staged, piece, decoded)
-        out[piece.dst: piece.dst + piece.dst_bytes].copy_(decoded)
+        out[piece.dst : piece.dst + piece.dst_bytes].copy_(decoded)
     return out
 
 
@@ -101,7 +103,8 @@ if triton is not None:
         packed = tl.load(src + q_at + (i >> 1), mask=inside, other=0).to(tl.int32)
         code = ((packed >> ((i & 1) * 4)) & 15).to(tl.float32)
         scale = tl.load(src.to(tl.pointer_type(tl.bfloat16)) + i // GROUP, mask=inside, other=0.0).to(tl.float32)
-        minimum = tl.load((src + min_at).to(tl.pointer_type(tl.bfloat16)) + i // GROUP, mask=inside,
-                          other=0.0).to(tl.float32)
+        minimum = tl.load((src + min_at).to(tl.pointer_type(tl.bfloat16)) + i // GROUP, mask=inside, other=0.0).to(
+            tl.float32
+        )
         # code * scale is exact (4 bits times 8), so a fused multiply-add rounds as the reference does.
         tl.store(dst + i, (code * scale + minimum).to(dst.dtype.element_ty), mask=inside)

@@ -53,19 +53,19 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.block import DIRECT_ALIGN, align_up
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
-from ..base.block import DIRECT_ALIGN, align_up
 from .host import HOST_RESERVE_BYTES, _register
 
 log = logging.getLogger("pager")
 
 DIRECT_MIN_BYTES = 256 << 10  # smaller tensors are read buffered, packed without gaps
-CHUNK_BYTES = 16 << 20      # one read or write call (the kernel splits it into many device requests)
-IO_THREADS = 8              # reads and writes in flight
-READS_AHEAD = 4             # segments whose reads the read ahead keeps in flight at most
-READ_AHEAD_USES = 64        # how far down the schedule the read ahead looks
+CHUNK_BYTES = 16 << 20  # one read or write call (the kernel splits it into many device requests)
+IO_THREADS = 8  # reads and writes in flight
+READS_AHEAD = 4  # segments whose reads the read ahead keeps in flight at most
+READ_AHEAD_USES = 64  # how far down the schedule the read ahead looks
 
 
 def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +73,7 @@ def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     was allocated, the aligned view)."""
     base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
     skip = -base.data_ptr() % DIRECT_ALIGN
-    return base, base[skip: skip + nbytes]
+    return base, base[skip : skip + nbytes]
 
 
 @dataclass
@@ -87,15 +87,19 @@ class Piece:
     path: str | None = None
     file_offset: int = 0
     tensor: torch.Tensor | None = None
-    name: str = ""        # the tensor's name, for errors
+    name: str = ""  # the tensor's name, for errors
     padded: bool = False  # the page has room around it for an aligned (direct) read
 
     @property
     def lead(self) -> int | None:
         """Its file offset modulo DIRECT_ALIGN, if a direct read can place it
         (None: a tensor source, a small tensor, or an offset not aligned to its dtype)."""
-        if self.path is None or self.tensor is not None or self.file_offset % self.itemsize or \
-                self.nbytes < DIRECT_MIN_BYTES:
+        if (
+            self.path is None
+            or self.tensor is not None
+            or self.file_offset % self.itemsize
+            or self.nbytes < DIRECT_MIN_BYTES
+        ):
             return None
         return self.file_offset % DIRECT_ALIGN
 
@@ -111,7 +115,7 @@ class PageArena:
         self.capacity_bytes, self.pin = capacity_bytes, pin
         self.chunks: list[torch.Tensor] = []  # aligned views
         self._bases: list[torch.Tensor] = []  # what was allocated (and registered)
-        self.free: list[list] = []            # per chunk: sorted [offset, size]
+        self.free: list[list] = []  # per chunk: sorted [offset, size]
         self.reserved_bytes = self.used_bytes = 0
 
     def allocate(self, nbytes: int, high: bool = False):
@@ -121,7 +125,7 @@ class PageArena:
         the churn does not cut the room of the ones that stay into pieces."""
         nbytes = align_up(max(nbytes, 1))
         for c, holes in enumerate(self.free):
-            for hole in (reversed(holes) if high else holes):
+            for hole in reversed(holes) if high else holes:
                 if hole[1] >= nbytes:
                     hole[1] -= nbytes
                     offset = hole[0] + hole[1] if high else hole[0]
@@ -130,7 +134,7 @@ class PageArena:
                     if not hole[1]:
                         holes.remove(hole)
                     self.used_bytes += nbytes
-                    return c, offset, self.chunks[c][offset: offset + nbytes]
+                    return c, offset, self.chunks[c][offset : offset + nbytes]
         if self.capacity_bytes is not None:
             if self.chunks or nbytes > self.capacity_bytes:
                 return None
@@ -185,8 +189,9 @@ class Files:
             if fds is None:
                 buffered = os.open(path, os.O_RDONLY)
                 try:
-                    direct = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") \
-                        else None
+                    direct = (
+                        os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else None
+                    )
                 except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
                     direct = None
                 fds = self._fds[path] = [direct, buffered]
@@ -225,7 +230,7 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
     returns the bytes read from disk, and whether the read was direct."""
     if piece.tensor is not None:
         flat = piece.tensor.detach().reshape(-1).view(torch.uint8)
-        page[piece.page_offset + start: piece.page_offset + end].copy_(flat[start:end])
+        page[piece.page_offset + start : piece.page_offset + end].copy_(flat[start:end])
         return (end - start if piece.path is not None else 0), False  # (a mapped file's pages were read)
     direct, buffered = files.fds(piece.path)
     file_at, page_at = piece.file_offset + start, piece.page_offset + start
@@ -263,7 +268,8 @@ def _check_length(piece: Piece, got: int, wanted: int, file_at: int) -> None:
     if got < wanted:
         raise CheckpointError(
             f"pager: {piece.path!r}: reading {piece.name!r} at offset {file_at} gave {max(got, 0)} of "
-            f"{wanted} bytes: the file ends early (it was truncated after it was opened).")
+            f"{wanted} bytes: the file ends early (it was truncated after it was opened)."
+        )
 
 
 def write_page(page: torch.Tensor, nbytes: int, path: str) -> None:
@@ -327,14 +333,14 @@ class DiskTier:
         self.spill = spill
         self.files = Files()
         self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"{WORKER_PREFIX}io")
-        self.pages: dict = {}     # segment -> (chunk, offset): pages in host memory, least recently used first
-        self.reading: dict = {}   # segment -> _Read
-        self.writing: dict = {}   # segment -> [future, free_after]
-        self.blocks: dict = {}    # segment -> its block
+        self.pages: dict = {}  # segment -> (chunk, offset): pages in host memory, least recently used first
+        self.reading: dict = {}  # segment -> _Read
+        self.writing: dict = {}  # segment -> [future, free_after]
+        self.blocks: dict = {}  # segment -> its block
         self._io_lock = threading.Lock()
         self._busy, self._busy_since = 0, 0.0
-        self.kept: set = set()    # weights pages that stay in host memory ([Note: a kept set in host memory])
-        self._kept_plan = None    # the schedule's plan they were chosen for
+        self.kept: set = set()  # weights pages that stay in host memory ([Note: a kept set in host memory])
+        self._kept_plan = None  # the schedule's plan they were chosen for
 
     # ---------------------------------------------------------------- segments
     def attach(self, block, seg, pieces: list[Piece] | None) -> None:
@@ -517,8 +523,11 @@ class DiskTier:
         if seg.disk is None:
             return True  # nothing on disk yet (a page that never left host memory holds nothing)
         page = seg.host
-        futures = [self.pool.submit(self._read_chunk, page, piece, start, min(piece.nbytes, start + CHUNK_BYTES))
-                   for piece in seg.disk for start in range(0, piece.nbytes, CHUNK_BYTES)]
+        futures = [
+            self.pool.submit(self._read_chunk, page, piece, start, min(piece.nbytes, start + CHUNK_BYTES))
+            for piece in seg.disk
+            for start in range(0, piece.nbytes, CHUNK_BYTES)
+        ]
         self.reading[seg] = _Read(futures)
         return True
 
@@ -641,13 +650,17 @@ class DiskTier:
 
     def _no_room(self, seg) -> MemoryError:
         dirty = sum(s.nbytes for s in self.pages if s.host_dirty)
-        fix = ("pass spill=\"folder\" to pager.load so that changed pages (training) can leave host memory, or "
-               if dirty and self.spill is None else "")
+        fix = (
+            'pass spill="folder" to pager.load so that changed pages (training) can leave host memory, or '
+            if dirty and self.spill is None
+            else ""
+        )
         return MemoryError(
             f"pager: host_budget={format_bytes(self.capacity_bytes)} cannot hold the {seg.kind} page of "
             f"{self.blocks[seg].name!r} ({format_bytes(seg.nbytes)}): pages in use or changed hold "
             f"{format_bytes(self.arena.used_bytes)} ({format_bytes(dirty)} changed since they were read); "
-            f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state).")
+            f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state)."
+        )
 
 
 def check_host_budget(capacity_bytes: int, largest_bytes: int) -> None:
@@ -659,9 +672,11 @@ def check_host_budget(capacity_bytes: int, largest_bytes: int) -> None:
         raise ValueError(
             f"pager: host_budget={format_bytes(capacity_bytes)} holds fewer than two of the largest block's pages "
             f"({format_bytes(largest_bytes)} each): one is read while another is copied to the device. Give "
-            f"host_budget of at least {format_bytes(2 * largest_bytes)}.")
+            f"host_budget of at least {format_bytes(2 * largest_bytes)}."
+        )
     available = psutil.virtual_memory().available
     if capacity_bytes + HOST_RESERVE_BYTES > available:
         raise MemoryError(
             f"pager: host_budget={format_bytes(capacity_bytes)} is more than the {format_bytes(available)} of host "
-            f"memory available (pager leaves {format_bytes(HOST_RESERVE_BYTES)} to the rest); give a smaller one.")
+            f"memory available (pager leaves {format_bytes(HOST_RESERVE_BYTES)} to the rest); give a smaller one."
+        )

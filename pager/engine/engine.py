@@ -46,9 +46,9 @@ from ..base.common import ROOM_WAIT_SECONDS, BudgetError, _record_range
 from ..codec.compress import encode
 from .meter import Meter
 from .room import Room
-from .waiting import Waiters
 from .tiers import HostTier
 from .transport import CpuTransport, CudaTransport
+from .waiting import Waiters
 
 log = logging.getLogger("pager")
 
@@ -62,12 +62,12 @@ class Owner(Protocol):
 
     resident_bytes: int
     total_bytes: int
-    counters: object   # a `Stats`: copy bytes and seconds, evictions, peaks
-    tracer: object     # a `Tracer`: spans of fetches, waits and write-backs
+    counters: object  # a `Stats`: copy bytes and seconds, evictions, peaks
+    tracer: object  # a `Tracer`: spans of fetches, waits and write-backs
     scheduler: object  # a `Scheduler`: `distance_to(block)`, `kept`
-    least_room: int    # the least room its blocks run in
+    least_room: int  # the least room its blocks run in
     min_budget_bytes: int  # the least budget it runs in alone
-    name: str          # how messages and the pool name it
+    name: str  # how messages and the pool name it
     carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
     row_bytes: int  # device bytes of its row tables' caches, held out of the room
     outside_bytes: int  # device bytes the process holds outside pager, held out of the room (budget_covers="process")
@@ -141,8 +141,15 @@ class Engine:
             `split_fetch.resolve_helpers` and `split_fetch.helper_budgets`.
     """
 
-    def __init__(self, device: torch.device, budget_bytes: int, *, pin: bool = True,
-                 wait_seconds: float = ROOM_WAIT_SECONDS, helpers=()):
+    def __init__(
+        self,
+        device: torch.device,
+        budget_bytes: int,
+        *,
+        pin: bool = True,
+        wait_seconds: float = ROOM_WAIT_SECONDS,
+        helpers=(),
+    ):
         self.device = device
         self.budget_bytes = budget_bytes
         self.pool = None  # the `Pool` this engine serves, if it was made for one
@@ -151,18 +158,24 @@ class Engine:
         self.owners: list = []
         self.resident: dict = {}  # ordered set of blocks with device bytes, oldest first
         self.resident_bytes = 0
-        self.total_bytes = 0      # of every segment of every owner
+        self.total_bytes = 0  # of every segment of every owner
         # One lock for every owner (see [Note: threads] in base/common.py): a
         # transition of one owner's block may evict another's.
         self.lock = threading.RLock()
-        self.room = Room(self)  # what blocks may hold, and who leaves to make more ([Note: sharing the room] in engine/room.py)
-        self.waiters = Waiters(self, wait_seconds)  # uses waiting for room ([Note: waiting for room] in engine/waiting.py)
+        self.room = Room(
+            self
+        )  # what blocks may hold, and who leaves to make more ([Note: sharing the room] in engine/room.py)
+        self.waiters = Waiters(
+            self, wait_seconds
+        )  # uses waiting for room ([Note: waiting for room] in engine/waiting.py)
         self.peak_resident_bytes = 0
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
-        return (f"Engine({self.device}, budget {format_bytes(self.budget_bytes)}, "
-                f"{len(self.owners)} model(s), {format_bytes(self.resident_bytes)} resident)")
+        return (
+            f"Engine({self.device}, budget {format_bytes(self.budget_bytes)}, "
+            f"{len(self.owners)} model(s), {format_bytes(self.resident_bytes)} resident)"
+        )
 
     def fixed_bytes(self) -> int:
         """Device bytes that stay for life (owners' remainders and the blocks they use)."""
@@ -171,12 +184,19 @@ class Engine:
     def least_budget(self) -> int:
         """The least budget its owners run in together: what each holds for
         life, and room for the one whose largest use needs most beside it."""
-        return self.fixed_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners),
-                                        default=0)
+        return self.fixed_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners), default=0)
 
     # ---------------------------------------------------------- segments
-    def add_segment(self, block, kind: str, named: list, values: bool, codec: str | None = None,
-                    pieces: list | None = None, keep_plain: frozenset = frozenset()) -> Segment:
+    def add_segment(
+        self,
+        block,
+        kind: str,
+        named: list,
+        values: bool,
+        codec: str | None = None,
+        pieces: list | None = None,
+        keep_plain: frozenset = frozenset(),
+    ) -> Segment:
         """A new segment of `block` for `named` tensors: a page in the host tier
         and an empty device storage of the same layout. With `values`, the
         tensors' current values go into the page (encoded by `codec`, if it
@@ -195,11 +215,22 @@ class Engine:
             host, encoded = None, None
         else:
             slots, nbytes = layout(named)
-            host, encoded = self._page_of(block, slots, nbytes, named, codec, keep_plain) if values else (
-                self.host.hold(block.owner, nbytes), None)
+            host, encoded = (
+                self._page_of(block, slots, nbytes, named, codec, keep_plain)
+                if values
+                else (self.host.hold(block.owner, nbytes), None)
+            )
         flat = self.transport.new_flat(nbytes)
-        seg = Segment(kind, slots, nbytes, host, flat, host_valid=values or pieces is not None, encoded=encoded,
-                      shared=self.host.is_shared(block.owner, host))
+        seg = Segment(
+            kind,
+            slots,
+            nbytes,
+            host,
+            flat,
+            host_valid=values or pieces is not None,
+            encoded=encoded,
+            shared=self.host.is_shared(block.owner, host),
+        )
         disk = self.host.disks.get(block.owner)
         if disk is not None:
             disk.attach(block, seg, pieces)
@@ -379,9 +410,12 @@ class Engine:
             block.resident_for_life = True
             self.room.not_idle(block)
             owner.warn_once(
-                f"numpy:{block.name}", "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
+                f"numpy:{block.name}",
+                "pager: block %r stays on the (CPU) device from now on: `.numpy()` of one "
                 "of its tensors shares its memory, which therefore cannot be paged. Use "
-                "`tensor.detach().clone().numpy()` for a copy.", block.name)
+                "`tensor.detach().clone().numpy()` for a copy.",
+                block.name,
+            )
             return False
         if not owner.may_leave(block):
             return False

@@ -88,8 +88,8 @@ class HelperPages:
     def __init__(self, split, budgets: list[int]):
         self.split = split
         self.keepers = [_Keeper(h, max(0, b - split.staging_bytes)) for h, b in zip(split.helpers, budgets)]
-        self.kept: dict = {}     # segment -> _Kept
-        self.seen: set = set()   # segments fetched once since they last changed (not kept)
+        self.kept: dict = {}  # segment -> _Kept
+        self.seen: set = set()  # segments fetched once since they last changed (not kept)
         self.changes: dict = {}  # segment -> how often its host page changed
         self.held_bytes = 0
 
@@ -103,8 +103,7 @@ class HelperPages:
         split, keeper = self.split, kept.keeper
         # The device's memory is free to write only from `start` on (its last readers).
         keeper.stream.wait_event(start)
-        with split.current(split.join_stream, split.device.index), \
-                split.current(keeper.stream, keeper.helper.index):
+        with split.current(split.join_stream, split.device.index), split.current(keeper.stream, keeper.helper.index):
             device_flat.copy_(kept.page, non_blocking=True)
         return self._end()
 
@@ -127,8 +126,7 @@ class HelperPages:
         self.seen.discard(seg)
         split = self.split
         # After `end` on the join stream: every share has landed.
-        with split.current(split.join_stream, split.device.index), \
-                split.current(keeper.stream, keeper.helper.index):
+        with split.current(split.join_stream, split.device.index), split.current(keeper.stream, keeper.helper.index):
             page.copy_(device_flat, non_blocking=True)
         self.kept[seg] = _Kept(keeper, page)
         keeper.room_bytes -= nbytes
@@ -166,10 +164,14 @@ class HelperPages:
             with self.split.current(keeper.stream, keeper.helper.index):
                 return torch.empty(nbytes, dtype=torch.uint8, device=keeper.helper.device)
         except torch.cuda.OutOfMemoryError:
-            log.warning("pager: %s has no room for a page of %s to keep (its budget for pages %s, %s kept); it "
-                        "keeps no more. Give it a lower budget in split_fetch={...: budget}.", keeper.helper.device,
-                        format_bytes(nbytes), format_bytes(keeper.budget_bytes),
-                        format_bytes(keeper.budget_bytes - keeper.room_bytes))
+            log.warning(
+                "pager: %s has no room for a page of %s to keep (its budget for pages %s, %s kept); it "
+                "keeps no more. Give it a lower budget in split_fetch={...: budget}.",
+                keeper.helper.device,
+                format_bytes(nbytes),
+                format_bytes(keeper.budget_bytes),
+                format_bytes(keeper.budget_bytes - keeper.room_bytes),
+            )
             keeper.room_bytes = 0
             return None
 

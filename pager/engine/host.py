@@ -111,8 +111,11 @@ class HostArena:
             self._shared_used += nbytes
         else:
             if self.reserved_bytes + nbytes >= PIN_PROGRESS_BYTES and self.pin:
-                log.info("pager: pinning host pages: %s so far, %s more", format_bytes(self.reserved_bytes),
-                         format_bytes(nbytes))
+                log.info(
+                    "pager: pinning host pages: %s so far, %s more",
+                    format_bytes(self.reserved_bytes),
+                    format_bytes(nbytes),
+                )
             chunk = torch.empty(nbytes, dtype=torch.uint8)
             if self.pin:
                 _register(chunk)

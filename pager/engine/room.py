@@ -59,8 +59,8 @@ class Room:
         # The blocks that may leave, kept up to date as blocks are pinned,
         # unpinned, fetched and evicted ([Note: eviction order]).
         self.idle_streamed: dict = {}  # idle, not in their owner's kept set (an ordered set)
-        self.idle_kept: dict = {}      # idle, in their owner's kept set
-        self._sorted_for: dict = {}    # owner -> the `kept_version` of its scheduler the sets were sorted by
+        self.idle_kept: dict = {}  # idle, in their owner's kept set
+        self._sorted_for: dict = {}  # owner -> the `kept_version` of its scheduler the sets were sorted by
 
     # ---------------------------------------------------------- idle blocks
     def became_idle(self, block) -> None:
@@ -90,8 +90,11 @@ class Room:
         not in use, not resident for life, their owner not running asleep.
         A scan (for the rare paths: out of memory, a new budget)."""
         blocked = self._blocked_owners()
-        return [b for b in self.engine.resident
-                if (b in self.idle_streamed or b in self.idle_kept) and b not in protect and b.owner not in blocked]
+        return [
+            b
+            for b in self.engine.resident
+            if (b in self.idle_streamed or b in self.idle_kept) and b not in protect and b.owner not in blocked
+        ]
 
     def _blocked_owners(self) -> list:
         """Owners none of whose blocks may leave now (a forward asleep):
@@ -165,7 +168,9 @@ class Room:
         if len(self.engine.owners) == 1:
             return room
         fixed = self.engine.fixed_bytes()
-        window = 2 * max((b.nbytes() for o in self.engine.owners for b in o.blocks if not b.resident_for_life), default=0)
+        window = 2 * max(
+            (b.nbytes() for o in self.engine.owners for b in o.blocks if not b.resident_for_life), default=0
+        )
         spare = max(0, room - fixed - window)
         weight = {o: 0 for o in self.engine.owners}
         for o in self.requests:
@@ -192,8 +197,12 @@ class Room:
             # Activations crowd the blocks: what is in use must still run
             # (over the room, within the budget; the owner warns) rather than fail.
             # (a scan of the idle blocks: only for a use that needs room now)
-            idle_bytes = sum(b.device_bytes() for g in (self.idle_streamed, self.idle_kept) for b in g
-                             if b not in protect and b.owner not in blocked)
+            idle_bytes = sum(
+                b.device_bytes()
+                for g in (self.idle_streamed, self.idle_kept)
+                for b in g
+                if b not in protect and b.owner not in blocked
+            )
             in_use = self.engine.resident_bytes - idle_bytes
             room = min(usable, max(room, in_use + nbytes))
             if self.engine.resident_bytes + nbytes <= room:
@@ -202,9 +211,15 @@ class Room:
         # use that needs the room now (never for a prefetch).
         several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
         for group in (self.idle_streamed, self.idle_kept if within is None else ()):
-            ranked = sorted(((several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
-                             for b in group if b not in protect and b.owner not in blocked),
-                            key=lambda r: r[:3], reverse=True)
+            ranked = sorted(
+                (
+                    (several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+                    for b in group
+                    if b not in protect and b.owner not in blocked
+                ),
+                key=lambda r: r[:3],
+                reverse=True,
+            )
             for _idle, distance, _tick, b in ranked:
                 if within is not None and distance <= within:
                     return False
@@ -219,22 +234,32 @@ class Room:
         that long for them; `deadlock`: their threads all wait for room too."""
         pinned = [b for b in self.engine.resident if b.pins > 0 or b.resident_for_life or b.unaccounted_use]
         several = len(self.engine.owners) > 1
-        held = ", ".join(f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
-                         f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})" for b in pinned[:6])
+        held = ", ".join(
+            f"{b.owner.name + ':' if several else ''}{b.name} ({format_bytes(b.device_bytes())}"
+            f"{', views of it kept' if b.unaccounted_use and not b.pins else ''})"
+            for b in pinned[:6]
+        )
         acts = self.engine.budget_bytes - self.room_bytes()
         why = ""
         if waited is not None:
-            why = (f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
-                   f"{self.engine.waiters.wait_seconds:g})")
+            why = (
+                f" after waiting {waited:.1f} s for other requests to release them (wait_seconds="
+                f"{self.engine.waiters.wait_seconds:g})"
+            )
         elif deadlock:
             why = " by requests that all wait for room themselves (each holds blocks the others need)"
         raise BudgetError(
             f"pager: block {block.name!r} needs {format_bytes(missing)} more on {self.engine.device}, but "
-            f"{format_bytes(self.engine.resident_bytes)} of the {format_bytes(self.engine.budget_bytes)} budget is held "
+            f"{format_bytes(self.engine.resident_bytes)} of the {format_bytes(self.engine.budget_bytes)} budget "
+            "is held "
             f"by blocks in use{why}: {held}"
-            + (f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
-               if acts > 0 else "")
-            + ". Raise the budget, " + ("run fewer requests at once or allow a longer wait, " if why else "")
+            + (
+                f" (and activations or carried state such as a KV cache take {format_bytes(acts)} of it)"
+                if acts > 0
+                else ""
+            )
+            + ". Raise the budget, "
+            + ("run fewer requests at once or allow a longer wait, " if why else "")
             + "or use smaller blocks (blocks=...)."
         )
 

@@ -70,8 +70,8 @@ class Scheduler:
         self.expected: list = []
         self._kept: frozenset = frozenset()
         self.kept_version = 0  # counts changes of `kept` (the room sorts idle blocks by it: engine/room.py)
-        self._positions: dict = {}      # block -> its indices in `plan` (for `distance_to`)
-        self._positions_of = None       # the plan they index
+        self._positions: dict = {}  # block -> its indices in `plan` (for `distance_to`)
+        self._positions_of = None  # the plan they index
         self._history: deque = deque(maxlen=2 * MAX_PERIOD)  # (hash, recording) of the last steps
         self._plan_key = None  # the hash of `plan`
 
@@ -206,8 +206,11 @@ class Scheduler:
         if not blocks:
             self.kept = set()
             return
-        rank = _spread_ranks(blocks, size_of) if order == "spread" else {
-            b: (i if order == "late" else -i) for i, b in enumerate(blocks)}
+        rank = (
+            _spread_ranks(blocks, size_of)
+            if order == "spread"
+            else {b: (i if order == "late" else -i) for i, b in enumerate(blocks)}
+        )
         by_size = sorted(blocks, key=lambda b: (size_of(b), rank[b]), reverse=True)
         total = sum(size_of(b) for b in blocks)
         if fixed_bytes + total <= budget_bytes:

@@ -47,8 +47,8 @@ from ..base.budget import parse_budget
 log = logging.getLogger("pager")
 
 SPLIT_MIN_BYTES = 4 << 20  # smaller pages go over the device's own link alone
-CHUNK_BYTES = 32 << 20     # a helper's share goes up and across in chunks of this
-ALIGN_BYTES = 1 << 16      # shares start at multiples of this
+CHUNK_BYTES = 32 << 20  # a helper's share goes up and across in chunks of this
+ALIGN_BYTES = 1 << 16  # shares start at multiples of this
 
 
 def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.device]:
@@ -60,32 +60,47 @@ def resolve_helpers(split_fetch, device: torch.device, pin: bool) -> list[torch.
     if split_fetch is None:
         return []
     if device.type != "cuda":
-        raise ValueError(f"pager: split_fetch={split_fetch!r} splits fetches over several GPUs' links; this model "
-                         f"runs on {device}. Run it on a CUDA device, or leave split_fetch out.")
+        raise ValueError(
+            f"pager: split_fetch={split_fetch!r} splits fetches over several GPUs' links; this model "
+            f"runs on {device}. Run it on a CUDA device, or leave split_fetch out."
+        )
     if not pin:
-        raise ValueError("pager: split_fetch= needs page-locked host pages (pin=True): a copy from pageable memory "
-                         "runs through the host's own staging and gains nothing from a second link.")
+        raise ValueError(
+            "pager: split_fetch= needs page-locked host pages (pin=True): a copy from pageable memory "
+            "runs through the host's own staging and gains nothing from a second link."
+        )
     own = device.index if device.index is not None else torch.cuda.current_device()
     if isinstance(split_fetch, str) and split_fetch == "all":
-        helpers = [torch.device("cuda", i) for i in range(torch.cuda.device_count())
-                   if i != own and torch.cuda.can_device_access_peer(i, own)]
+        helpers = [
+            torch.device("cuda", i)
+            for i in range(torch.cuda.device_count())
+            if i != own and torch.cuda.can_device_access_peer(i, own)
+        ]
         if not helpers:
-            log.warning("pager: split_fetch=\"all\": no other GPU of this process can write to cuda:%d over a peer "
-                        "link (%d visible); fetches go over its own link alone.", own, torch.cuda.device_count())
+            log.warning(
+                'pager: split_fetch="all": no other GPU of this process can write to cuda:%d over a peer '
+                "link (%d visible); fetches go over its own link alone.",
+                own,
+                torch.cuda.device_count(),
+            )
         return helpers
     names = list(split_fetch) if isinstance(split_fetch, (list, tuple, dict)) else [split_fetch]
     helpers = []
     for name in names:
         helper = _device_of(name, split_fetch)
         if helper.index == own:
-            raise ValueError(f"pager: split_fetch={split_fetch!r} names the model's own device (cuda:{own}); name "
-                             f"only other GPUs, whose links would otherwise stay idle.")
+            raise ValueError(
+                f"pager: split_fetch={split_fetch!r} names the model's own device (cuda:{own}); name "
+                f"only other GPUs, whose links would otherwise stay idle."
+            )
         if helper in helpers:
             raise ValueError(f"pager: split_fetch={split_fetch!r} names {helper} twice; name each GPU once.")
         if not torch.cuda.can_device_access_peer(helper.index, own):
-            raise ValueError(f"pager: split_fetch: {helper} cannot write to cuda:{own} over a peer link (no NVLink "
-                             f"or PCIe peer access between them), so its share would cross through host memory "
-                             f"again; leave it out of split_fetch.")
+            raise ValueError(
+                f"pager: split_fetch: {helper} cannot write to cuda:{own} over a peer link (no NVLink "
+                f"or PCIe peer access between them), so its share would cross through host memory "
+                f"again; leave it out of split_fetch."
+            )
         helpers.append(helper)
     return helpers
 
@@ -106,9 +121,11 @@ def helper_budgets(split_fetch, helpers: list[torch.device], budget_bytes: int) 
         try:
             budgets.append(parse_budget(value, helper))
         except ValueError as e:
-            raise ValueError(f"pager: split_fetch={split_fetch!r}: the budget for {helper} is not understood "
-                             f"({e}). Give each helper a budget as for wrap (\"20GiB\", bytes, \"50%\"), or 0 "
-                             f"for its staging alone.") from None
+            raise ValueError(
+                f"pager: split_fetch={split_fetch!r}: the budget for {helper} is not understood "
+                f'({e}). Give each helper a budget as for wrap ("20GiB", bytes, "50%"), or 0 '
+                f"for its staging alone."
+            ) from None
     return budgets
 
 
@@ -119,11 +136,15 @@ def _device_of(name, split_fetch) -> torch.device:
     except (RuntimeError, TypeError):
         helper = None
     if helper is None or helper.type != "cuda" or helper.index is None:
-        raise ValueError(f"pager: split_fetch={split_fetch!r}: {name!r} is not a CUDA device with an index; give "
-                         f"devices such as \"cuda:1\" or 1, or \"all\".")
+        raise ValueError(
+            f"pager: split_fetch={split_fetch!r}: {name!r} is not a CUDA device with an index; give "
+            f'devices such as "cuda:1" or 1, or "all".'
+        )
     if helper.index >= torch.cuda.device_count():
-        raise ValueError(f"pager: split_fetch={split_fetch!r}: {helper} does not exist; this process sees "
-                         f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES).")
+        raise ValueError(
+            f"pager: split_fetch={split_fetch!r}: {helper} does not exist; this process sees "
+            f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES)."
+        )
     return helper
 
 
@@ -205,8 +226,8 @@ class SplitFetch:
             # One stream: the chunk crosses after it is up, and the next chunk
             # up this buffer waits for this crossing.
             with self.current(helper.streams[i], helper.index):
-                staged.copy_(host[off: off + n], non_blocking=True)
-                device_flat[off: off + n].copy_(staged, non_blocking=True)
+                staged.copy_(host[off : off + n], non_blocking=True)
+                device_flat[off : off + n].copy_(staged, non_blocking=True)
         helper.carried_bytes += hi - lo
 
     def join(self, mark):

@@ -107,9 +107,13 @@ class HostTier:
         """`seg`'s page is compressed and its values changed: they go to a
         new plain page, where they stay ([Note: compressed pages] in codec/compress.py)."""
         block.owner.warn_once(
-            f"plain:{block.name}", "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
+            f"plain:{block.name}",
+            "pager: the weights of block %r changed (an optimizer step, load_state_dict, "
             "running statistics); its compressed page is replaced by a plain one (%s more host memory), "
-            "and it fetches uncompressed from now on.", block.name, format_bytes(seg.nbytes))
+            "and it fetches uncompressed from now on.",
+            block.name,
+            format_bytes(seg.nbytes),
+        )
         seg.host = self.hold(block.owner, seg.nbytes)
         seg.encoded = None
 
@@ -118,10 +122,12 @@ class HostTier:
         here: they go to a page of this rank's own (copy on write), so the
         other ranks keep reading the copy they share."""
         block.owner.warn_once(
-            "private-pages", "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
+            "private-pages",
+            "pager: weights of block %r changed (an optimizer step, load_state_dict, running "
             "statistics): its page leaves the host copy the node's ranks share, and this rank keeps its own "
             "from now on (so will other blocks that change). Sharing saves host memory for inference.",
-            block.name)
+            block.name,
+        )
         seg.host = self.hold(block.owner, seg.nbytes)
         seg.shared = False
 
@@ -134,8 +140,9 @@ class HostTier:
         segs = [s for k, s in block.segments.items() if k in kinds]
         segs += [w for d in block.deps for w in d.weight_segments]
         kept_pages = self.transport.kept_pages  # (a page a helper keeps is not read from disk)
-        return all(s.resident or disk.ready(s) or (kept_pages is not None and kept_pages.find(s) is not None)
-                   for s in segs)
+        return all(
+            s.resident or disk.ready(s) or (kept_pages is not None and kept_pages.find(s) is not None) for s in segs
+        )
 
     def release(self, owner) -> None:
         """Give back `owner`'s pages (none may be used after this)."""

@@ -153,9 +153,9 @@ class CudaTransport:
         self.d2h_stream = torch.cuda.Stream(device)
         self.decode_stream = torch.cuda.Stream(device, priority=-1)  # see [Note: staging and decoding ...]
         self._streams: dict = {}  # stream id -> Stream, for `compute_stream`
-        self._staging: list = []         # the ring of slots, each `staging_slot_bytes`
+        self._staging: list = []  # the ring of slots, each `staging_slot_bytes`
         self._staging_events: list = []  # per slot: (its copy landed, its decode read it), re-recorded
-        self._staging_used: list = []    # per slot: a piece went through it (its events are recorded)
+        self._staging_used: list = []  # per slot: a piece went through it (its events are recorded)
         self._next_slot = 0
         # fp8 conversion in the decoder needs sm_89 (else the reference decoder runs).
         self.fp8_kernels = torch.cuda.get_device_capability(device) >= (8, 9)
@@ -169,7 +169,9 @@ class CudaTransport:
         stream_id, index, kind = torch._C._cuda_getCurrentStream(self.index)
         stream = self._streams.get(stream_id)
         if stream is None:
-            stream = self._streams[stream_id] = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+            stream = self._streams[stream_id] = torch.cuda.Stream(
+                stream_id=stream_id, device_index=index, device_type=kind
+            )
         return stream
 
     def allocate(self, flat: torch.Tensor, nbytes: int) -> None:
@@ -231,8 +233,8 @@ class CudaTransport:
         start = self._record(h2d, timing=True)
         with self.on(h2d):
             for piece in encoded.pieces:
-                src = page[piece.src: piece.src + piece.src_bytes]
-                dst = device_flat[piece.dst: piece.dst + piece.dst_bytes]
+                src = page[piece.src : piece.src + piece.src_bytes]
+                dst = device_flat[piece.dst : piece.dst + piece.dst_bytes]
                 if piece.kind == "raw":
                     dst.copy_(src, non_blocking=True)
                     continue
@@ -255,7 +257,7 @@ class CudaTransport:
         decoder.wait_event(self._record(h2d))
         return start, self._record(decoder, timing=True)
 
-    def on(self, stream) -> "_Current":
+    def on(self, stream) -> _Current:
         """`with transport.on(stream):` makes `stream` current (as
         `torch.cuda.stream`, which costs ~15 us a switch: a fetch makes several)."""
         return _Current(stream, self.index)

@@ -88,9 +88,15 @@ def _build_weights(pager, block: Block, named: list) -> None:
         tensors = [(n, t) for n, t, _p in page]
         wrapped = [(n, t) for n, t in tensors if wrappers.is_wrapper(t)]  # ([Note: wrapper-subclass weights])
         inner = wrappers.expand(wrapped)
-        seg = pager.engine.add_segment(block, kind, wrappers.expand(tensors), values=pieces is None, pieces=pieces,
-                                       codec=None if plain else pager.compress,
-                                       keep_plain=frozenset(n for n, _t in inner))
+        seg = pager.engine.add_segment(
+            block,
+            kind,
+            wrappers.expand(tensors),
+            values=pieces is None,
+            pieces=pieces,
+            codec=None if plain else pager.compress,
+            keep_plain=frozenset(n for n, _t in inner),
+        )
         seg.wrappers = [t for _n, t in wrapped]
         seg.inner_ids = frozenset(id(t) for _n, t in inner)
         with guards.unguarded():

@@ -72,8 +72,10 @@ class DirectCalls:
             block.guard_handles = [
                 h
                 for module, pre, post in block.guards
-                for h in (module.register_forward_pre_hook(outside_compile(pre)),
-                          module.register_forward_hook(outside_compile(post), always_call=True))
+                for h in (
+                    module.register_forward_pre_hook(outside_compile(pre)),
+                    module.register_forward_hook(outside_compile(post), always_call=True),
+                )
             ]
 
     def unguard(self, block: Block) -> None:

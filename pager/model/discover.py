@@ -52,8 +52,8 @@ SPLIT_SHARE. A model whose two layers do not fit half the room (a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -94,9 +94,10 @@ def discover(model: nn.Module, spec=None) -> list[tuple[str, nn.Module]]:
             found = [m for n, m in model.named_modules() if n and type(m).__name__ in wanted]
             unknown = wanted - {type(m).__name__ for m in model.modules()}
             if unknown:
+                example = type(found[0]).__name__ if found else "DecoderLayer"
                 raise ValueError(
                     f"pager: blocks= names classes {sorted(unknown)} that no submodule of the model "
-                    f"has; give class names that appear in the model (e.g. {type(found[0]).__name__ if found else 'DecoderLayer'!r})."
+                    f"has; give class names that appear in the model (e.g. {example!r})."
                 )
         elif all(isinstance(x, nn.Module) for x in items):
             found = items
@@ -215,13 +216,13 @@ def aligned_bytes(t: torch.Tensor) -> int:
 class Sizing:
     """The blocks of a model and what each needs on the device, from sizes alone."""
 
-    named: list            # (qualified name, module) of each block
-    owned: dict            # block index (None: remainder) -> [(name, tensor, is_param)]
-    uses: dict             # block index -> indices of blocks it borrows tied tensors from
-    own: list              # page bytes each block owns
-    beside: list           # per block, the blocks that must be on the device with it (deps, ancestors)
-    remainder: int         # page bytes outside every block (stays resident)
-    tables: tuple = ()     # row-paged modules, outside every block ([Note: row tables] in rows/table.py)
+    named: list  # (qualified name, module) of each block
+    owned: dict  # block index (None: remainder) -> [(name, tensor, is_param)]
+    uses: dict  # block index -> indices of blocks it borrows tied tensors from
+    own: list  # page bytes each block owns
+    beside: list  # per block, the blocks that must be on the device with it (deps, ancestors)
+    remainder: int  # page bytes outside every block (stays resident)
+    tables: tuple = ()  # row-paged modules, outside every block ([Note: row tables] in rows/table.py)
 
     @property
     def sizes(self) -> list:
@@ -241,8 +242,10 @@ class Sizing:
         beside it."""
         held = {j for j in self.uses.get(None, ()) if j is not None}
         fixed += sum(per_block[j] for j in held)
-        return fixed + max((per_block[i] + sum(per_block[j] for j in with_)
-                            for i, with_ in enumerate(self.beside) if i not in held), default=0)
+        return fixed + max(
+            (per_block[i] + sum(per_block[j] for j in with_) for i, with_ in enumerate(self.beside) if i not in held),
+            default=0,
+        )
 
     @property
     def total(self) -> int:
@@ -254,8 +257,9 @@ SPLIT_SHARE = 8  # split when two of the largest blocks take 1/SPLIT_SHARE of th
 SPLIT_SHARE_LINKS = 2  # ... over several links (split fetch): 1/SPLIT_SHARE_LINKS of it
 
 
-def split_large(model: nn.Module, sizing: Sizing, budget_bytes: int,
-                min_part_bytes: int = SPLIT_MIN_BYTES, links: int = 1) -> tuple[Sizing, set]:
+def split_large(
+    model: nn.Module, sizing: Sizing, budget_bytes: int, min_part_bytes: int = SPLIT_MIN_BYTES, links: int = 1
+) -> tuple[Sizing, set]:
     """`sizing` with the large parts (of `min_part_bytes` or more) of its
     blocks as nested blocks, when two of the largest blocks take
     1/SPLIT_SHARE of the room for blocks (1/SPLIT_SHARE_LINKS when fetches

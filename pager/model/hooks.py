@@ -13,13 +13,12 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base import guards
-from ..training import activations
-from ..base import saving
+from ..base import guards, saving
 from ..base.block import Block
+from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
+from ..training import activations
 from ..training.checkpoint import StateDicts
 from .structure import Structure
-from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
 
 log = logging.getLogger("pager")
 
@@ -89,8 +88,9 @@ class Hooks:
     def install(self) -> None:
         root = self.pager.model
         self.handles.append(root.register_forward_pre_hook(outside_compile(self._root_pre_forward)))
-        self.handles.append(root.register_forward_hook(outside_compile(self._root_post_forward), with_kwargs=True,
-                                                       always_call=True))
+        self.handles.append(
+            root.register_forward_hook(outside_compile(self._root_post_forward), with_kwargs=True, always_call=True)
+        )
         for block in self.pager.blocks:
             self._install_block_hooks(block)
         self.pager.direct_calls.install()
@@ -99,15 +99,18 @@ class Hooks:
         for block in self.pager.all_blocks():
             for p in block.params:
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(outside_compile(self.pager.grad_pages.on_grad)))
+                    self.handles.append(
+                        p.register_post_accumulate_grad_hook(outside_compile(self.pager.grad_pages.on_grad))
+                    )
         self.handles += StateDicts(self.pager).install()
 
     def _install_block_hooks(self, block: Block) -> None:
         # Ours first among pre-hooks (a user's hook on the block may read its
         # weights: they must be here) and last among post-hooks.
         block.hook_handles = [
-            block.module.register_forward_pre_hook(outside_compile(self._make_pre_forward(block)), with_kwargs=True,
-                                                   prepend=True),
+            block.module.register_forward_pre_hook(
+                outside_compile(self._make_pre_forward(block)), with_kwargs=True, prepend=True
+            ),
             block.module.register_forward_hook(outside_compile(self._make_post_forward(block)), always_call=True),
         ]
         if self.pager.activations is not None:  # (what reads the mark: training/activations.py)
@@ -220,8 +223,11 @@ class Hooks:
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
             acts.pass_starts()  # (before the ops before the first block)
-        saving.begin_saving(False, *(acts.between_blocks() if acts is not None else ()),
-                            ledger=acts.ledger if acts is not None else None)
+        saving.begin_saving(
+            False,
+            *(acts.between_blocks() if acts is not None else ()),
+            ledger=acts.ledger if acts is not None else None,
+        )
         self.pager.check_open()
         self.uses.note_threads()
         outermost = not self.forward_marks()  # this thread's own request starts
@@ -302,14 +308,17 @@ class Hooks:
             again = activations.recomputing()  # its forward again, in its backward: the block is held
             grad = torch.is_grad_enabled() and not again
             if not again:
-                # Ended by the post-hook, which is always called ([Note: autograd's saved views, counted] in base/saving.py).
+                # Ended by the post-hook, which is always called
+                # ([Note: autograd's saved views, counted] in base/saving.py).
                 acts = self.pager.activations if grad else None
                 if acts is not None:
                     acts.forward_reaches(block)
                 # (quantized weights' Python kernels leave Python views of them in the graph: counted)
-                saving.begin_saving((self.pager.shared_mode or block.quantized) and grad,
-                                    *(acts.for_block(block, args, kwargs) if acts is not None else ()),
-                                    ledger=acts.ledger if acts is not None else None)
+                saving.begin_saving(
+                    (self.pager.shared_mode or block.quantized) and grad,
+                    *(acts.for_block(block, args, kwargs) if acts is not None else ()),
+                    ledger=acts.ledger if acts is not None else None,
+                )
             with self.lock:
                 if self.uses.can_use_resident(block) and not again:
                     self.uses.use_resident(block)

@@ -67,15 +67,19 @@ def allocator_counter(device: torch.device) -> AllocatorCounter | None:
 def check_covers(covers: str, device: torch.device) -> AllocatorCounter | None:
     """The counter `budget_covers=covers` reads on `device` (None for "pager"); raises for a bad value."""
     if covers not in COVERS:
-        raise ValueError(f"pager: budget_covers={covers!r} must be \"pager\" (the budget bounds what pager holds: "
-                         "blocks, activations, carried state) or \"process\" (also what the process holds on the "
-                         "device outside pager, such as the loss).")
+        raise ValueError(
+            f'pager: budget_covers={covers!r} must be "pager" (the budget bounds what pager holds: '
+            'blocks, activations, carried state) or "process" (also what the process holds on the '
+            "device outside pager, such as the loss)."
+        )
     if covers == "pager":
         return None
     counter = allocator_counter(device)
     if counter is None:
-        raise ValueError(f"pager: budget_covers=\"process\" reads the CUDA caching allocator's counters, and "
-                         f"device {device} keeps none. Use a CUDA device, or leave budget_covers=\"pager\".")
+        raise ValueError(
+            f'pager: budget_covers="process" reads the CUDA caching allocator\'s counters, and '
+            f'device {device} keeps none. Use a CUDA device, or leave budget_covers="pager".'
+        )
     return counter
 
 
@@ -127,11 +131,19 @@ class Outside:
         if nbytes <= pager.outside_bytes:
             return
         pager.outside_bytes = nbytes
-        log.info("pager: the process holds %s on the device outside %s; blocks leave it that room",
-                 format_bytes(nbytes), pager.name)
+        log.info(
+            "pager: the process holds %s on the device outside %s; blocks leave it that room",
+            format_bytes(nbytes),
+            pager.name,
+        )
         if pager.budget_bytes < pager.least_room + nbytes:
             pager.warn_once(
-                "outside_crowd", "pager: what the process holds on the device outside pager (%s: the loss, the "
+                "outside_crowd",
+                "pager: what the process holds on the device outside pager (%s: the loss, the "
                 "caller's tensors) leaves less of the %s budget than the %s that blocks need at least; blocks take "
                 "that much anyway, so the process holds more than the budget. Raise the budget, or use a smaller "
-                "batch.", format_bytes(nbytes), format_bytes(pager.budget_bytes), format_bytes(pager.least_room))
+                "batch.",
+                format_bytes(nbytes),
+                format_bytes(pager.budget_bytes),
+                format_bytes(pager.least_room),
+            )

@@ -42,13 +42,29 @@ class Pager:
     Made by `pager.wrap`; reach it with `pager.of(model)`.
     """
 
-    def __init__(self, model, device, budget_bytes, named_blocks, *, pin, prefetch_depth, defer_step=True,
-                 activations="auto", engine: Engine | None = None, name: str | None = None,
-                 compress: str | None = None, optimizer_step: str = "auto", helpers=()):
+    def __init__(
+        self,
+        model,
+        device,
+        budget_bytes,
+        named_blocks,
+        *,
+        pin,
+        prefetch_depth,
+        defer_step=True,
+        activations="auto",
+        engine: Engine | None = None,
+        name: str | None = None,
+        compress: str | None = None,
+        optimizer_step: str = "auto",
+        helpers=(),
+    ):
         self.model = model
         self.device = device
         self.prefetch_depth = prefetch_depth
-        self.compress = compress  # how blocks' weights pages are encoded ([Note: compressed pages] in codec/compress.py)
+        self.compress = (
+            compress  # how blocks' weights pages are encoded ([Note: compressed pages] in codec/compress.py)
+        )
         self.defer_step = defer_step  # see [Note: deferred updates] in training/optim.py
         # The budget, what is resident, the copy streams and the host tier
         # (shared with other models when `engine` is given).
@@ -71,10 +87,17 @@ class Pager:
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
-        self.activations = (Activations(activations, self.transport, self.counters,
-                                        budget_bytes=lambda: self.engine.budget_bytes - self.outside_bytes,
-                                        spare_bytes=lambda: self.engine.room.spare_bytes(self))
-                            if activations != KEEP else None)
+        self.activations = (
+            Activations(
+                activations,
+                self.transport,
+                self.counters,
+                budget_bytes=lambda: self.engine.budget_bytes - self.outside_bytes,
+                spare_bytes=lambda: self.engine.room.spare_bytes(self),
+            )
+            if activations != KEEP
+            else None
+        )
         if self.activations is not None:
             self.activations.ledger.note_blocks(0)
         self.tracer = Tracer(cuda=device.type == "cuda")
@@ -90,7 +113,9 @@ class Pager:
         self.thread_state = threading.local()
         self._closed = False
         self.named_blocks = named_blocks  # (qualified name, module) of each block, in model order: for `build`
-        self.sources: dict | None = None  # id(tensor) -> `engine.disk.Piece` of its bytes, for a model `load`ed from files
+        self.sources: dict | None = (
+            None  # id(tensor) -> `engine.disk.Piece` of its bytes, for a model `load`ed from files
+        )
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
@@ -222,8 +247,9 @@ class Pager:
         the largest block with the blocks it borrows from, each with every
         segment it has (gradients and optimizer state, once they exist)."""
         fixed = self.fixed_bytes()
-        largest = max((b.nbytes() + sum(d.nbytes() for d in b.deps) for b in self.blocks if not b.resident_for_life),
-                      default=0)
+        largest = max(
+            (b.nbytes() + sum(d.nbytes() for d in b.deps) for b in self.blocks if not b.resident_for_life), default=0
+        )
         return max(fixed + largest, self.min_budget_bytes)
 
     def prefetch(self) -> None:

@@ -56,11 +56,14 @@ class Pool:
         >>> print(pool.report())
     """
 
-    def __init__(self, budget, *, device=None, pin: bool = True, wait_seconds: float = ROOM_WAIT_SECONDS,
-                 split_fetch=None):
+    def __init__(
+        self, budget, *, device=None, pin: bool = True, wait_seconds: float = ROOM_WAIT_SECONDS, split_fetch=None
+    ):
         if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, numbers.Real) or not wait_seconds > 0:
-            raise ValueError(f"pager: Pool(wait_seconds={wait_seconds!r}) must be a number of seconds > 0 (how long "
-                             f"a request waits for room other requests hold).")
+            raise ValueError(
+                f"pager: Pool(wait_seconds={wait_seconds!r}) must be a number of seconds > 0 (how long "
+                f"a request waits for room other requests hold)."
+            )
         device = resolve_device(device)
         budget_bytes = parse_budget(budget, device)
         helpers = resolve_helpers(split_fetch, device, pin)
@@ -70,8 +73,10 @@ class Pool:
 
     def __repr__(self) -> str:
         e = self.engine
-        return (f"Pool({e.device}, budget {format_bytes(e.budget_bytes)}, models {list(self.models)}, "
-                f"{format_bytes(e.resident_bytes)} resident)")
+        return (
+            f"Pool({e.device}, budget {format_bytes(e.budget_bytes)}, models {list(self.models)}, "
+            f"{format_bytes(e.resident_bytes)} resident)"
+        )
 
     @property
     def device(self):
@@ -97,12 +102,17 @@ class Pool:
         with e.lock:
             models = {o.name: o.stats() for o in e.owners}
             return PoolStats(
-                budget_bytes=e.budget_bytes, resident_bytes=e.resident_bytes,
+                budget_bytes=e.budget_bytes,
+                resident_bytes=e.resident_bytes,
                 peak_resident_bytes=e.peak_resident_bytes,
                 carried_bytes=sum(o.carried_bytes for o in e.owners),
                 h2d_bytes=sum(s.h2d_bytes for s in models.values()),
                 d2h_bytes=sum(s.d2h_bytes for s in models.values()),
-                waits=e.waiters.waits, waited_seconds=e.waiters.waited_seconds, timeouts=e.waiters.timeouts, models=models)
+                waits=e.waiters.waits,
+                waited_seconds=e.waiters.waited_seconds,
+                timeouts=e.waiters.timeouts,
+                models=models,
+            )
 
     def report(self) -> str:
         """`stats()` as text: the pool's line, then one line per model.
@@ -139,5 +149,6 @@ class Pool:
                 raise ValueError(
                     f"pager: Pool budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(least)} its "
                     f"models need together (what each holds for life, and room for the largest block); give at "
-                    f"least that, or unwrap a model first.")
+                    f"least that, or unwrap a model first."
+                )
             e.set_budget(nbytes)

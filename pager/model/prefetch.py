@@ -62,8 +62,9 @@ def prefetch(pager) -> None:
             continue
         if disk is not None and not engine.host.ready(block, kinds):
             return  # its page is still being read: the thread that runs compute does not wait for the disk
-        if not engine.room.make_room(missing, protect=(block, *block.deps) if block.deps else (block,),
-                                     within=distance):
+        if not engine.room.make_room(
+            missing, protect=(block, *block.deps) if block.deps else (block,), within=distance
+        ):
             return
         for dep in block.deps:
             if dep.missing_bytes(WEIGHTS):

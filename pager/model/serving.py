@@ -52,8 +52,13 @@ class Serving:
         pager, held = self.pager, []
         try:
             for block, kinds in wanted.items():
-                if (block.part and block.parent is not None and block.parent.pins and not block.parent.parts_merged
-                        and pager.hooks.forward_marks()):  # read during the parent's forward, not by another access
+                if (
+                    block.part
+                    and block.parent is not None
+                    and block.parent.pins
+                    and not block.parent.parts_merged
+                    and pager.hooks.forward_marks()
+                ):  # read during the parent's forward, not by another access
                     self._merge_parts(block.parent, block)
                 kinds = tuple(k for k in KINDS_ORDER if k in kinds)
                 missing = block.missing_bytes(kinds)
@@ -100,14 +105,22 @@ class Serving:
         # release must let go of exactly what its acquisition took.
         parent.parts_merged = True
         self.pager.warn_once(
-            f"merge:{parent.name}", "pager: the forward of block %r reads the tensors of %r without calling it; "
-            "its parts are fetched together with it from now on (as one block).", parent.name, part.name)
+            f"merge:{parent.name}",
+            "pager: the forward of block %r reads the tensors of %r without calling it; "
+            "its parts are fetched together with it from now on (as one block).",
+            parent.name,
+            part.name,
+        )
 
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
         self.pager.counters.on_demand += 1
         self.pager.warn_once(
-            f"on_demand:{block.name}", "pager: a tensor of block %r was used while the block was paged out, "
+            f"on_demand:{block.name}",
+            "pager: a tensor of block %r was used while the block was paged out, "
             "so it was fetched on demand (%s; compute waits for the copy). This is how reads between steps "
             "(logging, EMA, a debugger) are served; in a hot loop, touch blocks' tensors inside their "
-            "forward, or raise the budget so they stay resident.", block.name, format_bytes(nbytes))
+            "forward, or raise the budget so they stay resident.",
+            block.name,
+            format_bytes(nbytes),
+        )

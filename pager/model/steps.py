@@ -47,9 +47,12 @@ class Steps:
         unsaid = changed and self.step_misses > 0 and not self.expect_used
         if unsaid and self._unsaid_change:
             self.pager.warn_once(
-                "order", "pager: the order of blocks changed between steps (%d fetches on demand in the last "
+                "order",
+                "pager: the order of blocks changed between steps (%d fetches on demand in the last "
                 "step); if it changes every step (a NAS supernet's sampled path), say what comes next with "
-                "pager.of(model).expect(modules) so it is prefetched.", self.step_misses)
+                "pager.of(model).expect(modules) so it is prefetched.",
+                self.step_misses,
+            )
         self._unsaid_change = unsaid
         self.step_misses, self.expect_used = 0, False
         self._advise()
@@ -78,21 +81,29 @@ class Steps:
             # request's fetches ([Note: sharing the room] in engine/room.py); inference alone: spread out
             # ([Note: kept blocks spread out] in engine/schedule.py).
             order = "late" if shared else ("spread" if self.pager.scheduler.reads_only() else "early")
-            self.pager.scheduler.choose_kept(room, lambda b: b.nbytes(),
-                                             fixed if fixed is not None else self.pager.fixed_bytes(), order)
+            self.pager.scheduler.choose_kept(
+                room, lambda b: b.nbytes(), fixed if fixed is not None else self.pager.fixed_bytes(), order
+            )
             self._kept_key = key
             self._warn_if_activations_crowd(room)
         self.pager.counters.steps += 1
 
     def _warn_if_activations_crowd(self, room: int) -> None:
-        if self.pager.activations is None or self.pager.budget_bytes - self.pager.activations.ledger.reserve() >= self.pager.least_room:
+        if (
+            self.pager.activations is None
+            or self.pager.budget_bytes - self.pager.activations.ledger.reserve() >= self.pager.least_room
+        ):
             return
         self.pager.warn_once(
-            "activations_crowd", "pager: activations held %s on the device in the last training pass, which leaves "
+            "activations_crowd",
+            "pager: activations held %s on the device in the last training pass, which leaves "
             "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
-            "step exceeds the budget. Raise the budget, use activations=\"recompute\" (it holds least), or "
-            "a smaller batch.", format_bytes(self.pager.activations.ledger.reserve()), format_bytes(self.pager.budget_bytes),
-            format_bytes(self.pager.least_room))
+            'step exceeds the budget. Raise the budget, use activations="recompute" (it holds least), or '
+            "a smaller batch.",
+            format_bytes(self.pager.activations.ledger.reserve()),
+            format_bytes(self.pager.budget_bytes),
+            format_bytes(self.pager.least_room),
+        )
 
     def _advise(self) -> None:
         """Warnings that need a few steps of history (each at most once)."""
@@ -101,10 +112,15 @@ class Steps:
             idle = [b for b in self.pager.blocks if b.uses == 0]
             if idle:
                 self.pager.warn_once(
-                    "never_ran", "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
+                    "never_ran",
+                    "pager: %d block(s) never ran in %d steps (%s%s), holding %s of host pages; if "
                     "they are unused, leave them out of the model (NAS candidates not yet sampled are expected).",
-                    len(idle), NEVER_RAN_STEPS, ", ".join(b.name for b in idle[:4]), ", ..." if len(idle) > 4 else "",
-                    format_bytes(sum(b.nbytes() for b in idle)))
+                    len(idle),
+                    NEVER_RAN_STEPS,
+                    ", ".join(b.name for b in idle[:4]),
+                    ", ..." if len(idle) > 4 else "",
+                    format_bytes(sum(b.nbytes() for b in idle)),
+                )
         # Stalls are judged over windows of steps, the first one starting after
         # the first step (whose fetches are the unavoidable cold start).
         if steps == 2 or (steps > 2 and (steps - 2) % STALL_WINDOW_STEPS == 0):
@@ -114,9 +130,13 @@ class Steps:
             now, stall = time.perf_counter(), self.pager.counters.stall_seconds
             if steps > 2 and now > start and stall - stall_at_start > STALL_SHARE * (now - start):
                 self.pager.warn_once(
-                    "stalls", "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
+                    "stalls",
+                    "pager: compute waited for transfers %.0f%% of the last %d steps; a larger budget "
                     "keeps more blocks resident (pager.plan(model, budget) shows what moves), and smaller blocks "
-                    "(blocks=...) overlap better.", 100 * (stall - stall_at_start) / (now - start), STALL_WINDOW_STEPS)
+                    "(blocks=...) overlap better.",
+                    100 * (stall - stall_at_start) / (now - start),
+                    STALL_WINDOW_STEPS,
+                )
             self._window = (now, stall)
 
     # [Note: one recorded request at a time]
@@ -153,8 +173,12 @@ class Steps:
                 self.pager.engine.room.make_room(0, protect=())  # idle blocks leave until blocks and state fit
             if self.pager.budget_bytes < self.pager.least_room + nbytes:
                 self.pager.warn_once(
-                    "carried_crowd", "pager: the state a forward carries on the device (a KV cache: %s) leaves "
+                    "carried_crowd",
+                    "pager: the state a forward carries on the device (a KV cache: %s) leaves "
                     "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, "
                     "so the model holds more than the budget. Raise the budget, or use a smaller batch or a "
-                    "shorter context.", format_bytes(nbytes), format_bytes(self.pager.budget_bytes),
-                    format_bytes(self.pager.least_room))
+                    "shorter context.",
+                    format_bytes(nbytes),
+                    format_bytes(self.pager.budget_bytes),
+                    format_bytes(self.pager.least_room),
+                )

@@ -30,7 +30,9 @@ class Structure:
             if t is not None
         ]
         # Columns, so the per-forward identity check runs in C (map/operator).
-        self._entry_tables, self._entry_names, self._entry_tensors = (list(c) for c in zip(*entries)) if entries else ([], [], [])
+        self._entry_tables, self._entry_names, self._entry_tensors = (
+            (list(c) for c in zip(*entries)) if entries else ([], [], [])
+        )
         # Gradients are paged by hooks installed at wrap for trainable parameters.
         self._frozen = [(n, p) for n, p in self.pager.model.named_parameters() if not p.requires_grad]
 

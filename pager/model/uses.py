@@ -44,7 +44,9 @@ class Uses:
         On failure nothing stays pinned."""
         if block.parts_merged and block.pins == 0 and not block.merged_deps:
             block.merged_deps = True  # its parts come with it from now on (Serving._merge_parts)
-            block.deps = block.deps + [b for b in self.pager.blocks if b.part and b.parent is block and b not in block.deps]
+            block.deps = block.deps + [
+                b for b in self.pager.blocks if b.part and b.parent is block and b not in block.deps
+            ]
         done = []
         try:
             for dep in block.deps:
@@ -60,7 +62,9 @@ class Uses:
         if "grads" in kinds:
             self.pager.grad_pages.ensure_segment(block)
         if record:
-            if self.pager.steps.recording():  # (not another request's: [Note: one recorded request at a time] in model/steps.py)
+            if (
+                self.pager.steps.recording()
+            ):  # (not another request's: [Note: one recorded request at a time] in model/steps.py)
                 self.pager.scheduler.observe(block, kinds)
             self.pager.direct_calls.unguard(block)  # used through its own hooks: guards not needed while resident
         if block.deferred_steps:
@@ -199,13 +203,17 @@ class Uses:
         alone = not other_threads()
         searchable = alone and use[-1] != saving.OTHERS
         found, unaccounted = guards.track_kept_views(
-            segs, chain(places, block.module.modules()), use, search_all=searchable, learn=searchable)
+            segs, chain(places, block.module.modules()), use, search_all=searchable, learn=searchable
+        )
         if found:
             self.pager.warn_once(
-                f"kept:{block.name}", "pager: a view of the weights of block %r was kept from its %s (an output, "
+                f"kept:{block.name}",
+                "pager: a view of the weights of block %r was kept from its %s (an output, "
                 "an attribute or a list that holds it); it is served from now on, and fetches the block on "
-                "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.", block.name,
-                use[0])
+                "demand once the block has left. Keep a copy (`.clone()`) to avoid the fetches.",
+                block.name,
+                use[0],
+            )
         if unaccounted and not searchable:
             block.unaccounted_use = use  # checked again when it is to leave (see [Note: views kept from a use])
 
@@ -217,10 +225,14 @@ class Uses:
             return False
         if any(guards.has_unknown_views(w, use) for w in block.weight_segments):
             self.pager.warn_once(
-                f"kept-stays:{block.name}", "pager: block %r stays on the device while views of its weights kept "
+                f"kept-stays:{block.name}",
+                "pager: block %r stays on the device while views of its weights kept "
                 "from its %s exist somewhere pager cannot search while other threads run (or autograd's saved "
                 "views, which pager cannot count under other saved-tensor hooks or before torch 2.8). Keep "
-                "copies (`.clone()`) of what a forward keeps.", block.name, use[0])
+                "copies (`.clone()`) of what a forward keeps.",
+                block.name,
+                use[0],
+            )
             return True
         block.unaccounted_use = None
         return False

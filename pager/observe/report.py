@@ -79,7 +79,10 @@ def _gpu_line(device: torch.device) -> str:
         handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
         util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-        nvml = f"{format_bytes(mem.used)} used of {format_bytes(mem.total)}, GPU {util.gpu}% busy, memory {util.memory}% busy"
+        nvml = (
+            f"{format_bytes(mem.used)} used of {format_bytes(mem.total)}, "
+            f"GPU {util.gpu}% busy, memory {util.memory}% busy"
+        )
     except Exception as e:  # NVML absent (containers without it): say so
         nvml = f"NVML unavailable ({type(e).__name__})"
     return (

@@ -76,10 +76,18 @@ class Tracer:
                 args = {"bytes": nbytes} if nbytes else {}
                 if nbytes and t1 > t0:
                     args["GB/s"] = round(nbytes / ((t1 - t0) * 1e3), 2)
-                events.append({
-                    "name": f"{kind}[{block}]", "cat": kind, "ph": "X", "pid": 0,
-                    "tid": tids[STREAMS[kind]], "ts": t0, "dur": max(t1 - t0, 0.0), "args": args,
-                })
+                events.append(
+                    {
+                        "name": f"{kind}[{block}]",
+                        "cat": kind,
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": tids[STREAMS[kind]],
+                        "ts": t0,
+                        "dur": max(t1 - t0, 0.0),
+                        "args": args,
+                    }
+                )
             events += [
                 {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
                 for name, i in tids.items()

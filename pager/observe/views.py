@@ -19,20 +19,31 @@ def snapshot(pager) -> Stats:
     memory = {}
     if pager.activations is not None:
         ledger = pager.activations.ledger
-        memory = dict(activation_bytes=ledger.live, peak_activation_bytes=ledger.peak,
-                      activation_reserve_bytes=max(0, pager.budget_bytes - pager.room_bytes() - pager.outside_bytes),
-                      peak_device_bytes=ledger.peak_with_blocks)
+        memory = dict(
+            activation_bytes=ledger.live,
+            peak_activation_bytes=ledger.peak,
+            activation_reserve_bytes=max(0, pager.budget_bytes - pager.room_bytes() - pager.outside_bytes),
+            peak_device_bytes=ledger.peak_with_blocks,
+        )
     if pager.transport.is_cuda:
-        memory.update(allocator_peak_bytes=torch.cuda.max_memory_allocated(pager.device),
-                      allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device))
+        memory.update(
+            allocator_peak_bytes=torch.cuda.max_memory_allocated(pager.device),
+            allocator_reserved_bytes=torch.cuda.memory_reserved(pager.device),
+        )
     weights = [w for b in pager.all_blocks() for w in b.weight_segments]
     kept_pages = pager.transport.kept_pages
     memory.update(helper_held_bytes=kept_pages.held_bytes if kept_pages is not None else 0)
-    return dataclasses.replace(pager.counters, resident_bytes=pager.resident_bytes, blocks=blocks,
-                               carried_bytes=pager.carried_bytes, outside_bytes=pager.outside_bytes,
-                               page_bytes=sum(w.page_bytes for w in weights),
-                               plain_page_bytes=sum(w.nbytes for w in weights),
-                               compressed_blocks=sum(w.encoded is not None for w in weights), **memory)
+    return dataclasses.replace(
+        pager.counters,
+        resident_bytes=pager.resident_bytes,
+        blocks=blocks,
+        carried_bytes=pager.carried_bytes,
+        outside_bytes=pager.outside_bytes,
+        page_bytes=sum(w.page_bytes for w in weights),
+        plain_page_bytes=sum(w.nbytes for w in weights),
+        compressed_blocks=sum(w.encoded is not None for w in weights),
+        **memory,
+    )
 
 
 def report_of(pager) -> str:
@@ -49,10 +60,13 @@ def report_of(pager) -> str:
     if disk is not None and s.disk_read_seconds:
         peak_disk = disk.peak_gbps()
         lines.append(
-            f"disk: {s.disk_read_gbps:.2f} GB/s while reading ({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
+            f"disk: {s.disk_read_gbps:.2f} GB/s while reading "
+            f"({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
             f"direct), {100 * s.disk_read_gbps / peak_disk:.0f}% of the {peak_disk:.2f} GB/s measured sequential "
-            f"peak; host pages {format_bytes(disk.arena.used_bytes)} of {format_bytes(disk.capacity_bytes or disk.arena.reserved_bytes)}, "
-            f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk")
+            f"peak; host pages {format_bytes(disk.arena.used_bytes)} of "
+            f"{format_bytes(disk.capacity_bytes or disk.arena.reserved_bytes)}, "
+            f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk"
+        )
     lines += system_lines(pager)
     return "\n".join(lines)
 

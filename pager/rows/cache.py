@@ -53,8 +53,9 @@ class RowCache:
         self.row_of_slot = torch.full((self.capacity,), self.n_rows, dtype=torch.long, device=self.device)
         self.last_use = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
         self.dirty = torch.zeros(self.capacity + 1, dtype=torch.bool, device=self.device)
-        self.columns = {k: torch.empty(self.capacity + 1, self.dim, dtype=self.dtype, device=self.device)
-                        for k in self.kinds}
+        self.columns = {
+            k: torch.empty(self.capacity + 1, self.dim, dtype=self.dtype, device=self.device) for k in self.kinds
+        }
 
     def clear(self) -> None:
         """Forget every row (the caller has written the dirty ones back, or they are stale)."""

@@ -94,8 +94,9 @@ class Lookups(NamedTuple):
     facts: torch.Tensor
 
 
-def number_lookups(indices: torch.Tensor, n_rows: int, slot_of_row, pad, device,
-                   stale_below: int = NO_STALE) -> Lookups:
+def number_lookups(
+    indices: torch.Tensor, n_rows: int, slot_of_row, pad, device, stale_below: int = NO_STALE
+) -> Lookups:
     """`indices` (at least one lookup) numbered by their unique rows, with no
     host sync (every count stays on the device, in `facts`). The numbering is
     monotone: row r is the r-th smallest ([Note: row tables] in rows/table.py).
@@ -123,10 +124,27 @@ def number_lookups(indices: torch.Tensor, n_rows: int, slot_of_row, pad, device,
         # Two passes over the sorted lookups, a block a program: each block's
         # counts, then each block's writes at the offsets the blocks before it counted.
         _count_kernel[(blocks,)](ordered, cache, counts, facts, n, n_rows, stale_below, **flags)
-        _number_kernel[(blocks,)](ordered, order, cache, counts, rows, need.view(torch.uint8), rank,
-                                  stale.view(torch.uint8), inverse, missing, facts, n, n_rows,
-                                  -1 if pad is None else pad, stale_below, blocks, HAS_PAD=pad is not None,
-                                  COUNTS=triton.next_power_of_2(blocks), **flags)
+        _number_kernel[(blocks,)](
+            ordered,
+            order,
+            cache,
+            counts,
+            rows,
+            need.view(torch.uint8),
+            rank,
+            stale.view(torch.uint8),
+            inverse,
+            missing,
+            facts,
+            n,
+            n_rows,
+            -1 if pad is None else pad,
+            stale_below,
+            blocks,
+            HAS_PAD=pad is not None,
+            COUNTS=triton.next_power_of_2(blocks),
+            **flags,
+        )
         return Lookups(rows, need, rank, stale, inverse, missing, facts)
     first = torch.ones(n, dtype=torch.bool, device=device)  # the first lookup of each row
     torch.ne(ordered[1:], ordered[:-1], out=first[1:])
@@ -158,8 +176,9 @@ def touch_hits(lookups: Lookups, u: int, slot_of_row: torch.Tensor, last_use: to
     if not u:
         return
     if uses_kernels(last_use):
-        _touch_kernel[(triton.cdiv(u, _TOUCH_BLOCK),)](lookups.rows, lookups.need.view(torch.uint8), slot_of_row,
-                                                      last_use, u, tick, BLOCK=_TOUCH_BLOCK)
+        _touch_kernel[(triton.cdiv(u, _TOUCH_BLOCK),)](
+            lookups.rows, lookups.need.view(torch.uint8), slot_of_row, last_use, u, tick, BLOCK=_TOUCH_BLOCK
+        )
         return
     held = lookups.rows[:u][~lookups.need[:u]]
     last_use.index_fill_(0, slot_of_row.index_select(0, held).long(), tick)
@@ -175,8 +194,17 @@ class CacheMap(NamedTuple):
     column: torch.Tensor  # [capacity + 1, dim]: the weight's rows
 
 
-def place_rows(lookups: Lookups, u: int, values: torch.Tensor, by_rank: bool, cache: CacheMap,
-               victims: torch.Tensor, tick: int, mark: int, take_out: bool):
+def place_rows(
+    lookups: Lookups,
+    u: int,
+    values: torch.Tensor,
+    by_rank: bool,
+    cache: CacheMap,
+    victims: torch.Tensor,
+    tick: int,
+    mark: int,
+    take_out: bool,
+):
     """The first `u` rows of `lookups` into a batch tensor [u, dim], each row
     the cache lacks put in the slot `victims[rank]` with its values (every
     such row has one: the caller made room for them all).
@@ -199,16 +227,38 @@ def place_rows(lookups: Lookups, u: int, values: torch.Tensor, by_rank: bool, ca
     m = victims.numel()
     taken = None
     if take_out:
-        taken = (torch.empty(m, dtype=torch.long, device=device), torch.empty(m, dtype=torch.bool, device=device),
-                 torch.empty(m, dim, dtype=cache.column.dtype, device=device))
+        taken = (
+            torch.empty(m, dtype=torch.long, device=device),
+            torch.empty(m, dtype=torch.bool, device=device),
+            torch.empty(m, dim, dtype=cache.column.dtype, device=device),
+        )
     if not u:
         return out, slots, taken
     if uses_kernels(out):
         ev_rows, ev_keep, ev_values = taken if take_out else (slots, slots, out)  # (unused unless take_out)
-        _place_kernel[(u,)](lookups.rows, lookups.need.view(torch.uint8), lookups.rank, values, victims,
-                            cache.slot_of_row, cache.row_of_slot, cache.last_use, cache.dirty.view(torch.uint8),
-                            cache.column, out, slots, ev_rows, ev_keep.view(torch.uint8), ev_values, tick, mark, dim,
-                            BY_RANK=by_rank, TAKE_OUT=take_out, BLOCK=triton.next_power_of_2(dim))
+        _place_kernel[(u,)](
+            lookups.rows,
+            lookups.need.view(torch.uint8),
+            lookups.rank,
+            values,
+            victims,
+            cache.slot_of_row,
+            cache.row_of_slot,
+            cache.last_use,
+            cache.dirty.view(torch.uint8),
+            cache.column,
+            out,
+            slots,
+            ev_rows,
+            ev_keep.view(torch.uint8),
+            ev_values,
+            tick,
+            mark,
+            dim,
+            BY_RANK=by_rank,
+            TAKE_OUT=take_out,
+            BLOCK=triton.next_power_of_2(dim),
+        )
         return out, slots, taken
     need = lookups.need[:u]
     slots.copy_(cache.slot_of_row.index_select(0, lookups.rows[:u]))
@@ -232,8 +282,13 @@ def place_rows(lookups: Lookups, u: int, values: torch.Tensor, by_rank: bool, ca
     return out, slots, taken
 
 
-def patch_written(values: torch.Tensor, rows: torch.Tensor, written_rows: torch.Tensor, written: torch.Tensor,
-                  which: torch.Tensor | None = None) -> None:
+def patch_written(
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    written_rows: torch.Tensor,
+    written: torch.Tensor,
+    which: torch.Tensor | None = None,
+) -> None:
     """Where `rows[i]` (and `which[i]`, if given) is among `written_rows`
     (sorted), `values[i]` becomes that row of `written` (a write-back's copy
     of the rows it takes to the host table): in place, no host sync."""
@@ -241,9 +296,18 @@ def patch_written(values: torch.Tensor, rows: torch.Tensor, written_rows: torch.
     if not n or not w:
         return
     if uses_kernels(values):
-        _patch_kernel[(n,)](values, rows, rows if which is None else which.view(torch.uint8), written_rows, written,
-                            w, values.shape[1], HAS_WHICH=which is not None, STEPS=w.bit_length(),
-                            BLOCK=triton.next_power_of_2(values.shape[1]))
+        _patch_kernel[(n,)](
+            values,
+            rows,
+            rows if which is None else which.view(torch.uint8),
+            written_rows,
+            written,
+            w,
+            values.shape[1],
+            HAS_WHICH=which is not None,
+            STEPS=w.bit_length(),
+            BLOCK=triton.next_power_of_2(values.shape[1]),
+        )
         return
     at = torch.searchsorted(written_rows, rows).clamp_(max=w - 1)
     found = written_rows.index_select(0, at) == rows
@@ -269,8 +333,17 @@ def read_where(view: torch.Tensor, rows: torch.Tensor, need: torch.Tensor, out: 
             # answered: on the H100 a step with 4096-wide layers took 0.5 ms
             # longer with a 4 GB table, 1.8 ms with a 40 GB one (RESULTS).
             programs = min(triton.cdiv(n, _READ_ROWS), max(8, _sm_count(rows.device) // 4))
-            _read_where_kernel[(programs,)](view, rows, need.view(torch.uint8), out, n, view.shape[1], programs,
-                                            ROWS=_READ_ROWS, BLOCK=triton.next_power_of_2(view.shape[1]))
+            _read_where_kernel[(programs,)](
+                view,
+                rows,
+                need.view(torch.uint8),
+                out,
+                n,
+                view.shape[1],
+                programs,
+                ROWS=_READ_ROWS,
+                BLOCK=triton.next_power_of_2(view.shape[1]),
+            )
         return out
     at = need.nonzero().squeeze(1)  # (a host sync on CUDA: without Triton)
     out.index_copy_(0, at, view.index_select(0, rows.index_select(0, at)))
@@ -299,8 +372,9 @@ if triton is not None:
         return value, first, lacks, old, row
 
     @triton.jit(do_not_specialize=["n", "n_rows", "stale_below"])
-    def _count_kernel(ordered, slot_of_row, counts, facts, n, n_rows, stale_below, HAS_CACHE: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    def _count_kernel(
+        ordered, slot_of_row, counts, facts, n, n_rows, stale_below, HAS_CACHE: tl.constexpr, BLOCK: tl.constexpr
+    ):
         # A block's unique rows, those the cache lacks, and those stale.
         b = tl.program_id(0).to(tl.int64)
         j = b * BLOCK + tl.arange(0, BLOCK)
@@ -312,9 +386,28 @@ if triton is not None:
             tl.store(facts + 4, tl.full([], -1, tl.int64))  # (the padding row's place, if any, comes next pass)
 
     @triton.jit(do_not_specialize=["n", "n_rows", "pad", "stale_below", "blocks"])
-    def _number_kernel(ordered, order, slot_of_row, counts, rows, need, rank, stale, inverse, missing, facts,
-                       n, n_rows, pad, stale_below, blocks, HAS_CACHE: tl.constexpr, HAS_PAD: tl.constexpr,
-                       BLOCK: tl.constexpr, COUNTS: tl.constexpr):
+    def _number_kernel(
+        ordered,
+        order,
+        slot_of_row,
+        counts,
+        rows,
+        need,
+        rank,
+        stale,
+        inverse,
+        missing,
+        facts,
+        n,
+        n_rows,
+        pad,
+        stale_below,
+        blocks,
+        HAS_CACHE: tl.constexpr,
+        HAS_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        COUNTS: tl.constexpr,
+    ):
         # A block's writes, numbered after the blocks before it (their counts summed here).
         b = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, COUNTS)
@@ -360,9 +453,29 @@ if triton is not None:
         tl.store(last_use + slot, tl.zeros_like(i).to(tl.int64) + tick, mask=held)
 
     @triton.jit(do_not_specialize=["tick", "mark", "dim"])
-    def _place_kernel(rows, need, rank, values, victims, slot_of_row, row_of_slot, last_use, dirty, column,
-                      out, slots, ev_rows, ev_keep, ev_values, tick, mark, dim,
-                      BY_RANK: tl.constexpr, TAKE_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    def _place_kernel(
+        rows,
+        need,
+        rank,
+        values,
+        victims,
+        slot_of_row,
+        row_of_slot,
+        last_use,
+        dirty,
+        column,
+        out,
+        slots,
+        ev_rows,
+        ev_keep,
+        ev_values,
+        tick,
+        mark,
+        dim,
+        BY_RANK: tl.constexpr,
+        TAKE_OUT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One program a unique row. A victim's old row is none of the batch's
         # (victims hold no row this tick touched), so the programs' stores
         # into the map never meet.
@@ -397,8 +510,18 @@ if triton is not None:
             tl.store(slots + i, victim)
 
     @triton.jit(do_not_specialize=["w", "dim"])
-    def _patch_kernel(values, rows, which, written_rows, written, w, dim, HAS_WHICH: tl.constexpr,
-                      STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _patch_kernel(
+        values,
+        rows,
+        which,
+        written_rows,
+        written,
+        w,
+        dim,
+        HAS_WHICH: tl.constexpr,
+        STEPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One program a row: a binary search of the written rows (STEPS halvings find the first >= row).
         i = tl.program_id(0).to(tl.int64)
         wanted = tl.full([], 1, tl.int1)

@@ -243,8 +243,20 @@ class ReadAhead:
 
     MAX_WRITES = 8  # writes since the read began, before it is dropped (the caller stopped using it)
 
-    def __init__(self, indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done,
-                 rows_stream: RowStream | None, in_flight):
+    def __init__(
+        self,
+        indices,
+        pad,
+        epoch,
+        writes_through,
+        lookups,
+        values,
+        facts,
+        facts_ready,
+        done,
+        rows_stream: RowStream | None,
+        in_flight,
+    ):
         self.indices, self.index_version, self.pad = indices, indices._version, pad
         self.epoch, self.writes_through = epoch, writes_through
         self.lookups, self.values = lookups, values
@@ -254,8 +266,18 @@ class ReadAhead:
         self._counted = False  # the rows read went to the stats
 
     @classmethod
-    def start(cls, indices: torch.Tensor, view: torch.Tensor, slot_of_row, rows_stream: RowStream | None,
-              pad=None, epoch=None, writes_through=0, in_flight=(), stale_below=NO_STALE):
+    def start(
+        cls,
+        indices: torch.Tensor,
+        view: torch.Tensor,
+        slot_of_row,
+        rows_stream: RowStream | None,
+        pad=None,
+        epoch=None,
+        writes_through=0,
+        in_flight=(),
+        stale_below=NO_STALE,
+    ):
         """Read the rows of `indices` that the cache lacks (`slot_of_row[row]
         < 0`; None: no cache), on the row stream, and prepare their lookup;
         no host sync. `in_flight`: (rows, weight values) of write-backs that
@@ -274,8 +296,9 @@ class ReadAhead:
             with rows_stream.transport.on(stream):
                 lookups, values, facts = cls._read(*args, facts_ready)
                 done.record(stream)
-        return cls(indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done, rows_stream,
-                   in_flight)
+        return cls(
+            indices, pad, epoch, writes_through, lookups, values, facts, facts_ready, done, rows_stream, in_flight
+        )
 
     @staticmethod
     def _read(indices, view, slot_of_row, pad, stale_below, facts_ready=None):
@@ -308,15 +331,21 @@ class ReadAhead:
         it all itself, and raises for a row out of the table). Rows that
         write-backs in flight at the read may have changed are read again,
         after those writes."""
-        if (index is not self.indices or index._version != self.index_version or pad != self.pad
-                or epoch != self.epoch or writes_through != self.writes_through):
+        if (
+            index is not self.indices
+            or index._version != self.index_version
+            or pad != self.pad
+            or epoch != self.epoch
+            or writes_through != self.writes_through
+        ):
             return None
         low, high, last, n_read, pad_at, stale = self.facts()
         if low < 0 or high >= n_rows:
             return None
         lookups = self.lookups
-        self.on_compute(lookups.rows, lookups.need, lookups.rank, lookups.inverse, self.values,
-                        *([lookups.stale] if stale else []))
+        self.on_compute(
+            lookups.rows, lookups.need, lookups.rank, lookups.inverse, self.values, *([lookups.stale] if stale else [])
+        )
         for rows, values in self.in_flight if stale else ():
             # Rows a write-back in flight at the read may have changed after
             # they were read: their values are the write-back's device copy.

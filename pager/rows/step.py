@@ -32,15 +32,15 @@ def step_rows(table, optimizer, group_index: int, run_step) -> None:
         # write to the table since would have moved the cache's epoch
         # (`_check_current` forgets the cache for writes from outside).
         slots = placed.slots
-        gathered = {WEIGHT: placed.batch.detach(),
-                    **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
+        gathered = {WEIGHT: placed.batch.detach(), **{k: cache.columns[k].index_select(0, slots) for k in row_kinds}}
         uncached = slots[:0]
     else:
         # The gradient's rows are among those looked up since the last step:
         # if the cache held them all then and holds the same rows now, every
         # one is a hit, and no host sync counts the misses.
-        all_held = (held is not None and held is not False and held == cache.epoch
-                    and isinstance(g, RowGrad) and g.made is None)
+        all_held = (
+            held is not None and held is not False and held == cache.epoch and isinstance(g, RowGrad) and g.made is None
+        )
         gathered, uncached = table.gather(rows, (WEIGHT,) + row_kinds, n_miss=0 if all_held else None)
     epoch = cache.epoch
     view = nn.Parameter(gathered[WEIGHT])
@@ -82,7 +82,8 @@ def take_grad(table):
     if not g.is_sparse:
         raise ValueError(
             f"pager: the gradient of row table {table.name!r} is a dense {tuple(g.shape)} tensor; a row table "
-            f"takes a sparse COO gradient (as autograd gives it): assign one, e.g. dense.to_sparse().")
+            f"takes a sparse COO gradient (as autograd gives it): assign one, e.g. dense.to_sparse()."
+        )
     g = g.coalesce()
     rows = g._indices()[0].to(table.device)
     values = g._values().to(table.device)
@@ -98,8 +99,7 @@ def adopt_state(table, state: dict) -> None:
     optimizer made at construction (Adagrad's sum), or put there by
     `load_state_dict`."""
     for key, value in list(state.items()):
-        if (not isinstance(value, torch.Tensor) or value.shape != table.shape
-                or table.state_views.get(key) is value):
+        if not isinstance(value, torch.Tensor) or value.shape != table.shape or table.state_views.get(key) is value:
             continue
         if key not in table.hosts:
             table.add_state_kind(key, value.dtype, state)

@@ -146,15 +146,13 @@ import torch.nn as nn
 
 from ..base.budget import format_bytes
 from ..base.wrappers import is_wrapper
-from .kernels import (NO_STALE, Lookups, mark_of, number_lookups, patch_written,
-                           place_rows, touch_hits)
-from .reader import HostRowReader, ReadAhead
 from .cache import WEIGHT, RowCache
+from .kernels import NO_STALE, Lookups, mark_of, number_lookups, patch_written, place_rows, touch_hits
+from .reader import HostRowReader, ReadAhead
+from .step import step_rows
 from .tensors import _GUARDS, RowGrad, RowStateTensor, RowTableParameter, host_view
 from .writer import host_alias
 from .writes import HostWrites
-from .step import step_rows
-
 
 
 # ------------------------------------------------------------- one table
@@ -210,8 +208,12 @@ class RowTable:
         """A CPU table that owns its whole storage is used where it is (and
         page-locked there on CUDA): a 40 GB table needs no second copy."""
         storage = value.untyped_storage()
-        if (value.device.type != "cpu" or not value.is_contiguous() or value.storage_offset() != 0
-                or storage.nbytes() != value.numel() * value.element_size()):
+        if (
+            value.device.type != "cpu"
+            or not value.is_contiguous()
+            or value.storage_offset() != 0
+            or storage.nbytes() != value.numel() * value.element_size()
+        ):
             return None
         if self.device.type == "cuda" and self.pager.arena.pin:
             err = torch.cuda.cudart().cudaHostRegister(value.data_ptr(), storage.nbytes(), 0)
@@ -240,8 +242,12 @@ class RowTable:
         while one lives, updates go through to the host tables and each lookup
         forgets the cached rows ([Note: write-back of cached rows])."""
         for t in out if isinstance(out, (list, tuple)) else (out,):
-            if (isinstance(t, torch.Tensor) and type(t) not in _GUARDS.values() and t.layout == torch.strided
-                    and t.untyped_storage().data_ptr() in self._host_pointers()):
+            if (
+                isinstance(t, torch.Tensor)
+                and type(t) not in _GUARDS.values()
+                and t.layout == torch.strided
+                and t.untyped_storage().data_ptr() in self._host_pointers()
+            ):
                 self._aliases.add(t)
 
     def _host_pointers(self) -> set:
@@ -263,9 +269,11 @@ class RowTable:
     def expect(self, indices: torch.Tensor) -> None:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in rows/reader.py)."""
         if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"pager: expect_rows({self.name!r}, indices) takes an int32 or int64 tensor of "
-                            f"rows; got {type(indices).__name__}"
-                            f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}.")
+            raise TypeError(
+                f"pager: expect_rows({self.name!r}, indices) takes an int32 or int64 tensor of "
+                f"rows; got {type(indices).__name__}"
+                f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}."
+            )
         with self.pager.lock:
             self._check_current()
             # The read ahead does not wait for write-backs still running: the
@@ -273,9 +281,19 @@ class RowTable:
             self.writes.prune()
             in_flight = [(w.rows, w.values[WEIGHT]) for w in self.writes.in_flight]
             stale_below = mark_of(self.writes.in_flight[0].generation) if in_flight else NO_STALE
-            self._set_ahead(ReadAhead.start(indices, self.views[WEIGHT], self.cache.slot_of_row,
-                                            self.pager.row_stream, self._pad(getattr(self.module, "padding_idx", None)),
-                                            self.cache.epoch, self.writes.through, in_flight, stale_below))
+            self._set_ahead(
+                ReadAhead.start(
+                    indices,
+                    self.views[WEIGHT],
+                    self.cache.slot_of_row,
+                    self.pager.row_stream,
+                    self._pad(getattr(self.module, "padding_idx", None)),
+                    self.cache.epoch,
+                    self.writes.through,
+                    in_flight,
+                    stale_below,
+                )
+            )
             for rows, _values in in_flight:
                 self._note_written(rows)
 
@@ -300,8 +318,11 @@ class RowTable:
             self._check_current()
             pad = self._pad(bound.get("padding_idx"))
             ahead, values = self.ahead, None
-            prepared = None if ahead is None else ahead.prepared(bound["input"], pad, cache.epoch,
-                                                                 self.writes.through, self.shape[0])
+            prepared = (
+                None
+                if ahead is None
+                else ahead.prepared(bound["input"], pad, cache.epoch, self.writes.through, self.shape[0])
+            )
             if prepared is None:
                 lookups, u, n_miss, pad = self._batch_rows(bound["input"], pad)
             else:
@@ -350,8 +371,10 @@ class RowTable:
         lookups = number_lookups(index, self.shape[0], self.cache.slot_of_row, pad, self.device)
         low, high, last, n_miss, pad_at, _stale = lookups.facts.tolist()  # the host sync
         if low < 0 or high >= self.shape[0]:
-            raise IndexError(f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
-                             f"row {low if low < 0 else high}.")
+            raise IndexError(
+                f"pager: row table {self.name!r} has {self.shape[0]} rows; a lookup asked for "
+                f"row {low if low < 0 else high}."
+            )
         return lookups, last + 1, n_miss, None if pad_at < 0 else pad_at
 
     def _take_rows(self, lookups: Lookups, u: int, n_miss: int, values: torch.Tensor | None):
@@ -401,8 +424,14 @@ class RowTable:
         else:
             self._rows_held = False
 
-    def gather(self, rows: torch.Tensor, kinds: tuple, insert: bool = True, n_miss: int | None = None,
-               read: torch.Tensor | None = None):
+    def gather(
+        self,
+        rows: torch.Tensor,
+        kinds: tuple,
+        insert: bool = True,
+        n_miss: int | None = None,
+        read: torch.Tensor | None = None,
+    ):
         """({kind: the rows of that kind on the device}, from the cache or the
         host tables; the positions in `rows` of those the cache does not hold
         afterwards). `n_miss`: how many of `rows` the cache lacks, if known.
@@ -434,8 +463,11 @@ class RowTable:
             if slots is not None and slots.numel():
                 values.index_copy_(0, hit_pos, cache.columns[kind].index_select(0, slots))
             if n_miss:
-                missed = (read.index_select(0, miss_pos) if kind == WEIGHT and read is not None
-                          else self._read_missed(kind, miss_rows))
+                missed = (
+                    read.index_select(0, miss_pos)
+                    if kind == WEIGHT and read is not None
+                    else self._read_missed(kind, miss_rows)
+                )
                 values.index_copy_(0, miss_pos, missed)
             out[kind] = values
         if victims is None:
@@ -443,8 +475,11 @@ class RowTable:
         fitted = victims.numel()
         fill = {}
         for kind in cache.kinds:  # a slot holds every kind
-            fill[kind] = (out[kind].index_select(0, miss_pos[:fitted]) if kind in out
-                          else self._read_missed(kind, miss_rows[:fitted]))
+            fill[kind] = (
+                out[kind].index_select(0, miss_pos[:fitted])
+                if kind in out
+                else self._read_missed(kind, miss_rows[:fitted])
+            )
         cache.place(miss_rows[:fitted], victims, fill, mark)
         return out, miss_pos[fitted:]
 
@@ -468,8 +503,9 @@ class RowTable:
         return out
 
     # ------------------------------------------------------------- writes
-    def write(self, rows: torch.Tensor, values: dict, uncached: torch.Tensor,
-              slots: torch.Tensor | None = None) -> None:
+    def write(
+        self, rows: torch.Tensor, values: dict, uncached: torch.Tensor, slots: torch.Tensor | None = None
+    ) -> None:
         """Make `values` {kind: [n, dim]} the table's rows `rows`: in the cache
         for the rows it holds (written to the host tables later; `slots`:
         theirs, if known), through to the host tables for the positions
@@ -484,8 +520,9 @@ class RowTable:
             cache.update(rows, values, dirty=True, slots=slots)
             if uncached.numel():
                 self.writes.through += 1
-                self.writes.to_host(rows.index_select(0, uncached),
-                                 {k: v.index_select(0, uncached) for k, v in values.items()})
+                self.writes.to_host(
+                    rows.index_select(0, uncached), {k: v.index_select(0, uncached) for k, v in values.items()}
+                )
         if WEIGHT in values:
             self._note_written(rows)
 
@@ -561,8 +598,10 @@ class RowTable:
         return self.cache.device_bytes()
 
     def __repr__(self) -> str:
-        return (f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "
-                f"{format_bytes(self.device_bytes())} on the device)")
+        return (
+            f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "
+            f"{format_bytes(self.device_bytes())} on the device)"
+        )
 
 
 def find_row_table(tables: list, table) -> RowTable:
@@ -572,8 +611,10 @@ def find_row_table(tables: list, table) -> RowTable:
             return t
     names = [t.name for t in tables]
     what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
-    raise ValueError(f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
-                     f"module, its qualified name or its weight, of a table named by wrap(..., rows=...).")
+    raise ValueError(
+        f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
+        f"module, its qualified name or its weight, of a table named by wrap(..., rows=...)."
+    )
 
 
 # ------------------------------------------------------------- choosing
@@ -589,8 +630,11 @@ def choose(model: nn.Module, spec, budget_bytes: int) -> list[tuple[str, nn.Modu
         return []
     named = list(model.named_modules())
     if spec == "auto":
-        found = [(n, m) for n, m in named
-                 if _is_table(m) and not is_wrapper(m.weight) and _nbytes(m.weight) > budget_bytes // 4]
+        found = [
+            (n, m)
+            for n, m in named
+            if _is_table(m) and not is_wrapper(m.weight) and _nbytes(m.weight) > budget_bytes // 4
+        ]
     elif isinstance(spec, (list, tuple)):
         by_name = dict(named)
         by_id = {id(m): n for n, m in named}
@@ -598,17 +642,23 @@ def choose(model: nn.Module, spec, budget_bytes: int) -> list[tuple[str, nn.Modu
         for item in spec:
             if isinstance(item, str):
                 if item not in by_name:
-                    raise ValueError(f"pager: rows= names {item!r}, which is not a submodule of the model; give "
-                                     f"qualified names from model.named_modules() (or the modules themselves).")
+                    raise ValueError(
+                        f"pager: rows= names {item!r}, which is not a submodule of the model; give "
+                        f"qualified names from model.named_modules() (or the modules themselves)."
+                    )
                 found.append((item, by_name[item]))
             elif isinstance(item, nn.Module) and id(item) in by_id:
                 found.append((by_id[id(item)], item))
             else:
-                raise ValueError(f"pager: rows= holds {item!r}, which is not a submodule of the model; pass "
-                                 f"modules taken from the model or their qualified names.")
+                raise ValueError(
+                    f"pager: rows= holds {item!r}, which is not a submodule of the model; pass "
+                    f"modules taken from the model or their qualified names."
+                )
     else:
-        raise ValueError(f"pager: rows={spec!r} must be None, \"auto\" or a list of nn.Embedding / "
-                         f"nn.EmbeddingBag modules (or their qualified names).")
+        raise ValueError(
+            f'pager: rows={spec!r} must be None, "auto" or a list of nn.Embedding / '
+            f"nn.EmbeddingBag modules (or their qualified names)."
+        )
     for name, m in found:
         _check_table(model, name, m)
     return found
@@ -619,8 +669,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _is_table(m: nn.Module) -> bool:
-    return (isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-            and type(m).forward in (nn.Embedding.forward, nn.EmbeddingBag.forward))
+    return isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and type(m).forward in (
+        nn.Embedding.forward,
+        nn.EmbeddingBag.forward,
+    )
 
 
 def _check_table(model: nn.Module, name: str, m: nn.Module) -> None:
@@ -632,18 +684,27 @@ def _check_table(model: nn.Module, name: str, m: nn.Module) -> None:
 def row_table_problem(model: nn.Module, m: nn.Module) -> str | None:
     """Why `m` cannot be paged by rows (None: it can)."""
     if not _is_table(m):
-        return (f"a {type(m).__name__}; row paging takes nn.Embedding and nn.EmbeddingBag modules whose forward "
-                f"is torch's own")
+        return (
+            f"a {type(m).__name__}; row paging takes nn.Embedding and nn.EmbeddingBag modules whose forward "
+            f"is torch's own"
+        )
     w = m.weight
     if is_wrapper(w):
-        return (f"whose weight is a quantized {type(w).__qualname__}; row tables page plain matrices. Leave it "
-                f"out of rows= (its blocks stream it whole)")
+        return (
+            f"whose weight is a quantized {type(w).__qualname__}; row tables page plain matrices. Leave it "
+            f"out of rows= (its blocks stream it whole)"
+        )
     if w.dim() != 2 or not w.is_contiguous():
-        return (f"whose weight of shape {tuple(w.shape)} is not a contiguous matrix; make it one "
-                f"(weight.data = weight.data.contiguous())")
-    holders = [n for n, other in model.named_modules() if other is not m
-               and any(t is w for t in other._parameters.values())]
+        return (
+            f"whose weight of shape {tuple(w.shape)} is not a contiguous matrix; make it one "
+            f"(weight.data = weight.data.contiguous())"
+        )
+    holders = [
+        n for n, other in model.named_modules() if other is not m and any(t is w for t in other._parameters.values())
+    ]
     if holders:
-        return (f"which shares its weight with {holders[0]!r} (tied weights); a row table is read by lookups "
-                f"only. Leave it out of rows=")
+        return (
+            f"which shares its weight with {holders[0]!r} (tied weights); a row table is read by lookups "
+            f"only. Leave it out of rows="
+        )
     return None

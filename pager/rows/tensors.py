@@ -13,8 +13,19 @@ import torch.nn.functional as F
 from ..base.guards import _METADATA, _tensors_of
 
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
-             "per_sample_weights", "include_last_offset", "padding_idx")
+_BAG_ARGS = (
+    "input",
+    "weight",
+    "offsets",
+    "max_norm",
+    "norm_type",
+    "scale_grad_by_freq",
+    "mode",
+    "sparse",
+    "per_sample_weights",
+    "include_last_offset",
+    "padding_idx",
+)
 _LOOKUPS = {F.embedding: _EMBEDDING_ARGS, F.embedding_bag: _BAG_ARGS}
 
 
@@ -93,7 +104,7 @@ class RowStateTensor(torch.Tensor):
     __torch_function__ = classmethod(_state_function)
 
     @staticmethod
-    def of(host: torch.Tensor, table) -> "RowStateTensor":
+    def of(host: torch.Tensor, table) -> RowStateTensor:
         t = host.as_subclass(RowStateTensor)
         t._row_table = table
         return t
@@ -115,8 +126,8 @@ class RowGrad(torch.Tensor):
     @staticmethod
     def __new__(cls, table):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, table.shape, dtype=table.dtype, device=table.host.device, layout=torch.sparse_coo,
-            requires_grad=False)
+            cls, table.shape, dtype=table.dtype, device=table.host.device, layout=torch.sparse_coo, requires_grad=False
+        )
         t.table = table
         # sparse=True tables: the first backward's gradient as it came, over
         # its lookup's rows (`first`: rows, sparse gradient numbered as they
@@ -154,7 +165,8 @@ class RowGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(
             f"pager: {func} reached a row table's gradient below Python (from C++); read it from Python "
-            f"(weight.grad), which gives the real sparse gradient.")
+            f"(weight.grad), which gives the real sparse gradient."
+        )
 
     def add(self, rows: torch.Tensor, grad: torch.Tensor, every_row: bool) -> None:
         """Accumulate the gradient `grad` of the batch rows `rows` (a lookup's,
@@ -229,8 +241,9 @@ class RowGrad(torch.Tensor):
                 rows, g = _join_pieces(self.pieces, self.shape[1])
                 made = torch.sparse_coo_tensor(rows[None].cpu(), g.cpu(), self.shape)
             else:
-                made = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
-                                               torch.zeros(0, self.shape[1], dtype=self.dtype), self.shape)
+                made = torch.sparse_coo_tensor(
+                    torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, self.shape[1], dtype=self.dtype), self.shape
+                )
             self.made, self.first, self.acc, self.pieces = made, None, None, []
             if table.param.grad is self:
                 table.param.grad = made
@@ -260,8 +273,13 @@ def host_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     raw = host.view(torch.uint8)
 
     class _Interface:  # what torch.as_tensor reads a foreign device buffer from
-        __cuda_array_interface__ = {"shape": tuple(raw.shape), "strides": None, "version": 3,
-                                    "data": (raw.data_ptr(), False), "typestr": "|u1"}
+        __cuda_array_interface__ = {
+            "shape": tuple(raw.shape),
+            "strides": None,
+            "version": 3,
+            "data": (raw.data_ptr(), False),
+            "typestr": "|u1",
+        }
 
     return torch.as_tensor(_Interface(), device=device).view(host.dtype)
 

@@ -54,8 +54,11 @@ def host_alias(host: torch.Tensor) -> torch.Tensor:
     counter, its rows seen as the widest integers that divide them (the CPU's
     `index_copy_` costs per element: a 512-byte row is 64 of them, not 128)."""
     row_bytes, at = host.shape[1] * host.element_size(), host.storage_offset() * host.element_size()
-    dtype = next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                 if row_bytes % t.itemsize == 0 and at % t.itemsize == 0)
+    dtype = next(
+        t
+        for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
+        if row_bytes % t.itemsize == 0 and at % t.itemsize == 0
+    )
     alias = torch.empty(0, dtype=dtype)
     return alias.set_(host.untyped_storage(), at // dtype.itemsize, (host.shape[0], row_bytes // dtype.itemsize))
 
@@ -131,7 +134,7 @@ class HostRowWriter:
     def _release(self, buffers: list) -> None:
         # (the thread's stores from them are done: the copy into them landed before)
         with self._free_lock:
-            self._free = (self._free + buffers)[-self.FREE_KEPT:]
+            self._free = (self._free + buffers)[-self.FREE_KEPT :]
 
     def close(self) -> None:
         """Finish the writes queued and stop the thread."""

@@ -28,7 +28,6 @@ class WriteBack(NamedTuple):
     generation: int  # its number: the mark of its rows in the cache's map
 
 
-
 class HostWrites:
     """The writes of one row table to its host tables, and those still in flight.
 
@@ -43,8 +42,7 @@ class HostWrites:
         self.through = 0  # writes of rows through to the host tables (`RowTable.write`), counted
         self.unsettled = False  # writes to the host tables queued on the device, not yet waited for
 
-    def to_host(self, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None,
-                    aside: bool = False) -> None:
+    def to_host(self, rows: torch.Tensor, values: dict, keep: torch.Tensor | None = None, aside: bool = False) -> None:
         """Write `values` {kind: [n, dim]} of `rows` (where `keep`, if given)
         to the host tables: on the compute stream, or `aside` by the writer
         (copied out, then stored by a CPU thread) while compute runs on."""

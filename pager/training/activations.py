@@ -122,7 +122,7 @@ POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
 OFFLOAD_VIEWS_KEPT = "offload, views kept"
 TRIALS = (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
 AUTO_WARMUP_PASSES = 2  # training passes (forward and backward) before trying: cold start, optimizer state
-AUTO_TRIAL_PASSES = 2   # passes timed under each policy; the one with the faster best pass stays
+AUTO_TRIAL_PASSES = 2  # passes timed under each policy; the one with the faster best pass stays
 
 log = logging.getLogger("pager")
 
@@ -304,10 +304,10 @@ class Activations:
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
         self.asked = policy  # (what the user said, for errors)
         self.kept: set = set()  # "auto": blocks whose activations stay this pass
-        self.kept_bytes = 0     # ... what their last forwards saved
+        self.kept_bytes = 0  # ... what their last forwards saved
         self._kept_all = False  # ... and that is every block of the last forward
         self.saved_bytes: dict = {}  # block -> what its forwards saved in the last training pass
-        self._saving: dict = {}      # ... in the pass under way
+        self._saving: dict = {}  # ... in the pass under way
         self._compiled_whole = False  # a block ran under torch.compile of the whole model ("auto": all keep)
         self._choosing = policy == AUTO
         self._passes = 0  # training passes started
@@ -319,7 +319,7 @@ class Activations:
 
     @property
     def choosing(self) -> bool:
-        """"auto" has not chosen yet: its trial passes run under either policy."""
+        """ "auto" has not chosen yet: its trial passes run under either policy."""
         return self._choosing
 
     @property
@@ -402,10 +402,15 @@ class Activations:
             self._set_policy(min(held, key=best.get))
             self.stats.activations_policy = self.public_policy
             self._choosing = False
-            log.info("pager: activations=\"auto\" chose %r for the blocks that do not keep theirs (a training pass "
-                     "took %.1f ms with activations offloaded, %.1f ms with their views kept, %.1f ms recomputed%s)",
-                     self.policy, 1e3 * best[OFFLOAD], 1e3 * best[OFFLOAD_VIEWS_KEPT], 1e3 * best[RECOMPUTE],
-                     "".join(f"; {p} held more than the budget" for p in best if self._over[p]))
+            log.info(
+                'pager: activations="auto" chose %r for the blocks that do not keep theirs (a training pass '
+                "took %.1f ms with activations offloaded, %.1f ms with their views kept, %.1f ms recomputed%s)",
+                self.policy,
+                1e3 * best[OFFLOAD],
+                1e3 * best[OFFLOAD_VIEWS_KEPT],
+                1e3 * best[RECOMPUTE],
+                "".join(f"; {p} held more than the budget" for p in best if self._over[p]),
+            )
 
     def _set_policy(self, policy: str) -> None:
         self.policy = policy
@@ -431,10 +436,12 @@ class Activations:
         if block.under_compile and getattr(block.module, "_compiled_call_impl", None) is None:
             if self.asked == AUTO:
                 self._compiled_whole = True
-                log.warning("pager: the model runs under torch.compile of the whole model, where activations can be "
-                            "neither offloaded nor recomputed: activations=\"auto\" keeps them all on the device, "
-                            "within the budget (blocks get less room). Compile the blocks themselves "
-                            "(`module.compile()` on each) to let it offload or recompute them.")
+                log.warning(
+                    "pager: the model runs under torch.compile of the whole model, where activations can be "
+                    'neither offloaded nor recomputed: activations="auto" keeps them all on the device, '
+                    "within the budget (blocks get less room). Compile the blocks themselves "
+                    "(`module.compile()` on each) to let it offload or recompute them."
+                )
                 return None, None
             raise RuntimeError(
                 f"pager: block {block.name!r} runs compiled by torch.compile of the whole model, with its "
@@ -442,7 +449,8 @@ class Activations:
                 f"{self.asked!r}): pager's saved-tensor hooks are not for graphs compiled that way (a "
                 "recomputation, in the backward, would not run compiled). Compile the blocks themselves "
                 "instead (`module.compile()` on each, before or after wrap), or keep activations "
-                "(activations=\"keep\"); see [Note: pager under torch.compile] in model/hooks.py.")
+                '(activations="keep"); see [Note: pager under torch.compile] in model/hooks.py.'
+            )
         if self.policy == RECOMPUTE:
             return None, Recompute(block, args, kwargs, self.stats, self.ledger)
         return self.offload, None
@@ -469,17 +477,28 @@ class Sent:
     """An activation on the host, as the graph holds it (see the Note); one
     for every save of the same tensor in a block's forward."""
 
-    __slots__ = ("offload", "host", "written_event", "device", "ready_event", "saves", "left", "handed",
-                 "outgoing", "reused", "__weakref__")
+    __slots__ = (
+        "offload",
+        "host",
+        "written_event",
+        "device",
+        "ready_event",
+        "saves",
+        "left",
+        "handed",
+        "outgoing",
+        "reused",
+        "__weakref__",
+    )
 
     def __init__(self, offload, host, written_event):
         self.offload, self.host, self.written_event = offload, host, written_event
-        self.device = None       # brought back ahead of the backward, not yet asked for
+        self.device = None  # brought back ahead of the backward, not yet asked for
         self.ready_event = None  # `device` holds the bytes (h2d), or its copy out has read them (`reused`)
-        self.outgoing = None     # the device tensor's `_Outgoing` while it is held for its copy out
-        self.reused = False      # `device` is the forward's own tensor, not a copy
+        self.outgoing = None  # the device tensor's `_Outgoing` while it is held for its copy out
+        self.reused = False  # `device` is the forward's own tensor, not a copy
         self.saves = self.left = 1  # saves that hold it; of those, unpacks still to come in this backward
-        self.handed = None       # the device copy given to autograd, while other saves will ask for it
+        self.handed = None  # the device copy given to autograd, while other saves will ask for it
 
     def unpack(self):
         return self.offload.bring(self)
@@ -517,8 +536,7 @@ class ActivationOffload:
             order) whose activations stay on the device.
     """
 
-    def __init__(self, transport, stats, ledger, min_bytes: int = OFFLOAD_MIN_BYTES,
-                 keep_last: int = KEEP_LAST_BLOCKS):
+    def __init__(self, transport, stats, ledger, min_bytes: int = OFFLOAD_MIN_BYTES, keep_last: int = KEEP_LAST_BLOCKS):
         self.transport = transport
         self.stats = stats
         self.ledger = ledger
@@ -527,7 +545,7 @@ class ActivationOffload:
         self.views = True  # saved views that are not contiguous but dense leave too ("auto" may keep them)
         self.bring_ahead = BRING_AHEAD_BLOCKS
         self._order: list = []  # blocks in the order this forward reached them
-        self.order: list = []   # ... the last forward did
+        self.order: list = []  # ... the last forward did
         self._stay: set = set()  # blocks whose activations stay (the last ones of the previous forward)
         self._lock = threading.Lock()  # unpack runs on autograd's threads
         self._groups: list = []  # [block, [weakref to Sent], bytes] per forward of a block, in forward order
@@ -543,7 +561,7 @@ class ActivationOffload:
             # The last blocks' activations are the backward's first need:
             # sending them out and straight back would only cost link time.
             self.order = self._order or self.order
-            self._stay = set(self.order[-self.keep_last:]) if self.keep_last else set()
+            self._stay = set(self.order[-self.keep_last :]) if self.keep_last else set()
             self._order = []
             self.ledger.sending = True
         elif not self._order or self._order[-1] is not block:
@@ -555,9 +573,13 @@ class ActivationOffload:
         return block in self._stay
 
     def wants(self, t) -> bool:
-        return (self._forward_block not in self._stay and t.device == self.transport.device
-                and t.layout == torch.strided and (t.is_contiguous() or self.views and _dense(t))
-                and _nbytes(t) >= self.min_bytes)
+        return (
+            self._forward_block not in self._stay
+            and t.device == self.transport.device
+            and t.layout == torch.strided
+            and (t.is_contiguous() or self.views and _dense(t))
+            and _nbytes(t) >= self.min_bytes
+        )
 
     def send(self, t) -> Sent:
         again = self._sent_already(t)
@@ -599,8 +621,11 @@ class ActivationOffload:
                 return None
             entry = self._by_view.get(_view_key(t))
             # The storage object itself (not its address, which a new tensor may reuse) and its version.
-            sent = entry[2]() if entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version \
+            sent = (
+                entry[2]()
+                if entry is not None and entry[0]() is t.untyped_storage() and entry[1] == t._version
                 else None
+            )
             if sent is not None:
                 sent.saves += 1
                 sent.left += 1
@@ -663,9 +688,12 @@ class ActivationOffload:
             if i is None:
                 self._settle()
                 return
-            coming = [sent for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0): i + 1]
-                      for sent in (ref() for ref in refs)
-                      if sent is not None and sent.device is None and sent.handed is None]
+            coming = [
+                sent
+                for _block, refs, _nbytes_ in self._groups[max(i - self.bring_ahead, 0) : i + 1]
+                for sent in (ref() for ref in refs)
+                if sent is not None and sent.device is None and sent.handed is None
+            ]
             for sent in coming:  # (before `_settle` lets them go: used where they are)
                 if sent.outgoing is not None:
                     self._start_bringing(sent)
@@ -674,7 +702,7 @@ class ActivationOffload:
                 if sent.device is None:
                     self._start_bringing(sent)
             # Done with; so is the one before, if it is of ops before the first block.
-            del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i: i + 1]
+            del self._groups[i - 1 if i and self._groups[i - 1][0] is None else i : i + 1]
 
     def _start_bringing(self, sent: Sent) -> None:
         """`sent` to the device: the forward's own tensor if it is still there
@@ -731,18 +759,24 @@ class Recompute:
         flat, self.spec = tree_flatten((args, kwargs))
         with unguarded():
             self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
-            self.held = [ledger.hold(x.tensor) for x in self.inputs
-                         if isinstance(x, _Input) and entry_of(x.tensor) is None and x.tensor.device == ledger.device]
+            self.held = [
+                ledger.hold(x.tensor)
+                for x in self.inputs
+                if isinstance(x, _Input) and entry_of(x.tensor) is None and x.tensor.device == ledger.device
+            ]
         self.devices = sorted({t.device.index or 0 for t in flat if isinstance(t, torch.Tensor) and t.is_cuda})
         self.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
-        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-                         for kind in ("cpu", "cuda") if kind == "cpu" or self.devices]
+        self.autocast = [
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in ("cpu", "cuda")
+            if kind == "cpu" or self.devices
+        ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.holders: list = []  # weakref to each Dropped, in the order the forward saved them
         self.dropped_bytes = 0  # what they held
         self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
-        self.values: dict = {}   # index -> recomputed tensor, until handed out
+        self.values: dict = {}  # index -> recomputed tensor, until handed out
         self.lock = threading.Lock()  # unpack runs on autograd's threads
         with unguarded():  # ([Note: buffers a forward changes])
             self.buffers = [(b, b._version) for b in block.module.buffers()] if block.module is not None else []
@@ -774,8 +808,9 @@ class Recompute:
     def _run(self) -> None:
         """Run the block's forward again, keeping what it saves for the
         `Dropped` still alive (and not yet handed out)."""
-        args, kwargs = tree_unflatten([x.get(self.block) if isinstance(x, _Input) else x for x in self.inputs],
-                                      self.spec)
+        args, kwargs = tree_unflatten(
+            [x.get(self.block) if isinstance(x, _Input) else x for x in self.inputs], self.spec
+        )
         rng_now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
         _set_rng(self.rng, self.devices)
         stats = self._stats() if self.buffers else set()
@@ -801,16 +836,22 @@ class Recompute:
         if missing:
             raise RuntimeError(
                 f"pager: block {self.block.name!r} saved {len(self.holders)} tensors for its backward in its "
-                f"forward but fewer when run again (activations=\"recompute\"): its forward must save the same "
+                f'forward but fewer when run again (activations="recompute"): its forward must save the same '
                 "tensors each time it runs (no control flow on values or on global state that changes); use "
-                "activations=\"offload\" or \"keep\" for this model.")
+                'activations="offload" or "keep" for this model.'
+            )
         self.stats.recomputes += 1
 
     def _stats(self) -> set:
         """ids of the block's running statistics (BatchNorm's, InstanceNorm's):
         their kernel updates them without moving their version."""
-        return {id(b) for m in self.block.module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                for b in (m.running_mean, m.running_var) if b is not None}
+        return {
+            id(b)
+            for m in self.block.module.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+            for b in (m.running_mean, m.running_var)
+            if b is not None
+        }
 
     def keep(self, i: int, t) -> None:
         """The recomputation saved `t` as its `i`-th tensor."""
@@ -821,8 +862,9 @@ class Recompute:
             raise RuntimeError(
                 f"pager: block {self.block.name!r} saved a tensor of shape {list(ref.shape)} and {ref.dtype} as its "
                 f"#{i} for its backward in its forward, but {list(t.shape)} and {t.dtype} when run again "
-                "(activations=\"recompute\"): its forward must save the same tensors each time it runs; use "
-                "activations=\"offload\" or \"keep\" for this model.")
+                '(activations="recompute"): its forward must save the same tensors each time it runs; use '
+                'activations="offload" or "keep" for this model.'
+            )
         self.values[i] = t
         self.ledger.add(_nbytes(t))
         self.stats.activations_recomputed_bytes += _nbytes(t)
@@ -842,8 +884,9 @@ class _Input:
         if self.tensor._version != self.version:
             raise RuntimeError(
                 f"pager: an input of block {block.name!r} of shape {list(self.tensor.shape)} was changed in place "
-                "after its forward, and the block's activations are recomputed from it (activations=\"recompute\"): "
-                "change a copy (`.clone()`) instead, or use activations=\"offload\" or \"keep\".")
+                'after its forward, and the block\'s activations are recomputed from it (activations="recompute"): '
+                'change a copy (`.clone()`) instead, or use activations="offload" or "keep".'
+            )
         if entry_of(self.tensor) is not None:
             return self.tensor
         return self.tensor.detach().requires_grad_(self.requires_grad)

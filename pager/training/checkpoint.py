@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..base import guards, wrappers
 from ..base.block import Block
 from ..base.common import WEIGHTS
-from ..base import guards, wrappers
 from .grads import PagedOutGrad, replay
 
 
@@ -35,10 +35,15 @@ class StateDicts:
     def install(self) -> list:
         """Install the hooks; returns their handles."""
         pager, model = self.pager, self.pager.model
-        index = {id(t): (seg, i) for block in pager.all_blocks() for seg in block.weight_segments
-                 for i, t in enumerate(seg.tensors)}
-        index.update((id(w), (seg, w)) for block in pager.all_blocks() for seg in block.weight_segments
-                     for w in seg.wrappers)  # (a quantized weight: rebuilt from its inner tensors' entries)
+        index = {
+            id(t): (seg, i)
+            for block in pager.all_blocks()
+            for seg in block.weight_segments
+            for i, t in enumerate(seg.tensors)
+        }
+        index.update(
+            (id(w), (seg, w)) for block in pager.all_blocks() for seg in block.weight_segments for w in seg.wrappers
+        )  # (a quantized weight: rebuilt from its inner tensors' entries)
         named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         self._names = {n: index[id(t)] for n, t in named if id(t) in index}
         post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
@@ -97,8 +102,9 @@ def _host_copy(seg, views: list, i) -> torch.Tensor:
     if isinstance(i, int):
         return views[i].detach().to("cpu", copy=True)
     at = {id(t): k for k, t in enumerate(seg.tensors)}
-    return wrappers.copy_on(i, {n: views[at[id(inner)]] for n, inner in wrappers.inner_tensors(i)}, "cpu",
-                            guards.unguarded_class(i))
+    return wrappers.copy_on(
+        i, {n: views[at[id(inner)]] for n, inner in wrappers.inner_tensors(i)}, "cpu", guards.unguarded_class(i)
+    )
 
 
 def _restore(t: torch.Tensor, device: torch.device) -> torch.Tensor:

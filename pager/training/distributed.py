@@ -67,11 +67,15 @@ def resolve_group(process_group):
             return dist.group.WORLD
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("pager: process_group= was given but torch.distributed is not initialized; call "
-                         "torch.distributed.init_process_group(...) first (torchrun sets up its environment).")
+        raise ValueError(
+            "pager: process_group= was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up its environment)."
+        )
     if not isinstance(process_group, dist.ProcessGroup):
-        raise ValueError(f"pager: process_group={process_group!r} must be a torch.distributed.ProcessGroup "
-                         "(e.g. torch.distributed.group.WORLD or one from new_group), None or False.")
+        raise ValueError(
+            f"pager: process_group={process_group!r} must be a torch.distributed.ProcessGroup "
+            "(e.g. torch.distributed.group.WORLD or one from new_group), None or False."
+        )
     return process_group
 
 
@@ -97,36 +101,59 @@ def control_group(group, timeout_seconds: float):
     group's ranks."""
     if control_on_cpu(group):
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                          timeout=timedelta(seconds=timeout_seconds), use_local_synchronization=True)
+    return dist.new_group(
+        dist.get_process_group_ranks(group),
+        backend="gloo",
+        timeout=timedelta(seconds=timeout_seconds),
+        use_local_synchronization=True,
+    )
 
 
 def check_same_model(model: torch.nn.Module, group, timeout_seconds: float, device) -> None:
     """Every rank must wrap the same model (names, shapes, dtypes): else the
     ranks would reduce buffers that do not match. Raises naming the ranks."""
-    text = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}"
-                    for name, t in chain(model.named_parameters(), model.named_buffers()))
-    _check_equal_across(group, text, timeout_seconds, device,
-                        "the models' parameters and buffers (names, shapes, dtypes, requires_grad) differ",
-                        "build the same model on every rank before wrapping it, or pass process_group=False "
-                        "if the ranks are not to average gradients (model parallel)")
+    text = ";".join(
+        f"{name}:{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}"
+        for name, t in chain(model.named_parameters(), model.named_buffers())
+    )
+    _check_equal_across(
+        group,
+        text,
+        timeout_seconds,
+        device,
+        "the models' parameters and buffers (names, shapes, dtypes, requires_grad) differ",
+        "build the same model on every rank before wrapping it, or pass process_group=False "
+        "if the ranks are not to average gradients (model parallel)",
+    )
 
 
 def check_same_blocks(pager, group, timeout_seconds: float) -> None:
     text = "|".join(b.name for b in pager.all_blocks())
-    _check_equal_across(group, text, timeout_seconds, pager.device, "the blocks differ (discovery depends on the "
-                        "budget)", "give every rank the same budget (not \"auto\"), or the same blocks=")
+    _check_equal_across(
+        group,
+        text,
+        timeout_seconds,
+        pager.device,
+        "the blocks differ (discovery depends on the budget)",
+        'give every rank the same budget (not "auto"), or the same blocks=',
+    )
 
 
 def _check_equal_across(group, text: str, timeout_seconds: float, device, what: str, fix: str) -> None:
     """Compare a digest of `text` across the ranks (waiting at most
     `timeout_seconds` for them: a rank that failed in its own wrap)."""
-    digests = _gather_texts(group, hashlib.sha256(text.encode()).hexdigest(), timeout_seconds, device,
-                            "wrap: comparing the models of the ranks")
+    digests = _gather_texts(
+        group,
+        hashlib.sha256(text.encode()).hexdigest(),
+        timeout_seconds,
+        device,
+        "wrap: comparing the models of the ranks",
+    )
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
-        raise ValueError(f"pager: data parallel over {len(digests)} ranks: {what} between rank 0 and rank(s) "
-                         f"{differ}; {fix}.")
+        raise ValueError(
+            f"pager: data parallel over {len(digests)} ranks: {what} between rank 0 and rank(s) {differ}; {fix}."
+        )
 
 
 def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, timeout_seconds: float) -> None:
@@ -142,8 +169,12 @@ def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, ti
                 continue
             seen.add(id(t))
             staged = t.data if cpu or t.device.type != "cpu" else t.data.to(device)  # (NCCL: through the device)
-            wait_for(dist.broadcast(staged, src, group=group, async_op=True), f"wrap: broadcasting {name!r}",
-                     group, timeout_seconds)
+            wait_for(
+                dist.broadcast(staged, src, group=group, async_op=True),
+                f"wrap: broadcasting {name!r}",
+                group,
+                timeout_seconds,
+            )
             if staged is not t.data:
                 t.data.copy_(staged)
 
@@ -166,8 +197,9 @@ def share_host_pages(pager, group, timeout_seconds: float) -> None:
     weights once per node; training holds each changed block per rank, as
     without sharing, unless each block has one writer per node ([Note:
     block owners] in training/owners.py)."""
-    with node_file(group, timeout_seconds, pager.device, "share_host_pages=True", "the node's shared host pages") \
-            as path:
+    with node_file(
+        group, timeout_seconds, pager.device, "share_host_pages=True", "the node's shared host pages"
+    ) as path:
         pager.engine.host.share(pager, path)
 
 
@@ -181,8 +213,10 @@ def node_file(group, timeout_seconds: float, device, option: str, what: str):
     first = node_ranks(group, timeout_seconds, device)[0]  # the node's first rank names the file
     folder = "/dev/shm"
     if not os.path.isdir(folder):
-        raise ValueError(f"pager: {option} needs {folder} (shared memory, Linux); it is not here. "
-                         f"Wrap without {option.split('=')[0]}.")
+        raise ValueError(
+            f"pager: {option} needs {folder} (shared memory, Linux); it is not here. "
+            f"Wrap without {option.split('=')[0]}."
+        )
     name = f"pager-{uuid.uuid4().hex}" if rank == first else ""
     names = _gather_texts(group, name, timeout_seconds, device, f"wrap: naming {what}")
     path = os.path.join(folder, names[first])
@@ -240,12 +274,12 @@ class Reducer:
         self.control_group = control_group(group, timeout_seconds)
         self.cuda = pager.transport.is_cuda
         self.comm_stream = torch.cuda.Stream(pager.device) if self.cuda else None
-        self.sync_next = True    # False inside no_sync(): the next forwards' backward does not reduce
-        self.step_syncs = True   # what the last forward saw
-        self.uses: dict = {}     # block -> forward uses with grad since the last backward
-        self.ended: dict = {}    # block -> backward ends in this pass
+        self.sync_next = True  # False inside no_sync(): the next forwards' backward does not reduce
+        self.step_syncs = True  # what the last forward saw
+        self.uses: dict = {}  # block -> forward uses with grad since the last backward
+        self.ended: dict = {}  # block -> backward ends in this pass
         self.order: list | None = None  # the blocks to reduce in this pass, in order (None: no reduction)
-        self.next = 0            # the first of them not reduced yet
+        self.next = 0  # the first of them not reduced yet
         self.used_here: set = set()
         self.had_grad: dict = {}  # id(param) -> it had a gradient here when its block was reduced
 
@@ -307,8 +341,11 @@ class Reducer:
             return
         try:
             if not finished:
-                log.warning("pager: rank %d: a backward did not finish; its gradients were not averaged "
-                            "(the other ranks wait for this rank's reductions until they time out).", self.rank)
+                log.warning(
+                    "pager: rank %d: a backward did not finish; its gradients were not averaged "
+                    "(the other ranks wait for this rank's reductions until they time out).",
+                    self.rank,
+                )
                 return
             while self.next < len(order):
                 self._reduce(order[self.next])

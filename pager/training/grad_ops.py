@@ -45,10 +45,13 @@ class GradOps:
             return NotImplemented
         # The other tensors (resident gradients, guarded while idle) run for
         # real, their blocks pinned for it.
-        others = guards.owners_of([t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)])
+        others = guards.owners_of(
+            [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)]
+        )
         pager = self.pager
         if set(others) - {pager} or any(
-                block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(pager, {}).items()):
+            block.deferred_steps or block.missing_bytes(kinds) for block, kinds in others.get(pager, {}).items()
+        ):
             return NotImplemented  # they would not all fit at once: served one block at a time
         with pager.lock:
             if any(g.segment.params[g.index].grad is not g for g in grads):

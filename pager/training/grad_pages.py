@@ -84,8 +84,13 @@ class GradPages:
         with guards.unguarded():  # (reading .grad of idle blocks' parameters: no guard to pass)
             for block in [b for b in pager.engine.resident if b.owner is pager]:
                 seg = block.segments.get("grads")
-                if (seg is not None and seg.resident and block.pins == block.resident_for_life  # (not in use)
-                        and not block.deferred_steps and all(p.grad is None for p in seg.params)):
+                if (
+                    seg is not None
+                    and seg.resident
+                    and block.pins == block.resident_for_life  # (not in use)
+                    and not block.deferred_steps
+                    and all(p.grad is None for p in seg.params)
+                ):
                     pager.engine.drop(block, seg)
                     seg.dropped = True
                     self.dropped_bytes += seg.nbytes
@@ -197,16 +202,20 @@ class GradPages:
 
 def _outside(seg: Segment) -> bool:
     """Some gradient of `seg` is a tensor of autograd's, not in its page."""
-    return any(p.grad is not None and not isinstance(p.grad, PagedOutGrad) and p.grad is not t
-               for p, t in zip(seg.params, seg.tensors))
+    return any(
+        p.grad is not None and not isinstance(p.grad, PagedOutGrad) and p.grad is not t
+        for p, t in zip(seg.params, seg.tensors)
+    )
 
 
 def unfrozen_message(block, param) -> str:
     """The error for a gradient of a parameter that did not require grad when
     its block's gradient page was laid out (at the block's first backward)."""
     name = next((n for n, p in zip(block.param_names, block.params) if p is param), "?")
-    return (f"pager: {name!r} (block {block.name!r}) has a gradient, but it did not require grad when the "
-            f"block's gradient page was laid out, at its first backward; the page has no room for it. To change "
-            f"which parameters train after training started, unwrap and wrap again: pager.unwrap(model), set "
-            f"requires_grad, then pager.wrap(model, ...) (the optimizer keeps its state; it is attached again at "
-            f"its next step). Parameters unfrozen before their block's first backward need nothing.")
+    return (
+        f"pager: {name!r} (block {block.name!r}) has a gradient, but it did not require grad when the "
+        f"block's gradient page was laid out, at its first backward; the page has no room for it. To change "
+        f"which parameters train after training started, unwrap and wrap again: pager.unwrap(model), set "
+        f"requires_grad, then pager.wrap(model, ...) (the optimizer keeps its state; it is attached again at "
+        f"its next step). Parameters unfrozen before their block's first backward need nothing."
+    )

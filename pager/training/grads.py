@@ -60,8 +60,9 @@ class PagedOutGrad(torch.Tensor):
         t.param_name, t.pager, t.block, t.segment, t.index = name, pager, block, segment, index
         return t
 
-    __torch_function__ = classmethod(outside_compile(lambda cls, func, types, args=(), kwargs=None:
-                                                     handle(func, args, kwargs or {})))  # (never traced)
+    __torch_function__ = classmethod(
+        outside_compile(lambda cls, func, types, args=(), kwargs=None: handle(func, args, kwargs or {}))
+    )  # (never traced)
 
     def record(self, op) -> None:
         """Record zeroing or scaling of this gradient, replayed when it returns."""

@@ -26,7 +26,7 @@ class AfterCopy:
     def landed(self) -> bool:
         return self.event is None or self.event.query()
 
-    def run(self) -> "AfterCopy":
+    def run(self) -> AfterCopy:
         self.fn()
         return self
 
@@ -34,13 +34,12 @@ class AfterCopy:
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict,
-                 one_pass: bool = False):
-        self.step = step        # the optimizer class's undecorated step
-        self.shadow = shadow    # its groups and state over the host pages
+    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict, one_pass: bool = False):
+        self.step = step  # the optimizer class's undecorated step
+        self.shadow = shadow  # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
-        self.scales = scales    # (host view of a gradient, [(op, host factor)]) to apply first
-        self.after = after      # CUDA events: pages written back, factors copied
+        self.scales = scales  # (host view of a gradient, [(op, host factor)]) to apply first
+        self.after = after  # CUDA events: pages written back, factors copied
         self.rounded = rounded  # id of a master -> (gradient, weight) ([Note: master weights] in training/masters.py)
         self.one_pass = one_pass  # masters' updates in one pass where it can ([Note: a master's update in one pass])
         self.seconds = 0.0
@@ -50,7 +49,7 @@ class HostJob:
         """The pages' write-backs (and the factors' copies) have landed in host memory."""
         return all(event.query() for event in self.after)
 
-    def run(self) -> "HostJob":
+    def run(self) -> HostJob:
         for event in self.after:
             event.synchronize()  # (a guard: the worker runs only jobs that have landed)
         start = time.perf_counter()
@@ -75,7 +74,8 @@ class HostJob:
                     raise RuntimeError(
                         f"pager: the optimizer made new state {key!r} for {name!r} in an update on the host (an "
                         f"option that adds state, such as amsgrad or momentum, turned on after the first step?); "
-                        f"its page has no room for it. Wrap with optimizer_step=\"device\" for such changes.")
+                        f'its page has no room for it. Wrap with optimizer_step="device" for such changes.'
+                    )
                 if value is not before[key]:
                     if key in page:
                         with torch.no_grad():
@@ -114,17 +114,32 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
             own = masters.without_master(optimizer.state.get(p) or {})
             if own:
                 shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}
-                entries.append((p.grad.param_name, optimizer.state[p], shadow_state[stand_in],
-                                {k for k in own if (id(p), k) in state_host}))
+                entries.append(
+                    (
+                        p.grad.param_name,
+                        optimizer.state[p],
+                        shadow_state[stand_in],
+                        {k for k in own if (id(p), k) in state_host},
+                    )
+                )
             stand_ins.append(stand_in)
         groups.append({**g, **opts, **override, "params": stand_ins})
-    scales = [(grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
-              for i, ops in grads.pending.items()]
+    scales = [
+        (grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
+        for i, ops in grads.pending.items()
+    ]
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
-    return HostJob(link.raw_step, shadow_of(optimizer, groups, shadow_state), entries, scales,
-                   writeback_events(block) + after, rounded, one_pass=fused and master_pass.takes(optimizer))
+    return HostJob(
+        link.raw_step,
+        shadow_of(optimizer, groups, shadow_state),
+        entries,
+        scales,
+        writeback_events(block) + after,
+        rounded,
+        one_pass=fused and master_pass.takes(optimizer),
+    )
 
 
 def host_factor(factor, cache: dict, transport, after: list):
@@ -148,5 +163,8 @@ def host_factor(factor, cache: dict, transport, after: list):
 
 def writeback_events(block) -> list:
     """Events of write-backs of `block`'s pages that may still be running."""
-    return [seg.writeback_event for seg in block.segments.values()
-            if seg.state is PageState.WRITING_BACK and seg.writeback_event is not None]
+    return [
+        seg.writeback_event
+        for seg in block.segments.values()
+        if seg.state is PageState.WRITING_BACK and seg.writeback_event is not None
+    ]

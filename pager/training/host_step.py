@@ -240,8 +240,11 @@ class HostSteps:
         if "state" not in block.segments and not stateless:
             return False  # its first update (on the device) makes its state and lays it out in a page
         # (a block this rank owns has its shared page marked its own: [Note: block owners])
-        return not any(seg.encoded is not None or seg.shared or seg.cache is not None
-                       for kind, seg in block.segments.items() if kind != "frozen")
+        return not any(
+            seg.encoded is not None or seg.shared or seg.cache is not None
+            for kind, seg in block.segments.items()
+            if kind != "frozen"
+        )
 
     def optimizer_can(self, link) -> bool:
         """Whether `link`'s optimizer's updates may run on the host (see the Note)."""
@@ -263,9 +266,17 @@ class HostSteps:
         if self.mode == "host":
             self._send_down(able)
         else:  # (a block whose state is on the device updates there: nothing to move for it; nor do kept ones leave)
-            kept, traded = self.pager.scheduler.kept, set(self.state_room.traded(able))  # ([Note: the state off the device])
-            self._send_down([b for b in able if b in traded or "state" in b.segments
-                             and not b.segments["state"].resident and b not in kept])
+            kept, traded = (
+                self.pager.scheduler.kept,
+                set(self.state_room.traded(able)),
+            )  # ([Note: the state off the device])
+            self._send_down(
+                [
+                    b
+                    for b in able
+                    if b in traded or "state" in b.segments and not b.segments["state"].resident and b not in kept
+                ]
+            )
         able = [b for b in able if link.gradients_on_host(b) and self._pages_on_host(b)]
         able.sort(key=lambda b: b.index)  # (the next forward's order, as the model's)
         host = {id(b) for b in self.choose(able)} if able else set()
@@ -377,7 +388,8 @@ class HostSteps:
         if error is not None:
             raise RuntimeError(
                 f"pager: the optimizer's update of block {block.name!r} on the host raised (its weights and "
-                f"state may be partly updated, as after a step that raised): {error!r}") from error
+                f"state may be partly updated, as after a step that raised): {error!r}"
+            ) from error
 
     def _measured(self, future: Future) -> None:
         # (on the worker thread)
@@ -415,8 +427,11 @@ class HostSteps:
         update must be the optimizer's own, bit for bit), for the classes
         that have one, where this torch has it (tried once)."""
         cls = type(optimizer)
-        if not self.pager.transport.is_cuda or cls.__module__.split(".")[:2] != ["torch", "optim"] \
-                or cls.__name__ not in FUSED_ON_HOST:
+        if (
+            not self.pager.transport.is_cuda
+            or cls.__module__.split(".")[:2] != ["torch", "optim"]
+            or cls.__name__ not in FUSED_ON_HOST
+        ):
             return False
         if cls not in self._fused:
             p = torch.nn.Parameter(torch.zeros(2))

@@ -95,9 +95,17 @@ def coefficients(group: dict, step: float, decoupled: bool) -> list:
     kernel does."""
     lr, (beta1, beta2) = float(group["lr"]), map(float, group["betas"])
     decay = float(group.get("weight_decay", 0.0))
-    return [lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, 1 - lr * decay if decoupled else 1.0,
-            0.0 if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),
-            -1.0 if group.get("maximize") else 1.0]
+    return [
+        lr / (1 - beta1**step),
+        (1 - beta2**step) ** 0.5,
+        1 - lr * decay if decoupled else 1.0,
+        0.0 if decoupled else decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        float(group["eps"]),
+        -1.0 if group.get("maximize") else 1.0,
+    ]
 
 
 class OnePass:
@@ -116,9 +124,11 @@ class OnePass:
                 try:
                     cls._kernel = _checked(_built())
                 except Exception as error:  # (no compiler, a failed build, a probe that differs)
-                    log.warning("pager: a float32 master's update on the host in one pass is not available (%s); "
-                                "its three passes run instead (slower: [Note: a master's update in one pass])",
-                                error)
+                    log.warning(
+                        "pager: a float32 master's update on the host in one pass is not available (%s); "
+                        "its three passes run instead (slower: [Note: a master's update in one pass])",
+                        error,
+                    )
             return cls._kernel
 
 
@@ -129,16 +139,26 @@ def _built():
     with tempfile.TemporaryDirectory(prefix="pager-") as folder:
         library = os.path.join(folder, "pager_master_pass.so")
         for flags in FLAGS:
-            built = subprocess.run([compiler, *flags, *COMMON_FLAGS, "-o", library, SOURCE],
-                                   capture_output=True, text=True, timeout=120)
+            built = subprocess.run(
+                [compiler, *flags, *COMMON_FLAGS, "-o", library, SOURCE], capture_output=True, text=True, timeout=120
+            )
             if built.returncode == 0:
                 break
         else:
             raise RuntimeError(f"{compiler} could not build {SOURCE}: {built.stderr.strip()[-500:]}")
         kernel = ctypes.CDLL(library).pager_adam_bf16  # (mapped: the file may go)
     pointers = ctypes.POINTER(ctypes.c_void_p)
-    kernel.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), pointers, pointers, pointers, pointers,
-                       pointers, ctypes.POINTER(ctypes.c_float), ctypes.c_int64]
+    kernel.argtypes = [
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64),
+        pointers,
+        pointers,
+        pointers,
+        pointers,
+        pointers,
+        ctypes.POINTER(ctypes.c_float),
+        ctypes.c_int64,
+    ]
     kernel.restype = None
     return kernel
 
@@ -148,11 +168,17 @@ def _checked(kernel):
     gen = torch.Generator().manual_seed(0)
     for c1 in (0.1, 0.7):
         n = 1000 + 7
-        c = coefficients({"lr": 1e-3, "betas": (1 - c1, 0.999), "weight_decay": 0.01, "eps": 1e-8}, 3.0,
-                         decoupled=False)
+        c = coefficients(
+            {"lr": 1e-3, "betas": (1 - c1, 0.999), "weight_decay": 0.01, "eps": 1e-8}, 3.0, decoupled=False
+        )
         master = torch.randn(n, generator=gen)
-        mine = [torch.randn(n, generator=gen).to(torch.bfloat16), master, torch.randn(n, generator=gen) * 0.1,
-                torch.rand(n, generator=gen), master.to(torch.bfloat16)]
+        mine = [
+            torch.randn(n, generator=gen).to(torch.bfloat16),
+            master,
+            torch.randn(n, generator=gen) * 0.1,
+            torch.rand(n, generator=gen),
+            master.to(torch.bfloat16),
+        ]
         expected = [t.clone() for t in mine]
         adam_pass(*expected, torch.tensor(c, dtype=torch.float32))
         _call(kernel, [mine], [c], threads=3)
@@ -178,15 +204,22 @@ def takes(optimizer) -> bool:
 
 def _fits(group: dict, master, state: dict, grad, weight) -> bool:
     step = state.get("step")
-    if (group.get("amsgrad") or group.get("capturable") or group.get("differentiable")
-            or not isinstance(step, torch.Tensor) or step.numel() != 1
-            or not isinstance(state.get("exp_avg"), torch.Tensor)
-            or not isinstance(state.get("exp_avg_sq"), torch.Tensor)):
+    if (
+        group.get("amsgrad")
+        or group.get("capturable")
+        or group.get("differentiable")
+        or not isinstance(step, torch.Tensor)
+        or step.numel() != 1
+        or not isinstance(state.get("exp_avg"), torch.Tensor)
+        or not isinstance(state.get("exp_avg_sq"), torch.Tensor)
+    ):
         return False
     tensors = (grad, master, state["exp_avg"], state["exp_avg_sq"], weight)
     dtypes = (torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16)
-    return all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == master.numel() and t.dtype == d
-               for t, d in zip(tensors, dtypes))
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.numel() == master.numel() and t.dtype == d
+        for t, d in zip(tensors, dtypes)
+    )
 
 
 def update(optimizer, items: list) -> set:
@@ -198,10 +231,13 @@ def update(optimizer, items: list) -> set:
     kernel = OnePass.kernel() if taken else None
     if kernel is None:
         return set()
-    coefs = [coefficients(group, float(state["step"]) + 1, decoupled_decay(optimizer, group))
-             for group, _m, state, _g, _w in taken]
-    tensors = [(grad, master, state["exp_avg"], state["exp_avg_sq"], weight)
-               for _group, master, state, grad, weight in taken]
+    coefs = [
+        coefficients(group, float(state["step"]) + 1, decoupled_decay(optimizer, group))
+        for group, _m, state, _g, _w in taken
+    ]
+    tensors = [
+        (grad, master, state["exp_avg"], state["exp_avg_sq"], weight) for _group, master, state, grad, weight in taken
+    ]
     _call(kernel, tensors, coefs, torch.get_num_threads())
     for _group, _master, state, _grad, _weight in taken:
         state["step"] += 1  # (in place, as torch's kernels count)

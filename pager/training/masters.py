@@ -87,9 +87,15 @@ def step_each(raw_step, shadow, rounded: dict, one_pass: bool = False) -> int:
     many masters were updated in one pass."""
     taken = set()
     if one_pass:
-        taken = master_pass.update(shadow, [(group, stand_in, shadow.state.get(stand_in, {}), *rounded[id(stand_in)])
-                                            for group in shadow.param_groups for stand_in in group["params"]
-                                            if id(stand_in) in rounded])
+        taken = master_pass.update(
+            shadow,
+            [
+                (group, stand_in, shadow.state.get(stand_in, {}), *rounded[id(stand_in)])
+                for group in shadow.param_groups
+                for stand_in in group["params"]
+                if id(stand_in) in rounded
+            ],
+        )
     for group in shadow.param_groups:
         for stand_in in group["params"]:
             if id(stand_in) in taken:
@@ -160,14 +166,16 @@ def check_attached_state(optimizer, names: dict) -> None:
                     raise ValueError(
                         f"pager: the optimizer holds state for {names[id(p)]!r} ({p.dtype}) without a float32 "
                         f"master: made or loaded without master_weights=True. Give this model an optimizer with "
-                        f"fresh state, or wrap it without master_weights.")
+                        f"fresh state, or wrap it without master_weights."
+                    )
                 remade.append((own, fresh))
             elif own[MASTER].dtype != torch.float32:
                 raise ValueError(
                     f"pager: the optimizer's state was loaded before pager attached it, and torch's load_state_dict "
                     f"cast the float32 master of {names[id(p)]!r} and its state to {p.dtype}. Attach it first, "
                     f"then load: pager.of(model).attach(opt) (or wrap(..., optimizer=opt)), then "
-                    f"opt.load_state_dict(...).")
+                    f"opt.load_state_dict(...)."
+                )
     for own, fresh in remade:
         own.clear()
         own.update(fresh)  # (its first update makes the master: `device_update`)
@@ -183,8 +191,9 @@ def made_at_construction(optimizer, group: dict, p: torch.Tensor, own: dict) -> 
     options = {k: group[k] for k in optimizer.defaults if k in group}
     shape = (1,) * p.dim()
     try:
-        low, high = (type(optimizer)([torch.zeros(shape, dtype=dtype)], **options)
-                     for dtype in (p.dtype, torch.float32))
+        low, high = (
+            type(optimizer)([torch.zeros(shape, dtype=dtype)], **options) for dtype in (p.dtype, torch.float32)
+        )
     except (TypeError, ValueError, RuntimeError):
         return None
     low_state, high_state = (next(iter(o.state.values()), {}) for o in (low, high))
@@ -228,7 +237,8 @@ def saved_float32(optimizer, state_dict: dict, names: dict) -> dict:
             raise ValueError(
                 f"pager: the optimizer state being loaded has no float32 master for {names[id(p)]!r} "
                 f"({p.dtype}): it was saved without master_weights=True. Load it into a model wrapped without "
-                f"master_weights, or start this one from its optimizer's fresh state.")
+                f"master_weights, or start this one from its optimizer's fresh state."
+            )
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
                 kept[(id(p), key)] = value.detach().to("cpu", torch.float32, copy=True)
@@ -250,5 +260,8 @@ def narrowed(own: dict, dtype: torch.dtype) -> dict:
     """A parameter's state for its optimizer without pager (`unwrap`): no
     master, and its floating entries but `step` in the parameter's `dtype`,
     as torch's own update of that parameter keeps them."""
-    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v)
-            for k, v in own.items() if k != MASTER}
+    return {
+        k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v)
+        for k, v in own.items()
+        if k != MASTER
+    }

@@ -68,11 +68,11 @@ from .shadow import shadow_of
 class Deferred:
     """One block's update, taken at `step()`, applied at its next use."""
 
-    link: "OptimizerLink"
-    shares: list   # the block's parameters in each param group
+    link: OptimizerLink
+    shares: list  # the block's parameters in each param group
     options: list  # each group's options (lr, betas, ...) at step time
-    grads: set     # slots of the grads segment whose gradients the update reads
-    scales: dict   # slot -> zeroing/scaling recorded on that gradient before the step
+    grads: set  # slots of the grads segment whose gradients the update reads
+    scales: dict  # slot -> zeroing/scaling recorded on that gradient before the step
 
 
 class OptimizerLink:
@@ -308,7 +308,9 @@ class OptimizerLink:
         # whatever param.grad says (Pager._check_grads_present, _page_out_grads).
         seg = block.segments["grads"]
         grads = {i for i, p in enumerate(seg.params) if isinstance(p.grad, PagedOutGrad)}
-        block.deferred_steps.append(Deferred(self, shares, options, grads, {i: list(ops) for i, ops in seg.pending.items()}))
+        block.deferred_steps.append(
+            Deferred(self, shares, options, grads, {i: list(ops) for i, ops in seg.pending.items()})
+        )
         seg.pending.clear()  # what is recorded from now on applies after the update
         self.pager.counters.deferred_steps += 1
 
@@ -359,8 +361,9 @@ class OptimizerLink:
                     g["params"] = share
                     g.update(options)
             return
-        groups = [{**g, **options, "params": share}
-                  for g, share, options in zip(optimizer.param_groups, d.shares, d.options)]
+        groups = [
+            {**g, **options, "params": share} for g, share, options in zip(optimizer.param_groups, d.shares, d.options)
+        ]
         if self.pager.master_weights:
             masters.device_update(self.raw_step, optimizer, groups)
         else:
@@ -411,6 +414,7 @@ class OptimizerLink:
                 opt_state[p][key] = view
         seg.host_valid = True  # the copies above made it dirty: written back when it leaves
 
+
 def _state_estimate(pager, block: Block) -> int:
     """Bytes of state the first update of `block` will create (learned from
     the blocks adopted so far; before that, Adam's two moments, in float32
@@ -426,8 +430,12 @@ def _state_estimate(pager, block: Block) -> int:
 
 def _device_state(optimizer, pager, block: Block) -> list:
     """(parameter, key) of each state tensor `optimizer` holds on the device for `block`."""
-    return [(p, key) for p in block.params for key, value in optimizer.state.get(p, {}).items()
-            if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0]
+    return [
+        (p, key)
+        for p in block.params
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0
+    ]
 
 
 def raw_step_of(optimizer):
@@ -490,7 +498,8 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
         raise ValueError(
             f"pager: master_weights=True steps the optimizer on float32 masters through torch.optim's undecorated "
             f"step, which {type(optimizer).__name__} does not have (not a torch.optim.Optimizer, or its step is not "
-            f"decorated by one). Use a torch.optim optimizer, or wrap without master_weights.")
+            f"decorated by one). Use a torch.optim optimizer, or wrap without master_weights."
+        )
     if pager.master_weights:
         masters.check_attached_state(optimizer, masters.param_names(pager))
     link = OptimizerLink(pager, optimizer)
@@ -508,16 +517,23 @@ def _warn_if_rows_lazy(pager, optimizer) -> None:
     if not pager.rows_unasked:
         return
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    lazy = [t.name for t in pager.row_tables if t.name in pager.rows_unasked and id(t.param) in groups
-            and not _dense_on_rows(optimizer, groups[id(t.param)])]
+    lazy = [
+        t.name
+        for t in pager.row_tables
+        if t.name in pager.rows_unasked and id(t.param) in groups and not _dense_on_rows(optimizer, groups[id(t.param)])
+    ]
     if lazy:
         pager.warn_once(
-            "rows-lazy", "pager: %s paged by rows because it did not fit the budget beside the blocks; %s updates "
+            "rows-lazy",
+            "pager: %s paged by rows because it did not fit the budget beside the blocks; %s updates "
             "only the rows each batch touches (the lazy variant, as SparseAdam is of Adam: untouched rows keep "
             "their values and state), which differs from %s on the whole table. For the dense update, give a "
             "budget that holds the table beside a block, or an optimizer whose update of untouched rows is "
-            "none (SparseAdam, Adagrad, SGD without momentum or weight decay).", ", ".join(map(repr, lazy)),
-            type(optimizer).__name__, type(optimizer).__name__)
+            "none (SparseAdam, Adagrad, SGD without momentum or weight decay).",
+            ", ".join(map(repr, lazy)),
+            type(optimizer).__name__,
+            type(optimizer).__name__,
+        )
 
 
 def _dense_on_rows(optimizer, group) -> bool:

@@ -16,9 +16,10 @@ nodes share nothing but the averaging of gradients):
 - Gradients are averaged over the ranks as without owners (every rank
   holds the average: `clip_grad_norm_` and reads of `.grad` are DDP's).
 - At `optimizer.step()`, a rank updates its own blocks only: the
-  optimizer never sees another rank's block, so it makes no state for it. The owner writes the block's new weights into the
-  node's page in place (an update on the host writes them there; one on
-  the device is copied down at once, never deferred) and then publishes
+  optimizer never sees another rank's block, so it makes no state for
+  it. The owner writes the block's new weights into the node's page in
+  place (an update on the host writes them there; one on the device is
+  copied down at once, never deferred) and then publishes
   it, from the host worker once the page holds it: the block's slot in a
   small shared counter file holds how many updates of the block the page
   holds.
@@ -99,7 +100,8 @@ def check_model(model: torch.nn.Module) -> None:
                 f"pager: block_owners=True: {name or '<root>'} ({type(m).__name__}) updates its running statistics "
                 "in every training forward, on each rank its own, and with owners the ranks read one copy of its "
                 "weights. Use block_owners=False, or BatchNorm without running statistics "
-                "(track_running_stats=False), or SyncBatchNorm's statistics computed before wrapping.")
+                "(track_running_stats=False), or SyncBatchNorm's statistics computed before wrapping."
+            )
 
 
 def assign(blocks: list, params: list, world: int) -> tuple[dict, dict]:
@@ -113,6 +115,7 @@ def assign(blocks: list, params: list, world: int) -> tuple[dict, dict]:
         rank = min(range(world), key=lambda r: (load[r], r))
         load[rank] += nbytes
         return rank
+
     for block in blocks:
         owner[block] = take(sum(p.numel() * p.element_size() for p in block.params if p.requires_grad))
         param_owner.update((id(p), owner[block]) for p in block.params)
@@ -139,8 +142,10 @@ class BlockOwners:
         sharded = [b for b in pager.blocks if b.trainable and not b.resident_for_life]
         unshared = [b.name for b in sharded if not b.weights.shared]
         if unshared:
-            raise RuntimeError(f"pager: block_owners=True: the weights pages of blocks {unshared[:3]} are not in "
-                               "the node's shared copy; wrap with share_host_pages=True.")
+            raise RuntimeError(
+                f"pager: block_owners=True: the weights pages of blocks {unshared[:3]} are not in "
+                "the node's shared copy; wrap with share_host_pages=True."
+            )
         # Blocks on every rank's device for life (the remainder: embeddings,
         # a head) have owners too; their updates reach the others by broadcast.
         self.kept = [b for b in pager.all_blocks() if b.trainable and b.resident_for_life]
@@ -151,19 +156,24 @@ class BlockOwners:
         owner, param_owner = assign(sharded, kept_params, len(node))
         self.owner_of = {b: node[i] for b, i in owner.items()}  # the sharded blocks
         self.param_owner = {k: node[i] for k, i in param_owner.items()}  # their parameters, and the kept blocks'
-        self.node_group = group if len(node) == self.world else dist.new_group(
-            [dist.get_global_rank(group, r) for r in node], timeout=timedelta(seconds=timeout_seconds),
-            use_local_synchronization=True)
+        self.node_group = (
+            group
+            if len(node) == self.world
+            else dist.new_group(
+                [dist.get_global_rank(group, r) for r in node],
+                timeout=timedelta(seconds=timeout_seconds),
+                use_local_synchronization=True,
+            )
+        )
         self.slot = {b: i for i, b in enumerate(sharded)}
         self._kept_stepped: list = []  # kept blocks with gradients at this step()
-        with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") \
-                as path:
+        with node_file(group, timeout_seconds, pager.device, "block_owners=True", "the node's update counters") as path:
             shared = torch.from_file(path, shared=True, size=max(1, 2 * len(sharded)), dtype=torch.int64)
         # (read at fetches: numpy indexing costs less than a tensor's; each view keeps the map)
         self.counters = shared.numpy()[: len(sharded)]
-        self.on_host = shared.numpy()[len(sharded):]  # 1 where the update last published ran on the host
+        self.on_host = shared.numpy()[len(sharded) :]  # 1 where the update last published ran on the host
         self.published: dict = {}  # block of this rank -> updates of it written to its page
-        self.expected: dict = {}   # block of another rank -> updates of it this rank has to read
+        self.expected: dict = {}  # block of another rank -> updates of it this rank has to read
         for block in self.slot:
             if self.owner_of[block] == self.rank:
                 block.weights.shared = False  # written in place: the others read its updates there
@@ -212,8 +222,12 @@ class BlockOwners:
                 if self.pager.transport.is_cuda:  # (stream-ordered after the update, before the next forward)
                     dist.broadcast(p.data, src, group=self.node_group)
                 else:
-                    wait_for(dist.broadcast(p.data, src, group=self.node_group, async_op=True), what, self.group,
-                             self.timeout_seconds)
+                    wait_for(
+                        dist.broadcast(p.data, src, group=self.node_group, async_op=True),
+                        what,
+                        self.group,
+                        self.timeout_seconds,
+                    )
         self._kept_stepped = []
 
     def _expect(self, block) -> None:
@@ -225,7 +239,8 @@ class BlockOwners:
                 f"pager: block_owners=True: rank {self.rank} cannot take the update of block {block.name!r} from "
                 f"its owner (rank {self.owner_of[block]}): at optimizer.step() the block is in use, or views of its "
                 "tensors are kept outside pager, so its copy on the device cannot be replaced. Drop those views "
-                "before step().")
+                "before step()."
+            )
 
     def updated_on_device(self, blocks: list) -> None:
         """`blocks` were updated on the device: this rank's pages get the new
@@ -274,7 +289,8 @@ class BlockOwners:
                     f"for update {want} of block {block.name!r} from its owner, rank {self.owner_of[block]} "
                     f"(block_owners=True; the page holds {self.counters[slot]}). That rank probably died or "
                     "raised, or did not call optimizer.step() (or load_state_dict()) as this one did: every "
-                    "rank must run the same steps.")
+                    "rank must run the same steps."
+                )
             time.sleep(POLL_SECONDS)
         waited = time.perf_counter() - start
         self.pager.counters.owner_wait_seconds += waited
@@ -295,7 +311,8 @@ class BlockOwners:
                 f"{self.owner_of[block]}) changed on rank {self.rank} outside optimizer.step() and "
                 "load_state_dict() (running statistics, or an in-place change): the node's ranks read one copy "
                 "of them, which its owner alone writes. Change weights through the optimizer or "
-                "load_state_dict() on every rank, or wrap with block_owners=False.")
+                "load_state_dict() on every rank, or wrap with block_owners=False."
+            )
 
     # -------------------------------------------------------------- loading
     def loaded(self, block) -> None:
@@ -340,8 +357,9 @@ class BlockOwners:
                 entry = None if self.mine_param(p) else state.get(index.get(id(p)))
                 if entry is not None:
                     device = self.pager.original_device[id(p)]
-                    optimizer.state[p] = {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
-                                          for k, v in entry.items()}
+                    optimizer.state[p] = {
+                        k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in entry.items()
+                    }
 
     def _gather(self, obj, what: str) -> list:
         """Every rank's `obj` (pickled), in rank order, over the CPU group."""
@@ -349,16 +367,23 @@ class BlockOwners:
         torch.save(obj, buf)
         mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        wait_for(dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.cpu_group, async_op=True), what,
-                 self.cpu_group, self.timeout_seconds)
+        wait_for(
+            dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.cpu_group, async_op=True),
+            what,
+            self.cpu_group,
+            self.timeout_seconds,
+        )
         width = max(int(s) for s in sizes)
         padded = torch.zeros(width, dtype=torch.uint8)
         padded[: mine.numel()] = mine
         parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
-        wait_for(dist.all_gather(parts, padded, group=self.cpu_group, async_op=True), what, self.cpu_group,
-                 self.timeout_seconds)
-        return [torch.load(io.BytesIO(p[: int(s)].numpy().tobytes()), weights_only=False)
-                for p, s in zip(parts, sizes)]
+        wait_for(
+            dist.all_gather(parts, padded, group=self.cpu_group, async_op=True),
+            what,
+            self.cpu_group,
+            self.timeout_seconds,
+        )
+        return [torch.load(io.BytesIO(p[: int(s)].numpy().tobytes()), weights_only=False) for p, s in zip(parts, sizes)]
 
 
 def _param_index(optimizer) -> dict:
@@ -368,4 +393,3 @@ def _param_index(optimizer) -> dict:
         for p in g["params"]:
             index.setdefault(id(p), len(index))
     return index
-

@@ -66,11 +66,11 @@ class StateRoom:
     def __init__(self, pager):
         self.pager = pager
         self.on_host: dict = {}  # block -> its state's bytes, for blocks whose last update ran on the host
-        self.state_bytes = 0     # ... their sum
-        self.trading = False     # the last step sent the state of blocks down (see the Note)
-        self.awaiting: set = set()   # blocks that left after their backward for an update not yet given
+        self.state_bytes = 0  # ... their sum
+        self.trading = False  # the last step sent the state of blocks down (see the Note)
+        self.awaiting: set = set()  # blocks that left after their backward for an update not yet given
         self.backwards_per_step = 1  # backward passes between the last two steps
-        self._backwards_then = 0     # ended backward passes at the last step
+        self._backwards_then = 0  # ended backward passes at the last step
 
     def step_starts(self) -> None:
         """At `step()` (once a step, whatever the number of optimizers): the
@@ -97,8 +97,11 @@ class StateRoom:
         wanted = activations.last_pass_bytes()
         if wanted is None or wanted <= spare:
             return False  # every activation stays beside the state (or none was measured yet)
-        more = sum(b.segments["state"].nbytes for b in able
-                   if b not in self.on_host and "state" in b.segments and b.segments["state"].resident)
+        more = sum(
+            b.segments["state"].nbytes
+            for b in able
+            if b not in self.on_host and "state" in b.segments and b.segments["state"].resident
+        )
         return spare + self.state_bytes + more > 0  # (else blocks stream anyway)
 
     def placed(self, blocks: list, host_ids: set) -> None:
