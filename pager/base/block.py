@@ -50,8 +50,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    from ..codec.compress import Encoded
+
+    class PageCache(Protocol):
+        """What caches a segment's page (`engine.disk.DiskTier`, a layer above)."""
+
+        def readable(self, seg: Segment) -> torch.Tensor: ...
+
 
 ALIGN_BYTES = 512  # every slot and page starts on this boundary
 DIRECT_ALIGN = 4096  # direct (O_DIRECT) reads: file offsets, lengths and memory on this boundary ([Note: direct reads])
@@ -157,7 +169,7 @@ class Segment:
     force_dirty: bool = False
     writeback_event: object = None  # last write-back of this page, if any
     host_valid: bool = True  # the host page holds data worth fetching
-    encoded: object = None  # how the page is compressed (`codec.compress.Encoded`), None: plain
+    encoded: Encoded | None = None  # how the page is compressed (`codec.compress.Encoded`), None: plain
     shared: bool = False  # the page is in the node's shared copy (written to a private one on change)
     # While paged out, each tensor's own class (see [Note: paged-out tensors]
     # in base/guards.py), and views handed out by served accesses: (weakref, class).
@@ -183,7 +195,7 @@ class Segment:
     # its page, where its bytes are on disk (`Piece`s; None: nowhere yet),
     # whether the host page is newer than the disk's, and the last copy that
     # reads or writes the host page (CUDA event).
-    cache: object = None
+    cache: PageCache | None = None
     disk: list | None = None
     host_dirty: bool = False
     host_event: object = None
@@ -203,7 +215,7 @@ class Segment:
         copies). Under a disk tier, a page not in host memory is read into a
         buffer of its own (the cache is left as it is): the views are for
         reading; see `engine.disk.DiskTier.page_in` to change a page in place."""
-        page = self.cache.readable(self) if self.cache is not None else self.host
+        page = self.cache.readable(self) if self.cache is not None else cast(torch.Tensor, self.host)
         if self.encoded is not None:
             from ..codec.kernels import decoded_copy_from
 

@@ -4,11 +4,14 @@ wrapped models, the budget error, and the lock decorator."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # Segment kinds a use needs (see base/block.py): "frozen" is the page of a
 # block's parameters that do not require grad, where it also has some that do.
@@ -29,25 +32,7 @@ _PAGERS: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionar
 WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never touch a model's tensors)
 
 
-def other_threads() -> bool:
-    """Whether a Python thread besides this one, pager's own workers (the
-    row writer's, the disk tier's) and tqdm's progress-bar monitor exists:
-    one that may use a model's tensors. (tqdm starts its monitor with the
-    first progress bar, e.g. transformers' `save_pretrained`, and keeps it:
-    counted, it would put every Hugging Face user's model in the shared mode.)"""
-    if threading.active_count() == 1:
-        return False
-    me = threading.current_thread()
-    return any(
-        t is not me and not t.name.startswith(WORKER_PREFIX) and not _tqdm_monitor(t) for t in threading.enumerate()
-    )
-
-
-def _tqdm_monitor(t: threading.Thread) -> bool:
-    return t.name == "tqdm_monitor" and type(t).__name__ == "TMonitor"
-
-
-def outside_compile(hook):
+def outside_compile(hook: _F) -> _F:
     """`hook` as it runs under `torch.compile`: eagerly, outside every
     compiled graph ([Note: pager under torch.compile] in model/hooks.py)."""
     return torch.compiler.disable(hook, recursive=True)

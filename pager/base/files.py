@@ -27,6 +27,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -229,9 +230,10 @@ def read_entry(e: Entry) -> torch.Tensor:
     out = torch.empty(e.shape, dtype=e.dtype)
     if not e.nbytes:
         return out
-    with open(e.path, "rb") as f:
+    with open(cast(str, e.path), "rb") as f:  # (an entry without a tensor is a range of a file)
         f.seek(e.offset)
-        got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        # (numpy's stubs give ndarray a __buffer__ only from Python 3.12)
+        got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
     if got != e.nbytes:
         raise CheckpointError(
             f"pager: {e.path!r}: tensor {e.name!r} ends past the end of the file (read {got} "
@@ -244,7 +246,8 @@ def read_entry(e: Entry) -> torch.Tensor:
 def header_for(named: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None) -> tuple[bytes, list]:
     """A safetensors header for tensors `named` (name, dtype, shape), in this
     order, and each one's data offset relative to the start of the data."""
-    header, offsets, at = {}, [], 0
+    header: dict = {}
+    offsets, at = [], 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, dtype, shape in named:

@@ -47,6 +47,7 @@ import gc
 import threading
 import weakref
 from contextlib import ExitStack
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -149,8 +150,8 @@ _METADATA = (
     }
     | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
 )
-_DATA_SET = torch.Tensor.data.__set__
-_DATA_GETTER = torch.Tensor.data.__get__
+_DATA_SET = cast(Any, torch.Tensor.data).__set__  # (a descriptor: torch's stubs type `data` as a Tensor)
+_DATA_GETTER = cast(Any, torch.Tensor.data).__get__
 _GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
 # Views that read no element: answered without a fetch by a view that is
 # itself guarded (and remembered with its segment, so it never dangles).
@@ -236,7 +237,7 @@ class GuardedParameter(nn.Parameter):
 
 
 _GUARDS: dict = {torch.Tensor: GuardedTensor, nn.Parameter: GuardedParameter}
-GUARD_TYPES = {GuardedTensor, GuardedParameter}
+GUARD_TYPES: set[type] = {GuardedTensor, GuardedParameter}
 STAND_INS: set = set()  # classes that stand for a tensor with no storage (PagedOutGrad, training/grads.py)
 _PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
@@ -690,7 +691,7 @@ def _serve_foreach(func, args, kwargs):
     return out if returns_list else None
 
 
-_NUMPY = {torch.Tensor.numpy, torch.Tensor.__array__}
+_NUMPY: set = {torch.Tensor.numpy, torch.Tensor.__array__}
 
 
 def _paged_out_view(func, args, kwargs):
@@ -812,7 +813,8 @@ def _call_pinned(func, args, kwargs):
             entry = entry_of(t)
             if entry is not None and entry[1].trainable:
                 by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
-    swap, back = {}, {}
+    swap: dict = {}
+    back: dict = {}
     for (pager, block), tensors in by_block.items():
         outs = PostBackward.apply(pager.hooks, block, *tensors.values())
         swap.update(zip(tensors.keys(), outs))

@@ -71,7 +71,7 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
         torch._C._autograd._push_saved_tensors_default_hooks(*_HOOKS)
     ours = pushed or (top is not None and top is not _UNKNOWN and top[0] is _HOOKS[0])
     if ours:
-        hooks = OURS
+        hooks: str | None = OURS
     else:
         hooks = OTHERS if top is not None and top is not _UNKNOWN else None
     # A block's forward inside the root's (whose hooks are ours) decides for
@@ -117,7 +117,7 @@ def _top_hooks():
     `_UNKNOWN` where torch cannot say or hooks are disabled."""
     hooks = torch._C._autograd
     top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
-    if top is None or not hooks._saved_tensors_hooks_is_enabled():
+    if top is None or not hooks._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (not in torch's stubs)
         return _UNKNOWN
     try:
         return top(True)

@@ -38,9 +38,13 @@ leaves their inner tensors plain: they are quantized already).
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TensorWithFlatten
 
 
 def is_wrapper(t: torch.Tensor) -> bool:
@@ -72,7 +76,7 @@ def refusal(name: str, t: torch.Tensor) -> str | None:
             f"(`{name.rsplit('.', 1)[-1]}.requires_grad_(False)`) and train adapters beside it (LoRA), or "
             f"train the unquantized model."
         )
-    if t._use_count() > 1:
+    if t._use_count() > 1:  # type: ignore[attr-defined]  # (a private method torch's stubs lack)
         return (
             f"pager: {name!r} is a {cls} (a quantized weight) that something besides the model holds "
             f"(an autograd graph of a forward not run backward yet?); pager moves such weights onto the "
@@ -90,7 +94,7 @@ def refusal(name: str, t: torch.Tensor) -> str | None:
 
 def inner_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(attribute name, inner tensor) of wrapper `t`, as `__tensor_flatten__` names them."""
-    names, _ctx = t.__tensor_flatten__()
+    names, _ctx = cast("TensorWithFlatten", t).__tensor_flatten__()
     return [(n, getattr(t, n)) for n in names]
 
 
@@ -116,8 +120,9 @@ def nbytes_of(t: torch.Tensor) -> int:
 def rebuilt(t: torch.Tensor, inner: dict, cls=None) -> torch.Tensor:
     """A new wrapper like `t` (of class `cls`, default `t`'s) around the
     tensors of `inner` ({attribute: tensor}): on their device."""
-    _names, ctx = t.__tensor_flatten__()
-    return (cls or type(t)).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+    _names, ctx = cast("TensorWithFlatten", t).__tensor_flatten__()
+    wrapper_cls = cast("type[TensorWithFlatten]", cls or type(t))
+    return wrapper_cls.__tensor_unflatten__(inner, ctx, t.size(), t.stride())
 
 
 def follow_inner(t: torch.Tensor) -> None:
@@ -134,7 +139,7 @@ def _swap_impl(t: torch.Tensor, new: torch.Tensor) -> None:
     and attributes: `torch.utils.swap_tensors` but for its refusal of weak
     references, which torch.compile's guards hold on parameters and which
     must keep seeing this same object."""
-    if t._use_count() > 1 or t.grad_fn is not None:
+    if t._use_count() > 1 or t.grad_fn is not None:  # type: ignore[attr-defined]  # (private, not in torch's stubs)
         raise RuntimeError(
             f"pager: cannot move the quantized {type(t).__qualname__} to {new.device}: another object holds its "
             f"implementation (an autograd graph?). Run the step to its end (backward) first."

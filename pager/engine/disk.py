@@ -50,6 +50,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -183,7 +184,7 @@ class Files:
         self._fds: dict = {}
         self._lock = threading.Lock()
 
-    def fds(self, path: str) -> tuple:
+    def fds(self, path: str) -> list:
         with self._lock:
             fds = self._fds.get(path)
             if fds is None:
@@ -232,7 +233,8 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
         flat = piece.tensor.detach().reshape(-1).view(torch.uint8)
         page[piece.page_offset + start : piece.page_offset + end].copy_(flat[start:end])
         return (end - start if piece.path is not None else 0), False  # (a mapped file's pages were read)
-    direct, buffered = files.fds(piece.path)
+    path = cast(str, piece.path)  # (a piece without a tensor is a range of a file)
+    direct, buffered = files.fds(path)
     file_at, page_at = piece.file_offset + start, piece.page_offset + start
     lead = file_at % DIRECT_ALIGN
     if direct is not None and piece.padded and (page.data_ptr() + page_at) % DIRECT_ALIGN == lead:
@@ -243,8 +245,8 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
         except OSError as e:
             if e.errno != 22:  # EINVAL: O_DIRECT accepted at open, refused at read
                 raise
-            files.no_direct(piece.path)
-            log.info("pager: %s refuses direct reads; reading it through the page cache", piece.path)
+            files.no_direct(path)
+            log.info("pager: %s refuses direct reads; reading it through the page cache", path)
         else:
             _check_length(piece, got - lead, end - start, file_at)
             return end - start, True
@@ -646,7 +648,8 @@ class DiskTier:
 
     def _spill_path(self, seg) -> str:
         block = self.blocks[seg]
-        return os.path.join(self.spill, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', block.name)}.{seg.kind}.page")
+        spill = cast(str, self.spill)  # (only pages of a tier with a spill folder are spilled)
+        return os.path.join(spill, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', block.name)}.{seg.kind}.page")
 
     def _no_room(self, seg) -> MemoryError:
         dirty = sum(s.nbytes for s in self.pages if s.host_dirty)
@@ -656,7 +659,7 @@ class DiskTier:
             else ""
         )
         return MemoryError(
-            f"pager: host_budget={format_bytes(self.capacity_bytes)} cannot hold the {seg.kind} page of "
+            f"pager: host_budget={format_bytes(cast(int, self.capacity_bytes))} cannot hold the {seg.kind} page of "
             f"{self.blocks[seg].name!r} ({format_bytes(seg.nbytes)}): pages in use or changed hold "
             f"{format_bytes(self.arena.used_bytes)} ({format_bytes(dirty)} changed since they were read); "
             f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state)."

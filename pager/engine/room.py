@@ -41,6 +41,7 @@ use that needs room now. A change of an owner's kept set (its
 from __future__ import annotations
 
 from collections import deque
+from typing import cast
 
 from ..base.budget import format_bytes
 from ..base.common import SHARE_WINDOW, BudgetError
@@ -178,7 +179,7 @@ class Room:
                 weight[o] += o.total_bytes
         total = sum(weight.values())
         share = spare * weight[owner] // total if total else spare // len(self.engine.owners)
-        return fixed_bytes + window + share
+        return cast(int, fixed_bytes) + window + share  # (given whenever the room is shared)
 
     def make_room(self, nbytes: int, protect, within: int | None = None) -> bool:
         """Evict until `nbytes` more fit. With `within`, only evict blocks whose

@@ -124,7 +124,7 @@ class Scheduler:
         in `training`, its backward then reaches the trainable ones in the
         reverse of the order they finish in (last step's, on another path, is
         no guide). Blocks kept for last step's order but not on this path may go."""
-        uses = [(b, WEIGHTS) for b in path]
+        uses: list = [(b, WEIGHTS) for b in path]
         if training:
             uses += [(b, BACKWARD) for b in reversed(_finish_order(path)) if b.trainable]
         self.expect(uses)
@@ -247,7 +247,8 @@ def _spread_ranks(blocks, size_of) -> dict:
 def _finish_order(blocks):
     """The order in which calls to `blocks` (in call order) return: a nested
     block (a NAS candidate) returns before the block around it."""
-    out, open_ = [], []
+    out: list = []
+    open_: list = []
     for b in blocks:
         while open_ and not _encloses(open_[-1], b):
             out.append(open_.pop())

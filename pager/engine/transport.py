@@ -31,6 +31,7 @@ that the h2d stream hands out).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 
@@ -215,11 +216,12 @@ class CudaTransport:
         link (then kept, where this is its place); the end."""
         kept_pages = self.kept_pages if seg is not None else None
         kept = kept_pages.find(seg) if kept_pages is not None else None
-        if kept is not None:
+        if kept is not None and kept_pages is not None:
             self.helper_memory_bytes = device_flat.numel()
             return kept_pages.copy_up(kept, device_flat, start)
-        self.helper_link_bytes = self.split.helper_bytes(device_flat.numel())
-        end = self.split.copy(device_flat, host, self.h2d_stream, start)
+        split = cast(SplitFetch, self.split)  # (called only with a split)
+        self.helper_link_bytes = split.helper_bytes(device_flat.numel())
+        end = split.copy(device_flat, host, self.h2d_stream, start)
         return kept_pages.landed(seg, device_flat, end) if kept_pages is not None else end
 
     def h2d_encoded(self, device_flat: torch.Tensor, page: torch.Tensor, encoded, after=()):

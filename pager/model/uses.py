@@ -15,7 +15,8 @@ from itertools import chain
 
 from ..base import guards, saving
 from ..base.block import Block
-from ..base.common import EVERYONE, STEP, WEIGHTS, _record_range, other_threads
+from ..base.common import EVERYONE, STEP, WEIGHTS, _record_range
+from ..base.threads import other_threads
 
 
 class Uses:
