@@ -8,24 +8,78 @@ weights, 13 GiB with Adam state, under a 3.3 GiB budget. Without one: a small
 supernet on the CPU device, checked bit for bit against unpaged training.
 
     python examples/nas_supernet.py [--steps 20]
+
+The file stands alone: after `pip install pager` it runs from any folder
+(the supernet is defined below). `--steps 5` makes the CPU run quicker.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import random
-import sys
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import pager
 
-import pager  # noqa: E402
-from benchmarks.models import SuperNet  # noqa: E402
+
+class SelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SuperLayer(nn.Module):
+    """A fixed attention, then one of several feed-forward candidates (widths w x d), the one `choice` says."""
+
+    def __init__(self, d, heads, widths):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = SelfAttention(d, heads)
+        self.candidates = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, w * d), nn.GELU(), nn.Linear(w * d, d)) for w in widths
+        )
+        self.choice = 0
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.candidates[self.choice](self.norm2(x))
+
+
+class SuperNet(nn.Module):
+    """ProxylessNAS-style: each layer a fixed attention and a choice among
+    feed-forward candidates of different widths; one path runs per step."""
+
+    def __init__(self, n_layers=24, d=1024, heads=16, widths=(2, 4, 6, 8), vocab=32000):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(SuperLayer(d, heads, widths) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab)
+
+    def set_path(self, path):
+        for layer, k in zip(self.layers, path):
+            layer.choice = k
+
+    def path_modules(self, path):
+        """The modules a path runs: each layer (its attention and norms) and its chosen candidate."""
+        return [m for layer, k in zip(self.layers, path) for m in (layer, layer.candidates[k])]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
 
 
 def main():
@@ -47,8 +101,10 @@ def main():
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3) if reference is not None else None
     pg = pager.of(net)
-    print(f"supernet: {pager.format_bytes(weights)} weights, {pager.format_bytes(4 * weights)} with grads and Adam; "
-          f"budget {pager.format_bytes(budget)}; {len(pg.blocks)} blocks")
+    print(
+        f"supernet: {pager.format_bytes(weights)} weights, {pager.format_bytes(4 * weights)} with grads and Adam; "
+        f"budget {pager.format_bytes(budget)}; {len(pg.blocks)} blocks"
+    )
 
     rng = random.Random(0)
     n_cand = len(net.layers[0].candidates)

@@ -16,13 +16,15 @@ from N requests alternating between the models:
 On a GPU the models are 7B-shaped bf16 decoders of `--layers` layers (6.5 GB
 each at 16); without one, small fp32 models on the CPU device, each answer
 checked bit for bit against the unwrapped model.
+
+The file stands alone: after `pip install pager` it runs from any folder
+(the models are defined below). `--layers 2` makes the CPU run quicker.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import queue
 import sys
 import threading
@@ -30,11 +32,61 @@ import time
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import pager
 
-import pager  # noqa: E402
-from benchmarks.models import Decoder, layer_bytes  # noqa: E402
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class DecoderLayer(nn.Module):
+    """A Llama-like layer: causal attention and a gated MLP, each after an RMSNorm."""
+
+    def __init__(self, d=4096, ff=11008, heads=32):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(nn.Module):
+    """Token ids to logits through a stack of decoder layers (7B-shaped by default); each layer is a block."""
+
+    def __init__(self, n_layers=16, d=4096, ff=11008, heads=32, vocab=32000):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, ff, heads) for _ in range(n_layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else x
+
+
+def layer_bytes(model: Decoder) -> int:
+    return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
 
 
 class Embedder(nn.Module):
@@ -93,8 +145,11 @@ def main(argv=None):
     size = sum(p.numel() * p.element_size() for p in chat.parameters())
     pool = pager.Pool(budget=args.budget or int(1.5 * size), device=device)
     models = {"chat": pager.wrap(chat, pool=pool, name="chat"), "embed": pager.wrap(embed, pool=pool, name="embed")}
-    print(f"pool: {pager.format_bytes(pool.budget_bytes)} on {device} for two models of {pager.format_bytes(size)} "
-          f"({args.layers} layers of {pager.format_bytes(layer_bytes(chat))})", flush=True)
+    print(
+        f"pool: {pager.format_bytes(pool.budget_bytes)} on {device} for two models of {pager.format_bytes(size)} "
+        f"({args.layers} layers of {pager.format_bytes(layer_bytes(chat))})",
+        flush=True,
+    )
 
     requests: queue.Queue = queue.Queue()
     printing = threading.Lock()
@@ -118,8 +173,11 @@ def main(argv=None):
                         failures.append(line)
                 with printing:
                     shown = out.tolist()[:4] if out.dtype != torch.long else out.tolist()
-                    print(f"#{n} {line[:40]!r}: {ms:.1f} ms -> {shown}"
-                          + ("" if references is None else f" (equal to unwrapped: {same})"), flush=True)
+                    print(
+                        f"#{n} {line[:40]!r}: {ms:.1f} ms -> {shown}"
+                        + ("" if references is None else f" (equal to unwrapped: {same})"),
+                        flush=True,
+                    )
             except Exception as e:  # noqa: BLE001 - a request fails, the server goes on
                 failures.append(line)
                 with printing:

@@ -15,6 +15,9 @@ starts two local ranks itself. Each rank then also trains the same model
 under DDP on the same data and checks that the weights agree bit for bit.
 
     python examples/train_data_parallel.py
+
+The file stands alone: after `pip install pager` it runs from any folder
+(the model is defined below). `--steps 2` makes the CPU run quicker.
 """
 
 from __future__ import annotations
@@ -23,18 +26,62 @@ import argparse
 import contextlib
 import copy
 import os
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import pager
 
-import pager  # noqa: E402
-from benchmarks.models import Decoder  # noqa: E402
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class DecoderLayer(nn.Module):
+    """A Llama-like layer: causal attention and a gated MLP, each after an RMSNorm."""
+
+    def __init__(self, d, ff, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(nn.Module):
+    """Token ids to logits through a stack of decoder layers; each layer is a block."""
+
+    def __init__(self, n_layers, d, ff, heads, vocab):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, ff, heads) for _ in range(n_layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
 
 
 def train(rank: int, world: int, steps: int, accumulate: int, owners: bool = False) -> None:
@@ -63,7 +110,7 @@ def train(rank: int, world: int, steps: int, accumulate: int, owners: bool = Fal
             for m, sync in ((model, pager.of(model).no_sync), (ddp, ddp.no_sync if ddp else None)):
                 if m is None:
                     continue
-                with (sync() if not last else contextlib.nullcontext()):
+                with sync() if not last else contextlib.nullcontext():
                     logits = m(ids[:, :-1])
                     loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) / accumulate
                     loss.backward()
@@ -78,14 +125,17 @@ def train(rank: int, world: int, steps: int, accumulate: int, owners: bool = Fal
             print(f"step {step}: loss {loss.item() * accumulate:.4f}, {time.perf_counter() - t0:.2f} s")
     s = pager.of(model).stats()
     if rank == 0:
-        print(f"{world} ranks: {s.reductions} block reductions, {s.reduced_bytes / 1e9:.3f} GB averaged per rank; "
-              f"peak blocks on the device {s.peak_resident_bytes / 2**20:.1f} MiB")
+        print(
+            f"{world} ranks: {s.reductions} block reductions, {s.reduced_bytes / 1e9:.3f} GB averaged per rank; "
+            f"peak blocks on the device {s.peak_resident_bytes / 2**20:.1f} MiB"
+        )
     if owners:
         state = opt.state_dict()  # (every rank: gathered from the blocks' owners)
         if ddp is not None:
             ref = ddp_opt.state_dict()["state"]
-            assert all(torch.equal(v, ref[i][k]) for i, e in state["state"].items() for k, v in e.items()), \
+            assert all(torch.equal(v, ref[i][k]) for i, e in state["state"].items() for k, v in e.items()), (
                 "pager's gathered optimizer state and DDP's disagree"
+            )
     if ddp is not None:
         for p, q in zip(model.parameters(), ddp.module.parameters()):
             assert torch.equal(p.detach().clone(), q.detach()), "pager and DDP disagree"
@@ -117,10 +167,13 @@ def main():
         return
     world = 2
     init = os.path.join(tempfile.mkdtemp(), "init")
-    print(f"not started by torchrun: running {world} local ranks (gloo, "
-          f"{'GPU' if torch.cuda.is_available() else 'CPU device'})")
-    torch.multiprocessing.spawn(_spawned, args=(world, init, args.steps, args.accumulate, args.block_owners),
-                                nprocs=world)
+    print(
+        f"not started by torchrun: running {world} local ranks (gloo, "
+        f"{'GPU' if torch.cuda.is_available() else 'CPU device'})"
+    )
+    torch.multiprocessing.spawn(
+        _spawned, args=(world, init, args.steps, args.accumulate, args.block_owners), nprocs=world
+    )
 
 
 if __name__ == "__main__":

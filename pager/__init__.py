@@ -4,7 +4,7 @@
 
 The public API is what this module exports. The subpackages are the layers
 beneath it, bottom up: codec, base, engine, then training, rows and observe,
-then model, then api (docs/architecture.md).
+then model, then api (docs/DESIGN.md).
 """
 
 from .api.load import load, save
@@ -20,6 +20,9 @@ from .observe.stats import BlockStats, PoolStats, Stats
 from .training.optim import install_global_hook as _install_global_hook
 
 _install_global_hook()
+
+
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "wrap",
@@ -40,4 +43,3 @@ __all__ = [
     "parse_budget",
     "format_bytes",
 ]
-__version__ = "0.1.0"

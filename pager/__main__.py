@@ -1,5 +1,7 @@
 """python -m pager plan <module:factory> --budget 10GiB [--device cuda] [--blocks A,B] [--inputs 4x1024:int64]
-[--master-weights]"""
+[--master-weights]
+
+python -m pager --version"""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import sys
 
 
 def main(argv=None) -> int:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="python -m pager")
+    ap.add_argument("--version", action="version", version=f"pager {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show what paging a model under a budget will do, before any GPU work")
     p.add_argument("factory", help="module:callable that returns the model, e.g. mypkg.models:build")

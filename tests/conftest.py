@@ -1,20 +1,46 @@
 import logging
 import os
+import random
 import sys
+import threading
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+LEFT_THREAD_SECONDS = 10.0  # how long a thread a test started may take to end after it
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle",
+        metavar="SEED",
+        default=os.environ.get("PAGER_TEST_SHUFFLE"),
+        help="run the tests in an order shuffled from SEED ('random': a new seed, reported at the end); "
+        "also PAGER_TEST_SHUFFLE. The suite must pass in any order.",
+    )
+
 
 def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle")
+    if seed:
+        if seed == "random":
+            seed = str(random.SystemRandom().randrange(1 << 32))
+        config.shuffle_seed = seed
+        random.Random(seed).shuffle(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    seed = getattr(config, "shuffle_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"tests ran in a shuffled order: again with --shuffle {seed}")
 
 
 @pytest.fixture(autouse=True)
@@ -32,6 +58,33 @@ def _unwrap_leftovers():
 
     for model in list(_PAGERS.keys()):
         pager.unwrap(model)
+
+
+@pytest.fixture(autouse=True)
+def _no_state_for_the_next_test():
+    """What one test leaves must not change the next: a thread it started
+    and left running would put the next test's pagers in the shared mode
+    (base/threads.py), and compiled code and dynamo's caches would be
+    reused. Threads left are joined (a test that leaves one running fails),
+    and dynamo is reset after a test that compiled."""
+    before, graphs = set(threading.enumerate()), _graphs_compiled()
+    yield
+    from pager.base.threads import other_threads
+
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    for t in left:
+        t.join(LEFT_THREAD_SECONDS / max(1, len(left)))
+    if any(t.is_alive() for t in left) and other_threads():
+        names = sorted(t.name for t in left if t.is_alive())
+        pytest.fail(f"the test left threads running: {names}; stop and join them in the test", pytrace=False)
+    if _graphs_compiled() != graphs:
+        sys.modules["torch._dynamo"].reset()
+
+
+def _graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process (0 before it is imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["stats"]["unique_graphs"] if utils is not None else 0
 
 
 @pytest.fixture
