@@ -70,19 +70,20 @@ def bench_forward(args, rows, gbps):
             with torch.no_grad():
                 m(x)
             torch.cuda.synchronize()
-            results[("pager", compiled)] = (ms, pg.stats().h2d_bytes)
+            # (the shared mode: another thread counted as a user of the tensors, base/threads.py)
+            results[("pager", compiled)] = (ms, pg.stats().h2d_bytes, pg.shared_mode)
             pager.unwrap(m)
             del m
             free_cuda()
         for compiled in (False, True):
             label = "compiled" if compiled else "eager"
             gpu_ms = results[("gpu", compiled)]
-            ms, moved = results[("pager", compiled)]
+            ms, moved, shared = results[("pager", compiled)]
             floor = moved / (gbps * 1e6)
             rows.append(Row(w, f"all on GPU, {label}", gpu_ms, None, 1.0, "itself"))
             rows.append(Row(w, f"pager {budget_layers} layers, {label}", ms, None, ms / gpu_ms,
                             f"all on GPU, {label}", f"{ms / max(floor, 1e-9):.2f}x the floor of the "
-                            f"{moved / 1e9:.2f} GB it streams"))
+                            f"{moved / 1e9:.2f} GB it streams; shared mode {shared}"))
             print(rows[-2], rows[-1], sep="\n")
 
 

@@ -69,12 +69,12 @@ def _no_state_for_the_next_test():
     and dynamo is reset after a test that compiled."""
     before, graphs = set(threading.enumerate()), _graphs_compiled()
     yield
-    from pager.base.threads import other_threads
+    from pager.base.threads import not_a_user
 
-    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    left = [t for t in threading.enumerate() if t not in before and not not_a_user(t)]
     for t in left:
-        t.join(LEFT_THREAD_SECONDS / max(1, len(left)))
-    if any(t.is_alive() for t in left) and other_threads():
+        t.join(LEFT_THREAD_SECONDS / len(left))
+    if any(t.is_alive() for t in left):
         names = sorted(t.name for t in left if t.is_alive())
         pytest.fail(f"the test left threads running: {names}; stop and join them in the test", pytrace=False)
     if _graphs_compiled() != graphs:

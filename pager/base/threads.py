@@ -41,13 +41,14 @@ def other_threads() -> bool:
     for t in threading.enumerate():
         if t is me or t in _HARMLESS:
             continue
-        if not _not_a_user(t):
+        if not not_a_user(t):
             return True
         _HARMLESS.add(t)
     return False
 
 
-def _not_a_user(t: threading.Thread) -> bool:
+def not_a_user(t: threading.Thread) -> bool:
+    """Whether `t` is a thread known never to touch a model's tensors (see the Note)."""
     if t.name.startswith(WORKER_PREFIX):
         return True
     if t.name == "tqdm_monitor" and type(t).__name__ == "TMonitor":
