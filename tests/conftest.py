@@ -71,7 +71,11 @@ def _no_state_for_the_next_test():
     yield
     from pager.base.threads import not_a_user
 
-    left = [t for t in threading.enumerate() if t not in before and not not_a_user(t)]
+    left = [
+        t
+        for t in threading.enumerate()
+        if t not in before and not not_a_user(t) and not isinstance(t, threading._DummyThread)
+    ]  # (a dummy thread stands for a thread not started by Python, autograd's device threads: none to join)
     for t in left:
         t.join(LEFT_THREAD_SECONDS / len(left))
     if any(t.is_alive() for t in left):
