@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from quantized import QuantizedWeight, quantize, quantized_bytes
+from test_adapters import written_back_by_kind
 
 import pager
 from pager.base.wrappers import nbytes_of
-from quantized import QuantizedWeight, quantize, quantized_bytes
-from test_adapters import written_back_by_kind
 
 
 class Layer(nn.Module):
@@ -173,8 +173,9 @@ def test_compress_leaves_quantized_weights_as_they_are():
     pager.wrap(model, budget=streaming_budget(model, 2), device="cpu", compress="int4")
     pg = pager.of(model)
     quantized_segs = [b.weights for b in pg.blocks if b.quantized]
-    assert quantized_segs and all(seg.encoded is None or all(
-        piece.kind == "raw" for piece in seg.encoded.pieces) for seg in quantized_segs)
+    assert quantized_segs and all(
+        seg.encoded is None or all(piece.kind == "raw" for piece in seg.encoded.pieces) for seg in quantized_segs
+    )
     assert any(b.weights.encoded is not None for b in pg.blocks if not b.quantized)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
     assert torch.equal(forward(model[:4], x), forward(ref[:4], x))
@@ -204,6 +205,29 @@ def test_quantized_weights_under_another_thread():
 
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_quantized_blocks_compile(how):
+    compiles_like_unwrapped(how)
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_quantized_blocks_compile_in_the_shared_mode(how):
+    """Issue 62: with another thread (a DataLoader's pin-memory thread) a
+    weight in use keeps its guard class, and torch.compile fakeifies it as
+    such ([Note: guard-class wrappers pager did not guard] in base/guards.py)."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        pg = compiles_like_unwrapped(how)
+        assert pg.shared_mode and pg.stats().on_demand == 0
+    finally:
+        stop.set()
+        other.join()
+
+
+def compiles_like_unwrapped(how):
+    """Compiled by blocks or whole, the paged model gives the compiled
+    unwrapped one's results bit for bit, and nothing compiles again as blocks
+    page. Returns the model's Pager."""
     dynamo = pytest.importorskip("torch._dynamo")
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -216,6 +240,7 @@ def test_quantized_blocks_compile(how):
         for layer in ref:
             layer.compile(backend="aot_eager")
     pager.wrap(model, budget=streaming_budget(model), device="cpu")
+    pg = pager.of(model)
     if how == "whole":
         model, ref = torch.compile(model, backend=counter), torch.compile(ref, backend="aot_eager")
     forward(model, inputs())
@@ -224,6 +249,66 @@ def test_quantized_blocks_compile(how):
         assert torch.equal(forward(model, inputs(seed)), forward(ref, inputs(seed)))
     assert counter.frame_count == frames  # nothing compiled again as blocks page
     dynamo.reset()
+    return pg
+
+
+def test_a_guarded_quantized_weight_prints_in_the_shared_mode():
+    """Paged out, in use by this thread (still guarded: printing it opens its
+    block to no other thread), and as torch.compile's fake of it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, ref = stack(), stack()
+    pager.wrap(model, budget=streaming_budget(model), device="cpu")
+    printed = {}
+
+    def in_use(m, args):
+        printed["in use"] = repr(m.weight)
+        printed["class after"] = type(m.weight).__name__
+        printed["fake"] = repr(FakeTensorMode().from_tensor(m.weight))
+
+    model[1].up.register_forward_pre_hook(in_use)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        forward(model, inputs())
+        assert pager.of(model).shared_mode
+        paged_out = model[1].up.weight
+        assert type(paged_out).__name__ == "GuardedQuantizedWeight"
+        assert repr(paged_out) == printed["in use"] == repr(ref[1].up.weight)
+        assert printed["class after"] == "GuardedQuantizedWeight"
+        assert printed["fake"].startswith("QuantizedWeight(qdata=FakeTensor(")
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_only_views_let_go_at_unwrap_are_refused():
+    """A wrapper of a guard class that pager did not guard (a copy made in a
+    use in the shared mode) is no orphan; a view of a page kept across
+    `pager.unwrap` is, with a clear error."""
+    model, ref = stack(), stack()
+    pager.wrap(model, budget=streaming_budget(model), device="cpu")
+    copies = []
+    model[0].up.register_forward_pre_hook(lambda m, args: copies.append(m.weight.clone()))
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        forward(model, inputs())
+        view = model[0].up.weight.detach()  # paged out by now: a view of its page
+    finally:
+        stop.set()
+        other.join()
+    expected = F.linear(inputs(), ref[0].up.weight)
+    assert type(copies[0]).__name__ == "GuardedQuantizedWeight"
+    assert torch.equal(F.linear(inputs(), view), expected)
+    pager.unwrap(model)
+    assert torch.equal(F.linear(inputs(), copies[0]), expected) and repr(copies[0]).startswith("QuantizedWeight(")
+    with pytest.raises(RuntimeError, match="unwrap"):
+        F.linear(inputs(), view)
+    with pytest.raises(RuntimeError, match="unwrap"):
+        repr(view)
 
 
 class Opaque(torch.Tensor):
@@ -259,8 +344,9 @@ def test_a_subclass_pager_cannot_page_is_refused_before_anything_changes(case):
         wanted = "QuantizedWeight.*requires grad.*requires_grad_\\(False\\)"
     else:
         inner = QuantizedWeight.of(torch.randn(128, 64))
-        lin.weight = nn.Parameter(Nested(inner.qdata, QuantizedWeight.of(inner.scale.repeat(1, 8)), torch.float32),
-                                  requires_grad=False)
+        lin.weight = nn.Parameter(
+            Nested(inner.qdata, QuantizedWeight.of(inner.scale.repeat(1, 8)), torch.float32), requires_grad=False
+        )
         wanted = "Nested.*inner tensor 'scale'"
     before = [type(p) for p in model.parameters()]
     with pytest.raises(ValueError, match=wanted):
@@ -309,8 +395,9 @@ def test_torchao_int8_base_trains_adapters_bit_for_bit():
         model = adapted()
         for m in model:
             m.base.weight = nn.Parameter(m.base.weight.dequantize())
-        quantization.quantize_(model, quantization.Int8WeightOnlyConfig(),
-                               filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
+        quantization.quantize_(
+            model, quantization.Int8WeightOnlyConfig(), filter_fn=lambda m, _fqn: isinstance(m, nn.Linear)
+        )
         return model
 
     model, ref = make(), make()

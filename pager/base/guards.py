@@ -52,6 +52,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .block import storage_key
 from .common import outside_compile
@@ -137,6 +138,8 @@ _METADATA = (
             "__len__",
             "_is_view",
             "is_inference",
+            "is_conj",
+            "is_neg",
             "__dir__",
             "__hash__",
             "_fix_weakref",
@@ -309,25 +312,52 @@ def _plain_torch_function(cls) -> bool:
     return tf in {getattr(f, "__func__", f) for f in _PLAIN_TORCH_FUNCTIONS}
 
 
+# [Note: guard-class wrappers pager did not guard]
+# A wrapper subclass makes new wrappers in the class it is called with:
+# `__tensor_unflatten__` as `cls(...)`, its kernels as `self.__class__(...)`.
+# So a guarded quantized weight begets objects of its guard class that pager
+# never swapped: torch.compile's fake of it (meta_utils rebuilds a wrapper by
+# `type(t).__tensor_unflatten__` and then asks the fake `is_conj()`,
+# `_is_view()`, ...: in the shared mode a weight in use keeps its guard, so
+# this happens at every compile), and what its kernels return to a pinning
+# thread (`w.clone()`, `w.t()`). Such an object has the guard's class but
+# none of its reasons. One that holds no page's bytes (a fake, a copy)
+# belongs to no block: it runs as its own class, with nothing to serve. One
+# that aliases a page is found by its storage (`entry_of`) and served like
+# any view of it, and remembered where found (`_swap_to_guard` takes it as it
+# is). So "no block" does not mean "orphaned": only views pager itself
+# guarded and let go at unwrap (`release` puts them in ORPHANS) are refused.
+# Its repr is printed in its own class (`_own_repr`): through the guard it
+# would call itself.
+ORPHANS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # views whose segment went at unwrap (`release`)
+_ORPHANED_WRAPPER = (
+    "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
+    "the model's tensors have their own memory since, and this view has none. Take the view again "
+    "from the unwrapped model."
+)
+
+
 def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     """A paged-out quantized weight: metadata from the wrapper itself, every
     other access with its block acquired and its tensors in their own classes,
     so the wrapper's own `__torch_function__` and kernels run (its inner
-    tensors' guards would not see what runs below its `__torch_dispatch__`)."""
+    tensors' guards would not see what runs below its `__torch_dispatch__`).
+    One of its guard class that no block owns runs as its own class ([Note:
+    guard-class wrappers pager did not guard])."""
     kwargs = kwargs or {}
     if func in _METADATA:
         return handle(func, args, kwargs)
     tensors = _tensors_of(args, kwargs)
-    if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
-        raise RuntimeError(
-            "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
-            "the model's tensors have their own memory since, and this view has none. Take the view again "
-            "from the unwrapped model."
-        )
-    if func in _DETACH:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
+    if any(type(t) in GUARD_TYPES and t in ORPHANS for t in tensors):
+        raise RuntimeError(_ORPHANED_WRAPPER)
+    paged = [t for t in tensors if type(t) in STAND_INS or (type(t) in GUARD_TYPES and entry_of(t) is not None)]
+    if func in _DETACH and paged:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
         return _detached_wrapper(args[0])
-    if _unserved(tensors) == []:  # its block is pinned by this thread (shared mode: in use, still guarded)
-        own = cls.guarded_class  # (its inner tensors pass their guards unserved too)
+    # No guarded tensor of a block, or their blocks pinned by this thread
+    # (shared mode: in use, still guarded; their inner tensors pass their
+    # guards unserved too): the wrapper's own `__torch_function__` runs.
+    if not paged or _unserved(paged) == []:
+        own = cls.guarded_class
         return own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
     return _serve_owners(owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
 
@@ -356,7 +386,26 @@ def unguarded_class(t):
 
 
 def _wrapper_repr(self):
-    return serve(lambda: repr(self), [self], expose=True)  # (in its own class: a subclass may print type(self))
+    if self in ORPHANS:
+        raise RuntimeError(_ORPHANED_WRAPPER)
+    if _unserved([self]) == []:  # its block pinned by this thread (shared mode): a serving would open it to all
+        return _own_repr(self)
+    return serve(lambda: _own_repr(self), [self], expose=True)  # (in its own class: a subclass may print type(self))
+
+
+def _own_repr(t) -> str:
+    """repr of wrapper `t` in its own class: given back by the serving, or,
+    for one of its guard class that pager did not guard (no block's, or not
+    among its segment's tensors and views: [Note: guard-class wrappers pager
+    did not guard]), for the duration of the call."""
+    guard = type(t)
+    if guard not in GUARD_TYPES:
+        return repr(t)
+    t.__class__ = guard.guarded_class
+    try:
+        return repr(t)
+    finally:
+        t.__class__ = guard
 
 
 # [Note: the class of a tensor in use]
@@ -496,13 +545,15 @@ def release(seg) -> None:
     seg.exposed = True
     for ref, _cls in seg.aliases:
         t = ref()
-        if t is not None and type(t) not in GUARD_TYPES:
-            _swap_to_guard(t)
+        if t is not None:
+            if type(t) not in GUARD_TYPES:
+                _swap_to_guard(t)
+            ORPHANS[t] = True
     unregister(seg)
 
 
 def _swap_to_guard(t):
-    cls = own_class(t)
+    cls = unguarded_class(t) if type(t) in GUARD_TYPES else own_class(t)  # (a wrapper a guarded one made)
     guard = guard_class(cls)
     if guard is None:
         return None
@@ -527,6 +578,8 @@ def handle(func, args, kwargs):
     if sleepers is not None:
         if func == _DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
             entry_of(args[0])[2].force_dirty = True
+        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # printed from a copy, as served below
+            func, args = _printed, (func, *args)
         result = _run_unserved(func, args, kwargs, sleepers)
         if result is not _WOKE:
             return result
@@ -551,9 +604,7 @@ def handle(func, args, kwargs):
     if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
         # Printed from a copy, so the guard's class name does not show (a
         # stand-in's: of the gradient it stands for, back on the device).
-        return serve(
-            lambda: func(_unguarded_clone(_real(args[0]), keep_requires_grad=True), *args[1:], **kwargs), [args[0]]
-        )
+        return serve(lambda: _printed(func, *args, **kwargs), [args[0]])
     if func in _NUMPY:
         # numpy() shares memory, which a page cannot (its storage must stay
         # resizable): a read-only copy, so a write through it is an error.
@@ -703,6 +754,10 @@ def _paged_out_view(func, args, kwargs):
             if entry is not None and id(r) not in TENSORS:
                 remember_alias(entry[2], r)
     return result
+
+
+def _printed(func, t, *args, **kwargs):
+    return func(_unguarded_clone(_real(t), keep_requires_grad=True), *args, **kwargs)
 
 
 def _unguarded_clone(t, keep_requires_grad=False):
