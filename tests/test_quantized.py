@@ -311,6 +311,35 @@ def test_only_views_let_go_at_unwrap_are_refused():
         repr(view)
 
 
+def test_a_view_a_weights_kernel_made_in_a_use_is_tracked_with_its_page():
+    """In the shared mode a weight in use keeps its guard class, so its own
+    kernels return views of its page in that class (`aten.detach` in a hook).
+    Such a view is tracked with the page: used later it is served (equal to
+    the unwrapped weight, no recursion), and after `pager.unwrap`, when the
+    page's storage has gone, it refuses with the clear error (it had read a
+    storage of no bytes: a crash)."""
+    model, ref = stack(), stack()
+    pager.wrap(model, budget=streaming_budget(model), device="cpu")
+    kept = []
+    model[0].down.register_forward_pre_hook(lambda m, args: kept.append(torch.ops.aten.detach.default(m.weight)))
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        forward(model, inputs())
+        assert pager.of(model).shared_mode and type(kept[0]).__name__ == "GuardedQuantizedWeight"
+        x = torch.randn(2, kept[0].shape[1])
+        assert torch.equal(F.linear(x, kept[0]), F.linear(x, ref[0].down.weight))
+    finally:
+        stop.set()
+        other.join()
+    pager.unwrap(model)
+    with pytest.raises(RuntimeError, match="unwrap"):
+        F.linear(x, kept[0])
+    with pytest.raises(RuntimeError, match="unwrap"):
+        repr(kept[0])
+
+
 class Opaque(torch.Tensor):
     """A subclass with its own dispatch and no __tensor_flatten__: its bytes cannot be found."""
 

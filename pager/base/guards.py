@@ -59,7 +59,7 @@ from .common import outside_compile
 from .conversions import put_back_converted
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
 from .saving import saving
-from .wrappers import inner_tensors, is_wrapper
+from .wrappers import inner_tensors, is_wrapper, rebuilt
 
 
 # ------------------------------------------------------------- the classes
@@ -357,9 +357,34 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     # (shared mode: in use, still guarded; their inner tensors pass their
     # guards unserved too): the wrapper's own `__torch_function__` runs.
     if not paged or _unserved(paged) == []:
+        if not paged and any(_storage_gone(t) for t in tensors if type(t) in GUARD_TYPES):
+            raise RuntimeError(_ORPHANED_WRAPPER)  # (a view pager never saw, of a page gone at unwrap)
         own = cls.guarded_class
-        return own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
+        result = own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
+        if paged:
+            _remember_wrapper_views(result)
+        return result
     return _serve_owners(owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
+
+
+def _remember_wrapper_views(result) -> None:
+    """Wrappers of a guard class that the kernels of a weight in use by this
+    thread returned as views of its page (`aten.detach`, `w.t()`): tracked
+    like any view of the page, so that a later use is served and an unwrap
+    makes them refuse ([Note: guard-class wrappers pager did not guard])."""
+    for r in tree_leaves(result):
+        if type(r) in GUARD_TYPES and is_wrapper(r) and id(r) not in TENSORS:
+            entry = entry_of(r)
+            if entry is not None:
+                remember_alias(entry[2], r)
+
+
+def _storage_gone(t) -> bool:
+    """Whether wrapper `t` has an inner tensor whose storage holds no bytes
+    (a page's, released since) though it has elements."""
+    return is_wrapper(t) and any(
+        inner.numel() > 0 and inner.untyped_storage().nbytes() == 0 for _n, inner in inner_tensors(t)
+    )
 
 
 _DETACH = {torch.Tensor.detach, torch.detach}
@@ -397,15 +422,13 @@ def _own_repr(t) -> str:
     """repr of wrapper `t` in its own class: given back by the serving, or,
     for one of its guard class that pager did not guard (no block's, or not
     among its segment's tensors and views: [Note: guard-class wrappers pager
-    did not guard]), for the duration of the call."""
+    did not guard]), printed from a copy of the wrapper."""
     guard = type(t)
     if guard not in GUARD_TYPES:
         return repr(t)
-    t.__class__ = guard.guarded_class
-    try:
-        return repr(t)
-    finally:
-        t.__class__ = guard
+    # A new wrapper of its own class around the same inner tensors: `t`'s own
+    # class never changes, so no other thread sees it unguarded meanwhile.
+    return repr(rebuilt(t, dict(inner_tensors(t)), guard.guarded_class))
 
 
 # [Note: the class of a tensor in use]

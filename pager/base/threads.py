@@ -4,6 +4,7 @@ threads] in base/guards.py)."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -21,15 +22,22 @@ from .common import WORKER_PREFIX
 # - pager's own workers (named with WORKER_PREFIX);
 # - tqdm's monitor, started with the first progress bar (transformers'
 #   `save_pretrained`, inductor's compile) and kept for the process;
-# - torch's own: inductor's compile pool (a ThreadPoolExecutor that
-#   `AsyncCompile` keeps once a graph has compiled), and threads whose target
-#   is torch code (the subprocess pool's reader). They run compilers, never
-#   a user's function.
+# - torch's own, which run compilers and batches, never a user's function:
+#   inductor's compile pool (a ThreadPoolExecutor that `AsyncCompile` keeps
+#   once a graph has compiled), threads whose target is a function of
+#   inductor's (its subprocess pool's reader), and a DataLoader's pin-memory
+#   thread (it pins batches; the most common second thread in training).
+#   Only those modules: a thread whose target is other torch code (`torch.save`
+#   of a state dict, `opt.step`, a module's forward) may well read weights.
 # Anything else counts, the user's own thread pools included: a thread we
 # cannot place is a possible user, and the shared mode is the safe answer.
+# (This thread is found by its id, not `current_thread()`, which would make a
+# lasting dummy Thread for a thread Python did not start, as autograd's
+# device threads are, that every later look would count.)
 # A thread found harmless is remembered (weakly), so a use that finds the
 # same threads again does not look at them again.
 _HARMLESS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_TORCH_THREAD_MODULES = ("torch._inductor.", "torch.utils.data._utils.pin_memory")
 
 
 def other_threads() -> bool:
@@ -37,9 +45,9 @@ def other_threads() -> bool:
     model's tensors (see the Note)."""
     if threading.active_count() == 1:
         return False
-    me = threading.current_thread()
+    me = threading.get_ident()
     for t in threading.enumerate():
-        if t is me or t in _HARMLESS:
+        if t.ident == me or t in _HARMLESS:
             continue
         if not not_a_user(t):
             return True
@@ -54,8 +62,10 @@ def not_a_user(t: threading.Thread) -> bool:
     if t.name == "tqdm_monitor" and type(t).__name__ == "TMonitor":
         return True
     target = getattr(t, "_target", None)  # (Thread's own attribute, kept while it runs)
-    if (getattr(target, "__module__", None) or "").startswith("torch."):
-        return True
+    if inspect.isroutine(target):
+        module = getattr(getattr(target, "__func__", target), "__module__", None) or ""
+        if module.startswith(_TORCH_THREAD_MODULES):
+            return True
     return target is _futures_thread._worker and _in_torch_pool(t)
 
 
