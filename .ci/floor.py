@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-import tomllib
+import tomllib  # (run by the host's python3, 3.11 or later; the floor run's Python may be older)
 
 root = Path(__file__).resolve().parent.parent
 project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
