@@ -210,8 +210,8 @@ def test_quantized_blocks_compile(how):
 
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_quantized_blocks_compile_in_the_shared_mode(how):
-    """Issue 62: with another thread (a DataLoader's pin-memory thread) a
-    weight in use keeps its guard class, and torch.compile fakeifies it as
+    """Issue 62: with another thread of the user's (a request server, a loader
+    thread) a weight in use keeps its guard class, and torch.compile fakeifies it as
     such ([Note: guard-class wrappers pager did not guard] in base/guards.py)."""
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
