@@ -250,6 +250,34 @@ def test_exception_in_forward_leaves_pager_consistent(exc):
     assert_models_equal(model, ref)
 
 
+def test_a_forward_interrupted_by_keyboardinterrupt_leaves_no_hooks_on_for_later_autograd(caplog):
+    """A KeyboardInterrupt skips the root's always-called post-hook ([Note: a
+    forward interrupted] in model/hooks.py): the next forward ends what it
+    left, so pager's saved-tensor hooks are not left on for every later
+    autograd op of the thread, and training goes on equal to unwrapped."""
+    from pager.base import saving
+
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    faulty = Faulty(model)
+    pager.wrap(faulty, budget=regime_budget(model, "streams"), device="cpu")
+    faulty.exc, faulty.fail_forward_at = KeyboardInterrupt, 1
+    with pytest.raises(KeyboardInterrupt):
+        faulty(torch.randint(0, 64, (2, 8)))
+    faulty.fail_forward_at = None
+    with caplog.at_level("WARNING", logger="pager"):
+        ids, tgt = batches(1)[0]
+        loss, ref_loss = lm_loss(faulty, ids, tgt), lm_loss(ref, ids, tgt)
+    assert "interrupted" in caplog.text
+    assert saving._top_hooks() is None and saving.depth() == 0 and pager.of(faulty).hooks.root_depth == 0
+    loss.backward()
+    ref_loss.backward()
+    consistent(faulty)
+    pager.unwrap(faulty)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
+
+
 def test_exception_in_backward_then_training_goes_on():
     model = TinyLM()
     ref = copy.deepcopy(model)

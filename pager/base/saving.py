@@ -85,6 +85,19 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
     stack.append(frame)
 
 
+def depth() -> int:
+    """How many `begin_saving` frames this thread has open."""
+    return len(getattr(tls, "stack", ()))
+
+
+def end_saving_to(n: int) -> None:
+    """Close this thread's frames above the first `n`: those of a forward
+    that an exception other than `Exception` (a KeyboardInterrupt) ended
+    without its post-hooks ([Note: a forward interrupted] in model/hooks.py)."""
+    while depth() > n:
+        end_saving()
+
+
 def end_saving():
     """Close the matching `begin_saving`. Returns its frame: `hooks` says
     which hooks were on: `OURS` (autograd's saved views of blocks were

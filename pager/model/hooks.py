@@ -6,6 +6,7 @@ accumulate go into their pages through `GradPages.on_grad`
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -54,6 +55,17 @@ def _keeps_graph() -> bool:
     """The backward running now keeps its graph (`retain_graph=True`); True where torch cannot say."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if keep is None else keep()
+
+
+def _calls_of(module) -> int:
+    """How many calls of `module` are on this thread's Python stack (each
+    enters `Module._wrapped_call_impl`, `__call__`)."""
+    calls, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrapped_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1
+        frame = frame.f_back
+    return calls
 
 
 class Hooks:
@@ -218,6 +230,9 @@ class Hooks:
     def _root_pre_forward(self, module, args):
         if activations.recomputing():
             return  # a block whose forward runs again is not a new forward
+        if self.forward_marks():  # (a nested forward, or one interrupted: see the Note)
+            self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
+        self.forward_depths().append(saving.depth())
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
         acts = self.pager.activations if torch.is_grad_enabled() else None
@@ -265,11 +280,40 @@ class Hooks:
             self.pager.counters.resident_uses += len(self.pager.scheduler.plan)
         self.root_depth += 1
 
+    # [Note: a forward interrupted]
+    # Module calls run always-called forward hooks after an `Exception` only:
+    # a KeyboardInterrupt (Ctrl-C in a notebook) or SystemExit in a forward
+    # skips the root's post-hook, leaving its saving frame (pager's
+    # saved-tensor hooks on for every later autograd op of the thread, any
+    # model's) and its marks. The next root forward of this thread finds
+    # more marks than calls of the root on its stack, besides its own (a
+    # nested forward has its outer call there: looked for only when a mark
+    # is left, a walk of the Python stack) and ends the extra ones as their
+    # post-hook would have: the frames above each one's depth first.
+    # (A block interrupted in its own forward keeps its pin: its post-hook
+    # did not run either, and nothing says which use it was.)
+    def _end_interrupted_forwards(self, module, n: int) -> None:
+        if n <= 0:
+            return
+        log.warning("pager: a forward of %s ended without its hooks (interrupted): its state is reset", self.pager.name)
+        for _ in range(n):
+            saving.end_saving_to(self.forward_depths()[-1] + 1)
+            self._root_post_forward(module, (), {}, None)
+
+    def forward_depths(self) -> list:
+        # Per thread: the saving depth at each root forward in flight.
+        depths = getattr(self.pager.thread_state, "depths", None)
+        if depths is None:
+            depths = self.pager.thread_state.depths = []
+        return depths
+
     @_locked
     def _root_post_forward(self, module, args, kwargs, output):
         if activations.recomputing():
             return
         saving.end_saving()
+        if self.forward_depths():
+            self.forward_depths().pop()
         self.root_depth = max(0, self.root_depth - 1)
         if self.root_depth == 0:
             self.pager.host_steps.forward_ends()
