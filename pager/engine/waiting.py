@@ -12,6 +12,10 @@ waiting cannot help: the room is held by this thread alone, or by nothing
 that will be released (views kept, a graph held), or every thread holding
 room is itself waiting (a deadlock, broken by failing the thread that finds
 it); and after `wait_seconds` with a BudgetError that says who holds what.
+A waiting thread counts as waiting only while its block still misses bytes:
+threads that pinned the same block wait together, and once one of them has
+brought it the others hold it resident while they wake (`_stuck`); counted
+as waiting, they made a deadlock out of a moment.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Waiters:
         self.wait_seconds = wait_seconds
         self.back = threading.Condition(engine.lock)  # notified when room may have come back
         self.queue: deque = deque()  # threads waiting for room, first come first
+        self.wanted: dict = {}  # thread waiting -> (block, kinds) it waits to bring
         self.waits = 0  # uses that waited for room
         self.waited_seconds = 0.0
         self.timeouts = 0
@@ -64,11 +69,12 @@ class Waiters:
                     if self.engine.room.make_room(missing, protect={block}):
                         return missing
                     holders = self._holders(me)
-                    if not holders or holders <= self.waiting:
+                    if not holders or holders <= self._stuck():
                         self.engine.room.raise_no_room(block, missing, deadlock=bool(holders))
                 if started is None:
                     started = time.monotonic()
                     self.queue.append(me)
+                    self.wanted[me] = (block, kinds)
                     self.waits += 1
                 left = started + self.wait_seconds - time.monotonic()
                 if left <= 0:
@@ -79,7 +85,15 @@ class Waiters:
             if started is not None:
                 self.waited_seconds += time.monotonic() - started
                 self.queue.remove(me)
+                del self.wanted[me]
                 self.back.notify_all()  # the next in the queue may try now
+
+    def _stuck(self) -> set:
+        """The waiting threads that still miss bytes. One whose block another
+        thread has brought meanwhile (both had pinned it: it is resident and
+        pinned for it too) goes on as soon as it wakes: it holds that block
+        but is no part of a deadlock."""
+        return {t for t, (block, kinds) in self.wanted.items() if block.missing_bytes(kinds)}
 
     def _held_by(self, thread) -> bool:
         return any(thread in b.thread_pins for b in self.engine.resident if not b.resident_for_life)
