@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 
 class Waiters:
@@ -37,8 +36,8 @@ class Waiters:
         self.engine = engine
         self.wait_seconds = wait_seconds
         self.back = threading.Condition(engine.lock)  # notified when room may have come back
-        self.queue: deque = deque()  # threads waiting for room, first come first
-        self.wanted: dict = {}  # thread waiting -> (block, kinds) it waits to bring
+        # Threads waiting for room, first come first: thread -> (block, kinds) it waits to bring.
+        self.queue: dict = {}
         self.waits = 0  # uses that waited for room
         self.waited_seconds = 0.0
         self.timeouts = 0
@@ -46,7 +45,7 @@ class Waiters:
     @property
     def waiting(self) -> set:
         """The threads waiting for room."""
-        return set(self.queue)
+        return set(self.queue)  # (its keys)
 
     def room_may_be_back(self) -> None:
         """Wake the uses waiting for room (a block went idle or left, a
@@ -65,7 +64,7 @@ class Waiters:
                 missing = block.missing_bytes(kinds)
                 if not missing:
                     return 0
-                if not self.queue or self.queue[0] == me or self._held_by(me):  # (no scan while none waits)
+                if not self.queue or next(iter(self.queue)) == me or self._held_by(me):  # (no scan while none waits)
                     if self.engine.room.make_room(missing, protect={block}):
                         return missing
                     holders = self._holders(me)
@@ -73,8 +72,7 @@ class Waiters:
                         self.engine.room.raise_no_room(block, missing, deadlock=bool(holders))
                 if started is None:
                     started = time.monotonic()
-                    self.queue.append(me)
-                    self.wanted[me] = (block, kinds)
+                    self.queue[me] = (block, kinds)
                     self.waits += 1
                 left = started + self.wait_seconds - time.monotonic()
                 if left <= 0:
@@ -84,8 +82,7 @@ class Waiters:
         finally:
             if started is not None:
                 self.waited_seconds += time.monotonic() - started
-                self.queue.remove(me)
-                del self.wanted[me]
+                del self.queue[me]
                 self.back.notify_all()  # the next in the queue may try now
 
     def _stuck(self) -> set:
@@ -93,7 +90,7 @@ class Waiters:
         thread has brought meanwhile (both had pinned it: it is resident and
         pinned for it too) goes on as soon as it wakes: it holds that block
         but is no part of a deadlock."""
-        return {t for t, (block, kinds) in self.wanted.items() if block.missing_bytes(kinds)}
+        return {t for t, (block, kinds) in self.queue.items() if block.missing_bytes(kinds)}
 
     def _held_by(self, thread) -> bool:
         return any(thread in b.thread_pins for b in self.engine.resident if not b.resident_for_life)

@@ -220,7 +220,8 @@ class Hooks:
                 block.mark_dirty()
 
     def forward_marks(self) -> list:
-        # Per thread: whether each root forward in flight started asleep.
+        # Per thread, for each root forward in flight: (whether it started
+        # asleep, how many saving frames were open below its own).
         marks = getattr(self.pager.thread_state, "marks", None)
         if marks is None:
             marks = self.pager.thread_state.marks = []
@@ -232,7 +233,6 @@ class Hooks:
             return  # a block whose forward runs again is not a new forward
         if self.forward_marks():  # (a nested forward, or one interrupted: see the Note)
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
-        self.forward_depths().append(saving.depth())
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
         acts = self.pager.activations if torch.is_grad_enabled() else None
@@ -271,7 +271,7 @@ class Hooks:
                 self.pager.steps.another_request()
             if self.pager.asleep and torch.is_grad_enabled() and not self._can_train_asleep():
                 self.wake()  # another thread's forward builds a graph: its blocks need their hooks
-        self.forward_marks().append(self.pager.asleep)
+        self.forward_marks().append((self.pager.asleep, saving.depth() - 1))  # (less the frame begun above)
         if self.pager.asleep:
             self.sleeping_forwards += 1
             me = threading.get_ident()
@@ -297,23 +297,14 @@ class Hooks:
             return
         log.warning("pager: a forward of %s ended without its hooks (interrupted): its state is reset", self.pager.name)
         for _ in range(n):
-            saving.end_saving_to(self.forward_depths()[-1] + 1)
+            saving.end_saving_to(self.forward_marks()[-1][1] + 1)
             self._root_post_forward(module, (), {}, None)
-
-    def forward_depths(self) -> list:
-        # Per thread: the saving depth at each root forward in flight.
-        depths = getattr(self.pager.thread_state, "depths", None)
-        if depths is None:
-            depths = self.pager.thread_state.depths = []
-        return depths
 
     @_locked
     def _root_post_forward(self, module, args, kwargs, output):
         if activations.recomputing():
             return
         saving.end_saving()
-        if self.forward_depths():
-            self.forward_depths().pop()
         self.root_depth = max(0, self.root_depth - 1)
         if self.root_depth == 0:
             self.pager.host_steps.forward_ends()
@@ -325,7 +316,7 @@ class Hooks:
                 self.pager.steps.recorder = None
         if self.root_depth == 0 and self.pager.outside is not None:
             self.pager.outside.forward_ended()  # ([Note: a budget that covers the process] in model/outside.py)
-        if marks and marks.pop():
+        if marks and marks.pop()[0]:  # (it started asleep)
             self.sleeping_forwards -= 1
             me = threading.get_ident()
             if self.sleeping_threads.get(me, 0) > 1:
