@@ -324,11 +324,13 @@ def _plain_torch_function(cls) -> bool:
 # none of its reasons. One that holds no page's bytes (a fake, a copy)
 # belongs to no block: it runs as its own class, with nothing to serve. One
 # that aliases a page is found by its storage (`entry_of`) and served like
-# any view of it, and remembered where found (`_swap_to_guard` takes it as it
-# is). So "no block" does not mean "orphaned": only views pager itself
-# guarded and let go at unwrap (`release` puts them in ORPHANS) are refused.
-# Its repr is printed in its own class (`_own_repr`): through the guard it
-# would call itself.
+# any view of it; one the kernels of a weight in use return is remembered
+# with the page at once (`_remember_wrapper_views`; `_swap_to_guard` takes it
+# as it is), so that unwrap can let it go. So "no block" does not mean
+# "orphaned": only views pager guarded and let go at unwrap (`release` puts
+# them in ORPHANS) are refused; `_storage_gone` catches a view of a page gone
+# that was never remembered. Its repr prints a copy in its own class
+# (`_own_repr`): through the guard it would call itself.
 ORPHANS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # views whose segment went at unwrap (`release`)
 _ORPHANED_WRAPPER = (
     "pager: this quantized tensor is a view of a paged block's storage taken before `pager.unwrap`; "
