@@ -19,31 +19,50 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pager
+from pager.base.budget import format_bytes
 from pager.training import activations as activations_module
 from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import SuperNet, TinyLM
 from test_training import batches, regime_budget, torch_clip, train
 
 
-def offloading(model, budget, policy="offload", **kwargs):
+LM_BATCH = torch.zeros(2, 8, dtype=torch.long)  # (the shape of test_training's batches)
+
+
+def offloading(model, budget, policy="offload", inputs=None, **kwargs):
+    """Wrap `model` under `policy`, activations of any size offloaded; with
+    `inputs` (a batch), the budget is `budget` for blocks plus what
+    activations hold under `policy` in a training pass with it (its
+    prediction: [Note: what each policy holds, predicted])."""
+    if inputs is not None:
+        budget += activations_room(model, inputs, policy)
     pager.wrap(model, budget=budget, device="cpu", activations=policy, **kwargs)
     pager.of(model).activations.offload.min_bytes = 0  # these models' activations are a few KiB
     return pager.of(model)
+
+
+def activations_room(model, inputs, policy="auto"):
+    """What activations hold at most under `policy` ("auto": the most of
+    any it may choose) in a training pass of `model` on `inputs`, offloading
+    activations of any size, on the CPU device."""
+    saved = pager.plan(model, 1 << 30, device="cpu", inputs=inputs).saved
+    policies = [policy] if policy != "auto" else ["offload, views kept", "offload", "recompute"]
+    return max(saved.peak(p, min_bytes=0, copies=False) for p in policies)
 
 
 def assert_acted(p, policy, backwards=1):
     """The policy did its work: activations left and came back (each once per
     backward), or blocks' forwards ran again in the backward."""
     s = p.stats()
-    if policy in ("offload", "auto"):
-        assert s.activations_sent_bytes > 0 and (s.recomputes == 0) == (policy == "offload")
+    if policy == "auto":
+        policy = s.activations_policy  # (chosen before the first pass, from the measure on fake tensors)
+        assert policy in ("offload", "recompute")
+    if policy == "offload":
+        assert s.activations_sent_bytes > 0 and s.recomputes == 0
         # (each comes back once a backward: copied in, or used where it still was)
         assert s.activations_brought_bytes + s.activations_reused_bytes == backwards * s.activations_sent_bytes
-    if policy in ("recompute", "auto"):
-        assert s.recomputes > 0 and s.activations_recomputed_bytes > 0
-        assert (s.activations_sent_bytes == 0) == (policy == "recompute")
-    if policy == "auto":
-        assert s.activations_policy in ("offload", "recompute")  # tried both, chose
+    if policy == "recompute":
+        assert s.recomputes > 0 and s.activations_recomputed_bytes > 0 and s.activations_sent_bytes == 0
 
 
 @pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
@@ -52,7 +71,7 @@ def assert_acted(p, policy, backwards=1):
 def test_training_with_activations_paged_matches_unwrapped(policy, regime, autocast):
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, regime), policy)
+    p = offloading(model, regime_budget(model, regime), policy, inputs=LM_BATCH)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = batches(6)
@@ -72,8 +91,9 @@ def test_training_with_activations_paged_matches_unwrapped(policy, regime, autoc
         assert s.activations_ahead_bytes > 0  # brought at the block's pre-backward, before autograd asked
     if policy == "recompute":
         # Every layer but the last (its activations stay: the backward needs them
-        # first) ran again in each of the 9 backwards but the first (nothing known yet).
-        assert s.recomputes == 8 * (len(model.layers) - 1) + len(model.layers)
+        # first, known from the first pass on by the measure on fake tensors) ran
+        # again in each of the 9 backwards.
+        assert s.recomputes == 9 * (len(model.layers) - 1)
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
@@ -104,7 +124,7 @@ def test_activations_still_on_the_device_are_used_there(monkeypatch, cap_bytes):
     none done, all are. Bit for bit equal to the unwrapped model either way."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), inputs=LM_BATCH)
     copies_out_pending(p, monkeypatch, cap_bytes)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = batches(6)
@@ -149,7 +169,7 @@ def test_an_activation_changed_in_place_after_its_save_is_not_used_where_it_is(m
     ref = copy.deepcopy(model)
     for block in ref.layers:
         block.in_place = False
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), inputs=torch.zeros(64, 16))
     copies_out_pending(p, monkeypatch, 1 << 40)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
@@ -251,22 +271,22 @@ def test_batchnorm_running_statistics_count_each_batch_once(policy):
 def test_a_graph_kept_for_a_second_backward(policy):
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, "streams"), policy)
+    p = offloading(model, regime_budget(model, "streams"), policy, inputs=LM_BATCH)
     ids = batches(1)[0][0]
     for m in (model, ref):
         out = m(ids).float().pow(2).mean()
         out.backward(retain_graph=True)  # a second backward brings (or recomputes) the activations again
         out.backward()
     assert_acted(p, policy, backwards=2)
-    if policy == "recompute":
-        assert p.stats().recomputes == 2 * len(model.layers)
+    if policy == "recompute":  # (all but the last block, known from the measure before the first pass)
+        assert p.stats().recomputes == 2 * (len(model.layers) - 1)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
 
 
 def test_a_graph_dropped_unused_takes_its_host_copies():
     model = TinyLM()
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), inputs=LM_BATCH)
     ids = batches(1)[0][0]
     model(ids).sum().backward()
     s = p.stats()
@@ -285,7 +305,7 @@ def test_a_graph_dropped_unused_takes_its_host_copies():
 @pytest.mark.parametrize("policy", ["offload", "recompute"])
 def test_no_grad_forwards_and_the_keep_policy_send_nothing(policy):
     model = TinyLM()
-    p = offloading(model, regime_budget(model, "streams"), policy)
+    p = offloading(model, regime_budget(model, "streams"), policy, inputs=LM_BATCH)
     with torch.no_grad():
         model(batches(1)[0][0])
     assert p.stats().activations_sent_bytes == 0 and p.stats().recomputes == 0
@@ -311,7 +331,7 @@ def test_user_saved_tensor_hooks_win(policy):
     stand aside: the user's policy applies, and nothing is offloaded twice."""
     model = TinyLM()
     ref = copy.deepcopy(model)
-    p = offloading(model, regime_budget(model, "streams"), policy)
+    p = offloading(model, regime_budget(model, "streams"), policy, inputs=LM_BATCH)
     ids = batches(1)[0][0]
     for m in (model, ref):
         with torch.autograd.graph.save_on_cpu():
@@ -325,7 +345,7 @@ def test_the_last_blocks_activations_stay_on_the_device():
     """The backward needs the last block's activations first: from the second
     forward on (the order is known), they are not sent out and straight back."""
     model = TinyLM()
-    p = offloading(model, regime_budget(model, "streams"))
+    p = offloading(model, regime_budget(model, "streams"), inputs=LM_BATCH)
     ids = batches(1)[0][0]
     block_of = {b.module: b for b in p.blocks}
     model(ids).sum().backward()
@@ -363,7 +383,7 @@ def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward()
         # The memory, not the tensor object: autograd may hold an alias of it.
         layer.act.register_forward_hook(lambda m, a, out: wides.append(weakref.ref(out.untyped_storage())))
     x = torch.randn(8, 32)
-    model(x).sum().backward()  # learns the order: the last block is known from now on
+    model(x).sum().backward()  # (the last block is known from the first pass on: measured before it)
     wides.clear()
     out = model(x)
     gc.collect()
@@ -373,7 +393,7 @@ def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward()
         ref(x).sum().backward()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_same(a.grad, b.grad)
-    assert p.stats().recomputes == 4 + 3
+    assert p.stats().recomputes == 3 + 3
 
 
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "to-the-end"])
@@ -389,11 +409,11 @@ def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, m
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide(256) for _ in range(12)])  # parts of 1 MiB and more get blocks of their own
     ref = copy.deepcopy(model)
-    p = offloading(model, streams(model), policy)
+    p = offloading(model, streams(model), policy, inputs=torch.zeros(32, 256))
     assert {"1", "1.up", "1.down"} <= {b.name for b in p.blocks}, [b.name for b in p.blocks]  # parts inside the layer
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
     g = torch.Generator().manual_seed(0)
-    for _ in range(10):  # ("auto" tries them all)
+    for _ in range(10):
         x = torch.randn(32, 256, generator=g)
         for m, o in ((model, opt), (ref, ref_opt)):
             m(x).pow(2).mean().backward()
@@ -459,62 +479,88 @@ def no_room_to_keep(p):
     p.activations.spare_bytes = lambda: 0
 
 
-@pytest.mark.parametrize("slow", ["recompute", "offload"])
-def test_auto_tries_both_and_keeps_the_faster(slow, monkeypatch):
+class Transposes(nn.Module):
+    """Saves a transposed view (dense, not contiguous) twice, as attention's
+    q, k and v are: `offload` sends them, its views-kept variant keeps them."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.scale = nn.Parameter(torch.ones(4 * d, 1))
+
+    def forward(self, x):
+        return x + self.down((self.up(x).t() * self.scale).t())
+
+
+@pytest.mark.parametrize("room", ["views kept", "offload", "recompute", "none"])
+def test_auto_chooses_before_the_first_pass_what_the_budget_holds(room):
+    """[Note: activations, the automatic choice]: "auto" measures the forward
+    on fake tensors before the first pass and takes the first of offload
+    with views kept, offload and recompute whose prediction the budget holds
+    beside what blocks need at least; it runs no pass under another, and
+    from the first step on blocks and activations stay within the budget.
+    Where none holds, the first forward is refused before it runs (nothing
+    changed), naming the least budget that holds, which then trains."""
     torch.manual_seed(0)
-    # (only one policy slowed, by far more than the CPU's jitter under load)
-    model = nn.Sequential(*[SlowAgain(slow=slow == "recompute") for _ in range(4)])
+    model = nn.Sequential(*[Transposes() for _ in range(6)])
     ref = copy.deepcopy(model)
-    p = offloading(model, streams(model), "auto")
-    no_room_to_keep(p)
-    if slow == "offload":
-        send = p.transport.send_to_host
+    x0 = torch.zeros(256, 32)
+    held = {p: activations_room(model, x0, p) for p in ("offload, views kept", "offload", "recompute")}
+    assert held["recompute"] < held["offload"] < held["offload, views kept"]  # (so each budget picks one)
+    probe = copy.deepcopy(model)
+    pager.wrap(probe, budget=1 << 30, device="cpu", optimizer=torch.optim.Adam(probe.parameters(), lr=1e-2))
+    least = pager.of(probe).train_least_bytes()  # blocks with gradients and Adam's state, the attached optimizer's
+    pager.unwrap(probe)
+    budget = least + {"views kept": held["offload, views kept"], "none": held["recompute"] - 1}.get(room, held.get(room))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    p = offloading(model, budget, "auto", optimizer=opt)
+    p.activations.spare_bytes = lambda: 0  # (no room beyond every block: none keeps its own)
+    before = copy.deepcopy(model.state_dict())
+    if room == "none":
+        with pytest.raises(pager.BudgetError, match=rf"budget of at least {format_bytes(least + held['recompute'])}"):
+            wide_steps(model, opt, 1)
+        assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
+        p.set_budget(least + held["recompute"])  # the budget it names trains
+    for step in range(4):
+        p.reset()
+        wide_steps(model, opt, 1, seed=step)
+        s = p.stats()
+        assert s.peak_device_bytes <= p.budget_bytes, (step, s.peak_device_bytes, p.budget_bytes)
+        expected = "offload" if room in ("views kept", "offload") else "recompute"
+        assert s.activations_policy == expected and p.activations.offload.views == (room != "views kept")
+        assert (s.recomputes > 0) == (expected == "recompute") and (s.activations_sent_bytes > 0) != (s.recomputes > 0)
+    for step in range(4):
+        wide_steps(ref, ref_opt, 1, seed=step)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
 
-        def slow_send(t):
-            time.sleep(0.02)
-            return send(t)
 
-        monkeypatch.setattr(p.transport, "send_to_host", slow_send)
-    assert p.stats().activations_policy == "auto"
-    for step in range(10):
-        x = torch.randn(8, 32)
-        for m in (model, ref):
-            m(x).pow(2).sum().backward()
-    s = p.stats()
-    assert s.activations_policy == {"recompute": "offload", "offload": "recompute"}[slow]
-    assert s.activations_sent_bytes > 0 and s.recomputes > 0  # both were tried
-    for a, b in zip(model.parameters(), ref.parameters()):
-        assert_same(a.grad, b.grad)
-
-
-def test_auto_never_keeps_the_policy_that_breaks_the_budget(caplog):
-    """[Note: activations, the automatic choice]: where one policy's passes
-    hold more than the budget (offload keeps activations smaller than its
-    threshold on the device) and the other's do not, "auto" keeps the one
-    that holds it, however fast the other; and from then on the budget holds."""
+def test_auto_never_runs_the_policy_that_breaks_the_budget(caplog):
+    """Offload keeps activations under its threshold on the device, which
+    on this small Llama holds more than the budget has room for: "auto"
+    chooses recompute before the first pass, and blocks and activations stay
+    within the budget from the first step (measured before, "auto" ran two
+    passes under each policy and kept the peak its trials had made)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                                       num_attention_heads=4, num_key_value_heads=4, use_cache=False)
     model = transformers.LlamaForCausalLM(config)
     budget = int(0.6 * 4 * tensor_page_bytes(model))  # of weights, gradients and AdamW state
-    pager.wrap(model, budget=budget, device="cpu", activations="auto")
-    p = pager.of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pager.wrap(model, budget=budget, device="cpu", activations="auto", optimizer=opt)
+    p = pager.of(model)
     ids = torch.randint(0, 256, (4, 32))
-    chosen = False
     with caplog.at_level(logging.INFO, logger="pager"):
-        for _step in range(12):
-            if not chosen and p.stats().activations_policy != "auto":
-                chosen = True
-                p.reset()  # (the choice made: from here on the budget holds)
+        for _step in range(4):
+            p.reset()
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-    s = p.stats()
-    assert s.activations_policy == "recompute", s.activations_policy
-    assert "offload held more than the budget" in caplog.text
-    assert s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
+            s = p.stats()
+            assert s.activations_policy == "recompute" and s.activations_sent_bytes == 0, s.activations_policy
+            assert s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
+    assert "recompute for the blocks that do not keep theirs" in caplog.text
 
 
 def wide_steps(model, opt, steps, batch=256, seed=0):
@@ -613,26 +659,47 @@ def test_the_ledger_counts_a_storage_once_and_lets_go_when_the_graph_goes(policy
     assert ledger.live == 0 and ledger.last_pass_peak >= held
 
 
-def test_activations_that_leave_blocks_too_little_room_are_named():
-    """A budget that activations crowd below what blocks need: the step runs
-    (blocks take the least that runs) and a warning says what to change."""
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_a_budget_no_policy_holds_is_refused_before_the_first_forward(policy):
+    """A budget that activations crowd below what blocks need: the first
+    training forward is refused before it runs (a `BudgetError` whose
+    figures add up: blocks at least + activations = what a step holds), the
+    model unchanged; the message names what holds (the other policy, or the
+    least budget), and at that budget the steps train within it."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide() for _ in range(4)])
     ref = copy.deepcopy(model)
-    p = offloading(model, 3 * tensor_page_bytes(model[0]), "offload")
+    x = torch.zeros(1024, 32)
+    held = {p: activations_room(model, x, p) for p in ("offload", "recompute")}
+    p = offloading(model, 3 * tensor_page_bytes(model[0]), policy)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, ref))
-    with _captured("pager") as records:
-        wide_steps(model, opt, 3, batch=1024)
-    assert any("activations held" in r and "activations=\"recompute\"" in r for r in records), records
-    assert p.room_bytes() == p.least_room_bytes()
-    wide_steps(ref, ref_opt, 3, batch=1024)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(pager.BudgetError) as refused:
+        wide_steps(model, opt, 1, batch=1024)
+    least = p.train_least_bytes()
+    text = str(refused.value)
+    total, blocks, acts = (format_bytes(n) for n in (least + held[policy], least, held[policy]))
+    assert f"holds at least {total} on the device: blocks at least {blocks}" in text and f"activations {acts}" in text
+    need = least + min(held.values())
+    assert f"a budget of at least {format_bytes(need)}" in text, text
+    assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
+    p.set_budget(need)
+    if policy == "offload":  # (recompute holds least here)
+        with pytest.raises(pager.BudgetError, match='activations="recompute" holds this budget'):
+            wide_steps(model, opt, 1, batch=1024)
+        return
+    for step in range(3):
+        p.reset()
+        wide_steps(model, opt, 1, batch=1024, seed=step)
+        assert p.stats().peak_device_bytes <= need
+        wide_steps(ref, ref_opt, 1, batch=1024, seed=step)
     pager.unwrap(model)
     assert_models_equal(model, ref)
 
 
 def test_the_chosen_policy_survives_a_reset():
     model = nn.Sequential(*[SlowAgain() for _ in range(4)])
-    p = offloading(model, streams(model), "auto")
+    p = offloading(model, streams(model), "auto", inputs=torch.zeros(8, 32))
     no_room_to_keep(p)
     for _ in range(10):
         model(torch.randn(8, 32)).sum().backward()
@@ -672,7 +739,8 @@ def test_plan_predicts_what_activations_hold_in_a_training_step(policy):
     assert plan.saved.order == [str(i) for i in range(6)]
     # Each Wide saves its input (256x32) and ReLU's output (256x128, which `down` saves too: one storage).
     assert plan.saved.saved == [256 * (32 + 128) * 4] * 6 and plan.saved.inputs == [256 * 32 * 4] * 6
-    predicted = plan.training_peaks[policy][0]
+    assert plan.training_peaks[policy][0] == plan.saved.peak(policy, min_bytes=1 << 20, copies=False)
+    predicted = plan.saved.peak(policy, min_bytes=0, copies=False)  # (as `offloading` sends them all)
     p = offloading(model, budget, policy)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     wide_steps(model, opt, 3)
@@ -713,7 +781,7 @@ def test_a_tensor_saved_twice_leaves_once_and_comes_back_once():
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide() for _ in range(6)])
     ref = copy.deepcopy(model)
-    p = offloading(model, streams(model), "offload")
+    p = offloading(model, streams(model), "offload", inputs=torch.zeros(256, 32))
     x = torch.randn(256, 32)
     model(x).sum().backward()  # learns the order: the last block keeps its own from now on
     ref(x).sum().backward()

@@ -7,15 +7,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import wrappers
-from ..base.block import ALIGN_BYTES, align
 from ..base.budget import format_bytes, parse_budget
 from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..engine.schedule import Scheduler
 from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, resolve_helpers
 from ..model import discover
-from ..training import host_step, masters
-from ..training.activations import BRING_AHEAD_BLOCKS, IN_FLIGHT_MIN_BYTES
-from .fake import SavedBytes, measure_saved
+from ..training import host_step
+from ..training.activations import OFFLOAD_MIN_BYTES
+from ..training.dry_run import (
+    OFFLOAD,
+    OFFLOAD_VIEWS_KEPT,
+    RECOMPUTE,
+    SavedBytes,
+    choose,
+    measure_saved,
+    state_bytes_of,
+)
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 
@@ -75,11 +82,9 @@ class Plan:
 
     @property
     def trains(self) -> bool:
-        """The budget holds a training step: the remainder and the largest
-        block with their gradients and optimizer state (and, where the plan
-        measured them, activations under some `activations=` policy)."""
-        if self.train_budgets:
-            return any(self.budget_bytes >= b for b in self.train_budgets.values())
+        """The budget holds a training step with the defaults: the remainder
+        and the largest block with their gradients and optimizer state (and,
+        where the plan measured them, the activations "auto" holds at least)."""
         return self.budget_bytes >= self.train_min_budget_bytes
 
     @property
@@ -100,9 +105,15 @@ class Plan:
             f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
             f"that runs {format_bytes(self.min_budget_bytes)}",
         ]
+        beside = (
+            f"+ the activations the defaults hold at least, "
+            f"{format_bytes(self.train_min_budget_bytes - self.train_budgets['keep'])}"
+            if self.train_budgets
+            else "(give inputs= to count activations too)"
+        )
         out.append(
-            f"  least budget that trains {format_bytes(self.train_min_budget_bytes)} (the remainder and the "
-            f"largest block with their gradients and optimizer state)"
+            f"  least budget that trains {format_bytes(self.train_min_budget_bytes)}: the remainder and the "
+            f"largest block with their gradients and optimizer state {beside}"
         )
         if not self.runs:
             out.append(
@@ -110,8 +121,9 @@ class Plan:
                 "(the remainder and the largest block)"
             )
         elif not self.trains:
-            least = min(self.train_budgets.values(), default=self.train_min_budget_bytes)
-            out.append(f"  WILL NOT TRAIN: the budget is below {format_bytes(least)} (inference runs)")
+            out.append(
+                f"  WILL NOT TRAIN: the budget is below {format_bytes(self.train_min_budget_bytes)} (inference runs)"
+            )
         elif self.fits_all:
             out.append("  everything fits: no paging needed; after the first forward nothing moves")
         out.append(f"  {'block':<40} {'size':>11}  inference")
@@ -243,7 +255,7 @@ def plan(
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least_part, links=len(helpers) + 1)
     owned, own, remainder = sizing.owned, sizing.own, sizing.remainder
 
-    state_of = _state_bytes(optimizer, device, state_factor, master_weights)
+    state_of = state_bytes_of(optimizer, device, state_factor, master_weights)
 
     def trainable(i):
         return sum(discover.aligned_bytes(t) for _n, t, is_p in owned.get(i, []) if is_p and t.requires_grad)
@@ -316,9 +328,17 @@ def plan(
         )
     saved, peaks = None, {}
     if inputs is not None:
-        saved = measure_saved(model, sizing.named, inputs)
+        try:
+            saved = measure_saved(model, sizing.named, *_as_call(inputs))
+        except ValueError as e:
+            raise ValueError(f"{e} (leave `inputs` out of plan() to plan without them)") from e
         peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, budget_bytes, least)
+    kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
+    # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
+    train_budgets = {p: int(least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
+    if saved is not None:
+        train_budgets["auto"] = int(least + least_held(saved, **kw))
     out = Plan(
         str(device),
         budget_bytes,
@@ -337,8 +357,10 @@ def plan(
         saved,
         peaks,
         # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
-        {p: int(least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()},
+        train_budgets,
     )
+    if saved is not None:  # one least budget that trains: the defaults' ("auto" at its least)
+        out.train_min_budget_bytes = train_budgets["auto"]
     if host_budget is not None:
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
@@ -373,51 +395,6 @@ def _on_helpers(names: list, own: list, kept: list, room_bytes: int) -> list:
     return on_helpers
 
 
-def _state_bytes(optimizer, device, state_factor: float, master_weights: bool = False):
-    """Page bytes of the optimizer state a parameter has on `device`: its
-    tensors the size of the parameter, and its scalars (`step`), each in a
-    slot of its own. Without an optimizer, `state_factor` x the parameter.
-    Under `master_weights` a bf16 parameter's are float32, and its master
-    is one more ([Note: master weights] in training/masters.py)."""
-
-    def widened(p) -> tuple[int, int]:  # (bytes of one state tensor of `p`, of its master)
-        if master_weights and masters.wants_master(p):
-            wide = align(4 * p.numel())
-            return wide, wide
-        return discover.aligned_bytes(p), 0
-
-    if optimizer is None:
-        return lambda p: int(state_factor * widened(p)[0]) + widened(p)[1]
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    name = type(optimizer).__name__
-
-    def of(p):
-        g = groups.get(id(p), {})
-        copies, scalars = _STATE.get(name, (state_factor, 1))
-        if callable(copies):
-            copies = copies(g)
-        # torch keeps `step` beside the parameter only when fused or capturable (else on the CPU)
-        here = device.type == "cpu" or g.get("fused") or g.get("capturable")
-        one, master = widened(p)
-        return int(copies * one) + master + (scalars * ALIGN_BYTES if here else 0)
-
-    return of
-
-
-# optimizer class -> (state tensors the size of a parameter, or a function of its group; scalar tensors)
-_STATE = {
-    "Adam": (lambda g: 3 if g.get("amsgrad") else 2, 1),
-    "AdamW": (lambda g: 3 if g.get("amsgrad") else 2, 1),
-    "Adamax": (2, 1),
-    "NAdam": (2, 2),
-    "RAdam": (2, 1),
-    "Adagrad": (1, 1),
-    "Adadelta": (2, 1),
-    "RMSprop": (lambda g: 1 + (g.get("momentum", 0) > 0) + bool(g.get("centered")), 1),
-    "SGD": (lambda g: 1 if g.get("momentum", 0) else 0, 0),
-}
-
-
 def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], int]:
     """The blocks host memory keeps and the bytes a forward reads from disk at
     most (the streaming window may hold some pages across forwards), by the
@@ -434,30 +411,25 @@ def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], 
 
 def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True) -> dict:
     """Per `activations=` policy: (the most activations hold on the device in
-    a training pass, blocks and activations together), by the rules of
-    training/activations.py. `blocks_bytes`: every block with its gradients and state;
-    `least`: the least room for blocks that runs; `copies`: copies out run
-    behind compute (CUDA) and hold device memory until done."""
-    if not sb.order:
-        return {"keep": (sb.total, min(budget, blocks_bytes) + sb.total)}
-    last = sb.names.index(sb.order[-1])  # its activations stay ([Note: activations off the device])
-    largest = max(sb.saved)
-    in_flight = min(sb.total - sb.saved[last], max(IN_FLIGHT_MIN_BYTES, largest)) if copies else 0
-    acts = {
-        "keep": sb.total,
-        # the last block's own, what is being copied out, this block's and the next one's brought back
-        "offload": sb.saved[last] + in_flight + (1 + BRING_AHEAD_BLOCKS) * largest,
-        # every block's inputs, the last block's own, one block's recomputed, and what ops outside blocks keep
-        "recompute": sum(n for i, n in enumerate(sb.inputs) if i != last) + sb.saved[last] + largest + sb.outside,
-    }
-    # It keeps what fits beside every block (all of it where it can), and tries the two for the rest.
-    spare = budget - blocks_bytes
-    acts["auto"] = sb.total if sb.total <= spare else max(acts["offload"], acts["recompute"], min(spare, sb.total))
+    a training pass, blocks and activations together), by the rules the run
+    decides with ([Note: what each policy holds, predicted] in
+    training/dry_run.py). `blocks_bytes`: every block with its gradients and
+    state; `least`: the least room for blocks that runs; `copies`: copies
+    out run behind compute (CUDA) and hold device memory until done."""
+    kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": copies}
+    acts = {"keep": sb.total, "offload": sb.peak(OFFLOAD, **kw), "recompute": sb.peak(RECOMPUTE, **kw)}
+    chosen = choose(sb, "auto", budget - blocks_bytes, budget - least, **kw)
+    acts["auto"] = chosen[2] if chosen is not None else least_held(sb, **kw)
     peaks = {"keep": (acts["keep"], min(budget, blocks_bytes) + acts["keep"])}
     for policy in ("offload", "recompute", "auto"):
         room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
         peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])
     return peaks
+
+
+def least_held(sb: SavedBytes, **kw) -> int:
+    """The least that activations hold under any policy "auto" may choose."""
+    return min(sb.peak(p, **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE))
 
 
 def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
@@ -491,3 +463,12 @@ def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
 def _page_bytes(compress: str, t: torch.Tensor) -> int:
     """About the bytes `t` takes in a page under `compress` (a quantized weight's inner tensors stay as they are)."""
     return wrappers.nbytes_of(t) if wrappers.is_wrapper(t) else page_bytes_estimate(compress, t)
+
+
+def _as_call(inputs) -> tuple:
+    """(args, kwargs) of a forward called with `inputs`: a tensor, a tuple of positional arguments or a dict."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .block import align
+
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TensorWithFlatten
 
@@ -50,6 +52,13 @@ if TYPE_CHECKING:
 def is_wrapper(t: torch.Tensor) -> bool:
     """A traceable wrapper subclass: its bytes are in the inner tensors `__tensor_flatten__` names."""
     return is_traceable_wrapper_subclass(t)
+
+
+def aligned_bytes(t: torch.Tensor) -> int:
+    """Bytes `t` takes in a page (a quantized weight: its inner tensors, each aligned)."""
+    if is_wrapper(t):
+        return sum(aligned_bytes(inner) for _n, inner in inner_tensors(t))
+    return align(t.numel() * t.element_size())
 
 
 def own_dispatch(t: torch.Tensor) -> bool:

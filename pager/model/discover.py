@@ -55,11 +55,9 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
-from ..base.block import align
-from ..base.wrappers import inner_tensors, is_wrapper, nbytes_of
+from ..base.wrappers import aligned_bytes, nbytes_of
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _ALTERNATIVES = (nn.ModuleList, nn.ModuleDict)
@@ -203,13 +201,6 @@ def owners(model: nn.Module, block_modules: list[nn.Module], exclude: frozenset 
 
     walk(model, "", None)
     return owned, uses
-
-
-def aligned_bytes(t: torch.Tensor) -> int:
-    """Bytes `t` takes in a page (a quantized weight: its inner tensors, each aligned)."""
-    if is_wrapper(t):
-        return sum(aligned_bytes(inner) for _n, inner in inner_tensors(t))
-    return align(t.numel() * t.element_size())
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..base.block import Block
 from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
 from ..training import activations
 from ..training.checkpoint import StateDicts
+from ..training.dry_run import dry_running
 from .structure import Structure
 
 log = logging.getLogger("pager")
@@ -46,6 +47,8 @@ log = logging.getLogger("pager")
 # training/activations.py refuses it, naming the fix.
 def _compile_mark(block: Block):
     def mark(module, args):
+        if dry_running():
+            return
         block.under_compile = torch.compiler.is_compiling()  # (traced: True where this call is compiled)
 
     return mark
@@ -99,7 +102,7 @@ class Hooks:
 
     def install(self) -> None:
         root = self.pager.model
-        self.handles.append(root.register_forward_pre_hook(outside_compile(self._root_pre_forward)))
+        self.handles.append(root.register_forward_pre_hook(outside_compile(self._root_pre_forward), with_kwargs=True))
         self.handles.append(
             root.register_forward_hook(outside_compile(self._root_post_forward), with_kwargs=True, always_call=True)
         )
@@ -228,15 +231,20 @@ class Hooks:
         return marks
 
     @_locked
-    def _root_pre_forward(self, module, args):
-        if activations.recomputing():
-            return  # a block whose forward runs again is not a new forward
+    def _root_pre_forward(self, module, args, kwargs):
+        if activations.recomputing() or dry_running():
+            return  # a block whose forward runs again is not a new forward; a measure is none
         if self.forward_marks():  # (a nested forward, or one interrupted: see the Note)
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
+            try:  # (the policy from what this forward will save: [Note: activations, the automatic choice])
+                acts.plan_pass(args, kwargs)
+            except BaseException:
+                self.pager.thread_state.refused = True  # (the post-hook, always called, has nothing to end)
+                raise
             acts.pass_starts()  # (before the ops before the first block)
         saving.begin_saving(
             False,
@@ -302,7 +310,10 @@ class Hooks:
 
     @_locked
     def _root_post_forward(self, module, args, kwargs, output):
-        if activations.recomputing():
+        if activations.recomputing() or dry_running():
+            return
+        if getattr(self.pager.thread_state, "refused", False):  # its pre-hook raised before it began
+            self.pager.thread_state.refused = False
             return
         saving.end_saving()
         self.root_depth = max(0, self.root_depth - 1)
@@ -340,6 +351,8 @@ class Hooks:
 
     def _make_pre_forward(self, block: Block):
         def pre_forward(module, args, kwargs):
+            if dry_running():
+                return None
             again = activations.recomputing()  # its forward again, in its backward: the block is held
             grad = torch.is_grad_enabled() and not again
             if not again:
@@ -377,6 +390,8 @@ class Hooks:
 
     def _make_post_forward(self, block: Block):
         def post_forward(module, args, output):
+            if dry_running():
+                return None
             again = activations.recomputing()
             frame = None if again else saving.end_saving()
             with self.lock:

@@ -106,23 +106,26 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base.common import outside_compile
+from ..base.budget import format_bytes
+from ..base.common import BudgetError, outside_compile
 from ..base.registry import entry_of, unguarded
 from ..base.saving import tls
+from .dry_run import (
+    BRING_AHEAD_BLOCKS,  # at a block's backward, the activations of this many blocks before it come back too
+    IN_FLIGHT_MIN_BYTES,  # device bytes being copied out before compute waits for the oldest
+    KEEP,
+    OFFLOAD,
+    OFFLOAD_VIEWS_KEPT,  # offload, but saved views that are not contiguous stay (stats say "offload")
+    RECOMPUTE,
+    SavedBytes,
+    _dense,
+    choose,
+)
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
-BRING_AHEAD_BLOCKS = 1  # at a block's backward, the activations of this many blocks before it come back too
 KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device
-IN_FLIGHT_MIN_BYTES = 64 << 20  # device bytes being copied out before compute waits for the oldest
-
-KEEP, OFFLOAD, RECOMPUTE, AUTO = "keep", "offload", "recompute", "auto"
+AUTO = "auto"
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
-# "auto"'s third trial: offload, but saved views that are not contiguous (a
-# transposed q, k, v) stay on the device (stats say "offload"; see the Note).
-OFFLOAD_VIEWS_KEPT = "offload, views kept"
-TRIALS = (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
-AUTO_WARMUP_PASSES = 2  # training passes (forward and backward) before trying: cold start, optimizer state
-AUTO_TRIAL_PASSES = 2  # passes timed under each policy; the one with the faster best pass stays
 
 log = logging.getLogger("pager")
 
@@ -145,13 +148,13 @@ class Ledger:
         self.flight = self.flight_cap = 0
         self.sending = True
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
+        self.planned = 0  # the most a pass holds by the plan (`plan`)
         # block -> what its forwards in this pass dropped, to be recomputed in
         # its backward; and of that, what blocks whose backward has begun will
         # recompute (counted in `reserve` until each recomputation has run)
         self.dropped: dict = {}
         self.coming = 0
         self.peak_with_blocks = 0  # most of blocks and activations together, since `reset_peak`
-        self.pass_peak_with_blocks = 0  # ... in the training pass under way
         self._storages: dict = {}  # data_ptr -> [holders, nbytes] of kept storages (one storage counts once)
         self._lock = threading.Lock()
 
@@ -163,13 +166,11 @@ class Ledger:
             self.pass_peak = max(self.pass_peak, self.live - self.flight + full)
             self.peak = max(self.peak, self.live)
             self.peak_with_blocks = max(self.peak_with_blocks, self.live + self.blocks)
-            self.pass_peak_with_blocks = max(self.pass_peak_with_blocks, self.live + self.blocks)
 
     def note_blocks(self, nbytes: int) -> None:
         """Blocks hold `nbytes` on the device now (for `peak_with_blocks`)."""
         self.blocks = nbytes
         self.peak_with_blocks = max(self.peak_with_blocks, self.live + nbytes)
-        self.pass_peak_with_blocks = max(self.pass_peak_with_blocks, self.live + nbytes)
 
     def reset_peak(self) -> None:
         self.peak, self.peak_with_blocks = self.live, self.live + self.blocks
@@ -201,20 +202,13 @@ class Ledger:
             del self._storages[key]
         self.sub(entry[1])
 
-    def pass_ends(self, keep_most: bool = False) -> int:
-        """A training pass (forward and backward) ended: its peak is the
-        reserve now (with `keep_most`, the most of it and the reserve before:
-        passes under different policies, see [Note: activations, the
-        automatic choice]). Returns the most that blocks and activations
-        held together in it."""
+    def pass_ends(self) -> None:
+        """A training pass (forward and backward) ended: its peak is the reserve now."""
         with self._lock:
-            peak = self.pass_peak if not keep_most else max(self.pass_peak, self.last_pass_peak)
-            self.last_pass_peak, self.pass_peak = peak, self.live
-            together, self.pass_peak_with_blocks = self.pass_peak_with_blocks, self.live + self.blocks
+            self.last_pass_peak, self.pass_peak = self.pass_peak, self.live
             self.dropped.clear()
             self.coming = 0
             self.sending = True
-            return together
 
     def recompute_comes(self, block) -> bool:
         """`block`'s backward begins: True if its recomputation, still to
@@ -224,18 +218,24 @@ class Ledger:
         return self.reserve() > before
 
     def grew(self) -> bool:
-        """Activations hold more now than in the whole last pass (the first
-        pass, or one larger than the last): blocks fetched before may hold
-        their room."""
-        return self.live > self.last_pass_peak
+        """Activations hold more now than the reserve blocks left them (a pass
+        larger than the plan and the last, or one that could not be
+        planned): blocks fetched before may hold their room."""
+        return self.live > max(self.last_pass_peak, self.planned)
 
     def recomputed(self, nbytes: int) -> None:
         """A recomputation that dropped `nbytes` has run (what it kept is in `live`)."""
         self.coming = max(self.coming - nbytes, 0)
 
+    def plan(self, nbytes: int) -> None:
+        """Activations will hold at most `nbytes` in a pass (measured on fake
+        tensors: [Note: activations, the automatic choice]): the least
+        reserve from now on, whatever a pass measures."""
+        self.planned = nbytes
+
     def reserve(self) -> int:
         """The share of the budget that activations take from blocks."""
-        return max(self.last_pass_peak, self.live + self.coming)
+        return max(self.last_pass_peak, self.planned, self.live + self.coming)
 
 
 class Activations:
@@ -244,61 +244,70 @@ class Activations:
     and recompute it. Gives `begin_saving` its arguments.
 
     [Note: activations, the automatic choice]
-    "auto" (the default) decides per block, at the start of each training
-    pass. First, what the budget has room for stays: the room is the budget
-    less every block with all its pages (weights, gradients, optimizer state)
-    and less what the activations that do not stay held in the last pass
+    "auto" (the default) decides before a training pass runs, from what the
+    forward will save, measured on fake tensors at the first training
+    forward ([Note: activations measured without running] in
+    training/dry_run.py), and again when a forward's inputs grow. Nothing is
+    tried on a pass that could break the budget.
+    First, what the budget has room for stays: the room is the budget less
+    every block with all its pages (weights, gradients, optimizer state:
+    those still to come are counted, Adam-like state where no optimizer is
+    attached yet) and less what the activations that do not stay hold
     (`Room.spare_bytes`); walking back from the forward's last block, each
-    block whose last forward saved (on the device, each storage once:
-    `forward_saved`) what still fits keeps it. So activations never take room
-    that blocks use (a block that left would cost its bytes both ways, as an
-    activation sent out does), the last blocks, which the backward needs
-    first and whose copies would have no time to overlap, stay first, and
-    where everything fits, nothing moves: as "keep", within the budget. The
-    first pass, with nothing measured yet, keeps nothing.
-    The other blocks are offloaded or recomputed, one policy for them all:
-    which is faster depends on the link's load (the blocks' own traffic
-    grows as the budget shrinks) against the compute a forward costs again;
-    measured on the 1B decoder, mixing the two block by block costs the
-    weighted sum of the two, never less. Offloading is tried twice: all
-    that a block saves, or its contiguous saves only, the views that are a
-    permutation of their storage (attention's transposed q, k and v) staying
-    on the device. Sending those too holds 2 GiB less on the device on the
-    1B decoder at 40%, for 2.3 GB more a step over a link the forward
-    already fills (11.4 GB out against 9.1), so which is faster depends on
-    the link's load, and where the budget has no room for the views only
-    sending them holds it. So the three are tried on whole training
-    passes: after `AUTO_WARMUP_PASSES`, each runs `AUTO_TRIAL_PASSES` passes
-    (alternating, so that all see the same drift) timed on compute's clock
-    from the root forward's start to the backward's end (events: no
-    synchronization), and the one with the faster best pass stays
-    (`stats().activations_policy`); the best, as a policy's first pass pays
-    one-time costs (lazy imports, the allocator growing). A pass in which
-    every block keeps is no trial. Values are the same under every policy
-    (bit for bit on the CPU device), so choosing costs time only.
-    Never the one that breaks the budget where the other holds it: a trial
-    pass whose blocks and activations held more than the budget together
-    (under `budget_covers="process"`, the budget less what the process holds
-    outside pager: [Note: a budget that covers the process] in model/outside.py)
-    (offload keeps activations under its threshold on the device; blocks
-    cannot shrink below what runs) counts against its policy. While trials
-    alternate, blocks get the budget less the most any trial pass's
-    activations held, so that neither policy's pass runs on the other's
-    smaller reserve. Under `torch.compile` of the whole model, where neither
-    can run ([Note: pager under torch.compile] in model/hooks.py), "auto"
-    keeps every block's activations, counted, and says so once.
+    block whose forward saves (on the device, each storage once) what still
+    fits keeps it. So activations never take room that blocks use, the last
+    blocks, which the backward needs first and whose copies would have no
+    time to overlap, stay first, and where everything fits, nothing moves:
+    as "keep", within the budget.
+    The other blocks' activations are offloaded or recomputed, one policy
+    for them all, the first of these that the budget holds beside the least
+    room blocks run in ([Note: what each policy holds, predicted] in
+    training/dry_run.py): offload with saved views that are not contiguous
+    (attention's transposed q, k and v) staying on the device, which moves
+    the fewest bytes; offload of every dense save; recompute, which holds
+    least and costs a forward again. (Measured on the 1B decoder at 25-100%
+    of weights, gradients and AdamW state, offloading was the fastest of the
+    three wherever it held; the trials that timed the policies on passes
+    of their own cost 1.2x on those passes and could break the budget.) A
+    budget that none holds is refused at that first forward, before it runs,
+    with the least budget that holds: a `BudgetError`. The reserve, what
+    blocks leave to activations, is the prediction from the first pass on,
+    then the most the last pass held. Values are the same under every
+    policy (bit for bit on the CPU device).
+    A forward that cannot run on fake tensors (it reads values) runs its
+    first pass under recompute (it holds least), the reserve growing as it
+    goes, and "auto" keeps recompute for the blocks that do not keep theirs.
+    Under `torch.compile` of the whole model, where neither offload nor
+    recompute can run ([Note: pager under torch.compile] in model/hooks.py),
+    "auto" keeps every block's activations, counted, and says so once.
 
     Args:
         policy: "offload", "recompute" or "auto" (see the Notes; "keep" needs no `Activations`).
         transport: the pager's transport.
         stats: the pager's `Stats`.
-        budget_bytes: the budget now (None: unbounded).
+        budget_bytes: the budget now, less what the process holds outside pager (None: unbounded).
         spare_bytes: what the budget holds beyond every block with all its
-            pages, and beyond what else is reserved (`Room.spare_bytes`).
+            pages, those still to come included, and beyond what else is
+            reserved (`Room.spare_bytes`).
+        least_bytes: the least that blocks (with their gradients and optimizer
+            state) and what pager keeps beside them need in a training step.
+        measure: `(args, kwargs) -> (SavedBytes, blocks)`: the root forward's
+            saves per block, on fake tensors, and the `Block` of each name;
+            raises `ValueError` where the forward cannot run on them.
     """
 
-    def __init__(self, policy: str, transport, stats, budget_bytes=lambda: None, spare_bytes=lambda: 0):
+    def __init__(
+        self,
+        policy: str,
+        transport,
+        stats,
+        budget_bytes=lambda: None,
+        spare_bytes=lambda: 0,
+        least_bytes=lambda: 0,
+        measure=None,
+    ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
+        self.least_bytes, self.measure = least_bytes, measure
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -309,41 +318,114 @@ class Activations:
         self.saved_bytes: dict = {}  # block -> what its forwards saved in the last training pass
         self._saving: dict = {}  # ... in the pass under way
         self._compiled_whole = False  # a block ran under torch.compile of the whole model ("auto": all keep)
-        self._choosing = policy == AUTO
-        self._passes = 0  # training passes started
-        self._start = None  # (policy, clock) of the trial pass under way
-        self._timed: list = []  # (policy, start, end) of trial passes whose time is not known yet
-        self._seconds: dict = {p: [] for p in TRIALS}
-        self._over: dict = {p: False for p in TRIALS}  # a trial pass of it held more than the budget
+        self.planned: SavedBytes | None = None  # the forward measured on fake tensors (dry_run.py)
+        self.planned_bytes = 0  # what the chosen policy holds at most by that measure
+        self._planned_inputs = -1  # the inputs' bytes it was measured with (-1: not yet; None: it cannot be)
+        self._planned_blocks: list = []  # the blocks it names
+        self._planned_for: tuple | None = None  # (what blocks needed at least, the budget) when it was chosen
+        self._plan_kept: set | None = None  # the blocks the plan keeps, for the pass it was made at
         stats.activations_policy = policy
-
-    @property
-    def choosing(self) -> bool:
-        """ "auto" has not chosen yet: its trial passes run under either policy."""
-        return self._choosing
 
     @property
     def all_kept(self) -> bool:
         """Every block keeps its activations this pass ("auto")."""
         return self._compiled_whole or self._kept_all
 
+    # ------------------------------------------------------------ the plan
+    def plan_pass(self, args, kwargs) -> None:
+        """A training forward is about to start at the root: at the first one,
+        or when its inputs are larger than any measured, measure what it
+        saves; then, and whenever what blocks need at least (the optimizer's
+        state appeared) or the budget changed, choose the policy (see the Note).
+        Raises `BudgetError` (before the forward runs) where none holds."""
+        if self._planned_inputs is None or self.measure is None:
+            return
+        size = sum(t.untyped_storage().nbytes() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        if size > self._planned_inputs:
+            try:
+                self.planned, self._planned_blocks = self.measure(args, kwargs)
+            except ValueError as e:
+                self._planned_inputs = None
+                if self.asked == AUTO:
+                    self._set_policy(RECOMPUTE)
+                log.info("pager: %s; the first training pass learns what activations hold as it runs", str(e)[7:])
+                return
+            self._planned_inputs = size
+        elif (self.least_bytes(), self.budget_bytes()) == self._planned_for:
+            return
+        self._decide(self.planned, self._planned_blocks)
+
+    def _decide(self, planned: SavedBytes, blocks: list) -> None:
+        """Choose the kept blocks and the policy of the others from `planned`
+        and check that the budget holds them; nothing changes if it does not."""
+        budget, least = self.budget_bytes(), self.least_bytes()
+        room = None if budget is None else budget - least  # what activations may hold beside blocks
+        kw = {"min_bytes": self.offload.min_bytes, "copies": self.transport.is_cuda}
+        chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
+        if chosen is None:
+            raise self._refusal(planned, budget, least, kw)
+        kept, policy, held = chosen
+        by_name = {b.name: b for b in blocks}
+        self.planned_bytes, self._planned_for = held, (least, budget)
+        self._plan_kept = {by_name[n] for n in kept if n in by_name}
+        if self.asked == AUTO:
+            self._set_policy(policy)
+        for name, nbytes in zip(planned.names, planned.saved):
+            if name in by_name:
+                self.saved_bytes.setdefault(by_name[name], nbytes)
+        if not self.offload.order:
+            self.offload.order = [by_name[n] for n in dict.fromkeys(planned.order) if n in by_name]
+        self.ledger.plan(held)
+        log.info(
+            "pager: activations=%r: %s for the blocks that do not keep theirs (%d keep), at most %s of activations "
+            "beside the %s that blocks need at least, in a budget of %s",
+            self.asked,
+            self.public_policy,
+            len(kept),
+            format_bytes(held),
+            format_bytes(least),
+            "no bound" if budget is None else format_bytes(budget),
+        )
+
+    def _refusal(self, planned: SavedBytes, budget: int, least: int, kw) -> BudgetError:
+        held = {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
+        mine = held[self.policy] if self.asked != AUTO else min(held.values())
+        if self.asked == AUTO:  # (either way of offloading)
+            held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
+        del held[OFFLOAD_VIEWS_KEPT]
+        holds = [p for p, n in held.items() if least + n <= budget]
+        fix = (
+            f'activations="{holds[0]}" holds this budget'
+            if holds
+            else f"a budget of at least {format_bytes(least + min(held.values()))} (activations=\"auto\" or "
+            f'"{min(held, key=held.get)}"), or a smaller batch'
+        )
+        return BudgetError(
+            f"pager: a training step of this model with these inputs holds at least {format_bytes(least + mine)} "
+            f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
+            f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
+            f"{format_bytes(mine)} (activations={self.asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
+            f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget)}. This "
+            f"forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
+            f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
+            f"optimizer=...)` gives these figures before wrap.)"
+        )
+
+    # ------------------------------------------------------------ each pass
     def pass_starts(self) -> None:
         """A training forward starts at the root, before its first block:
-        "auto" chooses what stays, and a trial may start."""
+        "auto" chooses what stays."""
         self.offload.forward_reaches(None)
         if self.asked != AUTO:
             return
-        self._choose_kept()
-        self.stats.activations_policy = KEEP if self.all_kept else (AUTO if self._choosing else self.public_policy)
-        if not self._choosing:
-            return
-        self._settle_trials()
-        if self._choosing and self._passes >= AUTO_WARMUP_PASSES and not self.all_kept:
-            tried = {p: len(v) + sum(t[0] == p for t in self._timed) for p, v in self._seconds.items()}
-            if min(tried.values()) < AUTO_TRIAL_PASSES:  # (else: the last ones' times are on their way)
-                self._set_policy(min(TRIALS, key=tried.get))  # alternating
-                self._start = (self.policy, self.transport.clock())
-        self._passes += 1
+        if self._plan_kept is not None:  # the pass the plan was made for keeps what the plan keeps
+            self.kept, self._plan_kept = self._plan_kept, None
+            self.kept_bytes = sum(self.saved_bytes.get(b, 0) for b in self.kept)
+            self._kept_all = bool(self.kept) and self.kept >= set(self.offload.order)
+            self.stats.activations_kept_blocks = len(self.kept)
+        else:
+            self._choose_kept()
+        self.stats.activations_policy = KEEP if self.all_kept else self.public_policy
 
     def _choose_kept(self) -> None:
         """The blocks whose activations stay this pass (see the Note)."""
@@ -362,7 +444,8 @@ class Activations:
 
     def last_pass_bytes(self) -> int | None:
         """What the last training forward's blocks saved on the device (each
-        storage once), all of them kept; None before one was measured."""
+        storage once), all of them kept; None before one was measured (on
+        fake tensors, or run)."""
         order = dict.fromkeys(self.offload.order)  # (a block used twice saved its uses' sum)
         if not order or any(b not in self.saved_bytes for b in order):
             return None
@@ -373,44 +456,11 @@ class Activations:
         self._saving[block] = self._saving.get(block, 0) + nbytes
 
     def pass_ends(self) -> None:
-        """A backward ended ("auto": the trial pass under way ends)."""
+        """A backward ended."""
         self.offload.pass_ends()
         self.saved_bytes.update(self._saving)  # (a block a pass did not use keeps its last measure)
         self._saving.clear()
-        together = self.ledger.pass_ends(keep_most=self._choosing)
-        if self._start is not None:
-            budget = self.budget_bytes()
-            if budget is not None and together > budget:
-                self._over[self._start[0]] = True
-            self._timed.append((*self._start, self.transport.clock()))
-            self._start = None
-
-    def _settle_trials(self) -> None:
-        """Read the times now known; once each policy has its passes, keep the faster."""
-        self._start = None  # a pass without a backward is no trial
-        still = []
-        for policy, start, end in self._timed:
-            seconds = self.transport.seconds_between(start, end)
-            if seconds is None:
-                still.append((policy, start, end))
-            else:
-                self._seconds[policy].append(seconds)
-        self._timed = still
-        if all(len(v) >= AUTO_TRIAL_PASSES for v in self._seconds.values()):
-            best = {p: min(v) for p, v in self._seconds.items()}
-            held = [p for p in best if not self._over[p]] or list(best)  # (never what breaks the budget, if one holds)
-            self._set_policy(min(held, key=best.get))
-            self.stats.activations_policy = self.public_policy
-            self._choosing = False
-            log.info(
-                'pager: activations="auto" chose %r for the blocks that do not keep theirs (a training pass '
-                "took %.1f ms with activations offloaded, %.1f ms with their views kept, %.1f ms recomputed%s)",
-                self.policy,
-                1e3 * best[OFFLOAD],
-                1e3 * best[OFFLOAD_VIEWS_KEPT],
-                1e3 * best[RECOMPUTE],
-                "".join(f"; {p} held more than the budget" for p in best if self._over[p]),
-            )
+        self.ledger.pass_ends()
 
     def _set_policy(self, policy: str) -> None:
         self.policy = policy
@@ -457,20 +507,6 @@ class Activations:
 
     def backward_reaches(self, block) -> None:
         self.offload.backward_reaches(block)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether `t` covers a run of its storage's bytes without gaps or
-    overlaps (contiguous, or a permutation of it: a transposed view), so
-    that a copy with its strides is one run of bytes."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class Sent:
@@ -755,7 +791,7 @@ class Recompute:
 
     def __init__(self, block, args, kwargs, stats, ledger):
         self.block, self.stats, self.ledger = block, stats, ledger
-        self.held, self.values = [], {}  # (for __del__, should what follows raise)
+        self.held, self.values, self.keys = [], {}, {}  # (for __del__, should what follows raise)
         flat, self.spec = tree_flatten((args, kwargs))
         with unguarded():
             self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
@@ -777,6 +813,7 @@ class Recompute:
         self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
         self.values: dict = {}  # index -> recomputed tensor, until handed out
+        self.keys: dict = {}  # index -> its key in the ledger (`Ledger.hold`)
         self.lock = threading.Lock()  # unpack runs on autograd's threads
         with unguarded():  # ([Note: buffers a forward changes])
             self.buffers = [(b, b._version) for b in block.module.buffers()] if block.module is not None else []
@@ -796,14 +833,15 @@ class Recompute:
             if dropped.index not in self.values:
                 self._run()
             t = self.values.pop(dropped.index)
-        self.ledger.sub(_nbytes(t))  # autograd holds it now
+            key = self.keys.pop(dropped.index)
+        self.ledger.let_go(key)  # autograd holds it now
         return t
 
     def __del__(self):  # the graph let go of every `Dropped`: the inputs and unused values go
         for key in self.held:
             self.ledger.let_go(key)
-        for t in self.values.values():
-            self.ledger.sub(_nbytes(t))
+        for key in self.keys.values():
+            self.ledger.let_go(key)
 
     def _run(self) -> None:
         """Run the block's forward again, keeping what it saves for the
@@ -866,7 +904,7 @@ class Recompute:
                 'activations="offload" or "keep" for this model.'
             )
         self.values[i] = t
-        self.ledger.add(_nbytes(t))
+        self.keys[i] = self.ledger.hold(t)  # (by storage: a tensor saved twice, or the input kept, counts once)
         self.stats.activations_recomputed_bytes += _nbytes(t)
 
 

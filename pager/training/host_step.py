@@ -312,9 +312,7 @@ class HostSteps:
         if forward is not None:  # (once a forward: a step of several optimizers asks for each)
             self._forward_read = True
             waited, self._waited_then = self.waited_seconds - self._waited_then, self.waited_seconds
-            activations = getattr(self.pager, "activations", None)
-            if activations is None or not activations.choosing:  # (trial passes differ by policy)
-                self._place(forward, waited, len(blocks))
+            self._place(forward, waited, len(blocks))
         return blocks[: len(blocks) - min(self.on_device, len(blocks))]
 
     def _place(self, forward: float, waited: float, n: int) -> None:

@@ -1,0 +1,309 @@
+"""What a training forward saves for its backward, per block, measured on
+fake tensors before it runs, and what each `activations=` policy then holds
+on the device: the plan a training step's budget is decided from
+(`Activations.plan_pass`, and `pager.plan(..., inputs=)`).
+
+[Note: activations measured without running]
+`torch.func.functional_call` runs the model with fake stand-ins of its
+parameters and buffers (the model is not changed; a paged-out tensor's
+stand-in is made from its shape alone, nothing is fetched) under a
+`FakeTensorMode`, inside saved-tensor hooks that see each tensor autograd
+saves. A saved tensor is attributed to the innermost block whose forward is
+running (temporary forward hooks keep the stack), by storage (a view saved
+again counts once, where it was first saved); storages of parameters and
+buffers are not activations (they page with their block). What a block's
+forward is called with is recorded too: `activations="recompute"` keeps
+exactly that. While it runs, pager's own hooks stand aside (`dry_running`):
+the measure moves no bytes and counts no use. The random number generators'
+states are put back after it. A forward that cannot run on fake tensors (it
+reads values: `.item()`, data-dependent shapes) is reported, not guessed.
+
+[Note: what each policy holds, predicted]
+From those sizes, by the rules of training/activations.py, the most that
+activations hold on the device in a training pass (an upper bound of what
+the `Ledger` counts; pessimistic where timing decides):
+- kept (the blocks "auto" keeps, and the forward's last block, which every
+  policy keeps: [Note: activations off the device]): all they save;
+- offload: of the others, what stays (smaller than the threshold, or a view
+  the policy does not send), plus what is being copied out (up to the
+  in-flight cap, CUDA only) plus two blocks' sent activations brought back
+  (its own and the one ahead) and what ops outside blocks sent;
+- recompute: of the others, their inputs (each storage once), what ops
+  outside blocks save, and the largest one's activations recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..base import wrappers
+from ..base.block import ALIGN_BYTES, align
+from ..base.registry import unguarded
+from ..base.wrappers import aligned_bytes
+from .masters import wants_master
+
+_state = threading.local()
+
+# activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
+OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
+IN_FLIGHT_MIN_BYTES = 64 << 20  # (activations.py's: the least cap of bytes being copied out)
+BRING_AHEAD_BLOCKS = 1  # (activations.py's)
+
+
+def dry_running() -> bool:
+    """This thread runs a forward on fake tensors to measure it: pager's hooks stand aside."""
+    return getattr(_state, "on", False)
+
+
+@dataclass
+class SavedBytes:
+    """Bytes a training forward saves for its backward.
+
+    `saved[i]` (each storage once) and `inputs[i]` (each storage once, across
+    blocks) are per block, in the order of `names`; `saves[i]` lists each of
+    block i's saves as (bytes, contiguous, dense); `outside` and
+    `outside_saves` are what ops outside every block save (embeddings,
+    heads, the loss)."""
+
+    names: list[str]
+    saved: list[int]
+    inputs: list[int]
+    outside: int
+    order: list[str]  # blocks in the order their forwards ran (innermost)
+    saves: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
+    outside_saves: list[tuple[int, bool, bool]] = field(default_factory=list)
+    outside_before: int = 0  # of `outside`, what ops before the first block save (the rest: the head, the loss)
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved) + self.outside
+
+    def stays(self, i: int | None, policy: str, min_bytes: int) -> int:
+        """What offloading (`policy`) leaves on the device of block `i`'s
+        saves (None: of ops outside blocks)."""
+        saves = self.outside_saves if i is None else self.saves[i]
+        views = policy == OFFLOAD
+        return sum(n for n, contiguous, dense in saves if n < min_bytes or not (contiguous or views and dense))
+
+    def peak(self, policy: str, kept=(), min_bytes: int = 1 << 20, copies: bool = True) -> int:
+        """The most activations hold on the device in a training pass under
+        `policy` for the blocks not in `kept` (names), by [Note: what each
+        policy holds, predicted]."""
+        last = self.names.index(self.order[-1]) if self.order else None
+        keeps = {i for i, n in enumerate(self.names) if n in kept} | ({last} if last is not None else set())
+        rest = [i for i in range(len(self.names)) if i not in keeps and self.names[i] in self.order]
+        held = sum(self.saved[i] for i in keeps)
+        if policy == KEEP or not rest:
+            return held + sum(self.saved[i] for i in rest) + self.outside
+        if policy == RECOMPUTE:  # at the forward's end; in the backward, the last block's and the head's are gone
+            inputs = sum(self.inputs[i] for i in rest)
+            backward = held - self.saved[last] + inputs + self.outside_before + max(self.saved[i] for i in rest)
+            return max(held + inputs + self.outside, backward)
+        stays = {i: self.stays(i, policy, min_bytes) for i in rest}
+        sent = [self.saved[i] - stays[i] for i in rest]
+        outside_stays = self.stays(None, policy, min_bytes)
+        in_flight = min(sum(sent), max(IN_FLIGHT_MIN_BYTES, max(sent))) if copies else 0
+        brought = (1 + BRING_AHEAD_BLOCKS) * max(sent) + (self.outside - outside_stays)
+        return held + sum(stays.values()) + outside_stays + in_flight + brought
+
+
+def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, **kw) -> tuple | None:
+    """(kept names, policy, the most activations hold) for `policy`, where
+    activations may hold `room_bytes` beside what blocks need at least (None:
+    unbounded) and `spare_bytes` beside every block with all its pages.
+    "auto": the longest tail of the forward that keeps its own with the
+    first of offload with views kept, offload and recompute for the rest,
+    all within `spare_bytes` (blocks give up no room); where none is, no
+    tail and the first policy within `room_bytes` ([Note: activations, the
+    automatic choice] in training/activations.py). None where nothing holds."""
+    policies = (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
+    if policy != "auto":
+        held = sb.peak(policy, (), **kw)
+        return ((), policy, held) if room_bytes is None or held <= room_bytes else None
+    order = list(dict.fromkeys(sb.order))
+    for n in range(len(order), -1, -1):
+        kept = set(order[len(order) - n :])
+        if sum(sb.saved[sb.names.index(name)] for name in kept) > spare_bytes:
+            continue
+        for p in policies:
+            held = sb.peak(p, kept, **kw)
+            if held <= spare_bytes:
+                return kept, p, held
+    for p in policies:
+        held = sb.peak(p, (), **kw)
+        if room_bytes is None or held <= room_bytes:
+            return set(), p, held
+    return None
+
+
+def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) -> SavedBytes:
+    """Run `model`'s forward on fake tensors shaped like `args` and `kwargs`
+    and count what it saves for its backward, per block ([Note: activations
+    measured without running]). Raises `ValueError` naming the cause if the
+    forward cannot run on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    kwargs = kwargs or {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # (tensors the model holds outside its state: made fake)
+    names = [n for n, _m in named_blocks]
+    index = {id(m): i for i, (_n, m) in enumerate(named_blocks)}
+    fakes = _fake_state(model, mode)
+    with mode:
+        fake_args, fake_kwargs = tree_map(
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+    own = {_key(t) for t in fakes.values()}
+    sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [])
+    seen: set = set()
+    inputs_seen: set = set()
+    stack: list[int] = []
+
+    def pre(module, a, k):
+        i = index[id(module)]
+        stack.append(i)
+        sb.order.append(names[i])
+        for t in tree_flatten((a, k))[0]:
+            if isinstance(t, torch.Tensor) and _key(t) not in own and _key(t) not in inputs_seen:
+                inputs_seen.add(_key(t))
+                sb.inputs[i] += t.untyped_storage().nbytes()
+
+    def post(module, a, out):
+        stack.pop()
+
+    def pack(t):
+        key = _key(t)
+        if key not in own and key not in seen:
+            seen.add(key)
+            save = (t.untyped_storage().nbytes(), t.is_contiguous(), _dense(t))
+            if stack:
+                sb.saved[stack[-1]] += save[0]
+                sb.saves[stack[-1]].append(save)
+            else:
+                sb.outside += save[0]
+                sb.outside_saves.append(save)
+                sb.outside_before += 0 if sb.order else save[0]
+        return t
+
+    handles = [
+        h
+        for _n, m in named_blocks
+        for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, always_call=True))
+    ]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    _state.on = True
+    try:
+        with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
+    except Exception as e:  # noqa: BLE001 - the model's own code: report what it raised
+        raise ValueError(
+            f"pager: the model's forward could not run on fake tensors to measure its activations "
+            f"({type(e).__name__}: {str(e)[:200]}); a forward that reads tensor values (.item(), data-dependent "
+            f"shapes) cannot be measured this way."
+        ) from e
+    finally:
+        _state.on = False
+        for h in handles:
+            h.remove()
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+    return sb
+
+
+def _fake_state(model: torch.nn.Module, mode) -> dict:
+    """A fake stand-in of each parameter and buffer of `model`, by name (a
+    tied tensor: one for all its names); a paged-out one made from its shape
+    alone (its storage is empty: nothing is read or fetched)."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    fakes: dict = {}
+    by_id: dict = {}
+    with unguarded():
+        for name, t in state.items():
+            if id(t) not in by_id:
+                grad = t.requires_grad and t.is_floating_point()
+                if _has_bytes(t):
+                    fake = mode.from_tensor(t.detach())
+                else:
+                    with mode:
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                by_id[id(t)] = fake.requires_grad_(grad)
+            fakes[name] = by_id[id(t)]
+    return fakes
+
+
+def _has_bytes(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage holds its elements (not a paged-out tensor's empty one)."""
+    if wrappers.is_wrapper(t):
+        return True  # a wrapper subclass (quantized weights): its inner tensors are its bytes
+    if t.numel() == 0:
+        return True
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + 1) * t.element_size()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers a run of its storage's bytes without gaps or
+    overlaps (contiguous, or a permutation of it: a transposed view)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def state_bytes_of(optimizer, device, state_factor: float = 2.0, master_weights: bool = False):
+    """Page bytes of the optimizer state a parameter has on `device`: its
+    tensors the size of the parameter, and its scalars (`step`), each in a
+    slot of its own. Without an optimizer, `state_factor` x the parameter.
+    Under `master_weights` a bf16 parameter's are float32, and its master
+    is one more ([Note: master weights] in training/masters.py)."""
+
+    def widened(p) -> tuple[int, int]:  # (bytes of one state tensor of `p`, of its master)
+        if master_weights and wants_master(p):
+            wide = align(4 * p.numel())
+            return wide, wide
+        return aligned_bytes(p), 0
+
+    if optimizer is None:
+        return lambda p: int(state_factor * widened(p)[0]) + widened(p)[1]
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    name = type(optimizer).__name__
+
+    def of(p):
+        g = groups.get(id(p), {})
+        copies, scalars = _STATE.get(name, (state_factor, 1))
+        if callable(copies):
+            copies = copies(g)
+        # torch keeps `step` beside the parameter only when fused or capturable (else on the CPU)
+        here = device.type == "cpu" or g.get("fused") or g.get("capturable")
+        one, master = widened(p)
+        return int(copies * one) + master + (scalars * ALIGN_BYTES if here else 0)
+
+    return of
+
+
+# optimizer class -> (state tensors the size of a parameter, or a function of its group; scalar tensors)
+_STATE = {
+    "Adam": (lambda g: 3 if g.get("amsgrad") else 2, 1),
+    "AdamW": (lambda g: 3 if g.get("amsgrad") else 2, 1),
+    "Adamax": (2, 1),
+    "NAdam": (2, 2),
+    "RAdam": (2, 1),
+    "Adagrad": (1, 1),
+    "Adadelta": (2, 1),
+    "RMSprop": (lambda g: 1 + (g.get("momentum", 0) > 0) + bool(g.get("centered")), 1),
+    "SGD": (lambda g: 1 if g.get("momentum", 0) else 0, 0),
+}
