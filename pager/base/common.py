@@ -39,7 +39,14 @@ def outside_compile(hook: _F) -> _F:
 
 
 class BudgetError(RuntimeError):
-    """The blocks that must be on the device at once do not fit the budget."""
+    """The blocks that must be on the device at once do not fit the budget.
+
+    `least_budget_bytes`: where pager worked it out, the least budget that
+    holds what was refused (else None)."""
+
+    def __init__(self, message: str, least_budget_bytes: int | None = None):
+        super().__init__(message)
+        self.least_budget_bytes = least_budget_bytes
 
 
 _NO_RANGE = contextlib.nullcontext()

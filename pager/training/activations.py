@@ -408,7 +408,8 @@ class Activations:
             f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget)}. This "
             f"forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
-            f"optimizer=...)` gives these figures before wrap.)"
+            f"optimizer=...)` gives these figures before wrap.)",
+            least_budget_bytes=least + (held[self.policy] if self.asked != AUTO else min(held.values())),
         )
 
     # ------------------------------------------------------------ each pass
