@@ -13,7 +13,9 @@ running (temporary forward hooks keep the stack), by storage (a view saved
 again counts once, where it was first saved); storages of parameters and
 buffers are not activations (they page with their block). What a block's
 forward is called with is recorded too: `activations="recompute"` keeps
-exactly that. While it runs, pager's own hooks stand aside (`dry_running`):
+exactly that. Compiled modules run eagerly for it (`torch.compiler.set_stance`:
+a compiled kernel would read the fake tensors' memory, which they have
+none of). While it runs, pager's own hooks stand aside (`dry_running`):
 the measure moves no bytes and counts no use. The random number generators'
 states are put back after it. A forward that cannot run on fake tensors (it
 reads values: `.item()`, data-dependent shapes) is reported, not guessed.
@@ -198,8 +200,10 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     _state.on = True
     try:
+        # (compiled blocks run eagerly here: their compiled kernels would read fake tensors' memory)
         with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
+            with torch.compiler.set_stance("force_eager"):
+                functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
     except Exception as e:  # noqa: BLE001 - the model's own code: report what it raised
         raise ValueError(
             f"pager: the model's forward could not run on fake tensors to measure its activations "
