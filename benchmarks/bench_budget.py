@@ -49,6 +49,7 @@ except ImportError:  # an older tree
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, grads and AdamW's two states
 FULL = {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 5632}
+OPTIONS = {"clip": True, "attach": False}  # (--no-clip, --attach-at-wrap)
 QUICK = {"num_hidden_layers": 4, "hidden_size": 1024, "intermediate_size": 2816}
 
 
@@ -153,7 +154,8 @@ def run_steps(run: dict, model, opt, x, dev: Dev, steps: int, t0: float, paged: 
         start = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if OPTIONS["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         dev.sync()
@@ -240,10 +242,11 @@ def run_pager(cpu_ref, x, dev: Dev, steps: int, share: float, nparams: int) -> d
         model = copy.deepcopy(cpu_ref)
         dev.sync()
         t0 = time.perf_counter()
-        pager.wrap(model, budget=budget, device=dev.device)
+        early = torch.optim.AdamW(model.parameters(), lr=1e-4) if OPTIONS["attach"] else None
+        pager.wrap(model, budget=budget, device=dev.device, optimizer=early)
         wrapped = True
         run["wrap_s"] = time.perf_counter() - t0
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = early or torch.optim.AdamW(model.parameters(), lr=1e-4)
         run_steps(run, model, opt, x, dev, steps, t0, paged=True)
     except BudgetError as e:
         run["refused"] = True
@@ -416,6 +419,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the all-on-GPU run")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao peer")
+    p.add_argument("--no-clip", action="store_true", help="no clip_grad_norm_ in the steps")
+    p.add_argument(
+        "--attach-at-wrap", action="store_true", help="build AdamW before wrap and pass it: wrap(optimizer=)"
+    )
+    p.add_argument("--info", action="store_true", help="pager's INFO log lines (its choices) on stderr")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke test of this script only
     args = p.parse_args(argv)
     try:
@@ -429,6 +437,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    OPTIONS.update(clip=not args.no_clip, attach=args.attach_at_wrap)
+    if args.info:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("pager").setLevel(logging.INFO)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_budget: CUDA is not available; it measures on CUDA.", file=sys.stderr)
         return 2

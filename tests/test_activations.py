@@ -41,13 +41,14 @@ def offloading(model, budget, policy="offload", inputs=None, **kwargs):
     return pager.of(model)
 
 
-def activations_room(model, inputs, policy="auto"):
+def activations_room(model, inputs, policy="auto", min_bytes=0):
     """What activations hold at most under `policy` ("auto": the most of
     any it may choose) in a training pass of `model` on `inputs`, offloading
-    activations of any size, on the CPU device."""
+    activations of `min_bytes` and more (`offloading`'s: any size), on the
+    CPU device."""
     saved = pager.plan(model, 1 << 30, device="cpu", inputs=inputs).saved
     policies = [policy] if policy != "auto" else ["offload, views kept", "offload", "recompute"]
-    return max(saved.peak(p, min_bytes=0, copies=False) for p in policies)
+    return max(saved.peak(p, min_bytes=min_bytes, copies=False) for p in policies)
 
 
 def assert_acted(p, policy, backwards=1):

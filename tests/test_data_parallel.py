@@ -161,10 +161,10 @@ def test_flags_go_over_a_cpu_group_of_the_same_ranks(tmp_path):
 
 
 def adapters_on_quantized_ranks(rank, world, tmp):
-    from test_quantized import adapted, forward, inputs, quantized_bytes
+    from test_quantized import adapted, adapters_budget, forward, inputs
 
     model = adapted(seed=rank)  # different quantized weights per rank: wrap broadcasts rank 0's inner tensors
-    pager.wrap(model, budget=int(2.5 * quantized_bytes(model[0])), device="cpu")
+    pager.wrap(model, budget=adapters_budget(model), device="cpu")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(2):
         model(inputs(100 * rank + step)).pow(2).mean().backward()

@@ -323,8 +323,7 @@ def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_lon
     """[Note: how many update on the host]: a block given to the device is on
     trial for one forward; if that forward is longer than the one before, it
     goes back to the host and no more go to the device for `HOLD_STEPS`
-    steps, however the forwards wait. While activations="auto" times its
-    trials, nothing moves."""
+    steps, however the forwards wait."""
     from pager.training.host_step import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE
 
     forward = [0.1]
@@ -346,10 +345,6 @@ def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_lon
         assert choose(blocks) == blocks[:5]  # held there, though the forwards wait
     waited_too_long()
     assert choose(blocks) == blocks[:4]  # tried again
-    steps.pager.activations.choosing = True
-    for _ in range(3):
-        waited_too_long()
-        assert choose(blocks) == blocks[:4]  # activations' trials: nothing moves
     assert choose(blocks[:1]) == []  # (fewer blocks than on the device: all of them there)
 
 

@@ -212,8 +212,9 @@ def test_plans_training_budget_trains_and_ten_percent_less_is_refused(opt_name):
     make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
             "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)}[opt_name]
     ro, opt = make(ref.parameters()), make(model.parameters())
-    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
-    short = pager.plan(model, int(0.9 * least), device="cpu", optimizer=opt)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, inputs=batch).train_min_budget_bytes
+    short = pager.plan(model, int(0.9 * least), device="cpu", optimizer=opt, inputs=batch)
     assert short.runs and not short.trains and "WILL NOT TRAIN" in str(short)
     pager.wrap(model, budget=least, device="cpu", optimizer=opt)
     _train_llamas([(ref, ro), (model, opt)])
@@ -237,8 +238,11 @@ def test_plans_training_budget_with_master_weights():
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), HandMasters(ref, torch.optim.AdamW)
     plain = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
-    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
-    assert least > 1.7 * plain
+    blocks = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
+    assert blocks > 1.7 * plain
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True, inputs=batch)
+    least = least.train_min_budget_bytes  # (with the activations of a step on this batch)
     pager.wrap(model, budget=least, device="cpu", optimizer=opt, master_weights=True)
     _train_llamas([(model, opt), (ref, ref_opt)])
     assert pager.of(model).stats().evictions > 0

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from quantized import QuantizedWeight, quantize, quantized_bytes
+from test_activations import activations_room
 from test_adapters import written_back_by_kind
 
 import pager
@@ -135,6 +136,16 @@ def adapted(seed=0):
     return model
 
 
+def adapters_budget(model, activations="auto"):
+    """2.5 blocks' quantized pages with their adapters' gradients and state,
+    and room for what activations hold under `activations` (the budget
+    bounds them too: none for "keep")."""
+    blocks = int(2.5 * quantized_bytes(model[0]))
+    if activations == "keep":
+        return blocks
+    return blocks + activations_room(model, inputs(), activations, min_bytes=1 << 20)
+
+
 def train(model, opt, steps, clip=True):
     for step in range(steps):
         for micro in range(2):
@@ -149,7 +160,7 @@ def train(model, opt, steps, clip=True):
 def test_adapters_on_quantized_weights_train_bit_for_bit(activations, monkeypatch, caplog):
     model, ref = adapted(), adapted()
     written = written_back_by_kind(monkeypatch)
-    pager.wrap(model, budget=int(2.5 * quantized_bytes(model[0])), device="cpu", activations=activations)
+    pager.wrap(model, budget=adapters_budget(model, activations), device="cpu", activations=activations)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     with caplog.at_level(logging.WARNING, logger="pager"):
@@ -185,7 +196,7 @@ def test_quantized_weights_under_another_thread():
     """The shared mode ([Note: tensors and threads]): a block in use keeps its
     guards; its thread runs the weights' kernels unserved (no block held twice)."""
     model, ref = adapted(), adapted()
-    budget = int(2.5 * quantized_bytes(model[0]))
+    budget = adapters_budget(model, "recompute")
     pager.wrap(model, budget=budget, device="cpu", activations="recompute")
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
@@ -430,7 +441,7 @@ def test_torchao_int8_base_trains_adapters_bit_for_bit():
         return model
 
     model, ref = make(), make()
-    pager.wrap(model, budget=int(2.5 * quantized_bytes(model[0])), device="cpu", activations="recompute")
+    pager.wrap(model, budget=adapters_budget(model, "recompute"), device="cpu", activations="recompute")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     train(model, opt, 2)

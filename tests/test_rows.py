@@ -45,8 +45,9 @@ def batches(steps, seed=0, ids_range=ROWS, bag_range=BAG_ROWS):
 def wrap(model, **kw):
     kw.setdefault("rows", [model.emb, "bag"])
     kw.setdefault("row_cache", 600 * DIM * 4)
-    # Blocks need about 3 KiB: the layers stream through a budget of a few of them beside the cache.
-    return pager.wrap(model, budget=kw["row_cache"] + 6000, device="cpu", **kw)
+    # Blocks need about 3 KiB, 12 KiB with their gradients and Adam's state: the layers stream
+    # through a budget of a few of them beside the cache and the activations (about 1.4 KiB).
+    return pager.wrap(model, budget=kw["row_cache"] + 16000, device="cpu", **kw)
 
 
 def sparse_optimizers(model, make):

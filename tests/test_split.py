@@ -13,6 +13,7 @@ import pager
 from pager.model import discover as _discover
 from helpers import assert_models_equal, assert_same, tensor_page_bytes
 from models import TinyLM
+from test_activations import activations_room
 from test_training import batches, lm_loss, regime_budget
 
 
@@ -102,7 +103,9 @@ def test_a_forward_that_reads_a_parts_weights_fetches_the_parts_together(pager_l
 def test_fused_reads_train_like_the_unwrapped_model():
     model = FusedLM()
     ref = copy.deepcopy(model)
-    pager.wrap(model, budget=weights_budget(model, 4.5), device="cpu")
+    # (4.5 layers' weights: the blocks with their gradients and momentum, and the activations beside them)
+    budget = weights_budget(model, 4.5) + activations_room(model, batches(1)[0][0], min_bytes=1 << 20)
+    pager.wrap(model, budget=budget, device="cpu")
     opts = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for ids, tgt in batches(4):
         for m, o in zip((model, ref), opts):

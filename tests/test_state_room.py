@@ -15,7 +15,7 @@ import torch.nn as nn
 import pager
 from pager.training import state_room
 from helpers import assert_models_equal, hooked_blocks, tensor_page_bytes
-from test_activations import Wide, offloading, wide_steps
+from test_activations import Wide, offloading, wide_steps, activations_room
 
 LAYERS = 6
 
@@ -95,10 +95,13 @@ def test_a_model_that_fits_keeps_its_state_and_sleeps(linked):
 
 
 def test_a_budget_too_small_for_the_blocks_trades_nothing(linked):
-    """Where the blocks' weights and gradients alone exceed the budget, blocks
-    stream anyway: the state of those the scheduler keeps stays with them."""
+    """Where the blocks' weights and gradients alone exceed the budget less
+    the activations it holds, blocks stream anyway: the state of those the
+    scheduler keeps stays with them."""
     torch.manual_seed(0)
-    budget = int(2.5 * 4 * tensor_page_bytes(Wide()))
+    # (2.5 blocks with their gradients and Adam's state, and room for the activations: the budget bounds them too)
+    room = activations_room(nn.Sequential(*[Wide() for _ in range(LAYERS)]), torch.zeros(256, 32))
+    budget = int(2.5 * 4 * tensor_page_bytes(Wide())) + room
     p, model, ref = trained(budget)
     assert not p.host_steps.state_room.trading
     assert p.stats().host_steps > 0  # (blocks stream: their state is in host memory anyway)

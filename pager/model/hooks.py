@@ -242,8 +242,8 @@ class Hooks:
         if acts is not None and self.root_depth == 0:
             try:  # (the policy from what this forward will save: [Note: activations, the automatic choice])
                 acts.plan_pass(args, kwargs)
-            except BaseException:
-                self.pager.thread_state.refused = True  # (the post-hook, always called, has nothing to end)
+            except Exception:  # (torch runs the always-called post-hook after an Exception only)
+                self.pager.thread_state.refused = True  # (it has nothing to end)
                 raise
             acts.pass_starts()  # (before the ops before the first block)
         saving.begin_saving(

@@ -14,8 +14,7 @@ import torch
 from ..base import guards
 from ..base.block import Block, Segment
 from ..base.budget import format_bytes, parse_budget
-from ..base.common import STEP, WEIGHTS, _locked
-from ..base.wrappers import aligned_bytes
+from ..base.common import STEP, _locked
 from ..engine.engine import Engine
 from ..engine.schedule import Scheduler
 from ..observe.stats import Stats
@@ -23,11 +22,11 @@ from ..observe.trace import Tracer
 from ..observe.views import link_gbps_of, report_of, reset_counters, snapshot
 from ..rows.table import find_row_table
 from ..training.activations import KEEP, Activations
-from ..training.dry_run import measure_saved, state_bytes_of
 from ..training.grad_ops import GradOps
 from ..training.grad_pages import GradPages
 from ..training.host_step import HostSteps
 from ..training.optim import attach as attach_optimizer
+from . import step_needs
 from .direct_calls import DirectCalls
 from .hooks import Hooks
 from .prefetch import prefetch
@@ -95,9 +94,10 @@ class Pager:
                 self.transport,
                 self.counters,
                 budget_bytes=lambda: self.engine.room.usable_bytes() - self.outside_bytes,
-                spare_bytes=lambda: self.engine.room.spare_bytes(self) - self.pages_to_come_bytes(),
-                least_bytes=self.train_least_bytes,
-                measure=self._measure_saved,
+                spare_bytes=lambda: self.engine.room.spare_bytes(self) - step_needs.pages_to_come_bytes(self),
+                least_bytes=lambda: step_needs.least_bytes(self),
+                measure=lambda args, kwargs: step_needs.measure(self, args, kwargs),
+                outside_bytes=lambda: self.outside_bytes,
             )
             if activations != KEEP
             else None
@@ -257,41 +257,8 @@ class Pager:
         return max(fixed + largest, self.min_budget_bytes)
 
     def train_least_bytes(self) -> int:
-        """The least a training step needs on the device beside activations:
-        `least_room_bytes` with the gradients and optimizer state still to
-        come counted (`train_bytes`), and the state a forward carries and the
-        row caches held beside the blocks."""
-        size = self.train_bytes()
-        fixed = sum(size[b] for b in self.all_blocks() if b.resident_for_life)
-        largest = max(
-            (size[b] + sum(size[d] for d in b.deps) for b in self.blocks if not b.resident_for_life), default=0
-        )
-        return max(fixed + largest, self.min_budget_bytes) + self.carried_bytes + self.row_bytes
-
-    def train_bytes(self) -> dict:
-        """Each block's pages in a training step: its weights, and its
-        trainable parameters' gradients and the attached optimizer's state
-        (none before one is attached), those that exist or the estimate,
-        whichever is more. A scan: once a step."""
-        optimizer = self.optimizers[0].optimizer if self.optimizers else None
-        state_factor = 2.0 if optimizer is not None else 0.0  # (its class decides; none attached yet: none)
-        state_of = state_bytes_of(optimizer, self.device, state_factor, master_weights=self.master_weights)
-        return {
-            b: max(
-                b.nbytes(), b.nbytes(WEIGHTS) + sum(aligned_bytes(p) + state_of(p) for p in b.params if p.requires_grad)
-            )
-            for b in self.all_blocks()
-        }
-
-    def pages_to_come_bytes(self) -> int:
-        """What the gradients and optimizer state not made yet will add to the blocks' pages."""
-        return sum(n - b.nbytes() for b, n in self.train_bytes().items())
-
-    def _measure_saved(self, args, kwargs) -> tuple:
-        """What the model's forward with these inputs saves per block, on fake
-        tensors (training/dry_run.py), and the blocks by name."""
-        blocks = list(self.blocks)
-        return measure_saved(self.model, [(b.name, b.module) for b in blocks], args, kwargs), blocks
+        """The least a training step needs on the device beside activations (`step_needs.least_bytes`)."""
+        return step_needs.least_bytes(self)
 
     def prefetch(self) -> None:
         """Start fetching the next uses that have room ([Note: prefetch] in model/prefetch.py)."""

@@ -294,6 +294,8 @@ class Activations:
         measure: `(args, kwargs) -> (SavedBytes, blocks)`: the root forward's
             saves per block, on fake tensors, and the `Block` of each name;
             raises `ValueError` where the forward cannot run on them.
+        outside_bytes: what the process holds outside pager, learned
+            (`budget_covers="process"`), for the refusal's figures.
     """
 
     def __init__(
@@ -305,9 +307,10 @@ class Activations:
         spare_bytes=lambda: 0,
         least_bytes=lambda: 0,
         measure=None,
+        outside_bytes=lambda: 0,
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
-        self.least_bytes, self.measure = least_bytes, measure
+        self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -394,10 +397,12 @@ class Activations:
             held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
         del held[OFFLOAD_VIEWS_KEPT]
         holds = [p for p, n in held.items() if least + n <= budget]
+        out = self.outside_bytes()
+        outside = f" less the {format_bytes(out)} the process holds on the device outside pager" if out else ""
         fix = (
             f'activations="{holds[0]}" holds this budget'
             if holds
-            else f"a budget of at least {format_bytes(least + min(held.values()))} (activations=\"auto\" or "
+            else f'a budget of at least {format_bytes(out + least + min(held.values()))} (activations="auto" or '
             f'"{min(held, key=held.get)}"), or a smaller batch'
         )
         return BudgetError(
@@ -405,11 +410,11 @@ class Activations:
             f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
             f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
             f"{format_bytes(mine)} (activations={self.asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
-            f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget)}. This "
-            f"forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
+            f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
+            f"{outside}. This forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
             f"optimizer=...)` gives these figures before wrap.)",
-            least_budget_bytes=least + (held[self.policy] if self.asked != AUTO else min(held.values())),
+            least_budget_bytes=out + least + (held[self.policy] if self.asked != AUTO else min(held.values())),
         )
 
     # ------------------------------------------------------------ each pass

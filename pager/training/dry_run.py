@@ -27,9 +27,10 @@ the `Ledger` counts; pessimistic where timing decides):
 - kept (the blocks "auto" keeps, and the forward's last block, which every
   policy keeps: [Note: activations off the device]): all they save;
 - offload: of the others, what stays (smaller than the threshold, or a view
-  the policy does not send), plus what is being copied out (up to the
-  in-flight cap, CUDA only) plus two blocks' sent activations brought back
-  (its own and the one ahead) and what ops outside blocks sent;
+  the policy does not send); at the forward's end, plus what is being
+  copied out (up to the in-flight cap, CUDA only); in the backward, plus two
+  blocks' activations (the last block's own or one brought back, and the
+  one brought ahead) and what ops outside blocks sent;
 - recompute: of the others, their inputs (each storage once), what ops
   outside blocks save, and the largest one's activations recomputed.
 """
@@ -105,12 +106,14 @@ class SavedBytes:
             inputs = sum(self.inputs[i] for i in rest)
             backward = held - self.saved[last] + inputs + self.outside_before + max(self.saved[i] for i in rest)
             return max(held + inputs + self.outside, backward)
-        stays = {i: self.stays(i, policy, min_bytes) for i in rest}
-        sent = [self.saved[i] - stays[i] for i in rest]
-        outside_stays = self.stays(None, policy, min_bytes)
+        stays = sum(self.stays(i, policy, min_bytes) for i in rest) + self.stays(None, policy, min_bytes)
+        sent = [self.saved[i] - self.stays(i, policy, min_bytes) for i in rest]
+        outside_sent = self.outside - self.stays(None, policy, min_bytes)
         in_flight = min(sum(sent), max(IN_FLIGHT_MIN_BYTES, max(sent))) if copies else 0
-        brought = (1 + BRING_AHEAD_BLOCKS) * max(sent) + (self.outside - outside_stays)
-        return held + sum(stays.values()) + outside_stays + in_flight + brought
+        forward_end = held + stays + in_flight
+        # In the backward: the last block's own with the one ahead of it brought, then two brought at a time.
+        brought = max(self.saved[last], max(sent)) + BRING_AHEAD_BLOCKS * max(sent)
+        return max(forward_end, held - self.saved[last] + stays + outside_sent + brought)
 
 
 def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, **kw) -> tuple | None:
@@ -243,9 +246,12 @@ def _fake_state(model: torch.nn.Module, mode) -> dict:
 
 
 def _has_bytes(t: torch.Tensor) -> bool:
-    """Whether `t`'s storage holds its elements (not a paged-out tensor's empty one)."""
+    """Whether `t`'s storage holds its elements (not a paged-out tensor's
+    empty one). A wrapper subclass (a quantized weight) is made from its
+    shape as a plain tensor: its kernels save about what a plain weight's
+    do, and its inner tensors may be paged out."""
     if wrappers.is_wrapper(t):
-        return True  # a wrapper subclass (quantized weights): its inner tensors are its bytes
+        return False
     if t.numel() == 0:
         return True
     return t.untyped_storage().nbytes() >= (t.storage_offset() + 1) * t.element_size()

@@ -102,7 +102,9 @@ class StateRoom:
             for b in able
             if b not in self.on_host and "state" in b.segments and b.segments["state"].resident
         )
-        return spare + self.state_bytes + more > 0  # (else blocks stream anyway)
+        # (else blocks stream anyway: their weights and gradients, and the activations the
+        # budget holds beside them, do not fit)
+        return spare + self.state_bytes + more - activations.ledger.reserve() > 0
 
     def placed(self, blocks: list, host_ids: set) -> None:
         """The update of each of `blocks` runs on the host this step if its

@@ -1,0 +1,49 @@
+"""What a training step of a wrapped model needs on the device beside its
+activations: each block's pages with the gradients and optimizer state still
+to come, and the least of them that runs. `Activations` chooses its policy
+and refuses a budget from these ([Note: activations, the automatic choice]
+in training/activations.py); a scan of the blocks, once a step."""
+
+from __future__ import annotations
+
+from ..base.common import WEIGHTS
+from ..base.wrappers import aligned_bytes
+from ..training.dry_run import measure_saved, state_bytes_of
+
+
+def train_bytes(pager) -> dict:
+    """Each block's pages in a training step: its weights, and its trainable
+    parameters' gradients and the attached optimizer's state (none before one
+    is attached; a row table's stay on the host: its cache is `row_bytes`),
+    those that exist or the estimate, whichever is more."""
+    optimizer = pager.optimizers[0].optimizer if pager.optimizers else None
+    state_factor = 2.0 if optimizer is not None else 0.0  # (its class decides; none attached yet: none)
+    state_of = state_bytes_of(optimizer, pager.device, state_factor, master_weights=pager.master_weights)
+    rows = pager.row_params
+    trained = {
+        b: sum(aligned_bytes(p) + state_of(p) for p in b.params if p.requires_grad and id(p) not in rows)
+        for b in pager.all_blocks()
+    }
+    return {b: max(b.nbytes(), b.nbytes(WEIGHTS) + n) for b, n in trained.items()}
+
+
+def least_bytes(pager) -> int:
+    """`Pager.least_room_bytes` with the gradients and optimizer state still to
+    come counted, and the state a forward carries and the row caches held
+    beside the blocks."""
+    size = train_bytes(pager)
+    fixed = sum(size[b] for b in pager.all_blocks() if b.resident_for_life)
+    largest = max((size[b] + sum(size[d] for d in b.deps) for b in pager.blocks if not b.resident_for_life), default=0)
+    return max(fixed + largest, pager.min_budget_bytes) + pager.carried_bytes + pager.row_bytes
+
+
+def pages_to_come_bytes(pager) -> int:
+    """What the gradients and optimizer state not made yet will add to the blocks' pages."""
+    return sum(n - b.nbytes() for b, n in train_bytes(pager).items())
+
+
+def measure(pager, args, kwargs) -> tuple:
+    """What the model's forward with these inputs saves per block, on fake
+    tensors (training/dry_run.py), and the blocks it names."""
+    blocks = list(pager.blocks)
+    return measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs), blocks
