@@ -80,6 +80,7 @@ class SavedBytes:
     saves: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
     outside_saves: list[tuple[int, bool, bool]] = field(default_factory=list)
     outside_before: int = 0  # of `outside`, what ops before the first block save (the rest: the head, the loss)
+    after: list[list[tuple[int, bool, bool]]] = field(default_factory=list)  # outside saves after block i, to the next
 
     @property
     def total(self) -> int:
@@ -87,10 +88,25 @@ class SavedBytes:
 
     def stays(self, i: int | None, policy: str, min_bytes: int) -> int:
         """What offloading (`policy`) leaves on the device of block `i`'s
-        saves (None: of ops outside blocks)."""
-        saves = self.outside_saves if i is None else self.saves[i]
+        saves and those of the ops after it (offloaded with its: None, of
+        the ops before the first block)."""
+        saves = self.outside_saves[: self.before_count] if i is None else self.saves[i] + self.after[i]
         views = policy == OFFLOAD
         return sum(n for n, contiguous, dense in saves if n < min_bytes or not (contiguous or views and dense))
+
+    @property
+    def before_count(self) -> int:
+        """How many of `outside_saves` ops before the first block made."""
+        total = 0
+        for k, (n, _c, _d) in enumerate(self.outside_saves):
+            if total >= self.outside_before:
+                return k
+            total += n
+        return len(self.outside_saves)
+
+    def group(self, i: int) -> int:
+        """Block `i`'s saves and those of the ops after it: what offloading sends and brings as one."""
+        return self.saved[i] + sum(n for n, _c, _d in self.after[i])
 
     def peak(self, policy: str, kept=(), min_bytes: int = 1 << 20, copies: bool = True) -> int:
         """The most activations hold on the device in a training pass under
@@ -106,14 +122,16 @@ class SavedBytes:
             inputs = sum(self.inputs[i] for i in rest)
             backward = held - self.saved[last] + inputs + self.outside_before + max(self.saved[i] for i in rest)
             return max(held + inputs + self.outside, backward)
+        # Offloaded, ops between blocks go with the block before them (the last one's stay with it).
+        held += sum(n for i in keeps for n, _c, _d in self.after[i])
         stays = sum(self.stays(i, policy, min_bytes) for i in rest) + self.stays(None, policy, min_bytes)
-        sent = [self.saved[i] - self.stays(i, policy, min_bytes) for i in rest]
-        outside_sent = self.outside - self.stays(None, policy, min_bytes)
-        in_flight = min(sum(sent), max(IN_FLIGHT_MIN_BYTES, max(sent))) if copies else 0
+        sent = [self.group(i) - self.stays(i, policy, min_bytes) for i in rest]
+        before_sent = self.outside_before - self.stays(None, policy, min_bytes)
+        in_flight = min(sum(sent) + before_sent, max(IN_FLIGHT_MIN_BYTES, max(sent))) if copies else 0
         forward_end = held + stays + in_flight
         # In the backward: the last block's own with the one ahead of it brought, then two brought at a time.
-        brought = max(self.saved[last], max(sent)) + BRING_AHEAD_BLOCKS * max(sent)
-        return max(forward_end, held - self.saved[last] + stays + outside_sent + brought)
+        brought = max(self.group(last), max(sent)) + BRING_AHEAD_BLOCKS * max(max(sent), before_sent)
+        return max(forward_end, held - self.group(last) + stays + brought)
 
 
 def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, **kw) -> tuple | None:
@@ -163,14 +181,17 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
     own = {_key(t) for t in fakes.values()}
-    sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [])
+    sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [], 0, [[] for _ in names])
     seen: set = set()
     inputs_seen: set = set()
     stack: list[int] = []
 
+    last = [None]  # the module of the last block whose forward began
+
     def pre(module, a, k):
         i = index[id(module)]
         stack.append(i)
+        last[0] = id(module)
         sb.order.append(names[i])
         for t in tree_flatten((a, k))[0]:
             if isinstance(t, torch.Tensor) and _key(t) not in own and _key(t) not in inputs_seen:
@@ -191,7 +212,10 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
             else:
                 sb.outside += save[0]
                 sb.outside_saves.append(save)
-                sb.outside_before += 0 if sb.order else save[0]
+                if sb.order:  # (after a block: offloaded with it)
+                    sb.after[index[last[0]]].append(save)
+                else:
+                    sb.outside_before += save[0]
         return t
 
     handles = [
