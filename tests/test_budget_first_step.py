@@ -117,3 +117,98 @@ def test_plan_names_the_least_budget_the_defaults_train_with():
     assert refused.value.least_budget_bytes == least
     pager.of(model).set_budget(least)
     train_steps(model, opt, STEPS, within_budget(model))
+
+
+def test_the_measure_on_fake_tensors_changes_nothing_and_moves_nothing():
+    """[Note: activations measured without running]: the measure before the
+    first pass fetches no page, leaves the random number generators, the
+    buffers and the parameters as they were, and its forward's hooks of
+    pager's count no use; the values are the unwrapped model's."""
+    model = llama()
+    ref = copy.deepcopy(model)
+    budget = int(1.2 * 4 * tensor_page_bytes(model))
+    pager.wrap(model, budget=budget, device="cpu")
+    p = pager.of(model)
+    ids = batch(0)
+    measured = []
+    measure = p.activations.measure
+
+    def counted(args, kwargs):
+        before = (p.stats().h2d_bytes, p.stats().hits + p.stats().misses, torch.get_rng_state())
+        out = measure(args, kwargs)
+        after = p.stats()
+        assert (after.h2d_bytes, after.hits + after.misses) == before[:2]  # no page moved, no use counted
+        assert torch.equal(torch.get_rng_state(), before[2])
+        measured.append(out[0])
+        return out
+
+    p.activations.measure = counted
+    torch.manual_seed(1)
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.manual_seed(1)
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    assert len(measured) == 1 and measured[0].order[0] == "model.layers.0"
+    assert torch.equal(loss, ref_loss)
+    loss.backward()
+    ref_loss.backward()
+    model(input_ids=ids, labels=ids)  # (the same inputs: measured once)
+    assert len(measured) == 1
+    model(input_ids=batch(1, (8, 64)), labels=batch(1, (8, 64)))  # larger inputs: measured again
+    assert len(measured) == 2 and measured[1].total > measured[0].total
+    pager.unwrap(model)
+    for (n, a), (_n, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_learns_as_it_runs(caplog):
+    """A forward that reads a value cannot be measured on fake tensors: its
+    first pass runs under recompute (it holds least), the reserve growing as
+    it goes, and says so at INFO; the values are the unwrapped model's."""
+    import logging
+
+    class ReadsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(4)])
+
+        def forward(self, x):
+            if x.sum().item() > -1e9:  # a value: fake tensors have none
+                for layer in self.layers:
+                    x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    model = ReadsValues()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 20, device="cpu")
+    with caplog.at_level(logging.INFO, logger="pager"):
+        for m in (model, ref):
+            m(torch.ones(64, 32)).sum().backward()
+    assert "could not run on fake tensors" in caplog.text and "learns what activations hold" in caplog.text
+    s = pager.of(model).stats()
+    assert s.activations_policy == "recompute" and s.recomputes > 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_an_interrupt_inside_the_measure_leaves_nothing_on():
+    """A KeyboardInterrupt while the forward runs on fake tensors: pager's
+    hooks are on again, no saving frame is left, and the next step measures
+    and trains as the unwrapped model."""
+    from pager.base import saving
+    from pager.training import dry_run
+
+    model = llama()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=int(1.2 * 4 * tensor_page_bytes(model)), device="cpu")
+    layer = model.model.layers[2]
+    hook = layer.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=batch(0), labels=batch(0))
+    hook.remove()
+    assert not dry_run.dry_running() and saving.depth() == 0 and pager.of(model).hooks.root_depth == 0
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    train_steps(model, opt, 2, within_budget(model))
+    train_steps(ref, ref_opt, 2)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
