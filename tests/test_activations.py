@@ -686,7 +686,7 @@ def test_a_budget_no_policy_holds_is_refused_before_the_first_forward(policy):
     assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
     p.set_budget(need)
     if policy == "offload":  # (recompute holds least here)
-        with pytest.raises(pager.BudgetError, match='activations="recompute" holds this budget'):
+        with pytest.raises(pager.BudgetError, match='activations="recompute", which holds this budget'):
             wide_steps(model, opt, 1, batch=1024)
         return
     for step in range(3):

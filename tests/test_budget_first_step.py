@@ -212,3 +212,62 @@ def test_an_interrupt_inside_the_measure_leaves_nothing_on():
     train_steps(ref, ref_opt, 2)
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_a_longer_sequence_is_measured_again_and_a_smaller_batch_after_a_refusal():
+    """The measure is made again when an input grows in any dimension (a
+    longer sequence at the same number of tokens too); after a refusal, a
+    smaller batch is measured again, and trains within the budget."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    budget = int(1.2 * 4 * tensor_page_bytes(model))
+    pager.wrap(model, budget=budget, device="cpu", optimizer=opt)
+    p = pager.of(model)
+    measured = []
+    measure = p.activations.measure
+    p.activations.measure = lambda args, kwargs: measured.append(1) or measure(args, kwargs)
+
+    def step(ids):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(batch(0, (8, 32)))
+    step(batch(1, (4, 32)))  # (smaller: not measured again)
+    assert len(measured) == 1
+    step(batch(2, (1, 256)))  # the same tokens, a longer sequence
+    assert len(measured) == 2
+    with pytest.raises(pager.BudgetError):
+        step(batch(3, (64, 256)))
+    p.reset()
+    step(batch(4, (2, 64)))  # measured again: it holds
+    assert len(measured) == 4 and p.stats().peak_device_bytes <= budget
+
+
+def test_what_a_forward_sets_on_its_modules_is_put_back_after_the_measure():
+    """A block that builds a cache in an attribute at its first call and
+    counts its calls: the measure on fake tensors leaves neither behind."""
+
+    class Caching(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if getattr(self, "cache", None) is None:
+                self.cache = torch.ones_like(x)
+            return torch.tanh(self.lin(x)) * self.cache
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Caching() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=1 << 20, device="cpu")
+    x = torch.randn(16, 32)
+    for m in (model, ref):
+        m(x).sum().backward()
+    assert [layer.calls for layer in model] == [1, 1, 1, 1]
+    assert all(type(layer.cache) is torch.Tensor for layer in model)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)

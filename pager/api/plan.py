@@ -48,7 +48,7 @@ class Plan:
     train_kept: list[str]
     train_h2d_bytes: int
     train_d2h_bytes: int
-    train_min_budget_bytes: int  # the least budget that trains (activations aside: `train_budgets`)
+    train_min_budget_bytes: int  # the least budget that trains with the defaults (with `inputs`: activations too)
     link_gbps: float
     link_measured: bool
     notes: list[str] = field(default_factory=list)

@@ -112,15 +112,6 @@ class CpuTransport:
     def record_compute(self):
         return None
 
-    def clock(self):
-        """A point in compute's time, for `seconds_between`."""
-        return time.perf_counter()
-
-    @staticmethod
-    def seconds_between(start, end):
-        """Compute time from `start` to `end` (`clock` points); None while unknown."""
-        return end - start
-
     def mark_h2d(self, decoded: bool = False, last_copy=None):
         return None
 
@@ -347,13 +338,6 @@ class CudaTransport:
 
     def record_compute(self):
         return self._record(self.compute_stream(), timing=True)
-
-    def clock(self):
-        return self.record_compute()
-
-    @staticmethod
-    def seconds_between(start, end):
-        return start.elapsed_time(end) / 1e3 if end.query() else None
 
     def mark_h2d(self, decoded: bool = False, last_copy=None):
         # Memory allocated on the h2d stream may have been freed by another

@@ -98,6 +98,7 @@ class Pager:
                 least_bytes=lambda: step_needs.least_bytes(self),
                 measure=lambda args, kwargs: step_needs.measure(self, args, kwargs),
                 outside_bytes=lambda: self.outside_bytes,
+                budget_total=lambda: self.engine.budget_bytes,
             )
             if activations != KEEP
             else None

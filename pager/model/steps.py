@@ -89,18 +89,16 @@ class Steps:
         self.pager.counters.steps += 1
 
     def _warn_if_activations_crowd(self, room: int) -> None:
-        if (
-            self.pager.activations is None
-            or self.pager.budget_bytes - self.pager.activations.ledger.reserve() >= self.pager.least_room
-        ):
-            return
+        reserve = 0 if self.pager.activations is None else self.pager.activations.ledger.reserve()
+        if not reserve or self.pager.budget_bytes - reserve >= self.pager.least_room:
+            return  # (no activations held: inference, or what else crowds blocks is named where it is seen)
         self.pager.warn_once(
             "activations_crowd",
             "pager: activations held %s on the device in the last training pass, which leaves "
             "less of the %s budget than the %s that blocks need at least; blocks take that much anyway, so the "
             'step exceeds the budget. Raise the budget, use activations="recompute" (it holds least), or '
             "a smaller batch.",
-            format_bytes(self.pager.activations.ledger.reserve()),
+            format_bytes(reserve),
             format_bytes(self.pager.budget_bytes),
             format_bytes(self.pager.least_room),
         )

@@ -76,11 +76,12 @@ activations together: what pager's hooks hold on the device for a backward
 a recomputation keeps) is counted in a `Ledger`, by storage (two views of one
 storage count once), as it is saved and until it is freed (a brought or
 recomputed activation: until it is handed to autograd). Blocks get the budget
-less the most the activations held in the last training pass (`reserve`;
-during the first pass, what they hold so far), so from the second training
+less the most the activations will hold by the plan made before the first
+pass ([Note: activations, the automatic choice]), or held in the last
+training pass if that was more (`reserve`), so from the first training
 step on, blocks and activations stay within the budget together. A pass
-may recompute more than the last (a supernet's wider candidate; the first
-pass has no last): from a block's backward until its recomputation has run,
+may recompute more than the last (a supernet's wider candidate; a forward
+that could not be measured): from a block's backward until its recomputation has run,
 the reserve is at least what activations hold now and what the block's
 forward dropped (counted as it dropped it), and blocks leave as for a fetch
 until they fit the room left (`Ledger.recompute_comes`); a prefetch then
@@ -247,18 +248,20 @@ class Activations:
     "auto" (the default) decides before a training pass runs, from what the
     forward will save, measured on fake tensors at the first training
     forward ([Note: activations measured without running] in
-    training/dry_run.py), and again when a forward's inputs grow. Nothing is
-    tried on a pass that could break the budget.
+    training/dry_run.py), and again when an input grows (a larger batch, a
+    longer sequence). Nothing is tried on a pass that could break the budget.
     First, what the budget has room for stays: the room is the budget less
     every block with all its pages (weights, gradients, optimizer state:
-    those still to come are counted, Adam-like state where no optimizer is
-    attached yet) and less what the activations that do not stay hold
-    (`Room.spare_bytes`); walking back from the forward's last block, each
-    block whose forward saves (on the device, each storage once) what still
-    fits keeps it. So activations never take room that blocks use, the last
-    blocks, which the backward needs first and whose copies would have no
-    time to overlap, stay first, and where everything fits, nothing moves:
-    as "keep", within the budget.
+    those still to come are counted, the attached optimizer's state; none
+    before one is attached, and the choice is made again when it appears)
+    and less what the activations that do not stay hold (`Room.spare_bytes`);
+    walking back from the forward's last block, each block whose forward
+    saves (on the device, each storage once) what still fits keeps it, the
+    longest such tail with the rest's policy all within that room. So
+    activations never take room that blocks use, the last blocks, which the
+    backward needs first and whose copies would have no time to overlap,
+    stay first, and where everything fits, nothing moves: as "keep", within
+    the budget.
     The other blocks' activations are offloaded or recomputed, one policy
     for them all, the first of these that the budget holds beside the least
     room blocks run in ([Note: what each policy holds, predicted] in
@@ -272,7 +275,7 @@ class Activations:
     budget that none holds is refused at that first forward, before it runs,
     with the least budget that holds: a `BudgetError`. The reserve, what
     blocks leave to activations, is the prediction from the first pass on,
-    then the most the last pass held. Values are the same under every
+    or the most the last pass held where that was more. Values are the same under every
     policy (bit for bit on the CPU device).
     A forward that cannot run on fake tensors (it reads values) runs its
     first pass under recompute (it holds least), the reserve growing as it
@@ -296,6 +299,7 @@ class Activations:
             raises `ValueError` where the forward cannot run on them.
         outside_bytes: what the process holds outside pager, learned
             (`budget_covers="process"`), for the refusal's figures.
+        budget_total: the budget as given (the refusal names budgets so).
     """
 
     def __init__(
@@ -308,9 +312,11 @@ class Activations:
         least_bytes=lambda: 0,
         measure=None,
         outside_bytes=lambda: 0,
+        budget_total=lambda: 0,
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
+        self.budget_total = budget_total
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -323,7 +329,7 @@ class Activations:
         self._compiled_whole = False  # a block ran under torch.compile of the whole model ("auto": all keep)
         self.planned: SavedBytes | None = None  # the forward measured on fake tensors (dry_run.py)
         self.planned_bytes = 0  # what the chosen policy holds at most by that measure
-        self._planned_inputs = -1  # the inputs' bytes it was measured with (-1: not yet; None: it cannot be)
+        self._planned_dims: list | None = []  # each input's largest shape measured (None: it cannot be)
         self._planned_blocks: list = []  # the blocks it names
         self._planned_for: tuple | None = None  # (what blocks needed at least, the budget) when it was chosen
         self._plan_kept: set | None = None  # the blocks the plan keeps, for the pass it was made at
@@ -337,25 +343,30 @@ class Activations:
     # ------------------------------------------------------------ the plan
     def plan_pass(self, args, kwargs) -> None:
         """A training forward is about to start at the root: at the first one,
-        or when its inputs are larger than any measured, measure what it
-        saves; then, and whenever what blocks need at least (the optimizer's
+        or when an input has a dimension larger than any measured (a larger
+        batch, a longer sequence), measure what it saves; then, and whenever what blocks need at least (the optimizer's
         state appeared) or the budget changed, choose the policy (see the Note).
         Raises `BudgetError` (before the forward runs) where none holds."""
-        if self._planned_inputs is None or self.measure is None:
+        if self._planned_dims is None or self.measure is None:
             return
-        size = sum(t.untyped_storage().nbytes() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-        if size > self._planned_inputs:
+        shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if _exceeds(shapes, self._planned_dims):
             try:
                 self.planned, self._planned_blocks = self.measure(args, kwargs)
             except ValueError as e:
-                self._planned_inputs = None
+                self._planned_dims = None
                 if self.asked == AUTO:
                     self._set_policy(RECOMPUTE)
                 log.info("pager: %s; the first training pass learns what activations hold as it runs", str(e)[7:])
                 return
-            self._planned_inputs = size
+            self._planned_dims = _widest(shapes, self._planned_dims)
         elif (self.least_bytes(), self.budget_bytes()) == self._planned_for:
             return
+        try:
+            self._decide(self.planned, self._planned_blocks)
+        except BudgetError:
+            self._planned_dims = []  # (a smaller batch is measured again)
+            raise
         self._decide(self.planned, self._planned_blocks)
 
     def _decide(self, planned: SavedBytes, blocks: list) -> None:
@@ -377,7 +388,8 @@ class Activations:
             if name in by_name:
                 self.saved_bytes.setdefault(by_name[name], nbytes)
         if not self.offload.order:
-            self.offload.order = [by_name[n] for n in dict.fromkeys(planned.order) if n in by_name]
+            order = [n for k, n in enumerate(planned.order) if k == 0 or planned.order[k - 1] != n]
+            self.offload.order = [by_name[n] for n in order if n in by_name]  # (as its forward will record it)
         self.ledger.plan(held)
         log.info(
             "pager: activations=%r: %s for the blocks that do not keep theirs (%d keep), at most %s of activations "
@@ -397,10 +409,12 @@ class Activations:
             held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
         del held[OFFLOAD_VIEWS_KEPT]
         holds = [p for p, n in held.items() if least + n <= budget]
-        out = self.outside_bytes()
+        out, staging = self.outside_bytes(), self.budget_total() - budget - self.outside_bytes()
         outside = f" less the {format_bytes(out)} the process holds on the device outside pager" if out else ""
+        outside += f" less the {format_bytes(staging)} of staging for compressed pages" if staging else ""
+        out += staging
         fix = (
-            f'activations="{holds[0]}" holds this budget'
+            f'activations="{holds[0]}", which holds this budget'
             if holds
             else f'a budget of at least {format_bytes(out + least + min(held.values()))} (activations="auto" or '
             f'"{min(held, key=held.get)}"), or a smaller batch'
@@ -414,7 +428,7 @@ class Activations:
             f"{outside}. This forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
             f"optimizer=...)` gives these figures before wrap.)",
-            least_budget_bytes=out + least + (held[self.policy] if self.asked != AUTO else min(held.values())),
+            least_budget_bytes=out + least + mine,
         )
 
     # ------------------------------------------------------------ each pass
@@ -934,6 +948,20 @@ class _Input:
         if entry_of(self.tensor) is not None:
             return self.tensor
         return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+def _exceeds(shapes: list, widest: list) -> bool:
+    """Whether an input of `shapes` is larger in a dimension than `widest` (or laid out otherwise)."""
+    if len(shapes) != len(widest):
+        return True
+    return any(len(a) != len(b) or any(x > y for x, y in zip(a, b)) for a, b in zip(shapes, widest))
+
+
+def _widest(shapes: list, widest: list) -> list:
+    """Each input's largest shape of `shapes` and `widest`."""
+    if len(shapes) != len(widest):
+        return shapes
+    return [a if len(a) != len(b) else tuple(max(x, y) for x, y in zip(a, b)) for a, b in zip(shapes, widest)]
 
 
 def _pack_again(t):

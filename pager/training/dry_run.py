@@ -17,7 +17,11 @@ exactly that. Compiled modules run eagerly for it (`torch.compiler.set_stance`:
 a compiled kernel would read the fake tensors' memory, which they have
 none of). While it runs, pager's own hooks stand aside (`dry_running`):
 the measure moves no bytes and counts no use. The random number generators'
-states are put back after it. A forward that cannot run on fake tensors (it
+states are put back after it, and so is what the forward set on the model's
+modules (a cache, a counter: each module's attributes, shallowly). What the
+forward does to objects outside the model (a list a user's hook appends to)
+happens once more, with fake tensors, as a recomputation runs a block's
+forward again. A forward that cannot run on fake tensors (it
 reads values: `.item()`, data-dependent shapes) is reported, not guessed.
 
 [Note: what each policy holds, predicted]
@@ -50,6 +54,7 @@ from ..base.wrappers import aligned_bytes
 from .masters import wants_master
 
 _state = threading.local()
+_GONE = object()
 
 # activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
@@ -67,46 +72,44 @@ class SavedBytes:
     """Bytes a training forward saves for its backward.
 
     `saved[i]` (each storage once) and `inputs[i]` (each storage once, across
-    blocks) are per block, in the order of `names`; `saves[i]` lists each of
-    block i's saves as (bytes, contiguous, dense); `outside` and
-    `outside_saves` are what ops outside every block save (embeddings,
-    heads, the loss)."""
+    blocks) are per block, in the order of `names`; `outside` is what ops
+    outside every block save (embeddings, heads, the loss), `outside_before`
+    of it what ops before the first block save. For offloading, each save
+    as a `Save`: `saves[i]` block i's, `after[i]` those of the ops after
+    block i (offloaded with its), `before` those of the ops before the first."""
 
     names: list[str]
     saved: list[int]
     inputs: list[int]
     outside: int
     order: list[str]  # blocks in the order their forwards ran (innermost)
-    saves: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
-    outside_saves: list[tuple[int, bool, bool]] = field(default_factory=list)
-    outside_before: int = 0  # of `outside`, what ops before the first block save (the rest: the head, the loss)
-    after: list[list[tuple[int, bool, bool]]] = field(default_factory=list)  # outside saves after block i, to the next
+    saves: list[list[Save]] = field(default_factory=list)
+    after: list[list[Save]] = field(default_factory=list)
+    before: list[Save] = field(default_factory=list)
+    outside_before: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.saved) + self.outside
 
+    def _group(self, i: int | None) -> list:
+        return self.before if i is None else self.saves[i] + self.after[i]
+
     def stays(self, i: int | None, policy: str, min_bytes: int) -> int:
         """What offloading (`policy`) leaves on the device of block `i`'s
-        saves and those of the ops after it (offloaded with its: None, of
-        the ops before the first block)."""
-        saves = self.outside_saves[: self.before_count] if i is None else self.saves[i] + self.after[i]
+        saves and those of the ops after it (None: of the ops before the
+        first block): each storage once, as the ledger counts it."""
         views = policy == OFFLOAD
-        return sum(n for n, contiguous, dense in saves if n < min_bytes or not (contiguous or views and dense))
+        return sum({s.key: s.storage_bytes for s in self._group(i) if not s.sent(views, min_bytes)}.values())
 
-    @property
-    def before_count(self) -> int:
-        """How many of `outside_saves` ops before the first block made."""
-        total = 0
-        for k, (n, _c, _d) in enumerate(self.outside_saves):
-            if total >= self.outside_before:
-                return k
-            total += n
-        return len(self.outside_saves)
+    def sent(self, i: int | None, policy: str, min_bytes: int) -> int:
+        """What offloading (`policy`) sends of the same: each view once, as `ActivationOffload.send` does."""
+        views = policy == OFFLOAD
+        return sum({s.view: s.nbytes for s in self._group(i) if s.sent(views, min_bytes)}.values())
 
-    def group(self, i: int) -> int:
-        """Block `i`'s saves and those of the ops after it: what offloading sends and brings as one."""
-        return self.saved[i] + sum(n for n, _c, _d in self.after[i])
+    def held(self, i: int) -> int:
+        """All of the same, each storage once (kept on the device)."""
+        return sum({s.key: s.storage_bytes for s in self._group(i)}.values())
 
     def peak(self, policy: str, kept=(), min_bytes: int = 1 << 20, copies: bool = True) -> int:
         """The most activations hold on the device in a training pass under
@@ -118,20 +121,38 @@ class SavedBytes:
         held = sum(self.saved[i] for i in keeps)
         if policy == KEEP or not rest:
             return held + sum(self.saved[i] for i in rest) + self.outside
-        if policy == RECOMPUTE:  # at the forward's end; in the backward, the last block's and the head's are gone
+        if policy == RECOMPUTE:  # at the forward's end; in the backward, one block's recomputed beside the rest
             inputs = sum(self.inputs[i] for i in rest)
-            backward = held - self.saved[last] + inputs + self.outside_before + max(self.saved[i] for i in rest)
+            backward = held - self.saved[last] + inputs + self.outside + max(self.saved[i] for i in rest)
             return max(held + inputs + self.outside, backward)
         # Offloaded, ops between blocks go with the block before them (the last one's stay with it).
-        held += sum(n for i in keeps for n, _c, _d in self.after[i])
-        stays = sum(self.stays(i, policy, min_bytes) for i in rest) + self.stays(None, policy, min_bytes)
-        sent = [self.group(i) - self.stays(i, policy, min_bytes) for i in rest]
-        before_sent = self.outside_before - self.stays(None, policy, min_bytes)
-        in_flight = min(sum(sent) + before_sent, max(IN_FLIGHT_MIN_BYTES, max(sent))) if copies else 0
+        held = sum(self.held(i) for i in keeps)
+        stays = sum(self.stays(i, policy, min_bytes) for i in [*rest, None])
+        sent = [self.sent(i, policy, min_bytes) for i in rest]
+        before_sent = self.sent(None, policy, min_bytes)
+        # (the ledger counts the copies out as the full cap while the forward may send)
+        in_flight = max(IN_FLIGHT_MIN_BYTES, max(sent)) if copies and (any(sent) or before_sent) else 0
         forward_end = held + stays + in_flight
         # In the backward: the last block's own with the one ahead of it brought, then two brought at a time.
-        brought = max(self.group(last), max(sent)) + BRING_AHEAD_BLOCKS * max(max(sent), before_sent)
-        return max(forward_end, held - self.group(last) + stays + brought)
+        brought = max(self.held(last), max(sent)) + BRING_AHEAD_BLOCKS * max(max(sent), before_sent)
+        return max(forward_end, held - self.held(last) + stays + brought)
+
+
+@dataclass(frozen=True)
+class Save:
+    """One tensor a forward saved: its bytes, its storage's, its layout, and
+    keys for its storage and its view."""
+
+    nbytes: int
+    storage_bytes: int
+    contiguous: bool
+    dense: bool
+    key: int
+    view: tuple
+
+    def sent(self, views: bool, min_bytes: int) -> bool:
+        """Whether offloading sends it (`ActivationOffload.wants`); `views`: dense views that are not contiguous too."""
+        return self.nbytes >= min_bytes and (self.contiguous or views and self.dense)
 
 
 def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, **kw) -> tuple | None:
@@ -147,7 +168,7 @@ def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None
     if policy != "auto":
         held = sb.peak(policy, (), **kw)
         return ((), policy, held) if room_bytes is None or held <= room_bytes else None
-    order = list(dict.fromkeys(sb.order))
+    order = list(dict.fromkeys(reversed(sb.order)))[::-1]  # (a block used twice: where it ran last)
     for n in range(len(order), -1, -1):
         kept = set(order[len(order) - n :])
         if sum(sb.saved[sb.names.index(name)] for name in kept) > spare_bytes:
@@ -181,7 +202,7 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
     own = {_key(t) for t in fakes.values()}
-    sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [], 0, [[] for _ in names])
+    sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [[] for _ in names])
     seen: set = set()
     inputs_seen: set = set()
     stack: list[int] = []
@@ -203,19 +224,24 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
 
     def pack(t):
         key = _key(t)
-        if key not in own and key not in seen:
+        if key in own:
+            return t
+        view = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        save = Save(t.numel() * t.element_size(), t.untyped_storage().nbytes(), t.is_contiguous(), _dense(t), key, view)
+        i = stack[-1] if stack else None
+        if i is not None:
+            sb.saves[i].append(save)
+        elif sb.order:  # (after a block: offloaded with it)
+            sb.after[index[last[0]]].append(save)
+        else:
+            sb.before.append(save)
+        if key not in seen:  # (each storage once, for keeping and recomputing)
             seen.add(key)
-            save = (t.untyped_storage().nbytes(), t.is_contiguous(), _dense(t))
-            if stack:
-                sb.saved[stack[-1]] += save[0]
-                sb.saves[stack[-1]].append(save)
+            if i is not None:
+                sb.saved[i] += save.storage_bytes
             else:
-                sb.outside += save[0]
-                sb.outside_saves.append(save)
-                if sb.order:  # (after a block: offloaded with it)
-                    sb.after[index[last[0]]].append(save)
-                else:
-                    sb.outside_before += save[0]
+                sb.outside += save.storage_bytes
+                sb.outside_before += 0 if sb.order else save.storage_bytes
         return t
 
     handles = [
@@ -224,7 +250,9 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
         for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, always_call=True))
     ]
     rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # What a forward sets on its modules (a cache, a counter) is put back: the measure changes nothing.
+    attributes = {m: dict(m.__dict__) for m in model.modules()}
     _state.on = True
     try:
         # (compiled blocks run eagerly here: their compiled kernels would read fake tensors' memory)
@@ -243,7 +271,12 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
             h.remove()
         torch.set_rng_state(rng)
         if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng)
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, before in attributes.items():
+            now = m.__dict__
+            if len(now) != len(before) or any(now.get(k, _GONE) is not v for k, v in before.items()):
+                now.clear()
+                now.update(before)
     return sb
 
 

@@ -82,8 +82,7 @@ before by more than `SLOWER_SHARE`, the block goes back to the host and
 the count stays below it for `HOLD_STEPS` steps (on an H100 of a 16-core
 host, 1B decoder at 40%, the count had climbed to 6 while the forwards
 still waited for the host, the step at 1.3x-1.45x against 1.02x with none
-given). While activations="auto" times its trials, whose passes differ by
-policy, the count does not move.
+given).
 
 Whatever reads a page from outside a block's use waits for the updates in
 flight first: the model's and the optimizer's `state_dict()` and
