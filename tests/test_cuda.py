@@ -873,8 +873,10 @@ def test_unwrap_lets_the_pager_and_its_pinned_pages_go(activations):
     import gc
     import weakref
 
+    room = 0 if activations == "keep" else activation_room(
+        nn.Sequential(*[WideDrop(512) for _ in range(6)]), torch.zeros(256, 512), activations)
     model, ref, p, opt, ref_opt, budget = _wide_drop_training(
-        512, 6, activations, lambda m: int(2.5 * 4 * tensor_page_bytes(m[0])))
+        512, 6, activations, lambda m: int(2.5 * 4 * tensor_page_bytes(m[0])) + room)
     for _ in range(2):
         model(torch.randn(256, 512, device=GPU)).pow(2).mean().backward()
         opt.step()
