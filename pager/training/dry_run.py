@@ -58,8 +58,8 @@ _GONE = object()
 
 # activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
-IN_FLIGHT_MIN_BYTES = 64 << 20  # (activations.py's: the least cap of bytes being copied out)
-BRING_AHEAD_BLOCKS = 1  # (activations.py's)
+IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (activations.py)
+BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (activations.py)
 
 
 def dry_running() -> bool:
