@@ -344,9 +344,14 @@ class Activations:
     def plan_pass(self, args, kwargs) -> None:
         """A training forward is about to start at the root: at the first one,
         or when an input has a dimension larger than any measured (a larger
-        batch, a longer sequence), measure what it saves; then, and whenever what blocks need at least (the optimizer's
-        state appeared) or the budget changed, choose the policy (see the Note).
-        Raises `BudgetError` (before the forward runs) where none holds."""
+        batch, a longer sequence), measure what it saves; then, and whenever
+        what blocks need at least (the optimizer's state appeared) or the
+        budget changed, choose the policy (see the Note). Raises
+        `BudgetError` (before the forward runs) where none holds.
+
+        Args:
+            args, kwargs: what the root forward was called with.
+        """
         if self._planned_dims is None or self.measure is None:
             return
         shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -367,7 +372,6 @@ class Activations:
         except BudgetError:
             self._planned_dims = []  # (a smaller batch is measured again)
             raise
-        self._decide(self.planned, self._planned_blocks)
 
     def _decide(self, planned: SavedBytes, blocks: list) -> None:
         """Choose the kept blocks and the policy of the others from `planned`
@@ -385,8 +389,8 @@ class Activations:
         if self.asked == AUTO:
             self._set_policy(policy)
         for name, nbytes in zip(planned.names, planned.saved):
-            if name in by_name:
-                self.saved_bytes.setdefault(by_name[name], nbytes)
+            if name in by_name:  # (what the coming pass saves, until it has run)
+                self.saved_bytes[by_name[name]] = nbytes
         if not self.offload.order:
             order = [n for k, n in enumerate(planned.order) if k == 0 or planned.order[k - 1] != n]
             self.offload.order = [by_name[n] for n in order if n in by_name]  # (as its forward will record it)
