@@ -9,9 +9,12 @@ parameters and buffers (the model is not changed; a paged-out tensor's
 stand-in is made from its shape alone, nothing is fetched) under a
 `FakeTensorMode`, inside saved-tensor hooks that see each tensor autograd
 saves. A saved tensor is attributed to the innermost block whose forward is
-running (temporary forward hooks keep the stack), by storage (a view saved
-again counts once, where it was first saved); storages of parameters and
-buffers are not activations (they page with their block). What a block's
+running (temporary forward hooks keep the stack), or, saved by ops between
+blocks, to the block before them (offloading sends those with it); by
+storage for keeping and recomputing (a view saved again counts once, where
+it was first saved), by view for offloading (it sends each view a block
+saves once); storages of parameters and buffers are not activations (they
+page with their block). What a block's
 forward is called with is recorded too: `activations="recompute"` keeps
 exactly that. Compiled modules run eagerly for it (`torch.compiler.set_stance`:
 a compiled kernel would read the fake tensors' memory, which they have
@@ -32,9 +35,9 @@ the `Ledger` counts; pessimistic where timing decides):
   policy keeps: [Note: activations off the device]): all they save;
 - offload: of the others, what stays (smaller than the threshold, or a view
   the policy does not send); at the forward's end, plus what is being
-  copied out (up to the in-flight cap, CUDA only); in the backward, plus two
-  blocks' activations (the last block's own or one brought back, and the
-  one brought ahead) and what ops outside blocks sent;
+  copied out (the in-flight cap, as the ledger counts it while the forward
+  may send; CUDA only); in the backward, plus two blocks' activations (the
+  last block's own or one brought back, and the one brought ahead);
 - recompute: of the others, their inputs (each storage once), what ops
   outside blocks save, and the largest one's activations recomputed.
 """
