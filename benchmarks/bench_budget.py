@@ -212,15 +212,17 @@ def new_run(name: str, **kw) -> dict:
     return {"name": name, "steps": [], "setup_first_s": None, "steady_s": None, "error": None, "refused": False, **kw}
 
 
-def run_baseline(cpu_ref, x, dev: Dev, steps: int) -> dict:
-    run = new_run("all on GPU")
+def run_on_device(name: str, make_opt, cpu_ref, x, dev: Dev, steps: int) -> dict:
+    """The model moved to the device whole, `make_opt(parameters)` its
+    optimizer: setup (the move included) and each step measured."""
+    run = new_run(name)
     model = opt = None
     try:
         model = copy.deepcopy(cpu_ref)
         dev.sync()
         t0 = time.perf_counter()
         model.to(dev.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = make_opt(model.parameters())
         run_steps(run, model, opt, x, dev, steps, t0, paged=False)
     except Exception as e:  # noqa: BLE001 - a failed run is recorded, the others go on
         run["error"] = error_text(e)
@@ -231,6 +233,10 @@ def run_baseline(cpu_ref, x, dev: Dev, steps: int) -> dict:
         del model, opt
         dev.free()
     return run
+
+
+def run_baseline(cpu_ref, x, dev: Dev, steps: int) -> dict:
+    return run_on_device("all on GPU", lambda ps: torch.optim.AdamW(ps, lr=1e-4), cpu_ref, x, dev, steps)
 
 
 def run_pager(cpu_ref, x, dev: Dev, steps: int, share: float, nparams: int) -> dict:
@@ -279,24 +285,8 @@ def run_torchao(cpu_ref, x, dev: Dev, steps: int) -> dict | None:
         from torchao.optim import CPUOffloadOptimizer
     except Exception:  # noqa: BLE001 - absent, or present but broken: either way not a peer here
         return None
-    run = new_run("torchao CPUOffloadOptimizer")
-    model = opt = None
-    try:
-        model = copy.deepcopy(cpu_ref)
-        dev.sync()
-        t0 = time.perf_counter()
-        model.to(dev.device)
-        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
-        run_steps(run, model, opt, x, dev, steps, t0, paged=False)
-    except Exception as e:  # noqa: BLE001
-        run["error"] = error_text(e)
-        run["traceback"] = traceback.format_exc()
-        print(f"  failed: {run['error']}", flush=True)
-    finally:
-        summarize(run)
-        del model, opt
-        dev.free()
-    return run
+    make = lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-4)  # noqa: E731
+    return run_on_device("torchao CPUOffloadOptimizer", make, cpu_ref, x, dev, steps)
 
 
 # ---------------------------------------------------------------- report
