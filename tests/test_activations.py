@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import pager
 from pager.base.budget import format_bytes
+from pager.model import step_needs
 from pager.training import activations as activations_module
 from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import SuperNet, TinyLM
@@ -41,14 +42,14 @@ def offloading(model, budget, policy="offload", inputs=None, **kwargs):
     return pager.of(model)
 
 
-def activations_room(model, inputs, policy="auto", min_bytes=0):
+def activations_room(model, inputs, policy="auto", min_bytes=0, copies=False):
     """What activations hold at most under `policy` ("auto": the most of
     any it may choose) in a training pass of `model` on `inputs`, offloading
-    activations of `min_bytes` and more (`offloading`'s: any size), on the
-    CPU device."""
-    saved = pager.plan(model, 1 << 30, device="cpu", inputs=inputs).saved
+    activations of `min_bytes` and more (`offloading`'s: any size), their
+    copies out holding device memory (`copies`: CUDA) or not (the CPU device)."""
+    saved = pager.plan(model, 1 << 40, device="cpu", inputs=inputs).saved
     policies = [policy] if policy != "auto" else ["offload, views kept", "offload", "recompute"]
-    return max(saved.peak(p, min_bytes=min_bytes, copies=False) for p in policies)
+    return max(saved.peak(p, min_bytes=min_bytes, copies=copies) for p in policies)
 
 
 def assert_acted(p, policy, backwards=1):
@@ -510,7 +511,7 @@ def test_auto_chooses_before_the_first_pass_what_the_budget_holds(room):
     assert held["recompute"] < held["offload"] < held["offload, views kept"]  # (so each budget picks one)
     probe = copy.deepcopy(model)
     pager.wrap(probe, budget=1 << 30, device="cpu", optimizer=torch.optim.Adam(probe.parameters(), lr=1e-2))
-    least = pager.of(probe).train_least_bytes()  # blocks with gradients and Adam's state, the attached optimizer's
+    least = step_needs.least_bytes(pager.of(probe))  # blocks with gradients and Adam's state, the attached optimizer's
     pager.unwrap(probe)
     budget = least + {"views kept": held["offload, views kept"], "none": held["recompute"] - 1}.get(room, held.get(room))
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
@@ -677,7 +678,7 @@ def test_a_budget_no_policy_holds_is_refused_before_the_first_forward(policy):
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(pager.BudgetError) as refused:
         wide_steps(model, opt, 1, batch=1024)
-    least = p.train_least_bytes()
+    least = step_needs.least_bytes(p)
     text = str(refused.value)
     total, blocks, acts = (format_bytes(n) for n in (least + held[policy], least, held[policy]))
     assert f"holds at least {total} on the device: blocks at least {blocks}" in text and f"activations {acts}" in text

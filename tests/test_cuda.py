@@ -544,8 +544,7 @@ def test_activations_offloaded_on_gpu_parity_races_and_peak():
         ref = copy.deepcopy(model).to(GPU)
         budget = regime_budget(model, "streams")
         if activations == "offload":  # the budget bounds activations too: room for what offloading holds
-            saved = pager.plan(model, budget, device=GPU, inputs=torch.zeros(rows, d)).saved
-            budget += saved.peak("offload", min_bytes=1 << 20, copies=True)
+            budget += activation_room(model, torch.zeros(rows, d), "offload")
         budgets[activations] = budget
         pager.wrap(model, budget=budget, device=GPU, activations=activations)
         p = pager.of(model)
@@ -632,12 +631,12 @@ def test_activations_still_being_copied_out_are_used_where_they_are_on_gpu():
     assert_close_to_reference(model, ref)
 
 def activation_room(model, inputs, policy):
-    """What activations hold at most under `policy` ("auto": the most of any
-    it may choose) in a training pass of `model` on `inputs` on the GPU, by
-    pager's prediction: the budget bounds them with the blocks."""
-    saved = pager.plan(model, 1 << 40, device="cpu", inputs=inputs).saved
-    policies = [policy] if policy != "auto" else ["offload, views kept", "offload", "recompute"]
-    return max(saved.peak(p, min_bytes=1 << 20, copies=True) for p in policies)
+    """What activations hold at most under `policy` in a training pass of
+    `model` on `inputs` on the GPU, by pager's prediction: the budget bounds
+    them with the blocks."""
+    from test_activations import activations_room
+
+    return activations_room(model, inputs, policy, min_bytes=1 << 20, copies=True)
 
 
 class WideDrop(nn.Module):

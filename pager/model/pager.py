@@ -257,10 +257,6 @@ class Pager:
         )
         return max(fixed + largest, self.min_budget_bytes)
 
-    def train_least_bytes(self) -> int:
-        """The least a training step needs on the device beside activations (`step_needs.least_bytes`)."""
-        return step_needs.least_bytes(self)
-
     def prefetch(self) -> None:
         """Start fetching the next uses that have room ([Note: prefetch] in model/prefetch.py)."""
         prefetch(self)
