@@ -256,9 +256,21 @@ def test_training_races_and_peak_memory(defer_step, placement, make):
                                                 lambda m, o: train(m, o, data, accumulate=False)))
 
 
-def test_updates_on_the_host_with_clipping_and_a_schedule_on_gpu():
+def test_updates_on_the_host_with_clipping_and_a_schedule_on_gpu(monkeypatch):
     """torch's fused CPU AdamW on the host against the foreach CUDA one: the
-    same within rounding, with a clip whose factor is a device tensor."""
+    same within rounding, with a clip whose factor is a device tensor, which
+    the fused kernel takes in its one pass ([Note: a clip in the fused
+    update]): no update replays it first."""
+    from pager.training import host_jobs
+
+    folded, replayed = [], []
+    run_job = host_jobs.HostJob.run
+
+    def spy(job):
+        (folded if job.grad_factor is not None else replayed).append(bool(job.scales))
+        return run_job(job)
+
+    monkeypatch.setattr(host_jobs.HostJob, "run", spy)
     model = TinyLM(d=128, n_layers=6)
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model).to(GPU)
@@ -274,6 +286,7 @@ def test_updates_on_the_host_with_clipping_and_a_schedule_on_gpu():
     run(model, make(model.parameters()))
     run(ref, make(ref.parameters()))
     assert pager.of(model).stats().host_steps > 0
+    assert folded and not any(folded) and not any(replayed)  # (a replayed job would have scales)
     pager.unwrap(model)
     assert_within(model, ref, kernel_spread(start, make, run))
 

@@ -430,3 +430,23 @@ def test_the_host_worker_runs_on_the_threads_it_was_given():
         assert torch.get_num_threads() == before  # (this thread keeps its own setting)
     finally:
         torch.set_num_threads(before)  # (threads started later take the last setting)
+
+
+def test_one_factor_takes_a_single_clip_on_every_stepped_gradient_only():
+    """[Note: a clip in the fused update]: the fused kernel takes the factor
+    only where one scaling, the same on every gradient the update steps, is
+    all that was recorded; anything else is replayed first."""
+    from pager.training.host_jobs import grad_scale, one_factor
+
+    c = torch.tensor(0.25)
+    assert one_factor({0: [("mul", c)], 1: [("mul", c)]}, {0, 1}) is c
+    assert one_factor({0: [("mul", 0.5)]}, {0}) == 0.5
+    assert one_factor({0: [("mul", c)]}, {0, 1}) is None  # one gradient not scaled
+    assert one_factor({0: [("mul", c)], 2: [("mul", c)]}, {0}) is None  # a scaled one the update does not step
+    assert one_factor({0: [("mul", c)], 1: [("mul", torch.tensor(0.25))]}, {0, 1}) is None  # two factors
+    assert one_factor({0: [("zero", None), ("mul", c)]}, {0}) is None
+    assert one_factor({0: [("mul", c), ("mul", c)]}, {0}) is None
+    assert one_factor({0: [("mul", torch.ones(2))]}, {0}) is None
+    assert one_factor({0: [("mul", 0)]}, {0}) is None
+    assert one_factor({}, set()) is None
+    assert grad_scale(c).item() == 4.0 and grad_scale(c).dtype == torch.float32 and grad_scale(0.5).item() == 2.0

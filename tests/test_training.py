@@ -186,6 +186,30 @@ def test_pagers_clip_grad_norm_is_torchs():
         assert_same(p.grad, q.grad)
 
 
+def test_the_first_torch_clip_moves_no_bytes():
+    """Gradients leave with their norms from the first backward on: torch's
+    clip at the first step fetches no block (it used to fetch every paged-out
+    gradient, and warn of each), and gives torch's values bit for bit."""
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device="cpu")
+    for m in (model, ref):
+        lm_loss(m, *batches(1)[0]).backward()
+    pg = pager.of(model)
+    assert any(isinstance(p.grad, PagedOutGrad) for p in model.parameters())
+    before = pg.stats()
+    assert_same(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1), torch_clip_norm(ref, 0.1))
+    after = pg.stats()
+    assert (after.h2d_bytes, after.on_demand, after.misses) == (before.h2d_bytes, before.on_demand, before.misses)
+    pager.unwrap(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad)
+
+
+def torch_clip_norm(model, max_norm):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def test_zero_grad_keeping_tensors_while_paged_out():
     model = TinyLM()
     ref = copy.deepcopy(model)

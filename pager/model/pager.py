@@ -223,8 +223,8 @@ class Pager:
         self.grad_pages.page_out(block, seg)  # host_valid now says if any gradient is still wanted
         if not (dirty and seg.host_valid):
             return False
-        # New values: describe them as they leave, or forget the old description.
-        self.grad_ops.summarize(seg, ready) if self.grad_ops.summarize_on_leave else seg.summaries.clear()
+        # New values: describe them as they leave (what a clip reads).
+        self.grad_ops.summarize(seg, ready)
         return True
 
     def left(self, block: Block) -> None:

@@ -31,7 +31,6 @@ class GradOps:
 
     def __init__(self, pager, serve):
         self.pager, self.serve = pager, serve
-        self.summarize_on_leave = False  # norms of gradients computed as they leave (a clip or unscale asked)
 
     def grad_op(self, func, args, kwargs, wanted):
         """Answer a zeroing, scaling, norm or GradScaler unscale of paged-out
@@ -72,7 +71,10 @@ class GradOps:
 
     def summarize(self, seg, ready) -> None:
         """Norms of a grads segment's gradients, computed on the device as they
-        leave (on the write-back stream, after compute is done with them)."""
+        leave (on the write-back stream, after compute is done with them), for
+        every leaving page from the first step on: the first clip or unscale
+        of a run then fetches nothing (two small reductions per page, against
+        a fetch of every paged-out gradient at that first clip)."""
         views = seg.tensors
 
         def norms():
@@ -89,7 +91,6 @@ class GradOps:
         seg, i = g.segment, g.index
         summary = seg.summaries.get(i)
         if summary is None or ord not in (2.0, INF):
-            self.summarize_on_leave = True  # from now on, gradients leave with their norms
             return None
         transport = self.pager.transport
         if transport.is_cuda and seg.summary_event is not None:

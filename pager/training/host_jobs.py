@@ -34,11 +34,23 @@ class AfterCopy:
 class HostJob:
     """One block's update on the host: a shadow optimizer over its pages."""
 
-    def __init__(self, step, shadow, entries: list, scales: list, after: list, rounded: dict, one_pass: bool = False):
+    def __init__(
+        self,
+        step,
+        shadow,
+        entries: list,
+        scales: list,
+        after: list,
+        rounded: dict,
+        one_pass: bool = False,
+        grad_factor=None,
+    ):
         self.step = step  # the optimizer class's undecorated step
         self.shadow = shadow  # its groups and state over the host pages
         self.entries = entries  # (name, the optimizer's state dict of a parameter, the shadow's, its keys in the page)
         self.scales = scales  # (host view of a gradient, [(op, host factor)]) to apply first
+        # every gradient's factor, taken by the fused kernel ([Note: a clip in the fused update])
+        self.grad_factor = grad_factor
         self.after = after  # CUDA events: pages written back, factors copied
         self.rounded = rounded  # id of a master -> (gradient, weight) ([Note: master weights] in training/masters.py)
         self.one_pass = one_pass  # masters' updates in one pass where it can ([Note: a master's update in one pass])
@@ -56,6 +68,8 @@ class HostJob:
         with torch.no_grad():
             for view, ops in self.scales:
                 replay(view, ops)
+        if self.grad_factor is not None:
+            self.shadow.grad_scale = grad_scale(self.grad_factor)
         given = [dict(shadow) for _n, _own, shadow, _page in self.entries]
         if self.rounded:
             self.passes = masters.step_each(self.step, self.shadow, self.rounded, self.one_pass)
@@ -99,12 +113,13 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
     fused = pager.host_steps.fused_on_host(optimizer)
     override = {"fused": True, "foreach": False} if fused else {}
-    groups, shadow_state, entries, rounded = [], collections.defaultdict(dict), [], {}
+    groups, shadow_state, entries, rounded, stepped = [], collections.defaultdict(dict), [], {}, set()
     for g, share, opts in zip(optimizer.param_groups, shares, options):
         stand_ins = []
         for p in share:
             if not isinstance(p.grad, PagedOutGrad):
                 continue  # (its gradient is None: the update passes over it)
+            stepped.add(p.grad.index)
             stand_in = weights_host[id(p)]
             if pager.master_weights and masters.wants_master(p):
                 rounded[id(state_host[(id(p), masters.MASTER)])] = (grads_host[p.grad.index], stand_in)
@@ -124,10 +139,14 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
                 )
             stand_ins.append(stand_in)
         groups.append({**g, **opts, **override, "params": stand_ins})
-    scales = [
-        (grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
-        for i, ops in grads.pending.items()
-    ]
+    factor = one_factor(grads.pending, stepped) if fused and not rounded and not amp_scaled(optimizer) else None
+    if factor is not None:  # ([Note: a clip in the fused update])
+        scales, factor = [], host_factor(factor, factors, pager.transport, after)
+    else:
+        scales = [
+            (grads_host[i], [(op, host_factor(f, factors, pager.transport, after)) for op, f in ops])
+            for i, ops in grads.pending.items()
+        ]
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
@@ -139,7 +158,59 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
         writeback_events(block) + after,
         rounded,
         one_pass=fused and master_pass.takes(optimizer),
+        grad_factor=factor,
     )
+
+
+# [Note: a clip in the fused update]
+# torch's `clip_grad_norm_` scales every gradient by one coefficient
+# (`_foreach_mul_`); on a paged-out gradient it is recorded, and the update
+# on the host used to apply it first, as a pass of its own over the block's
+# gradients in host memory: 8 more bytes a parameter read and written by a
+# host whose AdamW moves 28, on the path the next forward waits for (a 1B
+# decoder's step at 1.16-1.32x the step without clip, H200). torch's fused
+# CPU kernels (Adam, AdamW, SGD, Adagrad) take a `grad_scale` that each
+# gradient is divided by as the kernel reads it, written back unscaled, the
+# way GradScaler hands a fused optimizer its scale: the clip's reciprocal
+# there makes the scaling part of the update's one pass, and the page then
+# holds the scaled gradient, as after the clip on the device. g / (1/c)
+# differs from g * c by at most an ulp: within the fused kernel's own
+# rounding, which is why this runs only where that kernel does (on CUDA;
+# the CPU device runs the optimizer's own code and replays the clip, bit
+# for bit). Anything but one factor on every gradient the update steps
+# (zeroing, two scalings, a GradScaler's own scale) is replayed first.
+
+
+def one_factor(pending: dict, stepped: set):
+    """The factor a step's every gradient is scaled by and nothing else (one
+    `clip_grad_norm_`), or None: `pending` (slot -> recorded operations)
+    holds one ("mul", f) for each slot of `stepped`, the same f, a nonzero
+    number or a tensor of one element ([Note: a clip in the fused update])."""
+    if not stepped or set(pending) != stepped:
+        return None
+    first = next(iter(pending.values()))
+    if len(first) != 1 or first[0][0] != "mul":
+        return None
+    factor = first[0][1]
+    if (factor.numel() != 1) if isinstance(factor, torch.Tensor) else factor == 0:
+        return None
+    if any(len(ops) != 1 or ops[0][0] != "mul" or ops[0][1] is not factor for ops in pending.values()):
+        return None
+    return factor
+
+
+def amp_scaled(optimizer) -> bool:
+    """GradScaler hands a fused optimizer its scale for this step
+    (`optimizer.grad_scale`): the kernel's one factor is taken."""
+    return getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
+
+
+def grad_scale(factor) -> torch.Tensor:
+    """What torch's fused kernels divide each gradient by for `factor` (a
+    host tensor of one element, or a number): its reciprocal in float32."""
+    if isinstance(factor, torch.Tensor):
+        return torch.reciprocal(factor.detach().reshape(()).float())
+    return torch.tensor(1.0 / factor, dtype=torch.float32)
 
 
 def host_factor(factor, cache: dict, transport, after: list):

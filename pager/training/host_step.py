@@ -26,8 +26,10 @@ data are views of the weights page and whose `.grad` are views of the
 grads page; the state entries in the state page are its views, the others
 (Adam's host-side `step`) the optimizer's own objects, updated in place as
 the optimizer would. The group options are those at `step()` time, and the
-zeroing and scaling recorded on the gradients before the step (a clip) are
-applied to the page first, as on the device. On the CPU device the update is
+zeroing and scaling recorded on the gradients before the step are applied to
+the page first, as on the device; a clip's one factor is taken by the fused
+kernel in its own pass instead ([Note: a clip in the fused update] in
+training/host_jobs.py). On the CPU device the update is
 the optimizer's own code on the same bytes: bit for bit the unwrapped
 model's. On CUDA, torch's fused CPU kernel runs for Adam, AdamW, SGD and
 Adagrad (the per-tensor loop would take several times as long): within the
