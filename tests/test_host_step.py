@@ -450,3 +450,25 @@ def test_one_factor_takes_a_single_clip_on_every_stepped_gradient_only():
     assert one_factor({0: [("mul", 0)]}, {0}) is None
     assert one_factor({}, set()) is None
     assert grad_scale(c).item() == 4.0 and grad_scale(c).dtype == torch.float32 and grad_scale(0.5).item() == 2.0
+
+
+def test_under_a_clip_the_host_takes_the_blocks_it_finishes_in_time():
+    """[Note: a clip holds the host's updates back]: in forward order, a
+    block updates on the host when the host, starting at the step, finishes
+    it a block's time before the forward reaches it; the others (the first
+    ones) update on the device."""
+    from types import SimpleNamespace
+
+    from pager.training.host_step import HostSteps
+
+    def block(i, nbytes=100):
+        return SimpleNamespace(index=i, segments={"weights": SimpleNamespace(nbytes=nbytes)})
+
+    blocks = [block(i) for i in range(8)]
+    steps = HostSteps(SimpleNamespace(blocks=blocks), "auto")
+    steps.seconds_per_byte = 0.015 / 100  # 15 ms a block on the host; the forward 10.625 ms a block
+    host = steps._by_deadline(blocks, forward=0.085)
+    # The host's k-th block is done at 15k ms, needed by (index - 1) * 10.625 ms.
+    assert [b.index for b in host] == [3, 4, 6, 7]
+    steps.seconds_per_byte = 0.001 / 100  # a fast host takes all but the first two
+    assert [b.index for b in steps._by_deadline(blocks, forward=0.080)] == [2, 3, 4, 5, 6, 7]

@@ -56,6 +56,7 @@ class HostJob:
         self.one_pass = one_pass  # masters' updates in one pass where it can ([Note: a master's update in one pass])
         self.seconds = 0.0
         self.passes = 0  # masters updated in one pass
+        self.weight_bytes = 0  # of the block whose update this is (what its time is measured against)
 
     def landed(self) -> bool:
         """The pages' write-backs (and the factors' copies) have landed in host memory."""
@@ -150,7 +151,7 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
-    return HostJob(
+    job = HostJob(
         link.raw_step,
         shadow_of(optimizer, groups, shadow_state),
         entries,
@@ -160,6 +161,8 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
         one_pass=fused and master_pass.takes(optimizer),
         grad_factor=factor,
     )
+    job.weight_bytes = weights.nbytes
+    return job
 
 
 # [Note: a clip in the fused update]

@@ -76,6 +76,25 @@ the host's work: its rate varies with whatever else reads host memory, and
 the backward's tail hides a part of it. Under block owners a forward also
 waits for other ranks' updates on the host, and those waits count too
 ([Note: block owners]).
+[Note: a clip holds the host's updates back]
+A clip's coefficient is known on the device once the whole backward is
+done, and every update that reads it waits for it to land (the factor's
+copy is in the job's `after`): the head start the host has without a clip
+(the last blocks updated during the backward's tail) is gone, every update
+starts at the step, and where the host's update of a block takes longer
+than the forward's use of one, each block of the forward waits a little
+more than the one before (a 1B decoder at 40%, H200: a host update 18 ms,
+a block's forward 15 ms, 110-150 ms of waits a step, the step at 1.14x the
+step without clip). So under a step whose gradients carry a factor from
+the device (`scaled_at_step`), the placement is a schedule, not a count:
+in forward order, a block updates on the host if the host, starting at the
+step and taking each block's measured time (`seconds_per_byte` of its
+weights, a running mean of the updates' own seconds), finishes it a
+block's time before the forward reaches it (the last forward's length over
+the blocks); else on the device, where its update rides on its fetch. The
+first blocks go to the device, the rest to the host. Until both times are
+measured the count below decides.
+
 A block given to the device is on trial for one forward: its state now
 crosses the link both ways, and where the link was already busy, or the
 host's AdamW shares host memory with those copies, the forward grows
@@ -229,6 +248,8 @@ class HostSteps:
         self._forward_open = False
         self._forward_read = False  # the last forward's length was used by `choose`
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
+        self._forward_seconds = None  # the last training forward's length on the device, once read
+        self.seconds_per_byte = None  # the host's update time per byte of a block's weights, measured
         self.state_room = StateRoom(pager)  # ([Note: the state off the device] in training/state_room.py)
 
     # ---------------------------------------------------------- placement
@@ -312,9 +333,24 @@ class HostSteps:
         forward = None if self._forward_read else self._read_forward()
         if forward is not None:  # (once a forward: a step of several optimizers asks for each)
             self._forward_read = True
+            self._forward_seconds = forward
             waited, self._waited_then = self.waited_seconds - self._waited_then, self.waited_seconds
             self._place(forward, waited, len(blocks))
+        if self._forward_seconds is not None and self.seconds_per_byte is not None and scaled_at_step(blocks):
+            return self._by_deadline(blocks, self._forward_seconds)
         return blocks[: len(blocks) - min(self.on_device, len(blocks))]
+
+    def _by_deadline(self, blocks: list, forward: float) -> list:
+        """Under a clip, the blocks the host can update before the next
+        forward needs them ([Note: a clip holds the host's updates back])."""
+        per_block = forward / max(len(self.pager.blocks), 1)
+        host, free = [], 0.0
+        for block in blocks:
+            took = self.seconds_per_byte * block.segments["weights"].nbytes
+            if free + took <= (block.index - 1) * per_block:  # (a block's time ahead left for its fetch)
+                host.append(block)
+                free += took
+        return host
 
     def _place(self, forward: float, waited: float, n: int) -> None:
         """One more or one fewer on the device, after a forward of `forward`
@@ -393,8 +429,13 @@ class HostSteps:
     def _measured(self, future: Future) -> None:
         # (on the worker thread)
         if future.exception() is None:
-            self.pager.counters.host_step_seconds += future.result().seconds
-            self.pager.counters.host_master_passes += future.result().passes
+            job = future.result()
+            self.pager.counters.host_step_seconds += job.seconds
+            self.pager.counters.host_master_passes += job.passes
+            if job.weight_bytes:
+                rate = job.seconds / job.weight_bytes
+                known = self.seconds_per_byte
+                self.seconds_per_byte = rate if known is None else 0.75 * known + 0.25 * rate
 
     # ---------------------------------------------------------- measuring
     def forward_starts(self) -> None:
@@ -441,6 +482,16 @@ class HostSteps:
             except (RuntimeError, ValueError, TypeError):
                 self._fused[cls] = False
         return self._fused[cls]
+
+
+def scaled_at_step(blocks: list) -> bool:
+    """Whether the updates of `blocks` read a factor the device computes at
+    the step (a clip's coefficient): none can start before it lands."""
+    for block in blocks:
+        for ops in block.segments["grads"].pending.values():
+            if any(isinstance(f, torch.Tensor) and f.device.type == "cuda" for _op, f in ops):
+                return True
+    return False
 
 
 def host_update_landed(block) -> bool:
