@@ -47,7 +47,7 @@ def activations_room(model, inputs, policy="auto", min_bytes=0, copies=False):
     any it may choose) in a training pass of `model` on `inputs`, offloading
     activations of `min_bytes` and more (`offloading`'s: any size), their
     copies out holding device memory (`copies`: CUDA) or not (the CPU device)."""
-    saved = pager.plan(model, 1 << 40, device="cpu", inputs=inputs).saved
+    saved = pager.plan(model, "100%", device="cpu", inputs=inputs).saved
     policies = [policy] if policy != "auto" else ["offload, views kept", "offload", "recompute"]
     return max(saved.peak(p, min_bytes=min_bytes, copies=copies) for p in policies)
 
@@ -684,6 +684,7 @@ def test_a_budget_no_policy_holds_is_refused_before_the_first_forward(policy):
     assert f"holds at least {total} on the device: blocks at least {blocks}" in text and f"activations {acts}" in text
     need = least + min(held.values())
     assert f"a budget of at least {format_bytes(need)}" in text, text
+    assert "torch.no_grad()" in text  # (an inference forward with gradients enabled is told what to do)
     assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
     p.set_budget(need)
     if policy == "offload":  # (recompute holds least here)

@@ -3,8 +3,10 @@ device, a Hugging Face Llama trained with AdamW and torch's clip under a
 sweep of budgets and each `activations=` policy: every step's
 `peak_device_bytes` (blocks and the activations pager holds) is within the
 budget, the first step included, or the first forward is refused before it
-runs, naming the least budget that holds; at that budget every step holds,
-and the values are the unwrapped model's bit for bit."""
+runs, naming the least budget that holds (an optimizer not known until its
+first step: that step is refused before it updates anything); at that
+budget every step holds, and the values are the unwrapped model's bit for
+bit."""
 
 import copy
 
@@ -39,13 +41,18 @@ def batch(step, size=(4, 64)):
 
 
 def train_steps(model, opt, steps, check=None, first=0, done=None):
-    """Steps `first`... of training; `done[0]`: the steps that have run."""
+    """Steps `first`... of training; `done[0]`: the steps that have run,
+    `done[1]`: where the last one is ("forward" or "step")."""
     for step in range(first, first + steps):
         if check is not None:
             pager.of(model).reset()
         ids = batch(step)
+        if done is not None:
+            done[1] = "forward"
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if done is not None:
+            done[1] = "step"
         opt.step()
         opt.zero_grad()
         if done is not None:
@@ -76,22 +83,28 @@ def test_every_step_holds_the_budget_from_the_first(share, policy, attach):
     pager.wrap(model, budget=budget, device="cpu", activations=policy, optimizer=opt if attach == "at wrap" else None)
     p = pager.of(model)
     before = copy.deepcopy(model.state_dict())
-    first, done = 0, [0]  # the steps both have run; the steps the wrapped model has run
-    for _attempt in range(3):  # (refused again once the state of an optimizer attached at its step appeared)
+    first, done = 0, [0, None]  # the steps both have run; the steps the wrapped model has run, and where
+    for _attempt in range(3):  # (refused at the first forward, then at the first step once its optimizer attached)
         try:
             train_steps(model, opt, STEPS - first, within_budget(model), first=first, done=done)
             break
         except pager.BudgetError as e:
             least = e.least_budget_bytes
             assert least is not None and least > p.budget_bytes, str(e)
-            ran = done[0]  # refused at a forward's start: the steps before it ran
-            assert ran == 0 or attach != "at wrap", str(e)  # (a known optimizer counts from the first)
-            if ran == 0:  # refused at the first forward: nothing ran, nothing changed
-                assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-                assert all(q.grad is None for q in model.parameters())
-            train_steps(ref, ref_opt, ran - first, first=first)
-            first = ran
+            # Refused at the first forward or, where the optimizer was not known
+            # then, at its first step: before anything changed either way.
+            assert done[0] == 0 and (done[1] == "forward" or attach != "at wrap"), (done, str(e))
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
             p.set_budget(least)  # the least budget it names holds
+            if done[1] == "forward":
+                assert all(q.grad is None for q in model.parameters())
+                continue
+            assert not opt.state and "This step did not run" in str(e)
+            opt.step()  # (the refused step, again: its gradients are there)
+            opt.zero_grad()
+            train_steps(ref, ref_opt, 1)
+            first = done[0] = 1
+            within_budget(model)(0)
     else:
         raise AssertionError("refused at the budget it named")
     train_steps(ref, ref_opt, STEPS - first, first=first)
@@ -99,24 +112,130 @@ def test_every_step_holds_the_budget_from_the_first(share, policy, attach):
     assert_models_equal(model, ref)
 
 
-def test_plan_names_the_least_budget_the_defaults_train_with():
+def qwen2():
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return transformers.Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [llama, qwen2])
+def test_plan_names_the_least_budget_the_defaults_train_with(make):
     """`pager.plan(..., inputs=, optimizer=)` gives one least budget that
     trains, the one the run with the defaults holds: below it the first
-    forward is refused, at it every step holds."""
-    model = llama()
+    forward is refused, at it every step holds. The inputs are a Hugging
+    Face model's keyword arguments with `labels`, as the steps call it: the
+    loss it computes inside saves for the backward too."""
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs = {"input_ids": batch(0), "labels": batch(0)}  # (as the steps call it: the loss saves too)
     plan = pager.plan(model, "1GiB", device="cpu", inputs=inputs, optimizer=opt)
     least = plan.train_min_budget_bytes
-    assert str(plan).count("least budget that trains") == 1
+    assert plan.activations_measured and plan.trains is True
+    assert least > plan.train_blocks_min_bytes and str(plan).count("least budget that trains") == 1
+    assert not any("labels" in n for n in plan.notes)
     below = pager.plan(model, least - 1, device="cpu", inputs=inputs, optimizer=opt)
-    assert not below.trains and "WILL NOT TRAIN" in str(below)
+    assert below.trains is False and "WILL NOT TRAIN" in str(below)
+    # Without labels the loss is not measured: less, and the plan says why.
+    unlabelled = pager.plan(model, least - 1, device="cpu", inputs={"input_ids": batch(0)}, optimizer=opt)
+    assert unlabelled.train_min_budget_bytes < least and any("`labels`" in n for n in unlabelled.notes)
     pager.wrap(model, budget=least - 1, device="cpu", optimizer=opt)
     with pytest.raises(pager.BudgetError) as refused:
         train_steps(model, opt, 1)
     assert refused.value.least_budget_bytes == least
     pager.of(model).set_budget(least)
     train_steps(model, opt, STEPS, within_budget(model))
+
+
+def test_a_plan_without_inputs_names_no_budget_that_trains():
+    """[Note: a plan without inputs]: without the forward's inputs the plan
+    counts no activations. Its figure is what blocks need, a lower bound it
+    says is one; it names no least budget that trains and, at a budget
+    between the two, does not know whether it trains (`trains` is None),
+    where the run refuses; below the blocks' figure it does not train."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = {"input_ids": batch(0), "labels": batch(0)}
+    least = pager.plan(model, "1GiB", device="cpu", inputs=inputs, optimizer=opt).train_min_budget_bytes
+    plan = pager.plan(model, least - 1, device="cpu", optimizer=opt)
+    text = str(plan)
+    assert not plan.activations_measured and plan.saved is None
+    assert plan.train_min_budget_bytes is None and plan.trains is None
+    assert plan.train_blocks_min_bytes < least and plan.runs
+    assert "least budget that trains" not in text and "WILL NOT TRAIN" not in text
+    assert "ACTIVATIONS NOT COUNTED" in text and "lower bound" in text
+    blocks = plan.train_blocks_min_bytes  # (the same as with inputs)
+    assert blocks == pager.plan(model, "1GiB", device="cpu", inputs=inputs, optimizer=opt).train_blocks_min_bytes
+    short = pager.plan(model, blocks - 1, device="cpu", optimizer=opt)
+    assert short.trains is False and "WILL NOT TRAIN" in str(short)
+    pager.wrap(model, budget=least - 1, device="cpu", optimizer=opt)
+    with pytest.raises(pager.BudgetError):  # (the budget the plan could not say trains: it does not)
+        train_steps(model, opt, 1)
+
+
+LLAMA_MODULE = """
+import transformers
+
+
+def build():
+    import torch
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=False, use_cache=False))
+"""
+
+
+def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train(tmp_path, monkeypatch, capsys):
+    """`python -m pager plan` with the forward's keyword arguments
+    (`--inputs input_ids=...`, `--labels`) and `--optimizer` gives the least
+    budget `plan()` gives with them (the run's), exits 0 at it and 1 below;
+    without inputs it runs, says activations are not counted and names no
+    budget that trains; `--optimizer` without inputs is a usage error."""
+    from pager.__main__ import main
+
+    (tmp_path / "mylm.py").write_text(LLAMA_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters())
+    zeros = torch.zeros(4, 64, dtype=torch.long)
+    least = pager.plan(model, "1GiB", device="cpu", inputs={"input_ids": zeros, "labels": zeros}, optimizer=opt)
+    least = least.train_min_budget_bytes
+
+    def run(budget, *more):
+        code = main(["plan", "mylm:build", "--budget", str(budget), "--device", "cpu", *more])
+        return code, capsys.readouterr().out
+
+    train = ["--inputs", "input_ids=4x64:int64", "--labels", "--optimizer", "AdamW"]
+    code, out = run(least, *train)
+    assert code == 0 and f"least budget that trains {pager.format_bytes(least)}" in out
+    code, out = run(least - 1, *train)
+    assert code == 1 and "WILL NOT TRAIN" in out
+    named = ["--inputs", "input_ids=4x64:int64", "--inputs", "labels=4x64:int64", "--optimizer", "AdamW"]
+    assert run(least - 1, *named)[0] == 1 and run(least, *named)[0] == 0  # (labels named: the same figure)
+    code, out = run(least - 1, "--inputs", "input_ids=4x64:int64", "--optimizer", "AdamW")  # no labels: less
+    assert code == 0 and "`labels`" in out
+    assert run(least - 1, "--inputs", "4x64:int64")[0] == 0  # (the positional form, input_ids: no labels)
+    code, out = run(least - 1)  # inference: it runs; the training figure excludes activations
+    assert code == 0 and "ACTIVATIONS NOT COUNTED" in out and "least budget that trains" not in out
+    for wrong in (
+        ["--optimizer", "AdamW"],  # (without inputs: whether it trains is not known)
+        ["--inputs", "4x64:int64", "--inputs", "labels=4x64:int64"],  # (positional and named)
+        ["--inputs", "4x64:int64", "--labels"],  # (no input named input_ids)
+        ["--inputs", "input_ids=4x64:int64", "--optimizer", "Adamm"],
+    ):
+        with pytest.raises(SystemExit) as stop:
+            run(least, *wrong)
+        assert stop.value.code == 2, wrong
 
 
 def test_the_measure_on_fake_tensors_changes_nothing_and_moves_nothing():

@@ -237,8 +237,8 @@ def test_plans_training_budget_with_master_weights():
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), HandMasters(ref, torch.optim.AdamW)
-    plain = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_min_budget_bytes
-    blocks = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_min_budget_bytes
+    plain = pager.plan(model, "1GiB", device="cpu", optimizer=opt).train_blocks_min_bytes
+    blocks = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True).train_blocks_min_bytes
     assert blocks > 1.7 * plain
     batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
     least = pager.plan(model, "1GiB", device="cpu", optimizer=opt, master_weights=True, inputs=batch)

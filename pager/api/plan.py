@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,20 @@ class Plan:
     block once). Training figures count the parameters that require grad,
     their gradients and the optimizer state it keeps on the device (from
     `optimizer`, else `state_factor` x the weights).
+
+    [Note: a plan without inputs]
+    A training step needs its blocks (the remainder and the largest block with
+    their gradients and optimizer state: `train_blocks_min_bytes`) and the
+    activations its forward saves, which only a forward on the step's inputs
+    tells (a Hugging Face model's loss, computed inside from `labels`, saves
+    its share too). Without `inputs` the plan has the first alone: a lower
+    bound, which a run refuses on its first forward. So it names no least
+    budget that trains (`train_min_budget_bytes` is None), `trains` is None
+    (not known) unless the budget is below what the blocks need (False), and
+    the text says activations are not counted. With `inputs` both are the
+    run's own figures: a run whose forward is called with the same inputs
+    refuses a budget below `train_min_budget_bytes` and holds it
+    (tests/test_budget_first_step.py).
     """
 
     device: str
@@ -48,7 +63,12 @@ class Plan:
     train_kept: list[str]
     train_h2d_bytes: int
     train_d2h_bytes: int
-    train_min_budget_bytes: int  # the least budget that trains with the defaults (with `inputs`: activations too)
+    # What a training step's blocks need at least: the remainder and the largest block with their
+    # gradients and optimizer state, activations not counted (a lower bound of the budget that trains).
+    train_blocks_min_bytes: int
+    # The least budget that trains with the defaults, activations included: the figure a run with the
+    # same inputs refuses below. None without `inputs` (activations not measured: not known).
+    train_min_budget_bytes: int | None
     link_gbps: float
     link_measured: bool
     notes: list[str] = field(default_factory=list)
@@ -81,10 +101,21 @@ class Plan:
         return self.budget_bytes >= self.min_budget_bytes
 
     @property
-    def trains(self) -> bool:
+    def activations_measured(self) -> bool:
+        """The plan measured what a training forward saves (it was given `inputs`)."""
+        return self.saved is not None
+
+    @property
+    def trains(self) -> bool | None:
         """The budget holds a training step with the defaults: the remainder
-        and the largest block with their gradients and optimizer state (and,
-        where the plan measured them, the activations "auto" holds at least)."""
+        and the largest block with their gradients and optimizer state, and
+        the activations "auto" holds at least. False where the budget is
+        below what the blocks alone need; None where it is not, but the plan
+        measured no activations (no `inputs`): not known."""
+        if self.budget_bytes < self.train_blocks_min_bytes:
+            return False
+        if self.train_min_budget_bytes is None:
+            return None
         return self.budget_bytes >= self.train_min_budget_bytes
 
     @property
@@ -105,25 +136,30 @@ class Plan:
             f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
             f"that runs {format_bytes(self.min_budget_bytes)}",
         ]
-        beside = (
-            f"+ the activations the defaults hold at least, "
-            f"{format_bytes(self.train_min_budget_bytes - self.train_budgets['keep'])}"
-            if self.train_budgets
-            else "(give inputs= to count activations too)"
-        )
-        out.append(
-            f"  least budget that trains {format_bytes(self.train_min_budget_bytes)}: the remainder and the "
-            f"largest block with their gradients and optimizer state {beside}"
-        )
+        blocks = format_bytes(self.train_blocks_min_bytes)
+        if self.train_min_budget_bytes is not None:
+            out.append(
+                f"  least budget that trains {format_bytes(self.train_min_budget_bytes)}: the remainder and the "
+                f"largest block with their gradients and optimizer state, {blocks}, + the activations the "
+                f"defaults hold at least with these inputs, "
+                f"{format_bytes(self.train_min_budget_bytes - self.train_blocks_min_bytes)}"
+            )
+        else:  # [Note: a plan without inputs]
+            out.append(
+                f"  training needs {blocks} before activations: the remainder and the largest block with their "
+                f"gradients and optimizer state; ACTIVATIONS NOT COUNTED, so this is a lower bound, not a budget "
+                f"that trains (give the forward's inputs, labels too where the model computes its loss: "
+                f"inputs= or --inputs)"
+            )
         if not self.runs:
             out.append(
                 f"  WILL NOT RUN: the budget is below {format_bytes(self.min_budget_bytes)} "
                 "(the remainder and the largest block)"
             )
-        elif not self.trains:
-            out.append(
-                f"  WILL NOT TRAIN: the budget is below {format_bytes(self.train_min_budget_bytes)} (inference runs)"
-            )
+        elif self.trains is False:
+            least = self.train_min_budget_bytes
+            what = format_bytes(least) if least is not None else f"the {blocks} blocks need before activations"
+            out.append(f"  WILL NOT TRAIN: the budget is below {what} (inference runs)")
         elif self.fits_all:
             out.append("  everything fits: no paging needed; after the first forward nothing moves")
         out.append(f"  {'block':<40} {'size':>11}  inference")
@@ -211,7 +247,8 @@ def plan(
             momentum 1) for the training figures, without `optimizer`.
         optimizer: the optimizer that will train the model (built on its
             parameters): the state it keeps per parameter on the device is
-            counted (`plan.train_min_budget_bytes`, `plan.trains`).
+            counted (`plan.train_blocks_min_bytes`, `plan.train_min_budget_bytes`,
+            `plan.trains`).
         compress: as for `pager.wrap`: blocks split as wrap splits them under
             it, and a forward's bytes at the codec's usual ratio (an
             estimate: the real ratio depends on the values).
@@ -221,12 +258,19 @@ def plan(
             the plan says which streamed blocks the helpers keep in their
             memory (`plan.helper_kept`), which come over the peer links at
             their measured rate (`plan.peer_gbps`).
-        inputs: a batch as the model's forward takes it (a tensor, a tuple of
-            positional arguments or a dict of keyword arguments; values do
-            not matter, only shapes and dtypes): the forward then runs on fake
+        inputs: a batch as the model's forward takes it: a tensor, a tuple of
+            positional arguments or a dict of keyword arguments (a Hugging
+            Face model: `{"input_ids": ids, "labels": ids}`, as the training
+            step calls it: its loss saves for the backward too); values do
+            not matter, only shapes and dtypes. The forward then runs on fake
             tensors (nothing is computed) to measure what a training step
             saves for its backward per block, and the plan predicts the
-            step's peak for each `activations=` policy of `wrap`.
+            step's peak for each `activations=` policy of `wrap`, and the
+            least budget that trains (`plan.train_min_budget_bytes`): the
+            one a run called with the same inputs refuses below. Without
+            them activations are not counted: `train_min_budget_bytes` and
+            (above what blocks need, `train_blocks_min_bytes`) `trains` are
+            None ([Note: a plan without inputs]).
         host_budget: as for `pager.load`: the plan then says which blocks
             host memory keeps and what a forward reads from disk.
         disk_gbps: the disk's sequential read GB/s, for the disk floor.
@@ -328,10 +372,17 @@ def plan(
         )
     saved, peaks = None, {}
     if inputs is not None:
+        args, kwargs = _as_call(inputs)
         try:
-            saved = measure_saved(model, sizing.named, *_as_call(inputs))
+            saved = measure_saved(model, sizing.named, args, kwargs)
         except ValueError as e:
             raise ValueError(f"{e} (leave `inputs` out of plan() to plan without them)") from e
+        if _lacks_labels(model, args, kwargs):
+            notes.append(
+                "the forward takes `labels` and inputs= has none: measured without them, the loss the model "
+                "computes from them (and what its backward needs) is not counted; a training step that passes "
+                "labels needs more: give them in inputs= (a causal LM: labels=input_ids)"
+            )
         peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, budget_bytes, least)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
@@ -340,27 +391,27 @@ def plan(
     if saved is not None:
         train_budgets["auto"] = int(least + least_held(saved, **kw))
     out = Plan(
-        str(device),
-        budget_bytes,
-        min_budget,
-        remainder,
-        list(zip(names, own)),
-        sorted(kept, key=names.index),
-        forward,
-        sorted(train_kept, key=names.index),
-        int(h2d),
-        int(d2h),
-        int(least),
-        link,
-        measured,
-        notes,
-        saved,
-        peaks,
-        # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
-        train_budgets,
+        device=str(device),
+        budget_bytes=budget_bytes,
+        min_budget_bytes=min_budget,
+        remainder_bytes=remainder,
+        blocks=list(zip(names, own)),
+        kept=sorted(kept, key=names.index),
+        forward_bytes=forward,
+        train_kept=sorted(train_kept, key=names.index),
+        train_h2d_bytes=int(h2d),
+        train_d2h_bytes=int(d2h),
+        train_blocks_min_bytes=int(least),
+        # One least budget that trains: the defaults' ("auto" at its least); not known without the
+        # activations ([Note: a plan without inputs]).
+        train_min_budget_bytes=train_budgets["auto"] if saved is not None else None,
+        link_gbps=link,
+        link_measured=measured,
+        notes=notes,
+        saved=saved,
+        training_peaks=peaks,
+        train_budgets=train_budgets,
     )
-    if saved is not None:  # one least budget that trains: the defaults' ("auto" at its least)
-        out.train_min_budget_bytes = train_budgets["auto"]
     if host_budget is not None:
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
@@ -463,6 +514,22 @@ def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
 def _page_bytes(compress: str, t: torch.Tensor) -> int:
     """About the bytes `t` takes in a page under `compress` (a quantized weight's inner tensors stay as they are)."""
     return wrappers.nbytes_of(t) if wrappers.is_wrapper(t) else page_bytes_estimate(compress, t)
+
+
+def _lacks_labels(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether `model`'s forward takes `labels` (a Hugging Face model, which
+    then computes its loss inside) and this call gives none."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if "labels" not in params:
+        return False
+    if "labels" in kwargs:
+        return kwargs["labels"] is None
+    positional = [n for n, q in params.items() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    at = positional.index("labels") if "labels" in positional else len(args)
+    return at >= len(args) or args[at] is None
 
 
 def _as_call(inputs) -> tuple:

@@ -265,15 +265,26 @@ class Activations:
             self._planned_dims = []  # (a smaller batch is measured again)
             raise
 
-    def _decide(self, planned: SavedBytes, blocks: list) -> None:
+    def step_attaches(self) -> None:
+        """An optimizer was attached after the last plan (at its first step):
+        its state counts now, before that step changes anything. Raises
+        `BudgetError` where no policy holds the blocks with it beside the
+        activations the last forward measured."""
+        if self.planned is None or self._planned_for is None:
+            return  # (no forward planned yet: the first one counts the state)
+        if (self.least_bytes(), self.budget_bytes()) != self._planned_for:
+            self._decide(self.planned, self._planned_blocks, "This step did not run: nothing was updated")
+
+    def _decide(self, planned: SavedBytes, blocks: list, unchanged: str = "This forward did not run") -> None:
         """Choose the kept blocks and the policy of the others from `planned`
-        and check that the budget holds them; nothing changes if it does not."""
+        and check that the budget holds them; nothing changes if it does not
+        (`unchanged` says what did not run)."""
         budget, least = self.budget_bytes(), self.least_bytes()
         room = None if budget is None else budget - least  # what activations may hold beside blocks
         kw = {"min_bytes": self.offload.min_bytes, "copies": self.transport.is_cuda}
         chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
         if chosen is None:
-            raise self._refusal(planned, budget, least, kw)
+            raise self._refusal(planned, budget, least, kw, unchanged)
         kept, policy, held = chosen
         by_name = {b.name: b for b in blocks}
         self._planned_for = (least, budget)
@@ -299,7 +310,7 @@ class Activations:
             "no bound" if budget is None else format_bytes(budget),
         )
 
-    def _refusal(self, planned: SavedBytes, budget: int, least: int, kw) -> BudgetError:
+    def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, unchanged: str) -> BudgetError:
         held = {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
         mine = held[self.policy] if self.asked != AUTO else min(held.values())
         if self.asked == AUTO:  # (either way of offloading)
@@ -322,9 +333,11 @@ class Activations:
             f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
             f"{format_bytes(mine)} (activations={self.asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
             f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
-            f"{outside}. This forward did not run. Use {fix}. (The optimizer's state counts once it is attached: "
+            f"{outside}. {unchanged}. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
-            f"optimizer=...)` gives these figures before wrap.)",
+            f"optimizer=...)` gives these figures before wrap.) If this forward is inference, run it under "
+            f"`torch.no_grad()` (or `torch.inference_mode()`): a forward with gradients enabled is planned as a "
+            f"training step, with what it saves for its backward.",
             least_budget_bytes=out + least + mine,
         )
 

@@ -56,7 +56,7 @@ from operator import is_not
 import torch
 
 from ..base.block import Block
-from ..base.common import STEP
+from ..base.common import STEP, BudgetError
 from . import masters
 from .grads import PagedOutGrad, replay
 from .host_jobs import host_job
@@ -506,6 +506,12 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
     if pager.owners is not None:
         pager.owners.keep_own_state(optimizer)  # (loaded before it was attached: [Note: block owners])
     pager.optimizers.append(link)
+    if pager.activations is not None:
+        try:  # (its state counts before its first step changes anything)
+            pager.activations.step_attaches()
+        except BudgetError:
+            link.detach()  # (the next step attaches it again, and asks again)
+            raise
     _warn_if_rows_lazy(pager, optimizer)
     return link
 
