@@ -11,7 +11,10 @@ CPU = torch.device("cpu")
     [(1234, 1234), ("10GiB", 10 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
      ("2k", 2048), (" 3 MB ", 3_000_000), ("100", 100)],
 )
-def test_sizes(text, expected):
+def test_sizes(text, expected, monkeypatch):
+    import pager.base.budget as budget_mod
+
+    monkeypatch.setattr(budget_mod, "device_memory", lambda device: (1 << 40, 1 << 40))  # (any host: 10GiB fits)
     assert parse_budget(text, CPU) == expected
 
 

@@ -93,7 +93,7 @@ def assert_within(model, ref, spread):
 
 def _two_blocks(model):
     probe = copy.deepcopy(model)
-    pager.wrap(probe, budget=1 << 40, device="cpu")
+    pager.wrap(probe, budget="100%", device="cpu")
     pg = pager.of(probe)
     budget = pg.min_budget_bytes + max(b.nbytes() for b in pg.blocks)
     pager.unwrap(probe)

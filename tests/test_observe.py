@@ -174,9 +174,13 @@ def test_plan_command_line(tmp_path):
     assert "per forward" in ok.stdout and "streams" in ok.stdout
     bad = run("1KiB")
     assert bad.returncode == 1 and "WILL NOT RUN" in bad.stdout
+    assert "ACTIVATIONS NOT COUNTED" in ok.stdout and "least budget that trains" not in ok.stdout
     batch = run("40KiB", "--inputs", "32x64")  # 6 Linear blocks each save their 32x64 fp32 input
-    assert batch.returncode == 0, batch.stderr
+    assert batch.returncode == 1, batch.stderr  # (a training step is planned: it runs, it does not train)
     assert "saves 48.00 KiB for its backward" in batch.stdout and "activations=recompute:" in batch.stdout
+    assert "WILL NOT TRAIN" in batch.stdout
+    trains = run("1MiB", "--inputs", "32x64")
+    assert trains.returncode == 0 and "least budget that trains" in trains.stdout, trains.stderr
     wrong = run("40KiB", "--inputs", "32x64:float99")
     assert wrong.returncode == 2 and "'float99' is not a torch dtype" in wrong.stderr
     (tmp_path / "mybf16.py").write_text(
@@ -192,11 +196,21 @@ def _warnings(caplog, key):
 
 
 @pytest.mark.parametrize("budget_blocks,fires", [(8, True), (3, False)])
-def test_warns_when_the_model_fits_the_budget(caplog, budget_blocks, fires):
+@pytest.mark.parametrize("first", ["inference", "training"])
+def test_warns_when_the_model_fits_the_budget(caplog, budget_blocks, fires, first):
+    """Said once, at the first forward, where the user can act: inference
+    needs no paging. A training forward (gradients and optimizer state may
+    still page) is not warned."""
     caplog.set_level(logging.WARNING, logger="pager")
     model = cyclic()
     pager.wrap(model, budget=budget_blocks * tensor_page_bytes(model[0]), device="cpu")
-    assert len(_warnings(caplog, "fits the budget")) == (1 if fires else 0)
+    assert not _warnings(caplog, "fits the budget")  # (not at wrap: nothing says yet what the model is for)
+    x = torch.randn(4, model[0].in_features)
+    with torch.set_grad_enabled(first == "training"):
+        model(x)
+    with torch.no_grad():
+        model(x)  # (a later inference forward says nothing more)
+    assert len(_warnings(caplog, "fits the budget")) == (1 if fires and first == "inference" else 0)
 
 
 @pytest.mark.parametrize("threshold,fires", [(1, True), (1 << 40, False)])

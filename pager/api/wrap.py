@@ -106,9 +106,10 @@ def wrap(
             "auto" (the default): blocks keep theirs on the device as far as
             the budget has room beyond every block with its gradients and
             optimizer state, the last blocks of the forward first; the others
-            are offloaded or recomputed, whichever was faster on a few timed
-            training passes (see [Note: activations, the automatic choice]
-            in training/activations.py). "offload": each saved activation of
+            are offloaded or recomputed, the first the budget holds, decided
+            before the first training forward from that forward measured on
+            fake tensors (see [Note: activations, the automatic choice] in
+            training/activations.py). "offload": each saved activation of
             1 MiB or more goes to pinned host memory as the forward moves on
             and comes back, a block ahead, for the backward (see [Note:
             activations off the device]). "recompute": a block keeps only its
@@ -304,7 +305,9 @@ def _wrap(
         raise ValueError(
             f'pager: activations={activations!r} must be "keep" (on the device), "offload" '
             '(to pinned host memory until the backward), "recompute" (dropped, and each block\'s '
-            'forward run again in its backward) or "auto" (the faster of the two, tried).'
+            'forward run again in its backward) or "auto" (kept on the device as far as the budget has room, '
+            "the rest offloaded or recomputed, the first the budget holds, decided before the first training "
+            "forward from it measured on fake tensors)."
         )
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
@@ -375,12 +378,9 @@ def _wrap(
             format_bytes(adapter_bytes),
         )
     if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
-        log.warning(
-            "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
-            "after the first forward); training pages gradients and optimizer state only if they do not fit "
-            "beside it.",
-            format_bytes(total),
-            format_bytes(budget_bytes),
+        pager.fits_advice = (  # (warned at the first forward if it is inference: Hooks.advise)
+            f"pager: the whole model ({format_bytes(total)}) fits the budget ({format_bytes(budget_bytes)}): "
+            f"inference needs no paging (it stays resident after the first forward, as fast as unwrapped)."
         )
     try:
         if setup is not None:

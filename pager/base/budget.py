@@ -76,13 +76,18 @@ def parse_budget(budget, device: torch.device) -> int:
         nbytes = _parse_string(budget, device)
     if nbytes <= 0:
         raise ValueError(f"pager: budget={budget!r} must be more than 0 bytes; {_HELP}.")
-    if device.type == "cuda":
-        _free, total = device_memory(device)
-        if nbytes > total:
+    _free, total = device_memory(device)  # (on the CPU device the budget is host memory: psutil's)
+    if nbytes > total:
+        if device.type == "cuda":
             raise ValueError(
                 f"pager: budget={budget!r} ({format_bytes(nbytes)}) is larger than {device}'s "
                 f'{format_bytes(total)}; give at most its size, e.g. budget="90%" or "auto".'
             )
+        # (worded for a host budget too: pager.load's host_budget= is parsed here, and its message is this one)
+        raise ValueError(
+            f"pager: budget={budget!r} ({format_bytes(nbytes)}) is larger than this host's memory "
+            f"({format_bytes(total)}); give at most that, e.g. {format_bytes(total // 2)!r}."
+        )
     return nbytes
 
 
@@ -140,9 +145,19 @@ def resolve_device(device) -> torch.device:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= count:
             raise ValueError(
-                f"pager: device={device!r} but this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})."
+                f"pager: device={device!r} but this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+                f"pass one of them."
             )
         return torch.device("cuda", index)
     if dev.type != "cpu":
-        raise ValueError(f'pager: device={device!r} is not supported; use a CUDA device or "cpu".')
-    return dev
+        raise ValueError(
+            f'pager: device={device!r} is not supported: pager runs on CUDA devices and the CPU; use "cuda", '
+            f'"cuda:0" or "cpu".'
+        )
+    if dev.index not in (None, 0):
+        raise ValueError(
+            f'pager: device={device!r} names a CPU index that pager does not have: the CPU is one device, "cpu" '
+            f'(also "cpu:0"); pass device="cpu", or a CUDA device such as "cuda:{dev.index}" for a GPU.'
+        )
+    # "cpu:0" is "cpu": the device of every CPU tensor, to compare with (a shared engine's, a tensor's).
+    return torch.device("cpu")

@@ -38,6 +38,69 @@ def outside_compile(hook: _F) -> _F:
     return torch.compiler.disable(hook, recursive=True)
 
 
+# [Note: a wrapped model is not pickled or copied]
+# The hooks pager registers on a user's modules belong to this process's
+# pager: its blocks, its host pages, its lock. `torch.save(model)`,
+# `pickle.dumps(model)` and `copy.deepcopy(model)` reach them through the
+# modules' hook dicts. Pickled as closures they fail with an `AttributeError`
+# on a local object that names neither pager nor the fix; deep-copied, a
+# function is shared, not copied, so the copy's forward drives the
+# original's pager (fetches the original's blocks, counts as its steps,
+# fails once it is unwrapped). So each such hook is a `ModelHook`, whose
+# `__reduce_ex__` and `__deepcopy__` refuse, naming the ways that work. A
+# module's hook dicts come before its submodules in its `__dict__`, so the
+# root's hooks refuse before any block's tensor is copied (the root's own
+# parameters, of the remainder, come before them).
+_NOT_PICKLED = (
+    "pager: a model wrapped by pager cannot be pickled (torch.save(model, ...), pickle.dumps(model)): the hooks "
+    "on its modules belong to this process's pager. Save its weights instead: torch.save(model.state_dict(), "
+    "path) works while it is wrapped (read back with model.load_state_dict), as does pager.save(model, path) "
+    "(a safetensors file, a block at a time); or call pager.unwrap(model) first."
+)
+_NOT_COPIED = (
+    "pager: a model wrapped by pager cannot be deep-copied (copy.deepcopy(model)): the copy would keep the "
+    "original's hooks, so its forward would run through the original's pager and blocks. Copy it before "
+    "pager.wrap, or build another and load the weights, other.load_state_dict(model.state_dict()) (works "
+    "while it is wrapped); or call pager.unwrap(model) first."
+)
+
+
+class ModelHook:
+    """A hook pager registers on a user's module: calls `fn`, and refuses to
+    be pickled or deep-copied, naming the fix ([Note: a wrapped model is not
+    pickled or copied]). Traced by `torch.compile` like `fn`."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_PICKLED)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+
+class _OutsideCompileHook(ModelHook):
+    __slots__ = ()
+
+    @torch.compiler.disable(recursive=True)
+    def __call__(self, *args, **kwargs):  # (disabled here: no frame of ours is traced, as `outside_compile`)
+        return self.fn(*args, **kwargs)
+
+
+def model_hook(fn: Callable[..., Any], *, traced: bool = False) -> ModelHook:
+    """`fn` as a hook on a user's module ([Note: a wrapped model is not
+    pickled or copied]): run eagerly, outside every compiled graph, as
+    `outside_compile`; `traced`: traced by `torch.compile` where it is
+    compiled."""
+    return ModelHook(fn) if traced else _OutsideCompileHook(fn)
+
+
 class BudgetError(RuntimeError):
     """The blocks that must be on the device at once do not fit the budget.
 

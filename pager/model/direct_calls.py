@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..base.block import Block
-from ..base.common import WEIGHTS, outside_compile
+from ..base.common import WEIGHTS, model_hook
 from ..training.dry_run import dry_running
 
 
@@ -78,8 +78,9 @@ class DirectCalls:
                 h
                 for module, pre, post in block.guards
                 for h in (
-                    module.register_forward_pre_hook(outside_compile(pre)),
-                    module.register_forward_hook(outside_compile(post), always_call=True),
+                    # ([Note: a wrapped model is not pickled or copied])
+                    module.register_forward_pre_hook(model_hook(pre)),
+                    module.register_forward_hook(model_hook(post), always_call=True),
                 )
             ]
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import guards, saving
 from ..base.block import Block
-from ..base.common import BACKWARD, WEIGHTS, _locked, outside_compile
+from ..base.common import BACKWARD, WEIGHTS, _locked, model_hook, outside_compile
 from ..training import activations
 from ..training.checkpoint import StateDicts
 from ..training.dry_run import dry_running
@@ -100,11 +100,19 @@ class Hooks:
             h.remove()
         self.handles.clear()
 
+    def _advise(self) -> None:
+        """At the first forward: a model that fits its budget is told so if
+        it runs inference; a training step may still page its gradients and
+        state, and its user has nothing to change (said at INFO)."""
+        advice, self.pager.fits_advice = self.pager.fits_advice, None
+        (log.info if torch.is_grad_enabled() else log.warning)(advice)
+
     def install(self) -> None:
         root = self.pager.model
-        self.handles.append(root.register_forward_pre_hook(outside_compile(self._root_pre_forward), with_kwargs=True))
+        # (hooks on the user's modules refuse pickling and deepcopy: [Note: a wrapped model is not pickled or copied])
+        self.handles.append(root.register_forward_pre_hook(model_hook(self._root_pre_forward), with_kwargs=True))
         self.handles.append(
-            root.register_forward_hook(outside_compile(self._root_post_forward), with_kwargs=True, always_call=True)
+            root.register_forward_hook(model_hook(self._root_post_forward), with_kwargs=True, always_call=True)
         )
         for block in self.pager.blocks:
             self._install_block_hooks(block)
@@ -124,12 +132,13 @@ class Hooks:
         # weights: they must be here) and last among post-hooks.
         block.hook_handles = [
             block.module.register_forward_pre_hook(
-                outside_compile(self._make_pre_forward(block)), with_kwargs=True, prepend=True
+                model_hook(self._make_pre_forward(block)), with_kwargs=True, prepend=True
             ),
-            block.module.register_forward_hook(outside_compile(self._make_post_forward(block)), always_call=True),
+            block.module.register_forward_hook(model_hook(self._make_post_forward(block)), always_call=True),
         ]
         if self.pager.activations is not None:  # (what reads the mark: training/activations.py)
-            block.hook_handles.append(block.module.register_forward_pre_hook(_compile_mark(block), prepend=True))
+            mark = model_hook(_compile_mark(block), traced=True)
+            block.hook_handles.append(block.module.register_forward_pre_hook(mark, prepend=True))
 
     # [Note: asleep]
     # When a forward starts and every page of every block is on the device
@@ -257,6 +266,8 @@ class Hooks:
         if outermost:
             self.pager.engine.room.note_request(self.pager)
         if self.root_depth == 0:
+            if self.pager.fits_advice is not None:
+                self._advise()
             if self.pager.reducer is not None and torch.is_grad_enabled():
                 self.pager.reducer.forward_starts()
             self.structure.check()

@@ -115,12 +115,13 @@ class Serving:
     def _count_on_demand(self, block, nbytes: int) -> None:
         block.stats.on_demand += 1
         self.pager.counters.on_demand += 1
-        self.pager.warn_once(
-            f"on_demand:{block.name}",
+        self.pager.warn_once(  # (once a model: `stats().on_demand` and each block's count the rest)
+            "on_demand",
             "pager: a tensor of block %r was used while the block was paged out, "
             "so it was fetched on demand (%s; compute waits for the copy). This is how reads between steps "
             "(logging, EMA, a debugger) are served; in a hot loop, touch blocks' tensors inside their "
-            "forward, or raise the budget so they stay resident.",
+            "forward, or raise the budget so they stay resident. Later ones are counted in "
+            "stats().on_demand, not logged.",
             block.name,
             format_bytes(nbytes),
         )
