@@ -44,9 +44,9 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
             "pager.from_pretrained needs transformers (pip install transformers); or build the "
             "model on the meta device yourself and call pager.load(model, folder, budget)."
         ) from None
-    if _version(transformers.__version__) < (4, 56):
+    if _version(transformers.__version__) < (5, 17):
         raise ImportError(
-            f"pager.from_pretrained needs transformers 4.56 or newer (models built with dtype=); "
+            f"pager.from_pretrained needs transformers 5.17 or newer (the lowest it is tested with); "
             f"this is {transformers.__version__}: pip install -U transformers."
         )
     folder = os.fspath(folder)
