@@ -99,7 +99,7 @@ def test_every_step_holds_the_budget_from_the_first(share, policy, attach):
             if done[1] == "forward":
                 assert all(q.grad is None for q in model.parameters())
                 continue
-            assert not opt.state and "This step did not run" in str(e)
+            assert not opt.state and "This step did not run" in str(e) and "torch.no_grad()" not in str(e)
             opt.step()  # (the refused step, again: its gradients are there)
             opt.zero_grad()
             train_steps(ref, ref_opt, 1)

@@ -194,3 +194,32 @@ def test_a_bad_activations_value_says_what_auto_does():
     assert "decided before the first training forward" in str(e.value)
     assert "tried" not in str(e.value)
     assert_untouched(model, snap)
+
+
+def test_plan_figures_a_budget_larger_than_this_host():
+    """`plan` is for before any GPU work: on a machine without a GPU it
+    plans on the CPU device, and a GPU's budget larger than this host's
+    memory is planned, not refused (wrap on the CPU device refuses it)."""
+    import psutil
+
+    huge = psutil.virtual_memory().total * 2
+    p = pager.plan(TinyLM(), huge, device="cpu", host_budget=huge)
+    assert p.budget_bytes == huge and p.runs
+    with pytest.raises(ValueError, match="larger than this host's memory"):
+        pager.wrap(TinyLM(), budget=huge, device="cpu")
+
+
+def test_a_block_of_a_model_asleep_is_not_pickled_or_copied_either():
+    """A model that fits stops running its block hooks after its first
+    forwards (asleep): its blocks keep only their state-dict hooks, which
+    refuse too ([Note: a wrapped model is not pickled or copied])."""
+    model = TinyLM().eval()
+    pager.wrap(model, budget="1GiB", device="cpu")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        model(ids), model(ids)
+    assert pager.of(model).asleep
+    with pytest.raises(TypeError, match="wrapped by pager cannot be pickled"):
+        pickle.dumps(model.layers[0])
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(model.layers[0])

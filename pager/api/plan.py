@@ -287,7 +287,7 @@ def plan(
         )
     device = resolve_device(device)
     helpers = resolve_helpers(split_fetch, device, pin=True)
-    budget_bytes = parse_budget(budget, device)
+    budget_bytes = parse_budget(budget, device, host_bound=False)  # (a GPU's budget, planned where there is none)
     budgets = helper_budgets(split_fetch, helpers, budget_bytes)  # (what each helper may hold)
     # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
     sizing = discover.adapters_resident(discover.size_up(model, blocks), budget_bytes)[0]
@@ -413,7 +413,7 @@ def plan(
         train_budgets=train_budgets,
     )
     if host_budget is not None:
-        out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"))
+        out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"), host_bound=False)
         out.host_kept, out.forward_disk_bytes = _host_kept(names, own, kept, out.host_budget_bytes)
         out.disk_gbps = disk_gbps
     if helpers:

@@ -377,11 +377,8 @@ def _wrap(
             "with their gradients and optimizer state; their blocks stream read-only.",
             format_bytes(adapter_bytes),
         )
-    if total <= budget_bytes and engine is None and not tables:  # (sharing a budget: the others' blocks count too)
-        pager.fits_advice = (  # (warned at the first forward if it is inference: Hooks.advise)
-            f"pager: the whole model ({format_bytes(total)}) fits the budget ({format_bytes(budget_bytes)}): "
-            f"inference needs no paging (it stays resident after the first forward, as fast as unwrapped)."
-        )
+    if engine is None and not tables:  # (sharing a budget: the others' blocks count too)
+        pager.fits_advice = total  # (said at the first forward, if it is inference and still fits: Hooks._advise)
     try:
         if setup is not None:
             setup(pager)

@@ -55,7 +55,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(vm.available), int(vm.total)
 
 
-def parse_budget(budget, device: torch.device) -> int:
+def parse_budget(budget, device: torch.device, *, host_bound: bool = True) -> int:
     """Return `budget` in bytes for `device`, or raise ValueError naming the fix.
 
     Args:
@@ -63,6 +63,9 @@ def parse_budget(budget, device: torch.device) -> int:
             share of the device's memory ("60%"), or "auto" (free memory less a
             margin for activations).
         device: the device the budget is for.
+        host_bound: on the CPU device, refuse a budget above the host's
+            memory (False: `plan`, which figures a GPU's budget on a machine
+            without one).
 
     Example:
         >>> parse_budget("1.5KiB", torch.device("cpu"))
@@ -77,7 +80,7 @@ def parse_budget(budget, device: torch.device) -> int:
     if nbytes <= 0:
         raise ValueError(f"pager: budget={budget!r} must be more than 0 bytes; {_HELP}.")
     _free, total = device_memory(device)  # (on the CPU device the budget is host memory: psutil's)
-    if nbytes > total:
+    if nbytes > total and (host_bound or device.type == "cuda"):
         if device.type == "cuda":
             raise ValueError(
                 f"pager: budget={budget!r} ({format_bytes(nbytes)}) is larger than {device}'s "

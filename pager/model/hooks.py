@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import guards, saving
 from ..base.block import Block
+from ..base.budget import format_bytes
 from ..base.common import BACKWARD, WEIGHTS, _locked, model_hook, outside_compile
 from ..training import activations
 from ..training.checkpoint import StateDicts
@@ -101,11 +102,21 @@ class Hooks:
         self.handles.clear()
 
     def _advise(self) -> None:
-        """At the first forward: a model that fits its budget is told so if
-        it runs inference; a training step may still page its gradients and
-        state, and its user has nothing to change (said at INFO)."""
-        advice, self.pager.fits_advice = self.pager.fits_advice, None
-        (log.info if torch.is_grad_enabled() else log.warning)(advice)
+        """At the first forward: a model that fits its budget (as it is then)
+        is told so if it runs inference; a training step (gradients enabled,
+        or an optimizer attached) may still page its gradients and state, and
+        its user has nothing to change: said at INFO."""
+        total, self.pager.fits_advice = self.pager.fits_advice, None
+        budget = self.pager.engine.budget_bytes
+        if total > budget:
+            return
+        training = torch.is_grad_enabled() or bool(self.pager.optimizers)
+        (log.info if training else log.warning)(
+            "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
+            "after the first forward, as fast as unwrapped).",
+            format_bytes(total),
+            format_bytes(budget),
+        )
 
     def install(self) -> None:
         root = self.pager.model

@@ -112,9 +112,9 @@ class Pager:
         self.optimizers: list = []
         self.lock = self.engine.lock  # see _locked: one for every model sharing the engine
         self._warned: set[str] = set()
-        # Said at the first forward if it is inference: the whole model fits the budget (a training step
-        # may still page its gradients and state, where nothing is for the user to change).
-        self.fits_advice: str | None = None
+        # The model's bytes, until its first forward: if that is inference and they fit the budget then, the
+        # user is told that no paging is needed (a training step may still page gradients and state).
+        self.fits_advice: int | None = None
         self.asleep = False  # block hooks removed: see [Note: asleep] in model/hooks.py
         self.shared_mode = False  # other threads exist: uses open tensors to their threads only (Uses.expose)
         self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager

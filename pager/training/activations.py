@@ -273,18 +273,18 @@ class Activations:
         if self.planned is None or self._planned_for is None:
             return  # (no forward planned yet: the first one counts the state)
         if (self.least_bytes(), self.budget_bytes()) != self._planned_for:
-            self._decide(self.planned, self._planned_blocks, "This step did not run: nothing was updated")
+            self._decide(self.planned, self._planned_blocks, at_step=True)
 
-    def _decide(self, planned: SavedBytes, blocks: list, unchanged: str = "This forward did not run") -> None:
+    def _decide(self, planned: SavedBytes, blocks: list, at_step: bool = False) -> None:
         """Choose the kept blocks and the policy of the others from `planned`
         and check that the budget holds them; nothing changes if it does not
-        (`unchanged` says what did not run)."""
+        (`at_step`: asked at an optimizer's first step, not at a forward)."""
         budget, least = self.budget_bytes(), self.least_bytes()
         room = None if budget is None else budget - least  # what activations may hold beside blocks
         kw = {"min_bytes": self.offload.min_bytes, "copies": self.transport.is_cuda}
         chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
         if chosen is None:
-            raise self._refusal(planned, budget, least, kw, unchanged)
+            raise self._refusal(planned, budget, least, kw, at_step)
         kept, policy, held = chosen
         by_name = {b.name: b for b in blocks}
         self._planned_for = (least, budget)
@@ -310,7 +310,7 @@ class Activations:
             "no bound" if budget is None else format_bytes(budget),
         )
 
-    def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, unchanged: str) -> BudgetError:
+    def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, at_step: bool) -> BudgetError:
         held = {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
         mine = held[self.policy] if self.asked != AUTO else min(held.values())
         if self.asked == AUTO:  # (either way of offloading)
@@ -327,6 +327,17 @@ class Activations:
             else f'a budget of at least {format_bytes(out + least + min(held.values()))} (activations="auto" or '
             f'"{min(held, key=held.get)}"), or a smaller batch'
         )
+        unchanged = (
+            "This step did not run: nothing was updated (its gradients are kept; step again once the budget holds)"
+            if at_step
+            else "This forward did not run"
+        )
+        inference = (
+            ""
+            if at_step
+            else " If this forward is inference, run it under `torch.no_grad()` (or `torch.inference_mode()`): a "
+            "forward with gradients enabled is planned as a training step, with what it saves for its backward."
+        )
         return BudgetError(
             f"pager: a training step of this model with these inputs holds at least {format_bytes(least + mine)} "
             f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
@@ -335,9 +346,7 @@ class Activations:
             f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
             f"{outside}. {unchanged}. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
-            f"optimizer=...)` gives these figures before wrap.) If this forward is inference, run it under "
-            f"`torch.no_grad()` (or `torch.inference_mode()`): a forward with gradients enabled is planned as a "
-            f"training step, with what it saves for its backward.",
+            f"optimizer=...)` gives these figures before wrap.){inference}",
             least_budget_bytes=out + least + mine,
         )
 

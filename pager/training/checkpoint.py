@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..base import guards, wrappers
 from ..base.block import Block
-from ..base.common import WEIGHTS
+from ..base.common import WEIGHTS, model_hook
 from .grads import PagedOutGrad, replay
 
 
@@ -48,9 +48,11 @@ class StateDicts:
         self._names = {n: index[id(t)] for n, t in named if id(t) in index}
         post = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
         handles = [post(lambda *a: self._state_dict_post(*a))]
+        # (hooks a block keeps while asleep: [Note: a wrapped model is not pickled or copied])
         for block in pager.blocks:
-            handles.append(_load_pre_hook(block.module, self._make_load_pre(block)))
-            handles.append(block.module.register_load_state_dict_post_hook(self._make_load_post(block)))
+            handles.append(_load_pre_hook(block.module, model_hook(self._make_load_pre(block), traced=True)))
+            post_hook = model_hook(self._make_load_post(block), traced=True)
+            handles.append(block.module.register_load_state_dict_post_hook(post_hook))
         return handles
 
     def _state_dict_post(self, module, state_dict, prefix, local_metadata):

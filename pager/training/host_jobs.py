@@ -141,6 +141,8 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
             stand_ins.append(stand_in)
         groups.append({**g, **opts, **override, "params": stand_ins})
     factor = one_factor(grads.pending, stepped) if fused and not rounded and not amp_scaled(optimizer) else None
+    if factor is not None and any(grads_host[i].dtype == torch.float64 for i in stepped):
+        factor = None  # (the kernels' grad_scale is float32: a float64 gradient is scaled by the replay)
     if factor is not None:  # ([Note: a clip in the fused update])
         scales, factor = [], host_factor(factor, factors, pager.transport, after)
     else:
@@ -181,7 +183,10 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
 # rounding, which is why this runs only where that kernel does (on CUDA;
 # the CPU device runs the optimizer's own code and replays the clip, bit
 # for bit). Anything but one factor on every gradient the update steps
-# (zeroing, two scalings, a GradScaler's own scale) is replayed first.
+# (zeroing, two scalings, the scale GradScaler hands a fused optimizer,
+# float64 gradients, which a float32 `grad_scale` would round) is replayed
+# first. GradScaler's `unscale_` of a non-fused optimizer is one factor too,
+# and is taken the same way.
 
 
 def one_factor(pending: dict, stepped: set):

@@ -470,7 +470,7 @@ def _auto_attach(optimizer, args, kwargs) -> None:
         if any(link.optimizer is optimizer for link in pager.optimizers):
             continue
         if any(pager.managed(p) for g in optimizer.param_groups for p in g["params"]):
-            attach(pager, optimizer)
+            attach(pager, optimizer, at_step=True)
 
 
 _global_hook = None
@@ -484,8 +484,10 @@ def install_global_hook() -> None:
         _global_hook = register_optimizer_step_pre_hook(_auto_attach)
 
 
-def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
-    """Link `optimizer` to `pager` (a `Pager`); see `Pager.attach`."""
+def attach(pager, optimizer: torch.optim.Optimizer, at_step: bool = False) -> OptimizerLink:
+    """Link `optimizer` to `pager` (a `Pager`); see `Pager.attach`.
+    `at_step`: at its first step (between a backward and the update), where
+    a budget its state breaks is refused before the update runs."""
     for link in pager.optimizers:
         if link.optimizer is optimizer:
             return link  # idempotent
@@ -506,7 +508,9 @@ def attach(pager, optimizer: torch.optim.Optimizer) -> OptimizerLink:
     if pager.owners is not None:
         pager.owners.keep_own_state(optimizer)  # (loaded before it was attached: [Note: block owners])
     pager.optimizers.append(link)
-    if pager.activations is not None:
+    # (Under block owners the next forward asks instead: a rank's refusal here would leave the
+    # others in the step's collectives.)
+    if at_step and pager.activations is not None and pager.owners is None:
         try:  # (its state counts before its first step changes anything)
             pager.activations.step_attaches()
         except BudgetError:
