@@ -91,7 +91,8 @@ def test_a_budget_larger_than_a_cuda_device_is_refused(monkeypatch):
 
 @pytest.mark.cuda
 def test_a_budget_larger_than_the_gpu_is_refused_before_anything_changes():
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    # (the device's total as pager reads it: NVML's, which counts what the driver reserves, above torch's)
+    total = budget_mod.device_memory(torch.device("cuda", torch.cuda.current_device()))[1]
     model = TinyLM()
     snap = snapshot(model)
     with pytest.raises(ValueError, match=r"larger than cuda:\d+'s .*budget=\"90%\" or \"auto\""):
