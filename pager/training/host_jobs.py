@@ -44,6 +44,7 @@ class HostJob:
         rounded: dict,
         one_pass: bool = False,
         grad_factor=None,
+        weight_bytes: int = 0,
     ):
         self.step = step  # the optimizer class's undecorated step
         self.shadow = shadow  # its groups and state over the host pages
@@ -56,7 +57,7 @@ class HostJob:
         self.one_pass = one_pass  # masters' updates in one pass where it can ([Note: a master's update in one pass])
         self.seconds = 0.0
         self.passes = 0  # masters updated in one pass
-        self.weight_bytes = 0  # of the block whose update this is (what its time is measured against)
+        self.weight_bytes = weight_bytes  # of the block whose update this is (what its time is measured against)
 
     def landed(self) -> bool:
         """The pages' write-backs (and the factors' copies) have landed in host memory."""
@@ -153,7 +154,7 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     for i in grads.pending:
         grads.summaries.pop(i, None)  # (the page will hold the scaled gradient)
     grads.pending.clear()  # what is recorded from now on applies after the update
-    job = HostJob(
+    return HostJob(
         link.raw_step,
         shadow_of(optimizer, groups, shadow_state),
         entries,
@@ -162,9 +163,8 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
         rounded,
         one_pass=fused and master_pass.takes(optimizer),
         grad_factor=factor,
+        weight_bytes=weights.nbytes,
     )
-    job.weight_bytes = weights.nbytes
-    return job
 
 
 # [Note: a clip in the fused update]
