@@ -61,6 +61,24 @@ def _keeps_graph() -> bool:
     return True if keep is None else keep()
 
 
+def _advise(pager) -> None:
+    """At the first forward: a model that fits its budget (as it is then) is
+    told so if it runs inference; a training step (gradients enabled, or an
+    optimizer attached) may still page its gradients and state, and its user
+    has nothing to change: said at INFO."""
+    total, pager.fits_advice = pager.fits_advice, None
+    budget = pager.engine.budget_bytes
+    if total > budget:
+        return
+    training = torch.is_grad_enabled() or bool(pager.optimizers)
+    (log.info if training else log.warning)(
+        "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
+        "after the first forward, as fast as unwrapped).",
+        format_bytes(total),
+        format_bytes(budget),
+    )
+
+
 def _calls_of(module) -> int:
     """How many calls of `module` are on this thread's Python stack (each
     enters `Module._wrapped_call_impl`, `__call__`)."""
@@ -100,23 +118,6 @@ class Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-
-    def _advise(self) -> None:
-        """At the first forward: a model that fits its budget (as it is then)
-        is told so if it runs inference; a training step (gradients enabled,
-        or an optimizer attached) may still page its gradients and state, and
-        its user has nothing to change: said at INFO."""
-        total, self.pager.fits_advice = self.pager.fits_advice, None
-        budget = self.pager.engine.budget_bytes
-        if total > budget:
-            return
-        training = torch.is_grad_enabled() or bool(self.pager.optimizers)
-        (log.info if training else log.warning)(
-            "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
-            "after the first forward, as fast as unwrapped).",
-            format_bytes(total),
-            format_bytes(budget),
-        )
 
     def install(self) -> None:
         root = self.pager.model
@@ -278,7 +279,7 @@ class Hooks:
             self.pager.engine.room.note_request(self.pager)
         if self.root_depth == 0:
             if self.pager.fits_advice is not None:
-                self._advise()
+                _advise(self.pager)
             if self.pager.reducer is not None and torch.is_grad_enabled():
                 self.pager.reducer.forward_starts()
             self.structure.check()
