@@ -4,6 +4,7 @@ wrapped models, the budget error, and the lock decorator."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -65,18 +66,11 @@ _NOT_COPIED = (
 )
 
 
-class ModelHook:
-    """A hook pager registers on a user's module: calls `fn`, and refuses to
-    be pickled or deep-copied, naming the fix ([Note: a wrapped model is not
-    pickled or copied]). Traced by `torch.compile` like `fn`."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+class ModelHook(functools.partial):
+    """A hook pager registers on a user's module: calls its function, and
+    refuses to be pickled or deep-copied, naming the fix ([Note: a wrapped
+    model is not pickled or copied]). A `functools.partial` of no arguments:
+    its call is C's, the hot path's cost is the function's own."""
 
     def __reduce_ex__(self, protocol):
         raise TypeError(_NOT_PICKLED)
@@ -85,20 +79,12 @@ class ModelHook:
         raise TypeError(_NOT_COPIED)
 
 
-class _OutsideCompileHook(ModelHook):
-    __slots__ = ()
-
-    @torch.compiler.disable(recursive=True)
-    def __call__(self, *args, **kwargs):  # (disabled here: no frame of ours is traced, as `outside_compile`)
-        return self.fn(*args, **kwargs)
-
-
 def model_hook(fn: Callable[..., Any], *, traced: bool = False) -> ModelHook:
     """`fn` as a hook on a user's module ([Note: a wrapped model is not
     pickled or copied]): run eagerly, outside every compiled graph, as
     `outside_compile`; `traced`: traced by `torch.compile` where it is
     compiled."""
-    return ModelHook(fn) if traced else _OutsideCompileHook(fn)
+    return ModelHook(fn if traced else outside_compile(fn))
 
 
 class BudgetError(RuntimeError):
