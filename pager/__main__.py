@@ -84,8 +84,8 @@ def main(argv=None) -> int:
             )
     sys.path.insert(0, "")
     model = getattr(importlib.import_module(module_name), attr)()
-    optimizer = optimizer_class(model.parameters()) if optimizer_class is not None else None
     try:
+        optimizer = optimizer_class(model.parameters()) if optimizer_class is not None else None
         result = plan(
             model,
             args.budget,
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             optimizer=optimizer,
             master_weights=args.master_weights,
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # (a plan or an optimizer these arguments cannot make)
         print(e, file=sys.stderr)
         return 2
     print(result)

@@ -236,6 +236,10 @@ def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train
         with pytest.raises(SystemExit) as stop:
             run(least, *wrong)
         assert stop.value.code == 2, wrong
+    if hasattr(torch.optim, "Muon"):  # an optimizer that cannot be built on the model (2D parameters only)
+        argv = ["plan", "mylm:build", "--budget", str(least), "--device", "cpu", "--inputs", "input_ids=4x64:int64"]
+        assert main([*argv, "--optimizer", "Muon"]) == 2
+        assert "Muon only supports 2D parameters" in capsys.readouterr().err
 
 
 def test_the_measure_on_fake_tensors_changes_nothing_and_moves_nothing():

@@ -378,7 +378,7 @@ def _wrap(
             format_bytes(adapter_bytes),
         )
     if engine is None and not tables:  # (sharing a budget: the others' blocks count too)
-        pager.fits_advice = total  # (said at the first forward, if it is inference and still fits: Hooks._advise)
+        pager.fits_advice = total  # (said at the first inference forward if it still fits: model/hooks.py _advise)
     try:
         if setup is not None:
             setup(pager)
