@@ -436,7 +436,7 @@ class BigHead(nn.Module):
 
 
 def test_a_head_larger_than_the_budget_beside_a_layer_becomes_a_block_unasked(caplog):
-    """[Note: a remainder too large for the budget] in api/fit.py: the head
+    """[Note: nothing resident by force] in api/fit.py: the head
     leaves the resident remainder and is fetched when called; forwards equal
     the unwrapped model's."""
     torch.manual_seed(0)

@@ -1,16 +1,34 @@
-"""Defaults that fit the model: what `wrap` does, unasked, when the tensors
-outside every block (the remainder) keep the model from running in its budget.
+"""Defaults that fit the model: which modules outside the layer stacks
+`wrap` pages, unasked, and how, when the user leaves `blocks=` and `rows=`
+to pager.
 
-[Note: a remainder too large for the budget]
-The remainder (embeddings, heads, final norms) stays on the device for life.
-When it, with the largest block beside it, does not fit the budget and the
-user left `blocks=` and `rows=` to pager, its largest modules leave it, the
-largest first, until the model runs: an embedding table read by lookups
-only is paged by rows ([Note: row tables] in rows/table.py: only the rows a
-batch uses come to the device); any other module (a head, an embedding tied
-to a head) becomes a block of its own, fetched when it is called. Each
-choice is logged at info level, with the option that asks for it. What
-still does not fit is refused with every option that would make it run.
+[Note: nothing resident by force]
+Default discovery finds the layer stacks ([Note: splitting large blocks] and
+the rest in model/discover.py); what it leaves outside them (embeddings,
+heads, final norms) is the remainder, which stays on the device for life.
+For a decoder that is two vocabulary matrices: 2 x 262 MB for a 1B Llama,
+x4 in training with their gradients and AdamW state, a fixed 2.1 GB the
+budget could never give to anything else. So every module whose own tensors
+in the remainder reach LEAST_MOVED_BYTES leaves it, unasked, and becomes a
+block of its own, fetched when it is called: the embedding, the head (a
+head tied to the embedding is a block that needs the embedding's beside it),
+a CNN's classifier. The scheduler then keeps them or streams them like any
+layer, by what a pass needs. Blocks keep every semantic of the unpaged
+model: dense gradients, the user's optimizer as it is.
+
+What is smaller (norms, a rotary table, a ViT's position embedding on the
+root) stays: a use of a block costs the host more than the link needs for
+a megabyte, so paging it would cost more than the bytes it frees.
+
+When even then the model does not run (a block with what it needs beside it
+larger than the budget: a recommender's table several times the budget),
+an embedding table read by lookups only is paged by rows instead ([Note: row
+tables] in rows/table.py: only the rows a batch uses come to the device),
+the largest first, until it runs; that changes what the optimizer sees (a
+sparse gradient, lazy updates: `optim.py` says so when it steps), so it is
+never chosen where a block runs. Each choice is logged at info level with
+the option that asks for it; what still does not run is refused with every
+option that would make it.
 """
 
 from __future__ import annotations
@@ -25,49 +43,50 @@ from ..rows.table import row_table_problem
 
 log = logging.getLogger("pager")
 
-LEAST_MOVED_BYTES = 1 << 20  # a remainder module smaller than this stays (it would not make room)
+LEAST_MOVED_BYTES = 1 << 20  # a remainder module smaller than this stays (paging it costs more than it frees)
 
 
-def fit_remainder(model: nn.Module, budget_bytes: int, tables: list, *, rows_allowed: bool):
-    """(row tables, blocks spec) with which the model runs in `budget_bytes`,
-    taking modules out of the remainder as the Note says; (tables, None)
-    when it runs as it is, or when no such choice makes it run (the caller
-    refuses it then). `rows_allowed`: embedding tables may go by rows (else
-    they become blocks)."""
+def default_blocks(model: nn.Module, budget_bytes: int, tables: list, *, rows_allowed: bool):
+    """(row tables, blocks spec) for the model under default discovery, as
+    the Note says: the layers, and the remainder's large modules as blocks;
+    lookup-only tables by rows where the model does not run otherwise.
+    `rows_allowed`: embedding tables may go by rows (else they stay blocks,
+    and a model that does not run is left to the caller to refuse)."""
     sizing = discover.size_up(model, None, [m for _n, m in tables])
-    if sizing.min_budget <= budget_bytes:
+    moved = _remainder_modules(model, sizing)
+    if not moved:
         return tables, None
     base = [m for _n, m in sizing.named]
-    extra, by_rows, said = [], [], []
-    for name, module, nbytes in _remainder_modules(model, sizing):
-        if rows_allowed and row_table_problem(model, module) is None:
-            by_rows.append((name, module))
-            said.append(
-                (
-                    "pager: the embedding table %r (%s) does not fit the budget beside the blocks; it is "
-                    "paged by rows (as rows=[%r] asks; rows=[] keeps it whole).",
+    spec = base + [m for _n, m, _b in moved]
+    for name, module, nbytes in moved:
+        log.info(
+            "pager: %r (a %s, %s) pages as a block of its own instead of staying on the device "
+            "(blocks= naming the layers alone keeps it there).",
+            name,
+            type(module).__name__,
+            format_bytes(nbytes),
+        )
+    sizing = discover.size_up(model, spec, [m for _n, m in tables])
+    if sizing.min_budget <= budget_bytes or not rows_allowed:
+        return tables, spec
+    by_rows, said = [], []
+    for name, module, nbytes in moved:
+        if row_table_problem(model, module) is not None:
+            continue
+        by_rows.append((name, module))
+        said.append((name, nbytes))
+        spec = [m for m in spec if m is not module]
+        if discover.size_up(model, spec, [m for _n, m in tables + by_rows]).min_budget <= budget_bytes:
+            for name, nbytes in said:
+                log.info(
+                    "pager: the embedding table %r (%s) does not fit the budget as a block; it is paged by "
+                    "rows (as rows=[%r] asks).",
                     name,
                     format_bytes(nbytes),
                     name,
                 )
-            )
-        else:
-            extra.append(module)
-            said.append(
-                (
-                    "pager: %r (a %s, %s) does not fit the budget beside the blocks as part of the resident "
-                    "remainder; it is a block of its own (as blocks= naming it asks).",
-                    name,
-                    type(module).__name__,
-                    format_bytes(nbytes),
-                )
-            )
-        sizing = discover.size_up(model, base + extra, [m for _n, m in tables + by_rows])
-        if sizing.min_budget <= budget_bytes:
-            for args in said:
-                log.info(*args)
-            return tables + by_rows, (base + extra if extra else None)
-    return tables, None
+            return tables + by_rows, spec
+    return tables, base + [m for _n, m, _b in moved]  # (does not run: the caller refuses it)
 
 
 def _remainder_modules(model: nn.Module, sizing) -> list:
@@ -96,6 +115,7 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
     tables, others = [], []
     for name, module, _b in _remainder_modules(model, sizing):
         (tables if row_table_problem(model, module) is None else others).append(name)
+    tables += [name for name, m in sizing.named if row_table_problem(model, m) is None]  # (tables paged as blocks)
     if tables:
         options.append(f"page embedding tables by rows (rows={tables[:4]!r})")
     if others:

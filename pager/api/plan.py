@@ -24,6 +24,7 @@ from ..training.dry_run import (
     measure_saved,
     state_bytes_of,
 )
+from .fit import default_blocks
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 
@@ -289,8 +290,10 @@ def plan(
     helpers = resolve_helpers(split_fetch, device, pin=True)
     budget_bytes = parse_budget(budget, device, host_bound=False)  # (a GPU's budget, planned where there is none)
     budgets = helper_budgets(split_fetch, helpers, budget_bytes)  # (what each helper may hold)
-    # As wrap does: [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
-    sizing = discover.adapters_resident(discover.size_up(model, blocks), budget_bytes)[0]
+    # As wrap does: [Note: nothing resident by force] in api/fit.py (as blocks: plan has no row tables),
+    # [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
+    spec = blocks if blocks is not None else default_blocks(model, budget_bytes, [], rows_allowed=False)[1]
+    sizing = discover.adapters_resident(discover.size_up(model, spec), budget_bytes)[0]
     min_budget = sizing.min_budget
     parts = set()
     check_codec(compress)

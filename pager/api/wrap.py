@@ -21,7 +21,7 @@ from ..model.pool import Pool
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed, host_step, masters, owners
 from ..training.checkpoint import close
-from .fit import fit_remainder, too_large_message
+from .fit import default_blocks, too_large_message
 
 log = logging.getLogger("pager")
 
@@ -71,8 +71,11 @@ def wrap(
         device: where to run; defaults to the current CUDA device, else "cpu"
             (a separate host copy stands for device memory: same paging, no GPU).
         blocks: None (discover: the elements of the layer stacks, NAS candidate
-            ops), a list of modules, a list of class names, or a predicate
-            `(name, module) -> bool`.
+            ops, and each module of 1 MiB or more outside them, such as the
+            embedding and the head: [Note: nothing resident by force] in
+            api/fit.py), a list of modules, a list of class names, or a
+            predicate `(name, module) -> bool` (what it leaves out stays on
+            the device).
         optimizer: an optimizer to `attach` (same as `pager.of(model).attach(opt)`).
         pin: page-lock host pages (fast asynchronous copies); False pages from
             pageable memory.
@@ -134,8 +137,8 @@ def wrap(
             the largest piece, about 32 MiB each at most) comes out of the budget.
         rows: embedding tables to page by rows instead of as blocks
             ([Note: row tables] in rows/table.py): None (none, unless a table
-            keeps the model from fitting the budget: then it is chosen, and
-            logged; see [Note: a remainder too large for the budget] in
+            does not fit the budget even as a block: then it is chosen, and
+            logged; see [Note: nothing resident by force] in
             api/fit.py), [] (none, ever), "auto" (every
             `nn.Embedding` / `nn.EmbeddingBag` whose weight is larger than a
             quarter of the budget), or a list of such modules or their
@@ -320,8 +323,8 @@ def _wrap(
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and rows is None and group is None and engine is None:
-        # ([Note: a remainder too large for the budget] in api/fit.py; by rows only from values in memory)
-        tables, spec = fit_remainder(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
+        # ([Note: nothing resident by force] in api/fit.py; by rows only from values in memory)
+        tables, spec = default_blocks(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
     if master_weights:
         _check_master_tables(tables)
     sizing, adapter_bytes = discover.adapters_resident(

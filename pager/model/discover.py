@@ -11,7 +11,9 @@ but with nothing to name:
   candidate ops, a mixture's experts): each alternative becomes a block of its
   own, nested in its layer, so only the ones that run are fetched;
 * everything else (embeddings, heads, final norms) is the *remainder*: it
-  stays resident on the device and counts against the budget.
+  stays resident on the device and counts against the budget. Under `wrap`'s
+  defaults its large modules become blocks too ([Note: nothing resident by
+  force] in api/fit.py), so what stays is small.
 
 [Note: adapters stay on the device]
 Fine-tuning adapters (LoRA through peft, or trained norms) on a frozen model

@@ -78,7 +78,7 @@ class Pager:
         self.total_bytes = 0  # of every segment: all on the device when resident_bytes equals it
         self.carried_bytes = 0  # state the last forward carried on the device (a KV cache): see model/carried.py
         self.row_params: dict = {}  # id(weight) -> its RowTable ([Note: row tables] in rows/table.py)
-        # Names of the row tables wrap chose itself ([Note: a remainder too large for the budget] in api/fit.py).
+        # Names of the row tables wrap chose itself ([Note: nothing resident by force] in api/fit.py).
         self.rows_unasked: set = set()
         self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
         self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
