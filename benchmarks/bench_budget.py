@@ -18,7 +18,7 @@ peak_resident_bytes. Per run: the time from the model built on the host to
 the end of the first step (wrap, or .cuda(), included) and the steady step
 (median of steps 3 on) against all on GPU.
 
-    python -m benchmarks.bench_budget --out DIR [--quick] [--steps 8] [--shares 0.25,0.4,0.6,1.0]
+    python -m benchmarks.bench_budget --out DIR [--quick] [--steps 8] [--shares 0.25,0.4,0.6,1.0] [--covers process]
 
 Writes DIR/bench_budget.json (everything, rewritten after each run) and
 DIR/bench_budget.md (the tables printed at the end).
@@ -49,7 +49,7 @@ except ImportError:  # an older tree
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, grads and AdamW's two states
 FULL = {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 5632}
-OPTIONS = {"clip": True, "attach": False}  # (--no-clip, --attach-at-wrap)
+OPTIONS = {"clip": True, "attach": False, "covers": None}  # (--no-clip, --attach-at-wrap, --covers)
 QUICK = {"num_hidden_layers": 4, "hidden_size": 1024, "intermediate_size": 2816}
 
 
@@ -249,7 +249,8 @@ def run_pager(cpu_ref, x, dev: Dev, steps: int, share: float, nparams: int) -> d
         dev.sync()
         t0 = time.perf_counter()
         early = torch.optim.AdamW(model.parameters(), lr=1e-4) if OPTIONS["attach"] else None
-        pager.wrap(model, budget=budget, device=dev.device, optimizer=early)
+        covers = {"budget_covers": OPTIONS["covers"]} if OPTIONS["covers"] else {}  # (older trees: their default)
+        pager.wrap(model, budget=budget, device=dev.device, optimizer=early, **covers)
         wrapped = True
         run["wrap_s"] = time.perf_counter() - t0
         opt = early or torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -413,6 +414,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--attach-at-wrap", action="store_true", help="build AdamW before wrap and pass it: wrap(optimizer=)"
     )
+    p.add_argument("--covers", choices=("pager", "process"), help="wrap(budget_covers=...) (default: pager's)")
     p.add_argument("--info", action="store_true", help="pager's INFO log lines (its choices) on stderr")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke test of this script only
     args = p.parse_args(argv)
@@ -427,7 +429,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    OPTIONS.update(clip=not args.no_clip, attach=args.attach_at_wrap)
+    OPTIONS.update(clip=not args.no_clip, attach=args.attach_at_wrap, covers=args.covers)
     if args.info:
         import logging
 

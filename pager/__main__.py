@@ -62,6 +62,13 @@ def main(argv=None) -> int:
         help="the torch.optim class that trains the model, e.g. AdamW or SGD (built on its parameters with "
         "its defaults): the state it keeps is counted, instead of --state-factor; needs --inputs",
     )
+    p.add_argument(
+        "--budget-covers",
+        choices=("pager", "process"),
+        default="pager",
+        help='as wrap(budget_covers=): "process" counts what the process holds outside pager (the inputs, '
+        "the output, the loss's backward, predicted from --inputs) in the least budget that trains",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -95,6 +102,7 @@ def main(argv=None) -> int:
             inputs=inputs,
             optimizer=optimizer,
             master_weights=args.master_weights,
+            budget_covers=args.budget_covers,
         )
     except (ValueError, TypeError) as e:  # (a plan or an optimizer these arguments cannot make)
         print(e, file=sys.stderr)

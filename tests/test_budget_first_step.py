@@ -66,7 +66,9 @@ def within_budget(model):
 
     def check(step):
         s = p.stats()
-        assert s.peak_device_bytes <= p.budget_bytes, (step, s.peak_device_bytes, p.budget_bytes)
+        if p.outside is not None:  # (covering the process: blocks and activations left room for the loss)
+            assert s.outside_bytes > 0 and s.outside_bytes == p.outside.prediction
+        assert s.peak_device_bytes + s.outside_bytes <= p.budget_bytes, (step, s, p.budget_bytes)
 
     return check
 
@@ -75,12 +77,16 @@ def within_budget(model):
 @pytest.mark.parametrize("policy", ["auto", "offload", "recompute"])
 @pytest.mark.parametrize("attach", ["at wrap", "at its first step"])
 def test_every_step_holds_the_budget_from_the_first(share, policy, attach):
+    """Under a budget that covers the process (the default on CUDA; its
+    prediction is all the CPU device knows): blocks and activations within
+    the budget less what the loss and the logits hold, from the first step."""
     model = llama()
     ref = copy.deepcopy(model)
     budget = int(share * 4 * tensor_page_bytes(model))  # a share of weights, gradients and AdamW's state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    pager.wrap(model, budget=budget, device="cpu", activations=policy, optimizer=opt if attach == "at wrap" else None)
+    optimizer = opt if attach == "at wrap" else None
+    pager.wrap(model, budget=budget, device="cpu", activations=policy, optimizer=optimizer, budget_covers="process")
     p = pager.of(model)
     before = copy.deepcopy(model.state_dict())
     first, done = 0, [0, None]  # the steps both have run; the steps the wrapped model has run, and where
@@ -127,8 +133,9 @@ def qwen2():
     return transformers.Qwen2ForCausalLM(config)
 
 
+@pytest.mark.parametrize("covers", ["pager", "process"])
 @pytest.mark.parametrize("make", [llama, qwen2])
-def test_plan_names_the_least_budget_the_defaults_train_with(make):
+def test_plan_names_the_least_budget_the_defaults_train_with(make, covers):
     """`pager.plan(..., inputs=, optimizer=)` gives one least budget that
     trains, the one the run with the defaults holds: below it the first
     forward is refused, at it every step holds. The inputs are a Hugging
@@ -137,17 +144,20 @@ def test_plan_names_the_least_budget_the_defaults_train_with(make):
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs = {"input_ids": batch(0), "labels": batch(0)}  # (as the steps call it: the loss saves too)
-    plan = pager.plan(model, "1GiB", device="cpu", inputs=inputs, optimizer=opt)
+    plan = pager.plan(model, "1GiB", device="cpu", inputs=inputs, optimizer=opt, budget_covers=covers)
     least = plan.train_min_budget_bytes
+    assert (plan.outside_bytes > 0) == (covers == "process")
     assert plan.activations_measured and plan.trains is True
     assert least > plan.train_blocks_min_bytes and str(plan).count("least budget that trains") == 1
     assert not any("labels" in n for n in plan.notes)
-    below = pager.plan(model, least - 1, device="cpu", inputs=inputs, optimizer=opt)
+    below = pager.plan(model, least - 1, device="cpu", inputs=inputs, optimizer=opt, budget_covers=covers)
     assert below.trains is False and "WILL NOT TRAIN" in str(below)
     # Without labels the loss is not measured: less, and the plan says why.
-    unlabelled = pager.plan(model, least - 1, device="cpu", inputs={"input_ids": batch(0)}, optimizer=opt)
+    unlabelled = pager.plan(
+        model, least - 1, device="cpu", inputs={"input_ids": batch(0)}, optimizer=opt, budget_covers=covers
+    )
     assert unlabelled.train_min_budget_bytes < least and any("`labels`" in n for n in unlabelled.notes)
-    pager.wrap(model, budget=least - 1, device="cpu", optimizer=opt)
+    pager.wrap(model, budget=least - 1, device="cpu", optimizer=opt, budget_covers=covers)
     with pytest.raises(pager.BudgetError) as refused:
         train_steps(model, opt, 1)
     assert refused.value.least_budget_bytes == least
@@ -225,6 +235,11 @@ def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train
     code, out = run(least - 1, "--inputs", "input_ids=4x64:int64", "--optimizer", "AdamW")  # no labels: less
     assert code == 0 and "`labels`" in out
     assert run(least - 1, "--inputs", "4x64:int64")[0] == 0  # (the positional form, input_ids: no labels)
+    covering = pager.plan(
+        model, "1GiB", device="cpu", inputs={"input_ids": zeros, "labels": zeros}, optimizer=opt, budget_covers="process"
+    ).train_min_budget_bytes  # (the loss and logits counted too)
+    assert covering > least and run(covering - 1, *train, "--budget-covers", "process")[0] == 1
+    assert run(covering, *train, "--budget-covers", "process")[0] == 0
     code, out = run(least - 1)  # inference: it runs; the training figure excludes activations
     assert code == 0 and "ACTIVATIONS NOT COUNTED" in out and "least budget that trains" not in out
     for wrong in (

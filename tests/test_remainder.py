@@ -142,3 +142,19 @@ def test_a_head_reading_the_embedding_weight_directly_trains_bit_for_bit():
             o.zero_grad()
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_a_host_budget_sized_by_the_blocks_wrap_makes_loads_and_runs(tmp_path):
+    """`pager.load`'s host budget holds two of the largest pages as `wrap`
+    chooses them: the embedding and the head are blocks, so a host budget
+    smaller than both together (the old resident remainder) is taken."""
+    ref = llama().eval()
+    ref.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(ref.config)
+    embed = tensor_page_bytes(ref.model.embed_tokens)
+    host = 2 * embed + embed // 2  # (two of the largest pages, less than the two tables and a layer)
+    pager.load(model, tmp_path, budget=host, host_budget=host, device="cpu")
+    assert {"model.embed_tokens", "lm_head"} <= set(pager.of(model).block_names())
+    with torch.no_grad():
+        assert_same(model(input_ids=batch(0)).logits, ref(input_ids=batch(0)).logits)

@@ -46,19 +46,20 @@ log = logging.getLogger("pager")
 LEAST_MOVED_BYTES = 1 << 20  # a remainder module smaller than this stays (paging it costs more than it frees)
 
 
-def default_blocks(model: nn.Module, budget_bytes: int, tables: list, *, rows_allowed: bool):
+def default_blocks(model: nn.Module, budget_bytes: int, tables: list, *, rows_allowed: bool, say: bool = True):
     """(row tables, blocks spec) for the model under default discovery, as
     the Note says: the layers, and the remainder's large modules as blocks;
     lookup-only tables by rows where the model does not run otherwise.
     `rows_allowed`: embedding tables may go by rows (else they stay blocks,
-    and a model that does not run is left to the caller to refuse)."""
+    and a model that does not run is left to the caller to refuse). `say`:
+    log each choice (wrap does; a question asked before it does not)."""
     sizing = discover.size_up(model, None, [m for _n, m in tables])
     moved = _remainder_modules(model, sizing)
     if not moved:
         return tables, None
     base = [m for _n, m in sizing.named]
     spec = base + [m for _n, m, _b in moved]
-    for name, module, nbytes in moved:
+    for name, module, nbytes in moved if say else ():
         log.info(
             "pager: %r (a %s, %s) pages as a block of its own instead of staying on the device "
             "(blocks= naming the layers alone keeps it there).",

@@ -13,9 +13,11 @@ from ..base import guards, wrappers
 from ..base.budget import parse_budget, resolve_device
 from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, replace_atomically
 from ..engine.disk import DiskTier, Piece, check_host_budget
+from ..engine.engine import Engine
 from ..model import discover
 from ..rows.table import choose as choose_row_tables
 from .buffers import recreate_meta_buffers, undo_buffers
+from .fit import default_blocks
 
 MAX_NAMED = 8  # tensors named in one error message
 
@@ -83,7 +85,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     made = recreate_meta_buffers(model)  # ([Note: buffers a checkpoint does not hold] in api/buffers.py)
     try:
         sources = _match(model, entries)
-        capacity = _host_capacity(host_budget, model, options.get("blocks"))
+        capacity = _host_capacity(host_budget, model, options, own_budget=not isinstance(budget, Engine))
         tables = _read_row_tables(model, options, budget, sources)
     except BaseException:
         undo_buffers(made)
@@ -199,9 +201,10 @@ def _spill_folder(spill):
     return spill
 
 
-def _host_capacity(host_budget, model: nn.Module, blocks) -> int | None:
+def _host_capacity(host_budget, model: nn.Module, options: dict, own_budget: bool) -> int | None:
     """Host bytes for pages (None: as many as the model has), checked
-    against its largest block and host RAM."""
+    against its largest block (as `wrap` will choose them: [Note: nothing
+    resident by force] in api/fit.py) and host RAM."""
     if host_budget is None:
         return None
     if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
@@ -210,6 +213,9 @@ def _host_capacity(host_budget, model: nn.Module, blocks) -> int | None:
         nbytes = parse_budget(host_budget, torch.device("cpu"))
     except ValueError as e:
         raise ValueError(str(e).replace("budget=", "host_budget=", 1)) from None
+    blocks = options.get("blocks")
+    if own_budget and all(options.get(k) is None for k in ("blocks", "rows", "process_group", "pool")):  # (wrap's)
+        blocks = default_blocks(model, 0, [], rows_allowed=False, say=False)[1]
     sizing = discover.size_up(model, blocks)
     check_host_budget(nbytes, max([*sizing.own, sizing.remainder], default=0))
     return nbytes

@@ -13,6 +13,7 @@ from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_byt
 from ..engine.schedule import Scheduler
 from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, resolve_helpers
 from ..model import discover
+from ..model.outside import check_covers
 from ..training import host_step
 from ..training.activations import OFFLOAD_MIN_BYTES
 from ..training.dry_run import (
@@ -79,6 +80,9 @@ class Plan:
     saved: SavedBytes | None = None
     training_peaks: dict = field(default_factory=dict)  # policy -> (activation bytes, blocks + activations)
     train_budgets: dict = field(default_factory=dict)  # policy -> the least budget that trains with it
+    # Under budget_covers="process": what the process holds outside pager at a step's peak, predicted
+    # from `inputs` ([Note: what sits outside pager, predicted] in training/dry_run.py); in train_budgets.
+    outside_bytes: int = 0
     # With `host_budget` (`pager.load`'s disk tier): what host memory keeps,
     # and what a forward reads from disk ([Note: a kept set in host memory]).
     host_budget_bytes: int | None = None
@@ -198,7 +202,12 @@ class Plan:
                     f"    activations={policy + ':':<11} {format_bytes(together)}: activations "
                     f"{format_bytes(acts)} + blocks {format_bytes(together - acts)}{bound}{over}{trains}"
                 )
-            out.append("    (beside: a block's temporaries while it runs, the loss, gradients between blocks)")
+            if self.outside_bytes:
+                out.append(
+                    f"    outside pager (the inputs, the output, the loss's backward; predicted): "
+                    f"{format_bytes(self.outside_bytes)}, in each least budget above"
+                )
+            out.append("    (beside: a block's temporaries while it runs, gradients between blocks)")
         if self.host_budget_bytes is not None:
             floor = (
                 f", disk floor {1e3 * self.forward_disk_bytes / (self.disk_gbps * 1e9):.0f} ms at "
@@ -231,13 +240,16 @@ def plan(
     optimizer_step: str = "auto",
     split_fetch=None,
     master_weights: bool = False,
+    budget_covers: str = "pager",
 ) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 
     Args:
         model: the model (not wrapped; nothing is changed).
-        budget, device, blocks, defer_step, optimizer_step, master_weights: as
-            for `pager.wrap` (under `master_weights` a bf16 parameter's state
+        budget, device, blocks, defer_step, optimizer_step, master_weights,
+            budget_covers: as for `pager.wrap` (under "process", the least
+            budget that trains counts what the process holds outside pager,
+            predicted from `inputs`; under `master_weights` a bf16 parameter's state
             is float32, with its float32 master beside it).
             A streamed block's update on the host ("auto", "host") moves its
             weights up for the forward and the backward and its gradients
@@ -292,7 +304,7 @@ def plan(
     budgets = helper_budgets(split_fetch, helpers, budget_bytes)  # (what each helper may hold)
     # As wrap does: [Note: nothing resident by force] in api/fit.py (as blocks: plan has no row tables),
     # [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
-    spec = blocks if blocks is not None else default_blocks(model, budget_bytes, [], rows_allowed=False)[1]
+    spec = blocks if blocks is not None else default_blocks(model, budget_bytes, [], rows_allowed=False, say=False)[1]
     sizing = discover.adapters_resident(discover.size_up(model, spec), budget_bytes)[0]
     min_budget = sizing.min_budget
     parts = set()
@@ -373,7 +385,8 @@ def plan(
             f"smaller blocks keep more resident (e.g. blocks=['Linear'], for blocks whose forward calls those "
             f"submodules rather than reading their weights)"
         )
-    saved, peaks = None, {}
+    saved, peaks, outside = None, {}, 0
+    covers_process = check_covers(budget_covers)
     if inputs is not None:
         args, kwargs = _as_call(inputs)
         try:
@@ -386,13 +399,16 @@ def plan(
                 "computes from them (and what its backward needs) is not counted; a training step that passes "
                 "labels needs more: give them in inputs= (a causal LM: labels=input_ids)"
             )
-        peaks = training_peaks(saved, budget_bytes, fixed + sum(step_sizes), least, copies=device.type == "cuda")
+        outside = saved.outside_peak if covers_process else 0  # ([Note: what sits outside pager, predicted])
+        peaks = training_peaks(
+            saved, budget_bytes - outside, fixed + sum(step_sizes), least, copies=device.type == "cuda"
+        )
         notes += _activation_notes(peaks, budget_bytes, least)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
     # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
-    train_budgets = {p: int(least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
+    train_budgets = {p: int(outside + least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
     if saved is not None:
-        train_budgets["auto"] = int(least + least_held(saved, **kw))
+        train_budgets["auto"] = int(outside + least + least_held(saved, **kw))
     out = Plan(
         device=str(device),
         budget_bytes=budget_bytes,
@@ -414,6 +430,7 @@ def plan(
         saved=saved,
         training_peaks=peaks,
         train_budgets=train_budgets,
+        outside_bytes=outside,
     )
     if host_budget is not None:
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"), host_bound=False)

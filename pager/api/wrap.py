@@ -208,15 +208,19 @@ def wrap(
             and three passes at about half the speed). `unwrap` leaves the
             optimizer the state torch's own update of the parameter keeps
             (no master, its dtype).
-        budget_covers: what the budget bounds on the device. "pager"
-            (default): what pager holds (blocks, and activations and carried
-            state as above). "process" (CUDA): also what the process holds
-            there outside pager, such as a loss computed over the model's
-            output: blocks leave it room, the most it was seen to take,
+        budget_covers: what the budget bounds on the device. "process":
+            what pager holds and what the process holds there
+            outside pager (the forward's inputs and output, a loss and its
+            backward): blocks leave it room, predicted before the first
+            training step from the forward measured on fake tensors
+            ([Note: what sits outside pager, predicted] in
+            training/dry_run.py), then on CUDA the most it was seen to take,
             learned from the caching allocator's counters at each training
             pass's forward end and backward start ([Note: a budget that
-            covers the process] in model/outside.py; `stats().outside_bytes`).
+            covers the process] in model/outside.py; `stats().outside_bytes`);
             `wrap` then resets the device's peak memory counter once.
+            "pager" (default): what pager holds alone (blocks, and
+            activations and carried state as above).
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -302,7 +306,7 @@ def _wrap(
             f'pager: optimizer_step={optimizer_step!r} must be "auto" (on the host where it is '
             'measured to keep up, else on the device), "host" (the CPU) or "device".'
         )
-    counter = outside.check_covers(budget_covers, device)
+    covers_process = outside.check_covers(budget_covers)
     check_codec(compress)
     if activations not in ("keep", "offload", "recompute", "auto"):
         raise ValueError(
@@ -405,8 +409,8 @@ def _wrap(
         pager.reducer = distributed.Reducer(pager, group, dist_timeout)
         if block_owners:
             pager.owners = owners.BlockOwners(pager, group, dist_timeout)
-    if counter is not None:
-        pager.outside = outside.Outside(pager, counter)
+    if covers_process:
+        pager.outside = outside.Outside(pager, outside.allocator_counter(device))
     _PAGERS[model] = pager
     if trace_steps:
         pager.start_trace(trace_steps)

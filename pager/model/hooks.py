@@ -189,7 +189,8 @@ class Hooks:
         return (
             (pager.activations is None or pager.activations.all_kept)
             and pager.reducer is None
-            and pager.outside is None  # (autograd's activations would look like the caller's: model/outside.py)
+            # (learning from the allocator, autograd's activations would look like the caller's: model/outside.py)
+            and (pager.outside is None or not pager.outside.learns)
             and len(pager.engine.owners) == 1
             # A first gradient of a block makes its page, which may need room.
             and all("grads" in b.segments or not any(p.requires_grad for p in b.params) for b in pager.all_blocks())

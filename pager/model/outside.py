@@ -1,18 +1,26 @@
 """What the process holds on the device outside pager, for a budget that
-covers the whole process (`wrap(..., budget_covers="process")`): `Outside`,
-one per wrapped model.
+covers the whole process (`wrap(..., budget_covers="process")`):
+`Outside`, one per wrapped model.
 
 [Note: a budget that covers the process]
-By default the budget bounds what pager holds: blocks, the activations its
-hooks keep, the state a forward carries. What the caller computes outside
-the model stays outside it: a language model's loss over 4x1024 tokens of a
-32000-word vocabulary holds three float32 tensors of the logits' size at
+The budget bounds what pager holds (blocks, the activations its hooks
+keep, the state a forward carries) and, with `budget_covers="process"`,
+what the process holds on the device beside it: the forward's inputs and
+output, and a loss over it. A language model's loss over 4x1024 tokens of
+a 32000-word vocabulary holds three float32 tensors of the logits' size at
 once in its backward (the log-softmax's output, its gradient and the
 logits' gradient: 1.5 GiB), beside everything pager holds at the forward's
-end. With `budget_covers="process"` pager leaves that room too: blocks get
-the budget less what the process held on the device outside pager, the most
-seen since `wrap` (`outside_bytes`), so that the allocator's peak stays
-within the budget but for a block's temporaries while it runs.
+end. So blocks get the budget less what the process holds outside pager
+(`outside_bytes`), and the allocator's peak stays within the budget but for
+a block's temporaries while it runs. `budget_covers="pager"` (the default,
+for now: the GPU tests size their budgets for it) leaves that to the
+caller.
+
+Before the first training step it is predicted, from the forward measured
+on fake tensors ([Note: what sits outside pager, predicted] in
+training/dry_run.py), for the largest inputs measured; that is all the CPU
+device knows. On CUDA it is then also learned, the most seen since `wrap`:
+`outside_bytes` is the larger of the two.
 
 It is read from the caching allocator's counters, twice a training pass and
 never per block use: at the root forward's end (what the caller holds then:
@@ -24,11 +32,12 @@ usually is), the process held the new peak less that, outside pager. A peak
 that does not move says nothing, so `wrap` resets the device's peak counter
 once (as `torch.cuda.reset_peak_memory_stats` does; read it again after
 `wrap` if you measure it); pager itself never resets it again, and reading
-it is yours as before. The figure only grows: after one step with a larger
-loss (a longer batch), blocks keep the smaller room. A model that fits does
-not train unhooked under it ([Note: asleep] in model/hooks.py): there
-autograd would hold the activations where pager cannot tell them from the
-caller's tensors (an inference forward, which saves none, still may).
+it is yours as before. What is learned only grows: after one step with a
+larger loss (a longer batch), blocks keep the smaller room. On CUDA a model
+that fits does not train unhooked under it ([Note: asleep] in
+model/hooks.py): there autograd would hold the activations where pager
+cannot tell them from the caller's tensors (an inference forward, which
+saves none, still may).
 """
 
 from __future__ import annotations
@@ -64,23 +73,15 @@ def allocator_counter(device: torch.device) -> AllocatorCounter | None:
     return AllocatorCounter(device) if device.type == "cuda" else None
 
 
-def check_covers(covers: str, device: torch.device) -> AllocatorCounter | None:
-    """The counter `budget_covers=covers` reads on `device` (None for "pager"); raises for a bad value."""
+def check_covers(covers: str) -> bool:
+    """Whether `budget_covers=covers` covers the process; raises for a bad value."""
     if covers not in COVERS:
         raise ValueError(
             f'pager: budget_covers={covers!r} must be "pager" (the budget bounds what pager holds: '
             'blocks, activations, carried state) or "process" (also what the process holds on the '
             "device outside pager, such as the loss)."
         )
-    if covers == "pager":
-        return None
-    counter = allocator_counter(device)
-    if counter is None:
-        raise ValueError(
-            f'pager: budget_covers="process" reads the CUDA caching allocator\'s counters, and '
-            f'device {device} keeps none. Use a CUDA device, or leave budget_covers="pager".'
-        )
-    return counter
+    return covers == "process"
 
 
 class Outside:
@@ -88,15 +89,31 @@ class Outside:
 
     Args:
         pager: the wrapped model's `Pager`.
-        counter: the device's `AllocatorCounter`.
+        counter: the device's `AllocatorCounter` (None: the device keeps
+            none, the CPU: what the dry run predicts is all it knows).
     """
 
-    def __init__(self, pager, counter):
+    def __init__(self, pager, counter: AllocatorCounter | None):
         self.pager = pager
         self.counter = counter
         self.held_at_end: int | None = None  # what pager held at the last forward's end (None: not since)
         self.peak_at_end = 0  # the allocator's peak then
-        counter.reset_peak()
+        self.prediction = 0  # the dry run's, for the last inputs measured
+        self.learned = 0  # the most the allocator's counters showed (only grows)
+        if counter is not None:
+            counter.reset_peak()
+
+    @property
+    def learns(self) -> bool:
+        """It reads the allocator's counters (a CUDA device)."""
+        return self.counter is not None
+
+    def predicted(self, nbytes: int) -> None:
+        """The dry run predicts `nbytes` outside pager at the coming step's
+        peak ([Note: what sits outside pager, predicted] in
+        training/dry_run.py): blocks leave that room from its first step."""
+        self.prediction = nbytes
+        self._set(max(self.learned, nbytes), "is predicted to hold")
 
     def held_bytes(self) -> int:
         """What pager holds on the device now: every model's blocks on this
@@ -112,13 +129,15 @@ class Outside:
 
     def forward_ended(self) -> None:
         """The root forward ended, its blocks hooked: what the caller holds now."""
+        if self.counter is None:
+            return
         current, self.peak_at_end = self.counter.read()
         self.held_at_end = self.held_bytes()
         self._saw(current - self.held_at_end)
 
     def backward_starts(self) -> None:
         """The backward reached the model's first block, before any hook's work."""
-        if self.held_at_end is None:
+        if self.held_at_end is None or self.counter is None:
             return
         current, peak = self.counter.read()
         if peak > self.peak_at_end:  # the loss set a new peak: pager held what it held at the forward's end
@@ -127,12 +146,19 @@ class Outside:
         self.held_at_end = None
 
     def _saw(self, nbytes: int) -> None:
+        """The counters show the process holding `nbytes` outside pager."""
+        if nbytes > self.learned:
+            self.learned = nbytes
+            self._set(max(nbytes, self.prediction), "holds")
+
+    def _set(self, nbytes: int, how: str) -> None:
         pager = self.pager
-        if nbytes <= pager.outside_bytes:
+        if nbytes == pager.outside_bytes:
             return
         pager.outside_bytes = nbytes
         log.info(
-            "pager: the process holds %s on the device outside %s; blocks leave it that room",
+            "pager: the process %s %s on the device outside %s; blocks leave it that room",
+            how,
             format_bytes(nbytes),
             pager.name,
         )

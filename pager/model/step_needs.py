@@ -46,4 +46,7 @@ def measure(pager, args, kwargs) -> tuple:
     """What the model's forward with these inputs saves per block, on fake
     tensors (training/dry_run.py), and the blocks it names."""
     blocks = list(pager.blocks)
-    return measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs), blocks
+    saved = measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs)
+    if pager.outside is not None:  # (the budget covers the process: blocks leave it room from this step)
+        pager.outside.predicted(saved.outside_peak)
+    return saved, blocks

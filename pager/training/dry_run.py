@@ -40,11 +40,30 @@ the `Ledger` counts; pessimistic where timing decides):
   last block's own or one brought back, and the one brought ahead);
 - recompute: of the others, their inputs (each storage once), what ops
   outside blocks save, and the largest one's activations recomputed.
+
+[Note: what sits outside pager, predicted]
+Under a budget that covers the process ([Note: a budget that covers the
+process] in model/outside.py) blocks must leave room, from the first step,
+for what the process holds beside them: the forward's inputs, its output
+(a language model's logits: 4x1024 tokens of a 32000-word vocabulary are
+0.5 GiB in float32), and the backward of the loss over it, which holds the
+gradient of the log-softmax's output and that of the logits at once
+(GRADS_OF_A_LOSS tensors of the output's size, in float32 however narrow
+the output: losses compute in it). What a loss computed inside the forward
+saves is an activation, counted above; a loss the caller computes over the
+output (no scalar among the outputs) saves its log-softmax outside pager:
+one more. So `outside_peak` is the inputs (each by itself), the outputs
+(each storage once, those pager holds excluded) and 2 (a loss inside) or 3
+(outside) float32 copies of the largest output that needs a gradient. It is
+a prediction; on CUDA the allocator's counters then correct it upward,
+never downward (a peak hidden under the forward's says nothing:
+model/outside.py).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +82,7 @@ _GONE = object()
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
 IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (activations.py)
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (activations.py)
+GRADS_OF_A_LOSS = 2  # float32 tensors of the output's size a loss's backward holds at once (see the Note)
 
 
 def dry_running() -> bool:
@@ -90,6 +110,7 @@ class SavedBytes:
     after: list[list[Save]] = field(default_factory=list)
     before: list[Save] = field(default_factory=list)
     outside_before: int = 0
+    outside_peak: int = 0  # the process's bytes outside pager at the step's peak, predicted (see the Note)
 
     @property
     def total(self) -> int:
@@ -261,7 +282,8 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
         # (compiled blocks run eagerly here: their compiled kernels would read fake tensors' memory)
         with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.compiler.set_stance("force_eager"):
-                functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
+                out = functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
+        sb.outside_peak = _outside_peak((fake_args, fake_kwargs), out, own | seen)
     except Exception as e:  # noqa: BLE001 - the model's own code: report what it raised
         raise ValueError(
             f"pager: the model's forward could not run on fake tensors to measure its activations "
@@ -281,6 +303,37 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
                 now.clear()
                 now.update(before)
     return sb
+
+
+def _outside_peak(inputs, out, counted: set) -> int:
+    """What the process holds on the device outside pager at a training
+    step's peak, predicted from the forward's inputs and output ([Note: what
+    sits outside pager, predicted]); `counted`: storages that are pager's
+    (parameters, buffers, saved activations)."""
+    # (each input by itself, however they share storage: a plan's inputs then count as the run's do)
+    held = sum(t.numel() * t.element_size() for t in _tensors(inputs))
+    seen, largest, loss = set(counted), 0, False
+    for t in _tensors(out):
+        if _key(t) not in seen:
+            seen.add(_key(t))
+            held += t.untyped_storage().nbytes()
+    for t in _tensors(out):
+        if t.requires_grad and t.is_floating_point():
+            loss = loss or t.numel() == 1
+            largest = max(largest, t.numel() * max(4, t.element_size()))
+    return held + (GRADS_OF_A_LOSS if loss else GRADS_OF_A_LOSS + 1) * largest
+
+
+def _tensors(tree) -> list:
+    """The tensors in `tree`: tuples, lists, dicts and mappings (a Hugging Face
+    `ModelOutput`) searched."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (tuple, list)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
 
 
 def _fake_state(model: torch.nn.Module, mode) -> dict:
