@@ -77,9 +77,9 @@ def within_budget(model):
 @pytest.mark.parametrize("policy", ["auto", "offload", "recompute"])
 @pytest.mark.parametrize("attach", ["at wrap", "at its first step"])
 def test_every_step_holds_the_budget_from_the_first(share, policy, attach):
-    """Under a budget that covers the process (the default on CUDA; its
-    prediction is all the CPU device knows): blocks and activations within
-    the budget less what the loss and the logits hold, from the first step."""
+    """Under a budget that covers the process (its prediction is all the CPU
+    device knows): blocks and activations within the budget less what the
+    loss and the logits hold, from the first step."""
     model = llama()
     ref = copy.deepcopy(model)
     budget = int(share * 4 * tensor_page_bytes(model))  # a share of weights, gradients and AdamW's state

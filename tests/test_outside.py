@@ -193,3 +193,18 @@ def test_a_budget_for_pager_alone_the_default_predicts_nothing():
     ids = torch.zeros(2, 16, dtype=torch.long)
     model(input_ids=ids, labels=ids).loss.backward()
     assert pager.of(model).outside is None and pager.of(model).stats().outside_bytes == 0
+
+
+def test_a_smaller_batch_measured_later_keeps_the_larger_prediction():
+    """The measure runs again only where a dimension grows: after (8, 64)
+    and then (2, 128), a batch of (8, 64) comes unmeasured, so the room
+    predicted for it stays."""
+    model = causal_lm()
+    pager.wrap(model, budget="256MiB", device="cpu", budget_covers="process")
+    p = pager.of(model)
+    predicted = []
+    for shape in ((8, 64), (2, 128), (8, 64)):
+        ids = torch.zeros(shape, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+        predicted.append(p.stats().outside_bytes)
+    assert predicted[0] > 0 and predicted == [predicted[0]] * 3

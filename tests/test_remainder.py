@@ -85,6 +85,14 @@ def test_the_embedding_and_the_head_page_and_train_bit_for_bit_below_the_old_lea
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
 
 
+def test_tables_kept_whole_by_rows_still_page_as_blocks():
+    """`rows=[]` (no table by rows, ever) leaves the embedding and head to
+    default discovery: blocks of their own."""
+    model = llama()
+    pager.wrap(model, budget="64MiB", device="cpu", rows=[])
+    assert {"model.embed_tokens", "lm_head"} <= set(pager.of(model).block_names())
+
+
 def test_blocks_naming_the_layers_keeps_the_embedding_and_head_on_the_device():
     model = llama()
     pager.wrap(model, budget="64MiB", device="cpu", blocks=list(model.model.layers))
@@ -112,11 +120,11 @@ class FunctionalHead(nn.Module):
     """An LM whose head reads the embedding's weight without calling the
     embedding (F.linear on it): that read is served from the page."""
 
-    def __init__(self):
+    def __init__(self, d=512):
         super().__init__()
-        self.embed = nn.Embedding(4096, 128)
-        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(3))
-        self.norm = nn.LayerNorm(128)
+        self.embed = nn.Embedding(4096, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.norm = nn.LayerNorm(d)
 
     def forward(self, ids):
         h = self.embed(ids)
@@ -129,9 +137,10 @@ def test_a_head_reading_the_embedding_weight_directly_trains_bit_for_bit():
     torch.manual_seed(0)
     model = FunctionalHead()
     ref = copy.deepcopy(model)
-    budget = 2 * 4 * tensor_page_bytes(model.embed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # The least budget: the embedding with its state, and no room for a layer beside it.
+    budget = pager.plan(model, "1GiB", device="cpu", inputs=batch(0), optimizer=opt).train_min_budget_bytes
     pager.wrap(model, budget=budget, device="cpu", optimizer=opt)
     assert "embed" in pager.of(model).block_names()
     for step in range(STEPS):
@@ -140,6 +149,8 @@ def test_a_head_reading_the_embedding_weight_directly_trains_bit_for_bit():
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             o.step()
             o.zero_grad()
+    embed = next(b for b in pager.of(model).stats().blocks if b.name == "embed")
+    assert embed.evictions > 0  # (it left between its lookup and the head's read, and came back for it)
     pager.unwrap(model)
     assert_models_equal(model, ref)
 

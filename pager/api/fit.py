@@ -1,6 +1,5 @@
 """Defaults that fit the model: which modules outside the layer stacks
-`wrap` pages, unasked, and how, when the user leaves `blocks=` and `rows=`
-to pager.
+`wrap` pages, unasked, and how, when the user leaves `blocks=` to pager.
 
 [Note: nothing resident by force]
 Default discovery finds the layer stacks ([Note: splitting large blocks] and
@@ -24,9 +23,10 @@ When even then the model does not run (a block with what it needs beside it
 larger than the budget: a recommender's table several times the budget),
 an embedding table read by lookups only is paged by rows instead ([Note: row
 tables] in rows/table.py: only the rows a batch uses come to the device),
-the largest first, until it runs; that changes what the optimizer sees (a
-sparse gradient, lazy updates: `optim.py` says so when it steps), so it is
-never chosen where a block runs. Each choice is logged at info level with
+the largest first, until it runs (unless the user named tables by `rows=`:
+then those alone); that changes what the optimizer sees (a sparse
+gradient, lazy updates: `optim.py` says so when it steps), so it is never
+chosen where a block runs. Each choice is logged at info level with
 the option that asks for it; what still does not run is refused with every
 option that would make it.
 """
@@ -50,44 +50,58 @@ def default_blocks(model: nn.Module, budget_bytes: int, tables: list, *, rows_al
     """(row tables, blocks spec) for the model under default discovery, as
     the Note says: the layers, and the remainder's large modules as blocks;
     lookup-only tables by rows where the model does not run otherwise.
-    `rows_allowed`: embedding tables may go by rows (else they stay blocks,
-    and a model that does not run is left to the caller to refuse). `say`:
-    log each choice (wrap does; a question asked before it does not)."""
+    `tables`: those the user named (rows=), outside every block.
+    `rows_allowed`: other tables may go by rows (else they stay blocks, and
+    a model that does not run is left to the caller to refuse). `say`: log
+    each choice (wrap does; a question asked before it does not)."""
     sizing = discover.size_up(model, None, [m for _n, m in tables])
     moved = _remainder_modules(model, sizing)
     if not moved:
         return tables, None
-    base = [m for _n, m in sizing.named]
-    spec = base + [m for _n, m, _b in moved]
-    for name, module, nbytes in moved if say else ():
-        log.info(
-            "pager: %r (a %s, %s) pages as a block of its own instead of staying on the device "
-            "(blocks= naming the layers alone keeps it there).",
-            name,
-            type(module).__name__,
-            format_bytes(nbytes),
-        )
-    sizing = discover.size_up(model, spec, [m for _n, m in tables])
-    if sizing.min_budget <= budget_bytes or not rows_allowed:
-        return tables, spec
-    by_rows, said = [], []
+    spec = [m for _n, m in sizing.named] + [m for _n, m, _b in moved]
+    by_rows = _rows_that_run(model, budget_bytes, tables, spec, moved) if rows_allowed else []
+    if say:
+        _say(moved, by_rows)
+    rows = {id(m) for _n, m in by_rows}
+    return tables + by_rows, [m for m in spec if id(m) not in rows]
+
+
+def _rows_that_run(model: nn.Module, budget_bytes: int, tables: list, spec: list, moved: list) -> list:
+    """The moved lookup-only tables to page by rows, the largest first, until
+    the model runs in `budget_bytes`; none where it runs with them as blocks,
+    or where it runs either way not."""
+    if discover.size_up(model, spec, [m for _n, m in tables]).min_budget <= budget_bytes:
+        return []
+    by_rows: list = []
+    for name, module, _b in moved:
+        if row_table_problem(model, module) is None:
+            by_rows.append((name, module))
+            rest = [m for m in spec if all(m is not t for _n, t in by_rows)]
+            if discover.size_up(model, rest, [m for _n, m in tables + by_rows]).min_budget <= budget_bytes:
+                return by_rows
+    return []
+
+
+def _say(moved: list, by_rows: list) -> None:
+    """Each module that left the remainder, and how, at info level."""
+    rows = {id(m) for _n, m in by_rows}
     for name, module, nbytes in moved:
-        if row_table_problem(model, module) is not None:
-            continue
-        by_rows.append((name, module))
-        said.append((name, nbytes))
-        spec = [m for m in spec if m is not module]
-        if discover.size_up(model, spec, [m for _n, m in tables + by_rows]).min_budget <= budget_bytes:
-            for name, nbytes in said:
-                log.info(
-                    "pager: the embedding table %r (%s) does not fit the budget as a block; it is paged by "
-                    "rows (as rows=[%r] asks).",
-                    name,
-                    format_bytes(nbytes),
-                    name,
-                )
-            return tables + by_rows, spec
-    return tables, base + [m for _n, m, _b in moved]  # (does not run: the caller refuses it)
+        if id(module) in rows:
+            log.info(
+                "pager: the embedding table %r (%s) does not fit the budget as a block; it is paged by rows "
+                "(as rows=[%r] asks).",
+                name,
+                format_bytes(nbytes),
+                name,
+            )
+        else:
+            log.info(
+                "pager: %r (a %s, %s) pages as a block of its own instead of staying on the device "
+                "(blocks= naming the layers alone keeps it there).",
+                name,
+                type(module).__name__,
+                format_bytes(nbytes),
+            )
 
 
 def _remainder_modules(model: nn.Module, sizing) -> list:

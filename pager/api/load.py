@@ -16,6 +16,7 @@ from ..engine.disk import DiskTier, Piece, check_host_budget
 from ..engine.engine import Engine
 from ..model import discover
 from ..rows.table import choose as choose_row_tables
+from ..training import distributed
 from .buffers import recreate_meta_buffers, undo_buffers
 from .fit import default_blocks
 
@@ -214,7 +215,8 @@ def _host_capacity(host_budget, model: nn.Module, options: dict, own_budget: boo
     except ValueError as e:
         raise ValueError(str(e).replace("budget=", "host_budget=", 1)) from None
     blocks = options.get("blocks")
-    if own_budget and all(options.get(k) is None for k in ("blocks", "rows", "process_group", "pool")):  # (wrap's)
+    alone = distributed.resolve_group(options.get("process_group")) is None  # (as wrap resolves it)
+    if own_budget and alone and all(options.get(k) is None for k in ("blocks", "rows", "pool")):  # (wrap's defaults)
         blocks = default_blocks(model, 0, [], rows_allowed=False, say=False)[1]
     sizing = discover.size_up(model, blocks)
     check_host_budget(nbytes, max([*sizing.own, sizing.remainder], default=0))

@@ -304,7 +304,11 @@ def plan(
     budgets = helper_budgets(split_fetch, helpers, budget_bytes)  # (what each helper may hold)
     # As wrap does: [Note: nothing resident by force] in api/fit.py (as blocks: plan has no row tables),
     # [Note: adapters stay on the device], [Note: splitting large blocks] in model/discover.py.
-    spec = blocks if blocks is not None else default_blocks(model, budget_bytes, [], rows_allowed=False, say=False)[1]
+    spec, by_rows = blocks, []
+    if blocks is None:
+        by_rows, spec = default_blocks(model, budget_bytes, [], rows_allowed=True, say=False)
+        if by_rows:  # (plan has no row tables: it counts them as blocks, as wrap does where they run so)
+            spec = default_blocks(model, budget_bytes, [], rows_allowed=False, say=False)[1]
     sizing = discover.adapters_resident(discover.size_up(model, spec), budget_bytes)[0]
     min_budget = sizing.min_budget
     parts = set()
@@ -361,6 +365,12 @@ def plan(
         link, measured = (link_gbps or ASSUMED_LINK_GBPS), link_gbps is not None
         writeback = None
     notes = []
+    if by_rows:
+        notes.append(
+            f"wrap pages {[name for name, _m in by_rows]} by rows, unasked: as a block it does not fit the "
+            f"budget; this plan, which has no row tables, counts it as a block (its figures for it are an upper "
+            f"bound: by rows a forward moves only the rows its batch reads)"
+        )
     if compress:
         notes.append(
             f"compress={compress!r}: a forward's bytes at the codec's usual ratio "
@@ -403,7 +413,7 @@ def plan(
         peaks = training_peaks(
             saved, budget_bytes - outside, fixed + sum(step_sizes), least, copies=device.type == "cuda"
         )
-        notes += _activation_notes(peaks, budget_bytes, least)
+        notes += _activation_notes(peaks, budget_bytes - outside, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
     # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
     train_budgets = {p: int(outside + least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
@@ -503,7 +513,9 @@ def least_held(sb: SavedBytes, **kw) -> int:
     return min(sb.peak(p, **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE))
 
 
-def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
+def _activation_notes(peaks: dict, budget: int, least: int, outside: int = 0) -> list[str]:
+    """What the peaks say of the policies; `budget`: what blocks and
+    activations may hold (less `outside`, what the process holds beside them)."""
     notes = []
     keep_acts, keep_total = peaks["keep"]
     if keep_total > budget:
@@ -513,7 +525,7 @@ def _activation_notes(peaks: dict, budget: int, least: int) -> list[str]:
         )
     fitting = [p for p in ("offload", "recompute") if peaks[p][1] <= budget]
     if not fitting:
-        need = least + min(peaks["offload"][0], peaks["recompute"][0])
+        need = outside + least + min(peaks["offload"][0], peaks["recompute"][0])
         notes.append(
             f"activations leave blocks less than the {format_bytes(least)} they need at least under every policy: "
             f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)"

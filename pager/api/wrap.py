@@ -218,7 +218,9 @@ def wrap(
             learned from the caching allocator's counters at each training
             pass's forward end and backward start ([Note: a budget that
             covers the process] in model/outside.py; `stats().outside_bytes`);
-            `wrap` then resets the device's peak memory counter once.
+            on CUDA `wrap` then resets the device's peak memory counter once.
+            The prediction comes with the activations' measure: under
+            `activations="keep"` there is none, and CUDA learns it alone.
             "pager" (default): what pager holds alone (blocks, and
             activations and carried state as above).
 
@@ -326,9 +328,10 @@ def _wrap(
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
-    if blocks is None and rows is None and group is None and engine is None:
-        # ([Note: nothing resident by force] in api/fit.py; by rows only from values in memory)
-        tables, spec = default_blocks(model, budget_bytes, tables, rows_allowed=setup is None and rows_from_values)
+    if blocks is None and group is None and engine is None:
+        # ([Note: nothing resident by force] in api/fit.py; by rows unasked only from values in memory)
+        unasked_rows = rows is None and setup is None and rows_from_values
+        tables, spec = default_blocks(model, budget_bytes, tables, rows_allowed=unasked_rows)
     if master_weights:
         _check_master_tables(tables)
     sizing, adapter_bytes = discover.adapters_resident(

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..base import guards, saving
 from ..base.block import Block
 from ..base.budget import format_bytes
-from ..base.common import BACKWARD, WEIGHTS, _locked, model_hook, outside_compile
+from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, model_hook, outside_compile
 from ..training import activations
 from ..training.checkpoint import StateDicts
 from ..training.dry_run import dry_running
@@ -166,7 +166,8 @@ class Hooks:
     # backward would need the hooks for can happen (`_can_train_asleep`):
     # every trainable block has its gradients' page, activations stay as
     # autograd saves them ("keep", or "auto" keeping all), no reducer, no budget
-    # covering the process (model/outside.py), and the model is alone on its engine.
+    # covering the process that learns from the allocator (model/outside.py),
+    # and the model is alone on its engine.
     # Its backward then has no pre-backward hooks to bring a block back, so
     # no block of the model may leave while the graph can still be read
     # (`graphs_asleep`): until a backward through one of its outputs ends
@@ -264,8 +265,10 @@ class Hooks:
         if acts is not None and self.root_depth == 0:
             try:  # (the policy from what this forward will save: [Note: activations, the automatic choice])
                 acts.plan_pass(args, kwargs)
-            except Exception:  # (torch runs the always-called post-hook after an Exception only)
+            except Exception as e:  # (torch runs the always-called post-hook after an Exception only)
                 self.pager.thread_state.refused = True  # (it has nothing to end)
+                if isinstance(e, BudgetError) and self.pager.outside is not None:
+                    self.pager.outside.refused()  # (measured again at the next forward)
                 raise
             acts.pass_starts()  # (before the ops before the first block)
         saving.begin_saving(

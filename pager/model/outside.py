@@ -18,8 +18,8 @@ caller.
 
 Before the first training step it is predicted, from the forward measured
 on fake tensors ([Note: what sits outside pager, predicted] in
-training/dry_run.py), for the largest inputs measured; that is all the CPU
-device knows. On CUDA it is then also learned, the most seen since `wrap`:
+training/dry_run.py), the most of the inputs measured since the last
+refusal; that is all the CPU device knows. On CUDA it is then also learned, the most seen since `wrap`:
 `outside_bytes` is the larger of the two.
 
 It is read from the caching allocator's counters, twice a training pass and
@@ -111,9 +111,17 @@ class Outside:
     def predicted(self, nbytes: int) -> None:
         """The dry run predicts `nbytes` outside pager at the coming step's
         peak ([Note: what sits outside pager, predicted] in
-        training/dry_run.py): blocks leave that room from its first step."""
-        self.prediction = nbytes
-        self._set(max(self.learned, nbytes), "is predicted to hold")
+        training/dry_run.py): blocks leave that room from its first step.
+        The most predicted holds: inputs measured before may come again,
+        unmeasured (the measure runs again only where a dimension grows)."""
+        self.prediction = max(self.prediction, nbytes)
+        self._set(max(self.learned, self.prediction), "is predicted to hold")
+
+    def refused(self) -> None:
+        """A forward was refused before it ran: its inputs' prediction goes
+        (the next forward is measured again: a smaller batch's counts)."""
+        self.prediction = 0
+        self._set(self.learned, "holds")
 
     def held_bytes(self) -> int:
         """What pager holds on the device now: every model's blocks on this

@@ -44,7 +44,9 @@ def pages_to_come_bytes(pager) -> int:
 
 def measure(pager, args, kwargs) -> tuple:
     """What the model's forward with these inputs saves per block, on fake
-    tensors (training/dry_run.py), and the blocks it names."""
+    tensors (training/dry_run.py), and the blocks it names; under a budget
+    that covers the process, the room outside pager predicted from the same
+    measure is given to `Outside` (its figure for this step on)."""
     blocks = list(pager.blocks)
     saved = measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs)
     if pager.outside is not None:  # (the budget covers the process: blocks leave it room from this step)
