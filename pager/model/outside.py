@@ -121,7 +121,7 @@ class Outside:
         """A forward was refused before it ran: its inputs' prediction goes
         (the next forward is measured again: a smaller batch's counts)."""
         self.prediction = 0
-        self._set(self.learned, "holds")
+        self._set(self.learned, None)
 
     def held_bytes(self) -> int:
         """What pager holds on the device now: every model's blocks on this
@@ -158,18 +158,12 @@ class Outside:
         if nbytes > self.learned:
             self.learned = nbytes
             self._set(max(nbytes, self.prediction), "holds")
+            self._warn_if_crowded(nbytes)
 
-    def _set(self, nbytes: int, how: str) -> None:
+    def _warn_if_crowded(self, nbytes: int) -> None:
+        """What was seen leaves blocks less than they need (a prediction that
+        does is refused before its forward instead: training/activations.py)."""
         pager = self.pager
-        if nbytes == pager.outside_bytes:
-            return
-        pager.outside_bytes = nbytes
-        log.info(
-            "pager: the process %s %s on the device outside %s; blocks leave it that room",
-            how,
-            format_bytes(nbytes),
-            pager.name,
-        )
         if pager.budget_bytes < pager.least_room + nbytes:
             pager.warn_once(
                 "outside_crowd",
@@ -181,3 +175,18 @@ class Outside:
                 format_bytes(pager.budget_bytes),
                 format_bytes(pager.least_room),
             )
+
+    def _set(self, nbytes: int, how: str | None) -> None:
+        """`outside_bytes` = `nbytes`, logged as what the process `how`s (None: not logged)."""
+        pager = self.pager
+        if nbytes == pager.outside_bytes:
+            return
+        pager.outside_bytes = nbytes
+        if how is None:
+            return
+        log.info(
+            "pager: the process %s %s on the device outside %s; blocks leave it that room",
+            how,
+            format_bytes(nbytes),
+            pager.name,
+        )
