@@ -307,8 +307,8 @@ def plan(
     spec, by_rows = blocks, []
     if blocks is None:
         by_rows, spec = default_blocks(model, budget_bytes, [], rows_allowed=True, say=False)
-        if by_rows:  # (plan has no row tables: it counts them as blocks, as wrap does where they run so)
-            spec = default_blocks(model, budget_bytes, [], rows_allowed=False, say=False)[1]
+        if by_rows:  # (plan has no row tables: it counts them as blocks; size_up puts them in model order)
+            spec = [*(spec or ()), *(m for _n, m in by_rows)]
     sizing = discover.adapters_resident(discover.size_up(model, spec), budget_bytes)[0]
     min_budget = sizing.min_budget
     parts = set()
