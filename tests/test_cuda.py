@@ -643,6 +643,64 @@ def test_activations_still_being_copied_out_are_used_where_they_are_on_gpu():
     pager.unwrap(model)
     assert_close_to_reference(model, ref)
 
+def test_activations_host_copies_lent_by_the_pool_and_back_after_each_backward():
+    """Activations copied out land in pinned pieces of pager's pool ([Note:
+    activations' host memory]), not torch's caching host allocator: every
+    piece is back once its backward ran, the next steps reuse the same
+    chunks (no growth for a fixed batch), with copies into a reused chunk
+    held up behind the copies out of it (a sleep on each copy in). The same
+    gradients as all on the GPU; unwrap unpins the pool."""
+    d, n, rows = 1024, 8, 1024
+    torch.manual_seed(0)
+    model = Thin(d=d, n=n)
+    ref = copy.deepcopy(model).to(GPU)
+    budget = regime_budget(model, "streams") + activation_room(model, torch.zeros(rows, d), "offload")
+    pager.wrap(model, budget=budget, device=GPU, activations="offload")
+    p = pager.of(model)
+    bring = p.transport.bring_to_device
+
+    def slow_bring(host, written=None):
+        with torch.cuda.stream(p.transport.h2d_stream):
+            torch.cuda._sleep(2_000_000)
+        return bring(host, written)
+
+    p.transport.bring_to_device = slow_bring
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+    reserved = []
+    for _step in range(4):
+        x = torch.randn(rows, d, device=GPU)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        pool = p.transport._host_pool
+        assert pool is not None and not pool._lent  # every piece back
+        assert all(chunk.data.is_pinned() for chunk in pool._chunks)
+        reserved.append(pool.reserved_bytes)
+    assert p.stats().activations_brought_bytes > 0
+    assert len(set(reserved)) == 1, reserved
+    pager.unwrap(model)
+    assert p.transport._host_pool is None
+    assert_close_to_reference(model, ref)
+
+
+def test_host_memory_pinned_in_huge_pages():
+    """A pinned chunk starts on a huge page's boundary and is page-locked
+    ([Note: pinning in huge pages]); copies to and from it are exact."""
+    from pager.engine.host import HUGE_PAGE_BYTES, host_memory
+
+    chunk = host_memory(6 << 20, pin=True)
+    try:
+        assert chunk.data_ptr() % HUGE_PAGE_BYTES == 0 and chunk.is_pinned()
+        src = torch.randint(0, 255, (6 << 20,), dtype=torch.uint8, device=GPU)
+        chunk.copy_(src, non_blocking=True)
+        back = torch.empty_like(src).copy_(chunk, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
+
+
 def activation_room(model, inputs, policy):
     """What activations hold at most under `policy` in a training pass of
     `model` on `inputs` on the GPU, by pager's prediction: the budget bounds

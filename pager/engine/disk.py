@@ -58,7 +58,7 @@ from ..base.block import DIRECT_ALIGN, align_up
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
-from .host import HOST_RESERVE_BYTES, _register
+from .host import HOST_RESERVE_BYTES, host_memory
 
 log = logging.getLogger("pager")
 
@@ -159,9 +159,8 @@ class PageArena:
         self.used_bytes -= nbytes
 
     def _new_chunk(self, nbytes: int) -> None:
-        base, chunk = aligned_empty(nbytes)
-        if self.pin:
-            _register(base)
+        # (pinned: a mapping of its own, on a huge page's boundary, which is a direct read's too)
+        base, chunk = (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
         self._bases.append(base)
         self.chunks.append(chunk)
         self.free.append([[0, nbytes]])

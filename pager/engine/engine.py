@@ -554,6 +554,8 @@ class Engine:
             self.owners.remove(owner)
         if not any(seg.encoded is not None for o in self.owners for b in o.all_blocks() for seg in b.segments.values()):
             self.transport.release_staging()  # no page left to stage
+        if not self.owners:
+            self.transport.release_host_pool()  # no model left to copy activations out
         self.room.forget(owner)
         self.waiters.room_may_be_back()
 

@@ -1,17 +1,46 @@
-"""Pinned host memory: a few large arenas, sub-allocated into block pages.
+"""Pinned host memory: a few large arenas, sub-allocated into block pages
+(`HostArena`), and a pool lent out piece by piece to activations copied off
+the device (`PinnedPool`).
 
 [Note: why arenas registered with cudaHostRegister]
 torch's caching host allocator rounds every pinned request up to a power of two
-and `cudaHostAlloc` costs ~0.4 s/GiB, so pinning each tensor (or each block)
+and `cudaHostAlloc` costs ~0.6 s/GiB, so pinning each tensor (or each block)
 separately wastes up to 2x host RAM and time. We allocate ordinary host memory
 in a few large chunks, page-lock each chunk once with `cudaHostRegister`, and
 hand out aligned slices of it as block pages. A page never spans two chunks, so
 a block's fetch is one contiguous copy.
+
+[Note: pinning in huge pages]
+Page-locking costs the kernel a fault and a pin per page: with 4 KiB pages,
+touching 1 GiB and registering it took 0.2 s on an H200's host (`cudaHostAlloc`
+0.6 s). A chunk mapped on its own and advised into 2 MiB pages
+(`MADV_HUGEPAGE`, which transparent huge pages honour where the system sets
+them to "madvise" or "always") takes 0.1 s: a 1B-parameter model pins ~16 GiB
+of weights, gradients and AdamW state by its first step, seconds of it. Where
+the system has no huge pages the advice is ignored, and the chunk pins as
+before.
+
+[Note: activations' host memory]
+Activations copied off the device in a forward (`activations="offload"`)
+wait in pinned host memory for their backward. torch's caching host
+allocator would give each its own `cudaHostAlloc` the first time (0.6 s/GiB,
+rounded up to a power of two: a 1B decoder's first step at 4x1024 sends 9
+GiB, 5 s of it). `PinnedPool` cuts them instead from chunks pinned as above
+(64 MiB at first, growing with the pool to 1 GiB), in the order the forward
+sends them; the backward gives them back, last first, and a chunk is cut
+again from its start once all its pieces are back. The next step sends the
+same sizes in the same order, so it finds the same chunks: the pool grows to
+the most a pass holds, and no further for a fixed batch. A chunk cut again
+may still be read by a copy in of a piece it lent (on the h2d stream, queued
+before the piece came back): the copies out into it wait for the h2d stream
+as it stands when the chunk is reused, one wait a chunk.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import threading
 import time
 
 import psutil
@@ -26,7 +55,7 @@ ARENA_CHUNK_BYTES = 1 << 30
 # Host RAM we leave to the rest of the process and the OS when pinning.
 HOST_RESERVE_BYTES = 2 << 30
 PIN_PROGRESS_BYTES = 8 << 30  # log progress when pinning more than this
-PIN_SECONDS_PER_GIB = 0.4  # what page-locking costs on the H100 host (DESIGN.md)
+PIN_SECONDS_PER_GIB = 0.2  # what page-locking costs (4 KiB pages; half that in huge pages: see the Note)
 COPY_SECONDS_PER_GIB = 0.2  # a plain host copy into pageable pages, roughly
 
 
@@ -43,7 +72,7 @@ class HostArena:
         self.chunk_bytes = chunk_bytes
         self._chunks: list[torch.Tensor] = []
         self._registered: list[torch.Tensor] = []
-        self._used_in_last = 0
+        self._used: list[int] = []  # bytes handed out of each chunk, from its start
         self._planned: list[int] = []
         self._shared: torch.Tensor | None = None  # the node's shared file, mapped (`share`)
         self._shared_used = 0
@@ -93,17 +122,31 @@ class HostArena:
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` (rounded up to the alignment) in one chunk."""
         nbytes = align(max(nbytes, 1))
-        if not self._chunks or self._used_in_last + nbytes > self._chunks[-1].numel():
+        i = self._fitting(nbytes)
+        if i is None:
             if self._planned and self._planned[-1] >= nbytes:
                 self._new_chunk(self._planned.pop(), planned=True)
             else:
                 # Unplanned growth (gradients, optimizer state): chunks grow
-                # with what is in use, so small models pin little.
-                self._new_chunk(max(nbytes, min(self.chunk_bytes, self.used_bytes)))
-        start = self._used_in_last
-        self._used_in_last += nbytes
+                # with what is in use, so small models pin little, and hold
+                # a whole number of pages of this size (the next pages of a
+                # model's blocks are most often as large: no tail left over).
+                grown = min(self.chunk_bytes, self.used_bytes) // nbytes * nbytes
+                self._new_chunk(max(nbytes, grown))
+            i = len(self._chunks) - 1
+        start = self._used[i]
+        self._used[i] += nbytes
         self.used_bytes += nbytes
-        return self._chunks[-1][start : start + nbytes]
+        return self._chunks[i][start : start + nbytes]
+
+    def _fitting(self, nbytes: int) -> int | None:
+        """The chunk with room for `nbytes`: the last one, else the first
+        whose tail fits (pages are few and allocated at wrap or a first
+        step, never per use)."""
+        chunks, used = self._chunks, self._used
+        if chunks and used[-1] + nbytes <= chunks[-1].numel():
+            return len(chunks) - 1
+        return next((i for i, c in enumerate(chunks) if used[i] + nbytes <= c.numel()), None)
 
     def _new_chunk(self, nbytes: int, planned: bool = False) -> None:
         if planned and self._shared is not None:  # (registered whole by `share`)
@@ -116,12 +159,11 @@ class HostArena:
                     format_bytes(self.reserved_bytes),
                     format_bytes(nbytes),
                 )
-            chunk = torch.empty(nbytes, dtype=torch.uint8)
+            chunk = host_memory(nbytes, self.pin)
             if self.pin:
-                _register(chunk)
                 self._registered.append(chunk)
         self._chunks.append(chunk)
-        self._used_in_last = 0
+        self._used.append(0)
         self.reserved_bytes += nbytes
 
     def close(self) -> None:
@@ -130,8 +172,129 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
         self._registered.clear()
         self._chunks.clear()
+        self._used.clear()
         self._shared = None
-        self.reserved_bytes = self.used_bytes = self._used_in_last = 0
+        self.reserved_bytes = self.used_bytes = 0
+
+
+POOL_CHUNK_MIN_BYTES = 64 << 20
+POOL_CHUNK_MAX_BYTES = 1 << 30
+
+
+class PinnedPool:
+    """Page-locked host memory lent out piece by piece, to activations
+    copied off the device until the backward brings them back ([Note:
+    activations' host memory]).
+
+    Args:
+        before_reuse: called before a chunk whose pieces all came back is
+            lent out again: it orders the writes into it after every copy
+            that may still be reading the pieces it lent before.
+        pin: page-lock the chunks (False: pageable, for the CPU device).
+    """
+
+    def __init__(self, before_reuse, pin: bool = True):
+        self._before_reuse = before_reuse
+        self.pin = pin
+        self._lock = threading.Lock()  # (pieces come back on autograd's threads)
+        self._chunks: list[_PoolChunk] = []
+        self._idle: list[_PoolChunk] = []  # chunks none of whose pieces are lent
+        self._current: _PoolChunk | None = None  # the chunk pieces are cut from now
+        self._lent: dict[int, _PoolChunk] = {}  # a lent piece's address -> its chunk
+        self.reserved_bytes = 0
+
+    def take(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host tensor of `shape`, `stride` and `dtype` (as
+        `torch.empty_strided`), lent until `give(it)`."""
+        itemsize = dtype.itemsize
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
+        nbytes = align(max(span * itemsize, 1))
+        with self._lock:
+            chunk = self._current
+            if chunk is None or chunk.used + nbytes > chunk.data.numel():
+                chunk = self._current = self._open(nbytes)
+            piece = chunk.data[chunk.used : chunk.used + nbytes]
+            chunk.used += nbytes
+            chunk.lent += 1
+            self._lent[piece.data_ptr()] = chunk
+        return piece[: span * itemsize].view(dtype).as_strided(shape, stride)
+
+    def give(self, host: torch.Tensor) -> None:
+        """`host` (from `take`) is no longer used; no view of it may be."""
+        with self._lock:
+            chunk = self._lent.pop(host.data_ptr(), None)
+            if chunk is None:  # (the pool was closed since)
+                return
+            chunk.lent -= 1
+            if chunk.lent == 0:
+                chunk.used = 0
+                if chunk is self._current:
+                    self._current = None
+                self._idle.append(chunk)
+
+    def _open(self, nbytes: int) -> _PoolChunk:
+        """A chunk to cut pieces of `nbytes` and more from: an idle one that
+        holds it, or a new one, larger as the pool grows."""
+        for i, chunk in enumerate(self._idle):
+            if chunk.data.numel() >= nbytes:
+                del self._idle[i]
+                self._before_reuse()
+                return chunk
+        size = max(nbytes, min(POOL_CHUNK_MAX_BYTES, max(POOL_CHUNK_MIN_BYTES, self.reserved_bytes)))
+        chunk = _PoolChunk(host_memory(size, self.pin))
+        self._chunks.append(chunk)
+        self.reserved_bytes += size
+        return chunk
+
+    def close(self) -> None:
+        """Unpin every chunk. A piece still lent stays readable and
+        writable, as pageable memory."""
+        with self._lock:
+            for chunk in self._chunks if self.pin else ():
+                torch.cuda.cudart().cudaHostUnregister(chunk.data.data_ptr())
+            self._chunks.clear()
+            self._idle.clear()
+            self._lent.clear()
+            self._current = None
+            self.reserved_bytes = 0
+
+
+class _PoolChunk:
+    __slots__ = ("data", "used", "lent")
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.used = 0  # bytes cut from its start since it was last idle
+        self.lent = 0  # pieces lent and not given back
+
+
+def host_memory(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory (uint8), page-locked if `pin`, in huge pages
+    where the system has them ([Note: pinning in huge pages])."""
+    if not pin:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    chunk = _huge_pages(nbytes)
+    _register(chunk)
+    return chunk
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def _huge_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` of a private anonymous mapping of its own, starting on a huge
+    page and advised into huge pages (the mapping lives as long as a view of it)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:  # (not Linux)
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapped = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE_BYTES
+    try:
+        mapped.madvise(advice, skip, nbytes)
+    except OSError:  # (a kernel built without transparent huge pages: 4 KiB pages)
+        pass
+    return whole[skip : skip + nbytes]
 
 
 def _register(chunk: torch.Tensor, touch: bool = True) -> None:

@@ -38,6 +38,7 @@ import torch
 from ..codec.compress import decode
 from ..codec.kernels import decode_on_device
 from .helper_pages import HelperPages
+from .host import PinnedPool
 from .split_fetch import SplitFetch
 
 STAGING_SLOTS = 3  # copies of pieces in flight while earlier ones decode
@@ -99,6 +100,12 @@ class CpuTransport:
         """A device copy of `host` and an event after it."""
         return host.clone(), None
 
+    def give_host(self, host: torch.Tensor) -> None:
+        pass  # (a clone of its own: freed with it)
+
+    def release_host_pool(self) -> None:
+        pass
+
     def forget_brought(self, device_t: torch.Tensor) -> None:
         pass
 
@@ -152,6 +159,7 @@ class CudaTransport:
         # fp8 conversion in the decoder needs sm_89 (else the reference decoder runs).
         self.fp8_kernels = torch.cuda.get_device_capability(device) >= (8, 9)
         self.staging_slot_bytes = 0
+        self._host_pool: PinnedPool | None = None  # activations' host copies ([Note: activations' host memory])
 
     def compute_stream(self):
         """The caller's current stream (compute). `torch.cuda.current_stream`
@@ -289,11 +297,12 @@ class CudaTransport:
             return start, self._record(self.d2h_stream, timing=True)
 
     def send_to_host(self, t: torch.Tensor, host: torch.Tensor | None = None):
-        """Copy activation `t` to pinned host memory (`host`, or new) on the
-        d2h stream; the host tensor and an event after the copy."""
+        """Copy activation `t` to pinned host memory (`host`, or one lent by
+        the pool until `give_host`) on the d2h stream; the host tensor and
+        an event after the copy."""
         if host is None:
-            # (its strides: a transposed view's copy is one run of bytes; torch's caching host allocator)
-            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+            # (its strides: a transposed view's copy is one run of bytes)
+            host = self._pool().take(t.shape, t.stride(), t.dtype)
         # `t` is final only once compute has written it.
         self.d2h_stream.wait_event(self._record(self.compute_stream()))
         with self.on(self.d2h_stream):
@@ -315,6 +324,28 @@ class CudaTransport:
             device_t.copy_(host, non_blocking=True)
             # Used, compute waits for this event first; dropped unused: `forget_brought`.
             return device_t, self._record(self.h2d_stream)
+
+    def give_host(self, host: torch.Tensor) -> None:
+        """`host` (lent by `send_to_host`) is no longer used: its memory goes
+        back to the pool."""
+        if self._host_pool is not None:
+            self._host_pool.give(host)
+
+    def release_host_pool(self) -> None:
+        """Unpin the pool's memory (no model on the engine now)."""
+        if self._host_pool is not None:
+            self._host_pool.close()
+            self._host_pool = None
+
+    def _pool(self) -> PinnedPool:
+        if self._host_pool is None:
+            self._host_pool = PinnedPool(self._before_pool_reuse)
+        return self._host_pool
+
+    def _before_pool_reuse(self) -> None:
+        # Copies in (`bring_to_device`, on the h2d stream) may still be reading
+        # the pieces the chunk lent before: copies out into it come after them.
+        self.d2h_stream.wait_event(self._record(self.h2d_stream))
 
     def forget_brought(self, device_t: torch.Tensor) -> None:
         """`device_t` (from `bring_to_device`) is dropped unused: its memory

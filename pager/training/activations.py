@@ -479,12 +479,13 @@ class Sent:
         return self.offload.bring(self)
 
     def __del__(self):
+        transport = self.offload.transport
         if self.device is not None:  # brought, never asked for (the graph went): may still be landing
-            transport = self.offload.transport
             (transport.forget_sent if self.reused else transport.forget_brought)(self.device)
             self.offload.ledger.sub(_nbytes(self.device))
         elif self.handed is not None:
             self.offload.ledger.sub(_nbytes(self.handed))
+        transport.give_host(self.host)  # (no view of it is left: the copy in was made)
 
 
 class _Outgoing:
