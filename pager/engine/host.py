@@ -288,13 +288,14 @@ def _huge_pages(nbytes: int) -> torch.Tensor:
     if advice is None:  # (not Linux)
         return torch.empty(nbytes, dtype=torch.uint8)
     mapped = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapped, dtype=torch.uint8)
-    skip = -whole.data_ptr() % HUGE_PAGE_BYTES
+    skip = -torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
     try:
         mapped.madvise(advice, skip, nbytes)
     except OSError:  # (a kernel built without transparent huge pages: 4 KiB pages)
         pass
-    return whole[skip : skip + nbytes]
+    # Its storage starts where the pages do (not at the mapping's start): what
+    # `is_pinned()` asks CUDA about is the storage's first byte, registered.
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=skip)
 
 
 def _register(chunk: torch.Tensor, touch: bool = True) -> None:
