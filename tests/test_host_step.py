@@ -472,3 +472,56 @@ def test_under_a_clip_the_host_takes_the_blocks_it_finishes_in_time():
     assert [b.index for b in host] == [3, 4, 6, 7]
     steps.seconds_per_byte = 0.001 / 100  # a fast host takes all but the first two
     assert [b.index for b in steps._by_deadline(blocks, forward=0.080)] == [2, 3, 4, 5, 6, 7]
+
+
+def _steps_of(n):
+    from types import SimpleNamespace
+
+    from pager.training.host_step import HostSteps
+
+    blocks = [SimpleNamespace(index=i, segments={"weights": SimpleNamespace(nbytes=100)}) for i in range(n)]
+    return HostSteps(SimpleNamespace(blocks=blocks), "auto"), blocks
+
+
+def test_under_a_clip_a_late_block_goes_to_the_host_where_its_wait_costs_less_than_the_device():
+    """The schedule weighs what an update given to the device adds to the
+    forward (`device_update_seconds`): a block the host finishes late
+    updates there where its wait is shorter, and every later block is
+    reached later by what the forward waited or carried so far."""
+    steps, blocks = _steps_of(8)
+    steps.seconds_per_byte = 0.015 / 100  # 15 ms a block on the host; the forward 10.625 ms a block
+    steps.device_update_seconds = 0.010
+    # Block 0 would wait 25.6 ms: to the device (10 ms). From then on each waits 4.4 ms: the host.
+    assert [b.index for b in steps._by_deadline(blocks, forward=0.085)] == [1, 2, 3, 4, 5, 6, 7]
+    steps.device_update_seconds = 0.003
+    # Blocks 0 and 1 (25.6, 12 ms late) and 4 (4.4 ms) cost more on the host than 3 ms on the device.
+    assert [b.index for b in steps._by_deadline(blocks, forward=0.085)] == [2, 3, 5, 6, 7]
+
+
+def test_the_forwards_own_length_is_taken_only_where_nothing_else_is_in_it():
+    """[Note: a clip holds the host's updates back]: a forward that waited
+    for the host can only raise the forward's own length, one that carried
+    updates given to the device only lower it (and measure what one adds);
+    the choices that follow them stay put (they took turns before: all to
+    the host, then ten to the device, then all to the host)."""
+    steps, blocks = _steps_of(18)
+    steps.seconds_per_byte = 0.050 / 100
+    steps._measure_pace(0.228, 0.0)  # nothing in it
+    assert steps._forward_seconds == 0.228
+    first = [b.index for b in steps._by_deadline(blocks, steps._forward_seconds)]
+    steps._gave_device = 0
+    steps._measure_pace(0.301, 0.160)  # every block to the host: it waited (0.141 s without the waits)
+    assert steps._forward_seconds == 0.228
+    steps._gave_device = 10
+    steps._measure_pace(0.409, 0.0)  # it carried ten updates given to the device
+    assert steps._forward_seconds == 0.228 and steps.device_update_seconds == pytest.approx(0.0181)
+    steps._measure_pace(0.5, 0.1)  # both: says nothing
+    assert steps._forward_seconds == 0.228 and steps.device_update_seconds == pytest.approx(0.0181)
+    steps.device_update_seconds = None
+    assert [b.index for b in steps._by_deadline(blocks, steps._forward_seconds)] == first
+    steps._gave_device = 0
+    steps._measure_pace(0.4, 0.0)  # a longer forward with nothing in it (a longer batch): taken
+    assert steps._forward_seconds == 0.4
+    steps._gave_device = 3
+    steps._measure_pace(0.3, 0.0)  # carried updates, and shorter still: at most this
+    assert steps._forward_seconds == 0.3 and steps.device_update_seconds == 0.0

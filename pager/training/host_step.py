@@ -93,10 +93,25 @@ not a count: in forward order, a block updates on the host if the host,
 starting at the step and taking each block's measured time
 (`seconds_per_byte` of its weights, a running mean of the updates' own
 seconds), finishes it a block's time before the forward reaches it (the
-last forward's length, less what it waited for the host, over the blocks);
-else on the device, where its update rides on its fetch. The first blocks
-go to the device, the rest to the host. Until both times are measured the
-count below decides.
+forward's own length over the blocks); else on the device, where its
+update rides on its fetch. The first blocks go to the device, the rest to
+the host. Until both times are measured the count below decides.
+
+The forward's own length is measured only where nothing else is in it:
+a forward that waited for the host (its length less its waits: the device
+may have run on while the host waited, so that is its own length at
+least) or that carried updates given to the device (its copies: at most)
+only bounds it. Taken as it is, either would move the next choice the way
+that undoes it: one step gives every block to the host, the next forward
+waits, its length less the waits is short, the next step gives ten
+blocks to the device, the forward after carries their state and is long,
+and every block goes to the host again (a 1B decoder at 40%, H200 at
+613b5a3: steps of 0.68 and 0.82 s in turn). A forward that carried
+updates and did not wait also measures what one of them adds
+(`device_update_seconds`, a running mean), and the schedule weighs it:
+a block the host would finish late goes to the host anyway where its
+wait is shorter than that (the forward reaches every later block later by
+what it waited or carried so far).
 
 A block given to the device is on trial for one forward: its state now
 crosses the link both ways, and where the link was already busy, or the
@@ -251,7 +266,11 @@ class HostSteps:
         self._forward_open = False
         self._forward_read = False  # the last forward's length was used by `choose`
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
-        self._forward_seconds = None  # the last training forward's length on the device, once read
+        # Under a clip: the forward's own length on the device (neither waiting for the host nor carrying updates
+        # given to the device), what one update given to the device adds to it, and how many the last step gave.
+        self._forward_seconds: float | None = None
+        self.device_update_seconds: float | None = None
+        self._gave_device = 0
         self.seconds_per_byte = None  # the host's update time per byte of a block's weights, measured
         self.state_room = StateRoom(pager)  # ([Note: the state off the device] in training/state_room.py)
 
@@ -337,22 +356,50 @@ class HostSteps:
         if forward is not None:  # (once a forward: a step of several optimizers asks for each)
             self._forward_read = True
             waited, self._waited_then = self.waited_seconds - self._waited_then, self.waited_seconds
-            self._forward_seconds = max(forward - waited, 0.0)  # (the forward's own pace, not its waits for the host)
+            self._measure_pace(forward, waited)
+            self._gave_device = 0
             self._place(forward, waited, len(blocks))
         if self._forward_seconds is not None and self.seconds_per_byte is not None and scaled_at_step(blocks):
-            return self._by_deadline(blocks, self._forward_seconds)
-        return blocks[: len(blocks) - min(self.on_device, len(blocks))]
+            host = self._by_deadline(blocks, self._forward_seconds)
+        else:
+            host = blocks[: len(blocks) - min(self.on_device, len(blocks))]
+        self._gave_device += len(blocks) - len(host)
+        return host
+
+    def _measure_pace(self, forward: float, waited: float) -> None:
+        """The forward's own length and what an update given to the device
+        adds to it, from a forward of `forward` seconds that waited `waited`
+        for the host ([Note: a clip holds the host's updates back])."""
+        own = max(forward - waited, 0.0)
+        known, carried = self._forward_seconds, self._gave_device
+        waited_little = waited <= WAIT_SHARE * forward
+        if known is None or (not carried and waited_little):
+            self._forward_seconds = own
+        elif not carried:  # it waited for the host: the device went on meanwhile, so its own length is at least this
+            self._forward_seconds = max(known, own)
+        elif waited_little:  # it carried updates given to the device: its own length is at most this
+            self._forward_seconds = min(known, forward)
+            added = (forward - self._forward_seconds) / carried
+            before = self.device_update_seconds
+            self.device_update_seconds = added if before is None else 0.75 * before + 0.25 * added
 
     def _by_deadline(self, blocks: list, forward: float) -> list:
-        """Under a clip, the blocks the host can update before the next
-        forward needs them ([Note: a clip holds the host's updates back])."""
+        """Under a clip, the blocks the host updates before the next forward
+        needs them, or late by less than an update given to the device
+        would make the forward ([Note: a clip holds the host's updates back])."""
         per_block = forward / max(len(self.pager.blocks), 1)
-        host, free = [], 0.0
+        device = self.device_update_seconds
+        host, free, late = [], 0.0, 0.0
         for block in blocks:
             took = self.seconds_per_byte * block.segments["weights"].nbytes
-            if free + took <= (block.index - 1) * per_block:  # (a block's time ahead left for its fetch)
+            due = (block.index - 1) * per_block + late  # (a block's time ahead left for its fetch)
+            wait = max(free + took - due, 0.0)
+            if wait == 0.0 or (device is not None and wait < device):
                 host.append(block)
                 free += took
+                late += wait
+            else:
+                late += device or 0.0
         return host
 
     def _place(self, forward: float, waited: float, n: int) -> None:
