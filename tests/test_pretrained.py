@@ -27,8 +27,14 @@ def _gpt2():  # tied embeddings, Conv1D
     return transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64)
 
 
+def _gemma(cls):  # a scaled embedding whose `embed_scale` buffer no checkpoint holds, in a module with no config
+    return lambda: cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
 CONFIGS = {"llama": _llama, "mistral": _mistral, "gpt2": _gpt2,
-           "llama-tied": lambda: _llama(tie_word_embeddings=True)}
+           "llama-tied": lambda: _llama(tie_word_embeddings=True),
+           "gemma": _gemma(transformers.GemmaConfig), "gemma2": _gemma(transformers.Gemma2Config)}
 
 
 def _saved(tmp_path, kind: str, shard: str | None = "40KB", safe: bool = True):

@@ -10,7 +10,13 @@ rotary embedding's `inv_freq` and `original_inv_freq`). They are made again
 by building the module that owns them once more, on the CPU, from the
 configuration it keeps (`module.config`, as Hugging Face modules do), and
 taking that copy's buffers of the same names, shapes and dtypes. A module
-that cannot be built again that way is named in the error, with what to do.
+that keeps no config (Gemma's scaled embedding, whose `embed_scale` is the
+square root of the hidden size) gets them from the transformers model's own
+`_init_weights`, which transformers runs on what a checkpoint does not hold
+after its own load: it runs on that module alone, its parameters still on
+meta (their initialisation does nothing there), its buffers given memory
+filled with NaN, taken only where every value was written. A module that
+cannot be made again either way is named in the error, with what to do.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ def recreate_meta_buffers(model: nn.Module) -> list:
     made, refused = [], []
     for prefix, module in owners:
         fresh, why = _build_again(module, dtype)
+        initialised = _initialised(model, module) if fresh is None else {}
         for name, buf in module._buffers.items():
             if buf is None or not buf.is_meta or name not in module._non_persistent_buffers_set:
                 continue
-            value = getattr(fresh, "_buffers", {}).get(name) if fresh is not None else None
+            value = getattr(fresh, "_buffers", {}).get(name) if fresh is not None else initialised.get(name)
             full = f"{prefix}.{name}" if prefix else name
             if value is None or value.is_meta or value.shape != buf.shape or value.dtype != buf.dtype:
                 refused.append(f"{full} ({type(module).__name__}: {why or 'its copy has no such buffer'})")
@@ -83,3 +90,29 @@ def _build_again(module: nn.Module, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(before)
     return None, f"building it again from its config failed ({errors[0]})"
+
+
+def _initialised(model: nn.Module, module: nn.Module) -> dict:
+    """`module`'s meta non-persistent floating buffers as the transformers
+    `model`'s own `_init_weights(module)` sets them (see the Note): name ->
+    value, for those it wrote whole."""
+    init = getattr(model, "_init_weights", None)
+    names = [
+        n
+        for n, b in module._buffers.items()
+        if b is not None and b.is_meta and n in module._non_persistent_buffers_set and b.is_floating_point()
+    ]
+    if init is None or not names:
+        return {}
+    metas = {n: module._buffers[n] for n in names}
+    for n, meta in metas.items():
+        module._buffers[n] = torch.full(meta.shape, float("nan"), dtype=meta.dtype)
+    try:
+        with torch.no_grad():
+            init(module)
+        values = {n: module._buffers[n] for n in names}
+    except Exception:  # (an initialisation that cannot run on meta parameters: not made this way)
+        values = {}
+    finally:
+        module._buffers.update(metas)
+    return {n: v for n, v in values.items() if v is not None and not v.is_meta and not torch.isnan(v).any()}

@@ -17,6 +17,7 @@ from ..engine.engine import Engine
 from ..model import discover
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed
+from . import conversion
 from .buffers import recreate_meta_buffers, undo_buffers
 from .fit import default_blocks
 
@@ -101,7 +102,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
         def setup(pager):  # (before its blocks are built)
             pager.sources = {id(t): piece for t, piece in sources}
             if capacity is None:
-                pager.arena.check_room(sum(p.nbytes for _t, p in sources), "the model's pages")
+                pager.arena.check_room(sum(p.nbytes for _t, parts in sources for p in parts), "the model's pages")
             pager.engine.host.disks[pager] = DiskTier(pager, capacity, spill, pin=pager.engine.host.pin)
 
         model = _wrap(model, budget, setup=setup, **options)
@@ -136,11 +137,7 @@ def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> 
             w = module.weight
             if not w.is_meta:
                 continue
-            piece = piece_of[id(w)]
-            entry = Entry(
-                piece.name, w.dtype, tuple(w.shape), piece.path, piece.file_offset, piece.nbytes, piece.tensor
-            )
-            value = nn.Parameter(read_entry(entry), requires_grad=w.requires_grad)
+            value = nn.Parameter(_read(piece_of[id(w)], w), requires_grad=w.requires_grad)
             torch.utils.swap_tensors(w, value)
             read.append((w, value))  # (value now holds the meta tensor)
     except BaseException:
@@ -148,6 +145,15 @@ def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> 
             torch.utils.swap_tensors(w, meta)
         raise
     return read
+
+
+def _read(pieces: list[Piece], like: torch.Tensor) -> torch.Tensor:
+    """The value the checkpoint's `pieces` (in order) give a tensor shaped like `like`, read into host memory."""
+    parts = [
+        read_entry(Entry(p.name, torch.uint8, (p.nbytes,), p.path, p.file_offset, p.nbytes, p.tensor)) for p in pieces
+    ]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return flat.view(like.dtype).reshape(like.shape)
 
 
 def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: list, options: dict) -> nn.Module:
@@ -160,10 +166,10 @@ def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: l
 
     mapped, maps = [], {}
     try:
-        for t, piece in sources:
+        for t, pieces in sources:
             if not t.is_meta:
                 continue
-            value = piece.tensor if piece.tensor is not None else _mapped(piece, t, maps)
+            value = _mapped(pieces, t, maps)
             value = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
             torch.utils.swap_tensors(t, value)
             mapped.append((t, value))  # (value now holds the meta tensor)
@@ -176,8 +182,18 @@ def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: l
         raise
 
 
-def _mapped(piece: Piece, like: torch.Tensor, maps: dict) -> torch.Tensor:
-    """The bytes of `piece` in its file as a tensor shaped like `like`, mapped read-only."""
+def _mapped(pieces: list[Piece], like: torch.Tensor, maps: dict) -> torch.Tensor:
+    """The bytes of `pieces` as a tensor shaped like `like`: mapped read-only
+    from its file where it is one range of one (else joined in host memory)."""
+    if len(pieces) > 1:
+        return (
+            torch.cat([_mapped([p], torch.empty(p.nbytes, dtype=torch.uint8), maps) for p in pieces])
+            .view(like.dtype)
+            .reshape(like.shape)
+        )
+    piece = pieces[0]
+    if piece.tensor is not None:
+        return piece.tensor.view(like.dtype).reshape(like.shape) if piece.tensor.dtype != like.dtype else piece.tensor
     import mmap
     import warnings
 
@@ -238,31 +254,36 @@ def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tensor, Piece]]:
-    """Each tensor of `model` and where its bytes are; every mismatch raised at once."""
+def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tensor, list[Piece]]]:
+    """Each tensor of `model` and where its bytes are (the pieces of its page,
+    in order: more than one where transformers' conversion fuses several
+    checkpoint tensors into it, [Note: checkpoint conversions as byte ranges]
+    in api/conversion.py); every mismatch raised at once."""
     groups: dict[int, list] = {}
     tensors: dict[int, torch.Tensor] = {}
-    for name, t in state_tensors(model):
+    named = state_tensors(model)
+    for name, t in named:
         groups.setdefault(id(t), []).append(name)
         tensors[id(t)] = t
+    entries, made = conversion.convert(model, entries, dict(named))
     missing, wrong, out = [], [], []
     for key, names in groups.items():
         t = tensors[key]
-        found = [n for n in names if n in entries]
+        found = [n for n in names if n in entries or n in made]
         if not found:
             if t.is_meta:
                 missing.append(" = ".join(names))
             continue
-        e = entries[found[0]]
+        e = made.get(found[0]) or entries[found[0]]
         if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape):
             wrong.append(
                 f"{found[0]!r}: checkpoint {NAMES.get(e.dtype, e.dtype)} {list(e.shape)}, "
                 f"model {NAMES.get(t.dtype, t.dtype)} {list(t.shape)}"
             )
             continue
-        out.append((t, _piece(e)))
+        out.append((t, e.pieces if isinstance(e, conversion.Converted) else [_piece(e)]))
     known = {n for names in groups.values() for n in names}
-    extra = [n for n in entries if n not in known]
+    extra = [n for n in [*entries, *made] if n not in known]
     problems = []
     for what, items in (
         ("missing from the checkpoint", missing),
@@ -280,7 +301,8 @@ def _match(model: nn.Module, entries: dict[str, Entry]) -> list[tuple[torch.Tens
         )
     for t in list(model.parameters()) + list(model.buffers()):  # values that stay as they are
         if not t.is_meta and id(t) not in {id(s) for s, _p in out}:
-            out.append((t, Piece(0, t.numel() * t.element_size(), tensor=t.detach().clone(), name=_name_of(model, t))))
+            nbytes = t.numel() * t.element_size()
+            out.append((t, [Piece(0, nbytes, tensor=t.detach().clone(), name=_name_of(model, t))]))
     return out
 
 

@@ -202,16 +202,21 @@ class Engine:
         tensors' current values go into the page (encoded by `codec`, if it
         makes the page smaller: [Note: compressed pages] in codec/compress.py) and
         the tensors become views of the device storage ([Note: identity by
-        storage resize] in base/block.py); with `pieces` (one `engine.disk.Piece` per
-        tensor: a checkpoint's bytes), so do they, and the disk tier reads
+        storage resize] in base/block.py); with `pieces` (a list of
+        `engine.disk.Piece` per tensor, in order: a checkpoint's bytes), so do they, and the disk tier reads
         the page when it is first needed; without either, the segment's own
         tensors are new views of it (gradients, optimizer state), its page
         holding nothing yet. `keep_plain`: names of tensors `codec` leaves as they
         are (the inner tensors of quantized weights)."""
         if pieces is not None:
-            slots, nbytes = layout_for_files(named, [p.lead for p in pieces])
-            for slot, piece in zip(slots, pieces):
-                piece.page_offset, piece.padded = slot.offset, piece.lead is not None
+            # (a tensor of several pieces, [Note: checkpoint conversions as byte ranges], is read without alignment)
+            slots, nbytes = layout_for_files(named, [parts[0].lead if len(parts) == 1 else None for parts in pieces])
+            for slot, parts in zip(slots, pieces):
+                at = slot.offset
+                for piece in parts:
+                    piece.page_offset, piece.padded = at, len(parts) == 1 and piece.lead is not None
+                    at += piece.nbytes
+            pieces = [piece for parts in pieces for piece in parts]
             host, encoded = None, None
         else:
             slots, nbytes = layout(named)

@@ -122,7 +122,7 @@ class Pager:
         self._closed = False
         self.named_blocks = named_blocks  # (qualified name, module) of each block, in model order: for `build`
         self.sources: dict | None = (
-            None  # id(tensor) -> `engine.disk.Piece` of its bytes, for a model `load`ed from files
+            None  # id(tensor) -> the `engine.disk.Piece`s of its bytes, in order, for a model `load`ed from files
         )
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
