@@ -104,7 +104,7 @@ def _initialised(model: nn.Module, module: nn.Module) -> dict:
     ]
     if init is None or not names:
         return {}
-    metas = {n: module._buffers[n] for n in names}
+    metas = {n: b for n, b in module._buffers.items() if n in names and b is not None}
     for n, meta in metas.items():
         module._buffers[n] = torch.full(meta.shape, float("nan"), dtype=meta.dtype)
     try:

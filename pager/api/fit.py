@@ -127,7 +127,8 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
         f"raise the budget to {format_bytes(sizing.min_budget)} or more (with room for two of the largest "
         f"block, {format_bytes(remainder + 2 * largest)}, the next block comes while one computes)"
     ]
-    tables, others = [], []
+    tables: list[str] = []
+    others: list[str] = []
     for name, module, _b in _remainder_modules(model, sizing):
         (tables if row_table_problem(model, module) is None else others).append(name)
     tables += [name for name, m in sizing.named if row_table_problem(model, m) is None]  # (tables paged as blocks)

@@ -5,6 +5,7 @@ block by block, crash-safe)."""
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -134,7 +135,7 @@ def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> 
     read = []
     try:
         for _name, module in tables:
-            w = module.weight
+            w = cast(torch.Tensor, module.weight)
             if not w.is_meta:
                 continue
             value = nn.Parameter(_read(piece_of[id(w)], w), requires_grad=w.requires_grad)
@@ -164,7 +165,8 @@ def _load_encoded(model: nn.Module, budget, sources: list, tables: list, made: l
     dropped as the tensors become views of device storage."""
     from .wrap import _wrap
 
-    mapped, maps = [], {}
+    mapped: list = []
+    maps: dict = {}
     try:
         for t, pieces in sources:
             if not t.is_meta:
@@ -197,14 +199,15 @@ def _mapped(pieces: list[Piece], like: torch.Tensor, maps: dict) -> torch.Tensor
     import mmap
     import warnings
 
-    if piece.path not in maps:
-        with open(piece.path, "rb") as f:
-            maps[piece.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    path = cast(str, piece.path)  # (a piece without a tensor is a range of a file)
+    if path not in maps:
+        with open(path, "rb") as f:
+            maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if not piece.nbytes:
         return torch.empty(like.shape, dtype=like.dtype)
     with warnings.catch_warnings():  # (torch warns that the buffer is not writable: nothing writes it)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(maps[piece.path], dtype=torch.uint8, count=piece.nbytes, offset=piece.file_offset)
+        flat = torch.frombuffer(maps[path], dtype=torch.uint8, count=piece.nbytes, offset=piece.file_offset)
     return flat.view(like.dtype).reshape(like.shape)
 
 
@@ -410,4 +413,5 @@ def _refuse_quantized(model: nn.Module, what: str, fix: str) -> None:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     # A copy: numpy() of the (CPU) device's own memory would pin its storage for good.
     t = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    # (numpy's stubs give ndarray a __buffer__ only from Python 3.12)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # type: ignore[arg-type]

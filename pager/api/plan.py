@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -125,7 +127,8 @@ class Plan:
 
     @property
     def forward_floor_seconds(self) -> float:
-        over_peers = self.forward_helper_bytes / (self.peer_gbps * 1e9) if self.forward_helper_bytes else 0.0
+        peers = self.peer_gbps
+        over_peers = self.forward_helper_bytes / (peers * 1e9) if self.forward_helper_bytes and peers else 0.0
         return self.forward_bytes / (self.link_gbps * 1e9) + over_peers
 
     @property
@@ -311,7 +314,7 @@ def plan(
             spec = [*(spec or ()), *(m for _n, m in by_rows)]
     sizing = discover.adapters_resident(discover.size_up(model, spec), budget_bytes)[0]
     min_budget = sizing.min_budget
-    parts = set()
+    parts: set = set()
     check_codec(compress)
     if blocks is None:
         least_part = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
@@ -464,7 +467,7 @@ def plan(
     return out
 
 
-def _on_helpers(names: list, own: list, kept: list, room_bytes: int) -> list:
+def _on_helpers(names: list, own: list, kept: Collection, room_bytes: int) -> list:
     """The streamed blocks the helpers keep: in the forward's order (the
     order they are fetched a second time in), those that split, while the
     helpers have room ([Note: pages kept on helpers])."""
@@ -497,7 +500,7 @@ def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, c
     training/dry_run.py). `blocks_bytes`: every block with its gradients and
     state; `least`: the least room for blocks that runs; `copies`: copies
     out run behind compute (CUDA) and hold device memory until done."""
-    kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": copies}
+    kw: dict[str, Any] = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": copies}
     acts = {"keep": sb.total, "offload": sb.peak(OFFLOAD, **kw), "recompute": sb.peak(RECOMPUTE, **kw)}
     chosen = choose(sb, "auto", budget - blocks_bytes, budget - least, **kw)
     acts["auto"] = chosen[2] if chosen is not None else least_held(sb, **kw)
@@ -533,7 +536,7 @@ def _activation_notes(peaks: dict, budget: int, least: int, outside: int = 0) ->
     return notes
 
 
-def _kept(names, sizes, budget, fixed, order: str = "early") -> set:
+def _kept(names, sizes, budget, fixed, order: str = "early") -> frozenset:
     """The blocks the scheduler keeps resident for a cyclic order (the same
     rule, and the same `order` as the run: [Note: kept blocks spread out])."""
     scheduler = Scheduler()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -446,7 +447,7 @@ def of(model: nn.Module) -> Pager:
         raise ValueError(
             f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first."
         )
-    return pager
+    return cast(Pager, pager)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -273,7 +273,7 @@ class Block:
         self.param_names: list = []
         self.trainable = False  # any of its parameters requires grad
         self.quantized = False  # it has quantized (wrapper-subclass) weights ([Note: wrapper-subclass weights])
-        self.stats = None
+        self.stats: Any = None  # its `observe.stats.BlockStats` (made by model/build.py)
         self.unpinned_calls = 0  # forward calls whose acquire failed
         self.compute_start = None  # when its current use began (trace)
         self.uses = 0  # uses since wrap (not reset by Pager.reset)
@@ -281,7 +281,7 @@ class Block:
         self.comm_event = None  # its gradients' all-reduce in flight (training.distributed.Reducer)
         self.release_versions = None  # its tensors' versions then
         self.guards: list = []  # (inner module, pre-hook, post-hook) for direct calls
-        self.guard_handles = None  # installed while the block is paged out
+        self.guard_handles: list | None = None  # installed while the block is paged out
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
         self.under_compile = (
             False  # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])

@@ -246,8 +246,8 @@ def _encode_run(codec, there, run: list) -> list:
 def _exp4(words: torch.Tensor, dst: int, counts: torch.Tensor) -> list:
     """Pieces of exp4 words; `counts`: how often each exponent occurs in them."""
     exponent = _exponents(words)
-    counts = counts.tolist()
-    top = sorted(range(256), key=lambda e: (-counts[e], e))[:15]
+    often = counts.tolist()
+    top = sorted(range(256), key=lambda e: (-often[e], e))[:15]
     code_of = torch.full((256,), 15, dtype=torch.uint8, device=words.device)
     code_of[torch.tensor(top, device=words.device)] = torch.arange(15, dtype=torch.uint8, device=words.device)
     table = torch.tensor(top + [0], dtype=torch.uint8)

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import weakref
+from types import FrameType
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -82,7 +83,8 @@ def _advise(pager) -> None:
 def _calls_of(module) -> int:
     """How many calls of `module` are on this thread's Python stack (each
     enters `Module._wrapped_call_impl`, `__call__`)."""
-    calls, frame = 0, sys._getframe(1)
+    calls = 0
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_wrapped_call_impl" and frame.f_locals.get("self") is module:
             calls += 1
@@ -142,15 +144,15 @@ class Hooks:
     def _install_block_hooks(self, block: Block) -> None:
         # Ours first among pre-hooks (a user's hook on the block may read its
         # weights: they must be here) and last among post-hooks.
+        module = block.module
+        assert module is not None  # (the remainder, which has none, is never hooked)
         block.hook_handles = [
-            block.module.register_forward_pre_hook(
-                model_hook(self._make_pre_forward(block)), with_kwargs=True, prepend=True
-            ),
-            block.module.register_forward_hook(model_hook(self._make_post_forward(block)), always_call=True),
+            module.register_forward_pre_hook(model_hook(self._make_pre_forward(block)), with_kwargs=True, prepend=True),
+            module.register_forward_hook(model_hook(self._make_post_forward(block)), always_call=True),
         ]
         if self.pager.activations is not None:  # (what reads the mark: training/activations.py)
             mark = model_hook(_compile_mark(block), traced=True)
-            block.hook_handles.append(block.module.register_forward_pre_hook(mark, prepend=True))
+            block.hook_handles.append(module.register_forward_pre_hook(mark, prepend=True))
 
     # [Note: asleep]
     # When a forward starts and every page of every block is on the device

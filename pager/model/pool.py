@@ -68,7 +68,7 @@ class Pool:
         budget_bytes = parse_budget(budget, device)
         helpers = resolve_helpers(split_fetch, device, pin)
         helpers = list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
-        self.engine = Engine(device, budget_bytes, pin=pin, wait_seconds=float(wait_seconds), helpers=helpers)
+        self.engine: Engine = Engine(device, budget_bytes, pin=pin, wait_seconds=float(wait_seconds), helpers=helpers)
         self.engine.pool = self
 
     def __repr__(self) -> str:
@@ -130,7 +130,8 @@ class Pool:
             for o in e.owners:
                 o.reset()
             e.peak_resident_bytes = e.resident_bytes
-            e.waits, e.waited_seconds, e.timeouts = 0, 0.0, 0
+            w = e.waiters
+            w.waits, w.waited_seconds, w.timeouts = 0, 0.0, 0
 
     def set_budget(self, budget) -> None:
         """Change the pool's budget; blocks leave until the new one holds.

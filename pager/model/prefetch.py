@@ -36,7 +36,7 @@ def prefetch(pager) -> None:
     fetched = 0
     for distance in range(PREFETCH_WINDOW):
         # (alone, by index into the plan: no iterator made at every use)
-        use = peek(distance) if alone else next(uses, None)
+        use = peek(distance) if uses is None else next(uses, None)
         if use is None:
             return
         block, kinds = use
