@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 import torch.nn as nn
@@ -447,7 +446,7 @@ def of(model: nn.Module) -> Pager:
         raise ValueError(
             f"pager: this {type(model).__name__} is not wrapped; call pager.wrap(model, budget=...) first."
         )
-    return cast(Pager, pager)
+    return pager
 
 
 def unwrap(model: nn.Module) -> nn.Module:

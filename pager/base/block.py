@@ -190,6 +190,7 @@ class Segment:
     pending: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)  # slot -> (2-norm, inf-norm)
     summary_event: object = None  # on the d2h stream: the summaries are computed
+    keys: list = field(default_factory=list)  # state segments only: (parameter, state key) of each tensor
     dropped: bool = False  # left empty, its gradients set to None (training/grad_pages.py)
     # Under a disk tier ([Note: the disk tier] in engine/disk.py): the tier caching
     # its page, where its bytes are on disk (`Piece`s; None: nowhere yet),

@@ -27,7 +27,7 @@ STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
 ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads' uses, then fails
 SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
 
-_PAGERS: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+_PAGERS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # model -> its Pager
 
 
 WORKER_PREFIX = "pager-"  # the name of every thread pager starts (they never touch a model's tensors)

@@ -259,8 +259,10 @@ class Activations:
             self._planned_dims = _widest(shapes, self._planned_dims)
         elif (self.least_bytes(), self.budget_bytes()) == self._planned_for:
             return
+        planned = self.planned
+        assert planned is not None  # (measured whenever `_planned_dims` is set)
         try:
-            self._decide(self.planned, self._planned_blocks)
+            self._decide(planned, self._planned_blocks)
         except BudgetError:
             self._planned_dims = []  # (a smaller batch is measured again)
             raise
@@ -325,7 +327,7 @@ class Activations:
             f'activations="{holds[0]}", which holds this budget'
             if holds
             else f'a budget of at least {format_bytes(out + least + min(held.values()))} (activations="auto" or '
-            f'"{min(held, key=held.get)}"), or a smaller batch'
+            f'"{min(held, key=lambda p: held[p])}"), or a smaller batch'
         )
         unchanged = (
             "This step did not run: nothing was updated (its gradients are kept; step again once the budget holds)"

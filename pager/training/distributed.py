@@ -164,7 +164,7 @@ def broadcast_from_first(model: torch.nn.Module, group, device: torch.device, ti
     seen = set()
     with torch.no_grad():
         # (a quantized weight by its inner tensors: [Note: wrapper-subclass weights] in base/wrappers.py)
-        for name, t in wrappers.expand(chain(model.named_parameters(), model.named_buffers())):
+        for name, t in wrappers.expand([*model.named_parameters(), *model.named_buffers()]):
             if id(t) in seen or t.device.type == "meta":
                 continue
             seen.add(id(t))
@@ -273,7 +273,8 @@ class Reducer:
         self.timeout_seconds = timeout_seconds
         self.control_group = control_group(group, timeout_seconds)
         self.cuda = pager.transport.is_cuda
-        self.comm_stream = torch.cuda.Stream(pager.device) if self.cuda else None
+        # (CUDA only: a CPU run's collectives are waited for where they are issued)
+        self.comm_stream: torch.cuda.Stream | None = torch.cuda.Stream(pager.device) if self.cuda else None
         self.sync_next = True  # False inside no_sync(): the next forwards' backward does not reduce
         self.step_syncs = True  # what the last forward saw
         self.uses: dict = {}  # block -> forward uses with grad since the last backward
@@ -355,9 +356,15 @@ class Reducer:
             self.had_grad = {}
             if self.cuda:
                 # clip_grad_norm_ and opt.step() read the averaged gradients.
-                self.pager.transport.compute_waits(self.comm_stream.record_event())
+                self.pager.transport.compute_waits(self._comm.record_event())
                 for b in order:
                     b.comm_event = None
+
+    @property
+    def _comm(self) -> torch.cuda.Stream:
+        """The collectives' stream (a CUDA run's; a CPU run has none)."""
+        assert self.comm_stream is not None
+        return self.comm_stream
 
     def after_reduction(self, block, ready):
         """The event after which `block`'s memory may be read for its
@@ -367,8 +374,8 @@ class Reducer:
         # The write-back must copy the averaged gradients, not the ones the
         # all-reduce is still reading and overwriting.
         if ready is not None:
-            self.comm_stream.wait_event(ready)
-        return self.comm_stream.record_event()
+            self._comm.wait_event(ready)
+        return self._comm.record_event()
 
     # ------------------------------------------------------------ helpers
     def _reduce(self, block) -> None:
@@ -404,12 +411,12 @@ class Reducer:
             return
         with torch.profiler.record_function(f"pager::reduce[{block.name}]"):
             # The all-reduce reads what the backward and the scaling wrote.
-            self.comm_stream.wait_stream(self.pager.transport.compute_stream())
+            self._comm.wait_stream(self.pager.transport.compute_stream())
             with torch.cuda.stream(self.comm_stream):
                 works = [dist.all_reduce(span, group=self.group, async_op=True) for span in spans]
                 for work in works:
                     work.wait()  # the comm stream (not the host, with NCCL) waits for the collective
-            block.comm_event = self.comm_stream.record_event()
+            block.comm_event = self._comm.record_event()
 
     def _drop_unused(self, order) -> None:
         params = [p for b in order for p in b.segments["grads"].params]

@@ -145,6 +145,7 @@ class SavedBytes:
         held = sum(self.saved[i] for i in keeps)
         if policy == KEEP or not rest:
             return held + sum(self.saved[i] for i in rest) + self.outside
+        assert last is not None  # (the blocks in `rest` are of the order, which has a last one then)
         if policy == RECOMPUTE:  # at the forward's end; in the backward, one block's recomputed beside the rest
             inputs = sum(self.inputs[i] for i in rest)
             backward = held - self.saved[last] + inputs + self.outside + max(self.saved[i] for i in rest)
@@ -340,7 +341,7 @@ def _fake_state(model: torch.nn.Module, mode) -> dict:
     """A fake stand-in of each parameter and buffer of `model`, by name (a
     tied tensor: one for all its names); a paged-out one made from its shape
     alone (its storage is empty: nothing is read or fetched)."""
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     fakes: dict = {}
     by_id: dict = {}

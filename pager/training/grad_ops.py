@@ -53,7 +53,7 @@ class GradOps:
         ):
             return NotImplemented  # they would not all fit at once: served one block at a time
         with pager.lock:
-            if any(g.segment.params[g.index].grad is not g for g in grads):
+            if any(g.segment.params[g.position].grad is not g for g in grads):
                 # Stale, or back on the device since (its recorded operations
                 # were applied): the operation runs on the gradient itself.
                 return NotImplemented
@@ -88,7 +88,7 @@ class GradOps:
     def derived_norm(self, g: PagedOutGrad, ord: float):
         """The `ord`-norm of paged-out gradient `g` as it is now (its summary
         and the operations recorded since), or None if it cannot be exact."""
-        seg, i = g.segment, g.index
+        seg, i = g.segment, g.position
         summary = seg.summaries.get(i)
         if summary is None or ord not in (2.0, INF):
             return None

@@ -23,10 +23,13 @@ parameter, never a read of freed memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.autograd.graph import increment_version
 
 from ..base import guards
+from ..base.block import Block, Segment
 from ..base.common import outside_compile
 from ..base.guards import handle
 
@@ -52,12 +55,18 @@ def record(ops: list, op) -> None:
 class PagedOutGrad(torch.Tensor):
     """Stands for a gradient that lives in its block's host page."""
 
+    param_name: str  # its parameter's name, for errors
+    pager: Any  # the model's `Pager`
+    block: Block
+    segment: Segment  # its block's gradients segment
+    position: int  # its tensor's place in that segment
+
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, pager, block, segment, index: int):
+    def __new__(cls, like: torch.Tensor, name: str, pager, block, segment, position: int):
         t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
-        t.param_name, t.pager, t.block, t.segment, t.index = name, pager, block, segment, index
+        t.param_name, t.pager, t.block, t.segment, t.position = name, pager, block, segment, position
         return t
 
     __torch_function__ = classmethod(
@@ -66,17 +75,17 @@ class PagedOutGrad(torch.Tensor):
 
     def record(self, op) -> None:
         """Record zeroing or scaling of this gradient, replayed when it returns."""
-        record(self.segment.pending.setdefault(self.index, []), op)
+        record(self.segment.pending.setdefault(self.position, []), op)
 
     def current(self) -> torch.Tensor:
         """The gradient on the device (its block acquired)."""
         seg = self.segment
-        if not (seg.resident and seg.params[self.index].grad is seg.tensors[self.index]):
+        if not (seg.resident and seg.params[self.position].grad is seg.tensors[self.position]):
             raise RuntimeError(
                 f"pager: this gradient of {self.param_name!r} is stale: the parameter's gradient was set "
                 f"to None or replaced since it was read. Read `param.grad` again."
             )
-        return seg.tensors[self.index]
+        return seg.tensors[self.position]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

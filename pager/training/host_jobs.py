@@ -115,19 +115,20 @@ def host_job(link, block, shares: list, options: list, factors: dict, after: lis
     state_host = dict(zip([(id(p), key) for p, key in state.keys], state.host_views())) if state else {}
     fused = pager.host_steps.fused_on_host(optimizer)
     override = {"fused": True, "foreach": False} if fused else {}
-    groups, shadow_state, entries, rounded, stepped = [], collections.defaultdict(dict), [], {}, set()
+    shadow_state: collections.defaultdict = collections.defaultdict(dict)
+    groups, entries, rounded, stepped = [], [], {}, set()
     for g, share, opts in zip(optimizer.param_groups, shares, options):
         stand_ins = []
         for p in share:
             if not isinstance(p.grad, PagedOutGrad):
                 continue  # (its gradient is None: the update passes over it)
-            stepped.add(p.grad.index)
+            stepped.add(p.grad.position)
             stand_in = weights_host[id(p)]
             if pager.master_weights and masters.wants_master(p):
-                rounded[id(state_host[(id(p), masters.MASTER)])] = (grads_host[p.grad.index], stand_in)
+                rounded[id(state_host[(id(p), masters.MASTER)])] = (grads_host[p.grad.position], stand_in)
                 stand_in = state_host[(id(p), masters.MASTER)]  # (its first update, on the device, made it)
             else:
-                stand_in.grad = grads_host[p.grad.index]
+                stand_in.grad = grads_host[p.grad.position]
             own = masters.without_master(optimizer.state.get(p) or {})
             if own:
                 shadow_state[stand_in] = {k: state_host.get((id(p), k), v) for k, v in own.items()}

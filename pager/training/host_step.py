@@ -167,8 +167,8 @@ class HostWorker:
         self._thread: threading.Thread | None = None
         _WORKERS.add(self)
 
-    def submit(self, job: HostJob, after=()) -> Future:
-        future = Future()
+    def submit(self, job: HostJob | AfterCopy, after=()) -> Future:
+        future: Future = Future()
         with self._ready:
             self._queue.append((job, future, after))
             if self._thread is None:
@@ -257,12 +257,12 @@ class HostSteps:
         self._running: set = set()  # blocks whose `host_update` may still be running
         # Under "auto": how many of a step's blocks update on the device ([Note: how many update on the host]).
         self.on_device = 0
-        self._trial = None  # the forward's seconds before the last block given to the device (on trial)
+        self._trial: float | None = None  # the forward's seconds before the last block given to the device (on trial)
         self._ceiling, self._ceiling_until = 0, 0  # on_device stays at most this until that many choices
         self._choices = 0
         self.waited_seconds = 0.0  # fetches' waits for updates on the host, since wrap
         self._waited_then = 0.0
-        self._forward_events = None  # (start, end) CUDA events, reused
+        self._forward_events: tuple | None = None  # (start, end) CUDA events, reused
         self._forward_open = False
         self._forward_read = False  # the last forward's length was used by `choose`
         self._fused: dict = {}  # optimizer class -> its fused CPU kernel runs here
@@ -493,14 +493,16 @@ class HostSteps:
         self._forward_read = False
         if self.mode != "auto" or not self.pager.optimizers or not self.pager.transport.is_cuda:
             return
-        if self._forward_events is None:
-            self._forward_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._forward_events[0].record()
+        events = self._forward_events
+        if events is None:
+            events = self._forward_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
         self._forward_open = True
 
     def forward_ends(self) -> None:
-        if self._forward_open:
-            self._forward_events[1].record()
+        events = self._forward_events
+        if self._forward_open and events is not None:
+            events[1].record()
             self._forward_open = False
 
     def _read_forward(self) -> float | None:

@@ -196,7 +196,8 @@ def made_at_construction(optimizer, group: dict, p: torch.Tensor, own: dict) -> 
         )
     except (TypeError, ValueError, RuntimeError):
         return None
-    low_state, high_state = (next(iter(o.state.values()), {}) for o in (low, high))
+    low_state: dict = next(iter(low.state.values()), {})
+    high_state: dict = next(iter(high.state.values()), {})
     if set(low_state) != set(own) or set(high_state) != set(own):
         return None
     fresh = {}

@@ -146,14 +146,16 @@ class OptimizerLink:
                 g["params"] = [p for p in params if id(p) not in pager.row_params]  # (stepped above)
             return
         # Each block's share of each group, in the group's order (one pass).
-        shares = {id(b): [[] for _ in groups] for b in blocks}
+        shares: dict[int, list[list]] = {id(b): [[] for _ in groups] for b in blocks}
         mine = pager.owners.mine_param if pager.owners is not None else None  # (a kept block's: by parameter)
         for gi, params in enumerate(self._saved_params):
             for p in params:
                 owner = pager.param_blocks.get(id(p))
                 if owner is not None and id(owner) in shares and (mine is None or mine(p)):
                     shares[id(owner)][gi].append(p)
-        now, options, factors, after = [], None, {}, []
+        now, options = [], None
+        factors: dict = {}
+        after: list = []
         host = pager.host_steps.blocks_for(self, blocks)
         for block in blocks:
             if id(block) in host or self._can_defer(block):
@@ -219,7 +221,7 @@ class OptimizerLink:
         """Update the rows each row table's gradient touches ([Note: exact
         updates of touched rows] in rows/table.py)."""
         tables = self.pager.row_params
-        for gi, params in enumerate(self._saved_params):
+        for gi, params in enumerate(self._saved_params or ()):
             for p in params:
                 table = tables.get(id(p))
                 if table is not None and p.grad is not None:

@@ -109,7 +109,9 @@ def assign(blocks: list, params: list, world: int) -> tuple[dict, dict]:
     model order, then the parameters (of the kept blocks) from the largest,
     each to the rank with the fewest trainable bytes so far (ties: the
     lowest rank)."""
-    load, owner, param_owner = [0] * world, {}, {}
+    load = [0] * world
+    owner: dict = {}
+    param_owner: dict = {}
 
     def take(nbytes: int) -> int:
         rank = min(range(world), key=lambda r: (load[r], r))
@@ -388,7 +390,7 @@ class BlockOwners:
 
 def _param_index(optimizer) -> dict:
     """id(param) -> its index in `optimizer.state_dict()` (torch's packing)."""
-    index = {}
+    index: dict[int, int] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             index.setdefault(id(p), len(index))
