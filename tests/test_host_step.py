@@ -525,3 +525,18 @@ def test_the_forwards_own_length_is_taken_only_where_nothing_else_is_in_it():
     steps._gave_device = 3
     steps._measure_pace(0.3, 0.0)  # carried updates, and shorter still: at most this
     assert steps._forward_seconds == 0.3 and steps.device_update_seconds == 0.0
+
+
+def test_a_cold_first_forward_does_not_bound_the_forwards_own_length():
+    """The first forward measured may be slow (kernels chosen, memory
+    pinned): forwards that waited for the host then bound its own length
+    from below only, but no forward's own length exceeds the whole of it."""
+    steps, _blocks = _steps_of(18)
+    steps._measure_pace(2.0, 0.0)
+    for _ in range(3):
+        steps._gave_device = 1
+        steps._measure_pace(0.45, 0.15)  # carried one update given to the device, and waited
+        assert steps._forward_seconds == 0.45
+    steps._gave_device = 0
+    steps._measure_pace(0.40, 0.15)  # waited only: at least 0.25, at most 0.40
+    assert steps._forward_seconds == 0.40

@@ -102,8 +102,8 @@ def _initialised(model: nn.Module, module: nn.Module) -> dict:
         for n, b in module._buffers.items()
         if b is not None and b.is_meta and n in module._non_persistent_buffers_set and b.is_floating_point()
     ]
-    if init is None or not names:
-        return {}
+    if init is None or not names or any(not t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return {}  # (its initialisation would overwrite values it has)
     metas = {n: b for n, b in module._buffers.items() if n in names and b is not None}
     for n, meta in metas.items():
         module._buffers[n] = torch.full(meta.shape, float("nan"), dtype=meta.dtype)

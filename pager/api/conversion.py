@@ -18,7 +18,8 @@ row-major order) instead of the bytes. Stacking along the first dimension
 and concatenating along any keep a tensor's bytes a sequence of whole
 ranges of its sources: a fused parameter becomes a few pieces of its page
 (two an expert for `gate_up_proj`), read from the files like any other
-tensor, never built in host memory. An operation that would need the bytes
+tensor, never built in host memory (but where pages are read whole into
+it anyway: `compress=`, tables by `rows=`). An operation that would need the bytes
 themselves (a transpose, a permutation for rotary embeddings, a split) is
 refused before anything changes, naming the tensor and the operation: load
 such a model with transformers and `pager.wrap` it.
@@ -163,7 +164,9 @@ def convert(model, entries: dict[str, Entry], names: dict) -> tuple[dict[str, En
         if pattern is None or renamed not in names:
             plain[renamed if renamed in names else key] = entries[key]
             continue
-        converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))
+        if renamed not in pending:
+            pending[renamed] = (copy.deepcopy(by_pattern[pattern]), [])
+        converter, sources = pending[renamed]
         e = entries[key]
         nbytes = math.prod(e.shape) * e.dtype.itemsize
         converter.add_tensor(renamed, key, pattern, lambda e=e, n=nbytes: _Ranges(e.shape, e.dtype, [(e, 0, n)]))

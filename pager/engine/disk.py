@@ -58,7 +58,7 @@ from ..base.block import DIRECT_ALIGN, align_up
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
-from .host import HOST_RESERVE_BYTES, host_memory
+from .host import HOST_RESERVE_BYTES, host_memory, unregister
 
 log = logging.getLogger("pager")
 
@@ -168,8 +168,7 @@ class PageArena:
 
     def close(self) -> None:
         if self.pin:
-            for base in self._bases:
-                torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+            unregister(self._bases)
         self._bases.clear()
         self.chunks.clear()
         self.free.clear()

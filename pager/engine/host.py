@@ -42,6 +42,7 @@ import logging
 import mmap
 import threading
 import time
+from collections import deque
 
 import psutil
 import torch
@@ -74,6 +75,7 @@ class HostArena:
         self._registered: list[torch.Tensor] = []
         self._used: list[int] = []  # bytes handed out of each chunk, from its start
         self._planned: list[int] = []
+        self._plan_left = 0  # pages `reserve` planned that are still to be allocated
         self._shared: torch.Tensor | None = None  # the node's shared file, mapped (`share`)
         self._shared_used = 0
         self.reserved_bytes = 0
@@ -81,19 +83,17 @@ class HostArena:
 
     def check_room(self, nbytes: int, what: str) -> None:
         """Fail before allocating anything if host RAM cannot hold `nbytes` more."""
-        available = psutil.virtual_memory().available
-        if nbytes + HOST_RESERVE_BYTES > available:
-            raise MemoryError(
-                f"pager: {what} needs {format_bytes(nbytes)} of host memory for its pages, but only "
-                f"{format_bytes(available)} is available (pager leaves {format_bytes(HOST_RESERVE_BYTES)} "
-                f"to the rest of the system); free host memory, or page fewer tensors (a smaller model "
-                f"or `blocks=` that leaves the rest on the device)."
-            )
+        check_host_room(
+            nbytes,
+            f"{what} needs {format_bytes(nbytes)} of host memory for its pages",
+            "page fewer tensors (a smaller model or `blocks=` that leaves the rest on the device)",
+        )
 
     def reserve(self, sizes: list[int]) -> None:
         """Pin chunks for pages of `sizes` (to be allocated in this order),
         grouped into chunks of about `chunk_bytes`, each exactly its pages' sum."""
         group = 0
+        self._plan_left = len(sizes)
         for n in [align(max(n, 1)) for n in sizes] + [None]:
             if group and (n is None or group + n > self.chunk_bytes):
                 self._planned.append(group)
@@ -122,7 +122,10 @@ class HostArena:
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` (rounded up to the alignment) in one chunk."""
         nbytes = align(max(nbytes, 1))
-        i = self._fitting(nbytes)
+        planned = self._plan_left > 0
+        if planned:
+            self._plan_left -= 1
+        i = self._fitting(nbytes, planned)
         if i is None:
             if self._planned and self._planned[-1] >= nbytes:
                 self._new_chunk(self._planned.pop(), planned=True)
@@ -139,14 +142,23 @@ class HostArena:
         self.used_bytes += nbytes
         return self._chunks[i][start : start + nbytes]
 
-    def _fitting(self, nbytes: int) -> int | None:
-        """The chunk with room for `nbytes`: the last one, else the first
-        whose tail fits (pages are few and allocated at wrap or a first
-        step, never per use)."""
+    def _fitting(self, nbytes: int, planned: bool) -> int | None:
+        """The chunk with room for `nbytes`: for a page of the plan, the
+        last one (the plan's chunks hold its pages in order); for another,
+        the last or else the first whose tail fits, never one of the node's
+        shared file (it holds the plan's pages: the weights every rank of
+        the node reads). Pages are few and allocated at wrap or a first
+        step, never per use."""
         chunks, used = self._chunks, self._used
-        if chunks and used[-1] + nbytes <= chunks[-1].numel():
-            return len(chunks) - 1
-        return next((i for i, c in enumerate(chunks) if used[i] + nbytes <= c.numel()), None)
+        order = (len(chunks) - 1,) if planned else (len(chunks) - 1, *range(len(chunks)))
+        return next(
+            (
+                i
+                for i in order
+                if i >= 0 and used[i] + nbytes <= chunks[i].numel() and (planned or not self.is_shared(chunks[i]))
+            ),
+            None,
+        )
 
     def _new_chunk(self, nbytes: int, planned: bool = False) -> None:
         if planned and self._shared is not None:  # (registered whole by `share`)
@@ -168,8 +180,7 @@ class HostArena:
 
     def close(self) -> None:
         """Unregister every chunk. Pages handed out must no longer be used."""
-        for chunk in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
+        unregister(self._registered)
         self._registered.clear()
         self._chunks.clear()
         self._used.clear()
@@ -187,20 +198,25 @@ class PinnedPool:
     activations' host memory]).
 
     Args:
-        before_reuse: called before a chunk whose pieces all came back is
-            lent out again: it orders the writes into it after every copy
-            that may still be reading the pieces it lent before.
-        pin: page-lock the chunks (False: pageable, for the CPU device).
+        mark_reads: called when a chunk's last piece comes back: an event
+            after every copy queued so far that may read its pieces (None:
+            nothing to wait for).
+        wait_reads: called with that event before the chunk is lent out
+            again: the writes into it come after it.
+        pin: page-lock the chunks (False: pageable memory, for the tests).
     """
 
-    def __init__(self, before_reuse, pin: bool = True):
-        self._before_reuse = before_reuse
+    def __init__(self, mark_reads, wait_reads, pin: bool = True):
+        self._mark_reads, self._wait_reads = mark_reads, wait_reads
         self.pin = pin
-        self._lock = threading.Lock()  # (pieces come back on autograd's threads)
+        self._lock = threading.Lock()
         self._chunks: list[_PoolChunk] = []
         self._idle: list[_PoolChunk] = []  # chunks none of whose pieces are lent
         self._current: _PoolChunk | None = None  # the chunk pieces are cut from now
         self._lent: dict[int, _PoolChunk] = {}  # a lent piece's address -> its chunk
+        # Pieces given back while the lock was held (by this thread too: a
+        # garbage collection inside `take` may end an activation's life).
+        self._returned: deque = deque()
         self.reserved_bytes = 0
 
     def take(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
@@ -210,6 +226,7 @@ class PinnedPool:
         span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
         nbytes = align(max(span * itemsize, 1))
         with self._lock:
+            self._settle_returned()
             chunk = self._current
             if chunk is None or chunk.used + nbytes > chunk.data.numel():
                 chunk = self._current = self._open(nbytes)
@@ -220,28 +237,52 @@ class PinnedPool:
         return piece[: span * itemsize].view(dtype).as_strided(shape, stride)
 
     def give(self, host: torch.Tensor) -> None:
-        """`host` (from `take`) is no longer used; no view of it may be."""
-        with self._lock:
-            chunk = self._lent.pop(host.data_ptr(), None)
-            if chunk is None:  # (the pool was closed since)
-                return
-            chunk.lent -= 1
-            if chunk.lent == 0:
-                chunk.used = 0
-                if chunk is self._current:
-                    self._current = None
-                self._idle.append(chunk)
+        """`host` (from `take`) is no longer used; no view of it may be.
+        Never waits: where the lock is held, the piece is settled later."""
+        # (by its storage: an empty tensor's data_ptr() is 0)
+        address = host.untyped_storage().data_ptr() + int(host.storage_offset()) * host.element_size()
+        if not self._lock.acquire(blocking=False):
+            self._returned.append(address)
+            return
+        try:
+            self._back(address)
+        finally:
+            self._lock.release()
+
+    def _settle_returned(self) -> None:
+        while self._returned:
+            self._back(self._returned.popleft())
+
+    def _back(self, address: int) -> None:
+        chunk = self._lent.pop(address, None)
+        if chunk is None:  # (the pool was closed since)
+            return
+        chunk.lent -= 1
+        if chunk.lent == 0:
+            chunk.used = 0
+            chunk.reads = self._mark_reads()
+            if chunk is self._current:
+                self._current = None
+            self._idle.append(chunk)
 
     def _open(self, nbytes: int) -> _PoolChunk:
-        """A chunk to cut pieces of `nbytes` and more from: an idle one that
-        holds it, or a new one, larger as the pool grows."""
-        for i, chunk in enumerate(self._idle):
-            if chunk.data.numel() >= nbytes:
-                del self._idle[i]
-                self._before_reuse()
-                return chunk
+        """A chunk to cut pieces of `nbytes` and more from: the first made
+        of the idle ones that hold it (a step's pieces then find the chunks
+        the last step cut them from), or a new one, larger as the pool grows."""
+        fits = [c for c in self._idle if c.data.numel() >= nbytes]
+        if fits:
+            chunk = min(fits, key=lambda c: c.made)
+            self._idle.remove(chunk)
+            if chunk.reads is not None:
+                self._wait_reads(chunk.reads)
+            return chunk
         size = max(nbytes, min(POOL_CHUNK_MAX_BYTES, max(POOL_CHUNK_MIN_BYTES, self.reserved_bytes)))
-        chunk = _PoolChunk(host_memory(size, self.pin))
+        check_host_room(
+            size,
+            f"activations copied off the device need {format_bytes(size)} more of pinned host memory",
+            'use a smaller batch, or activations="recompute"',
+        )
+        chunk = _PoolChunk(host_memory(size, self.pin), len(self._chunks))
         self._chunks.append(chunk)
         self.reserved_bytes += size
         return chunk
@@ -250,22 +291,42 @@ class PinnedPool:
         """Unpin every chunk. A piece still lent stays readable and
         writable, as pageable memory."""
         with self._lock:
-            for chunk in self._chunks if self.pin else ():
-                torch.cuda.cudart().cudaHostUnregister(chunk.data.data_ptr())
+            if self.pin:
+                unregister(c.data for c in self._chunks)
             self._chunks.clear()
             self._idle.clear()
             self._lent.clear()
+            self._returned.clear()
             self._current = None
             self.reserved_bytes = 0
 
 
 class _PoolChunk:
-    __slots__ = ("data", "used", "lent")
+    __slots__ = ("data", "made", "used", "lent", "reads")
 
-    def __init__(self, data: torch.Tensor):
+    def __init__(self, data: torch.Tensor, made: int):
         self.data = data
+        self.made = made  # its place in the order chunks were made
         self.used = 0  # bytes cut from its start since it was last idle
         self.lent = 0  # pieces lent and not given back
+        self.reads = None  # an event after the copies that read its pieces, once all came back
+
+
+def check_host_room(nbytes: int, needs: str, fix: str) -> None:
+    """Fail before allocating `nbytes` more if host RAM cannot hold them
+    (`needs`: who needs them, and how much; `fix`: what else to do)."""
+    available = psutil.virtual_memory().available
+    if nbytes + HOST_RESERVE_BYTES > available:
+        raise MemoryError(
+            f"pager: {needs}, but only {format_bytes(available)} is available (pager leaves "
+            f"{format_bytes(HOST_RESERVE_BYTES)} to the rest of the system); free host memory, or {fix}."
+        )
+
+
+def unregister(chunks) -> None:
+    """Unpin `chunks` (each registered whole by `host_memory` or `_register`)."""
+    for chunk in chunks:
+        torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
 
 
 def host_memory(nbytes: int, pin: bool) -> torch.Tensor:

@@ -339,13 +339,18 @@ class CudaTransport:
 
     def _pool(self) -> PinnedPool:
         if self._host_pool is None:
-            self._host_pool = PinnedPool(self._before_pool_reuse)
+            self._host_pool = PinnedPool(self._pool_reads, self._after_pool_reads)
         return self._host_pool
 
-    def _before_pool_reuse(self) -> None:
-        # Copies in (`bring_to_device`, on the h2d stream) may still be reading
-        # the pieces the chunk lent before: copies out into it come after them.
-        self.d2h_stream.wait_event(self._record(self.h2d_stream))
+    def _pool_reads(self):
+        # (a chunk's pieces all came back: every copy in that reads them,
+        # `bring_to_device` on the h2d stream, was queued before)
+        return self._record(self.h2d_stream)
+
+    def _after_pool_reads(self, reads) -> None:
+        # Copies in may still be reading the pieces the chunk lent before:
+        # the copies out into it come after them (not after the fetches queued since).
+        self.d2h_stream.wait_event(reads)
 
     def forget_brought(self, device_t: torch.Tensor) -> None:
         """`device_t` (from `bring_to_device`) is dropped unused: its memory

@@ -487,7 +487,7 @@ class Sent:
             self.offload.ledger.sub(_nbytes(self.device))
         elif self.handed is not None:
             self.offload.ledger.sub(_nbytes(self.handed))
-        transport.give_host(self.host)  # (no view of it is left: the copy in was made)
+        transport.give_host(self.host)  # (no view of it is left; a copy in still reading it is waited for: the Note)
 
 
 class _Outgoing:

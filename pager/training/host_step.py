@@ -374,11 +374,13 @@ class HostSteps:
         known, carried = self._forward_seconds, self._gave_device
         waited_little = waited <= WAIT_SHARE * forward
         if known is None or (not carried and waited_little):
-            self._forward_seconds = own
+            pace = own
         elif not carried:  # it waited for the host: the device went on meanwhile, so its own length is at least this
-            self._forward_seconds = max(known, own)
-        elif waited_little:  # it carried updates given to the device: its own length is at most this
-            self._forward_seconds = min(known, forward)
+            pace = max(known, own)
+        else:  # it carried updates given to the device (and maybe waited): its own length is at most the whole
+            pace = known
+        self._forward_seconds = min(pace, forward)  # (never more than the whole: a first, cold, forward is no bound)
+        if carried and waited_little:
             added = (forward - self._forward_seconds) / carried
             before = self.device_update_seconds
             self.device_update_seconds = added if before is None else 0.75 * before + 0.25 * added
