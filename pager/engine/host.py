@@ -29,11 +29,16 @@ GiB, 5 s of it). `PinnedPool` cuts them instead from chunks pinned as above
 (64 MiB at first, growing with the pool to 1 GiB), in the order the forward
 sends them; the backward gives them back, last first, and a chunk is cut
 again from its start once all its pieces are back. The next step sends the
-same sizes in the same order, so it finds the same chunks: the pool grows to
-the most a pass holds, and no further for a fixed batch. A chunk cut again
-may still be read by a copy in of a piece it lent (on the h2d stream, queued
-before the piece came back): the copies out into it wait for the h2d stream
-as it stands when the chunk is reused, one wait a chunk.
+same sizes in the same order and takes idle chunks in the order they were
+made, so it finds the same chunks: the pool grows to the most a pass holds,
+and no further for a fixed batch. A chunk cut again may still be read by a
+copy in of a piece it lent (on the h2d stream, queued before the piece came
+back): when its last piece comes back, an event is recorded on the h2d
+stream, and the copies out into it wait for that event (not for the
+fetches queued on the h2d stream since), one wait a chunk. A piece may come
+back from a garbage collection on the thread that holds the pool's lock:
+`give` never waits for the lock, and what it could not take is settled at
+the next `take`.
 """
 
 from __future__ import annotations
