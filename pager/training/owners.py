@@ -80,6 +80,7 @@ import io
 import logging
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,8 @@ class BlockOwners:
         owner, param_owner = assign(sharded, kept_params, len(node))
         self.owner_of = {b: node[i] for b, i in owner.items()}  # the sharded blocks
         self.param_owner = {k: node[i] for k, i in param_owner.items()}  # their parameters, and the kept blocks'
-        self.node_group = (
+        # (a group this rank is in; torch's stubs type `new_group` as a group or its non-member marker, by version)
+        self.node_group: Any = (
             group
             if len(node) == self.world
             else dist.new_group(
