@@ -189,7 +189,7 @@ def _mapped(pieces: list[Piece], like: torch.Tensor, maps: dict) -> torch.Tensor
     from its file where it is one range of one (else joined in host memory)."""
     if len(pieces) > 1:
         return (
-            torch.cat([_mapped([p], torch.empty(p.nbytes, dtype=torch.uint8), maps) for p in pieces])
+            torch.cat([_mapped([p], torch.empty(p.nbytes, dtype=torch.uint8, device="meta"), maps) for p in pieces])
             .view(like.dtype)
             .reshape(like.shape)
         )
