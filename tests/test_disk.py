@@ -82,6 +82,60 @@ def test_load_matches_the_model_loaded_whole(tmp_path, how, host_budget):
     assert_models_equal(model, ref)
 
 
+def _drop_from_page_cache(folder):
+    """Write the files under `folder` out and drop them from the kernel's
+    page cache, as after a reboot; skip where direct reads cannot be tested."""
+    if not hasattr(os, "O_DIRECT") or not hasattr(os, "posix_fadvise"):
+        pytest.skip("no O_DIRECT here")
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        try:
+            os.close(os.open(os.path.join(folder, name), os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip("this filesystem refuses O_DIRECT")
+
+
+@pytest.mark.parametrize("host_budget", [None, "small"])
+@pytest.mark.parametrize("cache", ["just written", "dropped"])
+def test_checkpoint_bytes_in_the_page_cache_are_read_from_it_and_others_direct(tmp_path, host_budget, cache):
+    """[Note: files already in the page cache]: a checkpoint just written is
+    copied from the cache (a direct read would go back to the drive); one the
+    cache does not hold is read direct, past it. Bit for bit either way."""
+    from pager.engine.file_cache import CacheProbe
+
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "sharded")
+    if cache == "dropped":
+        _drop_from_page_cache(tmp_path)
+    else:
+        fd = os.open(path / "model-00001-of-00002.safetensors", os.O_RDONLY)
+        probe = CacheProbe(fd)
+        answers = probe.holds(0, os.fstat(fd).st_size)
+        probe.close()
+        os.close(fd)
+        if not answers:
+            pytest.skip("the kernel does not say what its page cache holds here (not Linux)")
+    model = _meta(**BIG)
+    hb = 3 * _layer_bytes(ref) if host_budget else None
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu", host_budget=hb)
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        for _ in range(2):
+            assert_same(model(ids), ref(ids))
+    s = pager.of(model).stats()
+    if cache == "dropped":
+        assert s.disk_direct_bytes > 0
+    else:
+        assert s.disk_cached_bytes == s.disk_read_bytes > 0 and s.disk_direct_bytes == 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 def test_non_persistent_buffers_and_cpu_tensors_keep_their_values(tmp_path):
     class WithBuffer(TinyLM):
         def __init__(self):

@@ -43,6 +43,7 @@ what it read).
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import re
@@ -58,6 +59,7 @@ from ..base.block import DIRECT_ALIGN, align_up
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
+from .file_cache import CacheProbe
 from .host import HOST_RESERVE_BYTES, host_memory, unregister
 
 log = logging.getLogger("pager")
@@ -176,13 +178,16 @@ class PageArena:
 
 
 class Files:
-    """Open files: a direct (O_DIRECT) and a buffered descriptor per path."""
+    """Open files: a direct (O_DIRECT) and a buffered descriptor per path, and
+    a probe of what the page cache holds of it where direct reads work
+    ([Note: files already in the page cache] in engine/file_cache.py)."""
 
     def __init__(self):
         self._fds: dict = {}
         self._lock = threading.Lock()
 
     def fds(self, path: str) -> list:
+        """[direct descriptor or None, buffered descriptor, CacheProbe or None] of `path`."""
         with self._lock:
             fds = self._fds.get(path)
             if fds is None:
@@ -193,15 +198,14 @@ class Files:
                     )
                 except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
                     direct = None
-                fds = self._fds[path] = [direct, buffered]
+                probe = CacheProbe(buffered) if direct is not None else None
+                fds = self._fds[path] = [direct, buffered, probe]
             return fds
 
     def forget(self, path: str) -> None:
         """Close `path`'s descriptors: the file was replaced (a new spill of its page)."""
         with self._lock:
-            for fd in self._fds.pop(path, ()):
-                if fd is not None:
-                    os.close(fd)
+            _close(self._fds.pop(path, ()))
 
     def no_direct(self, path: str) -> None:
         with self._lock:
@@ -213,10 +217,17 @@ class Files:
     def close(self) -> None:
         with self._lock:
             for fds in self._fds.values():
-                for fd in fds:
-                    if fd is not None:
-                        os.close(fd)
+                _close(fds)
             self._fds.clear()
+
+
+def _close(fds) -> None:
+    direct, buffered, probe = fds or (None, None, None)
+    for fd in (direct, buffered):
+        if fd is not None:
+            os.close(fd)
+    if probe is not None:
+        probe.close()
 
 
 def _buffer(t: torch.Tensor, offset: int, nbytes: int):
@@ -224,17 +235,30 @@ def _buffer(t: torch.Tensor, offset: int, nbytes: int):
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr() + offset)).cast("B")
 
 
-def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: int) -> tuple[int, bool]:
+class ReadPath(enum.Enum):
+    """How a range of a file came into a page."""
+
+    DIRECT = "direct"  # O_DIRECT, past the page cache ([Note: direct reads])
+    CACHED = "cached"  # from the page cache, which held it ([Note: files already in the page cache])
+    BUFFERED = "buffered"  # through the page cache, which is told to drop it
+
+
+def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: int) -> tuple[int, ReadPath]:
     """Fill bytes [start, end) of `piece` (relative to the piece) into `page`;
-    returns the bytes read from disk, and whether the read was direct."""
+    returns the bytes read from files, and how."""
     if piece.tensor is not None:
         flat = piece.tensor.detach().reshape(-1).view(torch.uint8)
         page[piece.page_offset + start : piece.page_offset + end].copy_(flat[start:end])
-        return (end - start if piece.path is not None else 0), False  # (a mapped file's pages were read)
+        return (end - start if piece.path is not None else 0), ReadPath.BUFFERED  # (a mapped file's pages were read)
     path = cast(str, piece.path)  # (a piece without a tensor is a range of a file)
-    direct, buffered = files.fds(path)
+    direct, buffered, probe = files.fds(path)
     file_at, page_at = piece.file_offset + start, piece.page_offset + start
     lead = file_at % DIRECT_ALIGN
+    cached = probe is not None and probe.holds(file_at, file_at + end - start)
+    if cached:
+        # In the page cache already: copied from memory, and left there ([Note: files already in the page cache]).
+        _check_length(piece, _pread(buffered, page, page_at, end - start, file_at), end - start, file_at)
+        return end - start, ReadPath.CACHED
     if direct is not None and piece.padded and (page.data_ptr() + page_at) % DIRECT_ALIGN == lead:
         # Aligned around the range: its gaps take the extra bytes ([Note: direct reads]).
         length = align_up(lead + end - start)
@@ -247,11 +271,11 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
             log.info("pager: %s refuses direct reads; reading it through the page cache", path)
         else:
             _check_length(piece, got - lead, end - start, file_at)
-            return end - start, True
+            return end - start, ReadPath.DIRECT
     got = _pread(buffered, page, page_at, end - start, file_at)
     _check_length(piece, got, end - start, file_at)
     os.posix_fadvise(buffered, file_at, end - start, os.POSIX_FADV_DONTNEED)  # keep the budget honest
-    return end - start, False
+    return end - start, ReadPath.BUFFERED
 
 
 def _pread(fd: int, page: torch.Tensor, page_at: int, length: int, file_at: int) -> int:
@@ -534,12 +558,13 @@ class DiskTier:
     def _read_chunk(self, page, piece, start, end) -> None:
         self._io_started()
         try:
-            n, direct = read_range(self.files, page, piece, start, end)
+            n, path = read_range(self.files, page, piece, start, end)
         finally:
             self._io_ended()
         with self._io_lock:
             self.owner.counters.disk_read_bytes += n
-            self.owner.counters.disk_direct_bytes += n if direct else 0
+            self.owner.counters.disk_direct_bytes += n if path is ReadPath.DIRECT else 0
+            self.owner.counters.disk_cached_bytes += n if path is ReadPath.CACHED else 0
 
     def _io_started(self) -> None:
         with self._io_lock:

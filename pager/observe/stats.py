@@ -120,6 +120,7 @@ class Stats:
     # The disk tier of a model loaded with a host budget ([Note: the disk tier] in engine/disk.py):
     disk_read_bytes: int = 0  # read from checkpoint and spill files into host pages
     disk_direct_bytes: int = 0  # ... of them, read with O_DIRECT (past the page cache)
+    disk_cached_bytes: int = 0  # ... of them, found in the page cache (files read or written lately)
     disk_read_seconds: float = 0.0  # time with at least one read in flight
     disk_write_bytes: int = 0  # pages spilled (changed pages that left host memory)
     disk_write_seconds: float = 0.0

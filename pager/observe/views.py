@@ -61,8 +61,9 @@ def report_of(pager) -> str:
         peak_disk = disk.peak_gbps()
         lines.append(
             f"disk: {s.disk_read_gbps:.2f} GB/s while reading "
-            f"({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% "
-            f"direct), {100 * s.disk_read_gbps / peak_disk:.0f}% of the {peak_disk:.2f} GB/s measured sequential "
+            f"({100 * s.disk_direct_bytes / max(1, s.disk_read_bytes):.0f}% direct, "
+            f"{100 * s.disk_cached_bytes / max(1, s.disk_read_bytes):.0f}% from the page cache), "
+            f"{100 * s.disk_read_gbps / peak_disk:.0f}% of the {peak_disk:.2f} GB/s measured sequential "
             f"peak; host pages {format_bytes(disk.arena.used_bytes)} of "
             f"{format_bytes(disk.capacity_bytes or disk.arena.reserved_bytes)}, "
             f"{len(disk.kept)} kept; {s.host_hits} hits, {s.host_misses} waits for the disk"
