@@ -17,8 +17,13 @@
    GPU budget. The floor is the bytes a token
    moves at the link's pinned rate; link busy is the copy stream's measured
    busy time over the decode time.
+4. `first-call`: the first `generate()` calls of a fresh process (torch's and
+   cuDNN's caches cold), pager and all on the GPU, each in a process of its
+   own: ms/token from the 3rd token of each of 4 successive calls of `--new`
+   tokens, with torch's choice of attention kernel and with cuDNN's turned
+   off (`--attention default,flash`).
 
-    python -m benchmarks.bench_generate [--only per-use|generate] [--batches 1,8,64]
+    python -m benchmarks.bench_generate [--only per-use|generate|load|first-call] [--batches 1,8,64]
 """
 
 from __future__ import annotations
@@ -92,11 +97,9 @@ def per_use_rows(args) -> list:
 # ----------------------------------------------------------------- generate
 def llama_folder(args, folder: str):
     """A random 7B-shaped Llama saved the way users get one: `save_pretrained`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=32,
-                         max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+    config = _llama_config(args)
     torch.manual_seed(0)
     with torch.device("cuda"):
         gpu = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
@@ -338,6 +341,105 @@ def _two_lengths(model, ids, kw):
     return short, wall_ms(lambda: gen(10)), out
 
 
+# ----------------------------------------------------------------- first call
+FIRST_CALLS = 4
+
+
+def first_call_child(args) -> None:
+    """One fresh process's first `generate()` calls; prints a JSON line."""
+    import json
+
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    method, attention, batch = args.first_call_child.split(",")
+    if attention == "flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    config = _llama_config(args)
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    paged = method != "gpu"
+    if paged:
+        model.cpu()
+        free_cuda()
+        pager.wrap(model, budget=args.budget, device="cuda", compress="int4" if method == "pager-int4" else None)
+    counters = pager.of(model).counters if paged else None
+    ids = torch.randint(3, 32000, (int(batch), args.prompt), device="cuda")
+
+    class Stamps(StoppingCriteria):
+        def __init__(self):
+            self.marks = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.marks.append((time.perf_counter(), counters.h2d_bytes if counters else 0))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    calls = []
+    for _ in range(FIRST_CALLS):
+        stamps = Stamps()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, min_new_tokens=args.new,
+                       do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
+        m = stamps.marks[2:]  # (from the 3rd token: prefill and the first decode step are the 1st and 2nd)
+        calls.append({"first_token_ms": (stamps.marks[0][0] - t0) * 1e3,
+                      "ms": (m[-1][0] - m[0][0]) * 1e3 / (len(m) - 1),
+                      "slowest_ms": max(b[0] - a[0] for a, b in zip(m, m[1:])) * 1e3,
+                      "bytes_per_token": (m[-1][1] - m[0][1]) / (len(m) - 1)})
+    print("FIRST_CALL " + json.dumps({"method": method, "attention": attention, "batch": int(batch),
+                                      "calls": calls}), flush=True)
+
+
+def first_call_rows(args, bw) -> list:
+    import json
+    import subprocess
+    import sys
+
+    try:
+        import transformers  # noqa: F401  (the benchmark's own dependency)
+    except ImportError:
+        return [Row("first call", "pager", None, note="skipped: transformers not installed")]
+    results = {}
+    for attention in args.attention.split(","):
+        for batch in map(int, args.batches.split(",")):
+            methods = ["gpu", "pager"] + (["pager-int4"] if "int4" in args.compress.split(",") else [])
+            for method in methods:
+                cmd = [sys.executable, "-m", "benchmarks.bench_generate", "--first-call-child",
+                       f"{method},{attention},{batch}", "--layers", str(args.layers), "--budget", args.budget,
+                       "--prompt", str(args.prompt), "--new", str(args.new)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                line = next(x for x in out.splitlines() if x.startswith("FIRST_CALL "))
+                results[method, attention, batch] = json.loads(line[len("FIRST_CALL "):])["calls"]
+    rows = []
+    for (method, attention, batch), calls in results.items():
+        gpu = results["gpu", attention, batch]
+        floor = calls[-1]["bytes_per_token"] / (bw * 1e9) * 1e3
+        first, steady = calls[0]["ms"], calls[-1]["ms"]
+        reference = max(floor, gpu[0]["ms"]) if method != "gpu" else None
+        rows.append(Row(
+            f"generate, 7B-shaped Llama {args.layers} layers, first calls of a fresh process, batch {batch}, "
+            f"attention {attention}", method if method == "gpu" else f"{method} {args.budget}", first, None,
+            first / reference if reference else None, "max(floor, the same call all on the GPU)",
+            "calls 1-4, ms/token from the 3rd token: " + " / ".join(f"{c['ms']:.1f}" for c in calls)
+            + f"; first call's slowest token {calls[0]['slowest_ms']:.0f} ms; first token of call 1 "
+            f"{calls[0]['first_token_ms']:.0f} ms"
+            + (f"; floor {floor:.1f} ms ({calls[-1]['bytes_per_token'] / 1e9:.2f} GB/token); first call / steady "
+               f"{first / steady:.2f}x" if method != "gpu" else ""),
+            {"calls": calls, "floor_ms": floor, "attention": attention, "batch": batch}))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _llama_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="per-use, generate or load")
@@ -354,7 +456,11 @@ def main(argv=None):
     ap.add_argument("--trace", action="store_true", help="trace a decode step: the copy stream's idle gaps")
     ap.add_argument("--trace-json", action="store_true", help="and write it under $OUT (Perfetto)")
     ap.add_argument("--profile", action="store_true", help="cProfile of a short generate, under $OUT")
+    ap.add_argument("--attention", default="default,flash", help="first-call: torch's choice, or cuDNN's off")
+    ap.add_argument("--first-call-child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.first_call_child:
+        return first_call_child(args)
     env = environment()
     bw = pinned_h2d_gbps()
     env["pinned_h2d_GBps"] = round(bw, 1)
@@ -366,6 +472,8 @@ def main(argv=None):
         rows += generate_rows(args, bw)
     if args.only in ("", "load"):
         rows += load_rows(args)
+    if args.only in ("", "first-call"):
+        rows += first_call_rows(args, bw)
     save(rows, "bench_generate", env)
 
 
