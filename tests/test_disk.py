@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,55 @@ def test_checkpoint_bytes_in_the_page_cache_are_read_from_it_and_others_direct(t
         assert s.disk_direct_bytes > 0
     else:
         assert s.disk_cached_bytes == s.disk_read_bytes > 0 and s.disk_direct_bytes == 0
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
+def test_pages_are_placed_in_the_background_and_unwrap_or_reset_right_after_load_are_safe(tmp_path):
+    """[Note: every page read in the background]: `pager.load` returns before
+    every page is placed; `reset` (which settles) right after load counts every
+    page's bytes, `unwrap` right after load leaves the model whole, and a
+    forward meanwhile is bit for bit."""
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "file")
+    total = sum(t.numel() * t.element_size() for t in _state(ref).values())
+    ids = batches(1)[0][0]
+    for then in ("reset", "unwrap", "forward"):
+        model = _meta(**BIG)
+        pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu")
+        pg = pager.of(model)
+        if then == "reset":
+            pg.reset()  # (settles: the pages the thread had not placed are placed and read first)
+            assert not pg.engine.host.disks[pg]._unfed
+        elif then == "forward":
+            with torch.no_grad():
+                assert_same(model(ids), ref(ids))
+            assert pg.stats().disk_read_bytes == total
+        pager.unwrap(model)
+        assert_models_equal(model, ref)
+
+
+def test_an_error_placing_pages_in_the_background_is_raised_at_the_next_use(tmp_path, monkeypatch):
+    from pager.engine.disk import DiskTier
+
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "file")
+    start = DiskTier._start_read
+
+    def refuse(self, seg, demand, distance=0):  # (on the thread that places pages in the background only)
+        if threading.current_thread().name.endswith("feed"):
+            raise MemoryError("pager: test: cannot pin")
+        return start(self, seg, demand, distance)
+
+    monkeypatch.setattr(DiskTier, "_start_read", refuse)
+    model = _meta(**BIG)
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu")
+    pager.of(model).engine.host.disks[pager.of(model)]._feeder.join()
+    with pytest.raises(MemoryError, match="cannot pin"), torch.no_grad():
+        model(batches(1)[0][0])
+    monkeypatch.undo()
+    with torch.no_grad():  # (raised once: pages are then placed on demand)
+        assert_same(model(batches(1)[0][0]), ref(batches(1)[0][0]))
     pager.unwrap(model)
     assert_models_equal(model, ref)
 

@@ -49,6 +49,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
@@ -143,7 +144,7 @@ class PageArena:
                 return None
             self._new_chunk(align_up(self.capacity_bytes))
         else:
-            self._new_chunk(max(1 << 30, nbytes))
+            self._new_chunk(nbytes)
         return self.allocate(nbytes, high)
 
     def release(self, c: int, offset: int, nbytes: int) -> None:
@@ -160,13 +161,35 @@ class PageArena:
         self.free[c] = merged
         self.used_bytes -= nbytes
 
-    def _new_chunk(self, nbytes: int) -> None:
+    def fits(self, nbytes: int) -> bool:
+        """A page of `nbytes` fits a hole now (no region added)."""
+        nbytes = align_up(max(nbytes, 1))
+        return any(hole[1] >= nbytes for holes in self.free for hole in holes)
+
+    def new_region(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host memory for a region of at least `nbytes` (pinned: 0.1 s a GiB),
+        not yet the arena's: (what was allocated, the aligned view) for `add_region`."""
+        nbytes = max(1 << 30, align_up(nbytes))
         # (pinned: a mapping of its own, on a huge page's boundary, which is a direct read's too)
-        base, chunk = (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
+        return (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
+
+    def add_region(self, base: torch.Tensor, chunk: torch.Tensor) -> None:
         self._bases.append(base)
         self.chunks.append(chunk)
-        self.free.append([[0, nbytes]])
-        self.reserved_bytes += nbytes
+        self.free.append([[0, chunk.numel()]])
+        self.reserved_bytes += chunk.numel()
+
+    def free_region(self, base: torch.Tensor) -> None:
+        """Give back a region from `new_region` that was never added."""
+        if self.pin:
+            unregister([base])
+
+    def _new_chunk(self, nbytes: int) -> None:
+        if self.capacity_bytes is not None:  # (one region of exactly the capacity)
+            base, chunk = (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
+        else:
+            base, chunk = self.new_region(nbytes)
+        self.add_region(base, chunk)
 
     def close(self) -> None:
         if self.pin:
@@ -198,7 +221,13 @@ class Files:
                     )
                 except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
                     direct = None
-                probe = CacheProbe(buffered) if direct is not None else None
+                probe = None
+                if direct is not None:
+                    probe = CacheProbe(buffered)
+                    # Buffered reads are then of small tensors or of cached bytes: no read ahead, which
+                    # would pull the next tensor's bytes into the cache (read again by it, and probed as
+                    # partly held: [Note: files already in the page cache]).
+                    os.posix_fadvise(buffered, 0, 0, os.POSIX_FADV_RANDOM)
                 fds = self._fds[path] = [direct, buffered, probe]
             return fds
 
@@ -363,6 +392,10 @@ class DiskTier:
         self.blocks: dict = {}  # segment -> its block
         self._io_lock = threading.Lock()
         self._busy, self._busy_since = 0, 0.0
+        self._unfed: deque = deque()  # pages `read_all` has yet to place ([Note: every page read in the background])
+        self._feeder: threading.Thread | None = None
+        self._stop_feeding = threading.Event()
+        self._feed_error: BaseException | None = None
         self.kept: set = set()  # weights pages that stay in host memory ([Note: a kept set in host memory])
         self._kept_plan = None  # the schedule's plan they were chosen for
 
@@ -453,6 +486,11 @@ class DiskTier:
     def settle(self) -> None:
         """Let the reads and spills in flight end: their bytes are counted as
         they end, so that counters reset after this count only later work."""
+        self._stop_feed()
+        while self._unfed:  # (the pages the reading thread had not placed: [Note: every page read in the background])
+            seg = self._unfed.popleft()
+            if self._needs_read(seg) and seg not in self.reading:
+                self._start_read(seg, demand=False)
         for read in list(self.reading.values()):
             read.result()
         for future, _free in list(self.writing.values()):
@@ -460,12 +498,62 @@ class DiskTier:
         self._collect()
 
     def read_all(self, blocks) -> None:
-        """Start reading the weights pages of `blocks`, in this order (the
-        reads queue on the IO threads): host memory holds every page."""
-        for block in blocks:
-            for seg in block.weight_segments:
-                if self._needs_read(seg) and seg not in self.reading:
-                    self._start_read(seg, demand=False)
+        """Read the weights pages of `blocks` into host memory, in this order,
+        from a thread of its own: host memory holds every page
+        ([Note: every page read in the background])."""
+        self._unfed.extend(seg for block in blocks for seg in block.weight_segments)
+        self._feeder = threading.Thread(target=self._feed, name=f"{WORKER_PREFIX}feed", daemon=True)
+        self._feeder.start()
+
+    # [Note: every page read in the background]
+    # Without a host budget every page is read once, in the order of use, and
+    # kept. `pager.load` used to place every page before it returned, and
+    # placing means pinning host memory: 0.1 s a GiB even in huge pages
+    # ([Note: pinning in huge pages] in engine/host.py), 0.6 s for a 7B model
+    # at bf16 that a first token waited for, although the reads of the first
+    # pages could have been under way. So a thread of its own places the pages
+    # in order and starts their reads: it pins a region before taking the
+    # engine's lock (which every placement is made under), and takes the lock
+    # for one page at a time, so the thread that runs the model waits for it
+    # at most one placement. A fetch of a page the thread has not reached
+    # places and reads it on demand, as before. `settle` and `close` stop the
+    # thread: it never holds the lock while they wait for it (it tries the
+    # lock with a timeout and looks at `_stop_feeding` in between), and what it
+    # had not placed is then placed by `settle` (on its caller's thread) or
+    # left (`close`). An error on the thread (pinning refused) is raised on
+    # the next thread that uses the disk tier.
+    def _feed(self) -> None:
+        lock, unfed = self.owner.lock, self._unfed
+        region = None  # host memory made for the next page, not yet the arena's
+        try:
+            while unfed and not self._stop_feeding.is_set():
+                if region is None and not self.arena.fits(unfed[0].nbytes):
+                    region = self.arena.new_region(unfed[0].nbytes)  # (outside the lock: pinning takes a while)
+                if not lock.acquire(timeout=0.01):
+                    continue
+                try:
+                    if region is not None:
+                        self.arena.add_region(*region)
+                        region = None
+                    if not self._stop_feeding.is_set() and unfed:
+                        seg = unfed.popleft()
+                        if self._needs_read(seg) and seg not in self.reading:
+                            self._start_read(seg, demand=False)
+                finally:
+                    lock.release()
+        except BaseException as e:  # (raised on the next thread that uses the tier: `_collect`)
+            self._feed_error = e
+        finally:
+            if region is not None:
+                self.arena.free_region(region[0])
+
+    def _stop_feed(self) -> None:
+        """Stop the thread that places pages; it never holds the engine's lock once this returns."""
+        feeder = self._feeder
+        if feeder is not None:
+            self._stop_feeding.set()
+            feeder.join()
+            self._feeder = None
 
     def peak_gbps(self, nbytes: int = 1 << 30) -> float:
         """The sequential read rate of the largest checkpoint file (up to
@@ -492,6 +580,8 @@ class DiskTier:
 
     def close(self) -> None:
         """Let every read and write end, free host memory, close files, drop spilled pages."""
+        self._stop_feed()
+        self._unfed.clear()
         for read in self.reading.values():
             for f in read.futures:
                 f.exception()
@@ -580,6 +670,9 @@ class DiskTier:
 
     def _collect(self) -> None:
         """Reads and spills that ended: their pages settle."""
+        if self._feed_error is not None:
+            error, self._feed_error = self._feed_error, None
+            raise error
         for seg in [s for s, r in self.reading.items() if r.done()]:
             self.reading.pop(seg).result()  # (raises a read's error here, on the using thread)
         for seg in [s for s, (f, _free) in self.writing.items() if f.done()]:
