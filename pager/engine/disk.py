@@ -60,8 +60,9 @@ from ..base.block import DIRECT_ALIGN, align_up
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from ..base.files import CheckpointError, fsync_folder
+from .arena import PageArena, aligned_empty
 from .file_cache import CacheProbe
-from .host import HOST_RESERVE_BYTES, host_memory, unregister
+from .host import HOST_RESERVE_BYTES
 
 log = logging.getLogger("pager")
 
@@ -70,14 +71,6 @@ CHUNK_BYTES = 16 << 20  # one read or write call (the kernel splits it into many
 IO_THREADS = 8  # reads and writes in flight
 READS_AHEAD = 4  # segments whose reads the read ahead keeps in flight at most
 READ_AHEAD_USES = 64  # how far down the schedule the read ahead looks
-
-
-def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host memory for `nbytes` starting on a DIRECT_ALIGN boundary: (what
-    was allocated, the aligned view)."""
-    base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    skip = -base.data_ptr() % DIRECT_ALIGN
-    return base, base[skip : skip + nbytes]
 
 
 @dataclass
@@ -108,96 +101,6 @@ class Piece:
         return self.file_offset % DIRECT_ALIGN
 
     itemsize: int = 1
-
-
-class PageArena:
-    """Host memory handed out as aligned pages, first fit: one region of
-    `capacity_bytes` (pinned at first use), or, with None, regions added as
-    pages are asked for (never given back before `close`)."""
-
-    def __init__(self, capacity_bytes: int | None, pin: bool):
-        self.capacity_bytes, self.pin = capacity_bytes, pin
-        self.chunks: list[torch.Tensor] = []  # aligned views
-        self._bases: list[torch.Tensor] = []  # what was allocated (and registered)
-        self.free: list[list] = []  # per chunk: sorted [offset, size]
-        self.reserved_bytes = self.used_bytes = 0
-
-    def allocate(self, nbytes: int, high: bool = False):
-        """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk,
-        offset, tensor), or None. `high`: from the top of the region (pages
-        that come and go), else from the bottom (pages that stay), so that
-        the churn does not cut the room of the ones that stay into pieces."""
-        nbytes = align_up(max(nbytes, 1))
-        for c, holes in enumerate(self.free):
-            for hole in reversed(holes) if high else holes:
-                if hole[1] >= nbytes:
-                    hole[1] -= nbytes
-                    offset = hole[0] + hole[1] if high else hole[0]
-                    if not high:
-                        hole[0] += nbytes
-                    if not hole[1]:
-                        holes.remove(hole)
-                    self.used_bytes += nbytes
-                    return c, offset, self.chunks[c][offset : offset + nbytes]
-        if self.capacity_bytes is not None:
-            if self.chunks or nbytes > self.capacity_bytes:
-                return None
-            self._new_chunk(align_up(self.capacity_bytes))
-        else:
-            self._new_chunk(nbytes)
-        return self.allocate(nbytes, high)
-
-    def release(self, c: int, offset: int, nbytes: int) -> None:
-        nbytes = align_up(max(nbytes, 1))
-        holes = self.free[c]
-        holes.append([offset, nbytes])
-        holes.sort()
-        merged = [holes[0]]
-        for hole in holes[1:]:
-            if merged[-1][0] + merged[-1][1] == hole[0]:
-                merged[-1][1] += hole[1]
-            else:
-                merged.append(hole)
-        self.free[c] = merged
-        self.used_bytes -= nbytes
-
-    def fits(self, nbytes: int) -> bool:
-        """A page of `nbytes` fits a hole now (no region added)."""
-        nbytes = align_up(max(nbytes, 1))
-        return any(hole[1] >= nbytes for holes in self.free for hole in holes)
-
-    def new_region(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host memory for a region of at least `nbytes` (pinned: 0.1 s a GiB),
-        not yet the arena's: (what was allocated, the aligned view) for `add_region`."""
-        nbytes = max(1 << 30, align_up(nbytes))
-        # (pinned: a mapping of its own, on a huge page's boundary, which is a direct read's too)
-        return (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
-
-    def add_region(self, base: torch.Tensor, chunk: torch.Tensor) -> None:
-        self._bases.append(base)
-        self.chunks.append(chunk)
-        self.free.append([[0, chunk.numel()]])
-        self.reserved_bytes += chunk.numel()
-
-    def free_region(self, base: torch.Tensor) -> None:
-        """Give back a region from `new_region` that was never added."""
-        if self.pin:
-            unregister([base])
-
-    def _new_chunk(self, nbytes: int) -> None:
-        if self.capacity_bytes is not None:  # (one region of exactly the capacity)
-            base, chunk = (host_memory(nbytes, pin=True),) * 2 if self.pin else aligned_empty(nbytes)
-        else:
-            base, chunk = self.new_region(nbytes)
-        self.add_region(base, chunk)
-
-    def close(self) -> None:
-        if self.pin:
-            unregister(self._bases)
-        self._bases.clear()
-        self.chunks.clear()
-        self.free.clear()
-        self.reserved_bytes = self.used_bytes = 0
 
 
 class Files:
@@ -392,10 +295,7 @@ class DiskTier:
         self.blocks: dict = {}  # segment -> its block
         self._io_lock = threading.Lock()
         self._busy, self._busy_since = 0, 0.0
-        self._unfed: deque = deque()  # pages `read_all` has yet to place ([Note: every page read in the background])
-        self._feeder: threading.Thread | None = None
-        self._stop_feeding = threading.Event()
-        self._feed_error: BaseException | None = None
+        self._unread: deque = deque()  # pages `read_all` has yet to place ([Note: regions pinned ahead])
         self.kept: set = set()  # weights pages that stay in host memory ([Note: a kept set in host memory])
         self._kept_plan = None  # the schedule's plan they were chosen for
 
@@ -408,7 +308,7 @@ class DiskTier:
 
     def page_in(self, seg) -> None:
         """`seg.host` holds the page's bytes (read now, or waited for)."""
-        self._collect()
+        self._tick()
         counters = self.owner.counters
         if seg in self.writing:
             # Needed again while being spilled: it stays in host memory, and
@@ -444,7 +344,7 @@ class DiskTier:
 
     def ready(self, seg) -> bool:
         """A fetch of `seg` would not wait on the disk."""
-        self._collect()
+        self._tick()
         return seg.host is not None and seg not in self.reading or not self._needs_read(seg)
 
     def page_for_write(self, seg) -> None:
@@ -470,7 +370,7 @@ class DiskTier:
     def read_ahead(self, uses) -> None:
         """Start reads of the pages of the upcoming `uses` ((block, kinds) pairs)
         that host memory holds without evicting a page needed sooner."""
-        self._collect()
+        self._tick()
         self._choose_kept()
         for distance, (block, kinds) in enumerate(uses):
             if distance >= READ_AHEAD_USES or len(self.reading) >= READS_AHEAD:
@@ -486,9 +386,8 @@ class DiskTier:
     def settle(self) -> None:
         """Let the reads and spills in flight end: their bytes are counted as
         they end, so that counters reset after this count only later work."""
-        self._stop_feed()
-        while self._unfed:  # (the pages the reading thread had not placed: [Note: every page read in the background])
-            seg = self._unfed.popleft()
+        while self._unread:  # (pages `read_all` has not placed yet: their regions are being pinned)
+            seg = self._unread.popleft()
             if self._needs_read(seg) and seg not in self.reading:
                 self._start_read(seg, demand=False)
         for read in list(self.reading.values()):
@@ -498,62 +397,25 @@ class DiskTier:
         self._collect()
 
     def read_all(self, blocks) -> None:
-        """Read the weights pages of `blocks` into host memory, in this order,
-        from a thread of its own: host memory holds every page
-        ([Note: every page read in the background])."""
-        self._unfed.extend(seg for block in blocks for seg in block.weight_segments)
-        self._feeder = threading.Thread(target=self._feed, name=f"{WORKER_PREFIX}feed", daemon=True)
-        self._feeder.start()
+        """Read every weights page of `blocks` into host memory, in this order,
+        as the host memory for them is pinned in the background ([Note: regions
+        pinned ahead] in engine/arena.py): host memory holds every page."""
+        self._unread.extend(seg for block in blocks for seg in block.weight_segments if self._needs_read(seg))
+        self.arena.supply([seg.nbytes for seg in self._unread if seg not in self.reading])
+        self._place_unread()
 
-    # [Note: every page read in the background]
-    # Without a host budget every page is read once, in the order of use, and
-    # kept. `pager.load` used to place every page before it returned, and
-    # placing means pinning host memory: 0.1 s a GiB even in huge pages
-    # ([Note: pinning in huge pages] in engine/host.py), 0.6 s for a 7B model
-    # at bf16 that a first token waited for, although the reads of the first
-    # pages could have been under way. So a thread of its own places the pages
-    # in order and starts their reads: it pins a region before taking the
-    # engine's lock (which every placement is made under), and takes the lock
-    # for one page at a time, so the thread that runs the model waits for it
-    # at most one placement. A fetch of a page the thread has not reached
-    # places and reads it on demand, as before. `settle` and `close` stop the
-    # thread: it never holds the lock while they wait for it (it tries the
-    # lock with a timeout and looks at `_stop_feeding` in between), and what it
-    # had not placed is then placed by `settle` (on its caller's thread) or
-    # left (`close`). An error on the thread (pinning refused) is raised on
-    # the next thread that uses the disk tier.
-    def _feed(self) -> None:
-        lock, unfed = self.owner.lock, self._unfed
-        region = None  # host memory made for the next page, not yet the arena's
-        try:
-            while unfed and not self._stop_feeding.is_set():
-                if region is None and not self.arena.fits(unfed[0].nbytes):
-                    region = self.arena.new_region(unfed[0].nbytes)  # (outside the lock: pinning takes a while)
-                if not lock.acquire(timeout=0.01):
-                    continue
-                try:
-                    if region is not None:
-                        self.arena.add_region(*region)
-                        region = None
-                    if not self._stop_feeding.is_set() and unfed:
-                        seg = unfed.popleft()
-                        if self._needs_read(seg) and seg not in self.reading:
-                            self._start_read(seg, demand=False)
-                finally:
-                    lock.release()
-        except BaseException as e:  # (raised on the next thread that uses the tier: `_collect`)
-            self._feed_error = e
-        finally:
-            if region is not None:
-                self.arena.free_region(region[0])
-
-    def _stop_feed(self) -> None:
-        """Stop the thread that places pages; it never holds the engine's lock once this returns."""
-        feeder = self._feeder
-        if feeder is not None:
-            self._stop_feeding.set()
-            feeder.join()
-            self._feeder = None
+    def _place_unread(self) -> None:
+        """Place the pages `read_all` left that fit the host memory made so far,
+        and start their reads ([Note: regions pinned ahead] in engine/arena.py)."""
+        unread = self._unread
+        while unread:
+            seg = unread[0]
+            needed = self._needs_read(seg) and seg not in self.reading
+            if needed and not self.arena.fits(seg.nbytes):
+                return  # (its region is still being pinned: the next use looks again)
+            unread.popleft()
+            if needed:
+                self._start_read(seg, demand=False)
 
     def peak_gbps(self, nbytes: int = 1 << 30) -> float:
         """The sequential read rate of the largest checkpoint file (up to
@@ -580,8 +442,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Let every read and write end, free host memory, close files, drop spilled pages."""
-        self._stop_feed()
-        self._unfed.clear()
+        self._unread.clear()
         for read in self.reading.values():
             for f in read.futures:
                 f.exception()
@@ -668,11 +529,14 @@ class DiskTier:
             if not self._busy:
                 self.owner.counters.disk_read_seconds += time.perf_counter() - self._busy_since
 
+    def _tick(self) -> None:
+        """At each use: reads that ended settle, and pages `read_all` left whose host memory is made start reading."""
+        self._collect()
+        if self._unread:
+            self._place_unread()
+
     def _collect(self) -> None:
         """Reads and spills that ended: their pages settle."""
-        if self._feed_error is not None:
-            error, self._feed_error = self._feed_error, None
-            raise error
         for seg in [s for s, r in self.reading.items() if r.done()]:
             self.reading.pop(seg).result()  # (raises a read's error here, on the using thread)
         for seg in [s for s, (f, _free) in self.writing.items() if f.done()]:

@@ -1,0 +1,197 @@
+"""The disk tier's host memory: `PageArena` (aligned pages cut from pinned
+regions) and `RegionSupply` (regions pinned ahead, off the thread that runs
+the model).
+
+[Note: regions pinned ahead]
+Without a host budget every page of a loaded model is read once, in the
+order of use, and kept ([Note: the disk tier] in engine/disk.py). Placing a
+page needs a region of host memory for it, and making a region means pinning
+it: 0.1 s a GiB even in huge pages ([Note: pinning in huge pages] in
+engine/host.py). `pager.load` placed every page before it returned, so the
+first token of a 7B model at bf16 waited 0.6 s for pinning before anything
+ran. A thread of its own placing pages would need the engine's lock for
+each one, which the thread running the first forward holds while it waits
+for a page to be read: that thread then placed most pages itself, pinning
+as it went, and the first token took 2.0 s instead of 1.3 s.
+
+So the pinning alone moves off: `RegionSupply` pins, on a thread of its
+own, as many regions as the pages to read need (it takes no lock: it only
+makes memory), and hands them over in a queue. The using thread takes one
+when a page fits no hole (`PageArena.allocate`), waiting at most for the
+region being pinned, and places the pages that fit the regions already made
+each time it uses the disk tier (`DiskTier._place_unread`), so reads start
+as soon as their memory exists. An error while pinning (the locked-memory
+limit) is raised on the thread that takes that region.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from ..base.block import DIRECT_ALIGN, align_up
+from ..base.common import WORKER_PREFIX
+from .host import host_memory, unregister
+
+REGION_BYTES = 1 << 30  # the least region made for pages (without a host budget)
+
+
+def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host memory for `nbytes` starting on a DIRECT_ALIGN boundary: (what
+    was allocated, the aligned view)."""
+    base = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -base.data_ptr() % DIRECT_ALIGN
+    return base, base[skip : skip + nbytes]
+
+
+def new_region(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host memory for a region of `nbytes`: (what was allocated, the aligned view)."""
+    # (pinned: a mapping of its own, on a huge page's boundary, which is a direct read's too)
+    return (host_memory(nbytes, pin=True),) * 2 if pin else aligned_empty(nbytes)
+
+
+class RegionSupply:
+    """Regions pinned ahead on a thread of its own ([Note: regions pinned ahead]).
+
+    Args:
+        sizes: the bytes of each region to make, in order.
+        pin: page-lock them (CUDA).
+    """
+
+    def __init__(self, sizes: list[int], pin: bool):
+        self.pin = pin
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # regions made (or the error that stopped it)
+        self._untaken = len(sizes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._make, args=(sizes,), name=f"{WORKER_PREFIX}pin", daemon=True)
+        self._thread.start()
+
+    def _make(self, sizes: list[int]) -> None:
+        try:
+            for nbytes in sizes:
+                if self._stop.is_set():
+                    return
+                self._ready.put(new_region(nbytes, self.pin))
+        except BaseException as e:  # (raised on the thread that takes the region: `take`)
+            self._ready.put(e)
+
+    def ready(self) -> bool:
+        """A region can be taken without waiting."""
+        return self._untaken > 0 and not self._ready.empty()
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next region (waiting for the one being pinned), or None when all were taken."""
+        if self._untaken <= 0:
+            return None
+        got = self._ready.get()
+        self._untaken -= 1
+        if isinstance(got, BaseException):
+            self._untaken = 0
+            raise got
+        return got
+
+    def close(self) -> None:
+        """Stop making regions and give back those not taken."""
+        self._stop.set()
+        self._thread.join()
+        while not self._ready.empty():
+            got = self._ready.get()
+            if self.pin and not isinstance(got, BaseException):
+                unregister([got[0]])
+        self._untaken = 0
+
+
+class PageArena:
+    """Host memory handed out as aligned pages, first fit: one region of
+    `capacity_bytes` (pinned at first use), or, with None, regions added as
+    pages are asked for (never given back before `close`), taken from a
+    `RegionSupply` where one was started (`supply`)."""
+
+    def __init__(self, capacity_bytes: int | None, pin: bool):
+        self.capacity_bytes, self.pin = capacity_bytes, pin
+        self.chunks: list[torch.Tensor] = []  # aligned views
+        self._bases: list[torch.Tensor] = []  # what was allocated (and registered)
+        self.free: list[list] = []  # per chunk: sorted [offset, size]
+        self.reserved_bytes = self.used_bytes = 0
+        self._supply: RegionSupply | None = None
+
+    def supply(self, page_bytes: list[int]) -> None:
+        """Start pinning, in the background, regions for pages of `page_bytes`
+        (in the order they will be placed) beyond the holes there are now."""
+        holes = [hole[1] for holes in self.free for hole in holes]
+        sizes: list[int] = []
+        for nbytes in map(align_up, page_bytes):  # (first fit, as `allocate` places them)
+            fit = next((i for i, room in enumerate(holes) if room >= nbytes), None)
+            if fit is None:
+                sizes.append(max(REGION_BYTES, nbytes))
+                holes.append(sizes[-1])
+                fit = len(holes) - 1
+            holes[fit] -= nbytes
+        if sizes:
+            self._supply = RegionSupply(sizes, self.pin)
+
+    def fits(self, nbytes: int) -> bool:
+        """A page of `nbytes` can be placed without waiting for a region to be pinned."""
+        nbytes = align_up(max(nbytes, 1))
+        if any(hole[1] >= nbytes for holes in self.free for hole in holes):
+            return True
+        return self._supply is not None and self._supply.ready()
+
+    def allocate(self, nbytes: int, high: bool = False):
+        """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk,
+        offset, tensor), or None. `high`: from the top of the region (pages
+        that come and go), else from the bottom (pages that stay), so that
+        the churn does not cut the room of the ones that stay into pieces."""
+        nbytes = align_up(max(nbytes, 1))
+        for c, holes in enumerate(self.free):
+            for hole in reversed(holes) if high else holes:
+                if hole[1] >= nbytes:
+                    hole[1] -= nbytes
+                    offset = hole[0] + hole[1] if high else hole[0]
+                    if not high:
+                        hole[0] += nbytes
+                    if not hole[1]:
+                        holes.remove(hole)
+                    self.used_bytes += nbytes
+                    return c, offset, self.chunks[c][offset : offset + nbytes]
+        if self.capacity_bytes is not None:
+            if self.chunks or nbytes > self.capacity_bytes:
+                return None
+            self._add(*new_region(align_up(self.capacity_bytes), self.pin))
+        else:
+            region = self._supply.take() if self._supply is not None else None
+            self._add(*(region or new_region(max(REGION_BYTES, nbytes), self.pin)))
+        return self.allocate(nbytes, high)
+
+    def release(self, c: int, offset: int, nbytes: int) -> None:
+        nbytes = align_up(max(nbytes, 1))
+        holes = self.free[c]
+        holes.append([offset, nbytes])
+        holes.sort()
+        merged = [holes[0]]
+        for hole in holes[1:]:
+            if merged[-1][0] + merged[-1][1] == hole[0]:
+                merged[-1][1] += hole[1]
+            else:
+                merged.append(hole)
+        self.free[c] = merged
+        self.used_bytes -= nbytes
+
+    def _add(self, base: torch.Tensor, chunk: torch.Tensor) -> None:
+        self._bases.append(base)
+        self.chunks.append(chunk)
+        self.free.append([[0, chunk.numel()]])
+        self.reserved_bytes += chunk.numel()
+
+    def close(self) -> None:
+        if self._supply is not None:
+            self._supply.close()
+            self._supply = None
+        if self.pin:
+            unregister(self._bases)
+        self._bases.clear()
+        self.chunks.clear()
+        self.free.clear()
+        self.reserved_bytes = self.used_bytes = 0
