@@ -62,6 +62,8 @@ class RegionSupply:
 
     def __init__(self, sizes: list[int], pin: bool):
         self.pin = pin
+        # (pinned in the context of the device current here, as on this thread: a new thread's is cuda:0)
+        self._device = torch.cuda.current_device() if pin else None
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # regions made (or the error that stopped it)
         self._untaken = len(sizes)
         self._stop = threading.Event()
@@ -70,6 +72,8 @@ class RegionSupply:
 
     def _make(self, sizes: list[int]) -> None:
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             for nbytes in sizes:
                 if self._stop.is_set():
                     return
