@@ -4,6 +4,7 @@ and writes its weights into the node's shared page. Spawned gloo ranks on
 the CPU device, against DDP: bit for bit on two ranks."""
 
 import copy
+import logging
 import os
 import time
 
@@ -16,7 +17,7 @@ import pager
 from helpers import assert_models_equal, assert_same
 from models import SuperNet, TinyLM, tiny_cnn
 from test_data_parallel import (OPTIMIZERS, _lm_pair, assert_optimizer_states_equal, assert_same_on_every_rank,
-                                rank_batches, spawn, train_beside_ddp)
+                                rank_batches, regime_budget, spawn, train_beside_ddp)
 from test_training import _supernet_budget, lm_loss
 
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -196,7 +197,8 @@ def owners_resume(rank, world, tmp, phase, steps=2):
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     assert_same_on_every_rank(model)
-    assert_state_held_by_owners(model, opt)  # (the state loaded before the optimizer's first step, too)
+    if world > 1:  # (one rank: nothing to share, [Note: one script from 1 to N GPUs])
+        assert_state_held_by_owners(model, opt)  # (the state loaded before the optimizer's first step, too)
     sd = opt.state_dict()  # (on every rank: a collective)
     if phase == 0 and rank == 0:
         torch.save({"model": model.state_dict(), "opt": sd}, path)
@@ -205,9 +207,10 @@ def owners_resume(rank, world, tmp, phase, steps=2):
     dist.barrier()
 
 
-def test_owners_checkpoint_taken_on_four_ranks_resumes_on_two(tmp_path):
+def test_owners_checkpoint_taken_on_four_ranks_resumes_on_two_and_on_one(tmp_path):
     spawn(owners_resume, 4, tmp_path, phase=0)
     spawn(owners_resume, 2, tmp_path, phase=1)
+    spawn(owners_resume, 1, tmp_path, phase=1)
 
 
 def owners_rank_stops(rank, world, tmp):
@@ -281,9 +284,30 @@ def test_owners_refusals(tmp_path):
     spawn(owners_refusals, 2, tmp_path)
 
 
-def test_owners_need_a_process_group():
-    with pytest.raises(ValueError, match="block_owners=True .* needs a process group"):
-        pager.wrap(TinyLM(), budget="1GiB", device="cpu", block_owners=True)
+@pytest.mark.parametrize("option", ["block_owners", "share_host_pages"])
+def test_one_process_with_owners_or_shared_pages_trains_as_alone(option, caplog):
+    """[Note: one script from 1 to N GPUs]: the options of a torchrun script
+    run with plain python (no process group): said once, and the model trains
+    bit for bit as wrapped without them. With process_group=False they are refused."""
+    torch.manual_seed(3)
+    model, alone = TinyLM(n_layers=6), TinyLM(n_layers=6)
+    alone.load_state_dict(model.state_dict())
+    budget = regime_budget(model, "streams")
+    with caplog.at_level(logging.INFO, logger="pager"):
+        pager.wrap(model, budget=budget, device="cpu", **{option: True})
+    assert sum("nothing to share" in r.getMessage() for r in caplog.records) == 1
+    pager.wrap(alone, budget=budget, device="cpu")
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, alone)]
+    for ids, tgt in rank_batches(0, 3):
+        for m, opt in zip((model, alone), opts):
+            lm_loss(m, ids, tgt).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_state_dicts_equal(opts[0].state_dict(), opts[1].state_dict())
+    pager.unwrap(model), pager.unwrap(alone)
+    assert_models_equal(model, alone)
+    with pytest.raises(ValueError, match=f"{option}=True .* process_group=False turns the ranks off"):
+        pager.wrap(TinyLM(), budget="1GiB", device="cpu", process_group=False, **{option: True})
 
 
 def test_owners_spread_the_remainders_parameters():

@@ -170,7 +170,8 @@ def wrap(
             each ([Note: one host copy per node] in training/distributed.py): N ranks
             serving one model (each streaming for its own requests) hold its
             weights in host memory once. A block whose weights change on a
-            rank (training) gets a page of that rank's own.
+            rank (training) gets a page of that rank's own. With one
+            process there is nothing to share: it runs as without.
         block_owners: with a process group, each trained block is updated
             by one rank of each node, its owner there, which alone on the
             node holds its optimizer state and writes its new weights into
@@ -179,7 +180,9 @@ def wrap(
             in training/owners.py). The N ranks of a node hold the weights
             and the optimizer state once between them; the values stay DDP's.
             `opt.state_dict()` and `unwrap` then gather the state from the
-            owners: call them on every rank.
+            owners: call them on every rank. With one process (plain
+            `python`, or one rank) it trains as without, so one script runs
+            on 1 to N GPUs ([Note: one script from 1 to N GPUs]).
         split_fetch: other GPUs of this host whose PCIe links carry a share of
             every fetch: "all" (every GPU that can write to `device` over a
             peer link, NVLink), a list such as ["cuda:1"], or a dict of them
@@ -321,9 +324,17 @@ def _wrap(
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
-    _check_owners(block_owners, group, model)
+    _check_owners(block_owners, group, model, process_group)
     share_host_pages = True if block_owners else share_host_pages
-    _check_sharing(share_host_pages, group, compress, setup)
+    _check_sharing(share_host_pages, group, compress, setup, process_group)
+    if group is None and (block_owners or share_host_pages):
+        # ([Note: one script from 1 to N GPUs]) one process: nothing to share with, and the model trains as alone
+        log.info(
+            "pager: %s with one process (torch.distributed not initialized, or one rank): nothing to share; "
+            "the model trains as a single process does.",
+            "block_owners=True" if block_owners else "share_host_pages=True",
+        )
+        block_owners = share_host_pages = False
     helpers = _split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
         _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
@@ -462,16 +473,22 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_sharing(share, group, compress, setup) -> None:
+# [Note: one script from 1 to N GPUs]
+# `block_owners=True` and `share_host_pages=True` share work and host memory
+# between the ranks of a node. A script written for `torchrun` runs them on
+# one GPU too (plain `python`, or one rank): there is nothing to share, which
+# is said once at INFO, and the model trains as a single process does (a
+# test checks bit for bit). Only `process_group=False` beside them is
+# refused: the caller turned off the ranks that they need.
+def _check_sharing(share, group, compress, setup, process_group) -> None:
     if not isinstance(share, bool):
         raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
     if not share:
         return
-    if group is None:
+    if process_group is False:
         raise ValueError(
             "pager: share_host_pages=True shares the weights' host pages between the ranks of a "
-            "node; it needs a process group (torch.distributed initialized with more than one rank, "
-            "or process_group=...)."
+            "node, and process_group=False turns the ranks off; leave one of them out."
         )
     if compress is not None or setup is not None:
         raise ValueError(
@@ -480,18 +497,18 @@ def _check_sharing(share, group, compress, setup) -> None:
         )
 
 
-def _check_owners(block_owners, group, model) -> None:
+def _check_owners(block_owners, group, model, process_group) -> None:
     if not isinstance(block_owners, bool):
         raise ValueError(f"pager: block_owners={block_owners!r} must be True or False.")
     if not block_owners:
         return
-    if group is None:
+    if process_group is False:
         raise ValueError(
             "pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
-            "node; it needs a process group (torch.distributed initialized with more than one rank, "
-            "or process_group=...)."
+            "node, and process_group=False turns the ranks off; leave one of them out."
         )
-    owners.check_model(model)
+    if group is not None:
+        owners.check_model(model)
 
 
 def _links(helpers, engine) -> int:
