@@ -34,7 +34,7 @@ import numpy as np
 
 _PAGE_BYTES = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_libc = None
+_libc: ctypes.CDLL | bool | None = None  # (False: looked for and not there)
 
 
 def _c_library():
@@ -58,7 +58,7 @@ def _c_library():
             lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             _libc = lib
-    return _libc or None
+    return _libc if isinstance(_libc, ctypes.CDLL) else None
 
 
 class CacheProbe:
@@ -85,12 +85,16 @@ class CacheProbe:
             return False
         first = start - start % _PAGE_BYTES
         pages = -(-(end - first) // _PAGE_BYTES)
-        resident = (ctypes.c_ubyte * pages)()
-        if _c_library().mincore(self._address + first, end - first, resident) != 0:
+        resident = bytearray(pages)
+        libc = _c_library()
+        if libc is None or libc.mincore(
+            self._address + first, end - first, (ctypes.c_ubyte * pages).from_buffer(resident)
+        ):
             return False
         return bool(np.all(np.frombuffer(resident, dtype=np.uint8) & 1))  # (bit 0: resident; the rest reserved)
 
     def close(self) -> None:
-        if self._address is not None:
-            _c_library().munmap(self._address, self.size_bytes)
-            self._address = None
+        libc = _c_library()
+        if self._address is not None and libc is not None:
+            libc.munmap(self._address, self.size_bytes)
+        self._address = None
