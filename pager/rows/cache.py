@@ -41,10 +41,10 @@ class RowCache:
         per_row = self.row_bytes * len(self.kinds) + _SLOT_BYTES
         capacity = max(0, (self.nbytes - self.map_bytes) // per_row - 1) if self.nbytes > self.map_bytes else 0
         self.capacity = min(capacity, self.n_rows)
-        self.columns = {}
+        self.columns: dict[str, torch.Tensor] = {}
         self.any_dirty = False  # (on the host: no dirty slot, no look for one)
+        self.slot_of_row: torch.Tensor | None = None  # (None: no slots)
         if self.capacity == 0:
-            self.slot_of_row = None
             return
         # Row n_rows is a dummy: an empty slot's row, so that clearing the map
         # entries of evicted slots needs no mask (no host sync). Likewise slot
@@ -61,7 +61,7 @@ class RowCache:
         """Forget every row (the caller has written the dirty ones back, or they are stale)."""
         self.epoch += 1
         if self.capacity:
-            self.slot_of_row.fill_(-1)
+            self.slot_map().fill_(-1)
             self.row_of_slot.fill_(self.n_rows)
             self.last_use.fill_(-1)
             self.dirty.zero_()
@@ -73,7 +73,7 @@ class RowCache:
         knows it, spares the host sync that counts them."""
         if self.capacity == 0:
             return None, None, torch.arange(rows.numel(), device=rows.device)
-        slots = self.slot_of_row.index_select(0, rows).long()
+        slots = self.slot_map().index_select(0, rows).long()
         if n_miss is None:
             n_miss = int((slots < 0).sum())  # (a host sync)
         if n_miss == 0:
@@ -107,9 +107,10 @@ class RowCache:
         `victims` (as many, from `make_room`); the rows they held get `mark`
         in the map (-1, or the mark of the write-back that took them out)."""
         self.epoch += 1
-        self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), mark)
+        slot_of_row = self.slot_map()
+        slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims), mark)
         self.row_of_slot.index_copy_(0, victims, rows)
-        self.slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
+        slot_of_row.index_copy_(0, rows, victims.to(torch.int32))
         self.last_use.index_fill_(0, victims, self.tick)
         for kind, column in self.columns.items():
             column.index_copy_(0, victims, values[kind])
@@ -120,7 +121,7 @@ class RowCache:
         them; keep: None), or None if none is; else all of them, with a
         device mask of the dirty ones to keep (no host sync: the writer's
         thread picks them, [Note: rows written back by the host] in rows/writer.py)."""
-        keep = self.dirty.index_select(0, victims)
+        keep: torch.Tensor | None = self.dirty.index_select(0, victims)
         if exact:
             victims, keep = victims[keep], None
             if victims.numel() == 0:
@@ -146,7 +147,7 @@ class RowCache:
         if self.capacity == 0:
             return
         if slots is None:
-            slots = self.slot_of_row.index_select(0, rows).long()
+            slots = self.slot_map().index_select(0, rows).long()
             slots = torch.where(slots >= 0, slots, self.capacity)
         for kind, v in values.items():
             self.columns[kind].index_copy_(0, slots, v)
@@ -155,7 +156,13 @@ class RowCache:
             self.any_dirty = True
 
     def map(self) -> CacheMap:
-        return CacheMap(self.slot_of_row, self.row_of_slot, self.last_use, self.dirty, self.columns[WEIGHT])
+        return CacheMap(self.slot_map(), self.row_of_slot, self.last_use, self.dirty, self.columns[WEIGHT])
+
+    def slot_map(self) -> torch.Tensor:
+        """The row-to-slot map, of a cache with slots."""
+        if self.slot_of_row is None:
+            raise RuntimeError("pager: a row cache with no slots was asked for its map (a bug in pager)")
+        return self.slot_of_row
 
     def device_bytes(self) -> int:
         if not self.capacity:

@@ -225,17 +225,19 @@ def place_rows(
     out = torch.empty(u, dim, dtype=cache.column.dtype, device=device)
     slots = torch.empty(u, dtype=torch.long, device=device)
     m = victims.numel()
-    taken = None
-    if take_out:
-        taken = (
+    taken = (
+        (
             torch.empty(m, dtype=torch.long, device=device),
             torch.empty(m, dtype=torch.bool, device=device),
             torch.empty(m, dim, dtype=cache.column.dtype, device=device),
         )
+        if take_out
+        else None
+    )
     if not u:
         return out, slots, taken
     if uses_kernels(out):
-        ev_rows, ev_keep, ev_values = taken if take_out else (slots, slots, out)  # (unused unless take_out)
+        ev_rows, ev_keep, ev_values = taken if taken is not None else (slots, slots, out)  # (unused unless take_out)
         _place_kernel[(u,)](
             lookups.rows,
             lookups.need.view(torch.uint8),
@@ -264,7 +266,7 @@ def place_rows(
     slots.copy_(cache.slot_of_row.index_select(0, lookups.rows[:u]))
     at = need.nonzero().squeeze(1)  # (in rank order; a host sync on CUDA: without Triton)
     old = cache.row_of_slot.index_select(0, victims)
-    if take_out:
+    if taken is not None:
         keep = cache.dirty.index_select(0, victims)
         taken[0].copy_(old), taken[1].copy_(keep), taken[2].copy_(cache.column.index_select(0, victims))
         gone = torch.where(keep, mark, -1).to(torch.int32)

@@ -71,6 +71,7 @@ other write to the table drops the rows read ahead (`RowTable.forget`).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 
@@ -128,7 +129,7 @@ class HostRowReader:
         self.learn = True  # False: `mapped_share` as set (1.0: the kernel alone)
         self.row_seconds = {"kernel": None, "split": None}  # measured per row, each way
         self._reads = 0
-        self._pending = None  # the last read's events, to learn from
+        self._pending: tuple | None = None  # the last read's events, to learn from
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """The table's `rows` (sorted, on the device) as a new device tensor."""
@@ -178,7 +179,7 @@ class HostRowReader:
         """Gather `rows_cpu` by CPU threads into staging, chunk by chunk, each
         copied to `out` on the row stream while the next is gathered; the
         compute stream waits for the copies. Returns the CPU's seconds."""
-        rs = self.rows_stream
+        rs = cast(RowStream, self.rows_stream)  # (a split read has one: `_split_now`)
         row_bytes = self.host.shape[1] * self.host.element_size()
         stage = rs.staging(rows_cpu.numel() * row_bytes)[: rows_cpu.numel() * row_bytes]
         stage = stage.view(self.host.dtype).view(-1, self.host.shape[1])
@@ -262,7 +263,7 @@ class ReadAhead:
         self.lookups, self.values = lookups, values
         self.in_flight = list(in_flight)
         self._facts, self._facts_ready, self.done, self.rows_stream = facts, facts_ready, done, rows_stream
-        self.written = []  # row tensors written since the read began
+        self.written: list[torch.Tensor] = []  # row tensors written since the read began
         self._counted = False  # the rows read went to the stats
 
     @classmethod
@@ -369,7 +370,7 @@ class ReadAhead:
         """Make the compute stream wait for the read, whose `tensors` it uses now."""
         if self.done is None:
             return
-        compute = self.rows_stream.transport.compute_stream()
+        compute = cast(RowStream, self.rows_stream).transport.compute_stream()  # (`done`: read on the row stream)
         # The read ahead ran on the row stream; its tensors are used here now.
         compute.wait_event(self.done)
         for t in tensors:

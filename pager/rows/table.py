@@ -139,7 +139,7 @@ rows; a training loop makes none.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -178,12 +178,12 @@ class RowTable:
 
     def __init__(self, pager, name: str, module: nn.Module, cache_bytes: int):
         self.pager, self.name, self.module = pager, name, module
-        self.param = param = module.weight
+        self.param = param = cast(nn.Parameter, module.weight)
         self.device = pager.device
         self.original_device = param.device
         self.shape, self.dtype = param.shape, param.dtype
         self.row_bytes = param.shape[1] * param.element_size()
-        self._registered = None  # a CPU table page-locked where it is (unregistered at restore)
+        self._registered: torch.Tensor | None = None  # a CPU table page-locked where it is (unregistered at restore)
         adopted = self._adopt_in_place(param.detach())
         self._adopted = adopted is not None
         self.host = adopted if adopted is not None else self._new_host_table(param.detach())
@@ -192,16 +192,16 @@ class RowTable:
         self.host_aliases = {WEIGHT: host_alias(self.host)}  # kind -> what the writer's thread stores into
         self.views = {WEIGHT: host_view(self.host, self.device)}
         self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
-        self.state_views = {}  # kind -> the state table as the optimizer holds it (a RowStateTensor)
-        self.ahead = None  # rows read ahead by `expect` (a ReadAhead)
-        self._rows_held = None  # see `_note_rows_held`
-        self._placed = None  # the last lookup's rows where it put them (a Placed), if training: `step`
+        self.state_views: dict[str, torch.Tensor] = {}  # kind -> the state table as the optimizer holds it
+        self.ahead: ReadAhead | None = None  # rows read ahead by `expect`
+        self._rows_held: bool | int | None = None  # see `_note_rows_held`
+        self._placed: Placed | None = None  # the last lookup's rows where it put them, if training: `step`
         self.cache = RowCache(self.shape[0], self.shape[1], self.dtype, cache_bytes, self.device)
-        self._aliases = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
+        self._aliases: weakref.WeakSet = weakref.WeakSet()  # tensors sharing a host table's memory (`note_aliases`)
         with torch.no_grad():
             param.data = self.host
         param.__class__ = RowTableParameter
-        param._row_table = self
+        cast(RowTableParameter, param)._row_table = self
         self._version = param._version
 
     def _adopt_in_place(self, value: torch.Tensor):
@@ -326,7 +326,7 @@ class RowTable:
             if prepared is None:
                 lookups, u, n_miss, pad = self._batch_rows(bound["input"], pad)
             else:
-                (lookups, u, n_miss, pad), values = prepared, ahead.values
+                (lookups, u, n_miss, pad), values = prepared, cast(ReadAhead, ahead).values
             rows = lookups.rows[:u]
             training = torch.is_grad_enabled() and self.param.requires_grad
             insert = training or len(cache.kinds) == 1
@@ -390,10 +390,10 @@ class RowTable:
         state_kinds = [k for k in cache.kinds if k != WEIGHT]
         missing = lookups.missing[:n_miss]
         by_rank = values is None
-        if by_rank:
+        if values is None:
             values = self._read_missed(WEIGHT, missing)
         cache.tick += 1
-        touch_hits(lookups, u, cache.slot_of_row, cache.last_use, cache.tick)
+        touch_hits(lookups, u, cache.slot_map(), cache.last_use, cache.tick)
         victims = torch.topk(cache.last_use, n_miss, largest=False).indices  # (none a hit: those hold this tick)
         take_out, mark, taken_state = cache.any_dirty and n_miss > 0, -1, {}
         if take_out:
@@ -442,7 +442,7 @@ class RowTable:
         n, n_miss, dim = rows.numel(), miss_pos.numel(), self.shape[1]
         counters.row_hits += n - n_miss
         counters.row_misses += n_miss
-        miss_rows = rows.index_select(0, miss_pos) if n_miss else None
+        miss_rows = rows.index_select(0, miss_pos) if n_miss else rows[:0]  # (a view: no kernel)
         victims, mark = None, -1
         if cache.capacity:
             cache.touch(slots)
@@ -453,7 +453,8 @@ class RowTable:
                 if evicted is not None:
                     # (cached rows, so none of those read below: the reads do not wait for this write)
                     mark = self.writes.next_mark()
-                    self.writes.to_host(*evicted, aside=True)
+                    rows_out, values_out, keep_out = evicted
+                    self.writes.to_host(rows_out, values_out, keep_out, aside=True)
         out = {}
         for kind in kinds:
             if hit_pos is None and slots is not None:  # every row a hit
@@ -538,7 +539,7 @@ class RowTable:
 
     # ---------------------------------------------------------- gradients
     def _grad_arrived(self, rows: torch.Tensor, leaf: torch.Tensor, every_row: bool) -> None:
-        grad, leaf.grad = leaf.grad, None
+        grad, leaf.grad = cast(torch.Tensor, leaf.grad), None  # (its hook runs once the gradient is there)
         with self.pager.lock:
             current = self.param.grad
             if current is None:
@@ -578,7 +579,7 @@ class RowTable:
         if isinstance(grad, RowGrad):
             grad = grad.make_real()
         param.__class__ = nn.Parameter
-        del param._row_table
+        delattr(param, "_row_table")
         with torch.no_grad():
             # (an adopted table is the user's own CPU tensor: it stays; an arena page is copied out)
             param.data = self.host if self._adopted else self.host.to(self.original_device, copy=True)
@@ -688,7 +689,7 @@ def row_table_problem(model: nn.Module, m: nn.Module) -> str | None:
             f"a {type(m).__name__}; row paging takes nn.Embedding and nn.EmbeddingBag modules whose forward "
             f"is torch's own"
         )
-    w = m.weight
+    w = cast(torch.Tensor, m.weight)
     if is_wrapper(w):
         return (
             f"whose weight is a quantized {type(w).__qualname__}; row tables page plain matrices. Leave it "

@@ -6,6 +6,8 @@ tables] in rows/table.py.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -87,6 +89,7 @@ def _as_plain(self, cls, fn):
 class RowTableParameter(nn.Parameter):
     """The class of a row table's weight while wrapped (see [Note: row tables] in rows/table.py)."""
 
+    _row_table: Any  # its RowTable
     __torch_function__ = classmethod(_table_function)
 
     def __deepcopy__(self, memo):
@@ -101,6 +104,7 @@ class RowStateTensor(torch.Tensor):
     as the optimizer holds it: the host table itself, whose reads see the
     state rows the device cache changed (see [Note: write-back of cached rows] in rows/table.py)."""
 
+    _row_table: Any  # its RowTable
     __torch_function__ = classmethod(_state_function)
 
     @staticmethod
@@ -122,6 +126,12 @@ _GUARDS = {nn.Parameter: RowTableParameter, torch.Tensor: RowStateTensor}
 class RowGrad(torch.Tensor):
     """`weight.grad` of a row table: its gradient, kept on the device until
     something reads it (see [Note: row tables] in rows/table.py)."""
+
+    table: Any  # its RowTable
+    first: tuple[torch.Tensor, torch.Tensor, bool] | None
+    acc: torch.Tensor | None
+    pieces: list[tuple[torch.Tensor, torch.Tensor]]
+    made: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, table):
@@ -162,13 +172,13 @@ class RowGrad(torch.Tensor):
             return func(*args, **kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         raise RuntimeError(
             f"pager: {func} reached a row table's gradient below Python (from C++); read it from Python "
             f"(weight.grad), which gives the real sparse gradient."
         )
 
-    def add(self, rows: torch.Tensor, grad: torch.Tensor, every_row: bool) -> None:
+    def add(self, rows: torch.Tensor, grad: torch.Tensor, every_row: bool) -> None:  # type: ignore[override]
         """Accumulate the gradient `grad` of the batch rows `rows` (a lookup's,
         sorted and unique). `every_row`: a sparse `grad` has terms for every
         one of `rows` (no padding row among them, whose lookups torch's
@@ -180,7 +190,8 @@ class RowGrad(torch.Tensor):
             self.first = (rows, grad, every_row)
             return
         self._accumulate()
-        self.acc += self._of_table(rows, grad)  # (as autograd adds a second sparse gradient)
+        acc = cast(torch.Tensor, self.acc)
+        acc += self._of_table(rows, grad)  # (as autograd adds a second sparse gradient)
 
     def _accumulate(self) -> None:
         """The first sparse gradient, renumbered to the table's rows, as `acc`."""
@@ -219,7 +230,7 @@ class RowGrad(torch.Tensor):
             return _join_pieces(self.pieces, self.shape[1])
         return None
 
-    def norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+    def norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:  # type: ignore[override]
         """The gradient's norm (what clip_grad_norm_ asks of each gradient),
         computed on the device: no copy to the host."""
         joined = self.rows_and_grad()

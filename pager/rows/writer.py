@@ -60,7 +60,8 @@ def host_alias(host: torch.Tensor) -> torch.Tensor:
         if row_bytes % t.itemsize == 0 and at % t.itemsize == 0
     )
     alias = torch.empty(0, dtype=dtype)
-    return alias.set_(host.untyped_storage(), at // dtype.itemsize, (host.shape[0], row_bytes // dtype.itemsize))
+    shape = (host.shape[0], row_bytes // dtype.itemsize)
+    return alias.set_(host.untyped_storage(), at // dtype.itemsize, shape, (shape[1], 1))
 
 
 class HostWrite:
@@ -102,7 +103,7 @@ class HostRowWriter:
         `rows` of `tables[kind]` (`host_alias`es), those where `keep` (a
         device mask) if given; the values were made on the compute stream,
         which runs on. Rows in order store fastest."""
-        buffers = []
+        buffers: list[torch.Tensor] = []
         rows_host, copied = self.transport.send_to_host(rows, self._pinned(rows, buffers))
         keep_host = None
         if keep is not None:

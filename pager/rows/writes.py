@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .kernels import GENERATIONS, mark_of
+from .writer import HostWrite
 
 WRITES_IN_FLIGHT = 2  # write-backs a table's writer's thread may have queued, at most
 
@@ -24,7 +25,7 @@ class WriteBack(NamedTuple):
 
     rows: torch.Tensor  # on the device, sorted
     values: dict  # kind -> [len(rows), dim] on the device: what it writes (rows that are clean included)
-    written: object  # its HostWrite
+    written: HostWrite  # the writer's
     generation: int  # its number: the mark of its rows in the cache's map
 
 
