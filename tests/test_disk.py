@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -181,6 +182,32 @@ def test_regions_are_pinned_ahead_and_unwrap_or_reset_right_after_load_are_safe(
             assert pg.stats().disk_read_bytes == total
         pager.unwrap(model)
         assert_models_equal(model, ref)
+
+
+def test_pages_are_read_in_the_background_before_any_forward(tmp_path, monkeypatch):
+    """[Note: regions pinned ahead]: with no forward to place them, the
+    supply's thread places each page as its region is made and its read starts."""
+    from pager.engine import arena
+
+    monkeypatch.setattr(arena, "REGION_BYTES", 256 << 10)  # (a region a page: the supply makes several)
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "file")
+    total = sum(t.numel() * t.element_size() for t in _state(ref).values())
+    model = _meta(**BIG)
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu")
+    pg = pager.of(model)
+    deadline = time.monotonic() + 60
+    while pg.counters.disk_read_bytes < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pg.counters.disk_read_bytes == total
+    assert len(pg.engine.host.disks[pg].arena.chunks) > 3
+    pg.reset()  # (from here: the forward's own counts)
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    assert pg.stats().host_misses == 0 and pg.stats().disk_read_bytes == 0  # (every page was read before it)
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
 
 
 def test_region_supply_plans_first_fit_and_raises_a_pinning_error_where_the_region_is_taken():

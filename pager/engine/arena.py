@@ -15,13 +15,17 @@ for a page to be read: that thread then placed most pages itself, pinning
 as it went, and the first token took 2.0 s instead of 1.3 s.
 
 So the pinning alone moves off: `RegionSupply` pins, on a thread of its
-own, as many regions as the pages to read need (it takes no lock: it only
-makes memory), and hands them over in a queue. The using thread takes one
-when a page fits no hole (`PageArena.allocate`), waiting at most for the
-region being pinned, and places the pages that fit the regions already made
-each time it uses the disk tier (`DiskTier._place_unread`), so reads start
-as soon as their memory exists. An error while pinning (the locked-memory
-limit) is raised on the thread that takes that region.
+own, as many regions as the pages to read need, and hands them over in a
+queue; it never waits for a lock. A page is placed (under the engine's lock,
+as always) by whichever thread gets there first: the supply's thread after
+each region, if the lock is free at that moment (it only tries), or the
+using thread at its next use of the disk tier (`DiskTier._place_unread`),
+which takes a region when a page fits no hole (`PageArena.allocate`),
+waiting at most for the one being pinned. So reads start as soon as their
+memory exists, whether or not a forward runs. An error while pinning (the
+locked-memory limit) is raised on the thread that takes that region; one
+while placing on the supply's thread, on the next thread that uses the disk
+tier.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ class RegionSupply:
     Args:
         sizes: the bytes of each region to make, in order.
         pin: page-lock them (CUDA).
+        made: called (on the supply's thread) after each region is ready.
     """
 
-    def __init__(self, sizes: list[int], pin: bool):
-        self.pin = pin
+    def __init__(self, sizes: list[int], pin: bool, made=None):
+        self.pin, self._made = pin, made
         # (pinned in the context of the device current here, as on this thread: a new thread's is cuda:0)
         self._device = torch.cuda.current_device() if pin else None
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # regions made (or the error that stopped it)
@@ -78,6 +83,8 @@ class RegionSupply:
                 if self._stop.is_set():
                     return
                 self._ready.put(new_region(nbytes, self.pin))
+                if self._made is not None:
+                    self._made()
         except BaseException as e:  # (raised on the thread that takes the region: `take`)
             self._ready.put(e)
 
@@ -121,9 +128,10 @@ class PageArena:
         self.reserved_bytes = self.used_bytes = 0
         self._supply: RegionSupply | None = None
 
-    def supply(self, page_bytes: list[int]) -> None:
+    def supply(self, page_bytes: list[int], made=None) -> None:
         """Start pinning, in the background, regions for pages of `page_bytes`
-        (in the order they will be placed) beyond the holes there are now."""
+        (in the order they will be placed) beyond the holes there are now;
+        `made()` is called on that thread after each."""
         holes = [hole[1] for holes in self.free for hole in holes]
         sizes: list[int] = []
         for nbytes in map(align_up, page_bytes):  # (first fit, as `allocate` places them)
@@ -134,7 +142,7 @@ class PageArena:
                 fit = len(holes) - 1
             holes[fit] -= nbytes
         if sizes:
-            self._supply = RegionSupply(sizes, self.pin)
+            self._supply = RegionSupply(sizes, self.pin, made)
 
     def fits(self, nbytes: int) -> bool:
         """A page of `nbytes` can be placed without waiting for a region to be pinned."""
@@ -189,10 +197,14 @@ class PageArena:
         self.free.append([[0, chunk.numel()]])
         self.reserved_bytes += chunk.numel()
 
-    def close(self) -> None:
+    def stop_supply(self) -> None:
+        """Stop pinning regions ahead; those made and not taken are given back."""
         if self._supply is not None:
             self._supply.close()
             self._supply = None
+
+    def close(self) -> None:
+        self.stop_supply()
         if self.pin:
             unregister(self._bases)
         self._bases.clear()

@@ -296,6 +296,7 @@ class DiskTier:
         self._io_lock = threading.Lock()
         self._busy, self._busy_since = 0, 0.0
         self._unread: deque = deque()  # pages `read_all` has yet to place ([Note: regions pinned ahead])
+        self._placing_error: BaseException | None = None  # raised on the supply's thread, for the next use
         self.kept: set = set()  # weights pages that stay in host memory ([Note: a kept set in host memory])
         self._kept_plan = None  # the schedule's plan they were chosen for
 
@@ -401,8 +402,21 @@ class DiskTier:
         as the host memory for them is pinned in the background ([Note: regions
         pinned ahead] in engine/arena.py): host memory holds every page."""
         self._unread.extend(seg for block in blocks for seg in block.weight_segments if self._needs_read(seg))
-        self.arena.supply([seg.nbytes for seg in self._unread if seg not in self.reading])
+        self.arena.supply([seg.nbytes for seg in self._unread if seg not in self.reading], self._region_made)
         self._place_unread()
+
+    def _region_made(self) -> None:
+        """On the supply's thread, after a region is pinned: place what now
+        fits, if the engine's lock is free (else the next use does)."""
+        lock = self.owner.lock
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            self._place_unread()
+        except BaseException as e:  # (raised on the next thread that uses the tier: `_tick`)
+            self._placing_error = e
+        finally:
+            lock.release()
 
     def _place_unread(self) -> None:
         """Place the pages `read_all` left that fit the host memory made so far,
@@ -442,6 +456,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Let every read and write end, free host memory, close files, drop spilled pages."""
+        self.arena.stop_supply()  # (first: its thread may be placing pages and starting reads)
         self._unread.clear()
         for read in self.reading.values():
             for f in read.futures:
@@ -532,6 +547,9 @@ class DiskTier:
     def _tick(self) -> None:
         """At each use: reads that ended settle, and pages `read_all` left whose host memory is made start reading."""
         self._collect()
+        if self._placing_error is not None:
+            error, self._placing_error = self._placing_error, None
+            raise error
         if self._unread:
             self._place_unread()
 
