@@ -138,7 +138,7 @@ def test_checkpoint_bytes_in_the_page_cache_are_read_from_it_and_others_direct(t
 
 def test_a_range_the_page_cache_holds_is_copied_from_it_and_one_it_does_not_is_read_direct(tmp_path):
     from pager.engine.arena import aligned_empty
-    from pager.engine.disk import Files, Piece, ReadPath, read_range
+    from pager.engine.page_io import Files, Piece, ReadPath, read_range
 
     data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     path = tmp_path / "pages.bin"

@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..base.files import Entry
-from ..engine.disk import Piece
+from ..engine.page_io import Piece
 
 
 class Unconvertible(ValueError):

@@ -13,8 +13,9 @@ import torch.nn as nn
 from ..base import guards, wrappers
 from ..base.budget import parse_budget, resolve_device
 from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, replace_atomically
-from ..engine.disk import DiskTier, Piece, check_host_budget
+from ..engine.disk import DiskTier, check_host_budget
 from ..engine.engine import Engine
+from ..engine.page_io import Piece
 from ..model import discover
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed

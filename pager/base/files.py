@@ -5,7 +5,7 @@ and a streaming, crash-safe writer.
 `pager.load` never builds a state dict. For safetensors files (one, or
 sharded with a `model.safetensors.index.json`, the format model hubs ship) it
 parses only the headers: each tensor is a byte range of a file, and the disk
-tier (`engine/disk.py`) reads those ranges straight into host pages. For
+tier (`engine/disk.py`, `engine/page_io.py`) reads those ranges straight into host pages. For
 `torch.save` files, `torch.load(mmap=True, weights_only=True)` gives tensors
 backed by the mapped file, read through the page cache when a page is filled.
 Every structural fault (a header that is not JSON, an unknown dtype, a range
@@ -14,7 +14,7 @@ file: a truncated download) is refused here, naming the file, the offset and
 the tensor, before the model is touched.
 
 [Note: crash-safe writes]
-A checkpoint (`save`) and a spilled page (`engine/disk.py`) are written to a new
+A checkpoint (`save`) and a spilled page (`engine/page_io.py`) are written to a new
 file next to their destination, fsync'd, renamed over the destination and
 the folder fsync'd. A process killed at any moment leaves either the old
 file or the new one, never a torn one: the last complete checkpoint stays

@@ -2,7 +2,7 @@
 
 [Note: files already in the page cache]
 Pages are read from checkpoint files past the page cache (`O_DIRECT`,
-[Note: direct reads] in engine/disk.py), so that a model larger than host
+[Note: direct reads] in engine/page_io.py), so that a model larger than host
 RAM is read at the drive's rate and leaves no second copy in the cache. But
 the files a user has just downloaded, saved or loaded are usually in the page
 cache already. A direct read of those goes back to the drive for bytes that
