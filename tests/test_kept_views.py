@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import pager
 from helpers import assert_same
 from test_transparency import page_out_everything
-from pager.base import guards as _paged
+from pager.base import views
 class Keeper(nn.Module):
     """Keeps views of its weight: as an attribute, in a list outside the model,
     and hands a slice of its table to the next layer."""
@@ -115,8 +115,8 @@ def test_training_steps_search_python_objects_only_when_something_new_is_kept(mo
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     searches = []
-    real = _paged._python_tensors
-    monkeypatch.setattr(_paged, "_python_tensors", lambda: searches.append(1) or real())
+    real = views._python_tensors
+    monkeypatch.setattr(views, "_python_tensors", lambda: searches.append(1) or real())
     x = torch.randn(4, 32)
     for step in range(4):
         for m, o in ((model, opt), (ref, ref_opt)):

@@ -10,7 +10,7 @@ protocol: a packed value is a `(tensor, version)` pair or an object with
 
 [Note: autograd's saved views, counted]
 With several Python threads the search of every object is out
-([Note: views kept from a use] in base/guards.py), so what a forward that builds a
+([Note: views kept from a use] in base/views.py), so what a forward that builds a
 graph leaves unaccounted for could be autograd's saved views (expected) or a
 view a user keeps somewhere pager cannot look (which must keep the block on
 the device). To tell them apart, the forward of a block runs, in the shared

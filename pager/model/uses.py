@@ -5,7 +5,7 @@ device: the engine brings its pages, compute waits for them, its tensors are
 opened to the threads using it, updates deferred to this use run, and its
 gradients are exposed. Releasing it unpins it, guards its tensors again and
 marks its last use for the copy stream. Views of its weights that a use leaves
-behind are tracked here ([Note: views kept from a use] in base/guards.py).
+behind are tracked here ([Note: views kept from a use] in base/views.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from itertools import chain
 
-from ..base import guards, saving
+from ..base import guards, saving, views
 from ..base.block import Block
 from ..base.common import EVERYONE, STEP, WEIGHTS, _record_range
 from ..base.threads import other_threads
@@ -189,7 +189,7 @@ class Uses:
     def track_kept_views(self, block: Block, places, use) -> None:
         """Remember views of `block`'s weights that its use left behind (an
         output, an attribute, a list a hook keeps): they are guarded with the
-        block from now on. See [Note: views kept from a use] in base/guards.py."""
+        block from now on. See [Note: views kept from a use] in base/views.py."""
         segs = block.weight_segments
         if block.module is None or block.resident_for_life or not segs or not segs[0].resident:
             return
@@ -203,7 +203,7 @@ class Uses:
         # search, and the block stays while the excess lives (its backward).
         alone = not other_threads()
         searchable = alone and use[-1] != saving.OTHERS
-        found, unaccounted = guards.track_kept_views(
+        found, unaccounted = views.track_kept_views(
             segs, chain(places, block.module.modules()), use, search_all=searchable, learn=searchable
         )
         if found:
@@ -224,7 +224,7 @@ class Uses:
         use = block.unaccounted_use
         if use is None:
             return False
-        if any(guards.has_unknown_views(w, use) for w in block.weight_segments):
+        if any(views.has_unknown_views(w, use) for w in block.weight_segments):
             self.pager.warn_once(
                 f"kept-stays:{block.name}",
                 "pager: block %r stays on the device while views of its weights kept "
