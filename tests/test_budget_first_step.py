@@ -157,6 +157,10 @@ def test_plan_names_the_least_budget_the_defaults_train_with(make, covers):
         model, least - 1, device="cpu", inputs={"input_ids": batch(0)}, optimizer=opt, budget_covers=covers
     )
     assert unlabelled.train_min_budget_bytes < least and any("`labels`" in n for n in unlabelled.notes)
+    assert "ESTIMATED" not in str(plan)
+    # Without the optimizer its state is an estimate (AdamW keeps `step` tensors too), and the plan says so.
+    estimated = pager.plan(model, "1GiB", device="cpu", inputs=inputs, budget_covers=covers)
+    assert estimated.train_min_budget_bytes < least and "optimizer state ESTIMATED at 2x" in str(estimated)
     pager.wrap(model, budget=least - 1, device="cpu", optimizer=opt, budget_covers=covers)
     with pytest.raises(pager.BudgetError) as refused:
         train_steps(model, opt, 1)

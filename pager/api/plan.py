@@ -85,6 +85,9 @@ class Plan:
     # Under budget_covers="process": what the process holds outside pager at a step's peak, predicted
     # from `inputs` ([Note: what sits outside pager, predicted] in training/dry_run.py); in train_budgets.
     outside_bytes: int = 0
+    # Without `optimizer`: the optimizer state counted is this many times the weights (`state_factor`), an
+    # estimate; a run's optimizer may keep more (Adam's `step` tensors beside each parameter).
+    state_estimated_factor: float | None = None
     # With `host_budget` (`pager.load`'s disk tier): what host memory keeps,
     # and what a forward reads from disk ([Note: a kept set in host memory]).
     host_budget_bytes: int | None = None
@@ -158,6 +161,12 @@ class Plan:
                 f"gradients and optimizer state; ACTIVATIONS NOT COUNTED, so this is a lower bound, not a budget "
                 f"that trains (give the forward's inputs, labels too where the model computes its loss: "
                 f"inputs= or --inputs)"
+            )
+        if self.state_estimated_factor is not None:
+            out.append(
+                f"  optimizer state ESTIMATED at {self.state_estimated_factor:g}x the weights (Adam's two "
+                f"moments): pass the optimizer (optimizer= or --optimizer) for what yours keeps, such as Adam's `step` "
+                f"tensors; a run with more refuses below the larger figure"
             )
         if not self.runs:
             out.append(
@@ -444,6 +453,7 @@ def plan(
         training_peaks=peaks,
         train_budgets=train_budgets,
         outside_bytes=outside,
+        state_estimated_factor=None if optimizer is not None else state_factor,
     )
     if host_budget is not None:
         out.host_budget_bytes = parse_budget(host_budget, torch.device("cpu"), host_bound=False)
