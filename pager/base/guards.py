@@ -44,6 +44,7 @@ which `GradOps.grad_op` answers without moving bytes.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ExitStack
 from typing import Any, cast
 
@@ -52,7 +53,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import views
 from .common import outside_compile
 from .conversions import put_back_converted
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
@@ -376,7 +376,7 @@ def _remember_wrapper_views(result) -> None:
         if type(r) in GUARD_TYPES and is_wrapper(r) and id(r) not in TENSORS:
             entry = entry_of(r)
             if entry is not None:
-                views.remember_alias(entry[2], r)
+                remember_alias(entry[2], r)
 
 
 def _storage_gone(t) -> bool:
@@ -401,7 +401,7 @@ def _detached_wrapper(t):
             alias = t.detach()
         finally:
             t.__class__ = guard
-        views.remember_alias(entry[2], alias)
+        remember_alias(entry[2], alias)
     return alias
 
 
@@ -775,7 +775,7 @@ def _paged_out_view(func, args, kwargs):
         if isinstance(r, torch.Tensor):
             entry = entry_of(r)
             if entry is not None and id(r) not in TENSORS:
-                views.remember_alias(entry[2], r)
+                remember_alias(entry[2], r)
     return result
 
 
@@ -902,6 +902,38 @@ def _call_pinned(func, args, kwargs):
         result = func(*args, **kwargs)
     # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
     return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
+
+
+def aliases_in(result, wanted) -> list:
+    """(segment, tensor) for results that alias the storage of a block in `wanted`."""
+    out = []
+    for r in tree_leaves(result):
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in TENSORS:
+            continue  # (a segment's own tensor is no alias)
+        entry = entry_of(r)
+        if entry is not None and entry[1] in wanted:
+            out.append((entry[2], r))
+    return out
+
+
+def remember_alias(seg, t) -> bool:
+    """Track a view of `seg`'s storage: guarded while the segment is, and,
+    while it is in use, a reason to write the segment back (a write through
+    `.data` moves no version counter of the segment's tensors; writes through
+    a guarded view are served and marked then). True if it was new."""
+    new = not any(ref() is t for ref, _cls in seg.aliases)
+    if new:
+        cls = type(t)
+        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
+            cls = _swap_to_guard(t)
+            if cls is None:
+                return False
+        # Dead entries go as new ones come (a block that never leaves is never guarded again).
+        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
+        seg.aliases.append((weakref.ref(t), cls))
+    if seg.exposed or seg.open:
+        seg.force_dirty = True
+    return new
 
 
 def _name_of(t) -> str:

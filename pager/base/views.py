@@ -1,13 +1,11 @@
-"""Views of a block's storage that pager remembers: found in results of
-served accesses (`aliases_in`), remembered and guarded with their segment
-(`remember_alias`), and searched for after a use (`track_kept_views`). See
-[Note: paged-out tensors] in base/guards.py.
+"""Views of a block's storage made while it was in use, searched for after
+the use (`track_kept_views`) and remembered with their segment
+(`guards.remember_alias`). See [Note: paged-out tensors] in base/guards.py.
 """
 
 from __future__ import annotations
 
 import gc
-import weakref
 
 import torch
 import torch.nn as nn
@@ -15,41 +13,8 @@ from torch.utils._pytree import tree_leaves
 
 from . import guards
 from .block import storage_key
-from .registry import TENSORS, entry_of
+from .registry import TENSORS
 from .wrappers import inner_tensors, is_wrapper
-
-
-def aliases_in(result, wanted) -> list:
-    """(segment, tensor) for results that alias the storage of a block in `wanted`."""
-    out = []
-    for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r) in guards.STAND_INS or id(r) in TENSORS:
-            continue  # (a segment's own tensor is no alias)
-        entry = entry_of(r)
-        if entry is not None and entry[1] in wanted:
-            out.append((entry[2], r))
-    return out
-
-
-def remember_alias(seg, t) -> bool:
-    """Track a view of `seg`'s storage: guarded while the segment is, and,
-    while it is in use, a reason to write the segment back (a write through
-    `.data` moves no version counter of the segment's tensors; writes through
-    a guarded view are served and marked then). True if it was new."""
-    new = not any(ref() is t for ref, _cls in seg.aliases)
-    if new:
-        cls = type(t)
-        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
-            cls = guards._swap_to_guard(t)
-            if cls is None:
-                return False
-        # Dead entries go as new ones come (a block that never leaves is never guarded again).
-        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
-        seg.aliases.append((weakref.ref(t), cls))
-    if seg.exposed or seg.open:
-        seg.force_dirty = True
-    return new
-
 
 # ------------------------------------------------------------- kept views
 # [Note: views kept from a use]
@@ -123,7 +88,7 @@ def _adopt(segs, tensors) -> int:
         except (RuntimeError, NotImplementedError, TypeError, IndexError):
             continue  # a tensor with no storage of its own
         if seg is not None and t is not seg.flat and id(t) not in TENSORS:  # (not one of its own)
-            found += remember_alias(seg, t)
+            found += guards.remember_alias(seg, t)
     return found
 
 
