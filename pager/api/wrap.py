@@ -7,21 +7,18 @@ import logging
 import torch
 import torch.nn as nn
 
-from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
-from ..engine.engine import Engine
 from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
-from ..engine.split_fetch import helper_budgets, resolve_helpers
 from ..model import discover, outside
 from ..model.build import add_row_tables, build_blocks
 from ..model.pager import Pager
-from ..model.pool import Pool
 from ..rows.table import choose as choose_row_tables
-from ..training import distributed, host_step, masters, owners
+from ..training import distributed, host_step, owners
 from ..training.checkpoint import close
-from .fit import default_blocks, too_large_message
+from . import checks
+from .fit import default_blocks
 
 log = logging.getLogger("pager")
 
@@ -182,7 +179,7 @@ def wrap(
             `opt.state_dict()` and `unwrap` then gather the state from the
             owners: call them on every rank. With one process (plain
             `python`, or one rank) it trains as without, so one script runs
-            on 1 to N GPUs ([Note: one script from 1 to N GPUs]).
+            on 1 to N GPUs ([Note: one script from 1 to N GPUs] in api/checks.py).
         split_fetch: other GPUs of this host whose PCIe links carry a share of
             every fetch: "all" (every GPU that can write to `device` over a
             peer link, NVLink), a list such as ["cuda:1"], or a dict of them
@@ -292,14 +289,14 @@ def _wrap(
     (`pager.load` gives the pager its disk tier there). `rows_from_values`:
     tables may go by rows unasked (False where their values are mapped
     files, which a row table would keep as its host table)."""
-    engine = _engine_of(budget, pool)
-    device = _shared_device(engine, device) if engine is not None else resolve_device(device)
+    engine = checks.engine_of(budget, pool)
+    device = checks.shared_device(engine, device) if engine is not None else resolve_device(device)
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"pager: name={name!r} must be a non-empty string.")
     if name is not None and engine is not None and any(o.name == name for o in engine.owners):
         raise ValueError(f"pager: name={name!r} is taken by another model of this pool; give another.")
-    _check_not_wrapped(model)
-    _check_tensors(model, device)
+    checks.check_not_wrapped(model)
+    checks.check_tensors(model, device)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
     if not isinstance(defer_step, bool):
@@ -324,27 +321,27 @@ def _wrap(
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
-    _check_owners(block_owners, group, model, process_group)
+    checks.check_owners(block_owners, group, model, process_group)
     share_host_pages = True if block_owners else share_host_pages
-    _check_sharing(share_host_pages, group, compress, setup, process_group)
+    checks.check_sharing(share_host_pages, group, compress, setup, process_group)
     if group is None and (block_owners or share_host_pages):
-        # ([Note: one script from 1 to N GPUs]) one process: nothing to share with, and the model trains as alone
+        # One process: nothing to share ([Note: one script from 1 to N GPUs] in api/checks.py).
         log.info(
             "pager: %s with one process (torch.distributed not initialized, or one rank): nothing to share; "
             "the model trains as a single process does.",
             "block_owners=True" if block_owners else "share_host_pages=True",
         )
         block_owners = share_host_pages = False
-    helpers = _split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
+    helpers = checks.split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
-        _check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
+        checks.check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and group is None and engine is None:
         # ([Note: nothing resident by force] in api/fit.py; by rows unasked only from values in memory)
         unasked_rows = rows is None and setup is None and rows_from_values
         tables, spec = default_blocks(model, budget_bytes, tables, rows_allowed=unasked_rows)
     if master_weights:
-        _check_master_tables(tables)
+        checks.check_master_tables(tables)
     sizing, adapter_bytes = discover.adapters_resident(
         discover.size_up(model, spec, [m for _n, m in tables]), budget_bytes
     )
@@ -354,13 +351,13 @@ def _wrap(
             f"and largest block), but the shared {engine!r} has {format_bytes(engine.fixed_bytes())} of its "
             f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
         )
-    _check_fits(budget, budget_bytes, sizing, model)
-    cache_bytes = _row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
+    checks.check_fits(budget, budget_bytes, sizing, model)
+    cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
-        sizing, parts = discover.split_large(model, sizing, budget_bytes, least, links=_links(helpers, engine))
+        sizing, parts = discover.split_large(model, sizing, budget_bytes, least, links=checks.links(helpers, engine))
     pager = Pager(
         model,
         device,
@@ -413,7 +410,7 @@ def _wrap(
         # Encoding ran on the device: its temporaries (a few times a block)
         # would stay in the allocator's cache, outside the budget.
         torch.cuda.empty_cache()
-    _warn_if_staging_crowds(pager)
+    checks.warn_if_staging_crowds(pager)
     if group is not None:
         try:
             distributed.check_same_blocks(pager, group, dist_timeout)
@@ -431,19 +428,6 @@ def _wrap(
     if optimizer is not None:
         pager.attach(optimizer)
     return model
-
-
-def _check_master_tables(tables: list) -> None:
-    """A row table updates its rows in its own dtype ([Note: exact updates
-    of touched rows] in rows/table.py): under master_weights a bf16 one
-    would be the exception, so it is refused."""
-    for name, module in tables:
-        if masters.wants_master(module.weight):
-            raise ValueError(
-                f"pager: master_weights=True, but the embedding table {name!r} ({module.weight.dtype}) is paged by "
-                f"rows, whose updates run in the table's own dtype. Give it float32, a budget that holds it beside "
-                f"a block (it then pages as a block, with masters), or rows=[] to page it as a block."
-            )
 
 
 def of(model: nn.Module) -> Pager:
@@ -471,212 +455,3 @@ def unwrap(model: nn.Module) -> nn.Module:
     close(pager)
     del _PAGERS[model]
     return model
-
-
-# [Note: one script from 1 to N GPUs]
-# `block_owners=True` and `share_host_pages=True` share work and host memory
-# between the ranks of a node. A script written for `torchrun` runs them on
-# one GPU too (plain `python`, or one rank): there is nothing to share, which
-# is said once at INFO, and the model trains as a single process does (a
-# test checks bit for bit). Only `process_group=False` beside them is
-# refused: the caller turned off the ranks that they need.
-def _check_sharing(share, group, compress, setup, process_group) -> None:
-    if not isinstance(share, bool):
-        raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
-    if not share:
-        return
-    if process_group is False:
-        raise ValueError(
-            "pager: share_host_pages=True shares the weights' host pages between the ranks of a "
-            "node, and process_group=False turns the ranks off; leave one of them out."
-        )
-    if compress is not None or setup is not None:
-        raise ValueError(
-            "pager: share_host_pages=True is not supported with compress= or with pager.load "
-            "(their pages are not laid out as the plan); wrap without one of them."
-        )
-
-
-def _check_owners(block_owners, group, model, process_group) -> None:
-    if not isinstance(block_owners, bool):
-        raise ValueError(f"pager: block_owners={block_owners!r} must be True or False.")
-    if not block_owners:
-        return
-    if process_group is False:
-        raise ValueError(
-            "pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
-            "node, and process_group=False turns the ranks off; leave one of them out."
-        )
-    if group is not None:
-        owners.check_model(model)
-
-
-def _links(helpers, engine) -> int:
-    """The links a fetch goes over: the device's own and its helpers' (a pool's, if it shares one)."""
-    split = engine.transport.split if engine is not None else None
-    return 1 + (len(split.helpers) if split is not None else len(helpers))
-
-
-def _split_helpers(split_fetch, device, pin, engine, group, budget_bytes: int) -> list:
-    """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked, each
-    with the bytes it may hold."""
-    if split_fetch is None:
-        return []
-    if engine is not None:
-        raise ValueError(
-            "pager: split_fetch= belongs to the budget's engine: this model shares one (pool= or "
-            "budget=<engine>). Give split_fetch to pager.Pool(...) or to the first model's wrap."
-        )
-    if group is not None:
-        raise ValueError(
-            "pager: split_fetch= lends other GPUs' links to this one; with a process group each "
-            "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
-            "pass process_group=False for one process that streams over several GPUs."
-        )
-    helpers = resolve_helpers(split_fetch, device, pin)
-    return list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
-
-
-def _check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
-    """Refuse what data parallelism cannot do, before anything changes; then
-    give every rank rank 0's weights (unless they come from one checkpoint)."""
-    if tables:
-        raise ValueError(
-            "pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
-            "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
-            "(rows=None) for data-parallel training."
-        )
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
-    if (
-        device.type == "cuda"
-        and not distributed.control_on_cpu(group)
-        and device != torch.device("cuda", torch.cuda.current_device())
-    ):
-        raise ValueError(
-            f"pager: this rank pages onto {device} but its current CUDA device is "
-            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first."
-        )
-    distributed.check_same_model(model, group, timeout, device)
-    if broadcast:
-        distributed.broadcast_from_first(model, group, device, timeout)
-
-
-def _engine_of(budget, pool) -> Engine | None:
-    """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
-    if pool is not None:
-        if not isinstance(pool, Pool):
-            raise ValueError(
-                f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with pager.Pool(budget=...)."
-            )
-        if budget is not None:
-            raise ValueError(
-                "pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
-                "change it with pool.set_budget(...))."
-            )
-        return pool.engine
-    if budget is None:
-        raise ValueError('pager: wrap needs budget= (e.g. budget="10GiB") or pool= (a pager.Pool to share).')
-    return budget if isinstance(budget, Engine) else None
-
-
-def _shared_device(engine: Engine, device) -> torch.device:
-    """The device of a shared engine; `device`, if given, must be it."""
-    if not engine.owners and engine.pool is None:
-        raise ValueError(
-            "pager: budget= got the engine of a model that was unwrapped; pass "
-            "pager.of(model).engine of a model that is still wrapped, or a budget."
-        )
-    if device is not None and resolve_device(device) != engine.device:
-        raise ValueError(
-            f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
-            f"pass device={str(engine.device)!r} (or leave device out) to share it."
-        )
-    return engine.device
-
-
-def _check_not_wrapped(model: nn.Module) -> None:
-    if model in _PAGERS:
-        raise ValueError("pager: this model is already wrapped; call pager.unwrap(model) before wrapping it again.")
-    mine = {id(m) for m in model.modules()}
-    for other in list(_PAGERS.keys()):
-        if any(m is model for m in other.modules()):
-            raise ValueError(
-                f"pager: this {type(model).__name__} is a submodule of a wrapped "
-                f"{type(other).__name__}; it is paged with it already (unwrap the outer model first)."
-            )
-        if id(other) in mine:
-            raise ValueError(
-                f"pager: this {type(model).__name__} contains a wrapped {type(other).__name__}; "
-                f"unwrap the inner model first, then wrap the outer one."
-            )
-
-
-def _check_tensors(model: nn.Module, device: torch.device) -> None:
-    devices = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
-            raise ValueError(
-                f"pager: {name!r} is on the meta device (no data); materialize the model first "
-                f"(e.g. model.to_empty(device='cpu') and load its weights)."
-            )
-        if t.layout != torch.strided:
-            raise ValueError(
-                f"pager: {name!r} has layout {t.layout}; pager pages dense tensors only. Keep this "
-                f"module out of the blocks or convert it to dense."
-            )
-        problem = wrappers.refusal(name, t)
-        if problem is not None:
-            raise ValueError(problem)
-        devices.add(t.device)
-    if len(devices) > 1:
-        raise ValueError(
-            f"pager: the model's tensors are on several devices ({sorted(map(str, devices))}); "
-            f"move it to one device (e.g. model.cpu()) before wrapping."
-        )
-    bad = {d for d in devices if d.type not in ("cpu", device.type)}
-    if bad:
-        raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
-
-
-def _row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> int:
-    """Device bytes for the row tables' caches: `row_cache`, or a quarter of
-    the budget at most what the blocks leave."""
-    if row_cache is None:
-        return max(0, min(budget_bytes // 4, budget_bytes - min_budget))
-    if isinstance(row_cache, int) and not isinstance(row_cache, bool) and row_cache == 0:
-        return 0
-    try:
-        nbytes = parse_budget(row_cache, device)
-    except ValueError as e:
-        raise ValueError(str(e).replace("budget=", "row_cache=", 1)) from None
-    if min_budget + nbytes > budget_bytes:
-        raise ValueError(
-            f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
-            f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
-            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget."
-        )
-    return nbytes
-
-
-def _warn_if_staging_crowds(pager) -> None:
-    """Compressed pages' staging ring comes out of the budget; if what is left
-    cannot hold the largest block, the block runs anyway (over the budget)."""
-    staging = pager.transport.staging_bytes
-    if staging and pager.budget_bytes - staging < pager.min_budget_bytes:
-        log.warning(
-            "pager: the staging ring of compressed pages (%s) leaves %s of the %s budget, less than the %s the "
-            "largest block needs beside the remainder; it runs over the budget by up to %s. Raise the budget to "
-            "%s or more.",
-            format_bytes(staging),
-            format_bytes(pager.budget_bytes - staging),
-            format_bytes(pager.budget_bytes),
-            format_bytes(pager.min_budget_bytes),
-            format_bytes(pager.min_budget_bytes + staging - pager.budget_bytes),
-            format_bytes(pager.min_budget_bytes + staging),
-        )
-
-
-def _check_fits(budget, budget_bytes, sizing, model) -> None:
-    if sizing.min_budget > budget_bytes:
-        raise ValueError(too_large_message(budget, budget_bytes, sizing, model))

@@ -1,0 +1,245 @@
+"""What `wrap` checks and works out before it changes anything: the options
+against each other and the process group, the model's tensors, the engine
+to join, the room rows and staging take. Each check raises naming the
+option, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from ..base import wrappers
+from ..base.budget import format_bytes, parse_budget, resolve_device
+from ..base.common import _PAGERS
+from ..engine.engine import Engine
+from ..engine.split_fetch import helper_budgets, resolve_helpers
+from ..model.pool import Pool
+from ..training import distributed, masters, owners
+from .fit import too_large_message
+
+log = logging.getLogger("pager")
+
+
+def check_master_tables(tables: list) -> None:
+    """A row table updates its rows in its own dtype ([Note: exact updates
+    of touched rows] in rows/table.py): under master_weights a bf16 one
+    would be the exception, so it is refused."""
+    for name, module in tables:
+        if masters.wants_master(module.weight):
+            raise ValueError(
+                f"pager: master_weights=True, but the embedding table {name!r} ({module.weight.dtype}) is paged by "
+                f"rows, whose updates run in the table's own dtype. Give it float32, a budget that holds it beside "
+                f"a block (it then pages as a block, with masters), or rows=[] to page it as a block."
+            )
+
+
+# [Note: one script from 1 to N GPUs]
+# `block_owners=True` and `share_host_pages=True` share work and host memory
+# between the ranks of a node. A script written for `torchrun` runs them on
+# one GPU too (plain `python`, or one rank): there is nothing to share, which
+# is said once at INFO, and the model trains as a single process does (a
+# test checks bit for bit). Only `process_group=False` beside them is
+# refused: the caller turned off the ranks that they need.
+def check_sharing(share, group, compress, setup, process_group) -> None:
+    if not isinstance(share, bool):
+        raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
+    if not share:
+        return
+    if process_group is False:
+        raise ValueError(
+            "pager: share_host_pages=True shares the weights' host pages between the ranks of a "
+            "node, and process_group=False turns the ranks off; leave one of them out."
+        )
+    if compress is not None or setup is not None:
+        raise ValueError(
+            "pager: share_host_pages=True is not supported with compress= or with pager.load "
+            "(their pages are not laid out as the plan); wrap without one of them."
+        )
+
+
+def check_owners(block_owners, group, model, process_group) -> None:
+    if not isinstance(block_owners, bool):
+        raise ValueError(f"pager: block_owners={block_owners!r} must be True or False.")
+    if not block_owners:
+        return
+    if process_group is False:
+        raise ValueError(
+            "pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
+            "node, and process_group=False turns the ranks off; leave one of them out."
+        )
+    if group is not None:
+        owners.check_model(model)
+
+
+def links(helpers, engine) -> int:
+    """The links a fetch goes over: the device's own and its helpers' (a pool's, if it shares one)."""
+    split = engine.transport.split if engine is not None else None
+    return 1 + (len(split.helpers) if split is not None else len(helpers))
+
+
+def split_helpers(split_fetch, device, pin, engine, group, budget_bytes: int) -> list:
+    """The helper GPUs of `split_fetch=` ([Note: split fetch] in engine/split_fetch.py), checked, each
+    with the bytes it may hold."""
+    if split_fetch is None:
+        return []
+    if engine is not None:
+        raise ValueError(
+            "pager: split_fetch= belongs to the budget's engine: this model shares one (pool= or "
+            "budget=<engine>). Give split_fetch to pager.Pool(...) or to the first model's wrap."
+        )
+    if group is not None:
+        raise ValueError(
+            "pager: split_fetch= lends other GPUs' links to this one; with a process group each "
+            "rank's GPU streams its own blocks over its own link already. Leave split_fetch out, or "
+            "pass process_group=False for one process that streams over several GPUs."
+        )
+    helpers = resolve_helpers(split_fetch, device, pin)
+    return list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
+
+
+def check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
+    """Refuse what data parallelism cannot do, before anything changes; then
+    give every rank rank 0's weights (unless they come from one checkpoint)."""
+    if tables:
+        raise ValueError(
+            "pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
+            "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
+            "(rows=None) for data-parallel training."
+        )
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
+    if (
+        device.type == "cuda"
+        and not distributed.control_on_cpu(group)
+        and device != torch.device("cuda", torch.cuda.current_device())
+    ):
+        raise ValueError(
+            f"pager: this rank pages onto {device} but its current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first."
+        )
+    distributed.check_same_model(model, group, timeout, device)
+    if broadcast:
+        distributed.broadcast_from_first(model, group, device, timeout)
+
+
+def engine_of(budget, pool) -> Engine | None:
+    """The engine a new model joins (a pool's, another model's), or None for a budget of its own."""
+    if pool is not None:
+        if not isinstance(pool, Pool):
+            raise ValueError(
+                f"pager: pool= takes a pager.Pool, not a {type(pool).__name__}; make one with pager.Pool(budget=...)."
+            )
+        if budget is not None:
+            raise ValueError(
+                "pager: give budget= or pool=, not both (a pool's models share the pool's budget; "
+                "change it with pool.set_budget(...))."
+            )
+        return pool.engine
+    if budget is None:
+        raise ValueError('pager: wrap needs budget= (e.g. budget="10GiB") or pool= (a pager.Pool to share).')
+    return budget if isinstance(budget, Engine) else None
+
+
+def shared_device(engine: Engine, device) -> torch.device:
+    """The device of a shared engine; `device`, if given, must be it."""
+    if not engine.owners and engine.pool is None:
+        raise ValueError(
+            "pager: budget= got the engine of a model that was unwrapped; pass "
+            "pager.of(model).engine of a model that is still wrapped, or a budget."
+        )
+    if device is not None and resolve_device(device) != engine.device:
+        raise ValueError(
+            f"pager: budget= shares an engine on {engine.device}, but this model runs on {device}; "
+            f"pass device={str(engine.device)!r} (or leave device out) to share it."
+        )
+    return engine.device
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    if model in _PAGERS:
+        raise ValueError("pager: this model is already wrapped; call pager.unwrap(model) before wrapping it again.")
+    mine = {id(m) for m in model.modules()}
+    for other in list(_PAGERS.keys()):
+        if any(m is model for m in other.modules()):
+            raise ValueError(
+                f"pager: this {type(model).__name__} is a submodule of a wrapped "
+                f"{type(other).__name__}; it is paged with it already (unwrap the outer model first)."
+            )
+        if id(other) in mine:
+            raise ValueError(
+                f"pager: this {type(model).__name__} contains a wrapped {type(other).__name__}; "
+                f"unwrap the inner model first, then wrap the outer one."
+            )
+
+
+def check_tensors(model: nn.Module, device: torch.device) -> None:
+    devices = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(
+                f"pager: {name!r} is on the meta device (no data); materialize the model first "
+                f"(e.g. model.to_empty(device='cpu') and load its weights)."
+            )
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"pager: {name!r} has layout {t.layout}; pager pages dense tensors only. Keep this "
+                f"module out of the blocks or convert it to dense."
+            )
+        problem = wrappers.refusal(name, t)
+        if problem is not None:
+            raise ValueError(problem)
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"pager: the model's tensors are on several devices ({sorted(map(str, devices))}); "
+            f"move it to one device (e.g. model.cpu()) before wrapping."
+        )
+    bad = {d for d in devices if d.type not in ("cpu", device.type)}
+    if bad:
+        raise ValueError(f"pager: the model is on {bad.pop()}; move it to the CPU or to {device} first.")
+
+
+def row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> int:
+    """Device bytes for the row tables' caches: `row_cache`, or a quarter of
+    the budget at most what the blocks leave."""
+    if row_cache is None:
+        return max(0, min(budget_bytes // 4, budget_bytes - min_budget))
+    if isinstance(row_cache, int) and not isinstance(row_cache, bool) and row_cache == 0:
+        return 0
+    try:
+        nbytes = parse_budget(row_cache, device)
+    except ValueError as e:
+        raise ValueError(str(e).replace("budget=", "row_cache=", 1)) from None
+    if min_budget + nbytes > budget_bytes:
+        raise ValueError(
+            f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
+            f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
+            f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget."
+        )
+    return nbytes
+
+
+def warn_if_staging_crowds(pager) -> None:
+    """Compressed pages' staging ring comes out of the budget; if what is left
+    cannot hold the largest block, the block runs anyway (over the budget)."""
+    staging = pager.transport.staging_bytes
+    if staging and pager.budget_bytes - staging < pager.min_budget_bytes:
+        log.warning(
+            "pager: the staging ring of compressed pages (%s) leaves %s of the %s budget, less than the %s the "
+            "largest block needs beside the remainder; it runs over the budget by up to %s. Raise the budget to "
+            "%s or more.",
+            format_bytes(staging),
+            format_bytes(pager.budget_bytes - staging),
+            format_bytes(pager.budget_bytes),
+            format_bytes(pager.min_budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging - pager.budget_bytes),
+            format_bytes(pager.min_budget_bytes + staging),
+        )
+
+
+def check_fits(budget, budget_bytes, sizing, model) -> None:
+    if sizing.min_budget > budget_bytes:
+        raise ValueError(too_large_message(budget, budget_bytes, sizing, model))
