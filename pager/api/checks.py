@@ -43,35 +43,40 @@ def check_master_tables(tables: list) -> None:
 # is said once at INFO, and the model trains as a single process does (a
 # test checks bit for bit). Only `process_group=False` beside them is
 # refused: the caller turned off the ranks that they need.
-def check_sharing(share, group, compress, setup, process_group) -> None:
-    if not isinstance(share, bool):
-        raise ValueError(f"pager: share_host_pages={share!r} must be True or False.")
-    if not share:
-        return
+def sharing(block_owners, share_host_pages, group, process_group, model, pages_from_plan: bool) -> tuple[bool, bool]:
+    """`block_owners` and `share_host_pages` as they apply: checked, sharing
+    implied by owners, and both off with one process ([Note: one script
+    from 1 to N GPUs]). `pages_from_plan`: neither `compress=` nor `pager.load`."""
+    for name, value in (("block_owners", block_owners), ("share_host_pages", share_host_pages)):
+        if not isinstance(value, bool):
+            raise ValueError(f"pager: {name}={value!r} must be True or False.")
+    if not (block_owners or share_host_pages):
+        return False, False
     if process_group is False:
-        raise ValueError(
-            "pager: share_host_pages=True shares the weights' host pages between the ranks of a "
-            "node, and process_group=False turns the ranks off; leave one of them out."
+        what = (
+            "block_owners=True shares the blocks' optimizer updates"
+            if block_owners
+            else "share_host_pages=True shares the weights' host pages"
         )
-    if compress is not None or setup is not None:
+        raise ValueError(
+            f"pager: {what} between the ranks of a node, and process_group=False turns the ranks off; leave "
+            "one of them out."
+        )
+    if not pages_from_plan:
         raise ValueError(
             "pager: share_host_pages=True is not supported with compress= or with pager.load "
             "(their pages are not laid out as the plan); wrap without one of them."
         )
-
-
-def check_owners(block_owners, group, model, process_group) -> None:
-    if not isinstance(block_owners, bool):
-        raise ValueError(f"pager: block_owners={block_owners!r} must be True or False.")
-    if not block_owners:
-        return
-    if process_group is False:
-        raise ValueError(
-            "pager: block_owners=True shares the blocks' optimizer updates between the ranks of a "
-            "node, and process_group=False turns the ranks off; leave one of them out."
+    if group is None:
+        log.info(
+            "pager: %s with one process (torch.distributed not initialized, or one rank): nothing to share; "
+            "the model trains as a single process does.",
+            "block_owners=True" if block_owners else "share_host_pages=True",
         )
-    if group is not None:
+        return False, False
+    if block_owners:
         owners.check_model(model)
+    return block_owners, True
 
 
 def links(helpers, engine) -> int:

@@ -321,17 +321,9 @@ def _wrap(
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
-    checks.check_owners(block_owners, group, model, process_group)
-    share_host_pages = True if block_owners else share_host_pages
-    checks.check_sharing(share_host_pages, group, compress, setup, process_group)
-    if group is None and (block_owners or share_host_pages):
-        # One process: nothing to share ([Note: one script from 1 to N GPUs] in api/checks.py).
-        log.info(
-            "pager: %s with one process (torch.distributed not initialized, or one rank): nothing to share; "
-            "the model trains as a single process does.",
-            "block_owners=True" if block_owners else "share_host_pages=True",
-        )
-        block_owners = share_host_pages = False
+    block_owners, share_host_pages = checks.sharing(
+        block_owners, share_host_pages, group, process_group, model, pages_from_plan=compress is None and setup is None
+    )
     helpers = checks.split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
         checks.check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
