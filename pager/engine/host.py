@@ -183,6 +183,32 @@ class HostArena:
         self._used.append(0)
         self.reserved_bytes += nbytes
 
+    def host_table(self, value: torch.Tensor, cuda: bool, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`value` as a table kept in host memory (a row table's, an experts
+        module's): a CPU tensor owning its whole storage is used where it is,
+        page-locked there on CUDA (a 40 GB table needs no second copy);
+        anything else is copied into a page of the arena. Returns the host
+        tensor and, where it was page-locked in place, what to give
+        `unregister_table` when it is given back (else None)."""
+        storage = value.untyped_storage()
+        if (
+            value.device.type == "cpu"
+            and value.is_contiguous()
+            and value.storage_offset() == 0
+            and storage.nbytes() == value.numel() * value.element_size()
+        ):
+            if not (cuda and self.pin):
+                return value, None
+            err = torch.cuda.cudart().cudaHostRegister(value.data_ptr(), storage.nbytes(), 0)
+            if int(getattr(err, "value", err)) == 0:
+                return value, value
+            # (already page-locked, or not lockable here: copied into the arena instead)
+        nbytes = value.numel() * value.element_size()
+        self.check_room(nbytes, what)
+        host = self.allocate(nbytes)[:nbytes].view(value.dtype).view(value.shape)
+        host.copy_(value)
+        return host, None
+
     def close(self) -> None:
         """Unregister every chunk. Pages handed out must no longer be used."""
         unregister(self._registered)
@@ -191,6 +217,12 @@ class HostArena:
         self._used.clear()
         self._shared = None
         self.reserved_bytes = self.used_bytes = 0
+
+
+def unregister_table(registered: torch.Tensor | None) -> None:
+    """Undo the page-locking in place of `HostArena.host_table`."""
+    if registered is not None:
+        torch.cuda.cudart().cudaHostUnregister(registered.data_ptr())
 
 
 POOL_CHUNK_MIN_BYTES = 64 << 20

@@ -146,6 +146,7 @@ import torch.nn as nn
 
 from ..base.budget import format_bytes
 from ..base.wrappers import is_wrapper
+from ..engine.host import unregister_table
 from .cache import WEIGHT, RowCache
 from .kernels import NO_STALE, Lookups, mark_of, number_lookups, patch_written, place_rows, touch_hits
 from .reader import HostRowReader, ReadAhead
@@ -183,10 +184,10 @@ class RowTable:
         self.original_device = param.device
         self.shape, self.dtype = param.shape, param.dtype
         self.row_bytes = param.shape[1] * param.element_size()
-        self._registered: torch.Tensor | None = None  # a CPU table page-locked where it is (unregistered at restore)
-        adopted = self._adopt_in_place(param.detach())
-        self._adopted = adopted is not None
-        self.host = adopted if adopted is not None else self._new_host_table(param.detach())
+        value = param.detach()
+        # (a CPU table page-locked where it is is unregistered at restore)
+        self.host, self._registered = pager.arena.host_table(value, self.device.type == "cuda", f"row table {name!r}")
+        self._adopted = self.host is value
         self.writes = HostWrites(self)  # to the host tables, and those in flight
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.host_aliases = {WEIGHT: host_alias(self.host)}  # kind -> what the writer's thread stores into
@@ -203,33 +204,6 @@ class RowTable:
         param.__class__ = RowTableParameter
         cast(RowTableParameter, param)._row_table = self
         self._version = param._version
-
-    def _adopt_in_place(self, value: torch.Tensor):
-        """A CPU table that owns its whole storage is used where it is (and
-        page-locked there on CUDA): a 40 GB table needs no second copy."""
-        storage = value.untyped_storage()
-        if (
-            value.device.type != "cpu"
-            or not value.is_contiguous()
-            or value.storage_offset() != 0
-            or storage.nbytes() != value.numel() * value.element_size()
-        ):
-            return None
-        if self.device.type == "cuda" and self.pager.arena.pin:
-            err = torch.cuda.cudart().cudaHostRegister(value.data_ptr(), storage.nbytes(), 0)
-            if int(getattr(err, "value", err)) != 0:
-                return None  # (already page-locked, or not lockable here: copied into the arena instead)
-            self._registered = value
-        return value
-
-    def _new_host_table(self, value: torch.Tensor) -> torch.Tensor:
-        nbytes = value.numel() * value.element_size()
-        arena = self.pager.arena
-        arena.check_room(nbytes, f"row table {self.name!r}")
-        page = arena.allocate(nbytes)[:nbytes]
-        host = page.view(value.dtype).view(value.shape)
-        host.copy_(value)
-        return host
 
     def _reader(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
         # (CPU threads of a split read read the host table itself: queued writes land first)
@@ -561,7 +535,7 @@ class RowTable:
         """A host self (and a cache column) for optimizer state `key`, which `state` then holds."""
         self.flush()  # (the cache is emptied to make room for the new column)
         zeros = torch.zeros((), dtype=dtype).expand(self.shape)
-        host = self._new_host_table(zeros)
+        host, _registered = self.pager.arena.host_table(zeros, False, f"row table {self.name!r}")  # (a copy: in the arena)
         self.hosts[key] = host
         self.host_aliases[key] = host_alias(host)
         self.views[key] = host_view(host, self.device)
@@ -583,9 +557,8 @@ class RowTable:
         with torch.no_grad():
             # (an adopted table is the user's own CPU tensor: it stays; an arena page is copied out)
             param.data = self.host if self._adopted else self.host.to(self.original_device, copy=True)
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
-            self._registered = None
+        unregister_table(self._registered)
+        self._registered = None
         if grad is not None:
             grad = grad.to(self.original_device)
             param.grad = grad if self.module.sparse else grad.to_dense()

@@ -1,0 +1,75 @@
+"""Which modules are a mixture's experts, paged one expert at a time
+([Note: experts paged one by one] in experts/table.py).
+
+An experts module holds every expert's weights in tensors whose first
+dimension is the expert (transformers 5's fused `gate_up_proj` and
+`down_proj`, and their biases) and is called with the routing:
+`forward(hidden_states, top_k_index, top_k_weights)`, `num_experts` its
+number of experts. That is the convention of transformers'
+`use_experts_implementation` classes (Mixtral, Qwen2/3-MoE, DeepSeek-V3,
+GPT-OSS, ...), and of any module written to it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+
+
+def experts_problem(module: nn.Module) -> str | None:
+    """Why `module` cannot be paged by expert (None: it can)."""
+    params = list(module._parameters.values())
+    n = getattr(module, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        return "it has no `num_experts` attribute of 2 or more"
+    if not params or any(p is None or p.dim() < 1 or p.shape[0] != n for p in params):
+        return f"not every parameter of its own has the {n} experts as its first dimension"
+    if any(t is not None for t in module._buffers.values()):
+        return "it has buffers"
+    if any(t is not None for m in module.children() for t in list(m.parameters()) + list(m.buffers())):
+        return "a module inside it holds tensors"
+    if any(type(p) is not nn.Parameter or not p.is_floating_point() for p in params):
+        return "a parameter is a tensor subclass (quantized) or not floating point"
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "top_k_index" not in names:
+        return "its forward takes no `top_k_index` (the routing)"
+    return None
+
+
+def choose(model: nn.Module, experts) -> list:
+    """(qualified name, module) of each experts module to page by expert.
+
+    Args:
+        model: the model being wrapped.
+        experts: "auto" (every module of the convention), None or [] (none), or
+            a list of modules or qualified names, each of which must be one.
+    """
+    if experts is None or (isinstance(experts, (list, tuple)) and not experts):
+        return []
+    if experts == "auto":
+        return [(n, m) for n, m in model.named_modules() if m is not model and experts_problem(m) is None]
+    if not isinstance(experts, (list, tuple)):
+        raise ValueError(
+            f'pager: experts={experts!r} must be "auto" (every experts module), None (none) or a list of '
+            "experts modules or their qualified names."
+        )
+    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    out = []
+    for item in experts:
+        name = item if isinstance(item, str) else names.get(id(item))
+        module = modules.get(name) if name is not None else None
+        if module is None:
+            raise ValueError(f"pager: experts= names {item!r}, which is not a module of this model.")
+        problem = experts_problem(module)
+        if problem is not None:
+            raise ValueError(
+                f"pager: experts= names {name!r} (a {type(module).__name__}), which cannot be paged by expert: "
+                f"{problem}. Leave it out of experts= to page it with its layer."
+            )
+        out.append((name, module))
+    return out

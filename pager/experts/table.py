@@ -1,0 +1,210 @@
+"""One experts module paged by expert: `ExpertTable`.
+
+[Note: experts paged one by one]
+A mixture-of-experts layer routes each token to k of its E experts; a decode
+token of a Qwen3-30B-A3B uses 8 of 128 in each layer. Paged with its layer,
+every expert would cross the link at every token (4.83 GB a token where the
+routed ones are 0.30 GB). So an experts module (experts/find.py says which)
+is no block: its parameters (the fused `gate_up_proj` and `down_proj`,
+every expert's along the first dimension) stay in host memory, page-locked
+where they are on CUDA, and the same Parameter objects they always were; the
+rest of its layer (attention, router, shared experts, norms) is a block as
+before. Its forward, called with the routing, runs in three steps:
+
+1. the pre-hook takes the experts the routing names (`top_k_index`; sorted
+   and unique: on CUDA one host sync, for the list), puts those the device
+   cache does not hold into slots of it, copied from their host tensors on
+   the compute stream, and renumbers the routing;
+2. the module's own forward runs on the device with its parameters' `.data`
+   set, for the call, to the cache's tensors and `num_experts` to their
+   number. Under transformers' `batched_mm` and `grouped_mm`
+   implementations each token's experts are summed in its own routing
+   order, whatever their numbers: they read the cache in place, the routing
+   renumbered to slots. Any other forward (`eager`, a module of one's own)
+   may add a token's experts up in the order of their numbers, so it gets
+   the routed experts copied out of the cache in the order of their
+   numbers, and the routing renumbered to ranks: every result is equal bit
+   for bit to the unpaged module's (on the CPU device);
+3. the post-hook (always called) gives the parameters their host tensors and
+   `num_experts` back.
+
+Which experts stay in the cache is [Note: which experts stay] in
+experts/cache.py; the cache's bytes come out of the budget like a row
+table's. The cache is shared by every experts module of one layout, and one
+call at a time uses it (a lock, taken by the pre-hook and given back by the
+post-hook): the parameters hold the cache's tensors only while a forward
+runs. On CUDA, a call's copies into slots are ordered after the kernels of
+the call before it that read the cache (an event, recorded at its end).
+A backward through paged experts is not made yet (it would read parameters
+whose `.data` has left the cache): a forward with gradients enabled through
+them (their own or their input's) is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+
+from ..engine.host import unregister_table
+from .cache import ExpertCache
+
+ROUTING = "top_k_index"
+IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
+
+
+class ExpertTable:
+    """One experts module whose experts page one by one.
+
+    Args:
+        pager: the model's `Pager`.
+        name: the module's qualified name.
+        module: the experts module (see experts/find.py).
+        cache: the device slots for its layout, shared with other modules.
+        base: the first of its keys in `cache` (an expert's key is `base + expert`).
+
+    Example (inside pager; `wrap` makes one per experts module):
+        >>> table = ExpertTable(pager, "model.layers.0.mlp.experts", experts, cache, base=0)
+        >>> table.restore()  # at unwrap: the parameters on their original device
+    """
+
+    def __init__(self, pager, name: str, module: nn.Module, cache: ExpertCache, base: int):
+        self.pager, self.name, self.module, self.cache, self.base = pager, name, module, cache, base
+        self.params = list(module._parameters.values())
+        self.num_experts = module.num_experts
+        self.original_device = self.params[0].device
+        self.expert_bytes = sum(p[0].numel() * p.element_size() for p in self.params)
+        self.hosts, self._registered, self._adopted = [], [], []
+        cuda = pager.transport.is_cuda
+        for pname, p in module._parameters.items():
+            value = p.detach()
+            host, registered = pager.arena.host_table(value, cuda, f"experts {name}.{pname}")
+            self.hosts.append(host)
+            self._registered.append(registered)
+            self._adopted.append(host is value)  # (the user's own CPU tensor: it stays)
+        self._versions = [p._version for p in self.params]
+        with torch.no_grad():
+            for p, host in zip(self.params, self.hosts):
+                p.data = host
+        self._lock = threading.RLock()
+        self._depth = 0  # calls of this thread inside one another (a forward that calls itself)
+        self._handles = [
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after, always_call=True),
+        ]
+
+    # ----------------------------------------------------------- a call
+    def _before(self, module, args, kwargs):
+        # Given back by `_after`, which torch calls however the call ends (a
+        # failure here included), but for an interrupt raised in here.
+        self._lock.acquire()
+        self._depth += 1
+        try:
+            return self._bring(args, kwargs)
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self._after(module, args, None)
+            raise
+
+    def _bring(self, args, kwargs):
+        if self._depth > 1:
+            raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
+        if torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.params) or (bool(args) and getattr(args[0], "requires_grad", False))
+        ):
+            # (its backward would read the parameters after they left the cache)
+            raise RuntimeError(
+                f"pager: the experts of {self.name!r} page one by one (experts='auto'), for inference: a "
+                "forward with gradients enabled through them (their own, or their input's) is not supported "
+                "yet. Run it under torch.no_grad() or torch.inference_mode() (generate() does), or wrap with "
+                "experts=None to page them with their layers."
+            )
+        in_kwargs = ROUTING in kwargs
+        if not in_kwargs and len(args) < 2:
+            raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({ROUTING}).")
+        index = kwargs[ROUTING] if in_kwargs else args[1]
+        self._check_current()
+        used, inverse = torch.unique(index.reshape(-1), sorted=True, return_inverse=True)
+        experts = used.tolist()  # (on CUDA, the host waits for the router here)
+        if experts and (experts[0] < 0 or experts[-1] >= self.num_experts):
+            raise IndexError(
+                f"pager: the routing of {self.name!r} names expert {experts[0] if experts[0] < 0 else experts[-1]}"
+                f", out of its {self.num_experts} experts."
+            )
+        cache = self.cache
+        if cache.released_event is not None:
+            # The slots about to be filled may still be read by the kernels
+            # of the last call (on another thread's stream): they wait.
+            torch.cuda.current_stream().wait_event(cache.released_event)
+        slots, missed = cache.hold(self.base, experts, self._fill)
+        counters = self.pager.counters
+        counters.expert_hits += len(experts) - missed
+        counters.expert_misses += missed
+        counters.expert_h2d_bytes += missed * self.expert_bytes
+        slot_index = torch.tensor(slots, dtype=torch.long).to(index.device, non_blocking=True)
+        if self._implementation() in IN_PLACE:
+            values, count, routing = cache.tensors, cache.capacity, slot_index[inverse]
+        else:
+            values = [t.index_select(0, slot_index) for t in cache.tensors]
+            count, routing = len(experts), inverse
+        with torch.no_grad():
+            for p, value in zip(self.params, values):
+                p.data = value
+        self.module.num_experts = count
+        routing = routing.view(index.shape).to(index.dtype)
+        if in_kwargs:
+            kwargs = {**kwargs, ROUTING: routing}
+        else:
+            args = (args[0], routing, *args[2:])
+        return args, kwargs
+
+    def _after(self, module, args, output):
+        try:
+            with torch.no_grad():
+                for p, host in zip(self.params, self.hosts):
+                    p.data = host
+            self.module.num_experts = self.num_experts
+            if self.pager.transport.is_cuda:
+                event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
+                event.record()
+        finally:
+            self._depth -= 1
+            self._lock.release()
+        return None
+
+    def _fill(self, slot: int, key: int) -> None:
+        expert = key - self.base
+        for cached, host in zip(self.cache.tensors, self.hosts):
+            cached[slot].copy_(host[expert], non_blocking=True)
+
+    def _implementation(self) -> str | None:
+        config = getattr(self.module, "config", None)
+        return getattr(config, "_experts_implementation", None)
+
+    def _check_current(self) -> None:
+        """Forget the cached experts if a parameter was written outside a
+        forward (`load_state_dict`, an in-place change): the host tensors
+        are the values; the cached copies would be stale."""
+        versions = [p._version for p in self.params]
+        if versions != self._versions:
+            self.cache.forget(self.base, self.num_experts)
+            self._versions = versions
+
+    # ----------------------------------------------------------- unwrap
+    def restore(self) -> None:
+        """The parameters back on their original device with their current values; hooks removed."""
+        for h in self._handles:
+            h.remove()
+        self.cache.forget(self.base, self.num_experts)
+        with torch.no_grad():
+            for p, host, adopted, registered in zip(self.params, self.hosts, self._adopted, self._registered):
+                p.data = host if adopted else host.to(self.original_device, copy=True)
+                unregister_table(registered)
+        self._registered = [None] * len(self.params)
+
+    def device_bytes(self) -> int:
+        return self.cache.device_bytes()
+
+    def __repr__(self) -> str:
+        return f"ExpertTable({self.name!r}, {self.num_experts} experts of {self.expert_bytes} bytes)"

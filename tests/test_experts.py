@@ -1,0 +1,218 @@
+"""Mixture-of-experts layers whose experts page one by one ([Note: experts
+paged one by one] in experts/table.py): transformers' own models on the CPU
+device, bit for bit under each experts implementation, only the routed
+experts moved."""
+
+import pytest
+import torch
+
+import pager
+from pager.experts.cache import ExpertCache
+
+transformers = pytest.importorskip("transformers")
+
+IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
+
+
+def _mixtral():
+    return transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def _qwen3_moe():  # a dense layer between MoE ones
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[1], max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def _deepseek_v3():  # a dense first layer, shared experts, grouped routing
+    return transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+
+
+def _pair(kind, implementation="grouped_mm"):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+    with torch.no_grad():  # (random routers route about evenly: some experts are chosen more, as in trained models)
+        for m in ref.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_()
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        m.set_experts_implementation(implementation)
+    return ref, model
+
+
+def _experts(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+def _one_layer(model) -> int:
+    """Bytes of one layer's experts: the least cache, so that experts leave it."""
+    e = _experts(model)[0]
+    return sum(p.numel() * p.element_size() for p in e.parameters())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_experts_page_one_by_one_bit_for_bit(kind, implementation):
+    ref, model = _pair(kind, implementation)
+    params = {n: p for n, p in model.named_parameters()}
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=3 * _one_layer(model) // 2)
+    p = pager.of(model)
+    assert len(p.expert_tables) == len(_experts(model)) >= 2
+    in_blocks = {id(t) for b in p.all_blocks() for seg in b.segments.values() for t in seg.tensors}
+    assert not any(id(q) in in_blocks for e in _experts(model) for q in e.parameters())
+    assert all(t.cache.capacity == 12 for t in p.expert_tables)  # (a layer and a half: experts come and go)
+    ids = torch.randint(0, 64, (3, 7))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0))
+    s = p.stats()
+    assert s.expert_hits > 0 and s.expert_misses > 0
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    for e in _experts(model):
+        assert e.gate_up_proj.device.type == "cpu" and e.num_experts == 8
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_decode_token_moves_at_most_its_routed_experts():
+    ref, model = _pair("qwen3_moe", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
+    p, ids = pager.of(model), torch.randint(0, 64, (1, 5))
+    e = p.expert_tables[0]
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # (the prompt: every expert)
+        before, new = p.stats().expert_h2d_bytes, 12
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    moved = p.stats().expert_h2d_bytes - before
+    routed = (5 + new) * len(p.expert_tables) * 2 * e.expert_bytes  # k = 2 of 8, each layer, each position
+    every = (1 + new) * sum(t.num_experts * t.expert_bytes for t in p.expert_tables)  # what a layer block moves
+    assert 0 < moved <= routed < every
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_from_pretrained_pages_experts_one_by_one(tmp_path, kind):
+    torch.manual_seed(0)
+    saved = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    saved.save_pretrained(tmp_path / kind, max_shard_size="40KB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind).eval()
+    model = pager.from_pretrained(tmp_path / kind, budget=10 << 20, device="cpu", expert_cache=_one_layer(ref))
+    assert pager.of(model).expert_tables
+    ids = torch.randint(0, 64, (2, 6))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert pager.of(model).stats().expert_misses > 0
+
+
+def test_a_budget_without_room_for_one_layers_experts_is_refused_unchanged():
+    _ref, model = _pair("mixtral")
+    before = {n: (p, p.device, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"need a cache of .* at least .* Raise the budget to .* experts=None"):
+        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) - 1)
+    with pytest.raises(ValueError, match="Raise the budget to"):
+        pager.wrap(model, budget=_one_layer(model), device="cpu")
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and p.device == before[n][1] and torch.equal(p, before[n][2]), n
+    assert not _experts(model)[0]._forward_pre_hooks
+    pager.wrap(model, budget=10 << 20, device="cpu")  # (and it can still be wrapped)
+
+
+def test_a_forward_with_gradients_through_paged_experts_is_refused_and_leaves_them_usable():
+    ref, model = _pair("qwen3_moe")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
+    ids = torch.randint(0, 64, (2, 5))
+    with pytest.raises(RuntimeError, match=r"gradients enabled through them .* torch.no_grad\(\) .* experts=None"):
+        model(ids)
+    for e in _experts(model):
+        assert e.gate_up_proj.shape[0] == e.num_experts == 8 and e.gate_up_proj.device.type == "cpu"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_experts_none_pages_them_with_their_layer_and_a_wrong_name_is_refused():
+    ref, model = _pair("mixtral")
+    with pytest.raises(ValueError, match=r"experts= names 'model.layers.0.mlp.gate'.* cannot be paged by expert"):
+        pager.wrap(model, budget=10 << 20, device="cpu", experts=["model.layers.0.mlp.gate"])
+    with pytest.raises(ValueError, match="not a module of this model"):
+        pager.wrap(model, budget=10 << 20, device="cpu", experts=["nowhere"])
+    pager.wrap(model, budget=10 << 20, device="cpu", experts=None)
+    assert not pager.of(model).expert_tables
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_experts_named_one_by_one_and_written_after_wrap():
+    ref, model = _pair("mixtral", "eager")
+    named = [n for n, m in model.named_modules() if type(m).__name__ == "MixtralExperts"][:1]
+    pager.wrap(model, budget=10 << 20, device="cpu", experts=named)
+    assert [t.name for t in pager.of(model).expert_tables] == named
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        model(ids)
+        for m in (model, ref):  # a write from outside a forward: the cached copies are stale
+            m.get_submodule(named[0]).down_proj.mul_(-0.5)
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state[f"{named[0]}.gate_up_proj"].add_(1.0)
+    model.load_state_dict(state)
+    ref.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_the_cache_keeps_experts_used_again_over_experts_used_once():
+    cache = ExpertCache((((2,), torch.float32),), 4, torch.device("cpu"))
+    filled = []
+
+    def fill(slot, key):
+        cache.tensors[0][slot].fill_(key)
+        filled.append(key)
+
+    cache.hold(0, [0, 1], fill)
+    cache.hold(0, [0, 1], fill)  # used again: protected
+    for once in range(10, 20):  # a stream of experts used once each
+        slots, missed = cache.hold(0, [once], fill)
+        assert missed == 1 and cache.tensors[0][slots[0]][0] == once
+    slots, missed = cache.hold(0, [0, 1], fill)
+    assert missed == 0 and [cache.tensors[0][s][0].item() for s in slots] == [0, 1]
+    assert filled == [0, 1, *range(10, 20)]
+    slots, missed = cache.hold(0, [2, 3, 4, 5], fill)  # a call of the cache's size: all of it goes
+    assert missed == 4 and sorted(slots) == [0, 1, 2, 3]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_experts_page_one_by_one_on_the_gpu(implementation):
+    ref, model = _pair("mixtral", implementation)
+    ref.cuda()
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=3 * _one_layer(model) // 2)
+    e = pager.of(model).expert_tables[0]
+    assert e.hosts[0].is_pinned() and e.cache.tensors[0].is_cuda
+    ids = torch.randint(0, 64, (3, 7), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert pager.of(model).stats().expert_misses > 0
+    pager.unwrap(model)
+    assert e.hosts[0].device.type == "cpu" and _experts(model)[0].gate_up_proj.device.type == "cpu"
