@@ -99,7 +99,8 @@ def test_experts_saved_one_tensor_each_load_fused_bit_for_bit(tmp_path, kind, sa
         names = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
         assert any(".experts.0." in n for n in names) and not any(n.endswith("gate_up_proj") for n in names)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    # (experts=None: the experts page with their layers, from the files; by expert they are read whole)
+    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu", experts=None)
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         for _ in range(2):
@@ -122,7 +123,7 @@ def test_fused_experts_read_through_a_host_budget(tmp_path):
     folder = _saved(tmp_path, "qwen3_moe")
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     layer = max(_nbytes(m) for m in ref.model.layers)
-    model = pager.from_pretrained(folder, budget=_budget(ref), host_budget=2 * layer + 4096, device="cpu")
+    model = pager.from_pretrained(folder, budget=_budget(ref), host_budget=2 * layer + 4096, device="cpu", experts=None)
     ids = torch.randint(0, 64, (3, 5))
     with torch.no_grad():
         for _ in range(3):

@@ -105,7 +105,7 @@ def split_helpers(split_fetch, device, pin, engine, group, budget_bytes: int) ->
     return list(zip(helpers, helper_budgets(split_fetch, helpers, budget_bytes)))
 
 
-def check_data_parallel(model, group, tables, timeout, device, broadcast: bool) -> None:
+def check_data_parallel(model, group, tables, experts, timeout, device, broadcast: bool) -> None:
     """Refuse what data parallelism cannot do, before anything changes; then
     give every rank rank 0's weights (unless they come from one checkpoint)."""
     if tables:
@@ -113,6 +113,11 @@ def check_data_parallel(model, group, tables, timeout, device, broadcast: bool) 
             "pager: rows= (row-paged embedding tables) is not supported with a process group yet: "
             "their sparse updates are not averaged over the ranks. Leave the tables to blocks "
             "(rows=None) for data-parallel training."
+        )
+    if experts:
+        raise ValueError(
+            f"pager: experts= names {experts[0][0]!r}, but experts paged one by one do not train yet, and a "
+            "process group is for training. Leave experts= out (they then page with their layer)."
         )
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")
@@ -223,6 +228,46 @@ def row_cache_bytes(row_cache, device, budget_bytes: int, min_budget: int) -> in
             f"pager: row_cache={row_cache!r} ({format_bytes(nbytes)}) and the {format_bytes(min_budget)} the "
             f"blocks need at least exceed the budget ({format_bytes(budget_bytes)}); give row_cache of at most "
             f"{format_bytes(max(0, budget_bytes - min_budget))}, or raise the budget."
+        )
+    return nbytes
+
+
+def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_bytes: int, modules: list) -> int:
+    """Device bytes for the experts' caches ([Note: experts paged one by
+    one] in experts/table.py): `expert_cache`, or what the budget has beyond
+    the rest of the model (all of it on the device, as far as it goes), the
+    row tables' caches and an eighth of the budget (activations, a KV cache);
+    at least every module's experts (a call may route to all of them: a
+    prefill), at most all experts. Refused, naming the least budget, where
+    the budget cannot hold that least beside what the blocks need."""
+    layouts: dict = {}
+    for _n, m in modules:
+        key = tuple((tuple(p.shape[1:]), p.dtype) for p in m._parameters.values())
+        per = sum(p[0].numel() * p.element_size() for p in m._parameters.values())
+        most, total = layouts.get(key, (0, 0))
+        layouts[key] = (max(most, per * m.num_experts), total + per * m.num_experts)
+    every = sum(total for _m, total in layouts.values())
+    # (the caches of layouts share the bytes in proportion to their experts': each share holds its most)
+    least = max(-(-most * every // total) for most, total in layouts.values())
+    blocks = sizing.min_budget + row_bytes
+    if expert_cache is None:
+        nbytes = min(every, max(least, budget_bytes - sizing.total - row_bytes - budget_bytes // 8))
+        nbytes = min(nbytes, max(least, budget_bytes - blocks))
+    else:
+        try:
+            nbytes = parse_budget(expert_cache, device)
+        except ValueError as e:
+            raise ValueError(str(e).replace("budget=", "expert_cache=", 1)) from None
+        nbytes = min(nbytes, every)
+    if nbytes < least or blocks + nbytes > budget_bytes:
+        name = next(n for n, _m in modules)
+        raise ValueError(
+            f"pager: the experts paged one by one ({len(modules)} modules, such as {name!r}) need a cache of "
+            f"{format_bytes(least)} at least (a call may route to every expert of a module), beside the "
+            f"{format_bytes(blocks)} the rest of the model needs at least; "
+            + (f"expert_cache={expert_cache!r} gives {format_bytes(nbytes)} and " if expert_cache is not None else "")
+            + f"the budget is {format_bytes(budget_bytes)}. Raise the budget to {format_bytes(blocks + least)} "
+            "or more, or give experts=None to page the experts with their layers."
         )
     return nbytes
 

@@ -16,6 +16,7 @@ from ..base.files import NAMES, Entry, header_for, open_checkpoint, read_entry, 
 from ..engine.disk import DiskTier, check_host_budget
 from ..engine.engine import Engine
 from ..engine.page_io import Piece
+from ..experts.find import choose as choose_experts
 from ..model import discover
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed
@@ -59,8 +60,9 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
             at `unwrap`.
         **options: the other options of `pager.wrap` (blocks, prefetch,
             optimizer, activations, rows, compress, ...). Tables that
-            `rows=` names are read whole into host memory (their host
-            tables), the rest paged from the files. With `compress=`, every
+            `rows=` names and experts paged one by one (`experts=`) are
+            read whole into host memory (their host tables), the rest paged
+            from the files. With `compress=`, every
             page is read once and encoded as it is read (a block at a time
             in plain host memory; no host_budget= then).
 
@@ -90,7 +92,7 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     try:
         sources = _match(model, entries)
         capacity = _host_capacity(host_budget, model, options, own_budget=not isinstance(budget, Engine))
-        tables = _read_row_tables(model, options, budget, sources)
+        tables = _read_whole(model, options, budget, sources)
     except BaseException:
         undo_buffers(made)
         raise
@@ -122,21 +124,25 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
     return model
 
 
-def _read_row_tables(model: nn.Module, options: dict, budget, sources: list) -> list:
-    """The weights of the tables `rows=` names, read whole from the
-    checkpoint into host memory (a row table's host table is its value:
-    [Note: row tables] in rows/table.py), as (weight, its meta twin) pairs;
-    the rest of the model stays on meta."""
+def _read_whole(model: nn.Module, options: dict, budget, sources: list) -> list:
+    """The tensors kept in host memory whole, read from the checkpoint: the
+    weights of the tables `rows=` names (a row table's host table is its
+    value: [Note: row tables] in rows/table.py) and the parameters of the
+    experts paged one by one ([Note: experts paged one by one] in
+    experts/table.py), as (tensor, its meta twin) pairs; the rest of the
+    model stays on meta."""
     rows = options.get("rows")
-    if not rows:
-        return []
     device = resolve_device(options.get("device"))
-    tables = choose_row_tables(model, rows, parse_budget(budget, device))
+    tensors = [m.weight for _n, m in choose_row_tables(model, rows, parse_budget(budget, device))] if rows else []
+    experts = options.get("experts", "auto")
+    if experts == "auto" and distributed.resolve_group(options.get("process_group")) is not None:
+        experts = None  # (as wrap chooses: experts paged one by one do not train)
+    tensors += [p for _n, m in choose_experts(model, experts) for p in m._parameters.values()]
     piece_of = {id(t): p for t, p in sources}
     read = []
     try:
-        for _name, module in tables:
-            w = cast(torch.Tensor, module.weight)
+        for w in tensors:
+            w = cast(torch.Tensor, w)
             if not w.is_meta:
                 continue
             value = nn.Parameter(_read(piece_of[id(w)], w), requires_grad=w.requires_grad)

@@ -12,7 +12,8 @@ from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..model import discover, outside
-from ..model.build import add_row_tables, build_blocks
+from ..experts.find import choose as choose_experts
+from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed, host_step, owners
@@ -41,6 +42,8 @@ def wrap(
     compress: str | None = None,
     rows=None,
     row_cache=None,
+    experts="auto",
+    expert_cache=None,
     process_group=None,
     dist_timeout: float = 600.0,
     share_host_pages: bool = False,
@@ -148,6 +151,19 @@ def wrap(
             rows (and their slot maps), out of the budget: an int or a string
             like `budget`. Default: a quarter of the budget, at most what the
             blocks leave. 0 reads every row from the host.
+        experts: mixture-of-experts layers' experts to page one expert at a
+            time ([Note: experts paged one by one] in experts/table.py):
+            "auto" (default: every module of transformers' experts
+            convention, fused expert tensors and a forward given the
+            routing), None (none: they page with their layer), or a list of
+            such modules or their qualified names. Their weights stay in host
+            memory; a call brings only the experts its routing names, into a
+            device cache of the most used ones. For inference: a forward with
+            gradients enabled for them is refused.
+        expert_cache: device bytes for the experts' cache, out of the budget:
+            an int or a string like `budget`. Default: what the budget has
+            beyond the rest of the model and an eighth of it (for activations
+            and a KV cache), at least one layer's experts, at most all of them.
         process_group: data-parallel training (`torchrun`): a
             `torch.distributed` group whose ranks each wrap the same model
             under their own budget. Each block's gradients are averaged over
@@ -247,6 +263,8 @@ def wrap(
         compress=compress,
         rows=rows,
         row_cache=row_cache,
+        experts=experts,
+        expert_cache=expert_cache,
         process_group=process_group,
         dist_timeout=dist_timeout,
         share_host_pages=share_host_pages,
@@ -275,6 +293,8 @@ def _wrap(
     compress=None,
     rows=None,
     row_cache=None,
+    experts="auto",
+    expert_cache=None,
     process_group=None,
     dist_timeout=600.0,
     share_host_pages=False,
@@ -320,22 +340,26 @@ def _wrap(
         )
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
+    expert_modules = choose_experts(model, experts)
     group = distributed.resolve_group(process_group)
     block_owners, share_host_pages = checks.sharing(
         block_owners, share_host_pages, group, process_group, model, pages_from_plan=compress is None and setup is None
     )
     helpers = checks.split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
-        checks.check_data_parallel(model, group, tables, dist_timeout, device, broadcast=setup is None)
+        if experts == "auto":
+            expert_modules = []  # (data parallelism trains: experts paged one by one do not train yet)
+        checks.check_data_parallel(model, group, tables, expert_modules, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and group is None and engine is None:
         # ([Note: nothing resident by force] in api/fit.py; by rows unasked only from values in memory)
         unasked_rows = rows is None and setup is None and rows_from_values
-        tables, spec = default_blocks(model, budget_bytes, tables, rows_allowed=unasked_rows)
+        tables, spec = default_blocks(model, budget_bytes, tables + expert_modules, rows_allowed=unasked_rows)
+        tables = [t for t in tables if all(t[1] is not m for _n, m in expert_modules)]
     if master_weights:
         checks.check_master_tables(tables)
     sizing, adapter_bytes = discover.adapters_resident(
-        discover.size_up(model, spec, [m for _n, m in tables]), budget_bytes
+        discover.size_up(model, spec, [m for _n, m in tables + expert_modules]), budget_bytes
     )
     if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
@@ -345,6 +369,11 @@ def _wrap(
         )
     checks.check_fits(budget, budget_bytes, sizing, model)
     cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
+    experts_bytes = (
+        checks.expert_cache_bytes(expert_cache, device, budget_bytes, sizing, cache_bytes, expert_modules)
+        if expert_modules
+        else 0
+    )
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
     parts = set()
     if blocks is None:
@@ -387,13 +416,14 @@ def _wrap(
             "with their gradients and optimizer state; their blocks stream read-only.",
             format_bytes(adapter_bytes),
         )
-    if engine is None and not tables:  # (sharing a budget: the others' blocks count too)
+    if engine is None and not tables and not expert_modules:  # (sharing a budget: the others' blocks count too)
         pager.fits_advice = total  # (said at the first inference forward if it still fits: model/hooks.py _advise)
     try:
         if setup is not None:
             setup(pager)
         build_blocks(pager, sizing.owned, sizing.uses, parts)
         add_row_tables(pager, tables, cache_bytes)
+        add_expert_tables(pager, expert_modules, experts_bytes)
         pager.rows_unasked = {name for name, _m in tables} - asked
     except BaseException:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page

@@ -20,7 +20,8 @@ before. Its forward, called with the routing, runs in three steps:
    number. Under transformers' `batched_mm` and `grouped_mm`
    implementations each token's experts are summed in its own routing
    order, whatever their numbers: they read the cache in place, the routing
-   renumbered to slots. Any other forward (`eager`, a module of one's own)
+   renumbered to slots (`grouped_mm` where the cache has no more slots
+   than torch's grouped_mm takes groups). Any other forward (`eager`, a module of one's own)
    may add a token's experts up in the order of their numbers, so it gets
    the routed experts copied out of the cache in the order of their
    numbers, and the routing renumbered to ranks: every result is equal bit
@@ -52,6 +53,7 @@ from .cache import ExpertCache
 
 ROUTING = "top_k_index"
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
+GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
 
 
 class ExpertTable:
@@ -108,6 +110,28 @@ class ExpertTable:
             raise
 
     def _bring(self, args, kwargs):
+        in_kwargs = ROUTING in kwargs
+        index = self._routing_of(args, kwargs, in_kwargs)
+        self._check_current()
+        experts, inverse = self._routed(index)
+        slots = self._hold(experts)
+        cache, implementation = self.cache, self._implementation()
+        if implementation in IN_PLACE and (implementation != "grouped_mm" or cache.capacity <= GROUPED_MM_MOST_GROUPS):
+            values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots)[inverse]
+        else:
+            slot_index = torch.tensor(slots).to(cache.device, non_blocking=True)
+            values, count, routing = [t.index_select(0, slot_index) for t in cache.tensors], len(experts), inverse
+        with torch.no_grad():
+            for p, value in zip(self.params, values):
+                p.data = value
+        self.module.num_experts = count
+        routing = routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
+        if in_kwargs:
+            return args, {**kwargs, ROUTING: routing}
+        return (args[0], routing, *args[2:]), kwargs
+
+    def _routing_of(self, args, kwargs, in_kwargs: bool) -> torch.Tensor:
+        """The call's routing, once the call is checked."""
         if self._depth > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
         if torch.is_grad_enabled() and (
@@ -120,18 +144,27 @@ class ExpertTable:
                 "yet. Run it under torch.no_grad() or torch.inference_mode() (generate() does), or wrap with "
                 "experts=None to page them with their layers."
             )
-        in_kwargs = ROUTING in kwargs
         if not in_kwargs and len(args) < 2:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({ROUTING}).")
-        index = kwargs[ROUTING] if in_kwargs else args[1]
-        self._check_current()
-        used, inverse = torch.unique(index.reshape(-1), sorted=True, return_inverse=True)
-        experts = used.tolist()  # (on CUDA, the host waits for the router here)
+        return kwargs[ROUTING] if in_kwargs else args[1]
+
+    def _routed(self, index: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """The experts `index` names, sorted and unique, and the rank of each
+        of its entries among them, on the host: one copy of the routing
+        (k integers a token) for all of it, rather than `torch.unique` on the
+        device and the sync it makes, then another for its result."""
+        routing = index.reshape(-1).cpu()  # (on CUDA, the host waits for the router here)
+        used, inverse = torch.unique(routing, sorted=True, return_inverse=True)
+        experts = used.tolist()
         if experts and (experts[0] < 0 or experts[-1] >= self.num_experts):
             raise IndexError(
                 f"pager: the routing of {self.name!r} names expert {experts[0] if experts[0] < 0 else experts[-1]}"
                 f", out of its {self.num_experts} experts."
             )
+        return experts, inverse
+
+    def _hold(self, experts: list) -> list:
+        """The cache's slots of `experts`, the missing ones copied in."""
         cache = self.cache
         if cache.released_event is not None:
             # The slots about to be filled may still be read by the kernels
@@ -142,22 +175,7 @@ class ExpertTable:
         counters.expert_hits += len(experts) - missed
         counters.expert_misses += missed
         counters.expert_h2d_bytes += missed * self.expert_bytes
-        slot_index = torch.tensor(slots, dtype=torch.long).to(index.device, non_blocking=True)
-        if self._implementation() in IN_PLACE:
-            values, count, routing = cache.tensors, cache.capacity, slot_index[inverse]
-        else:
-            values = [t.index_select(0, slot_index) for t in cache.tensors]
-            count, routing = len(experts), inverse
-        with torch.no_grad():
-            for p, value in zip(self.params, values):
-                p.data = value
-        self.module.num_experts = count
-        routing = routing.view(index.shape).to(index.dtype)
-        if in_kwargs:
-            kwargs = {**kwargs, ROUTING: routing}
-        else:
-            args = (args[0], routing, *args[2:])
-        return args, kwargs
+        return slots
 
     def _after(self, module, args, output):
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from ..base import guards, wrappers
 from ..base.block import Block, layout
 from ..base.common import WEIGHTS
+from ..experts.cache import ExpertCache
+from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
 from ..rows.reader import RowStream
 from ..rows.table import RowTable
@@ -63,6 +65,33 @@ def add_row_tables(pager, tables: list, cache_bytes: int) -> None:
         table = RowTable(pager, name, module, share)
         pager.row_params[id(table.param)] = table
     pager.row_bytes = cache_bytes
+
+
+def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
+    """Page each (name, experts module) of `modules` by expert
+    ([Note: experts paged one by one] in experts/table.py): the modules of one
+    layout share a device cache, the caches sharing `cache_bytes` in
+    proportion to their experts' bytes."""
+    groups: dict = {}
+    for name, module in modules:
+        layout = tuple((tuple(p.shape[1:]), p.dtype) for p in module._parameters.values())
+        groups.setdefault(layout, []).append((name, module))
+    total = sum(expert_bytes(m) * m.num_experts for _n, m in modules)
+    for layout, members in groups.items():
+        share = cache_bytes * sum(expert_bytes(m) * m.num_experts for _n, m in members) // max(1, total)
+        per_expert = expert_bytes(members[0][1])
+        capacity = min(share // per_expert, sum(m.num_experts for _n, m in members))
+        cache = ExpertCache(layout, capacity, pager.device)
+        base = 0
+        for name, module in members:
+            pager.expert_tables.append(ExpertTable(pager, name, module, cache, base))
+            base += module.num_experts
+    pager.row_bytes += sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())
+
+
+def expert_bytes(module) -> int:
+    """Bytes of one expert of an experts module (its slice of every parameter)."""
+    return sum(p[0].numel() * p.element_size() for p in module._parameters.values())
 
 
 def _pages(named: list) -> list:

@@ -311,12 +311,13 @@ def adapters_resident(sizing: Sizing, budget_bytes: int) -> tuple[Sizing, int]:
 
 def size_up(model: nn.Module, spec=None, tables=()) -> Sizing:
     """Discover the blocks of `model` and size them; nothing is changed.
-    `tables` are row-paged modules ([Note: row tables] in rows/table.py): neither
-    blocks nor their weights in one."""
+    `tables` are modules paged by rows ([Note: row tables] in rows/table.py)
+    or by expert ([Note: experts paged one by one] in experts/table.py):
+    neither blocks nor their parameters in one."""
     skip = {id(m) for m in tables}
     named = [(n, m) for n, m in discover(model, spec) if id(m) not in skip]
     modules = [m for _n, m in named]
-    owned, uses = owners(model, modules, frozenset(id(m.weight) for m in tables))
+    owned, uses = owners(model, modules, frozenset(id(t) for m in tables for t in m._parameters.values()))
     own = [sum(aligned_bytes(t) for _n, t, _p in owned.get(i, [])) for i in range(len(named))]
     inside = [{id(m) for m in outer.modules()} for outer in modules]
     beside = []

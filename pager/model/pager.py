@@ -80,7 +80,8 @@ class Pager:
         self.row_params: dict = {}  # id(weight) -> its RowTable ([Note: row tables] in rows/table.py)
         # Names of the row tables wrap chose itself ([Note: nothing resident by force] in api/fit.py).
         self.rows_unasked: set = set()
-        self.row_bytes = 0  # device bytes of the row tables' caches, held out of the room
+        self.row_bytes = 0  # device bytes of the row tables' and experts' caches, held out of the room
+        self.expert_tables: list = []  # experts paged one by one ([Note: experts paged one by one] in experts/table.py)
         self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
         self.outside = None  # the `Outside` that learns them ([Note: a budget that covers the process])
         self.row_stream = None  # the row tables' side stream and staging (rows/reader.py), on CUDA

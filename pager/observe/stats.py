@@ -75,6 +75,9 @@ class Stats:
     row_flushes: int = (
         0  # reads of a row table's host tables (state_dict, a checkpoint) that wrote the cache's changes first
     )
+    expert_hits: int = 0  # experts paged one by one: routed experts a call found in the device cache
+    expert_misses: int = 0  # ... and those it copied in from host memory
+    expert_h2d_bytes: int = 0  # ... their bytes
     reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
     reduced_bytes: int = 0  # ... and their bytes (each all-reduce's input)
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
@@ -215,6 +218,13 @@ class Stats:
                 + (f", {self.row_flushes} times for a read of the tables" if self.row_flushes else "")
                 + ")"
                 if self.row_hits or self.row_misses
+                else ""
+            )
+            + (
+                f"; experts: {self.expert_hits} routed experts from the device cache, {self.expert_misses} copied "
+                f"in ({format_bytes(self.expert_h2d_bytes)}, "
+                f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit)"
+                if self.expert_hits or self.expert_misses
                 else ""
             )
             + (

@@ -130,6 +130,8 @@ def close(pager) -> None:
             guards.release(seg)  # tensors get their own class back; views handed out are told
     for table in pager.row_tables:
         table.restore([link.optimizer for link in pager.optimizers])
+    for experts in pager.expert_tables:
+        experts.restore()
     if pager.row_stream is not None:
         pager.row_stream.writer.close()
     for opt_link in list(pager.optimizers):  # detach() removes the link from the list
