@@ -1,39 +1,48 @@
-"""Mixture-of-experts decode with the experts paged one by one.
+"""Mixture-of-experts inference with the experts paged one by one.
 
 A Qwen3-30B-A3B-shaped `Qwen3MoeForCausalLM` (hidden 2048, 128 experts of
-MLP 768, 8 routed, bf16, random weights: routing about uniform, the worst
-case for a cache), `--layers` of its 48 layers, greedy `generate()` at
-batch 1 with the KV cache: ms per token (the mean interval between tokens
-after the first `--short`, as bench_generate measures it) all on the GPU and
-under pager at each budget, with transformers' experts implementation
-`--implementations`. The budgets: `8GiB` scaled to the slice (embedding and
-head once, the rest by depth) and the others in `--budgets`. The floor of a
-paged token is the experts' bytes it copied at the link's pinned rate; the
-first call's ms/token is reported beside the steady state.
+MLP 768, 8 routed, bf16, random weights), `--layers` of its 48 layers, with
+transformers' experts implementation `--implementations`:
 
-    python -m benchmarks.bench_moe [--layers 16] [--budgets scaled,8GiB,32GiB]
+- decode at batch 1 with the KV cache, fed a fixed sequence of random tokens
+  (a random model's own greedy tokens repeat, and so would its routing): ms
+  per token, each step ended by the host reading the next token's logits (a
+  sync, as `generate()` makes), the mean after the first `--short` steps of
+  each pass; the first pass of a freshly wrapped model is reported apart
+  (the first call). The routing is drawn (`route`): `uniform` (the worst
+  case for a cache) and `zipf` (skewed, as trained models' routing is);
+- a prefill of `--prefill` tokens under `grouped_mm` (nearly every expert of
+  every layer routed): ms, beside the floor of copying every expert once at the link's pinned rate.
+
+All on the GPU against pager at each budget of `--budgets`: `scaled` is
+`8GiB` for the full depth scaled to the slice (embedding and head once, the
+rest by depth). The floor of a paged token is the experts' bytes it copied at
+the link's pinned rate.
+
+    python -m benchmarks.bench_moe [--layers 16] [--budgets scaled,8GiB]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
 
 import pager
-from benchmarks.bench_generate import decode
 from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
 
 FULL_LAYERS = 48
+VOCAB = 151936
 
 
 def config(layers: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, max_position_embeddings=4096,
     )  # fmt: skip
@@ -45,89 +54,145 @@ def scaled_budget(model, layers: int) -> int:
     return once + (8 * GiB - once) * layers // FULL_LAYERS
 
 
-def run(args) -> list:
+def route(model, kind: str) -> list:
+    """Make each router choose its k experts by drawing them, without
+    replacement, token by token: `uniform` (every expert alike, no locality
+    from token to token: the worst case for a cache) or `zipf` (an expert's
+    chance 1/rank, the ranks a random order per layer: some experts chosen
+    far more often than others). `model`: the random routers' own choice
+    (a random model's hidden states route most tokens alike). Returns the hooks' handles."""
+    if kind == "model":
+        return []
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "top_k"):
+            continue
+        n = gate.num_experts
+        weight = torch.ones(n) if kind == "uniform" else 1.0 / torch.arange(1, n + 1, dtype=torch.float)
+        weight = weight[torch.randperm(n, generator=torch.Generator().manual_seed(i))]
+        probs = (weight / weight.sum()).cuda()  # (drawn where the model runs: no copy, no sync)
+
+        def draw(module, args, out, probs=probs):
+            logits, scores, index = out
+            chosen = torch.multinomial(probs.expand(index.shape[0], -1), index.shape[1])
+            return logits, scores, chosen.to(index.dtype)
+
+        handles.append(gate.register_forward_hook(draw))
+    return handles
+
+
+def decode_passes(model, prompt, passes: list, short: int) -> list:
+    """Per pass of tokens: ms per step after the first `short`, and the greedy tokens."""
+    out = []
+    with torch.no_grad():
+        for i, tokens in enumerate(passes):
+            torch.cuda.manual_seed(1000 + i)  # (the routing drawn: the same for every model)
+            pkv = model(prompt, use_cache=True).past_key_values
+            times, chosen = [], []
+            for t in tokens:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step = model(t.view(1, 1), past_key_values=pkv, use_cache=True)
+                chosen.append(int(step.logits[0, -1].argmax()))  # (the sync a token's choice makes)
+                times.append((time.perf_counter() - t0) * 1e3)
+                pkv = step.past_key_values
+            out.append((statistics.mean(times[short:]), chosen))
+    return out
+
+
+def prefill_ms(model, ids) -> float:
+    """A prefill's time, under the `grouped_mm` experts implementation (as generate() runs it)."""
+    implementation = model.config._experts_implementation
+    model.set_experts_implementation("grouped_mm")
+    torch.cuda.manual_seed(999)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(ids, use_cache=False).logits[0, -1].argmax().item()
+    ms = (time.perf_counter() - t0) * 1e3
+    model.set_experts_implementation(implementation)
+    return ms
+
+
+def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) -> list:
     from transformers import AutoModelForCausalLM
 
-    bw = pinned_h2d_gbps()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        gpu = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
-    host_state = {k: v.to("cpu") for k, v in gpu.state_dict().items()}
-    ids = torch.randint(0, 151936, (1, args.prompt), device="cuda")
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=g).cuda()
+    passes = [torch.randint(0, VOCAB, (args.new,), generator=g).cuda() for _ in range(1 + args.reps)]
+    long = torch.randint(0, VOCAB, (1, args.prefill), generator=g).cuda()
     experts_bytes = sum(p.numel() * p.element_size() for n, p in gpu.named_parameters() if ".experts." in n)
-    rows, ref = [], {}
-    impls = args.implementations.split(",")
-    for impl in impls:
+    work = f"Qwen3-30B-A3B-shaped, {args.layers} layers, {routing} routing"
+    rows = []
+    hooks = route(gpu, routing)
+    for impl in args.implementations.split(","):
         gpu.set_experts_implementation(impl)
-        t0 = time.perf_counter()
-        (ref_ms, _med, _worst), gen, _slow = decode(gpu, ids, True, args.short, args.new, args.reps)
-        ref[impl] = (ref_ms, gen(args.new)())
+        decode_passes(gpu, prompt, passes[:1], args.short)  # (warm: kernels chosen, allocator's pools)
+        ref = decode_passes(gpu, prompt, passes, args.short)
+        ref_ms = statistics.mean(ms for ms, _t in ref[1:])
+        prefill_ms(gpu, long)
+        ref_prefill = min(prefill_ms(gpu, long) for _ in range(2))
         rows.append(
             Row(
-                f"Qwen3-30B-A3B-shaped, {args.layers} layers, decode batch 1",
+                f"{work}, decode batch 1",
                 f"all on the GPU ({impl})",
                 ref_ms,
-                torch.cuda.max_memory_allocated() / GiB,
+                None,
                 None,
                 "",
-                f"{time.perf_counter() - t0:.1f} s in all",
+                f"prefill of {args.prefill} tokens {ref_prefill:.1f} ms",
             )
         )
         print(rows[-1], flush=True)
-    del gpu
-    free_cuda()
-    torch.cuda.reset_peak_memory_stats()
-    for impl in impls:
-        ref_ms, ref_tokens = ref[impl]
         for budget in args.budgets.split(","):
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
             model.load_state_dict(copy.copy(host_state), assign=True)
+            for name, value in buffers.items():
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._buffers[leaf] = value.clone()
             model.set_experts_implementation(impl)
-            b = scaled_budget(model, args.layers) if budget == "scaled" else budget
+            route(model, routing)
+            torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            pager.wrap(model, budget=b, device="cuda")
+            pager.wrap(model, budget=scaled_budget(model, args.layers) if budget == "scaled" else budget, device="cuda")
             wrap_s = time.perf_counter() - t0
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
-            first = time.perf_counter()
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.new,
-                min_new_tokens=args.new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            first_ms = (time.perf_counter() - first) * 1e3 / args.new
             before = pg.stats()
-            (ms, _med, worst), gen, _slow = decode(model, ids, True, args.short, args.new, args.reps)
+            got = decode_passes(model, prompt, passes, args.short)
             after = pg.stats()
-            tokens = gen(args.new)()
-            calls = (2 + args.reps) * args.new  # (decode runs generate 2 + reps times)
-            moved = (after.expert_h2d_bytes - before.expert_h2d_bytes) / calls
-            hits = after.expert_hits - before.expert_hits
-            misses = after.expert_misses - before.expert_misses
-            floor = moved / (bw * 1e9) * 1e3
+            steps = (1 + args.reps) * (args.new + 1)  # (each pass's prompt too)
+            hits, misses = after.expert_hits - before.expert_hits, after.expert_misses - before.expert_misses
+            moved = (after.expert_h2d_bytes - before.expert_h2d_bytes) / steps
+            ms = statistics.mean(m for m, _t in got[1:])
+            same = all(a[1] == b[1] for a, b in zip(got, ref))
+            pre = prefill_ms(model, long)
+            floor_prefill = experts_bytes / (bw * 1e9) * 1e3
+            label = "8GiB scaled" if budget == "scaled" else budget
+            routed = args.layers * 8 * cache.expert_bytes
             rows.append(
                 Row(
-                    f"Qwen3-30B-A3B-shaped, {args.layers} layers, decode batch 1",
-                    f"pager {budget if budget != 'scaled' else '8GiB scaled'} ({b / GiB:.2f} GiB; {impl})",
+                    f"{work}, decode batch 1",
+                    f"pager {label} ({pg.budget_bytes / GiB:.2f} GiB; {impl})",
                     ms,
-                    torch.cuda.max_memory_allocated() / GiB,
+                    (torch.cuda.max_memory_allocated() - base_bytes) / GiB,
                     ms / ref_ms,
                     "all on the GPU",
-                    f"experts cache {cache.capacity} of {args.layers * 128} experts; "
-                    f"{hits / max(1, hits + misses):.1%} hit; {moved / 1e6:.0f} MB of experts a token "
-                    f"(routed: {args.layers * 8 * cache.expert_bytes / 1e6:.0f} MB; all: {experts_bytes / 1e6:.0f} MB); "
-                    f"link floor {floor:.1f} ms; first call {first_ms:.1f} ms/token; wrap {wrap_s:.1f} s; "
-                    f"tokens equal to all-on-GPU: {torch.equal(tokens, ref_tokens)}",
+                    f"cache {cache.capacity} of {args.layers * 128} experts; {hits / max(1, hits + misses):.1%} hit; "
+                    f"{moved / 1e6:.0f} MB of experts a token (routed {routed / 1e6:.0f} MB, "
+                    f"all {experts_bytes / 1e6:.0f} MB; floor {moved / (bw * 1e9) * 1e3:.1f} ms); first call "
+                    f"{got[0][0]:.1f} ms/token; greedy tokens equal to all-on-GPU: {same}; prefill of {args.prefill} "
+                    f"tokens {pre:.0f} ms ({pre / floor_prefill:.2f}x the floor of every expert once, "
+                    f"{pre / ref_prefill:.1f}x all on the GPU); wrap {wrap_s:.1f} s",
                     {
-                        "first_ms": first_ms,
+                        "first_ms": got[0][0],
                         "moved_bytes": moved,
                         "hit": hits / max(1, hits + misses),
-                        "floor_ms": floor,
-                        "worst_ms": worst,
+                        "prefill_ms": pre,
+                        "prefill_floor_ms": floor_prefill,
+                        "ref_prefill_ms": ref_prefill,
                     },
                 )
             )
@@ -135,23 +200,38 @@ def run(args) -> list:
             pager.unwrap(model)
             del model, pg, cache
             free_cuda()
-            torch.cuda.reset_peak_memory_stats()
+    for h in hooks:
+        h.remove()
     return rows
 
 
 def main(argv=None):
+    from transformers import AutoModelForCausalLM
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--budgets", default="scaled,8GiB,32GiB")
+    ap.add_argument("--budgets", default="scaled,8GiB")
     ap.add_argument("--implementations", default="batched_mm,grouped_mm")
+    ap.add_argument("--routing", default="uniform,zipf")
     ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--short", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=512)
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
-    save(run(args), "bench_moe", env)
+    bw = pinned_h2d_gbps()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        gpu = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
+    buffers = {k: v.to("cpu") for k, v in gpu.named_buffers()}  # (non-persistent ones too: rotary's)
+    host_state = {k: v.to("cpu") for k, v in gpu.state_dict().items()}
+    base_bytes = torch.cuda.memory_allocated()  # (the all-on-GPU model: not pager's)
+    rows = []
+    for routing in args.routing.split(","):
+        rows += run_routing(args, routing, gpu, host_state, buffers, bw, base_bytes)
+    save(rows, "bench_moe", env)
 
 
 if __name__ == "__main__":
