@@ -38,7 +38,15 @@ def _deepseek_v3():  # a dense first layer, shared experts, grouped routing
     )  # fmt: skip
 
 
-CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+def _gpt_oss():  # biases, transposed experts, the routing named `router_indices`
+    return transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+
+
+CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
 
 
 def _pair(kind, implementation="grouped_mm"):

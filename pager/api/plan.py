@@ -14,6 +14,7 @@ from ..base.budget import format_bytes, parse_budget
 from ..codec.compress import PIECE_BYTES, USUAL_RATIO, check_codec, min_part_bytes, page_bytes_estimate
 from ..engine.schedule import Scheduler
 from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, resolve_helpers
+from ..experts.find import choose as choose_experts
 from ..model import discover
 from ..model.outside import check_covers
 from ..training import host_step
@@ -382,6 +383,14 @@ def plan(
             f"wrap pages {[name for name, _m in by_rows]} by rows, unasked: as a block it does not fit the "
             f"budget; this plan, which has no row tables, counts it as a block (its figures for it are an upper "
             f"bound: by rows a forward moves only the rows its batch reads)"
+        )
+    experts = choose_experts(model, "auto")
+    if experts:
+        notes.append(
+            f"wrap pages the experts of {len(experts)} mixture-of-experts layers one by one (experts='auto'; "
+            f"such as {experts[0][0]!r}); this plan counts them with their layers (its figures for them are an "
+            f"upper bound: a token moves only the routed experts its cache of them misses), and wrap refuses a "
+            f"budget without room for one layer's experts beside the rest of the model"
         )
     if compress:
         notes.append(

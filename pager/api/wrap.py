@@ -11,8 +11,8 @@ from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
-from ..model import discover, outside
 from ..experts.find import choose as choose_experts
+from ..model import discover, outside
 from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..rows.table import choose as choose_row_tables

@@ -4,8 +4,8 @@
 An experts module holds every expert's weights in tensors whose first
 dimension is the expert (transformers 5's fused `gate_up_proj` and
 `down_proj`, and their biases) and is called with the routing:
-`forward(hidden_states, top_k_index, top_k_weights)`, `num_experts` its
-number of experts. That is the convention of transformers'
+`forward(hidden_states, top_k_index, top_k_weights)` (GPT-OSS's:
+`router_indices, routing_weights`), `num_experts` its number of experts. That is the convention of transformers'
 `use_experts_implementation` classes (Mixtral, Qwen2/3-MoE, DeepSeek-V3,
 GPT-OSS, ...), and of any module written to it.
 """
@@ -31,13 +31,21 @@ def experts_problem(module: nn.Module) -> str | None:
         return "a module inside it holds tensors"
     if any(type(p) is not nn.Parameter or not p.is_floating_point() for p in params):
         return "a parameter is a tensor subclass (quantized) or not floating point"
-    try:
-        names = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return "its forward's signature cannot be read"
-    if "top_k_index" not in names:
-        return "its forward takes no `top_k_index` (the routing)"
+    if routing_name(module) is None:
+        return f"its forward takes no {' or '.join(f'`{n}`' for n in ROUTING_NAMES)} (the routing)"
     return None
+
+
+ROUTING_NAMES = ("top_k_index", "router_indices")  # (GPT-OSS's experts name it the latter)
+
+
+def routing_name(module: nn.Module) -> str | None:
+    """The name of the routing argument of `module`'s forward (its second)."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1] if len(names) > 1 and names[1] in ROUTING_NAMES else None
 
 
 def choose(model: nn.Module, experts) -> list:

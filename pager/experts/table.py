@@ -44,14 +44,15 @@ them (their own or their input's) is refused, naming the fix.
 from __future__ import annotations
 
 import threading
+from typing import cast
 
 import torch
 import torch.nn as nn
 
 from ..engine.host import unregister_table
 from .cache import ExpertCache
+from .find import routing_name
 
-ROUTING = "top_k_index"
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
 
@@ -73,13 +74,15 @@ class ExpertTable:
 
     def __init__(self, pager, name: str, module: nn.Module, cache: ExpertCache, base: int):
         self.pager, self.name, self.module, self.cache, self.base = pager, name, module, cache, base
-        self.params = list(module._parameters.values())
-        self.num_experts = module.num_experts
+        self.names = [n for n, p in module._parameters.items() if p is not None]
+        self.params: list[nn.Parameter] = [cast(nn.Parameter, module._parameters[n]) for n in self.names]
+        self.num_experts: int = cast(int, module.num_experts)
+        self.routing = routing_name(module)  # (the forward's second argument)
         self.original_device = self.params[0].device
         self.expert_bytes = sum(p[0].numel() * p.element_size() for p in self.params)
         self.hosts, self._registered, self._adopted = [], [], []
         cuda = pager.transport.is_cuda
-        for pname, p in module._parameters.items():
+        for pname, p in zip(self.names, self.params):
             value = p.detach()
             host, registered = pager.arena.host_table(value, cuda, f"experts {name}.{pname}")
             self.hosts.append(host)
@@ -110,7 +113,7 @@ class ExpertTable:
             raise
 
     def _bring(self, args, kwargs):
-        in_kwargs = ROUTING in kwargs
+        in_kwargs = self.routing in kwargs
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
         experts, inverse = self._routed(index)
@@ -127,7 +130,7 @@ class ExpertTable:
         self.module.num_experts = count
         routing = routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
         if in_kwargs:
-            return args, {**kwargs, ROUTING: routing}
+            return args, {**kwargs, self.routing: routing}
         return (args[0], routing, *args[2:]), kwargs
 
     def _routing_of(self, args, kwargs, in_kwargs: bool) -> torch.Tensor:
@@ -145,8 +148,8 @@ class ExpertTable:
                 "experts=None to page them with their layers."
             )
         if not in_kwargs and len(args) < 2:
-            raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({ROUTING}).")
-        return kwargs[ROUTING] if in_kwargs else args[1]
+            raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
+        return kwargs[self.routing] if in_kwargs else args[1]
 
     def _routed(self, index: torch.Tensor) -> tuple[list, torch.Tensor]:
         """The experts `index` names, sorted and unique, and the rank of each

@@ -535,7 +535,9 @@ class RowTable:
         """A host self (and a cache column) for optimizer state `key`, which `state` then holds."""
         self.flush()  # (the cache is emptied to make room for the new column)
         zeros = torch.zeros((), dtype=dtype).expand(self.shape)
-        host, _registered = self.pager.arena.host_table(zeros, False, f"row table {self.name!r}")  # (a copy: in the arena)
+        host, _registered = self.pager.arena.host_table(
+            zeros, False, f"row table {self.name!r}"
+        )  # (a copy: in the arena)
         self.hosts[key] = host
         self.host_aliases[key] = host_alias(host)
         self.views[key] = host_view(host, self.device)
