@@ -185,6 +185,22 @@ def llama_folder(name: str):
     return make
 
 
+def moe_folder(name: str):
+    """A `save_pretrained` folder of a tiny Qwen3-MoE (8 experts, 2 routed), in the working folder."""
+
+    def make(ctx):
+        config = transformers_().Qwen3MoeConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=128,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers_().Qwen3MoeForCausalLM(config).save_pretrained(ctx.tmp / name)
+        return name
+
+    return make
+
+
 def token_batches(ctx):
     """Batches for a causal LM: input ids and labels."""
     ids = torch.randint(0, 128, (4, 2, 16))
@@ -267,6 +283,7 @@ PREAMBLES = {
     },
     "docs/compile.md": {"model": llama, "config": llama_config},
     "docs/compression.md": {"model": lambda ctx: TinyLM().to(torch.bfloat16)},
+    "docs/moe.md": {"Qwen3-30B-A3B/": moe_folder("Qwen3-30B-A3B"), "ids": lambda ctx: torch.tensor([[1, 2, 3]])},
     "docs/rows.md": {
         "model": lambda ctx: Recommender(),
         "loader_with_next_ids": row_batches,

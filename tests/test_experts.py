@@ -3,6 +3,8 @@ paged one by one] in experts/table.py): transformers' own models on the CPU
 device, bit for bit under each experts implementation, only the routed
 experts moved."""
 
+import threading
+
 import pytest
 import torch
 
@@ -224,3 +226,24 @@ def test_experts_page_one_by_one_on_the_gpu(implementation):
     assert pager.of(model).stats().expert_misses > 0
     pager.unwrap(model)
     assert e.hosts[0].device.type == "cpu" and _experts(model)[0].gate_up_proj.device.type == "cpu"
+
+
+def test_two_threads_share_the_experts_cache():
+    ref, model = _pair("mixtral", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))  # (slots taken in turn)
+    batches = [torch.randint(0, 64, (2, 5 + i)) for i in range(2)]
+    with torch.no_grad():
+        want = [ref(ids).logits for ids in batches]
+    got: dict = {}
+
+    def run(i):
+        with torch.no_grad():
+            got[i] = [model(batches[i]).logits for _ in range(6)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(out, want[i]) for out in got[i])

@@ -21,6 +21,7 @@ cache holds at least one layer's experts).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -51,7 +52,8 @@ class ExpertCache:
         self._protected: OrderedDict = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._protected_most = max(1, capacity * PROTECTED_SHARE[0] // PROTECTED_SHARE[1])
-        self.released_event = None  # on CUDA: the end of the last call's kernels (`Released`)
+        self.released_event = None  # on CUDA: the end of the last call's kernels (ExpertTable._after)
+        self.lock = threading.RLock()  # held by a call from its pre-hook to its post-hook (experts/table.py)
 
     def device_bytes(self) -> int:
         return self.expert_bytes * self.capacity

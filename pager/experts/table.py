@@ -32,8 +32,9 @@ before. Its forward, called with the routing, runs in three steps:
 Which experts stay in the cache is [Note: which experts stay] in
 experts/cache.py; the cache's bytes come out of the budget like a row
 table's. The cache is shared by every experts module of one layout, and one
-call at a time uses it (a lock, taken by the pre-hook and given back by the
-post-hook): the parameters hold the cache's tensors only while a forward
+call at a time uses it (the cache's lock, taken by the pre-hook and given
+back by the post-hook: another thread's call may not take slots this call's
+kernels read): the parameters hold the cache's tensors only while a forward
 runs. On CUDA, a call's copies into slots are ordered after the kernels of
 the call before it that read the cache (an event, recorded at its end).
 A backward through paged experts is not made yet (it would read parameters
@@ -43,7 +44,6 @@ them (their own or their input's) is refused, naming the fix.
 
 from __future__ import annotations
 
-import threading
 from typing import cast
 
 import torch
@@ -92,7 +92,6 @@ class ExpertTable:
         with torch.no_grad():
             for p, host in zip(self.params, self.hosts):
                 p.data = host
-        self._lock = threading.RLock()
         self._depth = 0  # calls of this thread inside one another (a forward that calls itself)
         self._handles = [
             module.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -103,7 +102,7 @@ class ExpertTable:
     def _before(self, module, args, kwargs):
         # Given back by `_after`, which torch calls however the call ends (a
         # failure here included), but for an interrupt raised in here.
-        self._lock.acquire()
+        self.cache.lock.acquire()
         self._depth += 1
         try:
             return self._bring(args, kwargs)
@@ -191,7 +190,7 @@ class ExpertTable:
                 event.record()
         finally:
             self._depth -= 1
-            self._lock.release()
+            self.cache.lock.release()
         return None
 
     def _fill(self, slot: int, key: int) -> None:
