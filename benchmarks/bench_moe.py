@@ -14,7 +14,8 @@ transformers' experts implementation `--implementations`:
 - a prefill of `--prefill` tokens under `grouped_mm` (nearly every expert of
   every layer routed): ms, beside the floor of copying every expert once at the link's pinned rate.
 
-All on the GPU against pager at each budget of `--budgets`: `scaled` is
+All on the GPU against pager at each budget of `--budgets`, with the next
+layer's experts fetched ahead and without (`--ahead`): `scaled` is
 `8GiB` for the full depth scaled to the slice (embedding and head once, the
 rest by depth). The floor of a paged token is the experts' bytes it copied at
 the link's pinned rate.
@@ -145,7 +146,7 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             )
         )
         print(rows[-1], flush=True)
-        for budget in args.budgets.split(","):
+        for budget, ahead in [(b, a) for b in args.budgets.split(",") for a in args.ahead.split(",")]:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
             model.load_state_dict(copy.copy(host_state), assign=True)
@@ -160,6 +161,9 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             wrap_s = time.perf_counter() - t0
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
+            if ahead == "off":  # ([Note: experts fetched ahead] off: each call copies what it misses)
+                for table in pg.expert_tables:
+                    table.next = None
             before = pg.stats()
             got = decode_passes(model, prompt, passes, args.short)
             after = pg.stats()
@@ -175,12 +179,14 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             rows.append(
                 Row(
                     f"{work}, decode batch 1",
-                    f"pager {label} ({pg.budget_bytes / GiB:.2f} GiB; {impl})",
+                    f"pager {label} ({pg.budget_bytes / GiB:.2f} GiB; {impl}; ahead {ahead})",
                     ms,
                     (torch.cuda.max_memory_allocated() - base_bytes) / GiB,
                     ms / ref_ms,
                     "all on the GPU",
-                    f"cache {cache.capacity} of {args.layers * 128} experts; {hits / max(1, hits + misses):.1%} hit; "
+                    f"cache {cache.capacity} of {args.layers * 128} experts; {hits / max(1, hits + misses):.1%} hit "
+                    f"({after.expert_ahead_used - before.expert_ahead_used} of "
+                    f"{after.expert_ahead - before.expert_ahead} copied ahead used); "
                     f"{moved / 1e6:.0f} MB of experts a token (routed {routed / 1e6:.0f} MB, "
                     f"all {experts_bytes / 1e6:.0f} MB; floor {moved / (bw * 1e9) * 1e3:.1f} ms); first call "
                     f"{got[0][0]:.1f} ms/token; greedy tokens equal to all-on-GPU: {same}; prefill of {args.prefill} "
@@ -213,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="scaled,8GiB")
     ap.add_argument("--implementations", default="batched_mm,grouped_mm")
     ap.add_argument("--routing", default="uniform,zipf")
+    ap.add_argument("--ahead", default="off,on", help="the next layer's experts fetched ahead: off, on or both")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--short", type=int, default=4)

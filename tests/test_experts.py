@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pager
+from pager.experts import cache as cache_module
 from pager.experts.cache import ExpertCache
 
 transformers = pytest.importorskip("transformers")
@@ -54,10 +55,10 @@ CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepsee
 def _pair(kind, implementation="grouped_mm"):
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
-    with torch.no_grad():  # (random routers route about evenly: some experts are chosen more, as in trained models)
+    with torch.no_grad():  # (DeepSeek's routing correction, small: its routing follows the tokens still)
         for m in ref.modules():
             if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_()
+                m.e_score_correction_bias.normal_(0.0, 0.01)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
     model.load_state_dict(ref.state_dict())
     for m in (ref, model):
@@ -247,3 +248,163 @@ def test_two_threads_share_the_experts_cache():
         t.join()
     for i in range(2):
         assert all(torch.equal(out, want[i]) for out in got[i])
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_decode_token_fetches_the_next_layers_experts_ahead(kind):
+    """[Note: experts fetched ahead]: each layer's call copies the experts the
+    next layer's router would choose for its hidden states; the next call
+    uses most of them, and the tokens are the unpaged model's."""
+    ref, model = _pair(kind, "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    p = pager.of(model)
+    assert [t.next for t in p.expert_tables] == [*p.expert_tables[1:], None]
+    assert all(t.router is not None for t in p.expert_tables)
+    ids = torch.randint(0, 64, (1, 4))
+    kw = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref.generate(ids, **kw))
+    s = p.stats()
+    assert 0 < s.expert_ahead_used <= s.expert_ahead
+    # (the predictor is the next router on this layer's input: right more often than a draw of k of 8)
+    assert s.expert_ahead_used > s.expert_ahead * 2 / 8
+
+
+def test_experts_fetched_ahead_follow_a_changed_router():
+    ref, model = _pair("mixtral", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    table = pager.of(model).expert_tables[1]
+    ids = torch.randint(0, 64, (1, 4))
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    before = table.router.weight.clone()
+    with torch.no_grad():
+        for m in (model, ref):
+            m.model.layers[1].mlp.gate.weight.mul_(-1.0)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(table.router.weight, -before)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+
+def test_fetching_ahead_pauses_where_the_routing_cannot_be_predicted(monkeypatch):
+    """Routing drawn at random: the next router predicts it at chance, and
+    the copies ahead would only crowd the cache: after a window of them,
+    few used, fetching ahead stops ([Note: experts fetched ahead])."""
+    monkeypatch.setattr(cache_module, "AHEAD_WINDOW", 16)
+    monkeypatch.setattr(cache_module, "AHEAD_PAUSE_CALLS", 10_000)
+    ref, model = _pair("mixtral", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    p = pager.of(model)
+    g = torch.Generator().manual_seed(0)
+
+    def drawn(module, args, out):  # (a router whose choice is a draw)
+        logits, scores, index = out
+        return logits, scores, torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(len(index))])
+
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.mlp.gate.register_forward_hook(drawn)
+    ids, kw = torch.randint(0, 64, (1, 4)), {"max_new_tokens": 30, "min_new_tokens": 30, "do_sample": False}
+    g.manual_seed(0)
+    out = model.generate(ids, pad_token_id=0, **kw)
+    g.manual_seed(0)
+    assert torch.equal(out, ref.generate(ids, pad_token_id=0, **kw))
+    s = p.stats()
+    assert 16 <= s.expert_ahead < 16 + 2 * 2  # (one window, and the call that closed it)
+    assert s.expert_ahead_used < s.expert_ahead / 2
+    assert p.expert_tables[0].cache.ahead_paused > 0
+
+
+def test_a_wrap_that_fails_midway_leaves_the_model_as_it_was(monkeypatch):
+    from pager.model import build
+
+    ref, model = _pair("mixtral")
+    made = []
+
+    def second_fails(*args, **kwargs):
+        if made:
+            raise RuntimeError("no room for the second experts module's host tensors")
+        made.append(build.ExpertTable.__wrapped__(*args, **kwargs))
+        return made[-1]
+
+    second_fails.__wrapped__ = build.ExpertTable  # type: ignore[attr-defined]
+    monkeypatch.setattr(build, "ExpertTable", second_fails)
+    with pytest.raises(RuntimeError, match="no room"):
+        pager.wrap(model, budget=10 << 20, device="cpu")
+    monkeypatch.undo()
+    first = _experts(model)[0]
+    assert not first._forward_pre_hooks and not first._forward_hooks
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    pager.wrap(model, budget=10 << 20, device="cpu")  # (and it wraps again)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_a_pre_hook_before_pagers_that_fails_leaves_the_experts_as_they_were():
+    ref, model = _pair("mixtral")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
+    experts, table = _experts(model)[0], pager.of(model).expert_tables[0]
+
+    def refuses(module, args):
+        raise ValueError("a hook of the user's refuses")
+
+    handle = experts.register_forward_pre_hook(refuses, prepend=True)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad(), pytest.raises(ValueError, match="refuses"):
+        model(ids)
+    handle.remove()
+    assert table._calls == {}
+    took: list = []
+
+    def take():
+        took.append(table.cache.lock.acquire(timeout=5))
+        if took[-1]:
+            table.cache.lock.release()
+
+    other = threading.Thread(target=take)
+    other.start()
+    other.join()
+    assert took == [True]  # (no lock left held, none released that was not taken)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_call_of_no_tokens(implementation):
+    ref, model = _pair("qwen3_moe", implementation)
+    pager.wrap(model, budget=10 << 20, device="cpu")
+    hidden, index = torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.long)
+    with torch.no_grad():
+        got = _experts(model)[0](hidden, index, torch.zeros(0, 2))
+        assert torch.equal(got, _experts(ref)[0](hidden, index, torch.zeros(0, 2)))
+
+
+def test_experts_of_models_sharing_a_pool_stay_within_its_budget():
+    pool = pager.Pool(budget=700_000, device="cpu")
+    refs, models = zip(*[_pair("mixtral") for _ in range(2)])
+    for m in models:
+        pager.wrap(m, pool=pool)
+    pagers = [pager.of(m) for m in models]
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        for m, r in zip(models, refs):
+            assert torch.equal(m(ids).logits, r(ids).logits)
+    engine = pagers[0].engine
+    assert sum(p.row_bytes for p in pagers) + engine.resident_bytes <= pool.engine.budget_bytes
+    with pytest.raises(ValueError, match="caches"):
+        pagers[0].set_budget(engine.least_budget() - 1)
+    with pytest.raises(ValueError, match="need a cache of"):  # (a third: no room left for its experts)
+        pager.wrap(_pair("mixtral")[1], pool=pool)
+
+
+def test_a_host_budget_counts_the_blocks_paged_from_files_not_the_experts(tmp_path):
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_mixtral()).save_pretrained(tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    layer = max(sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "experts" not in n)
+                for m in ref.model.layers)  # fmt: skip
+    model = pager.from_pretrained(tmp_path / "m", budget=10 << 20, host_budget=8 * layer, device="cpu")
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

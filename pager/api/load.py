@@ -134,10 +134,7 @@ def _read_whole(model: nn.Module, options: dict, budget, sources: list) -> list:
     rows = options.get("rows")
     device = resolve_device(options.get("device"))
     tensors = [m.weight for _n, m in choose_row_tables(model, rows, parse_budget(budget, device))] if rows else []
-    experts = options.get("experts", "auto")
-    if experts == "auto" and distributed.resolve_group(options.get("process_group")) is not None:
-        experts = None  # (as wrap chooses: experts paged one by one do not train)
-    tensors += [p for _n, m in choose_experts(model, experts) for p in m._parameters.values()]
+    tensors += [p for _n, m in _experts_of(model, options) for p in m._parameters.values()]
     piece_of = {id(t): p for t, p in sources}
     read = []
     try:
@@ -153,6 +150,14 @@ def _read_whole(model: nn.Module, options: dict, budget, sources: list) -> list:
             torch.utils.swap_tensors(w, meta)
         raise
     return read
+
+
+def _experts_of(model: nn.Module, options: dict) -> list:
+    """(name, module) of the experts wrap will page one by one, as it chooses them."""
+    experts = options.get("experts", "auto")
+    if experts == "auto" and distributed.resolve_group(options.get("process_group")) is not None:
+        experts = None  # (experts paged one by one do not train)
+    return choose_experts(model, experts)
 
 
 def _read(pieces: list[Piece], like: torch.Tensor) -> torch.Tensor:
@@ -242,9 +247,10 @@ def _host_capacity(host_budget, model: nn.Module, options: dict, own_budget: boo
         raise ValueError(str(e).replace("budget=", "host_budget=", 1)) from None
     blocks = options.get("blocks")
     alone = distributed.resolve_group(options.get("process_group")) is None  # (as wrap resolves it)
+    experts = _experts_of(model, options)  # (read whole, not paged from the files: outside the host budget)
     if own_budget and alone and all(options.get(k) is None for k in ("blocks", "rows", "pool")):  # (wrap's defaults)
-        blocks = default_blocks(model, 0, [], rows_allowed=False, say=False)[1]
-    sizing = discover.size_up(model, blocks)
+        blocks = default_blocks(model, 0, experts, rows_allowed=False, say=False)[1]
+    sizing = discover.size_up(model, blocks, [m for _n, m in experts])
     check_host_budget(nbytes, max([*sizing.own, sizing.remainder], default=0))
     return nbytes
 

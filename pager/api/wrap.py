@@ -369,8 +369,10 @@ def _wrap(
         )
     checks.check_fits(budget, budget_bytes, sizing, model)
     cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
+    # (sharing an engine: what the other models hold for life and in their caches is not this model's)
+    held = engine.fixed_bytes() + sum(o.row_bytes for o in engine.owners) if engine is not None else 0
     experts_bytes = (
-        checks.expert_cache_bytes(expert_cache, device, budget_bytes, sizing, cache_bytes, expert_modules)
+        checks.expert_cache_bytes(expert_cache, device, budget_bytes - held, sizing, cache_bytes, expert_modules)
         if expert_modules
         else 0
     )
@@ -426,7 +428,7 @@ def _wrap(
         add_expert_tables(pager, expert_modules, experts_bytes)
         pager.rows_unasked = {name for name, _m in tables} - asked
     except BaseException:
-        pager.engine.leave(pager)  # a shared engine forgets the model it could not page
+        _undo(pager)
         raise
     if compress and pager.transport.is_cuda:
         # Encoding ran on the device: its temporaries (a few times a block)
@@ -450,6 +452,19 @@ def _wrap(
     if optimizer is not None:
         pager.attach(optimizer)
     return model
+
+
+def _undo(pager) -> None:
+    """A wrap that failed while it built the blocks and tables: every tensor
+    back where it was, as far as it got (`close`), and the engine forgets
+    the model. The first error is the one raised; one while undoing is logged."""
+    try:
+        close(pager)
+    except Exception:
+        log.exception("pager: undoing a wrap that failed failed too; the model may be left half-wrapped")
+        for table in pager.expert_tables:
+            table.restore()
+        pager.engine.leave(pager)  # a shared engine forgets the model it could not page
 
 
 def of(model: nn.Module) -> Pager:

@@ -183,8 +183,10 @@ class Engine:
 
     def least_budget(self) -> int:
         """The least budget its owners run in together: what each holds for
-        life, and room for the one whose largest use needs most beside it."""
-        return self.fixed_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners), default=0)
+        life and in its row tables' and experts' caches, and room for the one
+        whose largest use needs most beside it."""
+        held = self.fixed_bytes() + sum(o.row_bytes for o in self.owners)
+        return held + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners), default=0)
 
     # ---------------------------------------------------------- segments
     def add_segment(

@@ -197,12 +197,12 @@ class HostArena:
             and value.storage_offset() == 0
             and storage.nbytes() == value.numel() * value.element_size()
         ):
-            if not (cuda and self.pin):
-                return value, None
+            if not (cuda and self.pin) or value.is_pinned():
+                return value, None  # (page-locked already: as it is, nothing to undo)
             err = torch.cuda.cudart().cudaHostRegister(value.data_ptr(), storage.nbytes(), 0)
             if int(getattr(err, "value", err)) == 0:
                 return value, value
-            # (already page-locked, or not lockable here: copied into the arena instead)
+            # (not lockable here: copied into the arena instead)
         nbytes = value.numel() * value.element_size()
         self.check_room(nbytes, what)
         host = self.allocate(nbytes)[:nbytes].view(value.dtype).view(value.shape)

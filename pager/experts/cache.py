@@ -27,6 +27,12 @@ from collections import OrderedDict
 import torch
 
 PROTECTED_SHARE = (4, 5)  # the protected segment's most, of the slots
+# Fetching ahead ([Note: experts fetched ahead] in experts/ahead.py) is judged by
+# windows of this many experts copied ahead: where fewer than this share of
+# them were then used, it pauses for this many calls, then tries again.
+AHEAD_WINDOW = 256
+AHEAD_LEAST_USED = 0.5
+AHEAD_PAUSE_CALLS = 4096
 
 
 class ExpertCache:
@@ -52,38 +58,106 @@ class ExpertCache:
         self._protected: OrderedDict = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._protected_most = max(1, capacity * PROTECTED_SHARE[0] // PROTECTED_SHARE[1])
-        self.released_event = None  # on CUDA: the end of the last call's kernels (ExpertTable._after)
+        self.released_event: torch.cuda.Event | None = None  # on CUDA: the last call's end (ExpertTable._after)
+        self._ahead: set = set()  # keys copied ahead and not used since ([Note: experts fetched ahead])
+        self._in_flight: set = set()  # keys copied ahead that no call has waited for yet
+        self._free_in_flight = False  # a free slot's copy ahead may still run (`forget`)
+        self.ahead_used = 0  # experts copied ahead that a call then used
+        self._window = [0, 0]  # experts copied ahead in this window, and of them used
+        self.ahead_paused = 0  # calls left before fetching ahead is tried again (0: on)
+        self.ahead_stream = torch.cuda.Stream(device) if device.type == "cuda" and capacity else None
+        self.ahead_event: torch.cuda.Event | None = None  # on CUDA: the end of the last copies ahead
         self.lock = threading.RLock()  # held by a call from its pre-hook to its post-hook (experts/table.py)
 
     def device_bytes(self) -> int:
         return self.expert_bytes * self.capacity
 
-    def hold(self, base: int, experts: list, fill) -> tuple[list, int]:
+    def hold(self, base: int, experts: list, fill, wait_ahead=None) -> tuple[list, int]:
         """The slots of `experts` (keys `base + expert`), in their order,
         each filled by `fill(slot, key)` where it was not held; and how many
-        were not. At most `capacity` experts (the caller checks)."""
+        were not. At most `capacity` experts (the caller checks).
+        `wait_ahead()` is called first where a slot used or taken was copied
+        ahead and not yet waited for ([Note: experts fetched ahead] in
+        experts/ahead.py)."""
         keys = [base + e for e in experts]
         slots: list = [None] * len(keys)
         missed = []
+        if self.ahead_paused:
+            self.ahead_paused -= 1
         for i, key in enumerate(keys):
             slot = self._touch(key)
             if slot is None:
                 missed.append(i)
             else:
                 slots[i] = slot
+        waits = bool(self._in_flight) and any(k in self._in_flight for k in keys)
         if missed:
             current = set(keys)
             for i in missed:
-                slot = self._free.pop() if self._free else self._victim(current)
-                fill(slot, keys[i])
-                self._probation[keys[i]] = slot
-                slots[i] = slot
+                if self._free:
+                    slots[i] = self._free.pop()
+                    waits = waits or self._free_in_flight
+                else:
+                    victim, slots[i] = self._victim(current)
+                    waits = waits or victim in self._in_flight
+                self._probation[keys[i]] = slots[i]
+        if waits:
+            if wait_ahead is not None:
+                wait_ahead()
+            self._in_flight.clear()
+            self._free_in_flight = False
+        for i in missed:
+            fill(slots[i], keys[i])
         return slots, len(missed)
+
+    def take_ahead(self, base: int, experts: list, protect: set) -> list:
+        """Slots for those of `experts` not held, to be filled ahead of their
+        use: (slot, key) pairs; never a slot of `protect` (the keys of the
+        call running) or of another of them. They count as copied ahead
+        until a call waits for them (`hold`)."""
+        out: list = []
+        if self.ahead_paused:
+            return out
+        taken = set(protect)
+        for e in experts:
+            key = base + e
+            if key in self._probation or key in self._protected:
+                continue
+            taken.add(key)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                _victim, slot = self._victim(taken)  # (one copied ahead: ordered on the same stream)
+            self._probation[key] = slot
+            self._ahead.add(key)
+            self._in_flight.add(key)
+            out.append((slot, key))
+        self._judge_ahead(len(out))
+        return out
+
+    def _judge_ahead(self, copied: int) -> None:
+        """Count `copied` experts copied ahead; at the end of a window, pause
+        fetching ahead where too few of the window's were used (a routing
+        the next router does not predict: their copies only cost the link
+        and the slots)."""
+        window = self._window
+        window[0] += copied
+        if window[0] >= AHEAD_WINDOW:
+            if window[1] < AHEAD_LEAST_USED * window[0]:
+                self.ahead_paused = AHEAD_PAUSE_CALLS
+            window[0] = window[1] = 0
 
     def _touch(self, key: int):
         slot = self._protected.get(key)
         if slot is not None:
             self._protected.move_to_end(key)
+            return slot
+        if key in self._ahead:  # (copied ahead, used for the first time: not yet used again)
+            self._ahead.discard(key)
+            self.ahead_used += 1
+            self._window[1] += 1
+            slot = self._probation.pop(key)
+            self._probation[key] = slot
             return slot
         slot = self._probation.pop(key, None)
         if slot is None:
@@ -94,11 +168,13 @@ class ExpertCache:
             self._probation[old] = old_slot
         return slot
 
-    def _victim(self, current: set) -> int:
+    def _victim(self, current: set) -> tuple[int, int]:
+        """(key, slot) of the expert to leave: see the Note."""
         for segment in (self._probation, self._protected):
             for key in segment:
                 if key not in current:
-                    return segment.pop(key)
+                    self._ahead.discard(key)
+                    return key, segment.pop(key)
         raise AssertionError("pager: an expert cache smaller than one call's experts")  # (wrap sizes it)
 
     def forget(self, base: int, count: int) -> None:
@@ -106,6 +182,8 @@ class ExpertCache:
         for segment in (self._probation, self._protected):
             for key in [k for k in segment if base <= k < base + count]:
                 self._free.append(segment.pop(key))
+                self._ahead.discard(key)
+                self._free_in_flight = self._free_in_flight or key in self._in_flight
 
     def held(self) -> int:
         return len(self._probation) + len(self._protected)

@@ -44,12 +44,15 @@ them (their own or their input's) is refused, naming the fix.
 
 from __future__ import annotations
 
+import threading
 from typing import cast
 
 import torch
 import torch.nn as nn
 
+from ..base.common import model_hook
 from ..engine.host import unregister_table
+from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .find import routing_name
 
@@ -66,14 +69,18 @@ class ExpertTable:
         module: the experts module (see experts/find.py).
         cache: the device slots for its layout, shared with other modules.
         base: the first of its keys in `cache` (an expert's key is `base + expert`).
+        router: the router beside it (`mlp.gate`), if any: the module before it
+            predicts its routing ([Note: experts fetched ahead] in experts/ahead.py).
 
     Example (inside pager; `wrap` makes one per experts module):
         >>> table = ExpertTable(pager, "model.layers.0.mlp.experts", experts, cache, base=0)
         >>> table.restore()  # at unwrap: the parameters on their original device
     """
 
-    def __init__(self, pager, name: str, module: nn.Module, cache: ExpertCache, base: int):
+    def __init__(self, pager, name: str, module: nn.Module, cache: ExpertCache, base: int, router=None):
         self.pager, self.name, self.module, self.cache, self.base = pager, name, module, cache, base
+        self.router = Router(router) if router is not None else None  # (its own: read at its calls)
+        self.next: ExpertTable | None = None  # the next experts module of the model, if it shares the cache
         self.names = [n for n, p in module._parameters.items() if p is not None]
         self.params: list[nn.Parameter] = [cast(nn.Parameter, module._parameters[n]) for n in self.names]
         self.num_experts: int = cast(int, module.num_experts)
@@ -82,20 +89,27 @@ class ExpertTable:
         self.expert_bytes = sum(p[0].numel() * p.element_size() for p in self.params)
         self.hosts, self._registered, self._adopted = [], [], []
         cuda = pager.transport.is_cuda
-        for pname, p in zip(self.names, self.params):
-            value = p.detach()
-            host, registered = pager.arena.host_table(value, cuda, f"experts {name}.{pname}")
-            self.hosts.append(host)
-            self._registered.append(registered)
-            self._adopted.append(host is value)  # (the user's own CPU tensor: it stays)
+        try:
+            for pname, p in zip(self.names, self.params):
+                value = p.detach()
+                host, registered = pager.arena.host_table(value, cuda, f"experts {name}.{pname}")
+                self.hosts.append(host)
+                self._registered.append(registered)
+                self._adopted.append(host is value)  # (the user's own CPU tensor: it stays)
+        except BaseException:
+            for registered in self._registered:  # (nothing else changed yet)
+                unregister_table(registered)
+            raise
+        self._restored = False
         self._versions = [p._version for p in self.params]
         with torch.no_grad():
             for p, host in zip(self.params, self.hosts):
                 p.data = host
-        self._depth = 0  # calls of this thread inside one another (a forward that calls itself)
+        self._calls: dict = {}  # thread id -> its calls of this module under way (more than one: nested)
         self._handles = [
-            module.register_forward_pre_hook(self._before, with_kwargs=True),
-            module.register_forward_hook(self._after, always_call=True),
+            # (outside compiled graphs, as pager's other hooks: [Note: a wrapped model is not pickled or copied])
+            module.register_forward_pre_hook(model_hook(self._before), with_kwargs=True),
+            module.register_forward_hook(model_hook(self._after), always_call=True),
         ]
 
     # ----------------------------------------------------------- a call
@@ -103,7 +117,8 @@ class ExpertTable:
         # Given back by `_after`, which torch calls however the call ends (a
         # failure here included), but for an interrupt raised in here.
         self.cache.lock.acquire()
-        self._depth += 1
+        tid = threading.get_ident()
+        self._calls[tid] = self._calls.get(tid, 0) + 1
         try:
             return self._bring(args, kwargs)
         except BaseException as e:
@@ -117,11 +132,15 @@ class ExpertTable:
         self._check_current()
         experts, inverse = self._routed(index)
         slots = self._hold(experts)
+        if self.router is not None:
+            self.router.refresh()  # (its layer's block is in use: its weights are here)
+        if self.next is not None and self.next.router is not None and self.next.router.weight is not None:
+            self._fetch_ahead(args[0], index.shape[-1], experts)
         cache, implementation = self.cache, self._implementation()
         if implementation in IN_PLACE and (implementation != "grouped_mm" or cache.capacity <= GROUPED_MM_MOST_GROUPS):
-            values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots)[inverse]
+            values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
-            slot_index = torch.tensor(slots).to(cache.device, non_blocking=True)
+            slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
             values, count, routing = [t.index_select(0, slot_index) for t in cache.tensors], len(experts), inverse
         with torch.no_grad():
             for p, value in zip(self.params, values):
@@ -134,7 +153,7 @@ class ExpertTable:
 
     def _routing_of(self, args, kwargs, in_kwargs: bool) -> torch.Tensor:
         """The call's routing, once the call is checked."""
-        if self._depth > 1:
+        if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
         if torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.params) or (bool(args) and getattr(args[0], "requires_grad", False))
@@ -165,21 +184,59 @@ class ExpertTable:
             )
         return experts, inverse
 
+    def _fetch_ahead(self, hidden: torch.Tensor, k: int, experts: list) -> None:
+        """Copy the experts the next module's router would choose for
+        `hidden` into the cache now, on a side stream ([Note: experts fetched ahead])."""
+        nxt = cast(ExpertTable, self.next)
+        if hidden.numel() // hidden.shape[-1] * k > MOST_TOKEN_ROUTES * nxt.num_experts:
+            return  # (many tokens: a layer routes to most of its experts)
+        predicted = cast(Router, nxt.router).predict(hidden.detach().cpu(), k)
+        cache = self.cache
+        taken = cache.take_ahead(nxt.base, predicted, protect={self.base + e for e in experts})
+        if not taken:
+            return
+        side = cache.ahead_stream
+        if side is None:  # (the CPU device: copied now)
+            for slot, key in taken:
+                nxt._fill(slot, key)
+        else:
+            # Slots taken may still be read by the compute stream's kernels so far.
+            side.wait_stream(torch.cuda.current_stream(cache.device))
+            with torch.cuda.stream(side):
+                for slot, key in taken:
+                    nxt._fill(slot, key)
+                event = cache.ahead_event = cache.ahead_event or torch.cuda.Event()
+                event.record()
+        counters = self.pager.counters
+        counters.expert_ahead += len(taken)
+        counters.expert_h2d_bytes += len(taken) * nxt.expert_bytes
+
+    def _wait_ahead(self) -> None:
+        # A slot this call uses or takes was copied ahead on the side stream:
+        # compute (and copies into it) must not start before that copy ends.
+        if self.cache.ahead_event is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(self.cache.ahead_event)
+
     def _hold(self, experts: list) -> list:
         """The cache's slots of `experts`, the missing ones copied in."""
         cache = self.cache
         if cache.released_event is not None:
             # The slots about to be filled may still be read by the kernels
             # of the last call (on another thread's stream): they wait.
-            torch.cuda.current_stream().wait_event(cache.released_event)
-        slots, missed = cache.hold(self.base, experts, self._fill)
+            torch.cuda.current_stream(cache.device).wait_event(cache.released_event)
+        used_before = cache.ahead_used
+        slots, missed = cache.hold(self.base, experts, self._fill, self._wait_ahead)
         counters = self.pager.counters
+        counters.expert_ahead_used += cache.ahead_used - used_before
         counters.expert_hits += len(experts) - missed
         counters.expert_misses += missed
         counters.expert_h2d_bytes += missed * self.expert_bytes
         return slots
 
     def _after(self, module, args, output):
+        tid = threading.get_ident()
+        if not self._calls.get(tid):
+            return None  # (an earlier pre-hook failed: `_before` did not run, torch calls this anyway)
         try:
             with torch.no_grad():
                 for p, host in zip(self.params, self.hosts):
@@ -187,9 +244,11 @@ class ExpertTable:
             self.module.num_experts = self.num_experts
             if self.pager.transport.is_cuda:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(self.cache.device))
         finally:
-            self._depth -= 1
+            self._calls[tid] -= 1
+            if not self._calls[tid]:
+                del self._calls[tid]
             self.cache.lock.release()
         return None
 
@@ -213,7 +272,11 @@ class ExpertTable:
 
     # ----------------------------------------------------------- unwrap
     def restore(self) -> None:
-        """The parameters back on their original device with their current values; hooks removed."""
+        """The parameters back on their original device with their current
+        values; hooks removed. Once (again: nothing)."""
+        if self._restored:
+            return
+        self._restored = True
         for h in self._handles:
             h.remove()
         self.cache.forget(self.base, self.num_experts)

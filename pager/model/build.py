@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..base import guards, wrappers
 from ..base.block import Block, layout
 from ..base.common import WEIGHTS
+from ..experts.ahead import router_of
 from ..experts.cache import ExpertCache
 from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
@@ -84,8 +85,13 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
         cache = ExpertCache(layout, capacity, pager.device)
         base = 0
         for name, module in members:
-            pager.expert_tables.append(ExpertTable(pager, name, module, cache, base))
+            parent = pager.model.get_submodule(name.rpartition(".")[0]) if "." in name else pager.model
+            router = router_of(parent, module, module.num_experts)
+            pager.expert_tables.append(ExpertTable(pager, name, module, cache, base, router))
             base += module.num_experts
+    by_model_order = sorted(pager.expert_tables, key=lambda t: [n for n, _m in modules].index(t.name))
+    for table, nxt in zip(by_model_order, by_model_order[1:]):
+        table.next = nxt if nxt.cache is table.cache else None  # ([Note: experts fetched ahead]: one cache's lock)
     pager.row_bytes += sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())
 
 

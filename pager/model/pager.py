@@ -455,6 +455,7 @@ class Pager:
             raise ValueError(
                 f"pager: budget={budget!r} ({format_bytes(nbytes)}) is below the {format_bytes(least)} "
                 f"this model needs (the remainder and its largest block"
+                + (", its row tables' and experts' caches" if self.row_bytes else "")
                 + (", beside what the models sharing its budget hold for life" if len(self.engine.owners) > 1 else "")
                 + "); give at least that."
             )

@@ -77,7 +77,9 @@ class Stats:
     )
     expert_hits: int = 0  # experts paged one by one: routed experts a call found in the device cache
     expert_misses: int = 0  # ... and those it copied in from host memory
-    expert_h2d_bytes: int = 0  # ... their bytes
+    expert_h2d_bytes: int = 0  # ... their bytes, and those of experts copied ahead
+    expert_ahead: int = 0  # experts copied ahead of their call, predicted ([Note: experts fetched ahead])
+    expert_ahead_used: int = 0  # ... of those, experts a call then used
     reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
     reduced_bytes: int = 0  # ... and their bytes (each all-reduce's input)
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
@@ -223,7 +225,8 @@ class Stats:
             + (
                 f"; experts: {self.expert_hits} routed experts from the device cache, {self.expert_misses} copied "
                 f"in ({format_bytes(self.expert_h2d_bytes)}, "
-                f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit)"
+                f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit; "
+                f"{self.expert_ahead} copied ahead, {self.expert_ahead_used} of them used)"
                 if self.expert_hits or self.expert_misses
                 else ""
             )

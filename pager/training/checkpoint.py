@@ -132,6 +132,7 @@ def close(pager) -> None:
         table.restore([link.optimizer for link in pager.optimizers])
     for experts in pager.expert_tables:
         experts.restore()
+    pager.expert_tables = []  # (their caches' device memory goes with them)
     if pager.row_stream is not None:
         pager.row_stream.writer.close()
     for opt_link in list(pager.optimizers):  # detach() removes the link from the list
