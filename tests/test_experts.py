@@ -408,3 +408,18 @@ def test_a_host_budget_counts_the_blocks_paged_from_files_not_the_experts(tmp_pa
     ids = torch.randint(0, 64, (2, 5))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_experts_fetched_ahead_on_the_gpu():
+    """The copies ahead run on the cache's side stream; the calls that use
+    them, and the misses copied into slots taken from them, wait for them."""
+    ref, model = _pair("mixtral", "batched_mm")
+    ref.cuda()
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=_one_layer(model))
+    ids = torch.randint(0, 64, (1, 4), device="cuda")
+    kw = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    s = pager.of(model).stats()
+    assert s.expert_ahead > 0 and s.expert_ahead_used > 0

@@ -93,4 +93,4 @@ class Router:
         logits = hidden.reshape(-1, self.weight.shape[0]).float() @ self.weight
         if self.bias is not None:
             logits += self.bias
-        return torch.unique(logits.topk(k, dim=-1).indices).tolist()
+        return sorted(set(logits.topk(k, dim=-1).indices.reshape(-1).tolist()))
