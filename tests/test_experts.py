@@ -133,13 +133,14 @@ def test_from_pretrained_pages_experts_one_by_one(tmp_path, kind):
     assert pager.of(model).stats().expert_misses > 0
 
 
-def test_a_budget_without_room_for_one_layers_experts_is_refused_unchanged():
+def test_a_budget_without_room_for_a_tokens_experts_is_refused_unchanged():
     _ref, model = _pair("mixtral")
+    token = 2 * _one_layer(model) // 8  # (2 of 8 experts routed)
     before = {n: (p, p.device, p.detach().clone()) for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"need a cache of .* at least .* Raise the budget to .* experts=None"):
-        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) - 1)
+        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=token - 1)
     with pytest.raises(ValueError, match="Raise the budget to"):
-        pager.wrap(model, budget=_one_layer(model), device="cpu")
+        pager.wrap(model, budget=token, device="cpu")
     for n, p in model.named_parameters():
         assert p is before[n][0] and p.device == before[n][1] and torch.equal(p, before[n][2]), n
     assert not _experts(model)[0]._forward_pre_hooks
@@ -394,8 +395,10 @@ def test_experts_of_models_sharing_a_pool_stay_within_its_budget():
     assert sum(p.row_bytes for p in pagers) + engine.resident_bytes <= pool.engine.budget_bytes
     with pytest.raises(ValueError, match="caches"):
         pagers[0].set_budget(engine.least_budget() - 1)
-    with pytest.raises(ValueError, match="need a cache of"):  # (a third: no room left for its experts)
-        pager.wrap(_pair("mixtral")[1], pool=pool)
+    with pytest.raises(ValueError, match="need a cache of"):  # (more models: at last no room for their experts)
+        for _ in range(8):
+            pager.wrap(_pair("mixtral")[1], pool=pool)
+            assert engine.least_budget() <= pool.engine.budget_bytes
 
 
 def test_a_host_budget_counts_the_blocks_paged_from_files_not_the_experts(tmp_path):
@@ -423,3 +426,36 @@ def test_experts_fetched_ahead_on_the_gpu():
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     s = pager.of(model).stats()
     assert s.expert_ahead > 0 and s.expert_ahead_used > 0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_cache_of_one_tokens_experts_runs_a_prefill_by_chunks_of_tokens(kind, implementation):
+    """A cache that holds only the experts of one token: a call routed to
+    more runs by runs of consecutive tokens, each token's output its own:
+    bit for bit under batched_mm (a product per token and expert); under
+    eager and grouped_mm an expert's product over fewer tokens at a time
+    may round otherwise (torch's CPU matmul chooses its kernel by rows)."""
+    ref, model = _pair(kind, implementation)
+    token = 2 * _one_layer(model) // 8  # (2 of 8 experts routed)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=token)
+    assert pager.of(model).expert_tables[0].cache.capacity == 2
+    ids = torch.randint(0, 64, (3, 7))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    if implementation == "batched_mm":
+        assert torch.equal(got, want)
+        kw = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_token_chunks_hold_at_most_the_cache():
+    from pager.experts.table import token_chunks
+
+    rows = [[0, 1], [1, 2], [2, 3], [0, 1], [0, 1], [4, 5]]
+    assert token_chunks(rows, 2) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
+    assert token_chunks(rows, 3) == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert token_chunks(rows, 6) == [(0, 6)]
+    assert token_chunks([], 2) == [(0, 0)]

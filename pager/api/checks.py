@@ -237,15 +237,19 @@ def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_byte
     one] in experts/table.py): `expert_cache`, or what the budget has beyond
     the rest of the model (all of it on the device, as far as it goes), the
     row tables' caches and an eighth of the budget (activations, a KV cache);
-    at least every module's experts (a call may route to all of them: a
-    prefill), at most all experts. Refused, naming the least budget, where
-    the budget cannot hold that least beside what the blocks need."""
+    at least the experts one token routes to in every module (a call that
+    routes to more than its cache holds runs by chunks of tokens), at most
+    all experts. Refused, naming the least budget, where the budget cannot
+    hold that least beside what the blocks need."""
     layouts: dict = {}
     for _n, m in modules:
         key = tuple((tuple(p.shape[1:]), p.dtype) for p in m._parameters.values())
         per = sum(p[0].numel() * p.element_size() for p in m._parameters.values())
+        # (a token's experts: the model's top k, where its config says it; else every expert)
+        k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
+        routed = min(k, m.num_experts) if isinstance(k, int) and k > 0 else m.num_experts
         most, total = layouts.get(key, (0, 0))
-        layouts[key] = (max(most, per * m.num_experts), total + per * m.num_experts)
+        layouts[key] = (max(most, per * routed), total + per * m.num_experts)
     every = sum(total for _m, total in layouts.values())
     # (the caches of layouts share the bytes in proportion to their experts': each share holds its most)
     least = max(-(-most * every // total) for most, total in layouts.values())
@@ -263,7 +267,7 @@ def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_byte
         name = next(n for n, _m in modules)
         raise ValueError(
             f"pager: the experts paged one by one ({len(modules)} modules, such as {name!r}) need a cache of "
-            f"{format_bytes(least)} at least (a call may route to every expert of a module), beside the "
+            f"{format_bytes(least)} at least (the experts a token routes to), beside the "
             f"{format_bytes(blocks)} the rest of the model needs at least; "
             + (f"expert_cache={expert_cache!r} gives {format_bytes(nbytes)} and " if expert_cache is not None else "")
             + f"the budget is {format_bytes(budget_bytes)}. Raise the budget to {format_bytes(blocks + least)} "

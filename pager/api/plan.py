@@ -390,7 +390,7 @@ def plan(
             f"wrap pages the experts of {len(experts)} mixture-of-experts layers one by one (experts='auto'; "
             f"such as {experts[0][0]!r}); this plan counts them with their layers (its figures for them are an "
             f"upper bound: a token moves only the routed experts its cache of them misses), and wrap refuses a "
-            f"budget without room for one layer's experts beside the rest of the model"
+            f"budget without room for one token's experts beside the rest of the model"
         )
     if compress:
         notes.append(

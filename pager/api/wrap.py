@@ -163,7 +163,9 @@ def wrap(
         expert_cache: device bytes for the experts' cache, out of the budget:
             an int or a string like `budget`. Default: what the budget has
             beyond the rest of the model and an eighth of it (for activations
-            and a KV cache), at least one layer's experts, at most all of them.
+            and a KV cache), at least the experts one token routes to (below
+            a layer's experts, a call routed to more runs by chunks of
+            tokens), at most all of them.
         process_group: data-parallel training (`torchrun`): a
             `torch.distributed` group whose ranks each wrap the same model
             under their own budget. Each block's gradients are averaged over

@@ -15,8 +15,9 @@ segment's least recently used expert first, from the protected segment's
 only when probation holds none that may go: an expert used once leaves
 before one used repeatedly, and an often-used expert that stops being used
 still leaves in time. Every operation is a dictionary's, whatever the
-number of slots. The experts of the call being served never leave (the
-cache holds at least one layer's experts).
+number of slots. The experts of the call being served never leave (a call
+never routes to more than the cache holds: experts/table.py runs such a
+call by chunks of tokens).
 """
 
 from __future__ import annotations

@@ -29,6 +29,15 @@ before. Its forward, called with the routing, runs in three steps:
 3. the post-hook (always called) gives the parameters their host tensors and
    `num_experts` back.
 
+A call routed to more experts than the cache holds (a prefill under a cache
+smaller than a layer's experts) gets no tokens in its forward; the post-hook
+runs the module's forward itself on runs of consecutive tokens whose experts
+the cache holds (`token_chunks`), and its output is theirs, concatenated:
+each token's output is its own. Bit for bit under `batched_mm` (a product
+per token and expert); under `eager` and `grouped_mm` an expert's product
+over fewer rows may round otherwise (torch's CPU matmul picks its kernel by
+the rows).
+
 Which experts stay in the cache is [Note: which experts stay] in
 experts/cache.py; the cache's bytes come out of the budget like a row
 table's. The cache is shared by every experts module of one layout, and one
@@ -106,6 +115,7 @@ class ExpertTable:
             for p, host in zip(self.params, self.hosts):
                 p.data = host
         self._calls: dict = {}  # thread id -> its calls of this module under way (more than one: nested)
+        self._chunked: tuple | None = None  # a call's (args, kwargs, in_kwargs) to run by chunks (`_run_chunks`)
         self._handles = [
             # (outside compiled graphs, as pager's other hooks: [Note: a wrapped model is not pickled or copied])
             module.register_forward_pre_hook(model_hook(self._before), with_kwargs=True),
@@ -131,11 +141,23 @@ class ExpertTable:
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
         experts, inverse = self._routed(index)
-        slots = self._hold(experts)
+        if len(experts) > self.cache.capacity:
+            # More experts than the cache holds (a prefill under a small cache): the
+            # forward runs on no tokens, and `_after` runs it a chunk at a time.
+            self._chunked = (args, kwargs, in_kwargs)
+            return _tokens(args, kwargs, index.shape[0], 0, 0)
+        routing = self._place(experts, inverse, index)
         if self.router is not None:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
         if self.next is not None and self.next.router is not None and self.next.router.weight is not None:
             self._fetch_ahead(args[0], index.shape[-1], experts)
+        return self._with_routing(args, kwargs, in_kwargs, routing)
+
+    def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Hold `experts` in the cache, give the parameters their device
+        values and `num_experts` its count for this call, and return the
+        routing `index` renumbered to them (see the Note)."""
+        slots = self._hold(experts)
         cache, implementation = self.cache, self._implementation()
         if implementation in IN_PLACE and (implementation != "grouped_mm" or cache.capacity <= GROUPED_MM_MOST_GROUPS):
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
@@ -145,11 +167,30 @@ class ExpertTable:
         with torch.no_grad():
             for p, value in zip(self.params, values):
                 p.data = value
-        self.module.num_experts = count
-        routing = routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
+        setattr(self.module, "num_experts", count)  # noqa: B010 (an nn.Module attribute: typed as a submodule)
+        return routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
+
+    def _with_routing(self, args, kwargs, in_kwargs: bool, routing: torch.Tensor):
         if in_kwargs:
             return args, {**kwargs, self.routing: routing}
         return (args[0], routing, *args[2:]), kwargs
+
+    def _run_chunks(self, module: nn.Module) -> torch.Tensor:
+        """The output of a call that routes to more experts than the cache
+        holds: its forward run on runs of consecutive tokens whose experts
+        it holds (each token's output is its own: equal to the whole call's)."""
+        args, kwargs, in_kwargs = cast(tuple, self._chunked)
+        self._chunked = None
+        index = kwargs[self.routing] if in_kwargs else args[1]
+        tokens = index.shape[0]
+        outs = []
+        for start, end in token_chunks(index.reshape(tokens, -1).cpu().tolist(), self.cache.capacity):
+            sub_args, sub_kwargs = _tokens(args, kwargs, tokens, start, end)
+            sub_index = sub_kwargs[self.routing] if in_kwargs else sub_args[1]
+            routing = self._place(*self._routed(sub_index), sub_index)
+            sub_args, sub_kwargs = self._with_routing(sub_args, sub_kwargs, in_kwargs, routing)
+            outs.append(type(module).forward(module, *sub_args, **sub_kwargs))  # (no hooks: this is the call)
+        return torch.cat(outs)
 
     def _routing_of(self, args, kwargs, in_kwargs: bool) -> torch.Tensor:
         """The call's routing, once the call is checked."""
@@ -238,6 +279,8 @@ class ExpertTable:
         if not self._calls.get(tid):
             return None  # (an earlier pre-hook failed: `_before` did not run, torch calls this anyway)
         try:
+            if self._chunked is not None:
+                output = self._run_chunks(module)
             with torch.no_grad():
                 for p, host in zip(self.params, self.hosts):
                     p.data = host
@@ -246,11 +289,12 @@ class ExpertTable:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.cache.device))
         finally:
+            self._chunked = None
             self._calls[tid] -= 1
             if not self._calls[tid]:
                 del self._calls[tid]
             self.cache.lock.release()
-        return None
+        return output
 
     def _fill(self, slot: int, key: int) -> None:
         expert = key - self.base
@@ -291,3 +335,28 @@ class ExpertTable:
 
     def __repr__(self) -> str:
         return f"ExpertTable({self.name!r}, {self.num_experts} experts of {self.expert_bytes} bytes)"
+
+
+def token_chunks(rows: list, capacity: int) -> list:
+    """(start, end) of runs of consecutive tokens, each routed (`rows`: a
+    token's experts) to at most `capacity` experts together, the longest
+    first; a token alone is routed to fewer (wrap sizes the cache so)."""
+    out: list = []
+    start, held = 0, set[int]()
+    for t, row in enumerate(rows):
+        grown = held | set(row)
+        if len(grown) > capacity and t > start:
+            out.append((start, t))
+            start, grown = t, set(row)
+        held = grown
+    out.append((start, len(rows)))
+    return out
+
+
+def _tokens(args, kwargs, tokens: int, start: int, end: int):
+    """`args` and `kwargs` with every tensor of `tokens` rows cut to rows `start`:`end`."""
+
+    def cut(v):
+        return v[start:end] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == tokens else v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}

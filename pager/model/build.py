@@ -4,8 +4,11 @@ the row tables. Runs once, at `wrap` or `load`."""
 
 from __future__ import annotations
 
+import logging
+
 from ..base import guards, wrappers
 from ..base.block import Block, layout
+from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..experts.ahead import router_of
 from ..experts.cache import ExpertCache
@@ -13,6 +16,8 @@ from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
 from ..rows.reader import RowStream
 from ..rows.table import RowTable
+
+log = logging.getLogger("pager")
 
 
 def build_blocks(pager, owned: dict, uses: dict, parts=frozenset()) -> None:
@@ -83,6 +88,16 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
         per_expert = expert_bytes(members[0][1])
         capacity = min(share // per_expert, sum(m.num_experts for _n, m in members))
         cache = ExpertCache(layout, capacity, pager.device)
+        if capacity < max(m.num_experts for _n, m in members):
+            log.warning(
+                "pager: the experts' cache holds %d experts, fewer than the %d of a layer: a call routed to more "
+                "of them (a prefill) runs by chunks of tokens, copying each chunk's experts (slower; equal to the "
+                "unpaged model within rounding, bit for bit under batched_mm). A budget with room for %s more "
+                "avoids it.",
+                capacity,
+                max(m.num_experts for _n, m in members),
+                format_bytes((max(m.num_experts for _n, m in members) - capacity) * per_expert),
+            )
         base = 0
         for name, module in members:
             parent = pager.model.get_submodule(name.rpartition(".")[0]) if "." in name else pager.model
