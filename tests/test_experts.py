@@ -395,7 +395,8 @@ def test_experts_of_models_sharing_a_pool_stay_within_its_budget():
     assert sum(p.row_bytes for p in pagers) + engine.resident_bytes <= pool.engine.budget_bytes
     with pytest.raises(ValueError, match="caches"):
         pagers[0].set_budget(engine.least_budget() - 1)
-    with pytest.raises(ValueError, match="need a cache of"):  # (more models: at last no room for their experts)
+    # (more models: at last no room for their experts, or for their blocks beside the others' caches)
+    with pytest.raises(ValueError, match="need a cache of|held for life and in caches"):
         for _ in range(8):
             pager.wrap(_pair("mixtral")[1], pool=pool)
             assert engine.least_budget() <= pool.engine.budget_bytes
@@ -459,3 +460,42 @@ def test_token_chunks_hold_at_most_the_cache():
     assert token_chunks(rows, 3) == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert token_chunks(rows, 6) == [(0, 6)]
     assert token_chunks([], 2) == [(0, 0)]
+
+
+def test_a_cache_of_a_calls_experts_takes_none_ahead_and_keyword_calls():
+    """A cache of one token's experts leaves no slot to fetch ahead into;
+    a call by keywords only is as a call by position."""
+    ref, model = _pair("mixtral", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=3 * _one_layer(model) // 8)  # (3 slots, k = 2)
+    ids = torch.randint(0, 64, (1, 4))
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    experts, reference = _experts(model)[0], _experts(ref)[0]
+    h, index, w = torch.randn(3, 32), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+    with torch.no_grad():
+        got = experts(hidden_states=h, top_k_index=index, top_k_weights=w)
+        assert torch.equal(got, reference(hidden_states=h, top_k_index=index, top_k_weights=w))
+    with pytest.raises(RuntimeError, match="gradients enabled through them"):
+        experts(hidden_states=h.requires_grad_(), top_k_index=index, top_k_weights=w)
+
+
+def test_a_chunk_that_fails_leaves_the_parameters_as_they_were(monkeypatch):
+    ref, model = _pair("mixtral", "batched_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=2 * _one_layer(model) // 8)
+    table = pager.of(model).expert_tables[0]
+    forward, calls = type(table.module).forward, []
+
+    def fails_second(*args, **kwargs):  # (its calls: the call of no tokens, then one a chunk)
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("out of memory in the second chunk")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(type(table.module), "forward", fails_second)
+    h, index, w = torch.randn(3, 32), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+    with torch.no_grad(), pytest.raises(MemoryError):
+        table.module(h, index, w)
+    monkeypatch.undo()
+    assert table.module.gate_up_proj.shape[0] == table.module.num_experts == 8
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n

@@ -363,16 +363,17 @@ def _wrap(
     sizing, adapter_bytes = discover.adapters_resident(
         discover.size_up(model, spec, [m for _n, m in tables + expert_modules]), budget_bytes
     )
-    if engine is not None and engine.fixed_bytes() + sizing.min_budget > engine.budget_bytes:
+    held = engine.fixed_bytes() + sum(o.row_bytes for o in engine.owners) if engine is not None else 0
+    if engine is not None and held + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
-            f"and largest block), but the shared {engine!r} has {format_bytes(engine.fixed_bytes())} of its "
-            f"budget held for life by the models on it; raise that budget (pager.of(other).set_budget(...)) first."
+            f"and largest block), but the shared {engine!r} has {format_bytes(held)} of its "
+            f"budget held for life and in caches by the models on it; raise that budget "
+            f"(pager.of(other).set_budget(...)) first."
         )
     checks.check_fits(budget, budget_bytes, sizing, model)
     cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
     # (sharing an engine: what the other models hold for life and in their caches is not this model's)
-    held = engine.fixed_bytes() + sum(o.row_bytes for o in engine.owners) if engine is not None else 0
     experts_bytes = (
         checks.expert_cache_bytes(expert_cache, device, budget_bytes - held, sizing, cache_bytes, expert_modules)
         if expert_modules

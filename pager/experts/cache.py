@@ -107,8 +107,12 @@ class ExpertCache:
                 wait_ahead()
             self._in_flight.clear()
             self._free_in_flight = False
-        for i in missed:
-            fill(slots[i], keys[i])
+        for n, i in enumerate(missed):
+            try:
+                fill(slots[i], keys[i])
+            except BaseException:
+                self.drop([keys[j] for j in missed[n:]])  # (not filled: not held)
+                raise
         return slots, len(missed)
 
     def take_ahead(self, base: int, experts: list, protect: set) -> list:
@@ -128,7 +132,10 @@ class ExpertCache:
             if self._free:
                 slot = self._free.pop()
             else:
-                _victim, slot = self._victim(taken)  # (one copied ahead: ordered on the same stream)
+                found = self._victim_or_none(taken)  # (one copied ahead: ordered on the same stream)
+                if found is None:
+                    break  # (a cache of a call's experts or little more: no room ahead)
+                slot = found[1]
             self._probation[key] = slot
             self._ahead.add(key)
             self._in_flight.add(key)
@@ -171,12 +178,27 @@ class ExpertCache:
 
     def _victim(self, current: set) -> tuple[int, int]:
         """(key, slot) of the expert to leave: see the Note."""
+        found = self._victim_or_none(current)
+        if found is None:
+            raise AssertionError("pager: an expert cache smaller than one call's experts")  # (never: see table.py)
+        return found
+
+    def _victim_or_none(self, current: set) -> tuple[int, int] | None:
         for segment in (self._probation, self._protected):
             for key in segment:
                 if key not in current:
                     self._ahead.discard(key)
                     return key, segment.pop(key)
-        raise AssertionError("pager: an expert cache smaller than one call's experts")  # (wrap sizes it)
+        return None
+
+    def drop(self, keys: list) -> None:
+        """Forget `keys` whose slots were taken but not filled (a copy failed): their slots are free."""
+        for key in keys:
+            for segment in (self._probation, self._protected):
+                slot = segment.pop(key, None)
+                if slot is not None:
+                    self._free.append(slot)
+            self._ahead.discard(key)
 
     def forget(self, base: int, count: int) -> None:
         """Drop the experts `base` .. `base + count - 1` (their host tensors changed)."""

@@ -39,6 +39,15 @@ def experts_problem(module: nn.Module) -> str | None:
 ROUTING_NAMES = ("top_k_index", "router_indices")  # (GPT-OSS's experts name it the latter)
 
 
+def hidden_name(module: nn.Module) -> str | None:
+    """The name of the hidden states' argument of `module`'s forward (its first)."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[0] if names else None
+
+
 def routing_name(module: nn.Module) -> str | None:
     """The name of the routing argument of `module`'s forward (its second)."""
     try:

@@ -63,7 +63,7 @@ from ..base.common import model_hook
 from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
-from .find import routing_name
+from .find import hidden_name, routing_name
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -94,6 +94,7 @@ class ExpertTable:
         self.params: list[nn.Parameter] = [cast(nn.Parameter, module._parameters[n]) for n in self.names]
         self.num_experts: int = cast(int, module.num_experts)
         self.routing = routing_name(module)  # (the forward's second argument)
+        self.hidden = hidden_name(module)  # (its first)
         self.original_device = self.params[0].device
         self.expert_bytes = sum(p[0].numel() * p.element_size() for p in self.params)
         self.hosts, self._registered, self._adopted = [], [], []
@@ -143,14 +144,19 @@ class ExpertTable:
         experts, inverse = self._routed(index)
         if len(experts) > self.cache.capacity:
             # More experts than the cache holds (a prefill under a small cache): the
-            # forward runs on no tokens, and `_after` runs it a chunk at a time.
+            # forward runs on no tokens (and device tensors), and `_after` runs it a
+            # chunk at a time.
             self._chunked = (args, kwargs, in_kwargs)
+            with torch.no_grad():
+                for p, value in zip(self.params, self.cache.tensors):
+                    p.data = value
+            setattr(self.module, "num_experts", self.cache.capacity)  # noqa: B010 (see `_place`)
             return _tokens(args, kwargs, index.shape[0], 0, 0)
         routing = self._place(experts, inverse, index)
         if self.router is not None:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
         if self.next is not None and self.next.router is not None and self.next.router.weight is not None:
-            self._fetch_ahead(args[0], index.shape[-1], experts)
+            self._fetch_ahead(self._hidden_of(args, kwargs), index.shape[-1], experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
     def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -169,6 +175,10 @@ class ExpertTable:
                 p.data = value
         setattr(self.module, "num_experts", count)  # noqa: B010 (an nn.Module attribute: typed as a submodule)
         return routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
+
+    def _hidden_of(self, args, kwargs):
+        """The call's hidden states (its first argument, by position or name)."""
+        return args[0] if args else kwargs.get(self.hidden)
 
     def _with_routing(self, args, kwargs, in_kwargs: bool, routing: torch.Tensor):
         if in_kwargs:
@@ -197,7 +207,7 @@ class ExpertTable:
         if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
         if torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.params) or (bool(args) and getattr(args[0], "requires_grad", False))
+            any(p.requires_grad for p in self.params) or getattr(self._hidden_of(args, kwargs), "requires_grad", False)
         ):
             # (its backward would read the parameters after they left the cache)
             raise RuntimeError(
@@ -237,17 +247,21 @@ class ExpertTable:
         if not taken:
             return
         side = cache.ahead_stream
-        if side is None:  # (the CPU device: copied now)
-            for slot, key in taken:
-                nxt._fill(slot, key)
-        else:
-            # Slots taken may still be read by the compute stream's kernels so far.
-            side.wait_stream(torch.cuda.current_stream(cache.device))
-            with torch.cuda.stream(side):
+        try:
+            if side is None:  # (the CPU device: copied now)
                 for slot, key in taken:
                     nxt._fill(slot, key)
-                event = cache.ahead_event = cache.ahead_event or torch.cuda.Event()
-                event.record()
+            else:
+                # Slots taken may still be read by the compute stream's kernels so far.
+                side.wait_stream(torch.cuda.current_stream(cache.device))
+                with torch.cuda.stream(side):
+                    for slot, key in taken:
+                        nxt._fill(slot, key)
+                    event = cache.ahead_event = cache.ahead_event or torch.cuda.Event()
+                    event.record()
+        except BaseException:
+            cache.drop([key for _slot, key in taken])  # (not all filled: none held)
+            raise
         counters = self.pager.counters
         counters.expert_ahead += len(taken)
         counters.expert_h2d_bytes += len(taken) * nxt.expert_bytes
@@ -281,14 +295,14 @@ class ExpertTable:
         try:
             if self._chunked is not None:
                 output = self._run_chunks(module)
-            with torch.no_grad():
-                for p, host in zip(self.params, self.hosts):
-                    p.data = host
-            self.module.num_experts = self.num_experts
             if self.pager.transport.is_cuda:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.cache.device))
         finally:
+            with torch.no_grad():
+                for p, host in zip(self.params, self.hosts):
+                    p.data = host
+            self.module.num_experts = self.num_experts
             self._chunked = None
             self._calls[tid] -= 1
             if not self._calls[tid]:

@@ -152,6 +152,8 @@ def _build_weights(pager, block: Block, named: list) -> None:
         with guards.unguarded():
             for t in seg.wrappers:  # onto the device storage's device, around their inner views
                 wrappers.follow_inner(t)
+        # (as each page is made: a wrap that fails at the next one undoes this one: api/wrap.py `_undo`)
+        block.weight_segments = tuple(block.segments[k] for k, _page in pages if k in block.segments)
         guards.register(pager, block, seg)
         guards.guard(seg)
     block.weight_segments = tuple(block.segments[kind] for kind, _page in pages)
