@@ -499,3 +499,17 @@ def test_a_chunk_that_fails_leaves_the_parameters_as_they_were(monkeypatch):
     assert table.module.gate_up_proj.shape[0] == table.module.num_experts == 8
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_prefill_by_chunks_of_tokens_on_the_gpu(implementation):
+    """A cache of one token's experts on the GPU: the call of no tokens runs
+    on the cache's device tensors, then the chunks."""
+    ref, model = _pair("mixtral", implementation)
+    ref.cuda()
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=2 * _one_layer(model) // 8)
+    ids = torch.randint(0, 64, (3, 7), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
