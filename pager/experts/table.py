@@ -169,7 +169,8 @@ class ExpertTable:
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
             slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
-            values, count, routing = [t.index_select(0, slot_index) for t in cache.tensors], len(experts), inverse
+            values, routing = [t.index_select(0, slot_index) for t in cache.tensors], inverse
+            count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
         with torch.no_grad():
             for p, value in zip(self.params, values):
                 p.data = value
