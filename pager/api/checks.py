@@ -16,6 +16,7 @@ from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..engine.engine import Engine
 from ..engine.split_fetch import helper_budgets, resolve_helpers
+from ..experts.find import expert_bytes, layout_of
 from ..model.pool import Pool
 from ..training import distributed, masters, owners
 from .fit import too_large_message
@@ -243,8 +244,7 @@ def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_byte
     hold that least beside what the blocks need."""
     layouts: dict = {}
     for _n, m in modules:
-        key = tuple((tuple(p.shape[1:]), p.dtype) for p in m._parameters.values())
-        per = sum(p[0].numel() * p.element_size() for p in m._parameters.values())
+        key, per = layout_of(m), expert_bytes(m)
         # (a token's experts: the model's top k, where its config says it; else every expert)
         k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
         routed = min(k, m.num_experts) if isinstance(k, int) and k > 0 else m.num_experts

@@ -90,3 +90,13 @@ def choose(model: nn.Module, experts) -> list:
             )
         out.append((name, module))
     return out
+
+
+def layout_of(module: nn.Module) -> tuple:
+    """What makes experts modules share a cache: each parameter's shape of one expert, and dtype."""
+    return tuple((tuple(p.shape[1:]), p.dtype) for p in module._parameters.values() if p is not None)
+
+
+def expert_bytes(module: nn.Module) -> int:
+    """Bytes of one expert of an experts module (its slice of every parameter)."""
+    return sum(p[0].numel() * p.element_size() for p in module._parameters.values() if p is not None)

@@ -12,6 +12,7 @@ from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..experts.ahead import router_of
 from ..experts.cache import ExpertCache
+from ..experts.find import expert_bytes, layout_of
 from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
 from ..rows.reader import RowStream
@@ -80,14 +81,13 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
     proportion to their experts' bytes."""
     groups: dict = {}
     for name, module in modules:
-        layout = tuple((tuple(p.shape[1:]), p.dtype) for p in module._parameters.values())
-        groups.setdefault(layout, []).append((name, module))
+        groups.setdefault(layout_of(module), []).append((name, module))
     total = sum(expert_bytes(m) * m.num_experts for _n, m in modules)
-    for layout, members in groups.items():
+    for shapes, members in groups.items():
         share = cache_bytes * sum(expert_bytes(m) * m.num_experts for _n, m in members) // max(1, total)
         per_expert = expert_bytes(members[0][1])
         capacity = min(share // per_expert, sum(m.num_experts for _n, m in members))
-        cache = ExpertCache(layout, capacity, pager.device)
+        cache = ExpertCache(shapes, capacity, pager.device)
         if capacity < max(m.num_experts for _n, m in members):
             log.warning(
                 "pager: the experts' cache holds %d experts, fewer than the %d of a layer: a call routed to more "
@@ -108,11 +108,6 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
     for table, nxt in zip(by_model_order, by_model_order[1:]):
         table.next = nxt if nxt.cache is table.cache else None  # ([Note: experts fetched ahead]: one cache's lock)
     pager.row_bytes += sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())
-
-
-def expert_bytes(module) -> int:
-    """Bytes of one expert of an experts module (its slice of every parameter)."""
-    return sum(p[0].numel() * p.element_size() for p in module._parameters.values())
 
 
 def _pages(named: list) -> list:
