@@ -513,3 +513,16 @@ def test_a_prefill_by_chunks_of_tokens_on_the_gpu(implementation):
     ids = torch.randint(0, 64, (3, 7), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+
+
+def test_the_judge_counts_a_windows_copies_used_in_that_window_only(monkeypatch):
+    monkeypatch.setattr(cache_module, "AHEAD_WINDOW", 4)
+    cache = ExpertCache((((2,), torch.float32),), 16, torch.device("cpu"))
+    taken = cache.take_ahead(0, [0, 1, 2, 3], protect=set())  # (a window: judged now, none used yet)
+    assert len(taken) == 4 and cache.ahead_paused  # (none of them used: paused)
+    cache.ahead_paused = 0
+    cache.hold(0, [0, 1, 2, 3], lambda slot, key: None)  # (used after their window: credit to no window)
+    assert cache.ahead_used == 4 and cache._window == [0, 0]
+    cache.take_ahead(0, [4, 5], protect=set())
+    cache.hold(0, [4], lambda slot, key: None)
+    assert cache._window == [2, 1]

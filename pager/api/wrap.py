@@ -372,8 +372,8 @@ def _wrap(
             f"(pager.of(other).set_budget(...)) first."
         )
     checks.check_fits(budget, budget_bytes, sizing, model)
-    cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes, sizing.min_budget) if tables else 0
     # (sharing an engine: what the other models hold for life and in their caches is not this model's)
+    cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes - held, sizing.min_budget) if tables else 0
     experts_bytes = (
         checks.expert_cache_bytes(expert_cache, device, budget_bytes - held, sizing, cache_bytes, expert_modules)
         if expert_modules

@@ -60,11 +60,12 @@ class ExpertCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._protected_most = max(1, capacity * PROTECTED_SHARE[0] // PROTECTED_SHARE[1])
         self.released_event: torch.cuda.Event | None = None  # on CUDA: the last call's end (ExpertTable._after)
-        self._ahead: set = set()  # keys copied ahead and not used since ([Note: experts fetched ahead])
+        self._ahead: dict = {}  # key copied ahead and not used since -> its window ([Note: experts fetched ahead])
         self._in_flight: set = set()  # keys copied ahead that no call has waited for yet
         self._free_in_flight = False  # a free slot's copy ahead may still run (`forget`)
         self.ahead_used = 0  # experts copied ahead that a call then used
         self._window = [0, 0]  # experts copied ahead in this window, and of them used
+        self._windows = 0  # windows judged so far
         self.ahead_paused = 0  # calls left before fetching ahead is tried again (0: on)
         self.ahead_stream = torch.cuda.Stream(device) if device.type == "cuda" and capacity else None
         self.ahead_event: torch.cuda.Event | None = None  # on CUDA: the end of the last copies ahead
@@ -137,7 +138,7 @@ class ExpertCache:
                     break  # (a cache of a call's experts or little more: no room ahead)
                 slot = found[1]
             self._probation[key] = slot
-            self._ahead.add(key)
+            self._ahead[key] = self._windows
             self._in_flight.add(key)
             out.append((slot, key))
         self._judge_ahead(len(out))
@@ -154,6 +155,7 @@ class ExpertCache:
             if window[1] < AHEAD_LEAST_USED * window[0]:
                 self.ahead_paused = AHEAD_PAUSE_CALLS
             window[0] = window[1] = 0
+            self._windows += 1
 
     def _touch(self, key: int):
         slot = self._protected.get(key)
@@ -161,9 +163,9 @@ class ExpertCache:
             self._protected.move_to_end(key)
             return slot
         if key in self._ahead:  # (copied ahead, used for the first time: not yet used again)
-            self._ahead.discard(key)
+            if self._ahead.pop(key) == self._windows:  # (one copied in a window judged already: not this one's)
+                self._window[1] += 1
             self.ahead_used += 1
-            self._window[1] += 1
             slot = self._probation.pop(key)
             self._probation[key] = slot
             return slot
@@ -187,7 +189,7 @@ class ExpertCache:
         for segment in (self._probation, self._protected):
             for key in segment:
                 if key not in current:
-                    self._ahead.discard(key)
+                    self._ahead.pop(key, None)
                     return key, segment.pop(key)
         return None
 
@@ -198,14 +200,14 @@ class ExpertCache:
                 slot = segment.pop(key, None)
                 if slot is not None:
                     self._free.append(slot)
-            self._ahead.discard(key)
+            self._ahead.pop(key, None)
 
     def forget(self, base: int, count: int) -> None:
         """Drop the experts `base` .. `base + count - 1` (their host tensors changed)."""
         for segment in (self._probation, self._protected):
             for key in [k for k in segment if base <= k < base + count]:
                 self._free.append(segment.pop(key))
-                self._ahead.discard(key)
+                self._ahead.pop(key, None)
                 self._free_in_flight = self._free_in_flight or key in self._in_flight
 
     def held(self) -> int:
