@@ -20,7 +20,11 @@ layer's experts fetched ahead and without (`--ahead`): `scaled` is
 rest by depth). The floor of a paged token is the experts' bytes it copied at
 the link's pinned rate.
 
-    python -m benchmarks.bench_moe [--layers 16] [--budgets scaled,8GiB]
+`--shape mixtral`: a Mixtral-8x7B-shaped model instead (8 experts of MLP
+14336, 2 routed; `scaled` is then 24 GiB for its 32 layers). `--accelerate`:
+accelerate's `device_map="auto"` with the same GPU memory beside each budget.
+
+    python -m benchmarks.bench_moe [--layers 16] [--budgets scaled,8GiB] [--shape qwen3|mixtral] [--accelerate]
 """
 
 from __future__ import annotations
@@ -35,24 +39,31 @@ import torch
 import pager
 from benchmarks.harness import GiB, Row, environment, free_cuda, pinned_h2d_gbps, save
 
-FULL_LAYERS = 48
-VOCAB = 151936
+# (full depth, vocabulary, budget at full depth) of each shape
+SHAPES = {"qwen3": (48, 151936, 8 * GiB), "mixtral": (32, 32000, 24 * GiB)}
 
 
-def config(layers: int):
-    from transformers import Qwen3MoeConfig
+def config(shape: str, layers: int):
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
+    if shape == "mixtral":  # Mixtral-8x7B: 8 experts of MLP 14336, 2 routed
+        return MixtralConfig(
+            vocab_size=SHAPES[shape][1], hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=4096,
+        )  # fmt: skip
     return Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        vocab_size=SHAPES[shape][1], hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, max_position_embeddings=4096,
     )  # fmt: skip
 
 
-def scaled_budget(model, layers: int) -> int:
-    """8 GiB for the full depth, scaled: embedding and head once, the rest by depth."""
+def scaled_budget(model, shape: str, layers: int) -> int:
+    """The shape's budget for the full depth, scaled: embedding and head once, the rest by depth."""
+    full, _vocab, budget = SHAPES[shape]
     once = sum(p.numel() * p.element_size() for m in (model.model.embed_tokens, model.lm_head) for p in m.parameters())
-    return once + (8 * GiB - once) * layers // FULL_LAYERS
+    return once + (budget - once) * layers // full
 
 
 def route(model, kind: str) -> list:
@@ -117,14 +128,15 @@ def prefill_ms(model, ids) -> float:
 
 
 def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) -> list:
-    from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=g).cuda()
-    passes = [torch.randint(0, VOCAB, (args.new,), generator=g).cuda() for _ in range(1 + args.reps)]
-    long = torch.randint(0, VOCAB, (1, args.prefill), generator=g).cuda()
+    vocab = SHAPES[args.shape][1]
+    prompt = torch.randint(0, vocab, (1, args.prompt), generator=g).cuda()
+    passes = [torch.randint(0, vocab, (args.new,), generator=g).cuda() for _ in range(1 + args.reps)]
+    long = torch.randint(0, vocab, (1, args.prefill), generator=g).cuda()
     experts_bytes = sum(p.numel() * p.element_size() for n, p in gpu.named_parameters() if ".experts." in n)
-    work = f"Qwen3-30B-A3B-shaped, {args.layers} layers, {routing} routing"
+    name = {"qwen3": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B"}[args.shape]
+    work = f"{name}-shaped, {args.layers} layers, {routing} routing"
     rows = []
     hooks = route(gpu, routing)
     for impl in args.implementations.split(","):
@@ -147,17 +159,12 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
         )
         print(rows[-1], flush=True)
         for budget, ahead in [(b, a) for b in args.budgets.split(",") for a in args.ahead.split(",")]:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
-            model.load_state_dict(copy.copy(host_state), assign=True)
-            for name, value in buffers.items():
-                owner, _, leaf = name.rpartition(".")
-                model.get_submodule(owner)._buffers[leaf] = value.clone()
-            model.set_experts_implementation(impl)
+            model = cpu_model(args, host_state, buffers, impl)
             route(model, routing)
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            pager.wrap(model, budget=scaled_budget(model, args.layers) if budget == "scaled" else budget, device="cuda")
+            b = scaled_budget(model, args.shape, args.layers) if budget == "scaled" else budget
+            pager.wrap(model, budget=b, device="cuda")
             wrap_s = time.perf_counter() - t0
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
@@ -203,12 +210,73 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
                 )
             )
             print(rows[-1], flush=True)
+            budget_bytes = pg.budget_bytes
             pager.unwrap(model)
             del model, pg, cache
             free_cuda()
+            if args.accelerate and ahead == args.ahead.split(",")[-1]:
+                rows.append(
+                    accelerate_row(
+                        args, work, impl, routing, host_state, buffers, budget_bytes, label, prompt, passes, ref
+                    )
+                )
+                print(rows[-1], flush=True)
     for h in hooks:
         h.remove()
     return rows
+
+
+def cpu_model(args, host_state: dict, buffers: dict, impl: str):
+    """The model on the CPU, its tensors `host_state`'s (and its buffers'), under experts implementation `impl`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config(args.shape, args.layers), dtype=torch.bfloat16).eval()
+    model.load_state_dict(copy.copy(host_state), assign=True)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.clone()
+    model.set_experts_implementation(impl)
+    return model
+
+
+def accelerate_row(args, work, impl, routing, host_state, buffers, budget_bytes, label, prompt, passes, ref):
+    """accelerate's `device_map="auto"` with the same GPU memory: its decode, 2 passes (it is slow)."""
+    try:
+        from accelerate import dispatch_model, infer_auto_device_map
+    except ImportError:
+        return Row(
+            f"{work}, decode batch 1",
+            f"accelerate device_map=auto, {label}",
+            None,
+            None,
+            None,
+            "",
+            "accelerate is not installed: skipped",
+        )
+    model = cpu_model(args, host_state, buffers, impl)
+    device_map = infer_auto_device_map(
+        model, max_memory={0: budget_bytes, "cpu": 1 << 40}, no_split_module_classes=model._no_split_modules
+    )
+    model = dispatch_model(model, device_map=device_map)
+    route(model, routing)
+    torch.cuda.reset_peak_memory_stats()
+    got = decode_passes(model, prompt, passes[:2], args.short)
+    ms, ref_ms = got[1][0], statistics.mean(m for m, _t in ref[1:])
+    on_gpu = sum(1 for d in device_map.values() if d == 0)
+    row = Row(
+        f"{work}, decode batch 1",
+        f"accelerate device_map=auto, {label} ({impl})",
+        ms,
+        torch.cuda.max_memory_allocated() / GiB,
+        ms / ref_ms,
+        "all on the GPU",
+        f"{on_gpu} of {len(device_map)} modules of its map on the GPU; first pass {got[0][0]:.1f} ms/token; "
+        f"greedy tokens equal to all-on-GPU: {all(a[1] == b[1] for a, b in zip(got, ref))}",
+    )
+    del model
+    free_cuda()
+    return row
 
 
 def main(argv=None):
@@ -216,6 +284,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
+    ap.add_argument("--accelerate", action="store_true", help="accelerate's device_map='auto' beside, per budget")
     ap.add_argument("--budgets", default="scaled,8GiB")
     ap.add_argument("--implementations", default="batched_mm,grouped_mm")
     ap.add_argument("--routing", default="uniform,zipf")
@@ -231,7 +301,7 @@ def main(argv=None):
     bw = pinned_h2d_gbps()
     torch.manual_seed(0)
     with torch.device("cuda"):
-        gpu = AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16).eval()
+        gpu = AutoModelForCausalLM.from_config(config(args.shape, args.layers), dtype=torch.bfloat16).eval()
     buffers = {k: v.to("cpu") for k, v in gpu.named_buffers()}  # (non-persistent ones too: rotary's)
     host_state = {k: v.to("cpu") for k, v in gpu.state_dict().items()}
     base_bytes = torch.cuda.memory_allocated()  # (the all-on-GPU model: not pager's)
