@@ -154,10 +154,8 @@ def _read_whole(model: nn.Module, options: dict, budget, sources: list) -> list:
 
 def _experts_of(model: nn.Module, options: dict) -> list:
     """(name, module) of the experts wrap will page one by one, as it chooses them."""
-    experts = options.get("experts", "auto")
-    if experts == "auto" and distributed.resolve_group(options.get("process_group")) is not None:
-        experts = None  # (experts paged one by one do not train)
-    return choose_experts(model, experts)
+    group = distributed.resolve_group(options.get("process_group"))
+    return choose_experts(model, options.get("experts", "auto"), training_group=group is not None)
 
 
 def _read(pieces: list[Piece], like: torch.Tensor) -> torch.Tensor:

@@ -342,15 +342,13 @@ def _wrap(
         )
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
-    expert_modules = choose_experts(model, experts)
     group = distributed.resolve_group(process_group)
+    expert_modules = choose_experts(model, experts, training_group=group is not None)
     block_owners, share_host_pages = checks.sharing(
         block_owners, share_host_pages, group, process_group, model, pages_from_plan=compress is None and setup is None
     )
     helpers = checks.split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
-        if experts == "auto":
-            expert_modules = []  # (data parallelism trains: experts paged one by one do not train yet)
         checks.check_data_parallel(model, group, tables, expert_modules, dist_timeout, device, broadcast=setup is None)
     spec, asked = blocks, {name for name, _m in tables}
     if blocks is None and group is None and engine is None:
@@ -363,7 +361,7 @@ def _wrap(
     sizing, adapter_bytes = discover.adapters_resident(
         discover.size_up(model, spec, [m for _n, m in tables + expert_modules]), budget_bytes
     )
-    held = engine.fixed_bytes() + sum(o.row_bytes for o in engine.owners) if engine is not None else 0
+    held = engine.held_bytes() if engine is not None else 0
     if engine is not None and held + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
             f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "

@@ -181,12 +181,15 @@ class Engine:
         """Device bytes that stay for life (owners' remainders and the blocks they use)."""
         return sum(o.fixed_bytes() for o in self.owners)
 
+    def held_bytes(self) -> int:
+        """Device bytes its owners hold whatever runs: for life, and in their row tables' and experts' caches."""
+        return self.fixed_bytes() + sum(o.row_bytes for o in self.owners)
+
     def least_budget(self) -> int:
         """The least budget its owners run in together: what each holds for
         life and in its row tables' and experts' caches, and room for the one
         whose largest use needs most beside it."""
-        held = self.fixed_bytes() + sum(o.row_bytes for o in self.owners)
-        return held + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners), default=0)
+        return self.held_bytes() + max((max(0, o.min_budget_bytes - o.fixed_bytes()) for o in self.owners), default=0)
 
     # ---------------------------------------------------------- segments
     def add_segment(

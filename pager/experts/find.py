@@ -57,15 +57,19 @@ def routing_name(module: nn.Module) -> str | None:
     return names[1] if len(names) > 1 and names[1] in ROUTING_NAMES else None
 
 
-def choose(model: nn.Module, experts) -> list:
+def choose(model: nn.Module, experts, training_group: bool = False) -> list:
     """(qualified name, module) of each experts module to page by expert.
 
     Args:
         model: the model being wrapped.
         experts: "auto" (every module of the convention), None or [] (none), or
             a list of modules or qualified names, each of which must be one.
+        training_group: a process group trains the model: "auto" is none
+            (experts paged one by one do not train yet).
     """
     if experts is None or (isinstance(experts, (list, tuple)) and not experts):
+        return []
+    if experts == "auto" and training_group:
         return []
     if experts == "auto":
         return [(n, m) for n, m in model.named_modules() if m is not model and experts_problem(m) is None]
