@@ -169,8 +169,9 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
             if ahead == "off":  # ([Note: experts fetched ahead] off: each call copies what it misses)
-                for table in pg.expert_tables:
-                    table.next = None
+                for t in pg.expert_tables:
+                    t.next = None
+                del t  # (else it keeps its cache's device tensors past this row)
             before = pg.stats()
             got = decode_passes(model, prompt, passes, args.short)
             after = pg.stats()
@@ -181,7 +182,7 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             same = all(a[1] == b[1] for a, b in zip(got, ref))
             pre = prefill_ms(model, long)
             floor_prefill = experts_bytes / (bw * 1e9) * 1e3
-            label = "8GiB scaled" if budget == "scaled" else budget
+            label = f"{SHAPES[args.shape][2] // GiB}GiB scaled" if budget == "scaled" else budget
             routed = args.layers * 8 * cache.expert_bytes
             rows.append(
                 Row(

@@ -11,6 +11,7 @@ import torch
 import pager
 from pager.experts import cache as cache_module
 from pager.experts.cache import ExpertCache
+from pager.experts.table import token_chunks
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,6 +210,30 @@ def test_the_cache_keeps_experts_used_again_over_experts_used_once():
     assert filled == [0, 1, *range(10, 20)]
     slots, missed = cache.hold(0, [2, 3, 4, 5], fill)  # a call of the cache's size: all of it goes
     assert missed == 4 and sorted(slots) == [0, 1, 2, 3]
+
+
+def test_experts_cycled_through_more_than_the_cache_keep_a_fixed_set():
+    """A token's experts over all layers outnumber the slots (the Mixtral
+    shape under its budget), every one used alike: least recently used
+    alone would hit none; the counts keep a fixed set, hit every round."""
+    cache = ExpertCache((((2,), torch.float32),), 8, torch.device("cpu"))  # (6 kept, 2 for a call's misses)
+    rounds = []
+    for _ in range(6):
+        missed = sum(cache.hold(0, [e, e + 1], lambda slot, key: None)[1] for e in range(0, 16, 2))
+        rounds.append(missed)
+    assert rounds[0] == 16 and rounds[-3:] == [10, 10, 10]  # (6 slots kept, 2 for a call's misses)
+
+
+def test_copies_ahead_never_push_out_experts_kept_for_their_counts():
+    cache = ExpertCache((((2,), torch.float32),), 8, torch.device("cpu"))
+    for _ in range(3):
+        for e in range(0, 8, 2):
+            cache.hold(0, [e, e + 1], lambda slot, key: None)
+    kept = dict(cache._frequent)
+    assert len(kept) == 6
+    taken = cache.take_ahead(0, [20, 21, 22], protect=set())
+    assert [key for _slot, key in taken] == [20, 21]  # (the two recent slots only)
+    assert cache._frequent == kept
 
 
 @pytest.mark.cuda
@@ -453,13 +478,35 @@ def test_a_cache_of_one_tokens_experts_runs_a_prefill_by_chunks_of_tokens(kind, 
 
 
 def test_token_chunks_hold_at_most_the_cache():
-    from pager.experts.table import token_chunks
-
     rows = [[0, 1], [1, 2], [2, 3], [0, 1], [0, 1], [4, 5]]
     assert token_chunks(rows, 2) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
     assert token_chunks(rows, 3) == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert token_chunks(rows, 6) == [(0, 6)]
     assert token_chunks([], 2) == [(0, 0)]
+
+
+def test_batched_mm_copies_of_a_long_call_stay_within_an_eighth_of_the_budget(monkeypatch):
+    """`batched_mm` copies each token's k experts: a call of many tokens runs
+    by runs of tokens whose copies fit an eighth of the budget, bit for bit."""
+    ref, model = _pair("mixtral", "batched_mm")
+    budget = 10 << 20
+    pager.wrap(model, budget=budget, device="cpu")
+    table = pager.of(model).expert_tables[0]
+    per_token = 2 * table.expert_bytes
+    most_tokens = budget // 8 // per_token
+    forward, tokens = type(table.module).forward, []
+
+    def counted(module, hidden, *args, **kwargs):
+        if module is table.module:
+            tokens.append(hidden.shape[0])
+        return forward(module, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(type(table.module), "forward", counted)
+    ids = torch.randint(0, 64, (2, most_tokens + 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert tokens[0] == 0 and max(tokens[1:]) == most_tokens and sum(tokens) == ids.numel()
+    assert token_chunks([[0, 1]] * 5, 8, most_tokens=2) == [(0, 2), (2, 4), (4, 5)]
 
 
 def test_a_cache_of_a_calls_experts_takes_none_ahead_and_keyword_calls():

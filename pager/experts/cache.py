@@ -6,18 +6,26 @@ paged one by one] in experts/table.py.
 [Note: which experts stay]
 A decode token uses k of each layer's E experts; some experts are chosen far
 more often than others, and which ones drifts slowly. Least recently used
-alone would let one prompt's rare experts push the often-used ones out, so
-the slots are kept as a segmented LRU: an expert comes in on probation; used
-again while it is held, it is promoted to the protected segment (at most
-four fifths of the slots; the least recently used protected expert is put
-back on probation to make room). A slot is taken from the probation
-segment's least recently used expert first, from the protected segment's
-only when probation holds none that may go: an expert used once leaves
-before one used repeatedly, and an often-used expert that stops being used
-still leaves in time. Every operation is a dictionary's, whatever the
-number of slots. The experts of the call being served never leave (a call
-never routes to more than the cache holds: experts/table.py runs such a
-call by chunks of tokens).
+alone keeps nothing where a token's experts over all layers outnumber the
+slots (a Mixtral-8x7B-shaped model under 24 GiB: 64 experts a token, about
+50 slots): every expert leaves before it is used again, none is ever hit.
+So the slots are kept by use counts over recent tokens, admitted as
+TinyLFU does (Einziger et al., 2017): every use of an expert counts (the
+counts of experts not held too), and every `AGE_USES` uses per slot the
+counts halve (lazily: a count carries the period it was last written in).
+An expert that misses comes into the `_recent` segment (at most an eighth of
+the slots, least recently used first); when a slot is needed and `_recent`
+is full, its least recently used expert and the `_frequent` segment's least
+recently used one compete: the one used less often leaves (on a tie, the
+one in `_frequent` stays). So a set of experts used more often than the
+rest stays whatever passes through, and where every expert is used alike
+(uniform routing) a fixed set stays, hit at the rate of its share. Every
+operation is a dictionary's, and a search for a victim passes over at most
+the experts of the call being served, which never leave (a call never routes
+to more than the cache holds: experts/table.py runs such a call by chunks of
+tokens). Copies ahead ([Note: experts fetched ahead]) take free slots or
+`_recent`'s, never `_frequent`'s: a prediction does not push out an expert
+kept for its counts.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from collections import OrderedDict
 
 import torch
 
-PROTECTED_SHARE = (4, 5)  # the protected segment's most, of the slots
+RECENT_SHARE = 8  # the `_recent` segment holds at most 1/8 of the slots (at least one)
+AGE_USES = 16  # use counts halve every this many uses per slot ([Note: which experts stay])
 # Fetching ahead ([Note: experts fetched ahead] in experts/ahead.py) is judged by
 # windows of this many experts copied ahead: where fewer than this share of
 # them were then used, it pauses for this many calls, then tries again.
@@ -55,10 +64,13 @@ class ExpertCache:
         self.layout, self.capacity, self.device = layout, capacity, device
         self.tensors = [torch.empty((capacity, *shape), dtype=dtype, device=device) for shape, dtype in layout]
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors) if capacity else 0
-        self._probation: OrderedDict = OrderedDict()  # key -> slot, least recently used first
-        self._protected: OrderedDict = OrderedDict()
+        self._recent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: come in lately
+        self._frequent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: kept for their counts
         self._free = list(range(capacity - 1, -1, -1))
-        self._protected_most = max(1, capacity * PROTECTED_SHARE[0] // PROTECTED_SHARE[1])
+        self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to a decode call's experts: `hold`)
+        self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
+        self._uses = 0
+        self._age_uses = max(1, AGE_USES * capacity)
         self.released_event: torch.cuda.Event | None = None  # on CUDA: the last call's end (ExpertTable._after)
         self._ahead: dict = {}  # key copied ahead and not used since -> its window ([Note: experts fetched ahead])
         self._in_flight: set = set()  # keys copied ahead that no call has waited for yet
@@ -93,6 +105,8 @@ class ExpertCache:
             else:
                 slots[i] = slot
         waits = bool(self._in_flight) and any(k in self._in_flight for k in keys)
+        if len(keys) <= self.capacity // 2:  # (a decode's call, not a prefill's: `_recent` holds its misses)
+            self._recent_most = max(self._recent_most, len(keys))
         if missed:
             current = set(keys)
             for i in missed:
@@ -102,7 +116,8 @@ class ExpertCache:
                 else:
                     victim, slots[i] = self._victim(current)
                     waits = waits or victim in self._in_flight
-                self._probation[keys[i]] = slots[i]
+                self._recent[keys[i]] = slots[i]
+                self._settle(current)
         if waits:
             if wait_ahead is not None:
                 wait_ahead()
@@ -127,17 +142,19 @@ class ExpertCache:
         taken = set(protect)
         for e in experts:
             key = base + e
-            if key in self._probation or key in self._protected:
+            if key in self._recent or key in self._frequent:
                 continue
             taken.add(key)
             if self._free:
                 slot = self._free.pop()
             else:
-                found = self._victim_or_none(taken)  # (one copied ahead: ordered on the same stream)
+                # (a copy ahead pushes out only an expert come in lately; one
+                # copied ahead before is ordered on the same stream)
+                found = self._first_not_in(self._recent, taken)
                 if found is None:
-                    break  # (a cache of a call's experts or little more: no room ahead)
-                slot = found[1]
-            self._probation[key] = slot
+                    break  # (no room ahead: a cache of a call's experts or little more)
+                slot = self._recent.pop(found)
+            self._recent[key] = slot
             self._ahead[key] = self._windows
             self._in_flight.add(key)
             out.append((slot, key))
@@ -158,45 +175,77 @@ class ExpertCache:
             self._windows += 1
 
     def _touch(self, key: int):
-        slot = self._protected.get(key)
+        """`key`'s use counted; its slot, if held."""
+        self._count(key, 1)
+        slot = self._frequent.get(key)
         if slot is not None:
-            self._protected.move_to_end(key)
+            self._frequent.move_to_end(key)
             return slot
-        if key in self._ahead:  # (copied ahead, used for the first time: not yet used again)
+        slot = self._recent.get(key)
+        if slot is None:
+            return None
+        self._recent.move_to_end(key)
+        if key in self._ahead:  # (copied ahead, used for the first time)
             if self._ahead.pop(key) == self._windows:  # (one copied in a window judged already: not this one's)
                 self._window[1] += 1
             self.ahead_used += 1
-            slot = self._probation.pop(key)
-            self._probation[key] = slot
-            return slot
-        slot = self._probation.pop(key, None)
-        if slot is None:
-            return None
-        self._protected[key] = slot  # used again while held: promoted
-        if len(self._protected) > self._protected_most:
-            old, old_slot = self._protected.popitem(last=False)
-            self._probation[old] = old_slot
         return slot
 
-    def _victim(self, current: set) -> tuple[int, int]:
-        """(key, slot) of the expert to leave: see the Note."""
-        found = self._victim_or_none(current)
-        if found is None:
-            raise AssertionError("pager: an expert cache smaller than one call's experts")  # (never: see table.py)
-        return found
+    def _count(self, key: int, add: int) -> int:
+        """`key`'s uses over recent ones (halved every aging period since they were counted), plus `add`."""
+        period = self._uses // self._age_uses
+        uses, counted = self._counts.get(key, (0, period))
+        uses = (uses >> min(period - counted, 62)) + add
+        if add:
+            self._uses += add
+            self._counts[key] = (uses, period)
+        return uses
 
-    def _victim_or_none(self, current: set) -> tuple[int, int] | None:
-        for segment in (self._probation, self._protected):
-            for key in segment:
-                if key not in current:
-                    self._ahead.pop(key, None)
-                    return key, segment.pop(key)
+    def _settle(self, current: set) -> None:
+        """`_recent` beyond its share passes its least recently used experts
+        to `_frequent` while that has room (free slots filling, or after a
+        prefill's call took every slot)."""
+        while len(self._recent) > self._recent_most and len(self._frequent) < self.capacity - self._recent_most:
+            key = self._first_not_in(self._recent, current)
+            if key is None:
+                return
+            self._frequent[key] = self._recent.pop(key)
+
+    def _victim(self, current: set) -> tuple[int, int]:
+        """(key, slot) of the expert to leave for one of `current` that
+        missed: see the Note."""
+        recent = self._first_not_in(self._recent, current) if len(self._recent) >= self._recent_most else None
+        frequent = self._first_not_in(self._frequent, current)
+        if recent is not None and frequent is not None:
+            if self._count(recent, 0) > self._count(frequent, 0):  # (admitted: it takes the other's place)
+                self._frequent[recent] = self._recent.pop(recent)
+                recent = None
+            else:
+                frequent = None
+        if frequent is not None:
+            return frequent, self._leave(self._frequent, frequent)
+        if recent is None:
+            recent = self._first_not_in(self._recent, current)
+            if recent is None:
+                raise AssertionError("pager: an expert cache smaller than one call's experts")  # (never: table.py)
+        return recent, self._leave(self._recent, recent)
+
+    def _leave(self, segment: OrderedDict, key: int) -> int:
+        self._ahead.pop(key, None)
+        return segment.pop(key)
+
+    @staticmethod
+    def _first_not_in(segment: OrderedDict, current: set):
+        """The least recently used key of `segment` not in `current` (a pass over at most `current`'s)."""
+        for key in segment:
+            if key not in current:
+                return key
         return None
 
     def drop(self, keys: list) -> None:
         """Forget `keys` whose slots were taken but not filled (a copy failed): their slots are free."""
         for key in keys:
-            for segment in (self._probation, self._protected):
+            for segment in (self._recent, self._frequent):
                 slot = segment.pop(key, None)
                 if slot is not None:
                     self._free.append(slot)
@@ -204,11 +253,11 @@ class ExpertCache:
 
     def forget(self, base: int, count: int) -> None:
         """Drop the experts `base` .. `base + count - 1` (their host tensors changed)."""
-        for segment in (self._probation, self._protected):
+        for segment in (self._recent, self._frequent):
             for key in [k for k in segment if base <= k < base + count]:
                 self._free.append(segment.pop(key))
                 self._ahead.pop(key, None)
                 self._free_in_flight = self._free_in_flight or key in self._in_flight
 
     def held(self) -> int:
-        return len(self._probation) + len(self._protected)
+        return len(self._recent) + len(self._frequent)

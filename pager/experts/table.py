@@ -30,10 +30,13 @@ before. Its forward, called with the routing, runs in three steps:
    `num_experts` back.
 
 A call routed to more experts than the cache holds (a prefill under a cache
-smaller than a layer's experts) gets no tokens in its forward; the post-hook
-runs the module's forward itself on runs of consecutive tokens whose experts
-the cache holds (`token_chunks`), and its output is theirs, concatenated:
-each token's output is its own. Bit for bit under `batched_mm` (a product
+smaller than a layer's experts), or one whose forward would copy more of
+them than an eighth of the budget (`batched_mm` copies each token's k
+experts: 16 tokens of a Mixtral-8x7B-shaped model, 10.5 GiB; the compact
+call copies the routed ones), gets no tokens in its forward; the post-hook
+runs the module's forward itself on runs of consecutive tokens within both
+(`token_chunks`), and its output is theirs, concatenated: each token's
+output is its own. Bit for bit under `batched_mm` (a product
 per token and expert); under `eager` and `grouped_mm` an expert's product
 over fewer rows may round otherwise (torch's CPU matmul picks its kernel by
 the rows).
@@ -53,6 +56,7 @@ them (their own or their input's) is refused, naming the fix.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import cast
 
@@ -67,6 +71,7 @@ from .find import hidden_name, routing_name
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
+MOST_COPIED_SHARE = 8  # a forward's copies of experts: at most this share of the budget (`_chunk_limits`)
 
 
 class ExpertTable:
@@ -142,21 +147,25 @@ class ExpertTable:
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
         experts, inverse = self._routed(index)
-        if len(experts) > self.cache.capacity:
-            # More experts than the cache holds (a prefill under a small cache): the
-            # forward runs on no tokens (and device tensors), and `_after` runs it a
-            # chunk at a time.
+        most_experts, most_tokens = self._chunk_limits(index.shape[-1])
+        if len(experts) > most_experts or index.shape[0] > most_tokens:
+            # More experts than the cache holds (a prefill under a small cache), or
+            # copies of them beyond the budget's share: the forward runs on no
+            # tokens (and device tensors), and `_after` runs it a chunk at a time.
             self._chunked = (args, kwargs, in_kwargs)
             with torch.no_grad():
                 for p, value in zip(self.params, self.cache.tensors):
                     p.data = value
             setattr(self.module, "num_experts", self.cache.capacity)  # noqa: B010 (see `_place`)
             return _tokens(args, kwargs, index.shape[0], 0, 0)
-        routing = self._place(experts, inverse, index)
         if self.router is not None:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
-        if self.next is not None and self.next.router is not None and self.next.router.weight is not None:
-            self._fetch_ahead(self._hidden_of(args, kwargs), index.shape[-1], experts)
+        # (predicted before this call's misses are queued: the host copy of its
+        # hidden states waits for the router only, as the routing's did)
+        predicted = self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
+        routing = self._place(experts, inverse, index)
+        if predicted:
+            self._fetch_ahead(predicted, experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
     def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -177,6 +186,21 @@ class ExpertTable:
         setattr(self.module, "num_experts", count)  # noqa: B010 (an nn.Module attribute: typed as a submodule)
         return routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
 
+    def _chunk_limits(self, k: int) -> tuple[int, int]:
+        """The most experts and tokens one run of this module's forward may
+        take: the experts the cache holds, and the copies of experts the
+        forward makes at most an eighth of the budget (`batched_mm` copies a
+        token's k experts for each token; the compact call, the routed
+        experts once; `grouped_mm` in place, none): a prefill's call stays
+        under the budget as a decode's does. A token alone always runs."""
+        cache, implementation = self.cache, self._implementation()
+        most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
+        if implementation == "batched_mm":
+            return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
+        if implementation == "grouped_mm" and cache.capacity <= GROUPED_MM_MOST_GROUPS:
+            return cache.capacity, sys.maxsize
+        return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
+
     def _hidden_of(self, args, kwargs):
         """The call's hidden states (its first argument, by position or name)."""
         return args[0] if args else kwargs.get(self.hidden)
@@ -195,7 +219,8 @@ class ExpertTable:
         index = kwargs[self.routing] if in_kwargs else args[1]
         tokens = index.shape[0]
         outs = []
-        for start, end in token_chunks(index.reshape(tokens, -1).cpu().tolist(), self.cache.capacity):
+        most_experts, most_tokens = self._chunk_limits(index.shape[-1])
+        for start, end in token_chunks(index.reshape(tokens, -1).cpu().tolist(), most_experts, most_tokens):
             sub_args, sub_kwargs = _tokens(args, kwargs, tokens, start, end)
             sub_index = sub_kwargs[self.routing] if in_kwargs else sub_args[1]
             routing = self._place(*self._routed(sub_index), sub_index)
@@ -236,13 +261,20 @@ class ExpertTable:
             )
         return experts, inverse
 
-    def _fetch_ahead(self, hidden: torch.Tensor, k: int, experts: list) -> None:
-        """Copy the experts the next module's router would choose for
-        `hidden` into the cache now, on a side stream ([Note: experts fetched ahead])."""
-        nxt = cast(ExpertTable, self.next)
+    def _predict_next(self, hidden: torch.Tensor, k: int) -> list | None:
+        """The experts the next module's router would choose for `hidden`,
+        where they are to be fetched ahead ([Note: experts fetched ahead])."""
+        nxt = self.next
+        if nxt is None or nxt.router is None or nxt.router.weight is None or self.cache.ahead_paused:
+            return None
         if hidden.numel() // hidden.shape[-1] * k > MOST_TOKEN_ROUTES * nxt.num_experts:
-            return  # (many tokens: a layer routes to most of its experts)
-        predicted = cast(Router, nxt.router).predict(hidden.detach().cpu(), k)
+            return None  # (many tokens: a layer routes to most of its experts)
+        return nxt.router.predict(hidden.detach().cpu(), k)
+
+    def _fetch_ahead(self, predicted: list, experts: list) -> None:
+        """Copy the `predicted` experts of the next module into the cache now,
+        on a side stream ([Note: experts fetched ahead])."""
+        nxt = cast(ExpertTable, self.next)
         cache = self.cache
         taken = cache.take_ahead(nxt.base, predicted, protect={self.base + e for e in experts})
         if not taken:
@@ -352,15 +384,16 @@ class ExpertTable:
         return f"ExpertTable({self.name!r}, {self.num_experts} experts of {self.expert_bytes} bytes)"
 
 
-def token_chunks(rows: list, capacity: int) -> list:
-    """(start, end) of runs of consecutive tokens, each routed (`rows`: a
-    token's experts) to at most `capacity` experts together, the longest
-    first; a token alone is routed to fewer (wrap sizes the cache so)."""
+def token_chunks(rows: list, capacity: int, most_tokens: int = sys.maxsize) -> list:
+    """(start, end) of runs of consecutive tokens, each of at most
+    `most_tokens` tokens routed (`rows`: a token's experts) to at most
+    `capacity` experts together, the longest first; a token alone is routed
+    to fewer (wrap sizes the cache so)."""
     out: list = []
     start, held = 0, set[int]()
     for t, row in enumerate(rows):
         grown = held | set(row)
-        if len(grown) > capacity and t > start:
+        if (len(grown) > capacity or t - start >= most_tokens) and t > start:
             out.append((start, t))
             start, grown = t, set(row)
         held = grown
