@@ -94,23 +94,54 @@ def route(model, kind: str) -> list:
     return handles
 
 
-def decode_passes(model, prompt, passes: list, short: int) -> list:
-    """Per pass of tokens: ms per step after the first `short`, and the greedy tokens."""
+def decode_passes(model, prompt, passes: list, short: int, seen=None) -> list:
+    """Per pass of tokens: ms per step after the first `short`, and the
+    greedy tokens. `seen(start)`: called at the first and last timed step of
+    each pass (start True, then False): what pager counts there is the
+    decode's, not the prompt's."""
     out = []
     with torch.no_grad():
         for i, tokens in enumerate(passes):
             torch.cuda.manual_seed(1000 + i)  # (the routing drawn: the same for every model)
             pkv = model(prompt, use_cache=True).past_key_values
             times, chosen = [], []
-            for t in tokens:
+            for n, t in enumerate(tokens):
+                if seen is not None and n == short:
+                    seen(True)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step = model(t.view(1, 1), past_key_values=pkv, use_cache=True)
                 chosen.append(int(step.logits[0, -1].argmax()))  # (the sync a token's choice makes)
                 times.append((time.perf_counter() - t0) * 1e3)
                 pkv = step.past_key_values
+            if seen is not None:
+                seen(False)
             out.append((statistics.mean(times[short:]), chosen))
     return out
+
+
+class DecodeCounts:
+    """pager's counters summed over the timed decode steps of passes after the first."""
+
+    def __init__(self, pg):
+        self.pg, self.passes, self.steps = pg, 0, 0
+        self.hits = self.misses = self.moved = self.ahead = self.ahead_used = 0
+        self._start = None
+
+    def __call__(self, start: bool) -> None:
+        s = self.pg.stats()
+        if start:
+            self._start = s
+            return
+        self.passes += 1
+        if self.passes == 1:
+            return  # (the first pass: its first calls)
+        a = self._start
+        self.hits += s.expert_hits - a.expert_hits
+        self.misses += s.expert_misses - a.expert_misses
+        self.moved += s.expert_h2d_bytes - a.expert_h2d_bytes
+        self.ahead += s.expert_ahead - a.expert_ahead
+        self.ahead_used += s.expert_ahead_used - a.expert_ahead_used
 
 
 def prefill_ms(model, ids) -> float:
@@ -168,16 +199,15 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             wrap_s = time.perf_counter() - t0
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
+            experts_all = sum(table.num_experts for table in pg.expert_tables)
             if ahead == "off":  # ([Note: experts fetched ahead] off: each call copies what it misses)
                 for t in pg.expert_tables:
                     t.next = None
                 del t  # (else it keeps its cache's device tensors past this row)
-            before = pg.stats()
-            got = decode_passes(model, prompt, passes, args.short)
-            after = pg.stats()
-            steps = (1 + args.reps) * (args.new + 1)  # (each pass's prompt too)
-            hits, misses = after.expert_hits - before.expert_hits, after.expert_misses - before.expert_misses
-            moved = (after.expert_h2d_bytes - before.expert_h2d_bytes) / steps
+            counts = DecodeCounts(pg)
+            got = decode_passes(model, prompt, passes, args.short, counts)
+            hits, misses = counts.hits, counts.misses
+            moved = counts.moved / (args.reps * (args.new - args.short))  # (a timed decode step's)
             ms = statistics.mean(m for m, _t in got[1:])
             same = all(a[1] == b[1] for a, b in zip(got, ref))
             pre = prefill_ms(model, long)
@@ -192,9 +222,8 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
                     (torch.cuda.max_memory_allocated() - base_bytes) / GiB,
                     ms / ref_ms,
                     "all on the GPU",
-                    f"cache {cache.capacity} of {args.layers * 128} experts; {hits / max(1, hits + misses):.1%} hit "
-                    f"({after.expert_ahead_used - before.expert_ahead_used} of "
-                    f"{after.expert_ahead - before.expert_ahead} copied ahead used); "
+                    f"cache {cache.capacity} of {experts_all} experts; {hits / max(1, hits + misses):.1%} hit "
+                    f"({counts.ahead_used} of {counts.ahead} copied ahead used); "
                     f"{moved / 1e6:.0f} MB of experts a token (routed {routed / 1e6:.0f} MB, "
                     f"all {experts_bytes / 1e6:.0f} MB; floor {moved / (bw * 1e9) * 1e3:.1f} ms); first call "
                     f"{got[0][0]:.1f} ms/token; greedy tokens equal to all-on-GPU: {same}; prefill of {args.prefill} "

@@ -40,9 +40,9 @@ AGE_USES = 16  # use counts halve every this many uses per slot ([Note: which ex
 # Fetching ahead ([Note: experts fetched ahead] in experts/ahead.py) is judged by
 # windows of this many experts copied ahead: where fewer than this share of
 # them were then used, it pauses for this many calls, then tries again.
-AHEAD_WINDOW = 256
+AHEAD_WINDOW = 64
 AHEAD_LEAST_USED = 0.5
-AHEAD_PAUSE_CALLS = 4096
+AHEAD_PAUSE_CALLS = 16384
 
 
 class ExpertCache:
