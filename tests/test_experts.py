@@ -148,11 +148,12 @@ def test_a_budget_without_room_for_a_tokens_experts_is_refused_unchanged():
     pager.wrap(model, budget=10 << 20, device="cpu")  # (and it can still be wrapped)
 
 
-def test_a_forward_with_gradients_through_paged_experts_is_refused_and_leaves_them_usable():
+def test_a_forward_with_gradients_for_paged_experts_own_parameters_is_refused_and_leaves_them_usable():
     ref, model = _pair("qwen3_moe")
     pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
     ids = torch.randint(0, 64, (2, 5))
-    with pytest.raises(RuntimeError, match=r"gradients enabled through them .* torch.no_grad\(\) .* experts=None"):
+    match = r"gradients enabled for their own parameters .*requires_grad_\(False\).* torch.no_grad\(\) .* experts=None"
+    with pytest.raises(RuntimeError, match=match):
         model(ids)
     for e in _experts(model):
         assert e.gate_up_proj.shape[0] == e.num_experts == 8 and e.gate_up_proj.device.type == "cpu"
@@ -509,6 +510,130 @@ def test_batched_mm_copies_of_a_long_call_stay_within_an_eighth_of_the_budget(mo
     assert token_chunks([[0, 1]] * 5, 8, most_tokens=2) == [(0, 2), (2, 4), (4, 5)]
 
 
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _moe_train(model, opt, steps):
+    for step in range(steps):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _count_recipes(monkeypatch) -> list:
+    """Saved views of experts' copies made again for a backward, counted."""
+    from pager.experts import saved
+
+    made, unpack = [], saved.unpack
+
+    def counted(packed):
+        made.append(isinstance(packed, saved.Recipe))
+        return unpack(packed)
+
+    monkeypatch.setattr(saved, "unpack", counted)
+    return made
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_the_rest_of_a_mixture_trains_beside_frozen_paged_experts_bit_for_bit(kind, implementation, monkeypatch):
+    """Gradients through frozen experts to their input ([Note: a backward
+    through paged experts]): a cache smaller than two layers' experts, so
+    that the slots a forward read are overwritten before the backward."""
+    made = _count_recipes(monkeypatch)
+    ref, model = _pair(kind, implementation)
+    for m in (ref, model):
+        for experts in _experts(m):
+            experts.requires_grad_(False)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    opt, ref_opt = torch.optim.AdamW(_trainable(model), lr=1e-2), torch.optim.AdamW(_trainable(ref), lr=1e-2)
+    _moe_train(model, opt, 3)
+    _moe_train(ref, ref_opt, 3)
+    s = pager.of(model).stats()
+    assert s.expert_misses > 0 and (any(made) or implementation == "batched_mm")
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_forward_with_gradients_keeps_no_copy_of_experts_for_its_backward(monkeypatch):
+    """The copies a call with gradients made are freed at its end: its
+    backward makes them again from the host (only the routed experts)."""
+    import gc
+    import weakref
+
+    from pager.experts.saved import SavedExperts
+
+    made = _count_recipes(monkeypatch)
+    ref, model = _pair("mixtral", "grouped_mm")
+    for m in (ref, model):
+        for experts in _experts(m):
+            experts.requires_grad_(False)
+    pager.wrap(model, budget=10 << 20, device="cpu")
+    copies, add = [], SavedExperts.add
+
+    def recorded(self, values, experts):
+        copies.extend(weakref.ref(v) for v in values)
+        return add(self, values, experts)
+
+    monkeypatch.setattr(SavedExperts, "add", recorded)
+    ids = torch.randint(0, 64, (2, 12))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    gc.collect()
+    assert copies and all(c() is None for c in copies)
+    loss.backward()
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert any(made)  # (saved views of them made again from the host)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), n
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_gradients_through_frozen_paged_experts_on_the_gpu(implementation):
+    """On CUDA the backward's copies from the host run on the compute
+    stream, before the kernels that read them."""
+    ref, model = _pair("qwen3_moe", implementation)
+    for m in (ref, model):
+        for experts in _experts(m):
+            experts.requires_grad_(False)
+    ref.cuda()
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=_one_layer(model) * 3 // 2)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step)).cuda()
+        losses = [m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, ref)]
+        torch.testing.assert_close(losses[0], losses[1])
+        for loss in losses:
+            loss.backward()
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]
+    assert pager.of(model).stats().expert_misses > 0
+    for (n, g), r in zip(grads, [p for p in ref.parameters() if p.requires_grad]):
+        torch.testing.assert_close(g.cpu(), r.grad.cpu(), rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_lora_on_attention_beside_paged_experts_trains_bit_for_bit(monkeypatch):
+    peft = pytest.importorskip("peft")
+    made = _count_recipes(monkeypatch)
+    ref, model = _pair("qwen3_moe", "grouped_mm")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, lora)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, lora)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    assert pager.of(model).expert_tables
+    opt, ref_opt = torch.optim.AdamW(_trainable(model), lr=1e-2), torch.optim.AdamW(_trainable(ref), lr=1e-2)
+    _moe_train(model, opt, 3)
+    _moe_train(ref, ref_opt, 3)
+    assert any(made)
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def test_a_cache_of_a_calls_experts_takes_none_ahead_and_keyword_calls():
     """A cache of one token's experts leaves no slot to fetch ahead into;
     a call by keywords only is as a call by position."""
@@ -522,8 +647,13 @@ def test_a_cache_of_a_calls_experts_takes_none_ahead_and_keyword_calls():
     with torch.no_grad():
         got = experts(hidden_states=h, top_k_index=index, top_k_weights=w)
         assert torch.equal(got, reference(hidden_states=h, top_k_index=index, top_k_weights=w))
-    with pytest.raises(RuntimeError, match="gradients enabled through them"):
+    with pytest.raises(RuntimeError, match="gradients enabled for their own parameters"):
         experts(hidden_states=h.requires_grad_(), top_k_index=index, top_k_weights=w)
+    experts.requires_grad_(False), reference.requires_grad_(False)
+    a, b = h.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+    experts(hidden_states=a, top_k_index=index, top_k_weights=w).sum().backward()
+    reference(hidden_states=b, top_k_index=index, top_k_weights=w).sum().backward()
+    assert torch.equal(a.grad, b.grad)
 
 
 def test_a_chunk_that_fails_leaves_the_parameters_as_they_were(monkeypatch):

@@ -49,9 +49,12 @@ back by the post-hook: another thread's call may not take slots this call's
 kernels read): the parameters hold the cache's tensors only while a forward
 runs. On CUDA, a call's copies into slots are ordered after the kernels of
 the call before it that read the cache (an event, recorded at its end).
-A backward through paged experts is not made yet (it would read parameters
-whose `.data` has left the cache): a forward with gradients enabled through
-them (their own or their input's) is refused, naming the fix.
+A call with gradients through its input (the experts frozen) gets the
+compact copy, and what autograd saves of it is made again from the host for
+the backward: [Note: a backward through paged experts] in experts/saved.py.
+Gradients for the experts' own parameters are not made yet (they would
+have the cache's shape): a forward that needs them is refused, naming the
+fixes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .find import hidden_name, routing_name
+from .saved import SavedExperts
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -122,6 +126,7 @@ class ExpertTable:
                 p.data = host
         self._calls: dict = {}  # thread id -> its calls of this module under way (more than one: nested)
         self._chunked: tuple | None = None  # a call's (args, kwargs, in_kwargs) to run by chunks (`_run_chunks`)
+        self._saved: SavedExperts | None = None  # a call's with gradients through its input (experts/saved.py)
         self._handles = [
             # (outside compiled graphs, as pager's other hooks: [Note: a wrapped model is not pickled or copied])
             module.register_forward_pre_hook(model_hook(self._before), with_kwargs=True),
@@ -146,6 +151,11 @@ class ExpertTable:
         in_kwargs = self.routing in kwargs
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
+        if torch.is_grad_enabled() and getattr(self._hidden_of(args, kwargs), "requires_grad", False):
+            # A backward through the experts to their input will follow ([Note: a
+            # backward through paged experts] in experts/saved.py). Left by `_after`.
+            self._saved = SavedExperts(self.hosts)
+            self._saved.hooks.__enter__()
         experts, inverse = self._routed(index)
         most_experts, most_tokens = self._chunk_limits(index.shape[-1])
         if len(experts) > most_experts or index.shape[0] > most_tokens:
@@ -173,13 +183,15 @@ class ExpertTable:
         values and `num_experts` its count for this call, and return the
         routing `index` renumbered to them (see the Note)."""
         slots = self._hold(experts)
-        cache, implementation = self.cache, self._implementation()
-        if implementation in IN_PLACE and (implementation != "grouped_mm" or cache.capacity <= GROUPED_MM_MOST_GROUPS):
+        cache = self.cache
+        if self._in_place():
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
             slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
             values, routing = [t.index_select(0, slot_index) for t in cache.tensors], inverse
             count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
+            if self._saved is not None:
+                self._saved.add(values, experts)
         with torch.no_grad():
             for p, value in zip(self.params, values):
                 p.data = value
@@ -197,7 +209,7 @@ class ExpertTable:
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
         if implementation == "batched_mm":
             return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
-        if implementation == "grouped_mm" and cache.capacity <= GROUPED_MM_MOST_GROUPS:
+        if self._in_place():
             return cache.capacity, sys.maxsize
         return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
 
@@ -232,15 +244,13 @@ class ExpertTable:
         """The call's routing, once the call is checked."""
         if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
-        if torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.params) or getattr(self._hidden_of(args, kwargs), "requires_grad", False)
-        ):
-            # (its backward would read the parameters after they left the cache)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.params):
+            # (their gradients would be the cache's shape: not made yet)
             raise RuntimeError(
-                f"pager: the experts of {self.name!r} page one by one (experts='auto'), for inference: a "
-                "forward with gradients enabled through them (their own, or their input's) is not supported "
-                "yet. Run it under torch.no_grad() or torch.inference_mode() (generate() does), or wrap with "
-                "experts=None to page them with their layers."
+                f"pager: the experts of {self.name!r} page one by one (experts='auto'), frozen: a forward with "
+                "gradients enabled for their own parameters is not supported yet (gradients through them to "
+                "their input are). Freeze them (`module.requires_grad_(False)`; LoRA does), run under "
+                "torch.no_grad() (generate() does), or wrap with experts=None to page them with their layers."
             )
         if not in_kwargs and len(args) < 2:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
@@ -332,6 +342,10 @@ class ExpertTable:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.cache.device))
         finally:
+            if self._saved is not None:
+                self._saved.hooks.__exit__(None, None, None)
+                self._saved.clear()
+                self._saved = None
             with torch.no_grad():
                 for p, host in zip(self.params, self.hosts):
                     p.data = host
@@ -347,6 +361,15 @@ class ExpertTable:
         expert = key - self.base
         for cached, host in zip(self.cache.tensors, self.hosts):
             cached[slot].copy_(host[expert], non_blocking=True)
+
+    def _in_place(self) -> bool:
+        """The forward reads the cache's tensors in place (see the Note)."""
+        implementation = self._implementation()
+        return (
+            self._saved is None
+            and implementation in IN_PLACE
+            and (implementation != "grouped_mm" or self.cache.capacity <= GROUPED_MM_MOST_GROUPS)
+        )
 
     def _implementation(self) -> str | None:
         config = getattr(self.module, "config", None)
