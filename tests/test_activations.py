@@ -928,3 +928,31 @@ def test_transposed_saves_are_offloaded_with_their_strides():
     assert p.stats().activations_sent_bytes > 0
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_kv_cache_a_forward_writes_is_written_once_when_it_is_recomputed(attention):
+    """A transformers model trained with `use_cache` (its default): each
+    layer appends to the KV cache; recomputed, it appends again unless the
+    cache is put back ([Note: caches a forward writes]). Under eager
+    attention that was an error (a saved tensor of twice the keys)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attention,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ref = copy.deepcopy(model)
+    pager.wrap(model, budget=10 << 20, device="cpu", activations="recompute")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    outs = [m(input_ids=ids, labels=ids) for m in (model, ref)]
+    for out in outs:
+        out.loss.backward()
+    assert pager.of(model).stats().recomputes > 0
+    caches = [out.past_key_values for out in outs]
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 12
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad), n

@@ -69,6 +69,19 @@ num_batches_tracked), and the running statistics of the norm layers in it
 and put back after it. The recomputation's outputs do not depend on them (a
 training BatchNorm normalizes by the batch's statistics).
 
+[Note: caches a forward writes]
+A transformers model called with `use_cache` (its default, in training too)
+gives each decoder layer a KV cache object that the layer appends its keys
+and values to. Running the layer again would append them twice: its
+attention would read keys of twice the length (a saved tensor of another
+shape: an error under eager attention), and the cache would no longer be
+the unwrapped model's. So `Recompute` notes, for each input that is such a
+cache (`_cache_layers`: a `layers` list, `update` and `get_seq_length`), the
+attributes of each of its layers at the forward's start (a shallow copy:
+the layers reassign their tensors, they do not write into them); the
+recomputation puts those back on the layers the forward changed, runs, and
+then gives those layers what the forward had left them.
+
 [Note: one budget]
 With `activations` other than "keep", the budget bounds blocks and
 activations together: what pager's hooks hold on the device for a backward
@@ -759,6 +772,8 @@ class Recompute:
         self.lock = threading.Lock()  # unpack runs on autograd's threads
         with unguarded():  # ([Note: buffers a forward changes])
             self.buffers = [(b, b._version) for b in block.module.buffers()] if block.module is not None else []
+        # ([Note: caches a forward writes])
+        self.cache_layers = [(layer, dict(vars(layer))) for t in flat for layer in _cache_layers(t)]
 
     def drop(self, t, number: int) -> Dropped:
         """Drop `t`, the thread's `number`-th save."""
@@ -795,6 +810,7 @@ class Recompute:
         _set_rng(self.rng, self.devices)
         stats = self._stats() if self.buffers else set()
         changed = [(b, b.clone()) for b, version in self.buffers if b._version != version or id(b) in stats]
+        written = _put_back(self.cache_layers)
         tls.recording = (self, [0])
         torch._C._autograd._push_saved_tensors_default_hooks(*_AGAIN_HOOKS)
         try:
@@ -811,6 +827,7 @@ class Recompute:
                     # (the forward changed it once already; through .data: the recomputed graph may
                     # have saved it, at the version it has)
                     buffer.data.copy_(before)
+            _put_back(written)
             self.ledger.recomputed(self.dropped_bytes)
         missing = [i for i, ref in enumerate(self.holders) if ref() is not None and i not in self.values]
         if missing:
@@ -870,6 +887,26 @@ class _Input:
         if entry_of(self.tensor) is not None:
             return self.tensor
         return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+def _cache_layers(x) -> list:
+    """The layers of `x` if it is a transformers KV cache (`Cache`: a
+    `layers` list, `update`, `get_seq_length`), else none."""
+    layers = getattr(x, "layers", None) if hasattr(x, "get_seq_length") and hasattr(x, "update") else None
+    return [layer for layer in layers if hasattr(layer, "__dict__")] if isinstance(layers, list) else []
+
+
+def _put_back(noted: list) -> list:
+    """Give each layer of `noted` ((layer, its attributes)) those attributes
+    where it has others now; return what those layers had."""
+    out = []
+    for layer, attributes in noted:
+        now = vars(layer)
+        if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
+            out.append((layer, dict(now)))
+            now.clear()
+            now.update(attributes)
+    return out
 
 
 def _exceeds(shapes: list, widest: list) -> bool:
