@@ -40,7 +40,7 @@ MARKER = re.compile(r"^\s*<!--\s*docs-test:(.*?)-->\s*$")  # a line of its own
 SKIP = re.compile(r"\s*skip\s*\((.+)\)\s*$")
 MOST_SKIPPED = 1 / 3  # at most this share of the blocks may be marked to skip
 # The test extra's packages: a block that imports one skips without it.
-OPTIONAL = {"transformers", "peft", "accelerate", "torchao"}
+OPTIONAL = {"transformers", "peft", "accelerate", "torchao", "diffusers"}
 
 
 @dataclasses.dataclass
@@ -257,6 +257,15 @@ def sample_path(ctx):
     return lambda: [rng.randrange(4) for _ in range(4)]
 
 
+def flux_pipeline(ctx):
+    """A small Flux pipeline (tests/test_diffusion.py), its default image 8x8 (the page's call is a real one's)."""
+    from test_diffusion import _pipeline
+
+    pipe, _call = _pipeline("flux")
+    pipe.default_sample_size = 8
+    return pipe
+
+
 PREAMBLES = {
     "README.md": {
         "build_big_model": lambda ctx: TinyLM,
@@ -283,6 +292,7 @@ PREAMBLES = {
     },
     "docs/compile.md": {"model": llama, "config": llama_config},
     "docs/compression.md": {"model": lambda ctx: TinyLM().to(torch.bfloat16)},
+    "docs/diffusion.md": {"pipe": flux_pipeline},
     "docs/moe.md": {"Qwen3-30B-A3B/": moe_folder("Qwen3-30B-A3B"), "ids": lambda ctx: torch.tensor([[1, 2, 3]])},
     "docs/rows.md": {
         "model": lambda ctx: Recommender(),

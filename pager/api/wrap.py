@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+from typing import Any, overload
 
 import torch
 import torch.nn as nn
@@ -15,11 +17,13 @@ from ..experts.find import choose as choose_experts
 from ..model import discover, outside
 from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
+from ..model.pool import Pool
 from ..rows.table import choose as choose_row_tables
 from ..training import distributed, host_step, owners
 from ..training.checkpoint import close
 from . import checks
 from .fit import default_blocks
+from .pipeline import is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
 
 log = logging.getLogger("pager")
 
@@ -58,6 +62,12 @@ def wrap(
     most `budget` bytes of blocks are on the device at any time. Parameter and
     buffer objects stay the same objects, so optimizers built before or after
     `wrap` keep working.
+
+    `model` may also be a diffusers pipeline: every `nn.Module` component
+    (text encoders, transformer or UNet, VAE) is wrapped into one `Pool` of
+    `budget`, named as the pipeline names it; `device`, `pin`, `prefetch`,
+    `trace_steps`, `compress` and `activations` apply, the other options are
+    one model's (docs/diffusion.md). `pager.of(pipe)` is then the pool.
 
     Args:
         model: the model, on the CPU or already on the device.
@@ -247,7 +257,12 @@ def wrap(
         >>> with torch.no_grad():
         ...     y = model(x.cuda())
         >>> print(pager.of(model).stats())
+        >>> pipe = pager.wrap(FluxPipeline.from_pretrained(folder), budget="8GiB")
+        >>> image = pipe("a cat", num_inference_steps=28).images[0]
     """
+    if is_pipeline(model):
+        values = locals()
+        return wrap_pipeline(model, budget, pool, {k: values[k] for k in _given(values)})
     return _wrap(
         model,
         budget,
@@ -455,6 +470,18 @@ def _wrap(
     return model
 
 
+def _given(values: dict) -> list:
+    """The names of `wrap`'s options that `values` (its arguments) sets otherwise than its defaults."""
+    out = []
+    for n, p in inspect.signature(wrap).parameters.items():
+        if p.default is inspect.Parameter.empty or n in ("budget", "pool"):
+            continue
+        v = values[n]
+        if not (v is p.default or (type(v) is type(p.default) and v == p.default)):
+            out.append(n)
+    return out
+
+
 def _undo(pager) -> None:
     """A wrap that failed while it built the blocks and tables: every tensor
     back where it was, as far as it got (`close`), and the engine forgets
@@ -468,12 +495,19 @@ def _undo(pager) -> None:
         pager.engine.leave(pager)  # a shared engine forgets the model it could not page
 
 
-def of(model: nn.Module) -> Pager:
-    """The `Pager` of a wrapped model.
+@overload
+def of(model: nn.Module) -> Pager: ...
+@overload
+def of(model: Any) -> Pool: ...
+def of(model):
+    """The `Pager` of a wrapped model; the `Pool` of a wrapped pipeline.
 
     Example:
         >>> print(pager.of(model).stats())
+        >>> print(pager.of(pipe).report())  # a pipeline's pool: a line per component
     """
+    if is_pipeline(model):
+        return pipeline_pool(model)
     pager = _PAGERS.get(model)
     if pager is None:
         raise ValueError(
@@ -486,9 +520,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Undo `wrap`: every tensor back on its original device with its current
     value (gradients and attached optimizers' state too), hooks removed.
 
+    A wrapped pipeline: each of its components.
+
     Example:
         >>> pager.unwrap(model)
     """
+    if is_pipeline(model):
+        return unwrap_pipeline(model)
     pager = of(model)
     close(pager)
     del _PAGERS[model]

@@ -1,0 +1,169 @@
+"""A diffusers pipeline under one budget: what `pager.wrap` does with a pipeline.
+
+[Note: a pipeline under one budget]
+A diffusion pipeline (diffusers' `DiffusionPipeline`: Flux, SD3, Wan) is no
+module: it holds its models as components (text encoders, the transformer or
+UNet, the VAE) beside tokenizers and a scheduler, and its `__call__` runs
+them in turn: the text encoders once, the transformer at each of 20-50
+denoising steps, the VAE once at the end. Paged one by one under budgets of
+their own, each would keep its room while the others run. So `pager.wrap` of
+a pipeline makes one `Pool` of the budget and wraps every `nn.Module`
+component into it (named as the pipeline names it): the text encoders' blocks
+are idle once denoising starts and leave as the transformer needs room, the
+VAE's come in at the end, and the transformer's blocks stay or stream by the
+room left ([Note: a pool's shares] in model/pool.py: the kept set follows the
+bytes each model used lately, so the denoising steps, one order repeated,
+keep one set). Each component is wrapped as `pager.wrap` wraps a model, so
+everything said of models holds of each; the pipeline's own code does not
+change. Parameters stay the same objects: diffusers' `_execution_device`
+(a component's parameter's device) names the pool's device.
+
+A pipeline wrapped is all or nothing: a component that cannot be wrapped
+(a budget too small for its least, offloading hooks of diffusers or
+accelerate on it) unwraps the ones before it and raises, naming it. A
+component wrapped already into the pool given (with options of its own,
+`blocks=`) is taken as it is; one wrapped under another budget is refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..model.pool import Pool
+
+# wrap's options that a pipeline takes: the pool's, and those given to each component's wrap
+POOL_OPTIONS = ("device", "pin")
+COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations")
+_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class WrappedPipeline:
+    """A pipeline's pool and the components wrapped into it, in order."""
+
+    pool: Pool
+    names: list = field(default_factory=list)
+    modules: list = field(default_factory=list)
+
+
+def is_pipeline(obj) -> bool:
+    """A diffusers pipeline, or an object shaped as one: no module, a `components` dict."""
+    return not isinstance(obj, nn.Module) and isinstance(getattr(obj, "components", None), dict)
+
+
+def wrap_pipeline(pipe, budget, pool, given: dict):
+    """Wrap every `nn.Module` component of `pipe` into one pool: `pool`, or
+    one made of `budget` (see the Note). `given`: the options of `pager.wrap`
+    the caller set (name -> value)."""
+    from .wrap import unwrap, wrap  # (the public verbs, which call this)
+
+    kind = type(pipe).__name__
+    if pipe in _PIPELINES:
+        raise ValueError(f"pager: this {kind} is wrapped already; pager.unwrap(pipe) first to wrap it again.")
+    other = sorted(set(given) - set(POOL_OPTIONS) - set(COMPONENT_OPTIONS))
+    if other:
+        raise ValueError(
+            f"pager: wrap of a pipeline ({kind}) takes budget= or pool=, and "
+            f"{', '.join(o + '=' for o in POOL_OPTIONS + COMPONENT_OPTIONS)}; {', '.join(o + '=' for o in other)} "
+            "apply to one model: wrap that component alone into a pool "
+            "(pager.wrap(pipe.transformer, pool=pool, ...)), then the others."
+        )
+    if pool is not None:
+        if budget is not None:
+            raise ValueError("pager: give budget= or pool=, not both (a pool's models share the pool's budget).")
+        if set(given) & set(POOL_OPTIONS):
+            names = ", ".join(o + "=" for o in sorted(set(given) & set(POOL_OPTIONS)))
+            raise ValueError(f"pager: {names} belong to the pool: give them to pager.Pool(...).")
+    elif budget is None:
+        raise ValueError(f'pager: wrap of a pipeline ({kind}) needs budget= (e.g. budget="8GiB") or pool=.')
+    else:
+        pool = Pool(budget, **{k: given[k] for k in POOL_OPTIONS if k in given})
+    components = _components(pipe, pool)
+    wrapped = WrappedPipeline(pool)
+    each = {k: given[k] for k in COMPONENT_OPTIONS if k in given}
+    made = []  # (the modules wrapped here: undone on a failure)
+    try:
+        for name, module, joined in components:
+            if not joined:
+                wrap(module, pool=pool, name=name, **each)
+                made.append(module)
+            wrapped.names.append(name)
+            wrapped.modules.append(module)
+    except BaseException:
+        for module in reversed(made):
+            unwrap(module)
+        raise
+    _PIPELINES[pipe] = wrapped
+    return pipe
+
+
+def _components(pipe, pool: Pool | None) -> list:
+    """(name, module, joined) of each `nn.Module` component, once each:
+    `joined` where it is wrapped into `pool` already (taken as it is).
+    Refused, before anything changes, where one is wrapped otherwise or
+    carries offloading hooks."""
+    from .wrap import of
+
+    kind, out, seen = type(pipe).__name__, [], set()
+    for name, module in pipe.components.items():
+        if not isinstance(module, nn.Module) or id(module) in seen:
+            continue
+        seen.add(id(module))
+        try:
+            engine = of(module).engine
+        except ValueError:
+            engine = None
+        if engine is not None:
+            if pool is not None and engine is pool.engine:
+                out.append((name, module, True))
+                continue
+            raise ValueError(
+                f"pager: the component {name!r} of this {kind} is wrapped already, under a budget of its "
+                "own; pager.unwrap it first, or wrap it into a pool and give the pipeline that pool "
+                "(pager.wrap(pipe, pool=pool))."
+            )
+        hooked = _offload_hooks(module)
+        if hooked:
+            raise ValueError(
+                f"pager: the component {name!r} of this {kind} has {hooked} hooks: both would move its "
+                "weights. Call pipe.remove_all_hooks() (and leave enable_model_cpu_offload, "
+                "enable_sequential_cpu_offload and enable_group_offload off) before pager.wrap(pipe)."
+            )
+        out.append((name, module, False))
+    if not out:
+        raise ValueError(f"pager: this {kind} has no nn.Module component to page.")
+    return out
+
+
+def _offload_hooks(module: nn.Module) -> str | None:
+    """Whose offloading hooks `module` carries: accelerate's (diffusers'
+    model and sequential CPU offload) or diffusers' group offloading."""
+    for m in module.modules():
+        if hasattr(m, "_hf_hook"):
+            return "accelerate's offloading"
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and any("offload" in name for name in getattr(registry, "hooks", {})):
+            return "diffusers' group offloading"
+    return None
+
+
+def pipeline_pool(pipe) -> Pool:
+    """The pool of a wrapped pipeline."""
+    wrapped = _PIPELINES.get(pipe)
+    if wrapped is None:
+        raise ValueError(f"pager: this {type(pipe).__name__} is not wrapped; call pager.wrap(pipe, budget=...) first.")
+    return wrapped.pool
+
+
+def unwrap_pipeline(pipe):
+    """Unwrap every component of the wrapped pipeline (the last first), those it found in its pool too."""
+    from .wrap import unwrap
+
+    pipeline_pool(pipe)  # (refused where not wrapped)
+    wrapped = _PIPELINES.pop(pipe)
+    for module in reversed(wrapped.modules):
+        unwrap(module)
+    return pipe

@@ -1,0 +1,236 @@
+"""Diffusers pipelines under one budget ([Note: a pipeline under one budget]
+in api/pipeline.py): `pager.wrap(pipe, budget=...)` pages every model of the
+pipeline in one pool; a whole `pipe(...)` call equals the unwrapped
+pipeline's bit for bit on the CPU device."""
+
+import numpy as np
+import pytest
+import torch
+
+import pager
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+
+class Tokens:
+    """A stand-in tokenizer (a pipeline's tokenizers come from the hub): a
+    prompt's bytes, padded; what the pipelines call of a tokenizer."""
+
+    added_tokens_encoder: dict = {}
+
+    def __init__(self, max_length: int = 77):
+        self.model_max_length = max_length
+
+    def __call__(self, text, max_length=None, return_tensors=None, **_kw):
+        text = [text] if isinstance(text, str) else list(text)
+        n = max_length or self.model_max_length
+        rows = [[b % 60 + 2 for b in t.encode()][:n] for t in text]
+        ids = torch.tensor([r + [0] * (n - len(r)) for r in rows])
+        return transformers.BatchEncoding({"input_ids": ids, "attention_mask": (ids != 0).long()})
+
+    def tokenize(self, text):
+        return list(text)
+
+    def batch_decode(self, ids, **_kw):
+        return ["" for _ in ids]
+
+
+def _clip(projection=False):
+    config = transformers.CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=4, pad_token_id=1, vocab_size=100, projection_dim=32,
+    )  # fmt: skip
+    return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(config)
+
+
+def _t5():
+    return transformers.T5EncoderModel(
+        transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
+    )
+
+
+def _flux():
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    )  # fmt: skip
+    vae = diffusers.AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1, latent_channels=1,
+        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )  # fmt: skip
+    parts = dict(text_encoder=_clip(), text_encoder_2=_t5(), transformer=transformer, vae=vae)
+    call = dict(height=16, width=16, max_sequence_length=48, guidance_scale=5.0)
+    return diffusers.FluxPipeline, parts, dict(tokenizer=Tokens(), tokenizer_2=Tokens()), call
+
+
+def _sd3():
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=32, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+    )  # fmt: skip
+    vae = diffusers.AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1, latent_channels=4,
+        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )  # fmt: skip
+    parts = dict(
+        text_encoder=_clip(True), text_encoder_2=_clip(True), text_encoder_3=_t5(), transformer=transformer, vae=vae
+    )
+    tokenizers = dict(tokenizer=Tokens(), tokenizer_2=Tokens(), tokenizer_3=Tokens())
+    return diffusers.StableDiffusion3Pipeline, parts, tokenizers, dict(height=16, width=16, max_sequence_length=48)
+
+
+def _wan():
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )  # fmt: skip
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    encoder = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
+    )
+    parts = dict(text_encoder=encoder, transformer=transformer, vae=vae)
+    call = dict(height=16, width=16, num_frames=5, max_sequence_length=16, guidance_scale=5.0)
+    return diffusers.WanPipeline, parts, dict(tokenizer=Tokens()), call
+
+
+PIPELINES = {"flux": _flux, "sd3": _sd3, "wan": _wan}
+
+
+def _pipeline(kind):
+    torch.manual_seed(0)
+    cls, parts, tokenizers, call = PIPELINES[kind]()
+    for module in parts.values():
+        module.eval()
+    scheduler = diffusers.UniPCMultistepScheduler() if kind == "wan" else diffusers.FlowMatchEulerDiscreteScheduler()
+    return cls(scheduler=scheduler, **parts, **tokenizers), call
+
+
+def _bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _run(pipe, call):
+    return pipe(
+        "a cat on a mat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np", **call
+    )
+
+
+@pytest.mark.parametrize("kind", list(PIPELINES))
+def test_a_pipeline_under_one_budget_equals_the_unwrapped_one_bit_for_bit(kind):
+    ref, call = _pipeline(kind)
+    pipe, _ = _pipeline(kind)
+    models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    budget = _tight(kind)
+    assert pager.wrap(pipe, budget=budget, device="cpu") is pipe
+    pool = pager.of(pipe)
+    assert isinstance(pool, pager.Pool) and set(pool.models) == set(models)
+    for name, module in models.items():
+        assert pager.of(module).name == name
+    want = _run(ref, call)
+    got = _run(pipe, call)
+    frames = got.frames if kind == "wan" else got.images
+    assert np.array_equal(frames, want.frames if kind == "wan" else want.images)
+    s = pool.stats()
+    assert s.peak_resident_bytes <= budget and sum(m.evictions for m in s.models.values()) > 0
+    assert pager.unwrap(pipe) is pipe and not any(_is_wrapped(m) for m in models.values())
+    for (n, a), b in zip(pipe.transformer.state_dict().items(), ref.transformer.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def _tight(kind) -> int:
+    """A budget between the least the pipeline's pool runs in and all of it:
+    its models' blocks evict each other."""
+    probe, _ = _pipeline(kind)
+    pager.wrap(probe, budget="1GiB", device="cpu")
+    least = pager.of(probe).engine.least_budget()
+    total = sum(_bytes(m) for m in pager.of(probe).models.values())
+    pager.unwrap(probe)
+    assert least < total
+    return least + (total - least) // 3
+
+
+def _is_wrapped(module) -> bool:
+    try:
+        pager.of(module)
+    except ValueError:
+        return False
+    return True
+
+
+def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
+    pipe, _ = _pipeline("flux")
+    before = {
+        n: {k: v.clone() for k, v in m.state_dict().items()}
+        for n, m in pipe.components.items()
+        if isinstance(m, torch.nn.Module)
+    }
+    least = min(_bytes(m) for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.transformer, pipe.vae))
+    with pytest.raises(ValueError):
+        pager.wrap(pipe, budget=least // 64, device="cpu")
+    with pytest.raises(ValueError, match="blocks= apply to one model"):
+        pager.wrap(pipe, budget="1GiB", device="cpu", blocks=["FluxTransformerBlock"])
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(pipe)
+    for name, state in before.items():
+        module = pipe.components[name]
+        assert not _is_wrapped(module)
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, state[k]) and v.device.type == "cpu", (name, k)
+
+
+def test_offloading_hooks_on_a_component_are_refused_naming_the_fix():
+    accelerate = pytest.importorskip("accelerate")
+    pipe, _ = _pipeline("flux")
+    accelerate.hooks.add_hook_to_module(pipe.vae, accelerate.hooks.ModelHook())
+    with pytest.raises(ValueError, match=r"'vae' .* accelerate's offloading hooks.*remove_all_hooks"):
+        pager.wrap(pipe, budget="1GiB", device="cpu")
+    assert not _is_wrapped(pipe.transformer)
+
+
+def test_a_pipeline_wrapped_twice_or_into_a_pool():
+    """Into a pool that serves another model, with its transformer wrapped
+    there first (options of its own); one wrapped under its own budget is refused."""
+    pipe, call = _pipeline("flux")
+    pager.wrap(pipe.vae, budget="1GiB", device="cpu")
+    with pytest.raises(ValueError, match="'vae' .* wrapped already, under a budget of its own"):
+        pager.wrap(pipe, budget="1GiB", device="cpu")
+    pager.unwrap(pipe.vae)
+    pool = pager.Pool(budget="1GiB", device="cpu")
+    other = torch.nn.Linear(4, 4)
+    pager.wrap(other, pool=pool, name="other")
+    pager.wrap(pipe.transformer, pool=pool, name="transformer", blocks=["FluxTransformerBlock"])
+    pager.wrap(pipe, pool=pool)
+    assert pager.of(pipe) is pool and set(pool.models) == {
+        "other",
+        "text_encoder",
+        "text_encoder_2",
+        "transformer",
+        "vae",
+    }
+    with pytest.raises(ValueError, match="wrapped already"):
+        pager.wrap(pipe, pool=pool)
+    assert len(pager.of(pipe.transformer).blocks) == 2  # (its own blocks=: the two double blocks)
+    _run(pipe, call)
+    pager.unwrap(pipe)
+    assert set(pool.models) == {"other"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", list(PIPELINES))
+def test_a_pipeline_under_one_budget_on_the_gpu(kind):
+    """The pipeline's execution device is the pool's: its latents and
+    prompt embeddings are made there, and the output matches all on the GPU."""
+    ref, call = _pipeline(kind)
+    ref.to("cuda")
+    pipe, _ = _pipeline(kind)
+    pager.wrap(pipe, budget=_tight(kind), device="cuda")
+    assert pipe._execution_device.type == "cuda"
+    want, got = _run(ref, call), _run(pipe, call)
+    frames = (got.frames, want.frames) if kind == "wan" else (got.images, want.images)
+    np.testing.assert_allclose(frames[0], frames[1], rtol=1e-4, atol=1e-4)
+    assert pager.of(pipe).stats().peak_resident_bytes <= pager.of(pipe).budget_bytes
