@@ -11,7 +11,7 @@ a pipeline makes one `Pool` of the budget and wraps every `nn.Module`
 component into it (named as the pipeline names it): the text encoders' blocks
 are idle once denoising starts and leave as the transformer needs room, the
 VAE's come in at the end, and the transformer's blocks stay or stream by the
-room left ([Note: a pool's shares] in model/pool.py: the kept set follows the
+room left ([Note: sharing the room] in engine/room.py: the kept set follows the
 bytes each model used lately, so the denoising steps, one order repeated,
 keep one set). Each component is wrapped as `pager.wrap` wraps a model, so
 everything said of models holds of each; the pipeline's own code does not
