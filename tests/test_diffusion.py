@@ -161,6 +161,42 @@ def _is_wrapped(module) -> bool:
     return True
 
 
+def test_lora_loaded_switched_fused_and_unloaded_after_wrap_bit_for_bit():
+    """diffusers' LoRA calls after `wrap` (group offloading breaks them,
+    diffusers 11791): `load_lora_weights` adds peft layers around paged
+    ones; `fuse_lora` writes the paged weights (`weight.data += delta`)."""
+    peft = pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+
+    ref, call = _pipeline("flux")
+    pipe, _ = _pipeline("flux")
+    loras = []
+    for seed in (5, 6):
+        source, _ = _pipeline("flux")
+        torch.manual_seed(seed)
+        targets = ["to_q", "to_k", "to_v", "to_out.0"]
+        source.transformer.add_adapter(
+            peft.LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+        )
+        loras.append({f"transformer.{k}": v for k, v in get_peft_model_state_dict(source.transformer).items()})
+    pager.wrap(pipe, budget=_tight("flux"), device="cpu")
+
+    def same(step):
+        for p in (ref, pipe):
+            step(p)
+        assert np.array_equal(_run(pipe, call).images, _run(ref, call).images)
+
+    same(lambda p: p.load_lora_weights(dict(loras[0]), adapter_name="a"))
+    same(lambda p: p.load_lora_weights(dict(loras[1]), adapter_name="b"))
+    same(lambda p: p.set_adapters(["a", "b"], adapter_weights=[0.5, 1.0]))
+    same(lambda p: p.fuse_lora(lora_scale=0.7))
+    same(lambda p: (p.unfuse_lora(), p.unload_lora_weights()))
+    assert pager.of(pipe).stats().models["transformer"].evictions > 0
+    pager.unwrap(pipe)
+    for (n, a), b in zip(pipe.transformer.state_dict().items(), ref.transformer.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
     pipe, _ = _pipeline("flux")
     before = {

@@ -202,6 +202,11 @@ def test_assigning_data_of_a_parameter():
     with pytest.raises(RuntimeError, match=r"\.data.*outside its block's use.*copy_"):
         w.data = torch.zeros(w.shape)
     assert_same(w, weight(ref))  # nothing changed
+    # `.data` changed in place and given back (peft's LoRA merge: `w.data += delta`) is the write it is.
+    for _ in range(2):
+        page_out_everything(model)
+        w.data += 0.25
+        weight(ref).data += 0.25
     # Inside the block's use (a hook on it), `.data =` is the plain assignment;
     # the new value goes into the page when the block leaves.
     ids = batches(1)[0][0]

@@ -594,8 +594,11 @@ def handle(func, args, kwargs):
                 return func(*args, **kwargs)
             with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
                 return func(*args, **kwargs)
-    if func == _DATA_SET and len(args) > 1 and args[1] is args[0]:
-        return None  # (`t.data = t`: `module.to()` to the device and dtype it has; nothing changes)
+    if func == _DATA_SET and len(args) > 1 and (args[1] is args[0] or _same_place(args[0], args[1])):
+        # (`t.data = t`: `module.to()` to the device and dtype it has; `t.data += d`,
+        # as peft's LoRA merge writes: the getter's view, changed in place, given
+        # back. Nothing changes.)
+        return None
     tensors = _tensors_of(args, kwargs)
     sleepers = _unserved(tensors)
     if sleepers is not None:
@@ -902,6 +905,22 @@ def _call_pinned(func, args, kwargs):
         result = func(*args, **kwargs)
     # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
     return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
+
+
+def _same_place(t, value) -> bool:
+    """`value` views exactly `t`'s bytes in its page (its `.data`)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    mine, theirs = entry_of(t), entry_of(value)
+    if mine is None or theirs is None or mine[2] is not theirs[2]:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return (value.dtype, value.shape, value.stride(), value.storage_offset()) == (
+            t.dtype,
+            t.shape,
+            t.stride(),
+            t.storage_offset(),
+        )
 
 
 def aliases_in(result, wanted) -> list:
