@@ -141,16 +141,20 @@ def test_a_pipeline_under_one_budget_equals_the_unwrapped_one_bit_for_bit(kind):
         assert torch.equal(a, b), n
 
 
-def _tight(kind) -> int:
-    """A budget between the least the pipeline's pool runs in and all of it:
-    its models' blocks evict each other."""
-    probe, _ = _pipeline(kind)
+def _tight(kind, prepare=None) -> int:
+    """A budget between the least the pipeline's pool runs in and what its
+    call uses of the device under a large one (`prepare(pipe)` first): its
+    models' blocks evict each other."""
+    probe, call = _pipeline(kind)
+    if prepare is not None:
+        prepare(probe)
     pager.wrap(probe, budget="1GiB", device="cpu")
     least = pager.of(probe).engine.least_budget()
-    total = sum(_bytes(m) for m in pager.of(probe).models.values())
+    _run(probe, call)
+    used = pager.of(probe).stats().peak_resident_bytes
     pager.unwrap(probe)
-    assert least < total
-    return least + (total - least) // 3
+    assert least < used
+    return least + (used - least) // 3
 
 
 def _is_wrapped(module) -> bool:
@@ -195,6 +199,23 @@ def test_lora_loaded_switched_fused_and_unloaded_after_wrap_bit_for_bit():
     pager.unwrap(pipe)
     for (n, a), b in zip(pipe.transformer.state_dict().items(), ref.transformer.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"])
+def test_a_pipeline_with_a_torchao_int8_transformer_bit_for_bit(config):
+    """torchao's weights (tensor subclasses) page as they are ([docs/quantized.md])."""
+    quantization = pytest.importorskip("torchao.quantization")
+
+    def quantize(pipe):
+        quantization.quantize_(pipe.transformer, getattr(quantization, config)())
+
+    ref, call = _pipeline("flux")
+    pipe, _ = _pipeline("flux")
+    for p in (ref, pipe):
+        quantize(p)
+    pager.wrap(pipe, budget=_tight("flux", quantize), device="cpu")
+    assert np.array_equal(_run(pipe, call).images, _run(ref, call).images)
+    assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 
 def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
