@@ -218,6 +218,16 @@ def test_a_pipeline_with_a_torchao_int8_transformer_bit_for_bit(config):
     assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 
+def test_batch_and_resolution_change_between_calls():
+    ref, call = _pipeline("sd3")
+    pipe, _ = _pipeline("sd3")
+    pager.wrap(pipe, budget=_tight("sd3"), device="cpu")
+    for size, images in [(16, 1), (24, 2), (16, 3), (8, 1)]:
+        shaped = {**call, "height": size, "width": size, "num_images_per_prompt": images}
+        got, want = _run(pipe, shaped).images, _run(ref, shaped).images
+        assert got.shape == (images, size, size, 3) and np.array_equal(got, want)
+
+
 def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
     pipe, _ = _pipeline("flux")
     before = {
