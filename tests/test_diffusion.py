@@ -301,3 +301,35 @@ def test_a_pipeline_under_one_budget_on_the_gpu(kind):
     frames = (got.frames, want.frames) if kind == "wan" else (got.images, want.images)
     np.testing.assert_allclose(frames[0], frames[1], rtol=1e-4, atol=1e-4)
     assert pager.of(pipe).stats().peak_resident_bytes <= pager.of(pipe).budget_bytes
+
+
+def _save(pipe, folder) -> None:
+    """A pipeline folder as `save_pretrained` writes one (its tokenizers are
+    the tests' stand-ins, given again at load)."""
+    import json
+
+    index = {"_class_name": type(pipe).__name__, "_diffusers_version": diffusers.__version__}
+    for name, component in pipe.components.items():
+        if isinstance(component, Tokens) or component is None:
+            index[name] = [None, None]
+            continue
+        library = "transformers" if type(component).__module__.startswith("transformers") else "diffusers"
+        index[name] = [library, type(component).__name__]
+        component.save_pretrained(folder / name)
+    (folder / "model_index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("kind", list(PIPELINES))
+def test_from_pretrained_of_a_pipeline_folder_pages_its_models_from_their_files(kind, tmp_path):
+    ref, call = _pipeline(kind)
+    _save(ref, tmp_path)
+    tokenizers = {n: c for n, c in ref.components.items() if isinstance(c, Tokens)}
+    pipe = pager.from_pretrained(tmp_path, budget=_tight(kind), device="cpu", **tokenizers)
+    assert type(pipe) is type(ref)
+    pool = pager.of(pipe)
+    models = {n for n, m in ref.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(pool.models) == models
+    got, want = _run(pipe, call), _run(ref, call)
+    assert np.array_equal(*((got.frames, want.frames) if kind == "wan" else (got.images, want.images)))
+    assert sum(m.evictions for m in pool.stats().models.values()) > 0
+    pager.unwrap(pipe)

@@ -11,11 +11,13 @@ by building the module that owns them once more, on the CPU, from the
 configuration it keeps (`module.config`, as Hugging Face modules do), and
 taking that copy's buffers of the same names, shapes and dtypes. A module
 that keeps no config (Gemma's scaled embedding, whose `embed_scale` is the
-square root of the hidden size) gets them from the transformers model's own
+square root of the hidden size; CLIP's text embeddings, whose `position_ids`
+count the positions) gets them from the transformers model's own
 `_init_weights`, which transformers runs on what a checkpoint does not hold
 after its own load: it runs on that module alone, its parameters still on
 meta (their initialisation does nothing there), its buffers given memory
-filled with NaN, taken only where every value was written. A module that
+filled with NaN (an integer type's least value for integer buffers), taken
+only where every value was written. A module that
 cannot be made again either way is named in the error, with what to do.
 """
 
@@ -93,20 +95,21 @@ def _build_again(module: nn.Module, dtype: torch.dtype):
 
 
 def _initialised(model: nn.Module, module: nn.Module) -> dict:
-    """`module`'s meta non-persistent floating buffers as the transformers
-    `model`'s own `_init_weights(module)` sets them (see the Note): name ->
-    value, for those it wrote whole."""
+    """`module`'s meta non-persistent buffers (floating or integer) as the
+    transformers `model`'s own `_init_weights(module)` sets them (see the
+    Note): name -> value, for those it wrote whole (none left at the fill:
+    NaN, or an integer type's least value)."""
     init = getattr(model, "_init_weights", None)
     names = [
         n
         for n, b in module._buffers.items()
-        if b is not None and b.is_meta and n in module._non_persistent_buffers_set and b.is_floating_point()
+        if b is not None and b.is_meta and n in module._non_persistent_buffers_set and _unwritten(b.dtype) is not None
     ]
     if init is None or not names or any(not t.is_meta for t in [*module.parameters(), *module.buffers()]):
         return {}  # (its initialisation would overwrite values it has)
     metas = {n: b for n, b in module._buffers.items() if n in names and b is not None}
     for n, meta in metas.items():
-        module._buffers[n] = torch.full(meta.shape, float("nan"), dtype=meta.dtype)
+        module._buffers[n] = torch.full(meta.shape, _unwritten(meta.dtype), dtype=meta.dtype)
     try:
         with torch.no_grad():
             init(module)
@@ -115,4 +118,20 @@ def _initialised(model: nn.Module, module: nn.Module) -> dict:
         values = {}
     finally:
         module._buffers.update(metas)
-    return {n: v for n, v in values.items() if v is not None and not v.is_meta and not torch.isnan(v).any()}
+    return {
+        n: v
+        for n, v in values.items()
+        if v is not None
+        and not v.is_meta
+        and not (torch.isnan(v) if v.is_floating_point() else v == _unwritten(v.dtype)).any()
+    }
+
+
+def _unwritten(dtype: torch.dtype):
+    """A fill that no initialisation writes, of `dtype`: NaN, an integer
+    type's least value; None for other types (bool, complex)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype != torch.bool and not dtype.is_complex:
+        return torch.iinfo(dtype).min
+    return None

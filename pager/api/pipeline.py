@@ -96,7 +96,7 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
         for module in reversed(made):
             unwrap(module)
         raise
-    _PIPELINES[pipe] = wrapped
+    register(pipe, wrapped)
     return pipe
 
 
@@ -148,6 +148,11 @@ def _offload_hooks(module: nn.Module) -> str | None:
         if registry is not None and any("offload" in name for name in getattr(registry, "hooks", {})):
             return "diffusers' group offloading"
     return None
+
+
+def register(pipe, wrapped: WrappedPipeline) -> None:
+    """`pipe` is wrapped: its components `wrapped` (`pager.of`, `pager.unwrap`)."""
+    _PIPELINES[pipe] = wrapped
 
 
 def pipeline_pool(pipe) -> Pool:

@@ -21,7 +21,13 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     (not a dependency of pager).
 
     Args:
-        folder: the checkpoint folder.
+        folder: the checkpoint folder; or a diffusers pipeline's (a
+            `model_index.json` there): every model component is built on meta
+            and paged from its subfolder's files into one pool, diffusers
+            loads the rest, and the pipeline comes back wrapped as by
+            `pager.wrap(pipe, ...)` (`model_class`: the pipeline's class; a
+            component's name as an option, `tokenizer=...`, goes to
+            diffusers). Needs diffusers then.
         budget: device bytes, as for `pager.wrap`.
         model_class: the transformers class to build (e.g.
             `transformers.AutoModelForSeq2SeqLM`); None: the first of the
@@ -37,6 +43,10 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
         >>> ids = tokenizer("Hello", return_tensors="pt").input_ids.cuda()
         >>> out = model.generate(ids, max_new_tokens=20)
     """
+    if os.path.isfile(os.path.join(os.fspath(folder), "model_index.json")):  # (a diffusers pipeline)
+        from .pipeline_load import pipeline_from_pretrained
+
+        return pipeline_from_pretrained(os.fspath(folder), budget, pipeline_class=model_class, dtype=dtype, **options)
     try:
         import transformers
     except ImportError:

@@ -1,0 +1,141 @@
+"""`pager.from_pretrained` of a diffusers pipeline folder: every model
+component built on the meta device and paged from its own files, in one pool.
+
+A pipeline folder (`save_pretrained` of a `DiffusionPipeline`) has a
+`model_index.json` naming each component's library and class, and a
+subfolder per component. Loaded by diffusers, every model is read whole
+into host memory (then pager would page a copy of it); here each model
+component (a diffusers `ModelMixin` or a transformers `PreTrainedModel`) is
+built on meta from its subfolder's configuration and given to `pager.load`
+with the pool ([Note: reading checkpoints in place] in base/files.py): its
+pages are the host copy. diffusers then builds the pipeline around them,
+loading the rest (tokenizers, scheduler) as it does. Then it is as
+`pager.wrap(pipe)` makes it ([Note: a pipeline under one budget] in
+api/pipeline.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from ..base.files import open_checkpoint
+from ..model.pool import Pool
+from .pipeline import POOL_OPTIONS, WrappedPipeline, register
+
+
+def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=None, pool=None, **options):
+    """The pipeline of `folder` (a `model_index.json` there), its models paged
+    from their files under `budget` (or into `pool`). `options`: a component's
+    name (`tokenizer=...`) goes to diffusers' `from_pretrained`; the pool's
+    options (`device`, `pin`) to the pool; the rest to each model's `pager.load`."""
+    import diffusers
+
+    from .load import load
+    from .pretrained import _most_common_float
+    from .wrap import unwrap
+
+    index = _index(folder)
+    cls = pipeline_class or getattr(diffusers, index["_class_name"], None)
+    if cls is None:
+        raise ValueError(
+            f"pager: from_pretrained({folder!r}): diffusers has no pipeline class {index['_class_name']!r} "
+            "(an older diffusers?); give pipeline_class=."
+        )
+    given = {k: options.pop(k) for k in [k for k in options if k in index]}
+    pool = _pool_of(budget, pool, options)
+    wrapped, models = WrappedPipeline(pool), {}
+    try:
+        for name, model_cls in _model_classes(index, given):
+            sub = os.path.join(folder, name)
+            entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
+            model = _on_meta(model_cls, sub, dtype or _most_common_float(entries))
+            load(model, sub, pool=pool, name=name, **options)
+            wrapped.names.append(name)
+            wrapped.modules.append(model)
+            models[name] = model
+        pipe = cls.from_pretrained(folder, **models, **given)
+    except BaseException:
+        for model in reversed(wrapped.modules):
+            unwrap(model)
+        raise
+    register(pipe, wrapped)
+    return pipe
+
+
+def _index(folder: str) -> dict:
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise ValueError(f"pager: {folder!r}/model_index.json names no pipeline class (_class_name).")
+    return index
+
+
+def _pool_of(budget, pool, options: dict) -> Pool:
+    if pool is not None:
+        if budget is not None or any(k in options for k in POOL_OPTIONS):
+            raise ValueError("pager: give budget= (with device=, pin=) or pool=, not both.")
+        return pool
+    if budget is None:
+        raise ValueError('pager: from_pretrained of a pipeline needs budget= (e.g. budget="8GiB") or pool=.')
+    return Pool(budget, **{k: options.pop(k) for k in POOL_OPTIONS if k in options})
+
+
+def _model_classes(index: dict, given: dict) -> list:
+    """(name, class) of the index's model components (`nn.Module` classes), those given excepted."""
+    out = []
+    for name, spec in index.items():
+        if name.startswith("_") or name in given or not isinstance(spec, list) or len(spec) != 2 or None in spec:
+            continue
+        library, class_name = spec
+        try:
+            module_cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # (diffusers says which it cannot load, as it would)
+        if isinstance(module_cls, type) and issubclass(module_cls, nn.Module):
+            out.append((name, module_cls))
+    return out
+
+
+def _on_meta(model_cls, folder: str, dtype: torch.dtype) -> nn.Module:
+    """`model_cls` built from `folder`'s configuration, its parameters on
+    meta: diffusers' (`load_config`, `from_config`; its buffers computed on
+    the CPU as it is built: diffusers' modules keep no configuration to build
+    them again from, [Note: buffers a checkpoint does not hold] in
+    api/buffers.py) or transformers' (`AutoConfig`, `_from_config`, on meta)."""
+    if hasattr(model_cls, "load_config"):
+        with _parameters_on_meta():
+            model = model_cls.from_config(model_cls.load_config(folder))
+        model.to(dtype)
+    else:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = model_cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built in it put each parameter on meta as it is registered
+    (one host allocation at a time, uninitialised, let go at once); their
+    buffers are made where they would be (accelerate's `init_empty_weights`
+    with `include_buffers=False`, which diffusers loads with)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # (for the build only: accelerate's way)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
