@@ -614,6 +614,96 @@ def test_gradients_through_frozen_paged_experts_on_the_gpu(implementation):
         torch.testing.assert_close(g.cpu(), r.grad.cpu(), rtol=1e-3, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_what_a_call_with_gradients_saves_goes_to_the_hooks_beneath_or_is_a_recipe(implementation, monkeypatch):
+    """Under the user's (or pager's activation policy's) saved-tensor hooks,
+    every tensor the experts' forward saves reaches them, but the views of
+    the experts' copies, kept as recipes of the experts they cover ([Note: a
+    backward through paged experts])."""
+    from pager.experts import saved
+
+    recipes, unpack = [], saved.unpack
+
+    def kept(packed):
+        if isinstance(packed, saved.Recipe):
+            recipes.append(packed)
+        return unpack(packed)
+
+    monkeypatch.setattr(saved, "unpack", kept)
+    ref, model = _pair("mixtral", implementation)
+    for m in (ref, model):
+        for experts in _experts(m):
+            experts.requires_grad_(False)
+    pager.wrap(model, budget=10 << 20, device="cpu", activations="keep")
+    h, index, w = torch.randn(5, 32), torch.tensor([[0, 1], [2, 3], [4, 5], [1, 2], [7, 0]]), torch.rand(5, 2)
+    grads, counts = [], []
+    for experts in (_experts(model)[0], _experts(ref)[0]):
+        seen = []
+
+        def pack(t, seen=seen):
+            seen.append(t)
+            return t
+
+        x = h.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = experts(x, index, w)
+        out.sum().backward()
+        grads.append(x.grad)
+        counts.append(len(seen))
+    assert torch.equal(grads[0], grads[1])
+    weights = 2 * len(index.unique()) if implementation == "eager" else 0  # (eager: two views of each routed expert)
+    assert len(recipes) == weights or implementation == "grouped_mm"
+    assert counts[0] + len(recipes) == counts[1] and counts[0] > 0
+    if implementation == "eager":  # (a view of one expert makes that one again)
+        assert all(len(r.experts) == 1 for r in recipes)
+
+
+def test_experts_changed_between_forward_and_backward_are_an_error():
+    ref, model = _pair("qwen3_moe", "eager")
+    for experts in _experts(model):
+        experts.requires_grad_(False)
+    pager.wrap(model, budget=10 << 20, device="cpu")
+    ids = torch.randint(0, 64, (2, 6))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    with torch.no_grad():
+        _experts(model)[0].down_proj.add_(1.0)
+    with pytest.raises(RuntimeError, match="paged experts' weights .* changed between the forward and the backward"):
+        loss.backward()
+
+
+def test_an_interrupt_inside_the_experts_forward_leaves_them_usable(monkeypatch, caplog):
+    from pager.base import saving
+
+    ref, model = _pair("mixtral", "grouped_mm")
+    for m in (ref, model):
+        for experts in _experts(m):
+            experts.requires_grad_(False)
+    pager.wrap(model, budget=10 << 20, device="cpu")
+    table = pager.of(model).expert_tables[0]
+    forward = type(table.module).forward
+
+    def interrupted(module, *args, **kwargs):
+        if module is table.module:
+            raise KeyboardInterrupt
+        return forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(type(table.module), "forward", interrupted)
+    ids = torch.randint(0, 64, (2, 6))
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="pager"):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert "interrupted" in caplog.text and not table._calls
+    loss.backward()
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert saving.depth() == 0 and saving.top_hooks() is None
+    released = threading.Thread(target=lambda: table.cache.lock.acquire(timeout=5) and table.cache.lock.release())
+    released.start(), released.join()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), n
+
+
 def test_lora_on_attention_beside_paged_experts_trains_bit_for_bit(monkeypatch):
     peft = pytest.importorskip("peft")
     made = _count_recipes(monkeypatch)

@@ -908,19 +908,21 @@ def _call_pinned(func, args, kwargs):
 
 
 def _same_place(t, value) -> bool:
-    """`value` views exactly `t`'s bytes in its page (its `.data`)."""
-    if not isinstance(value, torch.Tensor):
+    """`value` views exactly `t`'s bytes in its page (its `.data`): the same
+    storage, offset, sizes, strides and dtype (a wrapper subclass, whose
+    offset is its own, never)."""
+    if not isinstance(value, torch.Tensor) or is_wrapper(value) or is_wrapper(t):
         return False
     mine, theirs = entry_of(t), entry_of(value)
     if mine is None or theirs is None or mine[2] is not theirs[2]:
         return False
     with torch._C.DisableTorchFunctionSubclass():
-        return (value.dtype, value.shape, value.stride(), value.storage_offset()) == (
-            t.dtype,
-            t.shape,
-            t.stride(),
-            t.storage_offset(),
-        )
+        return value.untyped_storage()._cdata == t.untyped_storage()._cdata and (
+            value.dtype,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+        ) == (t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
 def aliases_in(result, wanted) -> list:

@@ -112,6 +112,28 @@ def end_saving():
     return frame
 
 
+def begin_foreign(pack, unpack) -> bool:
+    """Put saved-tensor hooks of pager's that are no block's (a call of
+    paged experts: experts/saved.py) on top in this thread, as a frame of
+    its stack: `end_saving` takes them off, and `end_saving_to` (a forward
+    interrupted) with the frames above. False (nothing put on) where torch
+    has saved-tensor hooks off."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (not in torch's stubs)
+        return False
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    stack = getattr(tls, "stack", None)
+    if stack is None:
+        stack = tls.stack = []
+    stack.append(_Frame(True, False, OTHERS, None, None, None, getattr(tls, "active", None)))
+    return True
+
+
+def top_hooks():
+    """The saved-tensor hooks on top in this thread: (pack, unpack), None, or
+    another object where torch cannot say."""
+    return _top_hooks()
+
+
 @contextmanager
 def saving(count: bool):
     begin_saving(count)

@@ -153,7 +153,7 @@ class ExpertCache:
                 found = self._first_not_in(self._recent, taken)
                 if found is None:
                     break  # (no room ahead: a cache of a call's experts or little more)
-                slot = self._recent.pop(found)
+                slot = self._leave(self._recent, found)
             self._recent[key] = slot
             self._ahead[key] = self._windows
             self._in_flight.add(key)

@@ -135,8 +135,9 @@ class ExpertTable:
 
     # ----------------------------------------------------------- a call
     def _before(self, module, args, kwargs):
-        # Given back by `_after`, which torch calls however the call ends (a
-        # failure here included), but for an interrupt raised in here.
+        # Given back by `_after`, which torch calls however the call ends with
+        # an `Exception` (a failure here included); one an interrupt ends
+        # (KeyboardInterrupt) skips it: `interrupted` gives it back then.
         self.cache.lock.acquire()
         tid = threading.get_ident()
         self._calls[tid] = self._calls.get(tid, 0) + 1
@@ -155,7 +156,7 @@ class ExpertTable:
             # A backward through the experts to their input will follow ([Note: a
             # backward through paged experts] in experts/saved.py). Left by `_after`.
             self._saved = SavedExperts(self.hosts)
-            self._saved.hooks.__enter__()
+            self._saved.begin()
         experts, inverse = self._routed(index)
         most_experts, most_tokens = self._chunk_limits(index.shape[-1])
         if len(experts) > most_experts or index.shape[0] > most_tokens:
@@ -343,8 +344,7 @@ class ExpertTable:
                 event.record(torch.cuda.current_stream(self.cache.device))
         finally:
             if self._saved is not None:
-                self._saved.hooks.__exit__(None, None, None)
-                self._saved.clear()
+                self._saved.end()
                 self._saved = None
             with torch.no_grad():
                 for p, host in zip(self.params, self.hosts):
@@ -356,6 +356,22 @@ class ExpertTable:
                 del self._calls[tid]
             self.cache.lock.release()
         return output
+
+    def interrupted(self) -> None:
+        """This thread's calls that an interrupt ended without their post-hook
+        ([Note: a forward interrupted] in model/hooks.py, which pops their
+        saved-tensor hooks with the frames above their block's): the
+        parameters back on their host tensors, the cache's lock given back."""
+        calls = self._calls.pop(threading.get_ident(), 0)
+        if not calls:
+            return
+        with torch.no_grad():
+            for p, host in zip(self.params, self.hosts):
+                p.data = host
+        self.module.num_experts = self.num_experts
+        self._chunked = self._saved = None
+        for _ in range(calls):
+            self.cache.lock.release()
 
     def _fill(self, slot: int, key: int) -> None:
         expert = key - self.base

@@ -336,6 +336,8 @@ class Hooks:
         for _ in range(n):
             saving.end_saving_to(self.forward_marks()[-1][1] + 1)
             self._root_post_forward(module, (), {}, None)
+        for table in self.pager.expert_tables:  # (an experts call it ended: its lock, its parameters)
+            table.interrupted()
 
     @_locked
     def _root_post_forward(self, module, args, kwargs, output):
