@@ -281,8 +281,13 @@ def test_a_pipeline_wrapped_twice_or_into_a_pool():
     with pytest.raises(ValueError, match="wrapped already"):
         pager.wrap(pipe, pool=pool)
     assert len(pager.of(pipe.transformer).blocks) == 2  # (its own blocks=: the two double blocks)
-    _run(pipe, call)
+    second, _ = _pipeline("flux")  # (a second pipeline of the kind: its models' names taken)
+    pager.wrap(second, pool=pool)
+    assert pager.of(second.transformer).name == "transformer.2" and pager.of(second.vae).name == "vae.2"
+    assert np.array_equal(_run(pipe, call).images, _run(second, call).images)
+    pager.unwrap(pipe.vae)  # (by hand: unwrap(pipe) unwraps the others)
     pager.unwrap(pipe)
+    pager.unwrap(second)
     assert set(pool.models) == {"other"}
 
 

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..model.pool import Pool
 
 # wrap's options that a pipeline takes: the pool's, and those given to each component's wrap
-POOL_OPTIONS = ("device", "pin")
+POOL_OPTIONS = ("device", "pin", "split_fetch")
 COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations")
 _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -85,19 +85,49 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
     wrapped = WrappedPipeline(pool)
     each = {k: given[k] for k in COMPONENT_OPTIONS if k in given}
     made = []  # (the modules wrapped here: undone on a failure)
+    taken = {o.name for o in pool.engine.owners}
     try:
         for name, module, joined in components:
             if not joined:
-                wrap(module, pool=pool, name=name, **each)
+                unique = free_name(name, taken)
+                wrap(module, pool=pool, name=unique, **each)
+                taken.add(unique)
                 made.append(module)
             wrapped.names.append(name)
             wrapped.modules.append(module)
     except BaseException:
-        for module in reversed(made):
-            unwrap(module)
+        unwrap_all(reversed(made), unwrap)
         raise
     register(pipe, wrapped)
     return pipe
+
+
+def free_name(name: str, taken: set) -> str:
+    """The pipeline's name for a component, or, where another model of the
+    pool has it (a second pipeline of the same kind), `name.2`, `name.3`, ..."""
+    k = 1
+    while (f"{name}.{k}" if k > 1 else name) in taken:
+        k += 1
+    return f"{name}.{k}" if k > 1 else name
+
+
+def unwrap_all(modules, unwrap) -> None:
+    """Unwrap each of `modules` still wrapped, whatever another's unwrap
+    raises; then raise the first failure."""
+    from .wrap import of
+
+    failed: BaseException | None = None
+    for module in modules:
+        try:
+            of(module)
+        except ValueError:
+            continue  # (unwrapped by hand already)
+        try:
+            unwrap(module)
+        except BaseException as e:  # (the others still go back)
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def _components(pipe, pool: Pool | None) -> list:
@@ -169,6 +199,5 @@ def unwrap_pipeline(pipe):
 
     pipeline_pool(pipe)  # (refused where not wrapped)
     wrapped = _PIPELINES.pop(pipe)
-    for module in reversed(wrapped.modules):
-        unwrap(module)
+    unwrap_all(reversed(wrapped.modules), unwrap)
     return pipe

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..base.files import open_checkpoint
 from ..model.pool import Pool
-from .pipeline import POOL_OPTIONS, WrappedPipeline, register
+from .pipeline import POOL_OPTIONS, WrappedPipeline, free_name, register, unwrap_all
 
 
 def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=None, pool=None, **options):
@@ -50,19 +50,21 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
     given = {k: options.pop(k) for k in [k for k in options if k in index]}
     pool = _pool_of(budget, pool, options)
     wrapped, models = WrappedPipeline(pool), {}
+    taken = {o.name for o in pool.engine.owners}
     try:
         for name, model_cls in _model_classes(index, given):
             sub = os.path.join(folder, name)
             entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
             model = _on_meta(model_cls, sub, dtype or _most_common_float(entries))
-            load(model, sub, pool=pool, name=name, **options)
+            unique = free_name(name, taken)
+            load(model, sub, pool=pool, name=unique, **options)
+            taken.add(unique)
             wrapped.names.append(name)
             wrapped.modules.append(model)
             models[name] = model
         pipe = cls.from_pretrained(folder, **models, **given)
     except BaseException:
-        for model in reversed(wrapped.modules):
-            unwrap(model)
+        unwrap_all(reversed(wrapped.modules), unwrap)
         raise
     register(pipe, wrapped)
     return pipe

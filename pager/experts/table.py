@@ -210,7 +210,7 @@ class ExpertTable:
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
         if implementation == "batched_mm":
             return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
-        if self._in_place():
+        if self._in_place(implementation):
             return cache.capacity, sys.maxsize
         return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
 
@@ -346,16 +346,20 @@ class ExpertTable:
             if self._saved is not None:
                 self._saved.end()
                 self._saved = None
-            with torch.no_grad():
-                for p, host in zip(self.params, self.hosts):
-                    p.data = host
-            self.module.num_experts = self.num_experts
+            self._give_back()
             self._chunked = None
             self._calls[tid] -= 1
             if not self._calls[tid]:
                 del self._calls[tid]
             self.cache.lock.release()
         return output
+
+    def _give_back(self) -> None:
+        """The parameters on their host tensors, `num_experts` the module's own."""
+        with torch.no_grad():
+            for p, host in zip(self.params, self.hosts):
+                p.data = host
+        setattr(self.module, "num_experts", self.num_experts)  # noqa: B010 (see `_place`)
 
     def interrupted(self) -> None:
         """This thread's calls that an interrupt ended without their post-hook
@@ -365,10 +369,7 @@ class ExpertTable:
         calls = self._calls.pop(threading.get_ident(), 0)
         if not calls:
             return
-        with torch.no_grad():
-            for p, host in zip(self.params, self.hosts):
-                p.data = host
-        self.module.num_experts = self.num_experts
+        self._give_back()
         self._chunked = self._saved = None
         for _ in range(calls):
             self.cache.lock.release()
@@ -378,9 +379,10 @@ class ExpertTable:
         for cached, host in zip(self.cache.tensors, self.hosts):
             cached[slot].copy_(host[expert], non_blocking=True)
 
-    def _in_place(self) -> bool:
-        """The forward reads the cache's tensors in place (see the Note)."""
-        implementation = self._implementation()
+    def _in_place(self, implementation: str | None = None) -> bool:
+        """The forward (under `implementation`, by default the module's)
+        reads the cache's tensors in place (see the Note)."""
+        implementation = implementation or self._implementation()
         return (
             self._saved is None
             and implementation in IN_PLACE

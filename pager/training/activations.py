@@ -80,7 +80,10 @@ cache (`_cache_layers`: a `layers` list, `update` and `get_seq_length`), the
 attributes of each of its layers at the forward's start (a shallow copy:
 the layers reassign their tensors, they do not write into them); the
 recomputation puts those back on the layers the forward changed, runs, and
-then gives those layers what the forward had left them.
+then gives those layers what the forward had left them. A layer that writes
+into its tensors (a static cache: `StaticCache`) is not put back so; such a
+cache in a training forward is not supported (the first pass's measure on
+fake tensors fails on it already).
 
 [Note: one budget]
 With `activations` other than "keep", the budget bounds blocks and
