@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.nn as nn
@@ -26,10 +26,11 @@ from .fit import default_blocks
 from .pipeline import is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
 
 log = logging.getLogger("pager")
+_M = TypeVar("_M")  # (a model, or a diffusers pipeline: given back as it came)
 
 
 def wrap(
-    model: nn.Module,
+    model: _M,
     budget=None,
     *,
     pool=None,
@@ -55,7 +56,7 @@ def wrap(
     split_fetch=None,
     master_weights: bool = False,
     budget_covers: str = "pager",
-) -> nn.Module:
+) -> _M:
     """Page `model` in place under a device memory budget; return the same object.
 
     Every block's parameters and buffers move to one pinned host page each; at
@@ -264,7 +265,7 @@ def wrap(
         values = locals()
         return wrap_pipeline(model, budget, pool, {k: values[k] for k in _given(values)})
     return _wrap(
-        model,
+        cast(nn.Module, model),
         budget,
         pool=pool,
         name=name,
@@ -516,7 +517,7 @@ def of(model):
     return pager
 
 
-def unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: _M) -> _M:
     """Undo `wrap`: every tensor back on its original device with its current
     value (gradients and attached optimizers' state too), hooks removed.
 
@@ -527,7 +528,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     if is_pipeline(model):
         return unwrap_pipeline(model)
-    pager = of(model)
+    module = cast(nn.Module, model)
+    pager = of(module)
     close(pager)
-    del _PAGERS[model]
+    del _PAGERS[module]
     return model
