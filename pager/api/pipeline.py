@@ -27,6 +27,7 @@ component wrapped already into the pool given (with options of its own,
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from ..model.pool import Pool
 POOL_OPTIONS = ("device", "pin", "split_fetch")
 COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations")
 _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+log = logging.getLogger("pager")
 
 
 @dataclass
@@ -58,7 +60,7 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
     """Wrap every `nn.Module` component of `pipe` into one pool: `pool`, or
     one made of `budget` (see the Note). `given`: the options of `pager.wrap`
     the caller set (name -> value)."""
-    from .wrap import unwrap, wrap  # (the public verbs, which call this)
+    from .wrap import wrap  # (the public verb, which calls this)
 
     kind = type(pipe).__name__
     if pipe in _PIPELINES:
@@ -96,7 +98,7 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
             wrapped.names.append(name)
             wrapped.modules.append(module)
     except BaseException:
-        unwrap_all(reversed(made), unwrap)
+        undo(made)
         raise
     register(pipe, wrapped)
     return pipe
@@ -111,10 +113,19 @@ def free_name(name: str, taken: set) -> str:
     return f"{name}.{k}" if k > 1 else name
 
 
-def unwrap_all(modules, unwrap) -> None:
+def undo(modules: list) -> None:
+    """A wrap of a pipeline that failed: unwrap the `modules` it wrapped (the
+    last first); a failure in that is logged, the first error is the one raised."""
+    try:
+        unwrap_all(reversed(modules))
+    except Exception:
+        log.exception("pager: undoing the wrap of a pipeline that failed failed too; a component may be left wrapped")
+
+
+def unwrap_all(modules) -> None:
     """Unwrap each of `modules` still wrapped, whatever another's unwrap
     raises; then raise the first failure."""
-    from .wrap import of
+    from .wrap import of, unwrap
 
     failed: BaseException | None = None
     for module in modules:
@@ -195,9 +206,8 @@ def pipeline_pool(pipe) -> Pool:
 
 def unwrap_pipeline(pipe):
     """Unwrap every component of the wrapped pipeline (the last first), those it found in its pool too."""
-    from .wrap import unwrap
 
     pipeline_pool(pipe)  # (refused where not wrapped)
     wrapped = _PIPELINES.pop(pipe)
-    unwrap_all(reversed(wrapped.modules), unwrap)
+    unwrap_all(reversed(wrapped.modules))
     return pipe

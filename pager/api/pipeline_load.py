@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..base.files import open_checkpoint
 from ..model.pool import Pool
-from .pipeline import POOL_OPTIONS, WrappedPipeline, free_name, register, unwrap_all
+from .pipeline import POOL_OPTIONS, WrappedPipeline, free_name, register, undo
 
 
 def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=None, pool=None, **options):
@@ -38,7 +38,6 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
 
     from .load import load
     from .pretrained import _most_common_float
-    from .wrap import unwrap
 
     index = _index(folder)
     cls = pipeline_class or getattr(diffusers, index["_class_name"], None)
@@ -64,7 +63,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
             models[name] = model
         pipe = cls.from_pretrained(folder, **models, **given)
     except BaseException:
-        unwrap_all(reversed(wrapped.modules), unwrap)
+        undo(wrapped.modules)
         raise
     register(pipe, wrapped)
     return pipe
