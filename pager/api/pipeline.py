@@ -206,7 +206,6 @@ def pipeline_pool(pipe) -> Pool:
 
 def unwrap_pipeline(pipe):
     """Unwrap every component of the wrapped pipeline (the last first), those it found in its pool too."""
-
     pipeline_pool(pipe)  # (refused where not wrapped)
     wrapped = _PIPELINES.pop(pipe)
     unwrap_all(reversed(wrapped.modules))

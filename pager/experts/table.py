@@ -164,10 +164,10 @@ class ExpertTable:
             # copies of them beyond the budget's share: the forward runs on no
             # tokens (and device tensors), and `_after` runs it a chunk at a time.
             self._chunked = (args, kwargs, in_kwargs)
-            with torch.no_grad():
+            with torch.no_grad():  # (one slot's views: what a forward with gradients saves of them is small)
                 for p, value in zip(self.params, self.cache.tensors):
-                    p.data = value
-            setattr(self.module, "num_experts", self.cache.capacity)  # noqa: B010 (see `_place`)
+                    p.data = value.narrow(0, 0, 1)
+            setattr(self.module, "num_experts", 1)  # noqa: B010 (see `_place`)
             return _tokens(args, kwargs, index.shape[0], 0, 0)
         if self.router is not None:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
