@@ -13,9 +13,9 @@ So the slots are kept by use counts over recent tokens, admitted as
 TinyLFU does (Einziger et al., 2017): every use of an expert counts (the
 counts of experts not held too), and every `AGE_USES` uses per slot the
 counts halve (lazily: a count carries the period it was last written in).
-An expert that misses comes into the `_recent` segment (at most an eighth of
-the slots, least recently used first); when a slot is needed and `_recent`
-is full, its least recently used expert and the `_frequent` segment's least
+An expert that misses comes into the `_recent` segment (an eighth of the
+slots, or a decode call's experts where those are more; least recently used
+first); when a slot is needed and `_recent` is full, its least recently used expert and the `_frequent` segment's least
 recently used one compete: the one used less often leaves (on a tie, the
 one in `_frequent` stays). So a set of experts used more often than the
 rest stays whatever passes through, and where every expert is used alike
