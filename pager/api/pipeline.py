@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch.nn as nn
 
@@ -40,6 +42,15 @@ POOL_OPTIONS = ("device", "pin", "split_fetch")
 COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations")
 _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 log = logging.getLogger("pager")
+
+
+class Verbs(NamedTuple):
+    """pager's verbs for one model (api/wrap.py, which calls this module: it
+    gives them, so that this module imports nothing above it)."""
+
+    wrap: Callable
+    unwrap: Callable
+    of: Callable
 
 
 @dataclass
@@ -56,12 +67,10 @@ def is_pipeline(obj) -> bool:
     return not isinstance(obj, nn.Module) and isinstance(getattr(obj, "components", None), dict)
 
 
-def wrap_pipeline(pipe, budget, pool, given: dict):
+def wrap_pipeline(pipe, budget, pool, given: dict, verbs: Verbs):
     """Wrap every `nn.Module` component of `pipe` into one pool: `pool`, or
     one made of `budget` (see the Note). `given`: the options of `pager.wrap`
     the caller set (name -> value)."""
-    from .wrap import wrap  # (the public verb, which calls this)
-
     kind = type(pipe).__name__
     if pipe in _PIPELINES:
         raise ValueError(f"pager: this {kind} is wrapped already; pager.unwrap(pipe) first to wrap it again.")
@@ -83,7 +92,7 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
         raise ValueError(f'pager: wrap of a pipeline ({kind}) needs budget= (e.g. budget="8GiB") or pool=.')
     else:
         pool = Pool(budget, **{k: given[k] for k in POOL_OPTIONS if k in given})
-    components = _components(pipe, pool)
+    components = _components(pipe, pool, verbs.of)
     wrapped = WrappedPipeline(pool)
     each = {k: given[k] for k in COMPONENT_OPTIONS if k in given}
     made = []  # (the modules wrapped here: undone on a failure)
@@ -92,13 +101,13 @@ def wrap_pipeline(pipe, budget, pool, given: dict):
         for name, module, joined in components:
             if not joined:
                 unique = free_name(name, taken)
-                wrap(module, pool=pool, name=unique, **each)
+                verbs.wrap(module, pool=pool, name=unique, **each)
                 taken.add(unique)
                 made.append(module)
             wrapped.names.append(name)
             wrapped.modules.append(module)
     except BaseException:
-        undo(made)
+        undo(made, verbs)
         raise
     register(pipe, wrapped)
     return pipe
@@ -113,41 +122,37 @@ def free_name(name: str, taken: set) -> str:
     return f"{name}.{k}" if k > 1 else name
 
 
-def undo(modules: list) -> None:
+def undo(modules: list, verbs: Verbs) -> None:
     """A wrap of a pipeline that failed: unwrap the `modules` it wrapped (the
     last first); a failure in that is logged, the first error is the one raised."""
     try:
-        unwrap_all(reversed(modules))
+        unwrap_all(reversed(modules), verbs)
     except Exception:
         log.exception("pager: undoing the wrap of a pipeline that failed failed too; a component may be left wrapped")
 
 
-def unwrap_all(modules) -> None:
+def unwrap_all(modules, verbs: Verbs) -> None:
     """Unwrap each of `modules` still wrapped, whatever another's unwrap
     raises; then raise the first failure."""
-    from .wrap import of, unwrap
-
     failed: BaseException | None = None
     for module in modules:
         try:
-            of(module)
+            verbs.of(module)
         except ValueError:
             continue  # (unwrapped by hand already)
         try:
-            unwrap(module)
+            verbs.unwrap(module)
         except BaseException as e:  # (the others still go back)
             failed = failed or e
     if failed is not None:
         raise failed
 
 
-def _components(pipe, pool: Pool | None) -> list:
+def _components(pipe, pool: Pool | None, of: Callable) -> list:
     """(name, module, joined) of each `nn.Module` component, once each:
     `joined` where it is wrapped into `pool` already (taken as it is).
     Refused, before anything changes, where one is wrapped otherwise or
     carries offloading hooks."""
-    from .wrap import of
-
     kind, out, seen = type(pipe).__name__, [], set()
     for name, module in pipe.components.items():
         if not isinstance(module, nn.Module) or id(module) in seen:
@@ -204,9 +209,9 @@ def pipeline_pool(pipe) -> Pool:
     return wrapped.pool
 
 
-def unwrap_pipeline(pipe):
+def unwrap_pipeline(pipe, verbs: Verbs):
     """Unwrap every component of the wrapped pipeline (the last first), those it found in its pool too."""
     pipeline_pool(pipe)  # (refused where not wrapped)
     wrapped = _PIPELINES.pop(pipe)
-    unwrap_all(reversed(wrapped.modules))
+    unwrap_all(reversed(wrapped.modules), verbs)
     return pipe

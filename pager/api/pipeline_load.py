@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from ..base.files import open_checkpoint
+from ..base.files import most_common_float, open_checkpoint
 from ..model.pool import Pool
 from .pipeline import POOL_OPTIONS, WrappedPipeline, free_name, register, undo
 
@@ -37,7 +37,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
     import diffusers
 
     from .load import load
-    from .pretrained import _most_common_float
+    from .wrap import _verbs as verbs
 
     index = _index(folder)
     cls = pipeline_class or getattr(diffusers, index["_class_name"], None)
@@ -54,7 +54,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
         for name, model_cls in _model_classes(index, given):
             sub = os.path.join(folder, name)
             entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
-            model = _on_meta(model_cls, sub, dtype or _most_common_float(entries))
+            model = _on_meta(model_cls, sub, dtype or most_common_float(entries))
             unique = free_name(name, taken)
             load(model, sub, pool=pool, name=unique, **options)
             taken.add(unique)
@@ -63,7 +63,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
             models[name] = model
         pipe = cls.from_pretrained(folder, **models, **given)
     except BaseException:
-        undo(wrapped.modules)
+        undo(wrapped.modules, verbs())
         raise
     register(pipe, wrapped)
     return pipe

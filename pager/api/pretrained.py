@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import torch
 import torch.nn as nn
 
-from ..base.files import open_checkpoint
+from ..base.files import most_common_float, open_checkpoint
 from .load import load
 
 
@@ -68,7 +67,7 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
     config = transformers.AutoConfig.from_pretrained(folder)
     entries = open_checkpoint(folder)  # (refuses a folder without weights, naming what it looked for)
     if dtype is None:
-        dtype = _most_common_float(entries)
+        dtype = most_common_float(entries)
     cls = model_class or _class_of(transformers, config)
     with torch.device("meta"):
         # (Auto classes build through `from_config`; a model class through `_from_config`: both take the dtype)
@@ -99,8 +98,3 @@ def _class_of(transformers, config):
         if cls is not None:
             return cls
     return transformers.AutoModelForCausalLM
-
-
-def _most_common_float(entries) -> torch.dtype:
-    counts = Counter(e.dtype for e in entries.values() if e.dtype.is_floating_point)
-    return counts.most_common(1)[0][0] if counts else torch.float32

@@ -23,7 +23,7 @@ from ..training import distributed, host_step, owners
 from ..training.checkpoint import close
 from . import checks
 from .fit import default_blocks
-from .pipeline import is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
+from .pipeline import Verbs, is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
 
 log = logging.getLogger("pager")
 _M = TypeVar("_M")  # (a model, or a diffusers pipeline: given back as it came)
@@ -263,7 +263,7 @@ def wrap(
     """
     if is_pipeline(model):
         values = locals()
-        return wrap_pipeline(model, budget, pool, {k: values[k] for k in _given(values)})
+        return wrap_pipeline(model, budget, pool, {k: values[k] for k in _given(values)}, _verbs())
     return _wrap(
         cast(nn.Module, model),
         budget,
@@ -471,6 +471,11 @@ def _wrap(
     return model
 
 
+def _verbs() -> Verbs:
+    """The verbs api/pipeline.py applies to each component (it is beneath this module)."""
+    return Verbs(wrap, unwrap, of)
+
+
 def _given(values: dict) -> list:
     """The names of `wrap`'s options that `values` (its arguments) sets otherwise than its defaults."""
     out = []
@@ -527,7 +532,7 @@ def unwrap(model: _M) -> _M:
         >>> pager.unwrap(model)
     """
     if is_pipeline(model):
-        return unwrap_pipeline(model)
+        return unwrap_pipeline(model, _verbs())
     module = cast(nn.Module, model)
     pager = of(module)
     close(pager)

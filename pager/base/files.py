@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -281,3 +282,9 @@ def fsync_folder(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def most_common_float(entries: dict) -> torch.dtype:
+    """The dtype most of a checkpoint's floating tensors have (`open_checkpoint`'s entries); float32 where none."""
+    counts = Counter(e.dtype for e in entries.values() if e.dtype.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else torch.float32
