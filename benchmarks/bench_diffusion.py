@@ -12,7 +12,7 @@ transformer's bytes moved per step and the link's floor of them (pager),
 peak GPU memory (allocated) and host RSS.
 
 Methods: all on the GPU; pager at each of `--budgets` (`8GiB`, or `half` /
-`fifth`: that share of the transformer's bytes, with what the rest of the
+`fifth` / `tenth`: that share of the transformer's bytes, with what the rest of the
 pipeline needs at least); diffusers' `enable_model_cpu_offload`,
 `enable_sequential_cpu_offload`, and `apply_group_offloading` with streams
 at block and at leaf level (`--peers`; each skipped, saying why, where
@@ -169,11 +169,24 @@ def row(work: str, method: str, got: dict, ref_ms: float | None, note: str = "")
 
 
 def budget_of(spec: str, transformer_bytes: int) -> int | str:
-    share = {"half": 0.5, "fifth": 0.2}.get(spec)
+    share = {"half": 0.5, "fifth": 0.2, "tenth": 0.1}.get(spec)
     return spec if share is None else int(share * transformer_bytes)
 
 
+def room_short(host) -> str | None:
+    """Why a method that copies the pipeline's tensors once more (pinned
+    pages, a peer's copies) would not fit the host's free memory, or None."""
+    import psutil
+
+    need = sum(t.numel() * t.element_size() for s in host.values() for t in s.values()) * 1.2
+    free = psutil.virtual_memory().available
+    return None if free > need else f"skipped: {free / GiB:.0f} GiB of host memory free, {need / GiB:.0f} GiB needed"
+
+
 def pager_row(host, args, spec, work, ref_ms, bw) -> Row:
+    short = None if args.tiny else room_short(host)
+    if short:
+        return Row(work, f"pager {spec}", None, note=short)
     pipe = pipeline(host)
     transformer_bytes = sum(t.numel() * t.element_size() for t in pipe.transformer.state_dict().values())
     try:
@@ -191,11 +204,10 @@ def pager_row(host, args, spec, work, ref_ms, bw) -> Row:
         + (f", floor {floor_ms:.0f} ms ({got['timed']['step_ms'] / floor_ms:.2f}x)" if floor_ms else "")
         + f"; pool peak resident {after.peak_resident_bytes / GiB:.2f} GiB"
     )
-    out = row(work, f"pager {spec}", got, ref_ms, note)
     pager.unwrap(pipe)
-    del pipe
+    del pipe, pool
     free_cuda() if not args.tiny else None
-    return out
+    return row(work, f"pager {spec}", got, ref_ms, note + f"; host RSS after unwrap {host_rss_gib():.1f} GiB")
 
 
 def peer_row(host, args, kind: str, work: str, ref_ms) -> Row:
@@ -207,6 +219,9 @@ def peer_row(host, args, kind: str, work: str, ref_ms) -> Row:
     }[kind]
     if args.tiny:
         return Row(work, method, None, note="skipped: needs CUDA")
+    short = room_short(host)
+    if short:
+        return Row(work, method, None, note=short)
     pipe = pipeline(host)
     try:
         if kind == "model":
@@ -241,7 +256,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--double", type=int, default=19)
     ap.add_argument("--single", type=int, default=38)
-    ap.add_argument("--budgets", default="8GiB,half,fifth")
+    ap.add_argument("--budgets", default="8GiB,half,fifth,tenth")
     ap.add_argument("--peers", default="model,sequential,block,leaf")
     ap.add_argument("--latent", action="store_true", help="no VAE decode")
     ap.add_argument("--tiny", action="store_true", help="a small pipeline on the CPU device (the code paths only)")

@@ -165,6 +165,21 @@ def free_cuda() -> None:
     host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks torch's host allocator keeps
     if host_empty is not None:
         host_empty()
+    trim_host_heap()
+
+
+def trim_host_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc keeps freed blocks
+    under its mmap threshold, ~32 MiB: one run's freed tensors would count in
+    the next run's host RSS)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # (not glibc: nothing to trim)
+        pass
 
 
 def host_rss_gib() -> float:

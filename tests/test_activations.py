@@ -519,7 +519,7 @@ def test_auto_chooses_before_the_first_pass_what_the_budget_holds(room):
     p.activations.spare_bytes = lambda: 0  # (no room beyond every block: none keeps its own)
     before = copy.deepcopy(model.state_dict())
     if room == "none":
-        with pytest.raises(pager.BudgetError, match=rf"budget of at least {format_bytes(least + held['recompute'])}"):
+        with pytest.raises(pager.BudgetError, match=rf"budget of at least {format_bytes(least + held['recompute'], up=True)}"):
             wide_steps(model, opt, 1)
         assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
         p.set_budget(least + held["recompute"])  # the budget it names trains
@@ -683,7 +683,7 @@ def test_a_budget_no_policy_holds_is_refused_before_the_first_forward(policy):
     total, blocks, acts = (format_bytes(n) for n in (least + held[policy], least, held[policy]))
     assert f"holds at least {total} on the device: blocks at least {blocks}" in text and f"activations {acts}" in text
     need = least + min(held.values())
-    assert f"a budget of at least {format_bytes(need)}" in text, text
+    assert f"a budget of at least {format_bytes(need, up=True)}" in text, text
     assert "torch.no_grad()" in text  # (an inference forward with gradients enabled is told what to do)
     assert_same_state(model.state_dict(), before) and all(q.grad is None for q in model.parameters())
     p.set_budget(need)

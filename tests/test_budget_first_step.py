@@ -231,7 +231,7 @@ def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train
 
     train = ["--inputs", "input_ids=4x64:int64", "--labels", "--optimizer", "AdamW"]
     code, out = run(least, *train)
-    assert code == 0 and f"least budget that trains {pager.format_bytes(least)}" in out
+    assert code == 0 and f"least budget that trains {pager.format_bytes(least, up=True)}" in out
     code, out = run(least - 1, *train)
     assert code == 1 and "WILL NOT TRAIN" in out
     named = ["--inputs", "input_ids=4x64:int64", "--inputs", "labels=4x64:int64", "--optimizer", "AdamW"]

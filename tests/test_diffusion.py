@@ -3,11 +3,14 @@ in api/pipeline.py): `pager.wrap(pipe, budget=...)` pages every model of the
 pipeline in one pool; a whole `pipe(...)` call equals the unwrapped
 pipeline's bit for bit on the CPU device."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 import pager
+from pager.engine import host as engine_host
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -235,9 +238,11 @@ def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
         for n, m in pipe.components.items()
         if isinstance(m, torch.nn.Module)
     }
-    least = min(_bytes(m) for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.transformer, pipe.vae))
-    with pytest.raises(ValueError):
-        pager.wrap(pipe, budget=least // 64, device="cpu")
+    weight = pipe.transformer.proj_out.weight
+    pipe.transformer.proj_out.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"))
+    with pytest.raises(ValueError, match="'proj_out.weight' is on the meta device"):
+        pager.wrap(pipe, budget="1GiB", device="cpu")  # (the components before it wrapped, then undone)
+    pipe.transformer.proj_out.weight = weight
     with pytest.raises(ValueError, match="blocks= apply to one model"):
         pager.wrap(pipe, budget="1GiB", device="cpu", blocks=["FluxTransformerBlock"])
     with pytest.raises(ValueError, match="not wrapped"):
@@ -247,6 +252,27 @@ def test_a_pipeline_that_cannot_be_wrapped_whole_is_left_as_it_was():
         assert not _is_wrapped(module)
         for k, v in module.state_dict().items():
             assert torch.equal(v, state[k]) and v.device.type == "cpu", (name, k)
+
+
+def test_a_budget_below_the_least_is_refused_before_any_component_is_wrapped_naming_the_least():
+    """The least a pipeline runs in is what every model holds for life and
+    its largest block beside it: below it, the wrap is refused at once (no
+    component's pages made), naming that figure; at it, the pipeline runs."""
+    ref, call = _pipeline("flux")
+    pipe, _ = _pipeline("flux")
+    least = pager.of(pager.wrap(ref, budget="1GiB", device="cpu")).engine.least_budget()
+    pager.unwrap(ref)
+    made = []
+    original = engine_host.HostArena.allocate
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_host.HostArena, "allocate", lambda self, n: made.append(n) or original(self, n))
+        named = rf"need {re.escape(pager.format_bytes(least, up=True))} at least together.*transformer's block"
+        with pytest.raises(ValueError, match=named + " 'transformer_blocks.0'"):
+            pager.wrap(pipe, budget=least - 1, device="cpu")
+    assert not made and not any(_is_wrapped(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module))
+    pager.wrap(pipe, budget=least, device="cpu")
+    assert np.array_equal(_run(pipe, call).images, _run(ref, call).images)
+    assert pager.of(pipe).stats().peak_resident_bytes <= least
 
 
 def test_offloading_hooks_on_a_component_are_refused_naming_the_fix():

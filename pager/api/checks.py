@@ -270,8 +270,9 @@ def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_byte
             f"{format_bytes(least)} at least (the experts a token routes to), beside the "
             f"{format_bytes(blocks)} the rest of the model needs at least; "
             + (f"expert_cache={expert_cache!r} gives {format_bytes(nbytes)} and " if expert_cache is not None else "")
-            + f"the budget is {format_bytes(budget_bytes)}. Raise the budget to {format_bytes(blocks + least)} "
-            "or more, or give experts=None to page the experts with their layers."
+            + f"the budget is {format_bytes(budget_bytes)}. Raise the budget to "
+            f"{format_bytes(blocks + least, up=True)} or more, or give experts=None to page the experts with "
+            "their layers."
         )
     return nbytes
 

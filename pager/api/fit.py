@@ -124,7 +124,7 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
     remainder, sizes = sizing.remainder, sizing.sizes
     largest = max(sizes, default=0)
     options = [
-        f"raise the budget to {format_bytes(sizing.min_budget)} or more (with room for two of the largest "
+        f"raise the budget to {format_bytes(sizing.min_budget, up=True)} or more (with room for two of the largest "
         f"block, {format_bytes(remainder + 2 * largest)}, the next block comes while one computes)"
     ]
     tables: list[str] = []

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch.nn as nn
 
+from ..base.budget import format_bytes
 from ..model.pool import Pool
 
 # wrap's options that a pipeline takes: the pool's, and those given to each component's wrap
@@ -44,13 +45,24 @@ _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 log = logging.getLogger("pager")
 
 
+class Needs(NamedTuple):
+    """What a model wrapped into a pool needs on the device: what it holds for
+    life, the least budget it runs in alone, and its largest block's name."""
+
+    fixed_bytes: int
+    least_bytes: int
+    largest: str | None
+
+
 class Verbs(NamedTuple):
     """pager's verbs for one model (api/wrap.py, which calls this module: it
-    gives them, so that this module imports nothing above it)."""
+    gives them, so that this module imports nothing above it); `needs(module,
+    budget_bytes)`: its `Needs`, nothing changed."""
 
     wrap: Callable
     unwrap: Callable
     of: Callable
+    needs: Callable
 
 
 @dataclass
@@ -90,9 +102,13 @@ def wrap_pipeline(pipe, budget, pool, given: dict, verbs: Verbs):
             raise ValueError(f"pager: {names} belong to the pool: give them to pager.Pool(...).")
     elif budget is None:
         raise ValueError(f'pager: wrap of a pipeline ({kind}) needs budget= (e.g. budget="8GiB") or pool=.')
-    else:
+    made_here = pool is None
+    if made_here:
         pool = Pool(budget, **{k: given[k] for k in POOL_OPTIONS if k in given})
     components = _components(pipe, pool, verbs.of)
+    check_room(
+        kind, pool, [(name, module) for name, module, joined in components if not joined], verbs, given=not made_here
+    )
     wrapped = WrappedPipeline(pool)
     each = {k: given[k] for k in COMPONENT_OPTIONS if k in given}
     made = []  # (the modules wrapped here: undone on a failure)
@@ -111,6 +127,35 @@ def wrap_pipeline(pipe, budget, pool, given: dict, verbs: Verbs):
         raise
     register(pipe, wrapped)
     return pipe
+
+
+def check_room(kind: str, pool: Pool, new: list, verbs: Verbs, given: bool) -> None:
+    """Refuse, before anything is wrapped (pinning a pipeline's pages takes
+    seconds), a budget the pipeline cannot run in: what every model holds for
+    life, and room beside it for the largest block any one needs
+    (`Engine.least_budget` of the pool the wrap would make). `given`: the
+    pool is the caller's (else made of budget=)."""
+    engine = pool.engine
+    needs = [(name, verbs.needs(module, engine.budget_bytes)) for name, module in new]
+    held = engine.held_bytes() + sum(n.fixed_bytes for _name, n in needs)
+    beside = [(o.min_budget_bytes - o.fixed_bytes(), o.name, None) for o in engine.owners]
+    beside += [(n.least_bytes - n.fixed_bytes, name, n.largest) for name, n in needs]
+    most, owner, block = max(beside, key=lambda b: b[0], default=(0, None, None))
+    least = held + max(most, 0)
+    if least <= engine.budget_bytes:
+        return
+    each = [f"{name} {format_bytes(n.fixed_bytes)}" for name, n in needs]
+    if engine.owners:
+        each.append(f"the pool's other models {format_bytes(engine.held_bytes())}")
+    largest = f"{owner}'s block {block!r}" if block else f"{owner}'s largest block"
+    least_text = format_bytes(least, up=True)
+    raise ValueError(
+        f"pager: this {kind} does not run in a budget of {format_bytes(engine.budget_bytes)}: its models need "
+        f"{least_text} at least together: what each holds on the device for life ({', '.join(each)}) and, "
+        f"beside it, {largest} with what it needs ({format_bytes(most)}). Raise the budget to "
+        f"{least_text} or more{' (pool.set_budget(...))' if given else ''}; more still lets the next "
+        "block come while one computes."
+    )
 
 
 def free_name(name: str, taken: set) -> str:

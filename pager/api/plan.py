@@ -146,13 +146,13 @@ class Plan:
         out = [
             f"pager plan on {self.device}: budget {format_bytes(self.budget_bytes)}; {len(self.blocks)} blocks "
             f"({format_bytes(total)}) + resident remainder {format_bytes(self.remainder_bytes)}; least budget "
-            f"that runs {format_bytes(self.min_budget_bytes)}",
+            f"that runs {format_bytes(self.min_budget_bytes, up=True)}",
         ]
         blocks = format_bytes(self.train_blocks_min_bytes)
         if self.train_min_budget_bytes is not None:
             out.append(
-                f"  least budget that trains {format_bytes(self.train_min_budget_bytes)}: the remainder and the "
-                f"largest block with their gradients and optimizer state, {blocks}, + the activations the "
+                f"  least budget that trains {format_bytes(self.train_min_budget_bytes, up=True)}: the remainder "
+                f"and the largest block with their gradients and optimizer state, {blocks}, + the activations the "
                 f"defaults hold at least with these inputs, "
                 f"{format_bytes(self.train_min_budget_bytes - self.train_blocks_min_bytes)}"
             )
@@ -550,7 +550,8 @@ def _activation_notes(peaks: dict, budget: int, least: int, outside: int = 0) ->
         need = outside + least + min(peaks["offload"][0], peaks["recompute"][0])
         notes.append(
             f"activations leave blocks less than the {format_bytes(least)} they need at least under every policy: "
-            f"a budget of at least {format_bytes(need)} holds a training step with these inputs (or a smaller batch)"
+            f"a budget of at least {format_bytes(need, up=True)} holds a training step with these inputs "
+            "(or a smaller batch)"
         )
     return notes
 

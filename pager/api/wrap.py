@@ -23,7 +23,7 @@ from ..training import distributed, host_step, owners
 from ..training.checkpoint import close
 from . import checks
 from .fit import default_blocks
-from .pipeline import Verbs, is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
+from .pipeline import Needs, Verbs, is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
 
 log = logging.getLogger("pager")
 _M = TypeVar("_M")  # (a model, or a diffusers pipeline: given back as it came)
@@ -366,17 +366,15 @@ def _wrap(
     helpers = checks.split_helpers(split_fetch, device, pin, engine, group, budget_bytes)
     if group is not None:
         checks.check_data_parallel(model, group, tables, expert_modules, dist_timeout, device, broadcast=setup is None)
-    spec, asked = blocks, {name for name, _m in tables}
-    if blocks is None and group is None and engine is None:
-        # ([Note: nothing resident by force] in api/fit.py; by rows unasked only from values in memory)
-        unasked_rows = rows is None and setup is None and rows_from_values
-        tables, spec = default_blocks(model, budget_bytes, tables + expert_modules, rows_allowed=unasked_rows)
-        tables = [t for t in tables if all(t[1] is not m for _n, m in expert_modules)]
+    asked = {name for name, _m in tables}
+    # (by rows unasked only from values in memory, and alone on a budget: a shared one's room for a
+    # row cache is the other models' too)
+    unasked_rows = rows is None and setup is None and rows_from_values and engine is None
+    tables, sizing, adapter_bytes = _sized(
+        model, budget_bytes, blocks, tables, expert_modules, defaults=group is None, rows_allowed=unasked_rows
+    )
     if master_weights:
         checks.check_master_tables(tables)
-    sizing, adapter_bytes = discover.adapters_resident(
-        discover.size_up(model, spec, [m for _n, m in tables + expert_modules]), budget_bytes
-    )
     held = engine.held_bytes() if engine is not None else 0
     if engine is not None and held + sizing.min_budget > engine.budget_bytes:
         raise ValueError(
@@ -471,9 +469,36 @@ def _wrap(
     return model
 
 
+def _sized(model, budget_bytes, blocks, tables, expert_modules, *, defaults, rows_allowed, say=True):
+    """(row tables, sizing, adapter bytes) of `model`: its blocks as `blocks`
+    names them, or else, with `defaults`, as [Note: nothing resident by force]
+    in api/fit.py chooses them (`rows_allowed`: tables by rows where it does
+    not run otherwise; `say`: log each choice). Nothing is changed."""
+    spec = blocks
+    if blocks is None and defaults:
+        tables, spec = default_blocks(model, budget_bytes, tables + expert_modules, rows_allowed=rows_allowed, say=say)
+        tables = [t for t in tables if all(t[1] is not m for _n, m in expert_modules)]
+    paged_apart = [m for _n, m in tables + expert_modules]
+    sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, paged_apart), budget_bytes)
+    return tables, sizing, adapter_bytes
+
+
+def _needs(model: nn.Module, budget_bytes: int) -> Needs:
+    """What `model` wrapped with wrap's defaults into a pool of `budget_bytes`
+    needs on the device (a pipeline's components, asked before any is wrapped)."""
+    tables = choose_row_tables(model, None, budget_bytes)
+    expert_modules = choose_experts(model, "auto", training_group=False)
+    _t, sizing, _a = _sized(
+        model, budget_bytes, None, tables, expert_modules, defaults=True, rows_allowed=False, say=False
+    )
+    sizes = sizing.sizes
+    largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
+    return Needs(sizing.fixed, sizing.min_budget, None if largest is None else sizing.named[largest][0])
+
+
 def _verbs() -> Verbs:
     """The verbs api/pipeline.py applies to each component (it is beneath this module)."""
-    return Verbs(wrap, unwrap, of)
+    return Verbs(wrap, unwrap, of, _needs)
 
 
 def _given(values: dict) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -121,11 +122,14 @@ def _parse_string(text: str, device: torch.device) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def format_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """1536 -> '1.50 KiB'. `up`: rounded up, never below `n` (a least budget
+    a user may pass back as it reads)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(n) if up else n:.0f} {unit}"
+            return f"{math.ceil(n * 100) / 100 if up else n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -471,7 +471,7 @@ def check_host_budget(capacity_bytes: int, largest_bytes: int) -> None:
         raise ValueError(
             f"pager: host_budget={format_bytes(capacity_bytes)} holds fewer than two of the largest block's pages "
             f"({format_bytes(largest_bytes)} each): one is read while another is copied to the device. Give "
-            f"host_budget of at least {format_bytes(2 * largest_bytes)}."
+            f"host_budget of at least {format_bytes(2 * largest_bytes, up=True)}."
         )
     available = psutil.virtual_memory().available
     if capacity_bytes + HOST_RESERVE_BYTES > available:

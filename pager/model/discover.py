@@ -227,13 +227,22 @@ class Sizing:
         """The least budget that runs."""
         return self.least_room(self.own, self.remainder)
 
+    @property
+    def fixed(self) -> int:
+        """What stays on the device for life: the remainder, and the blocks it
+        borrows tied tensors from."""
+        return self.remainder + sum(self.own[j] for j in self._held())
+
+    def _held(self) -> set:
+        return {j for j in self.uses.get(None, ()) if j is not None}
+
     def least_room(self, per_block: list, fixed: int) -> int:
         """The least room that runs blocks of `per_block` bytes each (weights,
         or with gradients and state) beside `fixed` bytes of the remainder:
         those, the blocks the remainder borrows tied tensors from (they stay
         with it for life), and the largest other block with what it needs
         beside it."""
-        held = {j for j in self.uses.get(None, ()) if j is not None}
+        held = self._held()
         fixed += sum(per_block[j] for j in held)
         return fixed + max(
             (per_block[i] + sum(per_block[j] for j in with_) for i, with_ in enumerate(self.beside) if i not in held),

@@ -342,7 +342,8 @@ class Activations:
         fix = (
             f'activations="{holds[0]}", which holds this budget'
             if holds
-            else f'a budget of at least {format_bytes(out + least + min(held.values()))} (activations="auto" or '
+            else f"a budget of at least {format_bytes(out + least + min(held.values()), up=True)} "
+            '(activations="auto" or '
             f'"{min(held, key=lambda p: held[p])}"), or a smaller batch'
         )
         unchanged = (
