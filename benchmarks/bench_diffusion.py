@@ -12,13 +12,14 @@ transformer's bytes moved per step and the link's floor of them (pager),
 peak GPU memory (allocated) and host RSS.
 
 Methods: all on the GPU; pager at each of `--budgets` (`8GiB`, or `half` /
-`fifth` / `tenth`: that share of the transformer's bytes, with what the rest of the
-pipeline needs at least); diffusers' `enable_model_cpu_offload`,
+`fifth` / `tenth`: that share of the transformer's bytes; one below the
+least the pipeline runs in is refused, and the row says so); diffusers'
+`enable_model_cpu_offload`,
 `enable_sequential_cpu_offload`, and `apply_group_offloading` with streams
 at block and at leaf level (`--peers`; each skipped, saying why, where
 diffusers is missing or it fails).
 
-    python -m benchmarks.bench_diffusion [--steps 4] [--budgets 8GiB,half,fifth] [--peers model,sequential,block,leaf]
+    python -m benchmarks.bench_diffusion [--steps 4] [--budgets 8GiB,half,fifth,tenth] [--peers model,sequential,block,leaf]
     python -m benchmarks.bench_diffusion --tiny    # a small pipeline on the CPU device: the code paths, no figures
 """
 
