@@ -220,7 +220,7 @@ def test_experts_cycled_through_more_than_the_cache_keep_a_fixed_set():
     cache = ExpertCache((((2,), torch.float32),), 8, torch.device("cpu"))  # (6 kept, 2 for a call's misses)
     rounds = []
     for _ in range(6):
-        missed = sum(cache.hold(0, [e, e + 1], lambda slot, key: None)[1] for e in range(0, 16, 2))
+        missed = sum(cache.hold(0, [e, e + 1], lambda slot, key: None, per_token=2)[1] for e in range(0, 16, 2))
         rounds.append(missed)
     assert rounds[0] == 16 and rounds[-3:] == [10, 10, 10]  # (6 slots kept, 2 for a call's misses)
 
@@ -229,7 +229,7 @@ def test_copies_ahead_never_push_out_experts_kept_for_their_counts():
     cache = ExpertCache((((2,), torch.float32),), 8, torch.device("cpu"))
     for _ in range(3):
         for e in range(0, 8, 2):
-            cache.hold(0, [e, e + 1], lambda slot, key: None)
+            cache.hold(0, [e, e + 1], lambda slot, key: None, per_token=2)
     kept = dict(cache._frequent)
     assert len(kept) == 6
     taken = cache.take_ahead(0, [20, 21, 22], protect=set())

@@ -404,6 +404,31 @@ def test_the_next_models_streamed_blocks_are_prefetched_during_this_ones_kept_ta
     assert s.peak_resident_bytes <= pool.budget_bytes
 
 
+def test_a_model_that_mostly_follows_itself_spreads_its_kept_set():
+    """A pipeline's transformer runs step after step between one call of each
+    other model: it is its own next request, so its kept set is spread
+    through its plan (a kept tail would leave the link idle through it) and
+    every step's uses find their blocks fetched; models served in turn keep
+    the tail."""
+    enc, den = stack(n=8, seed=1), stack(n=8, seed=2)
+    ref_enc, ref_den = copy.deepcopy(enc), copy.deepcopy(den)
+    pool = pool_of([enc, den], 7)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        for call in range(3):
+            if call == 2:
+                pool.reset()
+            assert_same(enc(x), ref_enc(x))
+            for _ in range(8):
+                assert_same(den(x), ref_den(x))
+    kept = sorted(int(blk.name) for blk in pager.of(den).scheduler.kept)
+    assert 1 < len(kept) < 7 and kept != list(range(8 - len(kept), 8))
+    assert max(b - a for a, b in zip(kept, kept[1:])) > 1  # (no two kept side by side at the tail only)
+    assert pool.stats().models["m1"].misses <= 1  # (the first step after the encoder's call)
+    assert pool.engine.room.runs_in_turn(pager.of(enc))
+    assert not pool.engine.room.runs_in_turn(pager.of(den))
+
+
 def test_kept_sets_early_late_or_spread_through_the_plan():
     from pager.base.common import WEIGHTS
     from pager.engine.schedule import Scheduler

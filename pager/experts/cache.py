@@ -14,9 +14,11 @@ TinyLFU does (Einziger et al., 2017): every use of an expert counts (the
 counts of experts not held too), and every `AGE_USES` uses per slot the
 counts halve (lazily: a count carries the period it was last written in).
 An expert that misses comes into the `_recent` segment (an eighth of the
-slots, or a decode call's experts where those are more; least recently used
-first); when a slot is needed and `_recent` is full, its least recently used expert and the `_frequent` segment's least
-recently used one compete: the one used less often leaves (on a tie, the
+slots, or the experts one token routes to in a layer where those are more
+(a decode call's misses; a prompt's many do not grow it); least recently
+used first); when a slot is needed and `_recent` is full, its least
+recently used expert and the `_frequent` segment's least recently used one
+compete: the one used less often leaves (on a tie, the
 one in `_frequent` stays). So a set of experts used more often than the
 rest stays whatever passes through, and where every expert is used alike
 (uniform routing) a fixed set stays, hit at the rate of its share. Every
@@ -67,7 +69,7 @@ class ExpertCache:
         self._recent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: come in lately
         self._frequent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: kept for their counts
         self._free = list(range(capacity - 1, -1, -1))
-        self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to a decode call's experts: `hold`)
+        self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to one token's experts: `hold`)
         self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
         self._uses = 0
         self._age_uses = max(1, AGE_USES * capacity)
@@ -86,13 +88,14 @@ class ExpertCache:
     def device_bytes(self) -> int:
         return self.expert_bytes * self.capacity
 
-    def hold(self, base: int, experts: list, fill, wait_ahead=None) -> tuple[list, int]:
+    def hold(self, base: int, experts: list, fill, wait_ahead=None, per_token: int = 0) -> tuple[list, int]:
         """The slots of `experts` (keys `base + expert`), in their order,
         each filled by `fill(slot, key)` where it was not held; and how many
         were not. At most `capacity` experts (the caller checks).
         `wait_ahead()` is called first where a slot used or taken was copied
         ahead and not yet waited for ([Note: experts fetched ahead] in
-        experts/ahead.py)."""
+        experts/ahead.py). `per_token`: the experts one token routes to in
+        a layer (k), which `_recent` holds at least."""
         keys = [base + e for e in experts]
         slots: list = [None] * len(keys)
         missed = []
@@ -105,8 +108,8 @@ class ExpertCache:
             else:
                 slots[i] = slot
         waits = bool(self._in_flight) and any(k in self._in_flight for k in keys)
-        if len(keys) <= self.capacity // 2:  # (a decode's call, not a prefill's: `_recent` holds its misses)
-            self._recent_most = max(self._recent_most, len(keys))
+        if per_token > self._recent_most:  # (`_recent` holds a decode call's misses: one token's experts)
+            self._recent_most = max(self._recent_most, min(per_token, self.capacity // 2))
         if missed:
             current = set(keys)
             for i in missed:

@@ -174,16 +174,17 @@ class ExpertTable:
         # (predicted before this call's misses are queued: the host copy of its
         # hidden states waits for the router only, as the routing's did)
         predicted = self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
-        routing = self._place(experts, inverse, index)
+        routing = self._place(experts, inverse, index, per_token=index.shape[-1])
         if predicted:
             self._fetch_ahead(predicted, experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
-    def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor, per_token: int = 0) -> torch.Tensor:
         """Hold `experts` in the cache, give the parameters their device
         values and `num_experts` its count for this call, and return the
-        routing `index` renumbered to them (see the Note)."""
-        slots = self._hold(experts)
+        routing `index` renumbered to them (see the Note); `per_token`: the
+        experts a token routes to (`ExpertCache.hold`)."""
+        slots = self._hold(experts, per_token)
         cache = self.cache
         if self._in_place():
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
@@ -236,7 +237,7 @@ class ExpertTable:
         for start, end in token_chunks(index.reshape(tokens, -1).cpu().tolist(), most_experts, most_tokens):
             sub_args, sub_kwargs = _tokens(args, kwargs, tokens, start, end)
             sub_index = sub_kwargs[self.routing] if in_kwargs else sub_args[1]
-            routing = self._place(*self._routed(sub_index), sub_index)
+            routing = self._place(*self._routed(sub_index), sub_index, per_token=sub_index.shape[-1])
             sub_args, sub_kwargs = self._with_routing(sub_args, sub_kwargs, in_kwargs, routing)
             outs.append(type(module).forward(module, *sub_args, **sub_kwargs))  # (no hooks: this is the call)
         return torch.cat(outs)
@@ -316,7 +317,7 @@ class ExpertTable:
         if self.cache.ahead_event is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(self.cache.ahead_event)
 
-    def _hold(self, experts: list) -> list:
+    def _hold(self, experts: list, per_token: int = 0) -> list:
         """The cache's slots of `experts`, the missing ones copied in."""
         cache = self.cache
         if cache.released_event is not None:
@@ -324,7 +325,7 @@ class ExpertTable:
             # of the last call (on another thread's stream): they wait.
             torch.cuda.current_stream(cache.device).wait_event(cache.released_event)
         used_before = cache.ahead_used
-        slots, missed = cache.hold(self.base, experts, self._fill, self._wait_ahead)
+        slots, missed = cache.hold(self.base, experts, self._fill, self._wait_ahead, per_token)
         counters = self.pager.counters
         counters.expert_ahead_used += cache.ahead_used - used_before
         counters.expert_hits += len(experts) - missed

@@ -68,7 +68,15 @@ class Steps:
         fixed = self.pager.fixed_bytes() if shared else None
         room = engine.room.kept_room(self.pager, fixed)
         step = room * 64 // max(self.pager.budget_bytes, 1)
-        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, step, self.pager.total_bytes)
+        # Sharing with models served in turn: kept blocks last, so that a request's kept tail overlaps the
+        # next request's fetches ([Note: sharing the room] in engine/room.py); alone, or where the model
+        # mostly follows itself (a pipeline's denoising steps), inference spreads them out ([Note: kept
+        # blocks spread out] in engine/schedule.py).
+        if shared and engine.room.runs_in_turn(self.pager):
+            order = "late"
+        else:
+            order = "spread" if self.pager.scheduler.reads_only() else "early"
+        key = (len(self.pager.scheduler.plan), self.pager.budget_bytes, step, self.pager.total_bytes, order)
         if self.pager.carried_bytes:
             # A KV cache grows at every token: the kept set is chosen for the
             # least room of this step of 1/64, so that it (and the streaming
@@ -77,10 +85,6 @@ class Steps:
             # blocks are fetched on demand until then).
             room = min(room, step * self.pager.budget_bytes // 64)
         if changed or key != self._kept_key:
-            # Sharing: kept blocks last, so that a request's kept tail overlaps the next
-            # request's fetches ([Note: sharing the room] in engine/room.py); inference alone: spread out
-            # ([Note: kept blocks spread out] in engine/schedule.py).
-            order = "late" if shared else ("spread" if self.pager.scheduler.reads_only() else "early")
             self.pager.scheduler.choose_kept(
                 room, lambda b: b.nbytes(), fixed if fixed is not None else self.pager.fixed_bytes(), order
             )
