@@ -21,6 +21,7 @@ diffusers is missing or it fails).
 
     python -m benchmarks.bench_diffusion [--steps 4] [--budgets 8GiB,half,fifth,tenth] [--peers model,sequential,block,leaf]
     python -m benchmarks.bench_diffusion --tiny    # a small pipeline on the CPU device: the code paths, no figures
+    python -m benchmarks.bench_diffusion --budgets fifth --peers "" --latent --profile fifth   # a trace: profile_summary
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 import torch
 
 import pager
-from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, pinned_h2d_gbps, save
+from benchmarks.harness import GiB, Row, environment, free_cuda, host_rss_gib, out_path, pinned_h2d_gbps, profiled, save
 
 
 class Tokens:
@@ -198,6 +199,8 @@ def pager_row(host, args, spec, work, ref_ms, bw) -> Row:
     before = []
     got = measure(pipe, args, lambda: before.append(pool.stats()))
     after = pool.stats()
+    if spec == args.profile and not args.tiny:
+        profiled(lambda: call(pipe, args, []), out_path(f"diffusion_profile_{spec}.json.gz"))
     moved = (after.models["transformer"].h2d_bytes - before[0].models["transformer"].h2d_bytes) / args.steps
     floor_ms = moved / (bw * 1e9) * 1e3 if bw else None
     note = (
@@ -206,7 +209,7 @@ def pager_row(host, args, spec, work, ref_ms, bw) -> Row:
         + f"; pool peak resident {after.peak_resident_bytes / GiB:.2f} GiB"
     )
     pager.unwrap(pipe)
-    del pipe, pool
+    pipe = pool = None  # (let go before free_cuda)
     free_cuda() if not args.tiny else None
     return row(work, f"pager {spec}", got, ref_ms, note + f"; host RSS after unwrap {host_rss_gib():.1f} GiB")
 
@@ -260,6 +263,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="8GiB,half,fifth,tenth")
     ap.add_argument("--peers", default="model,sequential,block,leaf")
     ap.add_argument("--latent", action="store_true", help="no VAE decode")
+    ap.add_argument("--profile", default="", help="a budget of --budgets: two more calls under torch.profiler")
     ap.add_argument("--tiny", action="store_true", help="a small pipeline on the CPU device (the code paths only)")
     args = ARGS = ap.parse_args()
     if args.tiny:
