@@ -25,6 +25,21 @@ its kept set is spread through its plan as a model's alone is ([Note: kept
 blocks spread out] in engine/schedule.py; the FLUX.1-dev-shaped pipeline
 at 8 GiB on the H200 had moved its 16.6 GB a step in 1.33x the link's time).
 
+[Note: a dormant model's blocks]
+A prefetch evicts only blocks whose next use comes after the one it
+fetches, by their owner's schedule, and never kept ones. Between models
+that is no measure: a text encoder idle since the start of a pipeline's
+call has its next use at the start of its own plan (distance 0), so its
+streamed blocks left behind and its kept set stayed through every denoising
+step, and the transformer's prefetches found no room (a Flux-shaped
+pipeline on the CPU device: the T5's kept set held a fifth of the room, and
+each single block was fetched on demand at every step). So a model that is
+dormant for a prefetch (not the prefetched block's, no forward in flight,
+not the one predicted to run next: `next_owner`) gives up its idle blocks,
+kept ones too, as if their next use were furthest: they come back, on
+demand or prefetched, when that model runs again. Models served in turn
+keep theirs: the next one is never dormant.
+
 [Note: eviction order]
 `make_room` evicts idle blocks until the bytes asked for fit: streamed
 blocks (not in their owner's kept set) first, then kept ones, and kept ones
@@ -52,6 +67,8 @@ from typing import cast
 
 from ..base.budget import format_bytes
 from ..base.common import SHARE_WINDOW, BudgetError
+
+INF = float("inf")
 
 
 class Room:
@@ -212,8 +229,10 @@ class Room:
         if self.engine.resident_bytes + nbytes <= room:
             return True
         self._sort_by_kept()
-        if within is not None and not self.idle_streamed:
-            return False  # (a prefetch takes no kept block: nothing may go)
+        several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
+        dormant = self._dormant(protect) if several and within is not None else frozenset()
+        if within is not None and not self.idle_streamed and not dormant:
+            return False  # (a prefetch takes no kept block but a dormant model's: nothing may go)
         blocked = self._blocked_owners()
         usable = self.usable_bytes()
         if room < usable and within is None:
@@ -231,12 +250,18 @@ class Room:
             if self.engine.resident_bytes + nbytes <= room:
                 return True
         # Streamed blocks first, furthest next use first; kept ones only for a
-        # use that needs the room now (never for a prefetch).
-        several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
-        for group in (self.idle_streamed, self.idle_kept if within is None else ()):
+        # use that needs the room now, or, for a prefetch, a dormant model's.
+        for kept in (False, True):
+            # (a dormant model's kept blocks listed only where the streamed ones did not make room)
+            group = self.idle_streamed if not kept else self.idle_kept if within is None else self._kept_of(dormant)
             ranked = sorted(
                 (
-                    (several and not b.owner.busy(), b.owner.scheduler.distance_to(b), -b.last_use_tick, b)
+                    (
+                        several and not b.owner.busy(),
+                        INF if b.owner in dormant else b.owner.scheduler.distance_to(b),
+                        -b.last_use_tick,
+                        b,
+                    )
                     for b in group
                     if b not in protect and b.owner not in blocked
                 ),
@@ -250,6 +275,19 @@ class Room:
                 if self.engine.resident_bytes + nbytes <= room:
                     return True
         return False
+
+    def _dormant(self, protect) -> frozenset:
+        """The models whose blocks a prefetch for `protect`'s first block may
+        take whatever their own schedules say ([Note: a dormant model's
+        blocks]): neither its model, nor one with a forward in flight, nor the
+        one predicted to run after it."""
+        requester = protect[0].owner
+        after = self.next_owner(requester)
+        return frozenset(o for o in self.engine.owners if o is not requester and o is not after and not o.busy())
+
+    def _kept_of(self, owners) -> list:
+        """The idle blocks of `owners`' kept sets (few: a dormant model's)."""
+        return [b for o in owners for b in o.scheduler.kept if b in self.idle_kept]
 
     def raise_no_room(self, block, missing: int, *, waited: float | None = None, deadlock: bool = False):
         """Raise the BudgetError for `block`, which needs `missing` bytes that
