@@ -26,6 +26,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 HF = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft"))
+DIFFUSERS = all(importlib.util.find_spec(name) is not None for name in ("transformers", "diffusers"))
 
 # Each example: the arguments of its quick CPU run, and the lines its output must hold.
 RUNS = {
@@ -41,6 +42,12 @@ RUNS = {
         ["equal to the unwrapped model after 2 steps, bit for bit: True"]
         if HF
         else ["skipped: this example needs transformers and peft: pip install transformers peft"],
+    ),
+    "generate_image.py": (
+        ["--steps", "2", "--out", "cat.png"],
+        ["equal to the unwrapped pipeline, bit for bit: True", "saved cat.png"]
+        if DIFFUSERS
+        else ["skipped: this example needs diffusers and transformers: pip install diffusers transformers"],
     ),
 }
 
@@ -61,7 +68,7 @@ def test_an_example_names_nothing_of_the_repository(name):
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or ".").split(".")[0] if node.level == 0 else ".")
     allowed = {"__future__", "argparse", "contextlib", "copy", "logging", "os", "queue", "random", "sys"}
-    allowed |= {"tempfile", "threading", "time", "torch", "pager", "peft", "transformers"}
+    allowed |= {"tempfile", "threading", "time", "torch", "pager", "peft", "transformers", "diffusers", "PIL"}
     assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}, which a user of pager may not have"
 
 
@@ -105,6 +112,8 @@ def test_an_example_runs_from_a_folder_of_its_own(name, elsewhere):
         assert done.stdout.count(line) >= expected.count(line), (line, output[-4000:])
     if name == "finetune_lora.py" and HF:
         assert (run / "lora-adapter" / "adapter_config.json").is_file()
+    if name == "generate_image.py" and DIFFUSERS:
+        assert (run / "cat.png").stat().st_size > 0
 
 
 def test_python_m_pager_version_prints_the_installed_version(tmp_path):
