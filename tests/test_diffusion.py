@@ -267,7 +267,7 @@ def test_a_budget_below_the_least_is_refused_before_any_component_is_wrapped_nam
     original = engine_host.HostArena.allocate
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_host.HostArena, "allocate", lambda self, n: made.append(n) or original(self, n))
-        named = rf"need {re.escape(pager.format_bytes(least, up=True))} at least together.*transformer's block"
+        named = rf"need {re.escape(pager.format_bytes(least, up=True))} together: .*transformer's block"
         with pytest.raises(ValueError, match=named + " 'transformer_blocks.0'"):
             pager.wrap(pipe, budget=least - 1, device="cpu")
     assert not made and not any(_is_wrapped(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module))
@@ -396,3 +396,66 @@ def test_from_pretrained_of_a_pipeline_folder_pages_its_models_from_their_files(
     assert np.array_equal(*((got.frames, want.frames) if kind == "wan" else (got.images, want.images)))
     assert sum(m.evictions for m in pool.stats().models.values()) > 0
     pager.unwrap(pipe)
+
+
+def test_from_pretrained_below_the_least_budget_reads_nothing(tmp_path):
+    ref, _call = _pipeline("flux")
+    _save(ref, tmp_path)
+    pool = pager.Pool(budget="64KiB", device="cpu")
+    with pytest.raises(ValueError, match=r"FluxPipeline does not run .*\(pool\.set_budget"):
+        pager.from_pretrained(tmp_path, pool=pool, tokenizer=Tokens(), tokenizer_2=Tokens())
+    assert pool.models == {}
+
+
+HOST_MEMORY = """
+import gc, sys, threading, time
+import psutil
+sys.path.insert(0, {tests!r})
+import pager
+from test_diffusion import Tokens, _flux, _run
+
+process, peak, loading = psutil.Process(), [0], [True]
+
+def watch():  # (the resident memory while loading, every 2 ms)
+    while loading[0]:
+        peak[0] = max(peak[0], process.memory_info().rss)
+        time.sleep(0.002)
+
+call = _flux()[3]  # (the model classes' modules imported before the baseline)
+gc.collect()
+before = process.memory_info().rss
+watcher = threading.Thread(target=watch)
+watcher.start()
+pipe = pager.from_pretrained({folder!r}, budget={budget}, device="cpu", tokenizer=Tokens(), tokenizer_2=Tokens())
+loading[0] = False
+watcher.join()
+gc.collect()
+after = process.memory_info().rss
+_run(pipe, call)
+print(after - before, max(peak[0], after) - before)
+"""
+
+
+def test_from_pretrained_of_a_pipeline_holds_its_models_once_in_host_memory(tmp_path):
+    """Pages read from the folder are the models' only host copy: the
+    process grows by their bytes (and no more at its peak while loading),
+    where a diffusers load then a wrap would hold them twice."""
+    import subprocess
+    import sys
+
+    cls, parts, tokenizers, _call = _flux()
+    torch.manual_seed(0)
+    parts["transformer"] = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[8, 28, 28],
+    )  # fmt: skip
+    pipe = cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **parts, **tokenizers)
+    models = sum(_bytes(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module))
+    _save(pipe, tmp_path)
+    script = HOST_MEMORY.format(tests=str(__import__("pathlib").Path(__file__).parent), folder=str(tmp_path),
+                                budget=models // 2)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grown, peak = map(int, done.stdout.split()[-2:])
+    assert 64 << 20 < models < 256 << 20  # (large enough that a second copy would show)
+    assert grown < 1.15 * models + (8 << 20) and peak < 1.15 * models + (8 << 20), (grown, peak, models)

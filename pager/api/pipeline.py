@@ -134,7 +134,9 @@ def check_room(kind: str, pool: Pool, new: list, verbs: Verbs, given: bool) -> N
     seconds), a budget the pipeline cannot run in: what every model holds for
     life, and room beside it for the largest block any one needs
     (`Engine.least_budget` of the pool the wrap would make). `given`: the
-    pool is the caller's (else made of budget=)."""
+    pool is the caller's (else made of budget=). (For models whose pages are
+    read from files, their alignment there adds a few KiB a model: `pager.load`
+    checks each as it comes.)"""
     engine = pool.engine
     needs = [(name, verbs.needs(module, engine.budget_bytes)) for name, module in new]
     held = engine.held_bytes() + sum(n.fixed_bytes for _name, n in needs)
@@ -151,7 +153,7 @@ def check_room(kind: str, pool: Pool, new: list, verbs: Verbs, given: bool) -> N
     least_text = format_bytes(least, up=True)
     raise ValueError(
         f"pager: this {kind} does not run in a budget of {format_bytes(engine.budget_bytes)}: its models need "
-        f"{least_text} at least together: what each holds on the device for life ({', '.join(each)}) and, "
+        f"{least_text} together: what each holds on the device for life ({', '.join(each)}) and, "
         f"beside it, {largest} with what it needs ({format_bytes(most)}). Raise the budget to "
         f"{least_text} or more{' (pool.set_budget(...))' if given else ''}; more still lets the next "
         "block come while one computes."

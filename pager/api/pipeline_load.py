@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..base.files import most_common_float, open_checkpoint
 from ..model.pool import Pool
-from .pipeline import POOL_OPTIONS, WrappedPipeline, free_name, register, undo
+from .pipeline import POOL_OPTIONS, WrappedPipeline, check_room, free_name, register, undo
 
 
 def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=None, pool=None, **options):
@@ -47,14 +47,19 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
             "(an older diffusers?); give pipeline_class=."
         )
     given = {k: options.pop(k) for k in [k for k in options if k in index]}
+    pool_given = pool is not None
     pool = _pool_of(budget, pool, options)
+    built = {}  # (every model on meta first: the budget is checked before any is read)
+    for name, model_cls in _model_classes(index, given):
+        sub = os.path.join(folder, name)
+        entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
+        built[name] = _on_meta(model_cls, sub, dtype or most_common_float(entries))
+    check_room(index["_class_name"], pool, list(built.items()), verbs(), given=pool_given)
     wrapped, models = WrappedPipeline(pool), {}
     taken = {o.name for o in pool.engine.owners}
     try:
-        for name, model_cls in _model_classes(index, given):
+        for name, model in built.items():
             sub = os.path.join(folder, name)
-            entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
-            model = _on_meta(model_cls, sub, dtype or most_common_float(entries))
             unique = free_name(name, taken)
             load(model, sub, pool=pool, name=unique, **options)
             taken.add(unique)

@@ -485,7 +485,9 @@ def _sized(model, budget_bytes, blocks, tables, expert_modules, *, defaults, row
 
 def _needs(model: nn.Module, budget_bytes: int) -> Needs:
     """What `model` wrapped with wrap's defaults into a pool of `budget_bytes`
-    needs on the device (a pipeline's components, asked before any is wrapped)."""
+    needs on the device (a pipeline's components, asked before any is
+    wrapped). Pages read from files (`pager.load`) place each tensor at its
+    file offset's alignment: a few KiB more a model than this says."""
     tables = choose_row_tables(model, None, budget_bytes)
     expert_modules = choose_experts(model, "auto", training_group=False)
     _t, sizing, _a = _sized(

@@ -231,9 +231,10 @@ class Sizing:
     def fixed(self) -> int:
         """What stays on the device for life: the remainder, and the blocks it
         borrows tied tensors from."""
-        return self.remainder + sum(self.own[j] for j in self._held())
+        return self.remainder + sum(self.own[j] for j in self.held_blocks())
 
-    def _held(self) -> set:
+    def held_blocks(self) -> set:
+        """The blocks the remainder borrows tied tensors from (with it for life)."""
         return {j for j in self.uses.get(None, ()) if j is not None}
 
     def least_room(self, per_block: list, fixed: int) -> int:
@@ -242,7 +243,7 @@ class Sizing:
         those, the blocks the remainder borrows tied tensors from (they stay
         with it for life), and the largest other block with what it needs
         beside it."""
-        held = self._held()
+        held = self.held_blocks()
         fixed += sum(per_block[j] for j in held)
         return fixed + max(
             (per_block[i] + sum(per_block[j] for j in with_) for i, with_ in enumerate(self.beside) if i not in held),
