@@ -48,22 +48,22 @@ def _clip(projection=False):
     return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(config)
 
 
-def _t5():
+def _t5(layers=2):
     return transformers.T5EncoderModel(
-        transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
+        transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=layers, num_heads=4)
     )
 
 
-def _flux():
+def _flux(double=2, single=2, heads=2, head_dim=16, rope=(4, 4, 8), t5_layers=2):
     transformer = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+        patch_size=1, in_channels=4, num_layers=double, num_single_layers=single, attention_head_dim=head_dim,
+        num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=list(rope),
     )  # fmt: skip
     vae = diffusers.AutoencoderKL(
         sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1, latent_channels=1,
         norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
     )  # fmt: skip
-    parts = dict(text_encoder=_clip(), text_encoder_2=_t5(), transformer=transformer, vae=vae)
+    parts = dict(text_encoder=_clip(), text_encoder_2=_t5(t5_layers), transformer=transformer, vae=vae)
     call = dict(height=16, width=16, max_sequence_length=48, guidance_scale=5.0)
     return diffusers.FluxPipeline, parts, dict(tokenizer=Tokens(), tokenizer_2=Tokens()), call
 
@@ -283,15 +283,8 @@ def test_the_text_encoders_give_way_to_the_denoising_steps():
     model's blocks] in engine/room.py): after the first call, nearly every
     transformer block comes prefetched (a T5 kept set had held the room:
     16 of 24 uses fetched on demand)."""
-    cls, parts, tokenizers, call = _flux()
     torch.manual_seed(0)
-    parts["transformer"] = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=4, num_single_layers=8, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-    )  # fmt: skip
-    parts["text_encoder_2"] = transformers.T5EncoderModel(
-        transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=6, num_heads=4)
-    )
+    cls, parts, tokenizers, call = _flux(double=4, single=8, t5_layers=6)
     for module in parts.values():
         module.eval()
     ref = cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **parts, **tokenizers)
@@ -443,12 +436,8 @@ def test_from_pretrained_of_a_pipeline_holds_its_models_once_in_host_memory(tmp_
     import subprocess
     import sys
 
-    cls, parts, tokenizers, _call = _flux()
     torch.manual_seed(0)
-    parts["transformer"] = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[8, 28, 28],
-    )  # fmt: skip
+    cls, parts, tokenizers, _call = _flux(single=4, heads=8, head_dim=64, rope=(8, 28, 28))
     pipe = cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **parts, **tokenizers)
     models = sum(_bytes(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module))
     _save(pipe, tmp_path)
