@@ -86,6 +86,20 @@ def test_a_paged_out_quantized_weight_is_served():
     assert torch.equal(model[0].up.weight.dequantize(), torch.ones(128, 64))
 
 
+def test_assigning_data_of_a_paged_out_quantized_weight_is_refused():
+    """`w.data = other` would change the wrapper's sizes while its page kept
+    the old bytes (and the forward read them): refused, as a plain weight's
+    is; `w.data = w` (`module.to()` to where it is) changes nothing."""
+    model, ref = stack(), stack()
+    pager.wrap(model, budget=streaming_budget(model), device="cpu")
+    forward(model, inputs())
+    w = model[0].up.weight  # paged out by now
+    with pytest.raises(RuntimeError, match="assigning `.data` of .* outside its block's use"):
+        w.data = QuantizedWeight.of(torch.randn(64, 64))
+    w.data = w
+    assert w.shape == (128, 64) and torch.equal(forward(model, inputs()), forward(ref, inputs()))
+
+
 def test_state_dicts_of_quantized_weights_are_host_copies_and_load_back():
     model, other = stack(), stack(seed=1)
     pager.wrap(model, budget=streaming_budget(model), device="cpu")

@@ -353,6 +353,10 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     paged = [t for t in tensors if type(t) in STAND_INS or (type(t) in GUARD_TYPES and entry_of(t) is not None)]
     if func in _DETACH and paged:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
         return _detached_wrapper(args[0])
+    if func == _DATA_SET and paged and _unserved(paged) != []:
+        # (`w.data = other` would change the wrapper's sizes while its page kept
+        # the old bytes, which the forward reads: refused as a plain tensor's is)
+        return handle(func, args, kwargs)
     # No guarded tensor of a block, or their blocks pinned by this thread
     # (shared mode: in use, still guarded; their inner tensors pass their
     # guards unserved too): the wrapper's own `__torch_function__` runs.
