@@ -222,6 +222,129 @@ def test_a_pipeline_with_a_torchao_int8_transformer_bit_for_bit(config):
     assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 
+def _gguf_transformer(transformer, folder):
+    """`transformer` written to a GGUF file (its linear weights Q8_0 and
+    Q4_0, the rest float32), then read back as diffusers reads one
+    (`from_single_file` with `GGUFQuantizationConfig`): `GGUFLinear`s whose
+    weights are `GGUFParameter`s (a `Parameter` subclass of packed bytes)."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(folder / "transformer.gguf"), "flux")
+    for k, (name, t) in enumerate(transformer.state_dict().items()):
+        a = t.float().numpy()
+        if a.ndim == 2 and a.shape[1] % 32 == 0:
+            kind = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)[k % 2]
+            q = gguf.quants.quantize(a, kind)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    transformer.save_config(folder / "config")
+    config = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
+
+    def read():
+        return type(transformer).from_single_file(
+            str(folder / "transformer.gguf"), config=str(folder / "config"), quantization_config=config
+        )
+
+    return read
+
+
+def _flux_gguf(tmp_path):
+    """Two Flux pipelines, their transformers read from one GGUF file."""
+    torch.manual_seed(0)
+    cls, parts, tokenizers, call = _flux(heads=2, head_dim=32, rope=(8, 8, 16))
+    read = _gguf_transformer(parts.pop("transformer"), tmp_path)
+    pipes = []
+    for _ in range(2):
+        models = {**copy.deepcopy(parts), "transformer": read()}
+        for module in models.values():
+            module.eval()
+        pipes.append(cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **models, **tokenizers))
+    return pipes, call
+
+
+def _gguf_weights(module) -> int:
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    return sum(isinstance(p, GGUFParameter) and p.quant_type in (8, 2) for p in module.parameters())
+
+
+def test_a_pipeline_with_a_gguf_transformer_bit_for_bit(tmp_path):
+    """GGUF weights (diffusers' `GGUFParameter`, packed bytes dequantized
+    in each forward) page as they are: group or sequential offloading of
+    them fails (diffusers 14691); here the pipeline equals the unwrapped one."""
+    (ref, pipe), call = _flux_gguf(tmp_path)
+    quantized = _gguf_weights(pipe.transformer)
+    assert quantized > 0
+    want = _run(ref, call).images
+    transformer = sum(_bytes(m) for m in pipe.transformer.transformer_blocks)
+    pager.wrap(pipe, budget=_least(pipe) + transformer // 2, device="cpu")
+    got = _run(pipe, call).images
+    assert np.array_equal(got, want)
+    assert pager.of(pipe).stats().models["transformer"].evictions > 0
+    assert _gguf_weights(pipe.transformer) == quantized  # (the same Parameters, their quantization kept)
+    pager.unwrap(pipe)
+    for (n, a), b in zip(pipe.transformer.state_dict().items(), ref.transformer.state_dict().values()):
+        assert type(a) is type(b) and torch.equal(a, b), n
+
+
+def test_from_pretrained_of_a_pipeline_folder_with_a_gguf_transformer_given(tmp_path):
+    """The usual way to a GGUF pipeline: the transformer read from its file,
+    the rest from the folder; the transformer given joins the pool."""
+    (ref, source), call = _flux_gguf(tmp_path)
+    want = _run(ref, call).images
+    transformer = source.transformer
+    source.transformer = None
+    source.register_modules(transformer=None)
+    _save(source, tmp_path / "pipe")
+    budget = _least(ref) + sum(_bytes(m) for m in transformer.transformer_blocks) // 2
+    pipe = pager.from_pretrained(tmp_path / "pipe", budget=budget, device="cpu", transformer=transformer,
+                                 tokenizer=Tokens(), tokenizer_2=Tokens())  # fmt: skip
+    assert pipe.transformer is transformer and pager.of(transformer).name == "transformer"
+    assert set(pager.of(pipe).models) == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    assert np.array_equal(_run(pipe, call).images, want)
+    assert pager.of(pipe).stats().models["transformer"].evictions > 0
+    pager.unwrap(pipe)
+    with pytest.raises(ValueError):
+        pager.of(transformer)
+
+
+def _least(pipe) -> int:
+    """The least budget `pipe` runs in under one pool (nothing left wrapped)."""
+    pager.wrap(pipe, budget="1GiB", device="cpu")
+    least = pager.of(pipe).engine.least_budget()
+    pager.unwrap(pipe)
+    return least
+
+
+@pytest.mark.parametrize("kind", ["flux", "wan"])
+def test_compiled_repeated_blocks_in_a_wrapped_pipeline_bit_for_bit(kind):
+    """diffusers' regional compilation (`compile_repeated_blocks`: each
+    transformer block compiled), after wrap: the same graphs as unwrapped,
+    none compiled again at the next call, and the same images."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    ref, call = _pipeline(kind)
+    pipe, _ = _pipeline(kind)
+    pager.wrap(pipe, budget=_tight(kind), device="cpu")
+    outputs, graphs = [], []
+    for p in (ref, pipe):
+        torch._dynamo.reset()  # (each compiles its own graphs: none reused from the other)
+        counter = CompileCounterWithBackend("aot_eager")
+        p.transformer.compile_repeated_blocks(backend=counter)
+        outputs.append(_run(p, call))
+        graphs.append(counter.frame_count)
+        again = _run(p, call)
+        assert counter.frame_count == graphs[-1]  # (none compiled again at the next call)
+    frames = [o.frames if kind == "wan" else o.images for o in (*outputs, again)]
+    assert np.array_equal(frames[1], frames[0]) and np.array_equal(frames[2], frames[0])
+    assert graphs[1] == graphs[0] > 0
+    assert pager.of(pipe).stats().models["transformer"].evictions > 0
+
+
 def test_batch_and_resolution_change_between_calls():
     ref, call = _pipeline("sd3")
     pipe, _ = _pipeline("sd3")
@@ -357,6 +480,32 @@ def test_a_pipeline_under_one_budget_on_the_gpu(kind):
     frames = (got.frames, want.frames) if kind == "wan" else (got.images, want.images)
     np.testing.assert_allclose(frames[0], frames[1], rtol=1e-4, atol=1e-4)
     assert pager.of(pipe).stats().peak_resident_bytes <= pager.of(pipe).budget_bytes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gguf_and_compiled_blocks_in_a_pipeline_on_the_gpu(tmp_path):
+    """A GGUF transformer (dequantized in each forward on the device) with
+    its blocks compiled by inductor, wrapped: as all on the GPU, compiled
+    the same way, and nothing compiled again at the next call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    (ref, pipe), call = _flux_gguf(tmp_path)
+    ref.to("cuda")
+    pager.wrap(pipe, budget=_least(pipe) + sum(_bytes(m) for m in pipe.transformer.transformer_blocks) // 2)
+    images = []
+    for p in (ref, pipe):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        p.transformer.compile_repeated_blocks(backend=counter)
+        images.append(_run(p, call).images)
+        graphs = counter.frame_count
+        images.append(_run(p, call).images)
+        assert counter.frame_count == graphs > 0
+    np.testing.assert_allclose(images[2], images[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(images[3], images[2])
+    s = pager.of(pipe).stats()
+    assert s.models["transformer"].evictions > 0 and s.peak_resident_bytes <= pager.of(pipe).budget_bytes
 
 
 def _save(pipe, folder) -> None:

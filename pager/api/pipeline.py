@@ -205,30 +205,36 @@ def _components(pipe, pool: Pool | None, of: Callable) -> list:
         if not isinstance(module, nn.Module) or id(module) in seen:
             continue
         seen.add(id(module))
-        try:
-            engine = of(module).engine
-        except ValueError:
-            engine = None
-        if engine is not None:
-            if pool is not None and engine is pool.engine:
-                out.append((name, module, True))
-                continue
-            raise ValueError(
-                f"pager: the component {name!r} of this {kind} is wrapped already, under a budget of its "
-                "own; pager.unwrap it first, or wrap it into a pool and give the pipeline that pool "
-                "(pager.wrap(pipe, pool=pool))."
-            )
-        hooked = _offload_hooks(module)
-        if hooked:
-            raise ValueError(
-                f"pager: the component {name!r} of this {kind} has {hooked} hooks: both would move its "
-                "weights. Call pipe.remove_all_hooks() (and leave enable_model_cpu_offload, "
-                "enable_sequential_cpu_offload and enable_group_offload off) before pager.wrap(pipe)."
-            )
-        out.append((name, module, False))
+        out.append((name, module, joins(kind, name, module, pool, of)))
     if not out:
         raise ValueError(f"pager: this {kind} has no nn.Module component to page.")
     return out
+
+
+def joins(kind: str, name: str, module: nn.Module, pool: Pool | None, of: Callable) -> bool:
+    """Whether the component `name` of a `kind` pipeline is wrapped into
+    `pool` already (taken as it is; else it is to be wrapped). Refused where
+    it is wrapped under another budget or carries offloading hooks."""
+    try:
+        engine = of(module).engine
+    except ValueError:
+        engine = None
+    if engine is not None:
+        if pool is not None and engine is pool.engine:
+            return True
+        raise ValueError(
+            f"pager: the component {name!r} of this {kind} is wrapped already, under a budget of its "
+            "own; pager.unwrap it first, or wrap it into a pool and give the pipeline that pool "
+            "(pager.wrap(pipe, pool=pool))."
+        )
+    hooked = _offload_hooks(module)
+    if hooked:
+        raise ValueError(
+            f"pager: the component {name!r} of this {kind} has {hooked} hooks: both would move its "
+            "weights. Call pipe.remove_all_hooks() (and leave enable_model_cpu_offload, "
+            "enable_sequential_cpu_offload and enable_group_offload off) before pager.wrap(pipe)."
+        )
+    return False
 
 
 def _offload_hooks(module: nn.Module) -> str | None:

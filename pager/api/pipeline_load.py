@@ -26,14 +26,16 @@ import torch.nn as nn
 
 from ..base.files import most_common_float, open_checkpoint
 from ..model.pool import Pool
-from .pipeline import POOL_OPTIONS, WrappedPipeline, check_room, free_name, register, undo
+from .pipeline import COMPONENT_OPTIONS, POOL_OPTIONS, WrappedPipeline, check_room, free_name, joins, register, undo
 
 
 def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=None, pool=None, **options):
     """The pipeline of `folder` (a `model_index.json` there), its models paged
     from their files under `budget` (or into `pool`). `options`: a component's
-    name (`tokenizer=...`) goes to diffusers' `from_pretrained`; the pool's
-    options (`device`, `pin`) to the pool; the rest to each model's `pager.load`."""
+    name (`tokenizer=...`) goes to diffusers' `from_pretrained`, and a model
+    given so (a transformer the caller quantized) is wrapped into the pool
+    as `pager.wrap(pipe)` would; the pool's options (`device`, `pin`) go to
+    the pool; the rest to each model's `pager.load`."""
     import diffusers
 
     from .load import load
@@ -49,27 +51,35 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
     given = {k: options.pop(k) for k in [k for k in options if k in index]}
     pool_given = pool is not None
     pool = _pool_of(budget, pool, options)
+    kind = index["_class_name"]
+    # (a model given by name, a transformer quantized by its caller, joins the pool as wrap(pipe) would wrap it)
+    joining = [(n, m) for n, m in given.items() if isinstance(m, nn.Module)]
+    mine = [(n, m) for n, m in joining if not joins(kind, n, m, pool, verbs().of)]
     built = {}  # (every model on meta first: the budget is checked before any is read)
     for name, model_cls in _model_classes(index, given):
         sub = os.path.join(folder, name)
         entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
         built[name] = _on_meta(model_cls, sub, dtype or most_common_float(entries))
-    check_room(index["_class_name"], pool, list(built.items()), verbs(), given=pool_given)
-    wrapped, models = WrappedPipeline(pool), {}
+    check_room(kind, pool, [*built.items(), *mine], verbs(), given=pool_given)
+    each = {k: options[k] for k in COMPONENT_OPTIONS if k in options}
+    wrapped, made = WrappedPipeline(pool), []
     taken = {o.name for o in pool.engine.owners}
     try:
-        for name, model in built.items():
-            sub = os.path.join(folder, name)
+        for name, model in [*built.items(), *mine]:
             unique = free_name(name, taken)
-            load(model, sub, pool=pool, name=unique, **options)
+            if name in built:
+                load(model, os.path.join(folder, name), pool=pool, name=unique, **options)
+            else:
+                verbs().wrap(model, pool=pool, name=unique, **each)
             taken.add(unique)
-            wrapped.names.append(name)
-            wrapped.modules.append(model)
-            models[name] = model
-        pipe = cls.from_pretrained(folder, **models, **given)
+            made.append(model)
+        pipe = cls.from_pretrained(folder, **built, **given)
     except BaseException:
-        undo(wrapped.modules, verbs())
+        undo(made, verbs())
         raise
+    for name, model in [*built.items(), *joining]:
+        wrapped.names.append(name)
+        wrapped.modules.append(model)
     register(pipe, wrapped)
     return pipe
 
