@@ -1,15 +1,23 @@
 """A diffusers pipeline larger than its budget: pager against diffusers' own offloading.
 
-A Flux-shaped `FluxPipeline` (random weights, bf16): the transformer of
-FLUX.1-dev (19 double and 38 single blocks, hidden 3072: 23.8 GB), a
-T5-XXL-shaped text encoder (24 layers, d_model 4096: 9.5 GB), a CLIP-L-shaped
-one and Flux's VAE; `--double`/`--single` take a slice of the transformer.
-One call makes a 1024x1024 image (4096 image tokens, 512 text tokens) in
-`--steps` denoising steps; each method is called once to warm up, then
-timed. Per method: ms per denoising step (the mean of the steps after the
-first, each ended by a sync), the whole call, its first call, the
-transformer's bytes moved per step and the link's floor of them (pager),
-peak GPU memory (allocated) and host RSS.
+`--model flux` (the default): a Flux-shaped `FluxPipeline` (random weights,
+bf16): the transformer of FLUX.1-dev (19 double and 38 single blocks, hidden
+3072: 23.8 GB), a T5-XXL-shaped text encoder (24 layers, d_model 4096: 9.5
+GB), a CLIP-L-shaped one and Flux's VAE; `--double`/`--single` take a slice
+of the transformer. One call makes a 1024x1024 image (4096 image tokens, 512
+text tokens) in `--steps` denoising steps.
+
+`--model wan`: a `WanPipeline` of Wan 2.1 T2V 14B's shapes: the transformer
+(40 blocks of hidden 5120: 28.6 GB; `--layers`), a UMT5-XXL-shaped encoder
+(11.4 GB), Wan's video VAE. One call makes `--frames` frames at 480x832 (33:
+14040 tokens), the transformer twice a step (classifier-free guidance):
+blocks of long compute, where the link has time to spare.
+
+Each method is called once to warm up, then timed. Per method: ms per
+denoising step (the mean of the steps after the first, each ended by a
+sync), the whole call, its first call, the transformer's bytes moved per
+step and the link's floor of them (pager), peak GPU memory (allocated) and
+host RSS.
 
 Methods: all on the GPU; pager at each of `--budgets` (`8GiB`, or `half` /
 `fifth` / `tenth`: that share of the transformer's bytes; one below the
@@ -20,7 +28,8 @@ at block and at leaf level (`--peers`; each skipped, saying why, where
 diffusers is missing or it fails).
 
     python -m benchmarks.bench_diffusion [--steps 4] [--budgets 8GiB,half,fifth,tenth] [--peers model,sequential,block,leaf]
-    python -m benchmarks.bench_diffusion --tiny    # a small pipeline on the CPU device: the code paths, no figures
+    python -m benchmarks.bench_diffusion --model wan --budgets 8GiB,tenth --peers block,leaf --latent
+    python -m benchmarks.bench_diffusion --tiny [--model wan]   # a small pipeline on the CPU device: the code paths
     python -m benchmarks.bench_diffusion --budgets fifth --peers "" --latent --profile fifth   # a trace: profile_summary
 """
 
@@ -62,49 +71,84 @@ class Tokens:
 
 def components(args, device: str) -> dict:
     """The pipeline's models, random, built on `device`."""
-    import diffusers
-    import transformers
-
-    tiny = args.tiny
     with torch.device(device):
-        transformer = diffusers.FluxTransformer2DModel(
-            patch_size=1, in_channels=4 if tiny else 64, num_layers=args.double, num_single_layers=args.single,
-            attention_head_dim=16 if tiny else 128, num_attention_heads=2 if tiny else 24,
-            joint_attention_dim=32 if tiny else 4096, pooled_projection_dim=32 if tiny else 768,
-            axes_dims_rope=[4, 4, 8] if tiny else [16, 56, 56], guidance_embeds=True,
-        )  # fmt: skip
-        t5 = transformers.T5EncoderModel(
-            transformers.T5Config(
-                vocab_size=100 if tiny else 32128, d_model=32 if tiny else 4096, d_kv=8 if tiny else 64,
-                d_ff=37 if tiny else 10240, num_layers=2 if tiny else 24, num_heads=4 if tiny else 64,
-                feed_forward_proj="gated-gelu",
-            )
-        )  # fmt: skip
-        clip = transformers.CLIPTextModel(
-            transformers.CLIPTextConfig(
-                hidden_size=32 if tiny else 768, intermediate_size=37 if tiny else 3072, num_hidden_layers=2 if tiny else 12,
-                num_attention_heads=4 if tiny else 12, vocab_size=100 if tiny else 49408, projection_dim=32 if tiny else 768,
-            )
-        )  # fmt: skip
-        vae = diffusers.AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=1 if tiny else 16,
-            block_out_channels=(4,) if tiny else (128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * (1 if tiny else 4),
-            up_block_types=("UpDecoderBlock2D",) * (1 if tiny else 4), layers_per_block=1 if tiny else 2,
-            norm_num_groups=1 if tiny else 32, use_quant_conv=False, use_post_quant_conv=False,
-            shift_factor=0.1159, scaling_factor=0.3611,
-        )  # fmt: skip
-    models = dict(transformer=transformer, text_encoder_2=t5, text_encoder=clip, vae=vae)
+        models = (_wan_models if args.model == "wan" else _flux_models)(args, args.tiny)
     for m in models.values():
-        m.to(torch.float32 if tiny else torch.bfloat16).eval()
+        m.to(torch.float32 if args.tiny else torch.bfloat16).eval()
     return models
 
 
-def pipeline(host: dict):
-    """A FluxPipeline of the models' tensors `host` (name -> every parameter and
-    buffer, non-persistent ones too), built on meta and given them (no copy)."""
+def _flux_models(args, tiny: bool) -> dict:
+    import diffusers
+    import transformers
+
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4 if tiny else 64, num_layers=args.double, num_single_layers=args.single,
+        attention_head_dim=16 if tiny else 128, num_attention_heads=2 if tiny else 24,
+        joint_attention_dim=32 if tiny else 4096, pooled_projection_dim=32 if tiny else 768,
+        axes_dims_rope=[4, 4, 8] if tiny else [16, 56, 56], guidance_embeds=True,
+    )  # fmt: skip
+    t5 = transformers.T5EncoderModel(
+        transformers.T5Config(
+            vocab_size=100 if tiny else 32128, d_model=32 if tiny else 4096, d_kv=8 if tiny else 64,
+            d_ff=37 if tiny else 10240, num_layers=2 if tiny else 24, num_heads=4 if tiny else 64,
+            feed_forward_proj="gated-gelu",
+        )
+    )  # fmt: skip
+    clip = transformers.CLIPTextModel(
+        transformers.CLIPTextConfig(
+            hidden_size=32 if tiny else 768, intermediate_size=37 if tiny else 3072, num_hidden_layers=2 if tiny else 12,
+            num_attention_heads=4 if tiny else 12, vocab_size=100 if tiny else 49408, projection_dim=32 if tiny else 768,
+        )
+    )  # fmt: skip
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=1 if tiny else 16,
+        block_out_channels=(4,) if tiny else (128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * (1 if tiny else 4),
+        up_block_types=("UpDecoderBlock2D",) * (1 if tiny else 4), layers_per_block=1 if tiny else 2,
+        norm_num_groups=1 if tiny else 32, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.1159, scaling_factor=0.3611,
+    )  # fmt: skip
+    return dict(transformer=transformer, text_encoder_2=t5, text_encoder=clip, vae=vae)
+
+
+def _wan_models(args, tiny: bool) -> dict:
+    """Wan 2.1 T2V 14B's shapes: 40 blocks of hidden 5120 (28.6 GB), a
+    UMT5-XXL-shaped encoder (11.4 GB), Wan's video VAE."""
+    import diffusers
+    import transformers
+
+    transformer = diffusers.WanTransformer3DModel(
+        num_attention_heads=2 if tiny else 40, attention_head_dim=12 if tiny else 128, text_dim=32 if tiny else 4096,
+        ffn_dim=32 if tiny else 13824, num_layers=args.layers,
+    )  # fmt: skip
+    umt5 = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(
+            vocab_size=100 if tiny else 256384, d_model=32 if tiny else 4096, d_kv=8 if tiny else 64,
+            d_ff=37 if tiny else 10240, num_layers=2 if tiny else 24, num_heads=4 if tiny else 64,
+            feed_forward_proj="gated-gelu",
+        )
+    )  # fmt: skip
+    vae = diffusers.AutoencoderKLWan(**(dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1) if tiny else {}))
+    return dict(transformer=transformer, text_encoder=umt5, vae=vae)
+
+
+def _pipeline_of(models: dict):
+    """The pipeline of `models` (`components`), with stand-in tokenizers."""
     import diffusers
 
+    if ARGS.model == "wan":
+        tokenizer = Tokens(512, vocab=100 if ARGS.tiny else 256384)
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0)
+        return diffusers.WanPipeline(scheduler=scheduler, tokenizer=tokenizer, **models)
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), tokenizer=Tokens(77), tokenizer_2=Tokens(512), **models
+    )
+
+
+def pipeline(host: dict):
+    """The pipeline of the models' tensors `host` (name -> every parameter and
+    buffer, non-persistent ones too), built on meta and given them (no copy)."""
     models = components(ARGS, "meta")
     for name, m in models.items():
         made: dict = {}  # (a tensor tied under two names, T5's embedding: one Parameter)
@@ -115,10 +159,7 @@ def pipeline(host: dict):
                 module._parameters[leaf] = made.setdefault(id(value), torch.nn.Parameter(value, requires_grad=False))
             else:
                 module._buffers[leaf] = value
-    pipe = diffusers.FluxPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), tokenizer=Tokens(77), tokenizer_2=Tokens(512), **models
-    )
-    return pipe
+    return _pipeline_of(models)
 
 
 def call(pipe, args, times: list):
@@ -130,11 +171,20 @@ def call(pipe, args, times: list):
         times.append(time.perf_counter())
         return kwargs
 
+    common = dict(
+        num_inference_steps=args.steps, max_sequence_length=48 if args.tiny else 512,
+        generator=torch.Generator().manual_seed(0), callback_on_step_end=at_step_end,
+    )  # fmt: skip
+    if args.model == "wan":  # (the transformer twice a step: with and without the prompt, guidance_scale > 1)
+        height, width = (16, 16) if args.tiny else (480, 832)
+        return pipe(
+            "a cat walks on a mat", height=height, width=width, num_frames=5 if args.tiny else args.frames,
+            guidance_scale=5.0, output_type="latent" if args.latent else "np", **common,
+        )  # fmt: skip
     size = 16 if args.tiny else 1024
     return pipe(
-        "a photograph of a cat on a mat", height=size, width=size, num_inference_steps=args.steps,
-        max_sequence_length=48 if args.tiny else 512, guidance_scale=3.5, output_type="latent" if args.latent else "pil",
-        generator=torch.Generator().manual_seed(0), callback_on_step_end=at_step_end,
+        "a photograph of a cat on a mat", height=size, width=size, guidance_scale=3.5,
+        output_type="latent" if args.latent else "pil", **common,
     )  # fmt: skip
 
 
@@ -235,11 +285,13 @@ def peer_row(host, args, kind: str, work: str, ref_ms) -> Row:
         else:
             from diffusers.hooks import apply_group_offloading
 
-            for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+            for name, module in pipe.components.items():
+                if not isinstance(module, torch.nn.Module):
+                    continue
                 level = "block_level" if kind == "block" else "leaf_level"
                 extra = {"num_blocks_per_group": 1} if kind == "block" else {}
                 apply_group_offloading(
-                    getattr(pipe, name),
+                    module,
                     onload_device=torch.device("cuda"),
                     offload_type=level,
                     use_stream=True,
@@ -257,7 +309,10 @@ def peer_row(host, args, kind: str, work: str, ref_ms) -> Row:
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("flux", "wan"), default="flux")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=40, help="wan: the transformer's blocks")
+    ap.add_argument("--frames", type=int, default=33, help="wan: the video's frames (33 at 480x832: 14040 tokens)")
     ap.add_argument("--double", type=int, default=19)
     ap.add_argument("--single", type=int, default=38)
     ap.add_argument("--budgets", default="8GiB,half,fifth,tenth")
@@ -267,7 +322,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small pipeline on the CPU device (the code paths only)")
     args = ARGS = ap.parse_args()
     if args.tiny:
-        args.double, args.single = min(args.double, 2), min(args.single, 2)
+        args.double, args.single, args.layers = min(args.double, 2), min(args.single, 2), min(args.layers, 2)
     try:
         import diffusers  # noqa: F401
     except ImportError:
@@ -284,14 +339,21 @@ def main() -> None:
         named = [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
         host[n] = {k: copies.setdefault(id(v), v.detach().to("cpu", copy=True)) for k, v in named}
     sizes = {n: sum(v.numel() * v.element_size() for v in s.values()) / 1e9 for n, s in host.items()}
-    work = (
-        f"FluxPipeline-shaped ({args.double}+{args.single} blocks: transformer {sizes['transformer']:.1f} GB, "
-        f"T5 {sizes['text_encoder_2']:.1f} GB), {'16x16' if args.tiny else '1024x1024'}, {args.steps} steps"
-    )
+    if args.model == "wan":
+        frames, height, width = (5, 16, 16) if args.tiny else (args.frames, 480, 832)
+        tokens = ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+        work = (
+            f"WanPipeline-shaped ({args.layers} blocks: transformer {sizes['transformer']:.1f} GB, "
+            f"UMT5 {sizes['text_encoder']:.1f} GB), {height}x{width}x{frames} "
+            f"({tokens} tokens), {args.steps} steps"
+        )
+    else:
+        work = (
+            f"FluxPipeline-shaped ({args.double}+{args.single} blocks: transformer {sizes['transformer']:.1f} GB, "
+            f"T5 {sizes['text_encoder_2']:.1f} GB), {'16x16' if args.tiny else '1024x1024'}, {args.steps} steps"
+        )
     rows = []
-    ref = diffusers.FluxPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), tokenizer=Tokens(77), tokenizer_2=Tokens(512), **built
-    )
+    ref = _pipeline_of(built)
     got = measure(ref, args)
     ref_ms = got["timed"]["step_ms"]
     rows.append(row(work, "all on the GPU", got, None))
