@@ -35,15 +35,20 @@ import torch
 from benchmarks.harness import GiB, Row, environment, save
 
 ONE = r"""
-import json, sys, threading, time
+import json, logging, sys, threading, time
 import psutil, torch
+logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d ms %(name)s: %(message)s")  # (pager's log: stderr)
 sys.path.insert(0, {root!r})
 import benchmarks.bench_diffusion as bd
 import diffusers, pager
 
 bd.ARGS = bd.argparse.Namespace(model="flux", tiny=False, steps={steps}, latent=False)
 method, spec, folder = {method!r}, {spec!r}, {folder!r}
-process, peak, loading = psutil.Process(), [0], [True]
+process, peak, loading, start = psutil.Process(), [0], [True], time.perf_counter()
+
+def stage(what):  # (where the time went, if the process is stopped before its result)
+    rss = process.memory_info().rss / 2**30
+    print(f"STAGE {{time.perf_counter() - start:.1f}} s {{what}} rss {{rss:.1f}} GiB", flush=True)
 
 def watch():
     while loading[0]:
@@ -72,6 +77,7 @@ else:
                                        use_stream=True, num_blocks_per_group=1)
 torch.cuda.synchronize()
 load_s = time.perf_counter() - t0
+stage("loaded")
 loading[0] = False
 watcher.join()
 after = process.memory_info().rss
@@ -79,6 +85,7 @@ t0 = time.perf_counter()
 bd.call(pipe, bd.ARGS, [])
 torch.cuda.synchronize()
 first_s = time.perf_counter() - t0
+stage("first call")
 torch.cuda.reset_peak_memory_stats()
 times = []
 bd.call(pipe, bd.ARGS, times)
@@ -121,12 +128,20 @@ def run_one(method: str, spec: str, folder: str, steps: int, transformer_bytes: 
     script = ONE.format(root=root, steps=steps, method=method, spec=spec, folder=folder, budget=budget)
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"failed: not done in {timeout_s} s"
-    for line in done.stdout.splitlines():
+        out, err, ended = done.stdout, done.stderr, f"rc {done.returncode}"
+    except subprocess.TimeoutExpired as e:  # (what it printed says how far it came)
+        out, err, ended = _text(e.stdout), _text(e.stderr), f"not done in {timeout_s} s"
+    lines = out.splitlines()
+    for line in lines:
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return f"failed (rc {done.returncode}): {done.stderr.strip().splitlines()[-1][:200] if done.stderr else ''}"
+            return {**json.loads(line[7:]), "ended": ended}
+    stages = "; ".join(line[6:] for line in lines if line.startswith("STAGE ")) or "no stage reached"
+    last = " | ".join(line[:160] for line in err.strip().splitlines()[-3:])
+    return f"failed ({ended}): {stages}; {last}"
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def main() -> None:
@@ -169,6 +184,7 @@ def main() -> None:
                     f"models), {got['rss_peak'] / GiB:.1f} GiB at its peak ({got['rss_peak'] / models:.2f}x); "
                     f"load {got['load_s']:.1f} s; first call {got['first_s']:.1f} s"
                     + (f"; budget {got['budget'] / GiB:.2f} GiB" if got["budget"] else "")
+                    + (f"; the process then did not exit ({got['ended']})" if got["ended"].startswith("not") else "")
                 )
                 rows.append(Row(work, name, got["step_ms"], got["gpu_peak"] / GiB, note=note, extra=got))
             print(rows[-1], flush=True)

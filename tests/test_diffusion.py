@@ -551,6 +551,23 @@ def test_from_pretrained_of_a_pipeline_folder_pages_its_models_from_their_files(
     pager.unwrap(pipe)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_from_pretrained_of_a_pipeline_folder_on_the_gpu(tmp_path):
+    """Pages read from the folder into pinned host memory, fetched to the
+    pool's device: as the pipeline all on the GPU."""
+    ref, call = _pipeline("flux")
+    _save(ref, tmp_path)
+    ref.to("cuda")
+    pipe = pager.from_pretrained(tmp_path, budget=_tight("flux"), tokenizer=Tokens(), tokenizer_2=Tokens())
+    assert pipe._execution_device.type == "cuda"
+    np.testing.assert_allclose(_run(pipe, call).images, _run(ref, call).images, rtol=1e-4, atol=1e-4)
+    pool = pager.of(pipe)
+    assert sum(m.evictions for m in pool.stats().models.values()) > 0
+    assert pool.stats().peak_resident_bytes <= pool.budget_bytes
+    pager.unwrap(pipe)
+
+
 def test_from_pretrained_below_the_least_budget_reads_nothing(tmp_path):
     ref, _call = _pipeline("flux")
     _save(ref, tmp_path)
