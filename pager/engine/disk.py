@@ -232,13 +232,14 @@ class DiskTier:
     def peak_gbps(self, nbytes: int = 1 << 30) -> float:
         """The sequential read rate of the largest checkpoint file (up to
         `nbytes` of it, direct reads of CHUNK_BYTES on the IO threads, the
-        page cache dropped first), measured once: the ceiling for reads."""
+        page cache of that range dropped first: the rest of the file stays
+        cached as it was), measured once: the ceiling for reads."""
         if getattr(self, "_peak_gbps", None) is None:
             paths = {p.path for seg in self.blocks for p in (seg.disk or ()) if p.path and p.tensor is None}
             path = max(paths, key=os.path.getsize)
             size = min(nbytes, os.path.getsize(path))
             fd = self.files.fds(path)[1]
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
             local = threading.local()  # a scratch buffer per IO thread
 
             def read(at):
