@@ -306,6 +306,16 @@ def peer_row(host, args, kind: str, work: str, ref_ms) -> Row:
     return row(work, method, got, ref_ms)
 
 
+def have_diffusers() -> bool:
+    """Whether diffusers imports (else says so: nothing to measure)."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        print("diffusers is not installed: nothing to measure (pip install diffusers; on the GPU machine, .peers/)")
+        return False
+    return True
+
+
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser()
@@ -323,10 +333,7 @@ def main() -> None:
     args = ARGS = ap.parse_args()
     if args.tiny:
         args.double, args.single, args.layers = min(args.double, 2), min(args.single, 2), min(args.layers, 2)
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        print("diffusers is not installed: nothing to measure (pip install diffusers; on the GPU machine, .peers/)")
+    if not have_diffusers():
         return
     env = environment()
     print(env, flush=True)

@@ -32,6 +32,7 @@ import tempfile
 
 import torch
 
+from benchmarks.bench_diffusion import have_diffusers
 from benchmarks.harness import GiB, Row, environment, save
 
 ONE = r"""
@@ -154,10 +155,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_diffusion_folder needs CUDA: nothing to measure")
         return
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        print("diffusers is not installed: nothing to measure (pip install diffusers; on the GPU machine, .peers/)")
+    if not have_diffusers():
         return
     env = environment()
     print(env, flush=True)
