@@ -464,3 +464,34 @@ def test_plan_report_and_stats_show_the_disk_tier(tmp_path):
     assert s.host_hits > 0 and "disk:" in str(s)
     report = pager.of(model).report()
     assert "measured sequential peak" in report and "kept" in report
+
+
+def test_models_of_one_pool_read_ahead_each_into_its_own_pages(tmp_path):
+    """In a pool, a model's prefetch walks on into the next model's plan: the
+    next model's pages are read ahead by that model's own disk tier (its host
+    memory, its reads), never into the one prefetching, whose reads the next
+    model would not know of: it took a page still being read for one read."""
+    torch.manual_seed(0)
+    layer = _layer_bytes(TinyLM(**BIG))
+    pool = pager.Pool(budget=6 * layer + (2 << 20), device="cpu")  # (the blocks stream: prefetch runs at each use)
+    models, refs = [], []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        ref = TinyLM(**BIG).eval()
+        folder = tmp_path / str(seed)
+        folder.mkdir()
+        path = _write(folder, ref, "file")
+        model = pager.load(_meta(**BIG), path, pool=pool, host_budget=3 * layer, name=f"m{seed}")
+        models.append(model)
+        refs.append(ref)
+    x = torch.randint(0, BIG["vocab"], (2, 8))
+    with torch.no_grad():
+        for _ in range(4):  # (in turn: each model's prefetch walks on into the other's plan)
+            for model, ref in zip(models, refs):
+                assert_same(model(x), ref(x))
+                for m in models:
+                    disk = pool.engine.host.disks[pager.of(m)]
+                    for seg in [*disk.pages, *disk.reading]:
+                        assert seg in disk.blocks, f"{pager.of(m).name} holds a page of another model"
+    for model in models:
+        pager.unwrap(model)

@@ -168,19 +168,36 @@ class DiskTier:
 
     def read_ahead(self, uses) -> None:
         """Start reads of the pages of the upcoming `uses` ((block, kinds) pairs)
-        that host memory holds without evicting a page needed sooner."""
+        that host memory holds without evicting a page needed sooner. In a
+        pool the uses run on into the next model's plan: its blocks' pages
+        are read by that model's own tier (its host memory, its reads), or
+        not at all where it has none."""
         self._tick()
         self._choose_kept()
+        disks, other = self.owner.engine.host.disks, None
         for distance, (block, kinds) in enumerate(uses):
-            if distance >= READ_AHEAD_USES or len(self.reading) >= READS_AHEAD:
+            if distance >= READ_AHEAD_USES:
                 return
-            for b in [*block.deps, block]:
-                for kind, seg in b.segments.items():
-                    if (b is not block and kind not in WEIGHTS) or kind not in kinds or seg.resident:
-                        continue
-                    if seg.host is None and seg not in self.reading and self._needs_read(seg):
-                        if not self._start_read(seg, demand=False, distance=distance):
-                            return
+            tier = self if block.owner is self.owner else disks.get(block.owner)
+            if tier is None:
+                continue  # (a model of the pool not paged from files)
+            if tier is not self and tier is not other:
+                other = tier
+                tier._tick()  # (its reads that ended settle, and its unplaced pages start: it may not have run yet)
+            if len(tier.reading) >= READS_AHEAD or not tier._read_for(block, kinds, distance):
+                return
+
+    def _read_for(self, block, kinds, distance: int) -> bool:
+        """Start the reads `block`'s use of `kinds` needs (its deps' weights
+        too); False where host memory has no room for one."""
+        for b in [*block.deps, block]:
+            for kind, seg in b.segments.items():
+                if (b is not block and kind not in WEIGHTS) or kind not in kinds or seg.resident:
+                    continue
+                if seg.host is None and seg not in self.reading and self._needs_read(seg):
+                    if not self._start_read(seg, demand=False, distance=distance):
+                        return False
+        return True
 
     def settle(self) -> None:
         """Let the reads and spills in flight end: their bytes are counted as
