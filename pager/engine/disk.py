@@ -174,11 +174,12 @@ class DiskTier:
         not at all where it has none."""
         self._tick()
         self._choose_kept()
-        disks, other = self.owner.engine.host.disks, None
+        disks = self.owner.engine.host.disks
+        other: DiskTier | None = None  # (the other model's tier last ticked)
         for distance, (block, kinds) in enumerate(uses):
             if distance >= READ_AHEAD_USES:
                 return
-            tier = self if block.owner is self.owner else disks.get(block.owner)
+            tier: DiskTier | None = self if block.owner is self.owner else disks.get(block.owner)
             if tier is None:
                 continue  # (a model of the pool not paged from files)
             if tier is not self and tier is not other:
