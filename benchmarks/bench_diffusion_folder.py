@@ -33,12 +33,13 @@ import tempfile
 import torch
 
 from benchmarks.bench_diffusion import have_diffusers
-from benchmarks.harness import GiB, Row, environment, save
+from benchmarks.harness import GiB, Row, environment, out_path, save
 
 ONE = r"""
 import json, logging, sys, threading, time
 import psutil, torch
 logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d ms %(name)s: %(message)s")  # (pager's log: stderr)
+logging.getLogger("pager").setLevel(logging.DEBUG)  # (each region pinned, and how long it took)
 sys.path.insert(0, {root!r})
 import benchmarks.bench_diffusion as bd
 import diffusers, pager
@@ -50,6 +51,26 @@ process, peak, loading, start = psutil.Process(), [0], [True], time.perf_counter
 def stage(what):  # (where the time went, if the process is stopped before its result)
     rss = process.memory_info().rss / 2**30
     print(f"STAGE {{time.perf_counter() - start:.1f}} s {{what}} rss {{rss:.1f}} GiB", flush=True)
+
+
+def memory():  # (the page cache and what it has yet to write, before and after the load)
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return " ".join(f"{{k}} {{int(info[k].split()[0]) >> 20}} GiB" for k in ("MemFree", "Cached", "Dirty", "Writeback"))
+
+
+def disks(pipe):  # (per model: what was read, how, and how long compute waited for it)
+    if method != "pager":
+        return ""
+    out = []
+    for name, s in pager.of(pipe).stats().models.items():
+        out.append(f"{{name}}: read {{s.disk_read_bytes / 1e9:.1f}} GB ({{s.disk_direct_bytes / 1e9:.1f}} direct, "
+                   f"{{s.disk_cached_bytes / 1e9:.1f}} cached) in {{s.disk_read_seconds:.1f}} s, "
+                   f"{{s.host_misses}} waits {{s.host_wait_seconds:.1f}} s")
+    return "; ".join(out)
+
+
+stage("started: " + memory())
 
 def watch():
     while loading[0]:
@@ -78,7 +99,7 @@ else:
                                        use_stream=True, num_blocks_per_group=1)
 torch.cuda.synchronize()
 load_s = time.perf_counter() - t0
-stage("loaded")
+stage("loaded: " + memory() + "; " + disks(pipe))
 loading[0] = False
 watcher.join()
 after = process.memory_info().rss
@@ -86,7 +107,7 @@ t0 = time.perf_counter()
 bd.call(pipe, bd.ARGS, [])
 torch.cuda.synchronize()
 first_s = time.perf_counter() - t0
-stage("first call")
+stage("first call: " + memory() + "; " + disks(pipe))
 torch.cuda.reset_peak_memory_stats()
 times = []
 bd.call(pipe, bd.ARGS, times)
@@ -132,6 +153,8 @@ def run_one(method: str, spec: str, folder: str, steps: int, transformer_bytes: 
         out, err, ended = done.stdout, done.stderr, f"rc {done.returncode}"
     except subprocess.TimeoutExpired as e:  # (what it printed says how far it came)
         out, err, ended = _text(e.stdout), _text(e.stderr), f"not done in {timeout_s} s"
+    with open(out_path(f"bench_diffusion_folder_{method}{'_' + spec if spec else ''}.log"), "w") as f:
+        f.write(out + "\n--- stderr\n" + err)  # (the whole of each process's output, pager's log in it)
     lines = out.splitlines()
     for line in lines:
         if line.startswith("RESULT "):
