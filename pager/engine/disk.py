@@ -21,7 +21,9 @@ reads of the next uses, as far as host memory holds them without evicting a
 page needed sooner (Belady, by the owner's schedule), so that the disk is
 read while the GPU computes; the device prefetch does not fetch a block whose
 page is still being read, so the thread that issues kernels never waits on
-the disk unless the disk is behind.
+the disk unless the disk is behind. In a pool the uses run on into the next
+model's plan; each page is read by its own model's tier, which alone knows
+of its reads and owns its host memory.
 
 A host page may be reused only after the copies that read it (h2d) or wrote
 it (d2h) are done (`host_event`), and a dirty page only once it is on disk.
