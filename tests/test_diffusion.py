@@ -577,6 +577,35 @@ def test_from_pretrained_below_the_least_budget_reads_nothing(tmp_path):
     assert pool.models == {}
 
 
+def test_from_pretrained_of_a_pipeline_folder_under_one_host_budget(tmp_path):
+    """`host_budget=` is the pipeline's: its models' pinned pages share it
+    (two of each one's largest pages, the rest by their bytes); below what
+    they need together it is refused before anything is read, naming the
+    figure; at that figure, pages leave host memory and are read again from
+    the files, and the images are the unwrapped pipeline's."""
+    import re
+
+    ref, call = _pipeline("flux")
+    _save(ref, tmp_path)
+    tokenizers = dict(tokenizer=Tokens(), tokenizer_2=Tokens())
+    pool = pager.Pool(budget="64MiB", device="cpu")
+    with pytest.raises(ValueError, match=r"host_budget=.* less than this FluxPipeline's models need") as refused:
+        pager.from_pretrained(tmp_path, pool=pool, host_budget=1 << 10, **tokenizers)
+    assert pool.models == {}
+    least = re.search(r"at least ([0-9.]+ [KMG]iB)", str(refused.value)).group(1)
+    pipe = pager.from_pretrained(tmp_path, budget=_tight("flux"), device="cpu", host_budget=least, **tokenizers)
+    disks = pager.of(pipe).engine.host.disks
+    capacities = [d.capacity_bytes for d in disks.values() if d.capacity_bytes is not None]
+    assert capacities and sum(capacities) <= pager.parse_budget(least, torch.device("cpu"))
+    for _ in range(2):
+        assert np.array_equal(_run(pipe, call).images, _run(ref, call).images)
+    transformer = pager.of(pipe.transformer)
+    read = pager.of(pipe).stats().models["transformer"].disk_read_bytes
+    assert read > 1.5 * sum(s.nbytes for b in transformer.blocks for s in b.weight_segments)  # (pages read again)
+    assert all(d.arena.reserved_bytes <= d.capacity_bytes for d in disks.values() if d.capacity_bytes is not None)
+    pager.unwrap(pipe)
+
+
 HOST_MEMORY = """
 import gc, sys, threading, time
 import psutil

@@ -237,20 +237,39 @@ def _host_capacity(host_budget, model: nn.Module, options: dict, own_budget: boo
     resident by force] in api/fit.py) and host RAM."""
     if host_budget is None:
         return None
+    nbytes = parse_host_budget(host_budget)
+    check_host_budget(nbytes, largest_page_bytes(model, options, own_budget))
+    return nbytes
+
+
+def parse_host_budget(host_budget) -> int:
+    """`host_budget=` in bytes ("24GiB" or an int; a share is refused)."""
     if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
         raise ValueError(f'pager: host_budget={host_budget!r}: give bytes ("24GiB" or an int), not a share.')
     try:
-        nbytes = parse_budget(host_budget, torch.device("cpu"))
+        return parse_budget(host_budget, torch.device("cpu"))
     except ValueError as e:
         raise ValueError(str(e).replace("budget=", "host_budget=", 1)) from None
+
+
+def largest_page_bytes(model: nn.Module, options: dict, own_budget: bool) -> int:
+    """The bytes of `model`'s largest page (its largest block, or the
+    remainder) as `wrap` will choose its blocks from `options`; a host
+    budget holds at least two. `own_budget`: the model is not given an
+    engine as its budget."""
+    return max(page_bytes(model, options, own_budget), default=0)
+
+
+def page_bytes(model: nn.Module, options: dict, own_budget: bool) -> list[int]:
+    """The bytes of each of `model`'s weights pages (its blocks', and the
+    remainder's), as `wrap` will choose its blocks from `options`."""
     blocks = options.get("blocks")
     alone = distributed.resolve_group(options.get("process_group")) is None  # (as wrap resolves it)
     experts = _experts_of(model, options)  # (read whole, not paged from the files: outside the host budget)
-    if own_budget and alone and all(options.get(k) is None for k in ("blocks", "rows", "pool")):  # (wrap's defaults)
+    if own_budget and alone and options.get("blocks") is None and options.get("rows") is None:  # (wrap's defaults)
         blocks = default_blocks(model, 0, experts, rows_allowed=False, say=False)[1]
     sizing = discover.size_up(model, blocks, [m for _n, m in experts])
-    check_host_budget(nbytes, max([*sizing.own, sizing.remainder], default=0))
-    return nbytes
+    return [*sizing.own, sizing.remainder]
 
 
 def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

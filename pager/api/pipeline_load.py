@@ -24,8 +24,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..base.block import DIRECT_ALIGN, align_up
+from ..base.budget import format_bytes
 from ..base.files import most_common_float, open_checkpoint
 from ..model.pool import Pool
+from .load import load, page_bytes, parse_host_budget
 from .pipeline import COMPONENT_OPTIONS, POOL_OPTIONS, WrappedPipeline, check_room, free_name, joins, register, undo
 
 
@@ -35,10 +38,10 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
     name (`tokenizer=...`) goes to diffusers' `from_pretrained`, and a model
     given so (a transformer the caller quantized) is wrapped into the pool
     as `pager.wrap(pipe)` would; the pool's options (`device`, `pin`) go to
-    the pool; the rest to each model's `pager.load`."""
+    the pool; `host_budget` is the pipeline's, shared among its models read
+    from files (`_host_shares`); the rest go to each model's `pager.load`."""
     import diffusers
 
-    from .load import load
     from .wrap import _verbs as verbs
 
     index = _index(folder)
@@ -61,6 +64,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
         entries = open_checkpoint(sub)  # (refuses a subfolder without weights, naming what it looked for)
         built[name] = _on_meta(model_cls, sub, dtype or most_common_float(entries))
     check_room(kind, pool, [*built.items(), *mine], verbs(), given=pool_given)
+    host = _host_shares(kind, options.pop("host_budget", None), built, {**options, "pool": pool})
     each = {k: options[k] for k in COMPONENT_OPTIONS if k in options}
     wrapped, made = WrappedPipeline(pool), []
     taken = {o.name for o in pool.engine.owners}
@@ -68,7 +72,7 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
         for name, model in [*built.items(), *mine]:
             unique = free_name(name, taken)
             if name in built:
-                load(model, os.path.join(folder, name), pool=pool, name=unique, **options)
+                load(model, os.path.join(folder, name), pool=pool, name=unique, host_budget=host[name], **options)
             else:
                 verbs().wrap(model, pool=pool, name=unique, **each)
             taken.add(unique)
@@ -82,6 +86,34 @@ def pipeline_from_pretrained(folder: str, budget, *, pipeline_class=None, dtype=
         wrapped.modules.append(model)
     register(pipe, wrapped)
     return pipe
+
+
+def _host_shares(kind: str, host_budget, built: dict, options: dict) -> dict:
+    """Each model's share of the pipeline's `host_budget` (None: every page
+    read once and kept): a model whose pages are no more than two of its
+    largest is held whole; each other gets two of its largest pages, and of
+    the rest a share by its bytes. Refused, before anything is read, below
+    what those need together."""
+    if host_budget is None:
+        return dict.fromkeys(built)
+    total = parse_host_budget(host_budget)
+    pages = {n: page_bytes(m, options, own_budget=True) for n, m in built.items()}
+    whole = {n: sum(p) for n, p in pages.items()}
+    # (a host budget's memory is pinned in DIRECT_ALIGN multiples: each share is one)
+    least = {n: align_up(min(2 * max(p, default=0), whole[n])) for n, p in pages.items()}
+    spare = total - sum(least.values())
+    if spare < 0:
+        each = ", ".join(f"{n} {format_bytes(b)}" for n, b in least.items())
+        raise ValueError(
+            f"pager: host_budget={format_bytes(total)} is less than this {kind}'s models need in host memory "
+            f"together ({each}: two of each one's largest pages, one read while another is copied to the "
+            f"device, or the whole of a smaller model). Give host_budget of at least "
+            f"{format_bytes(sum(least.values()), up=True)}."
+        )
+    paged = [n for n in built if least[n] < whole[n]]
+    rest = sum(whole[n] for n in paged) or 1
+    shares = {n: least[n] + spare * whole[n] // rest // DIRECT_ALIGN * DIRECT_ALIGN for n in paged}
+    return {n: shares[n] if n in shares and shares[n] < whole[n] else None for n in built}
 
 
 def _index(folder: str) -> dict:

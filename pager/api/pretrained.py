@@ -26,7 +26,9 @@ def from_pretrained(folder, budget=None, *, model_class=None, dtype=None, **opti
             loads the rest, and the pipeline comes back wrapped as by
             `pager.wrap(pipe, ...)` (`model_class`: the pipeline's class; a
             component's name as an option, `tokenizer=...`, goes to
-            diffusers). Needs diffusers then.
+            diffusers, and a model given so joins the pool; `host_budget`
+            is the pipeline's, shared among its models). Needs diffusers
+            then.
         budget: device bytes, as for `pager.wrap`.
         model_class: the transformers class to build (e.g.
             `transformers.AutoModelForSeq2SeqLM`); None: the first of the
