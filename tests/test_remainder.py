@@ -169,3 +169,16 @@ def test_a_host_budget_sized_by_the_blocks_wrap_makes_loads_and_runs(tmp_path):
     assert {"model.embed_tokens", "lm_head"} <= set(pager.of(model).block_names())
     with torch.no_grad():
         assert_same(model(input_ids=batch(0)).logits, ref(input_ids=batch(0)).logits)
+
+
+def test_a_weight_tied_into_two_modules_is_said_to_page_once(caplog):
+    """T5's `shared` and `encoder.embed_tokens` hold one weight: one block
+    holds it, and the log says so once (it named both, each with its size)."""
+    config = transformers.T5Config(vocab_size=4096, d_model=128, d_kv=16, d_ff=64, num_layers=2, num_heads=4)
+    model = transformers.T5EncoderModel(config)
+    assert model.shared.weight is model.encoder.embed_tokens.weight
+    with caplog.at_level("INFO", logger="pager"):
+        pager.wrap(model, budget="64MiB", device="cpu")
+    said = [r.getMessage() for r in caplog.records if "pages as a block of its own" in r.getMessage()]
+    assert len(said) == 1 and "2.00 MiB" in said[0], said
+    pager.unwrap(model)

@@ -85,7 +85,12 @@ def _rows_that_run(model: nn.Module, budget_bytes: int, tables: list, spec: list
 def _say(moved: list, by_rows: list) -> None:
     """Each module that left the remainder, and how, at info level."""
     rows = {id(m) for _n, m in by_rows}
+    said: set = set()  # (a weight tied into two modules, T5's `shared` and `encoder.embed_tokens`: said once)
     for name, module, nbytes in moved:
+        own = {id(t) for t in module._parameters.values() if t is not None}
+        if own and own <= said:
+            continue
+        said |= own
         if id(module) in rows:
             log.info(
                 "pager: the embedding table %r (%s) does not fit the budget as a block; it is paged by rows "
