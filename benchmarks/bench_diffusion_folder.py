@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,9 @@ from benchmarks.bench_diffusion import have_diffusers
 from benchmarks.harness import GiB, Row, environment, out_path, save
 
 ONE = r"""
-import json, logging, sys, threading, time
+import faulthandler, json, logging, signal, sys, threading, time
 import psutil, torch
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # (run_one asks for every thread's stack at its timeout)
 logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d ms %(name)s: %(message)s")  # (pager's log: stderr)
 logging.getLogger("pager").setLevel(logging.DEBUG)  # (each region pinned, and how long it took)
 sys.path.insert(0, {root!r})
@@ -80,9 +82,10 @@ def watch():
 torch.cuda.init()
 torch.empty(1, device="cuda")
 before = process.memory_info().rss
-watcher = threading.Thread(target=watch)
+watcher = threading.Thread(target=watch, daemon=True)  # (a load that raises ends the process)
 watcher.start()
 t0 = time.perf_counter()
+faulthandler.dump_traceback_later(30, repeat=True)  # (a load that takes long says where, every 30 s)
 tokenizers = dict(tokenizer=bd.Tokens(77), tokenizer_2=bd.Tokens(512))
 if method == "pager":
     budget = {budget}
@@ -99,6 +102,7 @@ else:
                                        use_stream=True, num_blocks_per_group=1)
 torch.cuda.synchronize()
 load_s = time.perf_counter() - t0
+faulthandler.cancel_dump_traceback_later()
 stage("loaded: " + memory() + "; " + disks(pipe))
 loading[0] = False
 watcher.join()
@@ -148,11 +152,19 @@ def run_one(method: str, spec: str, folder: str, steps: int, transformer_bytes: 
     budget = {"fifth": int(0.2 * transformer_bytes), "half": int(0.5 * transformer_bytes)}.get(spec, repr(spec))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = ONE.format(root=root, steps=steps, method=method, spec=spec, folder=folder, budget=budget)
+    one = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s)
-        out, err, ended = done.stdout, done.stderr, f"rc {done.returncode}"
-    except subprocess.TimeoutExpired as e:  # (what it printed says how far it came)
-        out, err, ended = _text(e.stdout), _text(e.stderr), f"not done in {timeout_s} s"
+        out, err = one.communicate(timeout=timeout_s)
+        ended = f"rc {one.returncode}"
+    except subprocess.TimeoutExpired:  # (what it printed and where each thread stood say how far it came)
+        one.send_signal(signal.SIGUSR1)
+        try:  # (reads the stacks as they are written; the process goes on until killed)
+            out, err = one.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        one.kill()
+        out, err = one.communicate()
+        ended = f"not done in {timeout_s} s"
     with open(out_path(f"bench_diffusion_folder_{method}{'_' + spec if spec else ''}.log"), "w") as f:
         f.write(out + "\n--- stderr\n" + err)  # (the whole of each process's output, pager's log in it)
     lines = out.splitlines()
@@ -162,10 +174,6 @@ def run_one(method: str, spec: str, folder: str, steps: int, transformer_bytes: 
     stages = "; ".join(line[6:] for line in lines if line.startswith("STAGE ")) or "no stage reached"
     last = " | ".join(line[:160] for line in err.strip().splitlines()[-3:])
     return f"failed ({ended}): {stages}; {last}"
-
-
-def _text(b) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ pipeline in one pool; a whole `pipe(...)` call equals the unwrapped
 pipeline's bit for bit on the CPU device."""
 
 import copy
+import os
 import re
 
 import numpy as np
@@ -519,9 +520,10 @@ def test_inductor_compiled_blocks_in_a_pipeline_on_the_gpu():
     assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 
-def _save(pipe, folder) -> None:
+def _save(pipe, folder, **options) -> None:
     """A pipeline folder as `save_pretrained` writes one (its tokenizers are
-    the tests' stand-ins, given again at load)."""
+    the tests' stand-ins, given again at load); `options` go to each model's
+    `save_pretrained` (`max_shard_size`)."""
     import json
 
     index = {"_class_name": type(pipe).__name__, "_diffusers_version": diffusers.__version__}
@@ -531,7 +533,7 @@ def _save(pipe, folder) -> None:
             continue
         library = "transformers" if type(component).__module__.startswith("transformers") else "diffusers"
         index[name] = [library, type(component).__name__]
-        component.save_pretrained(folder / name)
+        component.save_pretrained(folder / name, **options)
     (folder / "model_index.json").write_text(json.dumps(index))
 
 
@@ -548,6 +550,24 @@ def test_from_pretrained_of_a_pipeline_folder_pages_its_models_from_their_files(
     got, want = _run(pipe, call), _run(ref, call)
     assert np.array_equal(*((got.frames, want.frames) if kind == "wan" else (got.images, want.images)))
     assert sum(m.evictions for m in pool.stats().models.values()) > 0
+    pager.unwrap(pipe)
+
+
+def test_from_pretrained_of_a_pipeline_folder_of_sharded_models(tmp_path):
+    """Models saved in shards, each with the index its library names
+    (diffusers' `diffusion_pytorch_model.safetensors.index.json`, transformers'
+    `model.safetensors.index.json`: what a hub's Flux or Wan folder holds),
+    read from every shard: bit for bit."""
+    ref, call = _pipeline("flux")
+    _save(ref, tmp_path, max_shard_size="10KB")
+    for name, index in (("transformer", "diffusion_pytorch_model"), ("text_encoder_2", "model")):
+        shards = [f for f in os.listdir(tmp_path / name) if f.endswith(".safetensors")]
+        assert len(shards) > 1 and (tmp_path / name / f"{index}.safetensors.index.json").is_file()
+    pipe = pager.from_pretrained(
+        tmp_path, budget=_tight("flux"), device="cpu", tokenizer=Tokens(), tokenizer_2=Tokens()
+    )
+    assert np.array_equal(_run(pipe, call).images, _run(ref, call).images)
+    assert sum(m.evictions for m in pager.of(pipe).stats().models.values()) > 0
     pager.unwrap(pipe)
 
 

@@ -136,6 +136,35 @@ def test_a_folder_with_a_torch_save_file_and_another_dtype(tmp_path):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+def test_a_folder_with_a_variant_beside_its_weights_reads_the_weights(tmp_path):
+    """`save_pretrained(variant="fp16")` beside the weights: the weights are
+    read, as from_pretrained reads them without variant=; the variant when its
+    file is given. Checkpoints none of which save_pretrained names are refused,
+    naming them, before the model is touched."""
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_llama()).eval()
+    folder = tmp_path / "variant"
+    ref.save_pretrained(folder)
+    half = {k: (v * 2).half() for k, v in ref.state_dict().items()}  # (other values: the test tells which is read)
+    half.pop("lm_head.weight", None)
+    safetensors.torch.save_file(half, str(folder / "model.fp16.safetensors"))
+    ids = torch.randint(0, 128, (1, 5))
+    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    (folder / "model.safetensors").rename(folder / "model.fp32.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"2 checkpoints \(model\.fp16\.safetensors, model\.fp32\.safe"):
+        pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    meta = copy.deepcopy(ref).to("meta")
+    with pytest.raises(FileNotFoundError, match="give the path of the one to read"):
+        pager.load(meta, folder, budget=_budget(ref), device="cpu")
+    assert meta.lm_head.weight.is_meta
+    with pytest.raises(ValueError, match="not wrapped"):
+        pager.of(meta)
+
+
 def test_a_folder_that_is_not_a_checkpoint_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         pager.from_pretrained(tmp_path, budget="1MiB", device="cpu")

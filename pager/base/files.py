@@ -32,8 +32,12 @@ from typing import cast
 
 import torch
 
-INDEX_NAME = "model.safetensors.index.json"
-TORCH_NAME = "pytorch_model.bin"  # what save_pretrained writes without safetensors
+# What `save_pretrained` names a model's weights: transformers' and diffusers'. A
+# folder may hold a variant beside them (`model.fp16.safetensors`): read when its
+# path is given, as from_pretrained reads it only when asked (variant=).
+WEIGHTS_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+INDEX_NAMES = tuple(name + ".index.json" for name in WEIGHTS_NAMES)  # (the index of a model's shards)
+TORCH_NAMES = ("pytorch_model.bin", "diffusion_pytorch_model.bin")  # (save_pretrained without safetensors)
 HEADER_LIMIT_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 DTYPES = {
@@ -84,18 +88,7 @@ def open_checkpoint(path) -> dict[str, Entry]:
     the index json itself, or a `torch.save` file of a state dict."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        index = os.path.join(path, INDEX_NAME)
-        if os.path.exists(index):
-            return _sharded(index)
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files and os.path.isfile(os.path.join(path, TORCH_NAME)):
-            return _torch_file(os.path.join(path, TORCH_NAME))  # (save_pretrained(safe_serialization=False))
-        if len(files) != 1:
-            raise FileNotFoundError(
-                f"pager: {path!r} holds {len(files)} .safetensors files and no {INDEX_NAME}; give the path of "
-                f"one file, or a folder with one file or with an index of its shards."
-            )
-        return read_header(os.path.join(path, files[0]))
+        return _in_folder(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"pager: no checkpoint at {path!r}.")
     if path.endswith(".json"):
@@ -105,6 +98,33 @@ def open_checkpoint(path) -> dict[str, Entry]:
     if head[:2] == b"PK" or head[:1] == b"\x80":  # a zip (torch.save) or a legacy pickle
         return _torch_file(path)
     return read_header(path)
+
+
+def _in_folder(folder: str) -> dict[str, Entry]:
+    """The checkpoint a folder holds: the index of its shards, its one
+    safetensors file, or its `torch.save` file; where it holds several (a
+    variant beside the weights), the one `save_pretrained` names as the
+    weights."""
+    names = os.listdir(folder)
+    for ending, read in ((".safetensors.index.json", _sharded), (".safetensors", read_header)):
+        found = sorted(n for n in names if n.endswith(ending))
+        if len(found) > 1:
+            found = [n for n in found if n in INDEX_NAMES + WEIGHTS_NAMES] or found
+        if len(found) == 1:
+            return read(os.path.join(folder, found[0]))
+        if found:
+            raise FileNotFoundError(
+                f"pager: {folder!r} holds {len(found)} checkpoints ({', '.join(found)}) and none of them is named "
+                f"as save_pretrained names a model's weights ({', '.join(INDEX_NAMES + WEIGHTS_NAMES)}); give "
+                f"the path of the one to read (or of the index of its shards)."
+            )
+    for name in TORCH_NAMES:
+        if name in names:
+            return _torch_file(os.path.join(folder, name))
+    raise FileNotFoundError(
+        f"pager: {folder!r} holds no checkpoint (no .safetensors file, no shards' index, none of "
+        f"{', '.join(TORCH_NAMES)}); give the path of a checkpoint file, or a folder that save_pretrained wrote."
+    )
 
 
 def read_header(path: str) -> dict[str, Entry]:
