@@ -160,6 +160,62 @@ def test_a_range_the_page_cache_holds_is_copied_from_it_and_one_it_does_not_is_r
         files.close()
 
 
+def test_a_range_off_the_files_alignment_is_read_direct_into_an_aligned_place(tmp_path):
+    """[Note: direct reads]: a tensor 8 bytes past an aligned file offset (as
+    safetensors packs them) lies on an aligned place of its page, read direct
+    chunk by chunk through the reading thread's bounce buffer; the page's
+    bytes around it stay as they were."""
+    from pager.engine.arena import aligned_empty
+    from pager.engine.page_io import Files, Piece, ReadPath, read_range
+
+    data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    path = tmp_path / "pages.bin"
+    path.write_bytes(data.numpy().tobytes())
+    _drop_from_page_cache(tmp_path)
+    files = Files()
+    page = aligned_empty(4 << 20)[1].zero_()
+    at, nbytes = (1 << 20) + 8, (3 << 20) - 8
+    piece = Piece(512, nbytes, str(path), at, itemsize=2)
+    assert piece.lead == 8
+    for start, end in ((0, 1 << 20), (1 << 20, nbytes)):  # (two chunks, as the disk tier reads them)
+        assert read_range(files, page, piece, start, end) == (end - start, ReadPath.DIRECT)
+    assert torch.equal(page[512 : 512 + nbytes], data[at:])
+    assert not page[:512].any() and not page[512 + nbytes :].any()
+    files.close()
+
+
+def test_weights_read_from_files_lie_aligned_for_kernels(tmp_path):
+    """Each tensor of a loaded block lies on an aligned address of its page,
+    and so of its device copy, though its file offset is 8 past a 16-byte
+    boundary ([Note: direct reads]: GPU kernels take slower paths on weights
+    that are not)."""
+    from pager.base.files import open_checkpoint
+
+    ref = TinyLM(**BIG)
+    path = tmp_path / "model.safetensors"
+    for pad in range(16):  # (header bytes that put the tensors 8 past a 16-byte boundary)
+        safetensors.save_file(_state(ref), str(path), metadata={"pad": "x" * pad})
+        if all(e.offset % 16 == 8 for e in open_checkpoint(path).values()):
+            break
+    else:
+        pytest.fail("no header length put the tensors 8 bytes past a 16-byte boundary")
+    model = _meta(**BIG)
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu")
+    misplaced = []
+
+    def check(module, args):
+        misplaced.extend(n for n, p in module.named_parameters() if p.data_ptr() % 64)
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(check)
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    assert misplaced == []
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 def test_regions_are_pinned_ahead_and_unwrap_or_reset_right_after_load_are_safe(tmp_path):
     """[Note: regions pinned ahead]: `pager.load` returns before the host
     memory of every page is made; `reset` (which settles) right after load

@@ -123,19 +123,28 @@ def layout(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Slot], int]:
     return slots, offset
 
 
+def in_place(lead: int | None) -> bool:
+    """A tensor whose file offset modulo `DIRECT_ALIGN` is `lead` is read
+    straight into its page there: it then lies on an `ALIGN_BYTES` boundary
+    too ([Note: direct reads] in engine/page_io.py)."""
+    return lead is not None and lead % ALIGN_BYTES == 0
+
+
 def layout_for_files(named: list[tuple[str, torch.Tensor]], leads: list) -> tuple[list[Slot], int]:
-    """Slots for `named` tensors whose bytes come from files: a tensor with a
-    `lead` (its file offset modulo `DIRECT_ALIGN`) sits at that offset modulo
-    `DIRECT_ALIGN` with aligned gaps around it, so that the aligned range
-    around it in its file can be read straight into the page ([Note: direct
-    reads] in engine/disk.py); one with `lead` None is placed as by `layout`. The
-    total is a multiple of `DIRECT_ALIGN`."""
+    """Slots for `named` tensors whose bytes come from files: a tensor whose
+    `lead` (its file offset modulo `DIRECT_ALIGN`) is `in_place` sits at that
+    offset modulo `DIRECT_ALIGN` with aligned gaps around it, so that the
+    aligned range around it in its file can be read straight into the page
+    ([Note: direct reads] in engine/page_io.py); any other is placed as by
+    `layout`, on an `ALIGN_BYTES` boundary. The total is a multiple of
+    `DIRECT_ALIGN`."""
     slots, offset = [], 0
     for (name, t), lead in zip(named, leads):
         nbytes = t.numel() * t.element_size()
-        offset = align(offset) if lead is None else align_up(offset) + lead
+        at = lead if in_place(lead) else None
+        offset = align(offset) if at is None else align_up(offset) + at
         slots.append(Slot(name, t.dtype, t.shape, offset, nbytes))
-        offset = offset + nbytes if lead is None else align_up(offset + nbytes)
+        offset = offset + nbytes if at is None else align_up(offset + nbytes)
     return slots, align_up(offset)
 
 

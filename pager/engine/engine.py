@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from ..base.block import PageState, Segment, layout, layout_for_files, storage_key
+from ..base.block import PageState, Segment, in_place, layout, layout_for_files, storage_key
 from ..base.budget import format_bytes
 from ..base.common import ROOM_WAIT_SECONDS, BudgetError, _record_range
 from ..codec.compress import encode
@@ -219,7 +219,7 @@ class Engine:
             for slot, parts in zip(slots, pieces):
                 at = slot.offset
                 for piece in parts:
-                    piece.page_offset, piece.padded = at, len(parts) == 1 and piece.lead is not None
+                    piece.page_offset, piece.padded = at, len(parts) == 1 and in_place(piece.lead)
                     at += piece.nbytes
             pieces = [piece for parts in pieces for piece in parts]
             host, encoded = None, None
