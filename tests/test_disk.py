@@ -266,12 +266,34 @@ def test_pages_are_read_in_the_background_before_any_forward(tmp_path, monkeypat
     assert_models_equal(model, ref)
 
 
+def test_a_small_model_loaded_holds_its_pages_not_a_whole_region(tmp_path):
+    """Host memory near 1x the model: the regions made for a model's pages
+    (pinned on CUDA: every byte touched) are as large as its pages, to a huge
+    page; a pipeline's VAE of 0.2 GB held a region of 1 GiB."""
+    from pager.engine.host import HUGE_PAGE_BYTES
+
+    ref = TinyLM(**BIG)
+    path = _write(tmp_path, ref, "file")
+    model = _meta(**BIG)
+    pager.load(model, path, budget=3 * _layer_bytes(ref) + (1 << 20), device="cpu")
+    pg = pager.of(model)
+    pg.reset()  # (every page placed and read)
+    disk = pg.engine.host.disks[pg]
+    assert 0 < disk.arena.used_bytes <= disk.arena.reserved_bytes <= disk.arena.used_bytes + HUGE_PAGE_BYTES
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        assert_same(model(ids), ref(ids))
+    pager.unwrap(model)
+    assert_models_equal(model, ref)
+
+
 def test_region_supply_plans_first_fit_and_raises_a_pinning_error_where_the_region_is_taken():
     from pager.engine import arena
 
     a = arena.PageArena(None, pin=False)
-    a.supply([600 << 20, 600 << 20, 300 << 20, 2 << 30])  # (1 GiB regions, first fit; a larger page its own)
-    assert [a._supply.take()[1].numel() for _ in range(3)] == [1 << 30, 1 << 30, 2 << 30]
+    # (first fit into 1 GiB regions, each then cut to the pages it takes; a larger page its own)
+    a.supply([600 << 20, 600 << 20, 300 << 20, 2 << 30])
+    assert [a._supply.take()[1].numel() for _ in range(3)] == [900 << 20, 600 << 20, 2 << 30]
     assert a._supply.take() is None
     a.close()
 

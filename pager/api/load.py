@@ -105,9 +105,12 @@ def load(model: nn.Module, checkpoint, budget=None, *, host_budget=None, spill=N
 
         def setup(pager):  # (before its blocks are built)
             pager.sources = {id(t): piece for t, piece in sources}
+            pages_bytes = sum(p.nbytes for _t, parts in sources for p in parts)
             if capacity is None:
-                pager.arena.check_room(sum(p.nbytes for _t, parts in sources for p in parts), "the model's pages")
-            pager.engine.host.disks[pager] = DiskTier(pager, capacity, spill, pin=pager.engine.host.pin)
+                pager.arena.check_room(pages_bytes, "the model's pages")
+            disk = pager.engine.host.disks[pager] = DiskTier(pager, capacity, spill, pin=pager.engine.host.pin)
+            if capacity is None:
+                disk.arena.expect(pages_bytes)  # (the pages the wrap fetches take no larger region)
 
         model = _wrap(model, budget, setup=setup, **options)
     except BaseException:

@@ -35,11 +35,11 @@ import threading
 
 import torch
 
-from ..base.block import DIRECT_ALIGN, align_up
+from ..base.block import DIRECT_ALIGN, align, align_up
 from ..base.common import WORKER_PREFIX
-from .host import host_memory, unregister
+from .host import HUGE_PAGE_BYTES, host_memory, unregister
 
-REGION_BYTES = 1 << 30  # the least region made for pages (without a host budget)
+REGION_BYTES = 1 << 30  # a region for pages without a host budget (a larger page: its own; fewer pages: theirs)
 
 
 def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +126,21 @@ class PageArena:
         self._bases: list[torch.Tensor] = []  # what was allocated (and registered)
         self.free: list[list] = []  # per chunk: sorted [offset, size]
         self.reserved_bytes = self.used_bytes = 0
+        self.expected_bytes: int | None = None  # (see `expect`)
         self._supply: RegionSupply | None = None
+
+    def expect(self, nbytes: int) -> None:
+        """About `nbytes` of pages will be placed (a loaded model's weights):
+        a region made on demand before `supply` (the pages a load fetches
+        first) is no larger than what is still to come."""
+        self.expected_bytes = nbytes
 
     def supply(self, page_bytes: list[int], made=None) -> None:
         """Start pinning, in the background, regions for pages of `page_bytes`
         (in the order they will be placed) beyond the holes there are now;
         `made()` is called on that thread after each."""
         holes = [hole[1] for holes in self.free for hole in holes]
+        first_new = len(holes)
         sizes: list[int] = []
         for nbytes in map(align_up, page_bytes):  # (first fit, as `allocate` places them)
             fit = next((i for i, room in enumerate(holes) if room >= nbytes), None)
@@ -141,6 +149,9 @@ class PageArena:
                 holes.append(sizes[-1])
                 fit = len(holes) - 1
             holes[fit] -= nbytes
+        # Each region no larger than the pages it takes (to a huge page): pinning touches every byte, so
+        # a model of 0.2 GB (a pipeline's VAE) would hold a whole REGION_BYTES of host memory.
+        sizes = [min(size, align(size - holes[first_new + i], HUGE_PAGE_BYTES)) for i, size in enumerate(sizes)]
         if sizes:
             self._supply = RegionSupply(sizes, self.pin, made)
 
@@ -174,8 +185,15 @@ class PageArena:
             self._add(*new_region(align_up(self.capacity_bytes), self.pin))
         else:
             region = self._supply.take() if self._supply is not None else None
-            self._add(*(region or new_region(max(REGION_BYTES, nbytes), self.pin)))
+            self._add(*(region or new_region(self._region_bytes(nbytes), self.pin)))
         return self.allocate(nbytes, high)
+
+    def _region_bytes(self, nbytes: int) -> int:
+        """The size of a region made on demand for a page of `nbytes`."""
+        to_come = None if self.expected_bytes is None else self.expected_bytes - self.reserved_bytes
+        if to_come is None or not 0 < to_come < REGION_BYTES:
+            return max(REGION_BYTES, nbytes)
+        return max(nbytes, align(to_come, HUGE_PAGE_BYTES))
 
     def release(self, c: int, offset: int, nbytes: int) -> None:
         nbytes = align_up(max(nbytes, 1))
