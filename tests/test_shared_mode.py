@@ -1,5 +1,5 @@
 """With a second Python thread alive, every pager is in the shared mode
-([Note: tensors and threads] in base/guards.py): a block in use stays guarded
+([Note: tensors and threads] in base/served.py): a block in use stays guarded
 and only the threads that pinned it pass unserved. The transparency, kept-view,
 training and activation suites run again here in that mode, and another thread reads every
 tensor while the model trains under a tight budget."""

@@ -8,7 +8,7 @@ that kills the CUDA context on a GPU). So a block's tensors have their own
 class only while the block is in use (pinned: its forward, backward or
 optimizer update runs) or while every block is resident and the pager sleeps
 (nothing can leave then); once the process has several Python threads, not
-even then (see [Note: tensors and threads]). Otherwise the class of each is swapped for a
+even then (see [Note: tensors and threads] in base/served.py). Otherwise the class of each is swapped for a
 subclass (`GuardedParameter` for a Parameter, `GuardedTensor` for a buffer or
 an optimizer state tensor) whose `__torch_function__` serves the access: it
 acquires the block for the operation (a fetch on demand if it is paged out,
@@ -35,6 +35,9 @@ A view taken while the block is in use (inside its forward, or while the
 pager sleeps) is made by PyTorch alone, so pager learns of it afterwards:
 see [Note: views kept from a use] in base/views.py.
 
+The serving itself is `base/served.py`; which operations need no bytes, or
+write in place, `base/tensor_ops.py`.
+
 Gradients that left with their block are `PagedOutGrad`s (`training/grads.py`); their
 accesses are served the same way, except the ones a training loop makes
 between backward and step (zeroing, scaling, norms, GradScaler's unscale),
@@ -43,182 +46,30 @@ which `GradOps.grad_op` answers without moving bytes.
 
 from __future__ import annotations
 
-import threading
-import weakref
-from contextlib import ExitStack
-from typing import Any, cast
-
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import served
 from .common import outside_compile
-from .conversions import put_back_converted
 from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
-from .saving import saving
+from .tensor_ops import DATA_GETTER, DATA_SET, METADATA, tensors_of
 from .wrappers import inner_tensors, is_wrapper, rebuilt
 
 
-# ------------------------------------------------------------- the classes
-def _names(kind, names):
-    return {getattr(getattr(torch.Tensor, n), kind) for n in names if hasattr(torch.Tensor, n)}
-
-
-# Answered from the tensor object alone: no fetch.
-_METADATA = (
-    _names(
-        "__get__",
-        [
-            "shape",
-            "dtype",
-            "device",
-            "requires_grad",
-            "grad",
-            "is_leaf",
-            "grad_fn",
-            "_version",
-            "layout",
-            "ndim",
-            "names",
-            "is_cuda",
-            "is_cpu",
-            "is_meta",
-            "is_sparse",
-            "is_sparse_csr",
-            "is_quantized",
-            "is_mkldnn",
-            "is_nested",
-            "is_mps",
-            "is_xpu",
-            "retains_grad",
-            "output_nr",
-            "itemsize",
-            "nbytes",
-            "_backward_hooks",
-            "_post_accumulate_grad_hooks",
-            "name",
-            "_cdata",
-            "_grad",
-            "_grad_fn",
-        ],
-    )
-    | _names(
-        "__set__",
-        [
-            "grad",
-            "requires_grad",
-            "_backward_hooks",
-            "_post_accumulate_grad_hooks",
-            "name",
-            "_grad",
-        ],
-    )
-    | {
-        getattr(torch.Tensor, n)
-        for n in [
-            "size",
-            "dim",
-            "numel",
-            "nelement",
-            "stride",
-            "storage_offset",
-            "is_contiguous",
-            "element_size",
-            "get_device",
-            "is_floating_point",
-            "is_complex",
-            "is_signed",
-            "requires_grad_",
-            "register_hook",
-            "register_post_accumulate_grad_hook",
-            "retain_grad",
-            "__len__",
-            "_is_view",
-            "is_inference",
-            "is_conj",
-            "is_neg",
-            "__dir__",
-            "__hash__",
-            "_fix_weakref",
-        ]
-        if hasattr(torch.Tensor, n)
-    }
-    | {
-        torch.numel,
-        torch.is_floating_point,
-        torch.is_complex,
-    }
-    | {getattr(torch._C, n) for n in ["_group_tensors_by_device_and_dtype"] if hasattr(torch._C, n)}
-)
-_DATA_SET = cast(Any, torch.Tensor.data).__set__  # (a descriptor: torch's stubs type `data` as a Tensor)
-_DATA_GETTER = cast(Any, torch.Tensor.data).__get__
-_GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
-# Views that read no element: answered without a fetch by a view that is
-# itself guarded (and remembered with its segment, so it never dangles).
-_VIEWS = (
-    _names("__get__", ["data", "T", "mT"])
-    | {
-        getattr(torch.Tensor, n)
-        for n in [
-            "detach",
-            "view",
-            "view_as",
-            "t",
-            "transpose",
-            "swapaxes",
-            "permute",
-            "movedim",
-            "unsqueeze",
-            "squeeze",
-            "expand",
-            "expand_as",
-            "narrow",
-            "select",
-            "unflatten",
-            "as_strided",
-            "unbind",
-            "split",
-            "chunk",
-        ]
-        if hasattr(torch.Tensor, n)
-    }
-    | {
-        getattr(torch, n)
-        for n in [
-            "detach",
-            "t",
-            "transpose",
-            "swapaxes",
-            "permute",
-            "movedim",
-            "unsqueeze",
-            "squeeze",
-            "narrow",
-            "select",
-            "unflatten",
-            "as_strided",
-            "unbind",
-            "split",
-            "chunk",
-        ]
-        if hasattr(torch, n)
-    }
-)
-
-
 def _torch_function(cls, func, types, args=(), kwargs=None):
-    return handle(func, args, kwargs or {})
+    return served.handle(func, args, kwargs or {})
 
 
 def _deepcopy(self, memo):
     # Served with the tensor's own class back (these build the copy from
     # type(self)), so the copy is of that class, never a Guarded one.
-    return serve(lambda: self.__deepcopy__(memo), [self], expose=True)
+    return served.serve(lambda: self.__deepcopy__(memo), [self], expose=True)
 
 
 def _reduce_ex(self, proto):
-    return serve(lambda: self.__reduce_ex__(proto), [self], expose=True)
+    return served.serve(lambda: self.__reduce_ex__(proto), [self], expose=True)
 
 
 class GuardedTensor(torch.Tensor):
@@ -323,7 +174,7 @@ def _plain_torch_function(cls) -> bool:
 # belongs to no block: it runs as its own class, with nothing to serve. One
 # that aliases a page is found by its storage (`entry_of`) and served like
 # any view of it; one the kernels of a weight in use return is remembered
-# with the page at once (`_remember_wrapper_views`; `_swap_to_guard` takes it
+# with the page at once (`_remember_wrapper_views`; `swap_to_guard` takes it
 # as it is), so that unwrap can let it go. So "no block" does not mean
 # "orphaned": only views pager guarded and let go at unwrap (`release` puts
 # them in ORPHANS) are refused; `_storage_gone` catches a view of a page gone
@@ -345,22 +196,22 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     One of its guard class that no block owns runs as its own class ([Note:
     guard-class wrappers pager did not guard])."""
     kwargs = kwargs or {}
-    if func in _METADATA:
-        return handle(func, args, kwargs)
-    tensors = _tensors_of(args, kwargs)
+    if func in METADATA:
+        return served.handle(func, args, kwargs)
+    tensors = tensors_of(args, kwargs)
     if any(type(t) in GUARD_TYPES and t in ORPHANS for t in tensors):
         raise RuntimeError(_ORPHANED_WRAPPER)
     paged = [t for t in tensors if type(t) in STAND_INS or (type(t) in GUARD_TYPES and entry_of(t) is not None)]
     if func in _DETACH and paged:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
         return _detached_wrapper(args[0])
-    if func == _DATA_SET and paged and _unserved(paged) != []:
+    if func == DATA_SET and paged and served.unserved(paged) != []:
         # (`w.data = other` would change the wrapper's sizes while its page kept
         # the old bytes, which the forward reads: refused as a plain tensor's is)
-        return handle(func, args, kwargs)
+        return served.handle(func, args, kwargs)
     # No guarded tensor of a block, or their blocks pinned by this thread
     # (shared mode: in use, still guarded; their inner tensors pass their
     # guards unserved too): the wrapper's own `__torch_function__` runs.
-    if not paged or _unserved(paged) == []:
+    if not paged or served.unserved(paged) == []:
         if not paged and any(_storage_gone(t) for t in tensors if type(t) in GUARD_TYPES):
             raise RuntimeError(_ORPHANED_WRAPPER)  # (a view pager never saw, of a page gone at unwrap)
         own = cls.guarded_class
@@ -368,7 +219,7 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
         if paged:
             _remember_wrapper_views(result)
         return result
-    return _serve_owners(owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
+    return served.serve_owners(served.owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
 
 
 def _remember_wrapper_views(result) -> None:
@@ -380,7 +231,7 @@ def _remember_wrapper_views(result) -> None:
         if type(r) in GUARD_TYPES and is_wrapper(r) and id(r) not in TENSORS:
             entry = entry_of(r)
             if entry is not None:
-                remember_alias(entry[2], r)
+                served.remember_alias(entry[2], r)
 
 
 def _storage_gone(t) -> bool:
@@ -405,7 +256,7 @@ def _detached_wrapper(t):
             alias = t.detach()
         finally:
             t.__class__ = guard
-        remember_alias(entry[2], alias)
+        served.remember_alias(entry[2], alias)
     return alias
 
 
@@ -417,9 +268,10 @@ def unguarded_class(t):
 def _wrapper_repr(self):
     if self in ORPHANS:
         raise RuntimeError(_ORPHANED_WRAPPER)
-    if _unserved([self]) == []:  # its block pinned by this thread (shared mode): a serving would open it to all
+    if served.unserved([self]) == []:  # its block pinned by this thread (shared mode): a serving would open it to all
         return _own_repr(self)
-    return serve(lambda: _own_repr(self), [self], expose=True)  # (in its own class: a subclass may print type(self))
+    # (in its own class: a subclass may print type(self))
+    return served.serve(lambda: _own_repr(self), [self], expose=True)
 
 
 def _own_repr(t) -> str:
@@ -450,7 +302,7 @@ def _data_get(self):
     entry = TENSORS.get(id(self))
     if entry is not None:
         entry[2].force_dirty = True
-    return _DATA_GETTER(self)
+    return DATA_GETTER(self)
 
 
 def _with_own_class(name):
@@ -480,7 +332,7 @@ def in_use_class(cls):
                 cls.__name__,
                 (cls,),
                 {
-                    "data": property(_data_get, _DATA_SET),
+                    "data": property(_data_get, DATA_SET),
                     "__torch_function__": torch._C._disabled_torch_function_impl,
                     "__deepcopy__": _with_own_class("__deepcopy__"),
                     "__reduce_ex__": _with_own_class("__reduce_ex__"),
@@ -507,13 +359,13 @@ def guard(seg) -> None:
     if not seg.exposed:
         return
     seg.exposed = False
-    seg.classes = [_swap_to_guard(t) for t in seg.tensors]
-    seg.wrapper_classes = [_swap_to_guard(t) for t in seg.wrappers]
+    seg.classes = [swap_to_guard(t) for t in seg.tensors]
+    seg.wrapper_classes = [swap_to_guard(t) for t in seg.wrappers]
     live = []
     for ref, _cls in seg.aliases:
         t = ref()
         if t is not None:
-            live.append((ref, _swap_to_guard(t)))
+            live.append((ref, swap_to_guard(t)))
     seg.aliases = live
 
 
@@ -554,7 +406,7 @@ def _expose_quantized(seg) -> None:
 
 def open_to_pinning_threads(seg) -> None:
     """Shared mode: `seg` stays guarded, but the threads that pinned its block
-    pass the guard unserved ([Note: tensors and threads])."""
+    pass the guard unserved ([Note: tensors and threads] in base/served.py)."""
     seg.open = True
     if any(ref() is not None for ref, _cls in seg.aliases):
         seg.force_dirty = True  # as in `expose`: writes through .data escape the version counter
@@ -574,415 +426,15 @@ def release(seg) -> None:
         t = ref()
         if t is not None:
             if type(t) not in GUARD_TYPES:
-                _swap_to_guard(t)
+                swap_to_guard(t)
             ORPHANS[t] = True
     unregister(seg)
 
 
-def _swap_to_guard(t):
+def swap_to_guard(t):
     cls = unguarded_class(t) if type(t) in GUARD_TYPES else own_class(t)  # (a wrapper a guarded one made)
     guard = guard_class(cls)
     if guard is None:
         return None
     t.__class__ = guard
     return cls
-
-
-# ------------------------------------------------------------- serving
-def handle(func, args, kwargs):
-    """`__torch_function__` of every paged-out tensor (PagedOutGrad too)."""
-    if func in _METADATA:
-        entry = entry_of(args[0]) if func in _GRAD_SETTERS else None
-        with torch._C.DisableTorchFunctionSubclass():
-            if entry is None:
-                return func(*args, **kwargs)
-            with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
-                return func(*args, **kwargs)
-    if func == _DATA_SET and len(args) > 1 and (args[1] is args[0] or _same_place(args[0], args[1])):
-        # (`t.data = t`: `module.to()` to the device and dtype it has; `t.data += d`,
-        # as peft's LoRA merge writes: the getter's view, changed in place, given
-        # back. Nothing changes.)
-        return None
-    tensors = _tensors_of(args, kwargs)
-    sleepers = _unserved(tensors)
-    if sleepers is not None:
-        if func == _DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
-            entry_of(args[0])[2].force_dirty = True
-        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # printed from a copy, as served below
-            func, args = _printed, (func, *args)
-        result = _run_unserved(func, args, kwargs, sleepers)
-        if result is not _WOKE:
-            return result
-    if func == _DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
-        name, entry = _name_of(args[0]), entry_of(args[0])
-        undone = put_back_converted(entry[0]) if entry is not None else []
-        raise RuntimeError(
-            f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
-            f"(pager would keep paging the old bytes); a wrapped model's dtype and device stay as wrap made "
-            f"them (`model.to(...)`, `.half()`: unwrap, convert, wrap again). To change a value, copy into it: "
-            f"`with torch.no_grad(): tensor.copy_(new)`."
-            + (f" The {len(undone)} tensors changed before this one are as they were." if undone else "")
-        )
-    if any(type(t) in GUARD_TYPES and not owners_of([t]) for t in tensors):
-        raise RuntimeError(
-            "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
-            "model's tensors have their own memory since, and this view has none. Take the view again "
-            "from the unwrapped model."
-        )
-    if func in _VIEWS and not any(type(t) in STAND_INS for t in tensors):
-        return _paged_out_view(func, args, kwargs)
-    if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
-        # Printed from a copy, so the guard's class name does not show (a
-        # stand-in's: of the gradient it stands for, back on the device).
-        return serve(lambda: _printed(func, *args, **kwargs), [args[0]])
-    if func in _NUMPY:
-        # numpy() shares memory, which a page cannot (its storage must stay
-        # resizable): a read-only copy, so a write through it is an error.
-        array = serve(lambda: func(_unguarded_clone(_real(args[0])), *args[1:], **kwargs), [args[0]])
-        array.flags.writeable = False
-        return array
-    owners = owners_of(tensors)
-    if len(owners) == 1:
-        pager, wanted = next(iter(owners.items()))
-        answer = pager.grad_ops.grad_op(func, args, kwargs, wanted)
-        if answer is not NotImplemented:
-            return answer
-    if _is_foreach(func, args) and sum(map(len, owners.values())) > 1:
-        return _serve_foreach(func, args, kwargs)
-    return _serve_owners(owners, lambda: _call(func, args, kwargs), func)
-
-
-# [Note: tensors and threads]
-# Exposing a block in use (its tensors' own class) exposes it to every
-# thread: another thread's read would run unserved, unpinned, and could still
-# be reading when the block is released and evicted. While the process has one
-# Python thread that cannot happen, and a use pays only for the class swaps.
-# Once a second thread exists (checked at each use and served access;
-# `Uses.note_threads`), the pager is in the shared mode for good: a block in
-# use keeps its guard, and the threads that pinned it (`Block.thread_pins`)
-# pass it here unserved (a few microseconds per operation), while any other
-# thread is served (the block pinned for its operation, so it cannot leave
-# under it). A sleeping pager (every block resident, nothing can leave until
-# it wakes) keeps the guard too, and every thread passes it unserved, counted
-# as a reader; waking waits for the readers before anything may leave.
-
-
-def _unserved(tensors):
-    """Shared mode: may this operation run on `tensors` unserved? Yes if each
-    guarded one's block is pinned by this thread (and open), or its pager
-    sleeps. Returns the sleeping pagers involved (see `_run_unserved`), or
-    None for no."""
-    tid, sleepers, guarded = None, [], False
-    for t in tensors:
-        kind = type(t)
-        if kind in STAND_INS:
-            return None
-        if kind not in GUARD_TYPES:
-            continue
-        entry = entry_of(t)
-        if entry is None:
-            return None
-        pager, block, seg = entry
-        guarded = True
-        if pager.asleep:
-            if pager not in sleepers:
-                sleepers.append(pager)
-            continue
-        if not seg.open:
-            return None
-        if tid is None:
-            tid = threading.get_ident()
-        if not block.thread_pins.get(tid):
-            return None
-    return sleepers if guarded else None
-
-
-_WOKE = object()
-
-
-def _run_unserved(func, args, kwargs, sleepers):
-    """Run an operation unserved. On a sleeping pager it counts as a reader
-    first, then checks the pager still sleeps: `Hooks.wake` clears `asleep` first,
-    then waits for the readers, so no access that began asleep is running when
-    something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
-    me = threading.get_ident()
-    for pager in sleepers:
-        pager.asleep_readers.append(me)
-    try:
-        if not all(pager.asleep for pager in sleepers):
-            return _WOKE
-        if sleepers and torch.is_grad_enabled():  # a graph built outside a forward: count what it saves
-            with unguarded(), saving(count=True):
-                return func(*args, **kwargs)
-        with unguarded():
-            return func(*args, **kwargs)
-    finally:
-        for pager in sleepers:
-            pager.asleep_readers.remove(me)
-
-
-def _tensors_of(args, kwargs) -> list:
-    """The tensors among an operation's arguments. Flat ones directly (a
-    pytree walk costs more than the operation it guards), nested ones through
-    the pytree."""
-    out = []
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    out.append(item)
-                elif isinstance(item, (list, tuple, dict)):
-                    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        elif isinstance(value, dict):
-            return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _is_foreach(func, args) -> bool:
-    return (
-        getattr(func, "__name__", "").startswith(("_foreach_", "_amp_foreach_"))
-        and bool(args)
-        and isinstance(args[0], (list, tuple))
-    )
-
-
-def _serve_foreach(func, args, kwargs):
-    """A foreach op over tensors of several blocks, one block at a time (they
-    need not fit the budget together); each element's result is the same as in
-    one call. Lists as long as the first are sliced alongside it."""
-    n = len(args[0])
-    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == n]
-    groups: dict = {}
-    for k in range(n):
-        owners = owners_of([args[i][k] for i in lists if isinstance(args[i][k], torch.Tensor)])
-        key = tuple((id(p), id(b)) for p, w in owners.items() for b in w)
-        groups.setdefault(key, []).append(k)
-    out = [None] * n
-    returns_list = False
-    for idx in groups.values():
-        part = [[args[i][k] for k in idx] if i in lists else a for i, a in enumerate(args)]
-        tensors = [t for i in lists for t in part[i] if isinstance(t, torch.Tensor)]
-        result = _serve_owners(owners_of(tensors), lambda part=part: _call(func, part, kwargs), func)
-        if isinstance(result, (list, tuple)):
-            returns_list = True
-            for k, r in zip(idx, result):
-                out[k] = r
-    return out if returns_list else None
-
-
-_NUMPY: set = {torch.Tensor.numpy, torch.Tensor.__array__}
-
-
-def _paged_out_view(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        result = func(*args, **kwargs)
-    for r in tree_leaves(result):
-        if isinstance(r, torch.Tensor):
-            entry = entry_of(r)
-            if entry is not None and id(r) not in TENSORS:
-                remember_alias(entry[2], r)
-    return result
-
-
-def _printed(func, t, *args, **kwargs):
-    return func(_unguarded_clone(_real(t), keep_requires_grad=True), *args, **kwargs)
-
-
-def _unguarded_clone(t, keep_requires_grad=False):
-    with unguarded():
-        copy = t.detach().clone()
-    return copy.requires_grad_(True) if keep_requires_grad and t.requires_grad else copy
-
-
-def serve(fn, tensors, expose: bool = False):
-    """Run `fn()` with the blocks of `tensors` acquired (fetched on demand)."""
-    return _serve_owners(owners_of(tensors), fn, expose=expose)
-
-
-def _serve_owners(owners, fn, func=None, expose: bool = False):
-    with ExitStack() as stack:
-        for pager, wanted in owners.items():
-            stack.enter_context(pager.serve.serving(wanted, expose))
-        result = fn()
-        for pager, wanted in owners.items():
-            pager.serve.served(wanted, result, writes=func is not None and writes_in_place(func))
-        return result
-
-
-def writes_in_place(func) -> bool:
-    """Does `func` write into its first argument? (By name, as torch names them.)"""
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
-
-
-_IN_PLACE_DUNDERS = {
-    "__setitem__",
-    "__iadd__",
-    "__isub__",
-    "__imul__",
-    "__itruediv__",
-    "__ifloordiv__",
-    "__imod__",
-    "__ipow__",
-    "__iand__",
-    "__ior__",
-    "__ixor__",
-    "__ilshift__",
-    "__irshift__",
-}
-
-
-def owners_of(tensors) -> dict:
-    """{pager: {block: set of segment kinds}} for the tensors that belong to a block."""
-    owners: dict = {}
-    for t in tensors:
-        if type(t) in STAND_INS:
-            pager, block, kind = t.pager, t.block, "grads"
-        else:
-            entry = entry_of(t)
-            if entry is None:
-                continue
-            pager, block, seg = entry
-            kind = seg.kind
-        owners.setdefault(pager, {}).setdefault(block, set()).add(kind)
-    return owners
-
-
-def _real(tree):
-    """Replace every PagedOutGrad by the gradient it stands for (its block acquired)."""
-    return tree_map(lambda t: t.current() if type(t) in STAND_INS else t, tree)
-
-
-# Reads that build no graph (and whose output would show the identity node).
-_NO_GRAPH = {
-    "__repr__",
-    "__format__",
-    "__str__",
-    "__reduce_ex__",
-    "__deepcopy__",
-    "__bool__",
-    "__float__",
-    "__int__",
-    "__index__",
-    "__array__",
-    "__len__",
-    "__contains__",
-    "tolist",
-    "item",
-    "numpy",
-    "data_ptr",
-    "untyped_storage",
-    "equal",
-    "allclose",
-}
-
-
-def _call(func, args, kwargs):
-    """Run `func` on the acquired blocks' tensors. If it builds a graph, its
-    inputs from blocks pass through `PostBackward` (an identity whose backward
-    releases the block), so the backward of this operation holds the block
-    only while it runs, as a block's own forward does."""
-    with unguarded():  # the tensors stay guarded for other threads; this thread's access is pinned
-        return _call_pinned(func, args, kwargs)
-
-
-def _call_pinned(func, args, kwargs):
-    args, kwargs = _real(args), _real(kwargs)
-    if not torch.is_grad_enabled() or writes_in_place(func) or getattr(func, "__name__", "") in _NO_GRAPH:
-        return func(*args, **kwargs)
-    by_block: dict = {}
-    for t in tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            entry = entry_of(t)
-            if entry is not None and entry[1].trainable:
-                by_block.setdefault((entry[0], entry[1]), {})[id(t)] = t
-    swap: dict = {}
-    back: dict = {}
-    for (pager, block), tensors in by_block.items():
-        outs = PostBackward.apply(pager.hooks, block, *tensors.values())
-        swap.update(zip(tensors.keys(), outs))
-        back.update((id(o), t) for o, t in zip(outs, tensors.values()))
-    args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    with saving(count=True):  # what the graph saves is autograd's, not a kept view
-        result = func(*args, **kwargs)
-    # An operation that returns its input (p.cpu() on the CPU) returns the input itself.
-    return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
-
-
-def _same_place(t, value) -> bool:
-    """`value` views exactly `t`'s bytes in its page (its `.data`): the same
-    storage, offset, sizes, strides and dtype (a wrapper subclass, whose
-    offset is its own, never)."""
-    if not isinstance(value, torch.Tensor) or is_wrapper(value) or is_wrapper(t):
-        return False
-    mine, theirs = entry_of(t), entry_of(value)
-    if mine is None or theirs is None or mine[2] is not theirs[2]:
-        return False
-    with torch._C.DisableTorchFunctionSubclass():
-        return value.untyped_storage()._cdata == t.untyped_storage()._cdata and (
-            value.dtype,
-            value.shape,
-            value.stride(),
-            value.storage_offset(),
-        ) == (t.dtype, t.shape, t.stride(), t.storage_offset())
-
-
-def aliases_in(result, wanted) -> list:
-    """(segment, tensor) for results that alias the storage of a block in `wanted`."""
-    out = []
-    for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in TENSORS:
-            continue  # (a segment's own tensor is no alias)
-        entry = entry_of(r)
-        if entry is not None and entry[1] in wanted:
-            out.append((entry[2], r))
-    return out
-
-
-def remember_alias(seg, t) -> bool:
-    """Track a view of `seg`'s storage: guarded while the segment is, and,
-    while it is in use, a reason to write the segment back (a write through
-    `.data` moves no version counter of the segment's tensors; writes through
-    a guarded view are served and marked then). True if it was new."""
-    new = not any(ref() is t for ref, _cls in seg.aliases)
-    if new:
-        cls = type(t)
-        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
-            cls = _swap_to_guard(t)
-            if cls is None:
-                return False
-        # Dead entries go as new ones come (a block that never leaves is never guarded again).
-        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
-        seg.aliases.append((weakref.ref(t), cls))
-    if seg.exposed or seg.open:
-        seg.force_dirty = True
-    return new
-
-
-def _name_of(t) -> str:
-    entry = entry_of(t)
-    if entry is None:
-        return "a tensor"
-    _pager, block, seg = entry
-    for slot, tensor in zip(seg.slots, seg.tensors):
-        if tensor is t:
-            return f"{slot.name!r} (block {block.name!r})"
-    return f"a view of block {block.name!r}"
-
-
-class PostBackward(torch.autograd.Function):
-    """Identity on a block's inputs whose backward runs once the block's is
-    done: it lets the block go (`Hooks.post_backward`)."""
-
-    @staticmethod
-    def forward(ctx, hooks, block, *tensors):
-        ctx.hooks, ctx.block = hooks, block
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    @outside_compile
-    def backward(ctx, *grads):
-        ctx.hooks.post_backward(ctx.block)
-        return (None, None, *grads)

@@ -1,6 +1,6 @@
 """Which Python threads may use a model's tensors ([Note: threads that are
 not users]); the answer puts a pager in the shared mode ([Note: tensors and
-threads] in base/guards.py)."""
+threads] in base/served.py)."""
 
 from __future__ import annotations
 

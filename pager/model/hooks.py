@@ -15,7 +15,7 @@ from types import FrameType
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..base import guards, saving
+from ..base import saving, served
 from ..base.block import Block
 from ..base.budget import format_bytes
 from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, model_hook, outside_compile
@@ -485,7 +485,7 @@ class Hooks:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        outs = guards.PostBackward.apply(self, block, *[flat[i] for i in idx])
+        outs = served.PostBackward.apply(self, block, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)

@@ -131,7 +131,7 @@ class Uses:
         their own class, only while it is in use (see [Note: paged-out
         tensors] in base/guards.py). With other threads about, they keep the guard
         and only the threads that pinned the block pass it unserved ([Note:
-        tensors and threads] in base/guards.py); `everyone` (the pager going to sleep) gives
+        tensors and threads] in base/served.py); `everyone` (the pager going to sleep) gives
         them their own class all the same."""
         if not everyone:
             self.note_threads()
@@ -144,7 +144,7 @@ class Uses:
 
     def note_threads(self) -> None:
         """Enter the shared mode once a second Python thread exists; blocks in
-        use then stop being exposed to every thread ([Note: tensors and threads] in base/guards.py)."""
+        use then stop being exposed to every thread ([Note: tensors and threads] in base/served.py)."""
         if self.pager.shared_mode or not other_threads():
             return
         self.pager.shared_mode = True

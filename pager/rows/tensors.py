@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..base.guards import _METADATA, _tensors_of
+from ..base.tensor_ops import METADATA, tensors_of
 
 _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 _BAG_ARGS = (
@@ -51,10 +51,10 @@ def _run_on_host_tables(func, args, kwargs, guard_type):
     cache changed are written back first, cached rows are forgotten if `func`
     wrote to a table, and a result that shares a host table's memory is an
     alias (see [Note: write-back of cached rows] in rows/table.py)."""
-    if func in _METADATA:
+    if func in METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    guarded = [t for t in _tensors_of(args, kwargs) if type(t) is guard_type]
+    guarded = [t for t in tensors_of(args, kwargs) if type(t) is guard_type]
     for t in guarded:
         t._row_table.flush()
     with torch._C.DisableTorchFunctionSubclass():
@@ -154,7 +154,7 @@ class RowGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         me = args[0] if args and isinstance(args[0], RowGrad) and args[0].made is None else None
-        if func in _METADATA:
+        if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if me is not None and func in _KEEPS_SELF:

@@ -12,7 +12,7 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..base import guards
+from ..base import guards, served
 from .grads import ZERO, PagedOutGrad
 
 log = logging.getLogger("pager")
@@ -44,7 +44,7 @@ class GradOps:
             return NotImplemented
         # The other tensors (resident gradients, guarded while idle) run for
         # real, their blocks pinned for it.
-        others = guards.owners_of(
+        others = served.owners_of(
             [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, PagedOutGrad)]
         )
         pager = self.pager
