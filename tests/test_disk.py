@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -160,14 +161,17 @@ def test_a_range_the_page_cache_holds_is_copied_from_it_and_one_it_does_not_is_r
         files.close()
 
 
-def test_a_range_off_the_files_alignment_is_read_direct_into_an_aligned_place(tmp_path):
+def test_a_range_off_the_files_alignment_is_read_direct_into_an_aligned_place(tmp_path, monkeypatch):
     """[Note: direct reads]: a tensor 8 bytes past an aligned file offset (as
     safetensors packs them) lies on an aligned place of its page, read direct
     chunk by chunk through the reading thread's bounce buffer; the page's
     bytes around it stay as they were."""
+    from pager.engine import page_io
     from pager.engine.arena import aligned_empty
     from pager.engine.page_io import Files, Piece, ReadPath, read_range
 
+    monkeypatch.setattr(page_io, "BOUNCE_BYTES", 1 << 20)  # (a tensor larger than it: read a piece at a time)
+    monkeypatch.setattr(page_io, "_bounces", threading.local())
     data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     path = tmp_path / "pages.bin"
     path.write_bytes(data.numpy().tobytes())
@@ -181,6 +185,11 @@ def test_a_range_off_the_files_alignment_is_read_direct_into_an_aligned_place(tm
         assert read_range(files, page, piece, start, end) == (end - start, ReadPath.DIRECT)
     assert torch.equal(page[512 : 512 + nbytes], data[at:])
     assert not page[:512].any() and not page[512 + nbytes :].any()
+    # (a whole tensor at once, as a read outside a forward asks: through the bounce buffer a piece at a time)
+    page.zero_()
+    assert read_range(files, page, piece, 0, nbytes) == (nbytes, ReadPath.DIRECT)
+    assert torch.equal(page[512 : 512 + nbytes], data[at:])
+    assert page_io._bounces.buffer.numel() == page_io.BOUNCE_BYTES + 4096 < nbytes
     files.close()
 
 
@@ -285,6 +294,27 @@ def test_a_small_model_loaded_holds_its_pages_not_a_whole_region(tmp_path):
         assert_same(model(ids), ref(ids))
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_a_page_off_the_supplys_plan_is_placed_in_a_region_of_what_is_to_come():
+    """A page placed off the plan (before the supply's pages) can leave a
+    planned page no room: it still fits (a region made for it, no larger than
+    the pages still to come), where reading ahead waited for good."""
+    from pager.engine import arena
+
+    a = arena.PageArena(None, pin=False)
+    pages = [600 << 20, 600 << 20, 100 << 20, 100 << 20]
+    a.expect(sum(pages) + (50 << 20))
+    a.supply(pages)
+    assert a.allocate(50 << 20) is not None  # (off the plan: a gradient's page, say)
+    for nbytes in pages:
+        deadline = time.monotonic() + 30
+        while not a.fits(nbytes) and time.monotonic() < deadline:  # (its region may still be being made)
+            time.sleep(0.01)
+        assert a.fits(nbytes)
+        assert a.allocate(nbytes) is not None
+    assert a.reserved_bytes - a.used_bytes <= 100 << 20
+    a.close()
 
 
 def test_region_supply_plans_first_fit_and_raises_a_pinning_error_where_the_region_is_taken():

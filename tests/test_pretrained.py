@@ -3,6 +3,7 @@
 from the files by `pager.from_pretrained` or `pager.load` in one call."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -154,6 +155,21 @@ def test_a_folder_with_a_variant_beside_its_weights_reads_the_weights(tmp_path):
     model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+    pager.unwrap(model)
+    # (a variant in shards beside the weights: its index is not theirs)
+    (folder / "model.fp16.safetensors").rename(folder / "model.fp16-00001-of-00001.safetensors")
+    weight_map = {k: "model.fp16-00001-of-00001.safetensors" for k in half}
+    (folder / "model.fp16.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    pager.unwrap(model)
+    (folder / "model.fp16.safetensors.index.json").unlink()
+    (folder / "model.fp16-00001-of-00001.safetensors").rename(folder / "model.fp16.safetensors")
+    (folder / "diffusion_pytorch_model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"the weights of two models \(model\.safetensors, diffusion_py"):
+        pager.from_pretrained(folder, budget=_budget(ref), device="cpu")
+    (folder / "diffusion_pytorch_model.safetensors").unlink()
     (folder / "model.safetensors").rename(folder / "model.fp32.safetensors")
     with pytest.raises(FileNotFoundError, match=r"2 checkpoints \(model\.fp16\.safetensors, model\.fp32\.safe"):
         pager.from_pretrained(folder, budget=_budget(ref), device="cpu")

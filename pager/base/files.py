@@ -101,26 +101,30 @@ def open_checkpoint(path) -> dict[str, Entry]:
 
 
 def _in_folder(folder: str) -> dict[str, Entry]:
-    """The checkpoint a folder holds: the index of its shards, its one
-    safetensors file, or its `torch.save` file; where it holds several (a
-    variant beside the weights), the one `save_pretrained` names as the
-    weights."""
-    names = os.listdir(folder)
-    for ending, read in ((".safetensors.index.json", _sharded), (".safetensors", read_header)):
-        found = sorted(n for n in names if n.endswith(ending))
-        if len(found) > 1:
-            found = [n for n in found if n in INDEX_NAMES + WEIGHTS_NAMES] or found
-        if len(found) == 1:
-            return read(os.path.join(folder, found[0]))
-        if found:
+    """The checkpoint a folder holds: the model's weights as `save_pretrained`
+    names them (one file, the index of its shards, or a `torch.save` file;
+    a variant beside them is left, as from_pretrained leaves it without
+    variant=), else its one safetensors file or index."""
+    names = set(os.listdir(folder))
+    for named, read in ((WEIGHTS_NAMES, read_header), (INDEX_NAMES, _sharded), (TORCH_NAMES, _torch_file)):
+        present = [n for n in named if n in names]
+        if len(present) > 1:
             raise FileNotFoundError(
-                f"pager: {folder!r} holds {len(found)} checkpoints ({', '.join(found)}) and none of them is named "
-                f"as save_pretrained names a model's weights ({', '.join(INDEX_NAMES + WEIGHTS_NAMES)}); give "
-                f"the path of the one to read (or of the index of its shards)."
+                f"pager: {folder!r} holds the weights of two models ({', '.join(present)}); give the path of "
+                f"the one to read."
             )
-    for name in TORCH_NAMES:
-        if name in names:
-            return _torch_file(os.path.join(folder, name))
+        if present:
+            return read(os.path.join(folder, present[0]))
+    found = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    found = found or sorted(n for n in names if n.endswith(".safetensors"))
+    if len(found) == 1:
+        return (_sharded if found[0].endswith(".json") else read_header)(os.path.join(folder, found[0]))
+    if found:
+        raise FileNotFoundError(
+            f"pager: {folder!r} holds {len(found)} checkpoints ({', '.join(found)}) and none of them is named "
+            f"as save_pretrained names a model's weights ({', '.join(WEIGHTS_NAMES + INDEX_NAMES)}); give "
+            f"the path of the one to read (or of the index of its shards)."
+        )
     raise FileNotFoundError(
         f"pager: {folder!r} holds no checkpoint (no .safetensors file, no shards' index, none of "
         f"{', '.join(TORCH_NAMES)}); give the path of a checkpoint file, or a folder that save_pretrained wrote."

@@ -88,6 +88,10 @@ class RegionSupply:
         except BaseException as e:  # (raised on the thread that takes the region: `take`)
             self._ready.put(e)
 
+    def spent(self) -> bool:
+        """Every region was taken."""
+        return self._untaken <= 0
+
     def ready(self) -> bool:
         """A region can be taken without waiting."""
         return self._untaken > 0 and not self._ready.empty()
@@ -160,7 +164,9 @@ class PageArena:
         nbytes = align_up(max(nbytes, 1))
         if any(hole[1] >= nbytes for holes in self.free for hole in holes):
             return True
-        return self._supply is not None and self._supply.ready()
+        if self._supply is not None and not self._supply.spent():
+            return self._supply.ready()
+        return self.capacity_bytes is None  # (off the supply's plan: `allocate` makes the region)
 
     def allocate(self, nbytes: int, high: bool = False):
         """A uint8 page of `nbytes` (rounded up to DIRECT_ALIGN) as (chunk,
@@ -190,7 +196,7 @@ class PageArena:
 
     def _region_bytes(self, nbytes: int) -> int:
         """The size of a region made on demand for a page of `nbytes`."""
-        to_come = None if self.expected_bytes is None else self.expected_bytes - self.reserved_bytes
+        to_come = None if self.expected_bytes is None else self.expected_bytes - self.used_bytes
         if to_come is None or not 0 < to_come < REGION_BYTES:
             return max(REGION_BYTES, nbytes)
         return max(nbytes, align(to_come, HUGE_PAGE_BYTES))

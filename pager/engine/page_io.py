@@ -17,9 +17,9 @@ its files computed 1.49x as long as the same one wrapped in memory, 1537 vs
 Where its file offset is one too (`in_place`), it sits at that offset modulo
 `DIRECT_ALIGN` with a gap before and after: the aligned range around it is
 read straight into the page, the bytes around it landing in the gaps. Any
-other is read direct into the reading thread's bounce buffer (`_bounce`, one
-chunk) and copied into place: one memcpy of the bytes, on the IO threads.
-Where the filesystem refuses `O_DIRECT` (tmpfs), or a tensor is not aligned to
+other is read direct into the reading thread's bounce buffer
+(`_read_bounced`, `BOUNCE_BYTES` at a time) and copied into place: one memcpy
+of the bytes, on the IO threads. Where the filesystem refuses `O_DIRECT` (tmpfs), or a tensor is not aligned to
 its dtype in the file, the read is buffered (and the page cache is told to
 drop what it read).
 """
@@ -166,21 +166,20 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
         return end - start, ReadPath.CACHED
     if direct is not None and (piece.padded or piece.lead is not None):
         # The aligned range around [start, end): straight into the page where its gaps take the extra
-        # bytes, else into this thread's bounce buffer and copied to the page ([Note: direct reads]).
-        length = align_up(lead + end - start)
+        # bytes, else through this thread's bounce buffer, copied to the page ([Note: direct reads]).
         in_page = piece.padded and (page.data_ptr() + page_at) % DIRECT_ALIGN == lead
-        into, into_at = (page, page_at - lead) if in_page else (_bounce(length), 0)
         try:
-            got = _pread(direct, into, into_at, length, file_at - lead)
+            if in_page:
+                got = _pread(direct, page, page_at - lead, align_up(lead + end - start), file_at - lead) - lead
+            else:
+                got = _read_bounced(direct, page, page_at, file_at, end - start)
         except OSError as e:
             if e.errno != 22:  # EINVAL: O_DIRECT accepted at open, refused at read
                 raise
             files.no_direct(path)
             log.info("pager: %s refuses direct reads; reading it through the page cache", path)
         else:
-            _check_length(piece, got - lead, end - start, file_at)
-            if not in_page:
-                ctypes.memmove(page.data_ptr() + page_at, into.data_ptr() + lead, end - start)
+            _check_length(piece, got, end - start, file_at)
             return end - start, ReadPath.DIRECT
     got = _pread(buffered, page, page_at, end - start, file_at)
     _check_length(piece, got, end - start, file_at)
@@ -188,17 +187,29 @@ def read_range(files: Files, page: torch.Tensor, piece: Piece, start: int, end: 
     return end - start, ReadPath.BUFFERED
 
 
+BOUNCE_BYTES = 4 << 20  # a direct read through a bounce buffer, at most (one such buffer per IO thread)
 _bounces = threading.local()
 
 
-def _bounce(nbytes: int) -> torch.Tensor:
-    """This thread's buffer for direct reads of at least `nbytes`, on a `DIRECT_ALIGN` boundary."""
+def _read_bounced(fd: int, page: torch.Tensor, page_at: int, file_at: int, nbytes: int) -> int:
+    """Direct reads of the file's [file_at, file_at + nbytes) into this
+    thread's bounce buffer, `BOUNCE_BYTES` at a time, each copied to the
+    page at `page_at`; the bytes read (fewer where the file ends)."""
     buffer = getattr(_bounces, "buffer", None)
-    if buffer is None or buffer.numel() < nbytes:
-        base = torch.empty(max(nbytes, CHUNK_BYTES + DIRECT_ALIGN) + DIRECT_ALIGN, dtype=torch.uint8)
+    if buffer is None:
+        base = torch.empty(BOUNCE_BYTES + 2 * DIRECT_ALIGN, dtype=torch.uint8)
         skip = -base.data_ptr() % DIRECT_ALIGN
-        buffer = _bounces.buffer = base[skip : skip + base.numel() - DIRECT_ALIGN]
-    return buffer
+        buffer = _bounces.buffer = base[skip : skip + BOUNCE_BYTES + DIRECT_ALIGN]
+    lead, done = file_at % DIRECT_ALIGN, 0
+    while done < nbytes:
+        n = min(BOUNCE_BYTES, nbytes - done)  # (done is a multiple of DIRECT_ALIGN: each read starts aligned)
+        got = min(n, _pread(fd, buffer, 0, align_up(lead + n), file_at + done - lead) - lead)
+        if got > 0:
+            ctypes.memmove(page.data_ptr() + page_at + done, buffer.data_ptr() + lead, got)
+            done += got
+        if got < n:
+            break
+    return done
 
 
 def _pread(fd: int, page: torch.Tensor, page_at: int, length: int, file_at: int) -> int:
