@@ -1,6 +1,6 @@
 """activations="offload": what blocks' training forwards save goes to host
 memory and comes back for the backward ([Note: activations off the device]
-in training/activations.py); activations="recompute": it is dropped and each block's
+in training/offload.py); activations="recompute": it is dropped and each block's
 forward runs again in its backward ([Note: activations recomputed]). CPU
 device, bit for bit against the model trained unwrapped; every test checks
 that activations did leave (or were recomputed), so none can pass with the
@@ -22,6 +22,7 @@ import pager
 from pager.base.budget import format_bytes
 from pager.model import step_needs
 from pager.training import activations as activations_module
+from pager.training import offload as offload_module
 from helpers import assert_models_equal, assert_same, hooked_blocks, tensor_page_bytes
 from models import SuperNet, TinyLM
 from test_training import batches, regime_budget, torch_clip, train
@@ -114,7 +115,7 @@ def copies_out_pending(p, monkeypatch, cap_bytes):
     activations, if more) are, as on a GPU whose link lags the forward."""
     send = p.transport.send_to_host
     monkeypatch.setattr(p.transport, "send_to_host", lambda t, host=None: (send(t, host)[0], _Pending()))
-    monkeypatch.setattr(activations_module, "IN_FLIGHT_MIN_BYTES", cap_bytes)
+    monkeypatch.setattr(offload_module, "IN_FLIGHT_MIN_BYTES", cap_bytes)
 
 
 @pytest.mark.parametrize("cap_bytes", [0, 1 << 40])
@@ -406,7 +407,7 @@ def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, m
     theirs; the layer keeps only its own (the ReLU's), matched by number
     ([Note: saves counted across nested blocks]). Also run to the forward's
     end, as under torch's CUDA sanitizer ([Note: activations recomputed])."""
-    from pager.training import activations as _saved
+    from pager.training import recompute as _saved
     monkeypatch.setattr(_saved, "_cuda_trace_hooks_on", lambda: not early_stop)
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide(256) for _ in range(12)])  # parts of 1 MiB and more get blocks of their own
@@ -470,7 +471,7 @@ class SlowAgain(nn.Module):
         self.lin, self.slow = nn.Linear(d, d), slow
 
     def forward(self, x):
-        if self.slow and pager.training.activations.recomputing():
+        if self.slow and pager.training.recompute.recomputing():
             time.sleep(0.02)
         return torch.tanh(self.lin(x))
 
@@ -898,7 +899,7 @@ def test_transposed_saves_are_offloaded_with_their_strides():
     """A saved view that is a permutation of its storage (attention's q, k
     and v as heads) leaves and comes back with its strides; a slice of a
     storage, which is not dense, stays; values bit for bit."""
-    from pager.training.activations import _dense
+    from pager.training.dry_run import _dense
 
     x = torch.randn(2, 8, 4, 8)
     assert _dense(x.transpose(1, 2)) and _dense(x) and not _dense(x[..., :4].transpose(1, 2))

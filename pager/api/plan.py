@@ -18,7 +18,6 @@ from ..experts.find import choose as choose_experts
 from ..model import discover
 from ..model.outside import check_covers
 from ..training import host_step
-from ..training.activations import OFFLOAD_MIN_BYTES
 from ..training.dry_run import (
     OFFLOAD,
     OFFLOAD_VIEWS_KEPT,
@@ -28,6 +27,7 @@ from ..training.dry_run import (
     measure_saved,
     state_bytes_of,
 )
+from ..training.offload import OFFLOAD_MIN_BYTES
 from .fit import default_blocks
 
 ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host

@@ -19,7 +19,7 @@ from ..base import saving, served
 from ..base.block import Block
 from ..base.budget import format_bytes
 from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, model_hook, outside_compile
-from ..training import activations
+from ..training import recompute
 from ..training.checkpoint import StateDicts
 from ..training.dry_run import dry_running
 from .structure import Structure
@@ -257,7 +257,7 @@ class Hooks:
 
     @_locked
     def _root_pre_forward(self, module, args, kwargs):
-        if activations.recomputing() or dry_running():
+        if recompute.recomputing() or dry_running():
             return  # a block whose forward runs again is not a new forward; a measure is none
         if self.forward_marks():  # (a nested forward, or one interrupted: see the Note)
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
@@ -341,7 +341,7 @@ class Hooks:
 
     @_locked
     def _root_post_forward(self, module, args, kwargs, output):
-        if activations.recomputing() or dry_running():
+        if recompute.recomputing() or dry_running():
             return
         if getattr(self.pager.thread_state, "refused", False):  # its pre-hook raised before it began
             self.pager.thread_state.refused = False
@@ -384,7 +384,7 @@ class Hooks:
         def pre_forward(module, args, kwargs):
             if dry_running():
                 return None
-            again = activations.recomputing()  # its forward again, in its backward: the block is held
+            again = recompute.recomputing()  # its forward again, in its backward: the block is held
             grad = torch.is_grad_enabled() and not again
             if not again:
                 # Ended by the post-hook, which is always called
@@ -423,7 +423,7 @@ class Hooks:
         def post_forward(module, args, output):
             if dry_running():
                 return None
-            again = activations.recomputing()
+            again = recompute.recomputing()
             frame = None if again else saving.end_saving()
             with self.lock:
                 if block.unpinned_calls:

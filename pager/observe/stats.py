@@ -85,14 +85,14 @@ class Stats:
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
     resident_forwards: int = 0  # forwards run with every block resident and no block hooks
     resident_uses: int = 0  # their block uses (as many as the last hooked step had), not in `hits`
-    # activations="offload" ([Note: activations off the device] in training/activations.py):
+    # activations="offload" ([Note: activations off the device] in training/offload.py):
     activations_sent_bytes: int = 0  # saved activations copied to host memory during forwards
     activations_brought_bytes: int = 0  # copied back for backwards
     activations_ahead_bytes: int = 0  # of those, copied back before autograd asked for them
     activations_reused_bytes: int = 0  # not copied back: still on the device for their copy out, used there
     activations_policy: str = "keep"  # "auto" until it has chosen ([Note: activations, the automatic choice])
     activations_kept_blocks: int = 0  # "auto": blocks whose activations the last training pass kept on the device
-    # activations="recompute" ([Note: activations recomputed] in training/activations.py):
+    # activations="recompute" ([Note: activations recomputed] in training/recompute.py):
     recomputes: int = 0  # blocks' forwards run again in a backward
     activations_recomputed_bytes: int = 0  # what they saved again for the backward
     # Device memory by kind. Activations under the budget ([Note: one budget]

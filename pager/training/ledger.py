@@ -112,3 +112,8 @@ class Ledger:
     def reserve(self) -> int:
         """The share of the budget that activations take from blocks."""
         return max(self.last_pass_peak, self.planned, self.live + self.coming)
+
+
+def tensor_bytes(t) -> int:
+    """The bytes of `t`'s elements (what a saved activation takes)."""
+    return t.numel() * t.element_size()
