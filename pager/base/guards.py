@@ -35,8 +35,9 @@ A view taken while the block is in use (inside its forward, or while the
 pager sleeps) is made by PyTorch alone, so pager learns of it afterwards:
 see [Note: views kept from a use] in base/views.py.
 
-The serving itself is `base/served.py`; which operations need no bytes, or
-write in place, `base/tensor_ops.py`.
+The serving itself is `base/served.py` (`handle`, here, sends each access
+there or answers it); which operations need no bytes, or write in place,
+`base/tensor_ops.py`.
 
 Gradients that left with their block are `PagedOutGrad`s (`training/grads.py`); their
 accesses are served the same way, except the ones a training loop makes
@@ -46,6 +47,8 @@ which `GradOps.grad_op` answers without moving bytes.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
@@ -53,13 +56,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import served
 from .common import outside_compile
-from .registry import TENSORS, entry_of, register, unguarded, unregister  # noqa: F401 (register, unregister: used as _paged.*)
-from .tensor_ops import DATA_GETTER, DATA_SET, METADATA, tensors_of
+from .conversions import put_back_converted
+from .registry import (  # noqa: F401 (register, unregister: used as _paged.*)
+    GUARD_TYPES,
+    STAND_INS,
+    TENSORS,
+    entry_of,
+    register,
+    unguarded,
+    unregister,
+)
+from .tensor_ops import DATA_GETTER, DATA_SET, GRAD_SETTERS, METADATA, NUMPY, VIEWS, is_foreach, tensors_of
 from .wrappers import inner_tensors, is_wrapper, rebuilt
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
-    return served.handle(func, args, kwargs or {})
+    return handle(func, args, kwargs or {})
 
 
 def _deepcopy(self, memo):
@@ -89,8 +101,7 @@ class GuardedParameter(nn.Parameter):
 
 
 _GUARDS: dict = {torch.Tensor: GuardedTensor, nn.Parameter: GuardedParameter}
-GUARD_TYPES: set[type] = {GuardedTensor, GuardedParameter}
-STAND_INS: set = set()  # classes that stand for a tensor with no storage (PagedOutGrad, training/grads.py)
+GUARD_TYPES.update((GuardedTensor, GuardedParameter))
 _PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
 
@@ -197,7 +208,7 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     guard-class wrappers pager did not guard])."""
     kwargs = kwargs or {}
     if func in METADATA:
-        return served.handle(func, args, kwargs)
+        return handle(func, args, kwargs)
     tensors = tensors_of(args, kwargs)
     if any(type(t) in GUARD_TYPES and t in ORPHANS for t in tensors):
         raise RuntimeError(_ORPHANED_WRAPPER)
@@ -207,7 +218,7 @@ def _wrapper_torch_function(cls, func, types, args=(), kwargs=None):
     if func == DATA_SET and paged and served.unserved(paged) != []:
         # (`w.data = other` would change the wrapper's sizes while its page kept
         # the old bytes, which the forward reads: refused as a plain tensor's is)
-        return served.handle(func, args, kwargs)
+        return handle(func, args, kwargs)
     # No guarded tensor of a block, or their blocks pinned by this thread
     # (shared mode: in use, still guarded; their inner tensors pass their
     # guards unserved too): the wrapper's own `__torch_function__` runs.
@@ -231,7 +242,7 @@ def _remember_wrapper_views(result) -> None:
         if type(r) in GUARD_TYPES and is_wrapper(r) and id(r) not in TENSORS:
             entry = entry_of(r)
             if entry is not None:
-                served.remember_alias(entry[2], r)
+                remember_alias(entry[2], r)
 
 
 def _storage_gone(t) -> bool:
@@ -256,7 +267,7 @@ def _detached_wrapper(t):
             alias = t.detach()
         finally:
             t.__class__ = guard
-        served.remember_alias(entry[2], alias)
+        remember_alias(entry[2], alias)
     return alias
 
 
@@ -438,3 +449,109 @@ def swap_to_guard(t):
         return None
     t.__class__ = guard
     return cls
+
+
+# ------------------------------------------------------------- serving
+def handle(func, args, kwargs):
+    """`__torch_function__` of every paged-out tensor (PagedOutGrad too)."""
+    if func in METADATA:
+        entry = entry_of(args[0]) if func in GRAD_SETTERS else None
+        with torch._C.DisableTorchFunctionSubclass():
+            if entry is None:
+                return func(*args, **kwargs)
+            with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
+                return func(*args, **kwargs)
+    if func == DATA_SET and len(args) > 1 and (args[1] is args[0] or served.same_place(args[0], args[1])):
+        # (`t.data = t`: `module.to()` to the device and dtype it has; `t.data += d`,
+        # as peft's LoRA merge writes: the getter's view, changed in place, given
+        # back. Nothing changes.)
+        return None
+    tensors = tensors_of(args, kwargs)
+    sleepers = served.unserved(tensors)
+    if sleepers is not None:
+        if func == DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
+            entry_of(args[0])[2].force_dirty = True
+        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # printed from a copy, as served below
+            func, args = served.printed, (func, *args)
+        result = served.run_unserved(func, args, kwargs, sleepers)
+        if result is not served.WOKE:
+            return result
+    if func == DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
+        name, entry = _name_of(args[0]), entry_of(args[0])
+        undone = put_back_converted(entry[0]) if entry is not None else []
+        raise RuntimeError(
+            f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
+            f"(pager would keep paging the old bytes); a wrapped model's dtype and device stay as wrap made "
+            f"them (`model.to(...)`, `.half()`: unwrap, convert, wrap again). To change a value, copy into it: "
+            f"`with torch.no_grad(): tensor.copy_(new)`."
+            + (f" The {len(undone)} tensors changed before this one are as they were." if undone else "")
+        )
+    if any(type(t) in GUARD_TYPES and not served.owners_of([t]) for t in tensors):
+        raise RuntimeError(
+            "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
+            "model's tensors have their own memory since, and this view has none. Take the view again "
+            "from the unwrapped model."
+        )
+    if func in VIEWS and not any(type(t) in STAND_INS for t in tensors):
+        return _paged_out_view(func, args, kwargs)
+    if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
+        # Printed from a copy, so the guard's class name does not show (a
+        # stand-in's: of the gradient it stands for, back on the device).
+        return served.serve(lambda: served.printed(func, *args, **kwargs), [args[0]])
+    if func in NUMPY:
+        # numpy() shares memory, which a page cannot (its storage must stay
+        # resizable): a read-only copy, so a write through it is an error.
+        array = served.serve(lambda: func(served.unguarded_clone(served.real(args[0])), *args[1:], **kwargs), [args[0]])
+        array.flags.writeable = False
+        return array
+    owners = served.owners_of(tensors)
+    if len(owners) == 1:
+        pager, wanted = next(iter(owners.items()))
+        answer = pager.grad_ops.grad_op(func, args, kwargs, wanted)
+        if answer is not NotImplemented:
+            return answer
+    if is_foreach(func, args) and sum(map(len, owners.values())) > 1:
+        return served.serve_foreach(func, args, kwargs)
+    return served.serve_owners(owners, lambda: served.call(func, args, kwargs), func)
+
+
+def _paged_out_view(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    for r in tree_leaves(result):
+        if isinstance(r, torch.Tensor):
+            entry = entry_of(r)
+            if entry is not None and id(r) not in TENSORS:
+                remember_alias(entry[2], r)
+    return result
+
+
+def remember_alias(seg, t) -> bool:
+    """Track a view of `seg`'s storage: guarded while the segment is, and,
+    while it is in use, a reason to write the segment back (a write through
+    `.data` moves no version counter of the segment's tensors; writes through
+    a guarded view are served and marked then). True if it was new."""
+    new = not any(ref() is t for ref, _cls in seg.aliases)
+    if new:
+        cls = type(t)
+        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
+            cls = swap_to_guard(t)
+            if cls is None:
+                return False
+        # Dead entries go as new ones come (a block that never leaves is never guarded again).
+        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
+        seg.aliases.append((weakref.ref(t), cls))
+    if seg.exposed or seg.open:
+        seg.force_dirty = True
+    return new
+
+
+def _name_of(t) -> str:
+    entry = entry_of(t)
+    if entry is None:
+        return "a tensor"
+    _pager, block, seg = entry
+    for slot, tensor in zip(seg.slots, seg.tensors):
+        if tensor is t:
+            return f"{slot.name!r} (block {block.name!r})"
+    return f"a view of block {block.name!r}"

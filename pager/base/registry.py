@@ -14,6 +14,10 @@ SEGMENTS: dict = {}
 # id(tensor) -> the same, for each segment's own tensors (found even while a
 # `.data =` in a use has them on other memory, and faster).
 TENSORS: dict = {}
+# The guard classes of paged-out tensors (base/guards.py) and the classes that
+# stand for a tensor with no storage (`PagedOutGrad`, training/grads.py).
+GUARD_TYPES: set[type] = set()
+STAND_INS: set[type] = set()
 
 
 def unguarded():

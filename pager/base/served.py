@@ -2,102 +2,26 @@
 block is acquired for the operation (fetched on demand, ordered on the
 compute stream like any use), the operation runs on its tensors in their
 own classes, and the block is released ([Note: paged-out tensors] in
-base/guards.py, whose guard classes call `handle`). Gradients that left
+base/guards.py, whose `handle` sends each access here). Gradients that left
 with their block (`PagedOutGrad`) are served here too.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from contextlib import ExitStack
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from . import guards
 from .common import outside_compile
-from .conversions import put_back_converted
-from .registry import TENSORS, entry_of, unguarded
+from .registry import GUARD_TYPES, STAND_INS, TENSORS, entry_of, unguarded
 from .saving import saving
 from .tensor_ops import (
-    DATA_GETTER,
-    DATA_SET,
-    GRAD_SETTERS,
-    METADATA,
     NO_GRAPH,
-    NUMPY,
-    VIEWS,
-    is_foreach,
-    tensors_of,
     writes_in_place,
 )
 from .wrappers import is_wrapper
-
-
-# ------------------------------------------------------------- serving
-def handle(func, args, kwargs):
-    """`__torch_function__` of every paged-out tensor (PagedOutGrad too)."""
-    if func in METADATA:
-        entry = entry_of(args[0]) if func in GRAD_SETTERS else None
-        with torch._C.DisableTorchFunctionSubclass():
-            if entry is None:
-                return func(*args, **kwargs)
-            with entry[0].lock:  # not in the middle of a deferred update ([Note: a deferred update touches ...])
-                return func(*args, **kwargs)
-    if func == DATA_SET and len(args) > 1 and (args[1] is args[0] or _same_place(args[0], args[1])):
-        # (`t.data = t`: `module.to()` to the device and dtype it has; `t.data += d`,
-        # as peft's LoRA merge writes: the getter's view, changed in place, given
-        # back. Nothing changes.)
-        return None
-    tensors = tensors_of(args, kwargs)
-    sleepers = unserved(tensors)
-    if sleepers is not None:
-        if func == DATA_GETTER:  # as the in-use class does ([Note: the class of a tensor in use])
-            entry_of(args[0])[2].force_dirty = True
-        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # printed from a copy, as served below
-            func, args = _printed, (func, *args)
-        result = _run_unserved(func, args, kwargs, sleepers)
-        if result is not _WOKE:
-            return result
-    if func == DATA_SET:  # (a method-wrapper: equal, not the same object, each time)
-        name, entry = _name_of(args[0]), entry_of(args[0])
-        undone = put_back_converted(entry[0]) if entry is not None else []
-        raise RuntimeError(
-            f"pager: assigning `.data` of {name} outside its block's use would take it out of its page "
-            f"(pager would keep paging the old bytes); a wrapped model's dtype and device stay as wrap made "
-            f"them (`model.to(...)`, `.half()`: unwrap, convert, wrap again). To change a value, copy into it: "
-            f"`with torch.no_grad(): tensor.copy_(new)`."
-            + (f" The {len(undone)} tensors changed before this one are as they were." if undone else "")
-        )
-    if any(type(t) in guards.GUARD_TYPES and not owners_of([t]) for t in tensors):
-        raise RuntimeError(
-            "pager: this tensor is a view of a paged block's storage taken before `pager.unwrap`; the "
-            "model's tensors have their own memory since, and this view has none. Take the view again "
-            "from the unwrapped model."
-        )
-    if func in VIEWS and not any(type(t) in guards.STAND_INS for t in tensors):
-        return _paged_out_view(func, args, kwargs)
-    if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:
-        # Printed from a copy, so the guard's class name does not show (a
-        # stand-in's: of the gradient it stands for, back on the device).
-        return serve(lambda: _printed(func, *args, **kwargs), [args[0]])
-    if func in NUMPY:
-        # numpy() shares memory, which a page cannot (its storage must stay
-        # resizable): a read-only copy, so a write through it is an error.
-        array = serve(lambda: func(_unguarded_clone(_real(args[0])), *args[1:], **kwargs), [args[0]])
-        array.flags.writeable = False
-        return array
-    owners = owners_of(tensors)
-    if len(owners) == 1:
-        pager, wanted = next(iter(owners.items()))
-        answer = pager.grad_ops.grad_op(func, args, kwargs, wanted)
-        if answer is not NotImplemented:
-            return answer
-    if is_foreach(func, args) and sum(map(len, owners.values())) > 1:
-        return _serve_foreach(func, args, kwargs)
-    return serve_owners(owners, lambda: _call(func, args, kwargs), func)
-
 
 # [Note: tensors and threads]
 # Exposing a block in use (its tensors' own class) exposes it to every
@@ -117,14 +41,14 @@ def handle(func, args, kwargs):
 def unserved(tensors):
     """Shared mode: may this operation run on `tensors` unserved? Yes if each
     guarded one's block is pinned by this thread (and open), or its pager
-    sleeps. Returns the sleeping pagers involved (see `_run_unserved`), or
+    sleeps. Returns the sleeping pagers involved (see `run_unserved`), or
     None for no."""
     tid, sleepers, guarded = None, [], False
     for t in tensors:
         kind = type(t)
-        if kind in guards.STAND_INS:
+        if kind in STAND_INS:
             return None
-        if kind not in guards.GUARD_TYPES:
+        if kind not in GUARD_TYPES:
             continue
         entry = entry_of(t)
         if entry is None:
@@ -144,20 +68,20 @@ def unserved(tensors):
     return sleepers if guarded else None
 
 
-_WOKE = object()
+WOKE = object()
 
 
-def _run_unserved(func, args, kwargs, sleepers):
+def run_unserved(func, args, kwargs, sleepers):
     """Run an operation unserved. On a sleeping pager it counts as a reader
     first, then checks the pager still sleeps: `Hooks.wake` clears `asleep` first,
     then waits for the readers, so no access that began asleep is running when
-    something leaves. `_WOKE` if one woke meanwhile (serve it instead)."""
+    something leaves. `WOKE` if one woke meanwhile (serve it instead)."""
     me = threading.get_ident()
     for pager in sleepers:
         pager.asleep_readers.append(me)
     try:
         if not all(pager.asleep for pager in sleepers):
-            return _WOKE
+            return WOKE
         if sleepers and torch.is_grad_enabled():  # a graph built outside a forward: count what it saves
             with unguarded(), saving(count=True):
                 return func(*args, **kwargs)
@@ -168,7 +92,7 @@ def _run_unserved(func, args, kwargs, sleepers):
             pager.asleep_readers.remove(me)
 
 
-def _serve_foreach(func, args, kwargs):
+def serve_foreach(func, args, kwargs):
     """A foreach op over tensors of several blocks, one block at a time (they
     need not fit the budget together); each element's result is the same as in
     one call. Lists as long as the first are sliced alongside it."""
@@ -184,7 +108,7 @@ def _serve_foreach(func, args, kwargs):
     for idx in groups.values():
         part = [[args[i][k] for k in idx] if i in lists else a for i, a in enumerate(args)]
         tensors = [t for i in lists for t in part[i] if isinstance(t, torch.Tensor)]
-        result = serve_owners(owners_of(tensors), lambda part=part: _call(func, part, kwargs), func)
+        result = serve_owners(owners_of(tensors), lambda part=part: call(func, part, kwargs), func)
         if isinstance(result, (list, tuple)):
             returns_list = True
             for k, r in zip(idx, result):
@@ -192,22 +116,11 @@ def _serve_foreach(func, args, kwargs):
     return out if returns_list else None
 
 
-def _paged_out_view(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        result = func(*args, **kwargs)
-    for r in tree_leaves(result):
-        if isinstance(r, torch.Tensor):
-            entry = entry_of(r)
-            if entry is not None and id(r) not in TENSORS:
-                remember_alias(entry[2], r)
-    return result
+def printed(func, t, *args, **kwargs):
+    return func(unguarded_clone(real(t), keep_requires_grad=True), *args, **kwargs)
 
 
-def _printed(func, t, *args, **kwargs):
-    return func(_unguarded_clone(_real(t), keep_requires_grad=True), *args, **kwargs)
-
-
-def _unguarded_clone(t, keep_requires_grad=False):
+def unguarded_clone(t, keep_requires_grad=False):
     with unguarded():
         copy = t.detach().clone()
     return copy.requires_grad_(True) if keep_requires_grad and t.requires_grad else copy
@@ -232,7 +145,7 @@ def owners_of(tensors) -> dict:
     """{pager: {block: set of segment kinds}} for the tensors that belong to a block."""
     owners: dict = {}
     for t in tensors:
-        if type(t) in guards.STAND_INS:
+        if type(t) in STAND_INS:
             pager, block, kind = t.pager, t.block, "grads"
         else:
             entry = entry_of(t)
@@ -244,12 +157,12 @@ def owners_of(tensors) -> dict:
     return owners
 
 
-def _real(tree):
+def real(tree):
     """Replace every PagedOutGrad by the gradient it stands for (its block acquired)."""
-    return tree_map(lambda t: t.current() if type(t) in guards.STAND_INS else t, tree)
+    return tree_map(lambda t: t.current() if type(t) in STAND_INS else t, tree)
 
 
-def _call(func, args, kwargs):
+def call(func, args, kwargs):
     """Run `func` on the acquired blocks' tensors. If it builds a graph, its
     inputs from blocks pass through `PostBackward` (an identity whose backward
     releases the block), so the backward of this operation holds the block
@@ -259,7 +172,7 @@ def _call(func, args, kwargs):
 
 
 def _call_pinned(func, args, kwargs):
-    args, kwargs = _real(args), _real(kwargs)
+    args, kwargs = real(args), real(kwargs)
     if not torch.is_grad_enabled() or writes_in_place(func) or getattr(func, "__name__", "") in NO_GRAPH:
         return func(*args, **kwargs)
     by_block: dict = {}
@@ -281,7 +194,7 @@ def _call_pinned(func, args, kwargs):
     return tree_map(lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r, result)
 
 
-def _same_place(t, value) -> bool:
+def same_place(t, value) -> bool:
     """`value` views exactly `t`'s bytes in its page (its `.data`): the same
     storage, offset, sizes, strides and dtype (a wrapper subclass, whose
     offset is its own, never)."""
@@ -303,43 +216,12 @@ def aliases_in(result, wanted) -> list:
     """(segment, tensor) for results that alias the storage of a block in `wanted`."""
     out = []
     for r in tree_leaves(result):
-        if not isinstance(r, torch.Tensor) or type(r) in guards.STAND_INS or id(r) in TENSORS:
+        if not isinstance(r, torch.Tensor) or type(r) in STAND_INS or id(r) in TENSORS:
             continue  # (a segment's own tensor is no alias)
         entry = entry_of(r)
         if entry is not None and entry[1] in wanted:
             out.append((entry[2], r))
     return out
-
-
-def remember_alias(seg, t) -> bool:
-    """Track a view of `seg`'s storage: guarded while the segment is, and,
-    while it is in use, a reason to write the segment back (a write through
-    `.data` moves no version counter of the segment's tensors; writes through
-    a guarded view are served and marked then). True if it was new."""
-    new = not any(ref() is t for ref, _cls in seg.aliases)
-    if new:
-        cls = type(t)
-        if not seg.exposed:  # the block is idle (or open to its threads only): so is the view
-            cls = guards.swap_to_guard(t)
-            if cls is None:
-                return False
-        # Dead entries go as new ones come (a block that never leaves is never guarded again).
-        seg.aliases = [(ref, c) for ref, c in seg.aliases if ref() is not None]
-        seg.aliases.append((weakref.ref(t), cls))
-    if seg.exposed or seg.open:
-        seg.force_dirty = True
-    return new
-
-
-def _name_of(t) -> str:
-    entry = entry_of(t)
-    if entry is None:
-        return "a tensor"
-    _pager, block, seg = entry
-    for slot, tensor in zip(seg.slots, seg.tensors):
-        if tensor is t:
-            return f"{slot.name!r} (block {block.name!r})"
-    return f"a view of block {block.name!r}"
 
 
 class PostBackward(torch.autograd.Function):

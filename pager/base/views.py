@@ -1,6 +1,6 @@
 """Views of a block's storage made while it was in use, searched for after
 the use (`track_kept_views`) and remembered with their segment
-(`served.remember_alias`). See [Note: paged-out tensors] in base/guards.py.
+(`guards.remember_alias`). See [Note: paged-out tensors] in base/guards.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from . import served
+from . import guards
 from .block import storage_key
 from .registry import TENSORS
 from .wrappers import inner_tensors, is_wrapper
@@ -88,7 +88,7 @@ def _adopt(segs, tensors) -> int:
         except (RuntimeError, NotImplementedError, TypeError, IndexError):
             continue  # a tensor with no storage of its own
         if seg is not None and t is not seg.flat and id(t) not in TENSORS:  # (not one of its own)
-            found += served.remember_alias(seg, t)
+            found += guards.remember_alias(seg, t)
     return found
 
 

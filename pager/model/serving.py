@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..base import served
+from ..base import guards, served
 from ..base.budget import format_bytes
 from ..base.common import EVERYONE
 
@@ -80,7 +80,7 @@ class Serving:
         if writes:
             self.mark_written(wanted)
         for seg, t in served.aliases_in(result, wanted):
-            served.remember_alias(seg, t)
+            guards.remember_alias(seg, t)
         if torch.is_grad_enabled():
             for block in wanted:
                 # (a frozen block too: the backward of what it computed reads its weights)

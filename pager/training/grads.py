@@ -31,7 +31,7 @@ from torch.autograd.graph import increment_version
 from ..base import guards
 from ..base.block import Block, Segment
 from ..base.common import outside_compile
-from ..base.served import handle
+from ..base.guards import handle
 
 aten = torch.ops.aten
 ZERO = ("zero", None)

@@ -329,7 +329,7 @@ class OptimizerLink:
         dict), never narrowing the user's groups; and the parameters' `.grad`,
         set to the step-time gradients for the step, is only set under the
         pager's lock, which a `.grad =` on a guarded parameter takes too
-        (`served.handle`)."""
+        (`guards.handle`)."""
         pager = self.pager
         seg = block.segments["grads"]
         params = [p for share in d.shares for p in share]
