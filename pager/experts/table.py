@@ -21,7 +21,9 @@ before. Its forward, called with the routing, runs in three steps:
    implementations each token's experts are summed in its own routing
    order, whatever their numbers: they read the cache in place, the routing
    renumbered to slots (`grouped_mm` where the cache has no more slots
-   than torch's grouped_mm takes groups). Any other forward (`eager`, a module of one's own)
+   than torch's grouped_mm takes groups, on CUDA: torch's CPU kernel rounds
+   a row by its place in its input, on some CPUs, and the slots' order moves
+   each expert's rows). Any other forward (`eager`, a module of one's own)
    may add a token's experts up in the order of their numbers, so it gets
    the routed experts copied out of the cache in the order of their
    numbers, and the routing renumbered to ranks: every result is equal bit
@@ -192,6 +194,8 @@ class ExpertTable:
             slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
             values, routing = [t.index_select(0, slot_index) for t in cache.tensors], inverse
             count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
+            if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm)
+                values = [t.narrow(0, 0, 1) for t in cache.tensors]
             if self._saved is not None:
                 self._saved.add(values, experts)
         with torch.no_grad():
@@ -211,8 +215,8 @@ class ExpertTable:
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
         if implementation == "batched_mm":
             return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
-        if self._in_place(implementation):
-            return cache.capacity, sys.maxsize
+        if self._in_place(implementation) or (implementation == "grouped_mm" and cache.device.type == "cpu"):
+            return cache.capacity, sys.maxsize  # (on the CPU device, grouped_mm's compact copy: at most the cache)
         return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
 
     def _hidden_of(self, args, kwargs):
@@ -384,6 +388,8 @@ class ExpertTable:
         """The forward (under `implementation`, by default the module's)
         reads the cache's tensors in place (see the Note)."""
         implementation = implementation or self._implementation()
+        if implementation == "grouped_mm" and self.cache.device.type == "cpu":
+            return False  # (torch's CPU kernel rounds a row by its place in the input: see the Note)
         return (
             self._saved is None
             and implementation in IN_PLACE
