@@ -108,54 +108,31 @@ DATA_GETTER = cast(Any, torch.Tensor.data).__get__
 GRAD_SETTERS = _names("__set__", ["grad", "_grad"])
 # Views that read no element: answered without a fetch by a view that is
 # itself guarded (and remembered with its segment, so it never dangles).
+_VIEW_NAMES = [
+    "detach",
+    "view",
+    "view_as",
+    "t",
+    "transpose",
+    "swapaxes",
+    "permute",
+    "movedim",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "expand_as",
+    "narrow",
+    "select",
+    "unflatten",
+    "as_strided",
+    "unbind",
+    "split",
+    "chunk",
+]
 VIEWS = (
     _names("__get__", ["data", "T", "mT"])
-    | {
-        getattr(torch.Tensor, n)
-        for n in [
-            "detach",
-            "view",
-            "view_as",
-            "t",
-            "transpose",
-            "swapaxes",
-            "permute",
-            "movedim",
-            "unsqueeze",
-            "squeeze",
-            "expand",
-            "expand_as",
-            "narrow",
-            "select",
-            "unflatten",
-            "as_strided",
-            "unbind",
-            "split",
-            "chunk",
-        ]
-        if hasattr(torch.Tensor, n)
-    }
-    | {
-        getattr(torch, n)
-        for n in [
-            "detach",
-            "t",
-            "transpose",
-            "swapaxes",
-            "permute",
-            "movedim",
-            "unsqueeze",
-            "squeeze",
-            "narrow",
-            "select",
-            "unflatten",
-            "as_strided",
-            "unbind",
-            "split",
-            "chunk",
-        ]
-        if hasattr(torch, n)
-    }
+    | {getattr(torch.Tensor, n) for n in _VIEW_NAMES if hasattr(torch.Tensor, n)}
+    | {getattr(torch, n) for n in _VIEW_NAMES if hasattr(torch, n)}  # (torch has no view, expand as functions)
 )
 
 
