@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from ..base.budget import format_bytes
 from ..model import discover
-from ..rows.table import row_table_problem
+from ..rows.find import row_table_problem
 
 log = logging.getLogger("pager")
 

@@ -18,7 +18,7 @@ from ..engine.engine import Engine
 from ..engine.page_io import Piece
 from ..experts.find import choose as choose_experts
 from ..model import discover
-from ..rows.table import choose as choose_row_tables
+from ..rows.find import choose as choose_row_tables
 from ..training import distributed
 from . import conversion
 from .buffers import recreate_meta_buffers, undo_buffers

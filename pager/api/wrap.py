@@ -18,7 +18,7 @@ from ..model import discover, outside
 from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
-from ..rows.table import choose as choose_row_tables
+from ..rows.find import choose as choose_row_tables
 from ..training import distributed, host_step, owners
 from ..training.checkpoint import close
 from . import checks
