@@ -405,6 +405,19 @@ def test_a_call_of_no_tokens(implementation):
     with torch.no_grad():
         got = _experts(model)[0](hidden, index, torch.zeros(0, 2))
         assert torch.equal(got, _experts(ref)[0](hidden, index, torch.zeros(0, 2)))
+    # (with gradients through it: what its forward saves is made again, or kept, for the backward)
+    for m in (model, ref):
+        m.requires_grad_(False)
+    grads = []
+    for m in (model, ref):
+        h = torch.zeros(0, 32, requires_grad=True)
+        out = _experts(m)[0](h, index, torch.zeros(0, 2))
+        if out.requires_grad:  # (eager's output of no tokens is none of the input's)
+            out.sum().backward()
+        grads.append((out.requires_grad, h.grad))
+    assert grads[0][0] == grads[1][0] and (grads[0][1] is None) == (grads[1][1] is None)
+    if grads[0][1] is not None:
+        assert torch.equal(grads[0][1], grads[1][1])
 
 
 def test_experts_of_models_sharing_a_pool_stay_within_its_budget():

@@ -194,10 +194,10 @@ class ExpertTable:
             slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
             values, routing = [t.index_select(0, slot_index) for t in cache.tensors], inverse
             count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
-            if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm)
-                values = [t.narrow(0, 0, 1) for t in cache.tensors]
+            if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm, which saves them)
+                values = [t.new_zeros((1, *t.shape[1:])) for t in cache.tensors]
             if self._saved is not None:
-                self._saved.add(values, experts)
+                self._saved.add(values if experts else [], experts)
         with torch.no_grad():
             for p, value in zip(self.params, values):
                 p.data = value
