@@ -1,6 +1,6 @@
 """Views of a block's tensors taken while it is in use (inside its forward, by
 a hook, while the pager sleeps) and kept past its eviction read the right
-values, never freed memory ([Note: views kept from a use] in base/guards.py).
+values, never freed memory ([Note: views kept from a use] in base/views.py).
 CPU device, bit for bit against an unwrapped twin."""
 
 import copy

@@ -52,7 +52,7 @@ class _Frame:
         self.saved_bytes, self.storages = 0, None
 
 
-tls = threading.local()  # this thread's frames; `training/activations.py` reads `recording`
+tls = threading.local()  # this thread's frames; `training/recompute.py` reads `recording`
 
 
 def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None:
@@ -161,7 +161,7 @@ def _top_hooks():
 
 
 def next_save() -> int:
-    """Number this thread's next save (see [Note: saves counted across nested blocks] in training/activations.py)."""
+    """Number this thread's next save (see [Note: saves counted across nested blocks] in training/recompute.py)."""
     number = getattr(tls, "saves", 0)
     tls.saves = number + 1
     return number

@@ -12,7 +12,6 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 
-# ------------------------------------------------------------- the classes
 def _names(kind, names):
     return {getattr(getattr(torch.Tensor, n), kind) for n in names if hasattr(torch.Tensor, n)}
 

@@ -92,7 +92,7 @@ class CpuTransport:
         return t0, time.perf_counter()
 
     def send_to_host(self, t: torch.Tensor, host: torch.Tensor | None = None):
-        """A host copy of `t` (an activation; see training/activations.py; into `host` if
+        """A host copy of `t` (an activation; see training/offload.py; into `host` if
         given) and an event after it."""
         return (t.detach().clone() if host is None else host.copy_(t)), None
 

@@ -80,8 +80,8 @@ _GONE = object()
 
 # activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
-IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (activations.py)
-BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (activations.py)
+IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (offload.py)
+BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (offload.py)
 GRADS_OF_A_LOSS = 2  # float32 tensors of the output's size a loss's backward holds at once (see the Note)
 
 
