@@ -13,12 +13,15 @@ per denoising step of the second call, peak GPU memory (allocated).
 
 Methods: `pager.from_pretrained(folder, budget=...)` (pages read from the
 files into pinned host memory, nothing built in host memory first), at each
-of `--budgets`; diffusers' `from_pretrained` then `enable_model_cpu_offload`,
-and then `apply_group_offloading` (block level, streams: it pins a copy).
+of `--budgets`; diffusers' `from_pretrained` then `pager.wrap` (pages copied
+from what diffusers built: its steps beside from_pretrained's show what the
+pages' layout costs), at each of `--wrap`; diffusers' `from_pretrained` then
+`enable_model_cpu_offload`, and then `apply_group_offloading` (block level,
+streams: it pins a copy).
 The folder is read from the page cache after the first load (it was just
 written): the loads are warm ones.
 
-    python -m benchmarks.bench_diffusion_folder [--budgets 8GiB,fifth] [--peers model,block] [--steps 4]
+    python -m benchmarks.bench_diffusion_folder [--budgets 8GiB,fifth] [--wrap 8GiB] [--peers model,block] [--steps 4]
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ if method == "pager":
     pipe = pager.from_pretrained(folder, budget=budget, **tokenizers)
 else:
     pipe = diffusers.FluxPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16, **tokenizers)
-    if method == "model":
+    if method == "wrap":  # (diffusers' load, then pager: its pages a copy of what diffusers built)
+        pipe = pager.wrap(pipe, budget={budget})
+    elif method == "model":
         pipe.enable_model_cpu_offload()
     else:
         from diffusers.hooks import apply_group_offloading
@@ -119,7 +124,7 @@ steps = [b - a for a, b in zip(times, times[1:])]
 print("RESULT " + json.dumps(dict(
     load_s=load_s, first_s=first_s, step_ms=1e3 * sum(steps) / len(steps), rss_after=after - before,
     rss_peak=max(peak[0], after) - before, gpu_peak=torch.cuda.max_memory_allocated(),
-    budget=getattr(pager.of(pipe), "budget_bytes", None) if method == "pager" else None)))
+    budget=getattr(pager.of(pipe), "budget_bytes", None) if method in ("pager", "wrap") else None)))
 """
 
 
@@ -180,6 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="8GiB,fifth")
     ap.add_argument("--peers", default="model,block")
+    ap.add_argument("--wrap", default="", help="budgets for diffusers' from_pretrained, then pager.wrap")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=240, help="seconds for each method's process")
     args = ap.parse_args()
@@ -200,9 +206,11 @@ def main() -> None:
         )
         work = f"FluxPipeline-shaped folder ({models / 1e9:.1f} GB of models), 1024x1024, {args.steps} steps"
         methods = [("pager", s) for s in args.budgets.split(",") if s]
+        methods += [("wrap", s) for s in args.wrap.split(",") if s]
         methods += [(p, "") for p in args.peers.split(",") if p]
         for method, spec in methods:
-            name = {"pager": f"pager.from_pretrained {spec}", "model": "diffusers enable_model_cpu_offload",
+            name = {"pager": f"pager.from_pretrained {spec}", "wrap": f"diffusers from_pretrained, pager.wrap {spec}",
+                    "model": "diffusers enable_model_cpu_offload",
                     "block": "diffusers group offloading, block level, streams"}[method]  # fmt: skip
             got = run_one(method, spec, folder, args.steps, transformer, args.timeout)
             if isinstance(got, str):
