@@ -19,9 +19,9 @@ Where its file offset is one too (`in_place`), it sits at that offset modulo
 read straight into the page, the bytes around it landing in the gaps. Any
 other is read direct into the reading thread's bounce buffer
 (`_read_bounced`, `BOUNCE_BYTES` at a time) and copied into place: one memcpy
-of the bytes, on the IO threads. Where the filesystem refuses `O_DIRECT` (tmpfs), or a tensor is not aligned to
-its dtype in the file, the read is buffered (and the page cache is told to
-drop what it read).
+of the bytes, on the IO threads. Where the filesystem refuses `O_DIRECT`
+(tmpfs), or a tensor is not aligned to its dtype in the file, the read is
+buffered (and the page cache is told to drop what it read).
 """
 
 from __future__ import annotations
