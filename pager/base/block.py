@@ -259,7 +259,7 @@ class Block:
         name: the module's qualified name ("" for the root), used in stats and errors.
         module: the module whose hooks bring this block in (None for the remainder).
         index: position in the pager's block list.
-        owner: the pager whose model it belongs to (see `Owner` in engine/engine.py).
+        owner: the pager whose model it belongs to (see `Owner` in engine/owner.py).
     """
 
     def __init__(self, name: str, module: torch.nn.Module | None, index: int, owner=None):
