@@ -215,7 +215,7 @@ class ExpertTable:
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
         if implementation == "batched_mm":
             return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
-        if self._in_place(implementation) or (implementation == "grouped_mm" and cache.device.type == "cpu"):
+        if self._in_place(implementation) or self._grouped_on_cpu(implementation):
             return cache.capacity, sys.maxsize  # (on the CPU device, grouped_mm's compact copy: at most the cache)
         return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
 
@@ -388,13 +388,18 @@ class ExpertTable:
         """The forward (under `implementation`, by default the module's)
         reads the cache's tensors in place (see the Note)."""
         implementation = implementation or self._implementation()
-        if implementation == "grouped_mm" and self.cache.device.type == "cpu":
+        if self._grouped_on_cpu(implementation):
             return False  # (torch's CPU kernel rounds a row by its place in the input: see the Note)
         return (
             self._saved is None
             and implementation in IN_PLACE
             and (implementation != "grouped_mm" or self.cache.capacity <= GROUPED_MM_MOST_GROUPS)
         )
+
+    def _grouped_on_cpu(self, implementation: str | None) -> bool:
+        """transformers' `grouped_mm` on the CPU device: the routed experts
+        copied out in the order of their numbers, the call whole (see the Note)."""
+        return implementation == "grouped_mm" and self.cache.device.type == "cpu"
 
     def _implementation(self) -> str | None:
         config = getattr(self.module, "config", None)
