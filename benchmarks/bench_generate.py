@@ -1,9 +1,11 @@
 """Decode as a Hugging Face user runs it, and pager's host time per block use.
 
-1. `per-use`: a model of many small blocks (`Linear(64, 64)` layers) under a
-   budget of a quarter of them, on the GPU: a forward is bound by the host,
-   so (paged - bare) / uses is pager's host time per block use. At 16, 64
-   and 256 blocks: it must not grow with the number of blocks.
+1. `per-use`: a model of many small blocks (`Linear(64, 64)` layers, and
+   decoder layers 64 wide of nine modules with tensors each, as a Llama
+   layer has) under a budget of a quarter of them, on the GPU: a forward is
+   bound by the host, so (paged - bare) / uses is pager's host time per
+   block use. At 16, 64 and 256 blocks: it must not grow with the number of
+   blocks.
 2. `generate`: a 7B-shaped `LlamaForCausalLM` (hidden 4096, bf16, random
    weights) saved with `save_pretrained` and loaded back with
    `from_pretrained` on the CPU, wrapped under the budget; greedy
@@ -41,6 +43,7 @@ import torch
 
 import pager
 from benchmarks.harness import GiB, Row, environment, free_cuda, interleaved_ms, out_path, pinned_h2d_gbps, save
+from benchmarks.models import Decoder
 
 
 def write_profile(fn, times: int, name: str) -> None:
@@ -58,40 +61,57 @@ def write_profile(fn, times: int, name: str) -> None:
 
 
 # ----------------------------------------------------------------- per use
+def _small_model(shape: str, n: int):
+    """`n` blocks of a small shape: `linear`, a `Linear(64, 64)` each (one
+    module, two tensors); `layer`, a decoder layer 64 wide (nine modules with
+    tensors, as a Llama layer has: what a streamed use swaps and checks)."""
+    if shape == "linear":
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)]), torch.randn(4, 64)
+    return Decoder(n_layers=n, d=64, ff=172, heads=4), torch.randn(1, 4, 64)
+
+
 def per_use_rows(args) -> list:
     rows = []
-    for n in map(int, args.blocks.split(",")):
-        torch.manual_seed(0)
-        bare = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)]).cuda()
-        paged = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)])
-        paged.load_state_dict(bare.state_dict())
-        block_bytes = sum(p.numel() * p.element_size() for p in paged[0].parameters())
-        pager.wrap(paged, budget=max(4, n // 4) * block_bytes * 2, device="cuda")
-        x = torch.randn(4, 64, device="cuda")
-
-        def run(m):
-            def fwd():
-                with torch.no_grad():
-                    m(x)
-            return fwd
-
-        (dev_p, host_p), (dev_b, host_b) = interleaved_ms([run(paged), run(bare)], reps=args.reps * 8)
-        with torch.no_grad():
-            same = torch.equal(paged(x), bare(x))
-        if args.profile and n == max(map(int, args.blocks.split(","))):
-            write_profile(run(paged), 10, f"profile_per_use_{n}.txt")
-        s = pager.of(paged).stats()
-        per_use_us = (max(dev_p, host_p) - max(dev_b, host_b)) * 1e3 / n
-        rows.append(Row(
-            f"forward of {n} Linear(64, 64) blocks, a quarter resident", "pager: host time per block use (us)",
-            per_use_us, None, None, "", f"paged {max(dev_p, host_p):.2f} ms, bare {max(dev_b, host_b):.2f} ms per "
-            f"forward; {s.misses} misses, {s.prefetches} prefetches; output equal to bare: {same}",
-            {"blocks": n, "paged_ms": max(dev_p, host_p), "bare_ms": max(dev_b, host_b)}))
-        print(rows[-1], flush=True)
-        pager.unwrap(paged)
-        del bare, paged
-        free_cuda()
+    for shape in args.shapes.split(","):
+        for n in map(int, args.blocks.split(",")):
+            rows.append(_per_use_row(args, shape, n))
+            print(rows[-1], flush=True)
     return rows
+
+
+def _per_use_row(args, shape: str, n: int) -> Row:
+    torch.manual_seed(0)
+    bare, x = _small_model(shape, n)
+    paged, _x = _small_model(shape, n)
+    paged.load_state_dict(bare.state_dict())
+    bare, x = bare.cuda(), x.cuda()
+    blocks = list(paged) if shape == "linear" else list(paged.layers)
+    block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    pager.wrap(paged, budget=max(4, n // 4) * block_bytes * 2, device="cuda", blocks=blocks)
+
+    def run(m):
+        def fwd():
+            with torch.no_grad():
+                m(x)
+        return fwd
+
+    (dev_p, host_p), (dev_b, host_b) = interleaved_ms([run(paged), run(bare)], reps=args.reps * 8)
+    with torch.no_grad():
+        same = torch.equal(paged(x), bare(x))
+    if args.profile and n == max(map(int, args.blocks.split(","))):
+        write_profile(run(paged), 10, f"profile_per_use_{shape}_{n}.txt")
+    s = pager.of(paged).stats()
+    per_use_us = (max(dev_p, host_p) - max(dev_b, host_b)) * 1e3 / n
+    what = "Linear(64, 64) blocks" if shape == "linear" else "decoder layers 64 wide (9 modules each)"
+    row = Row(
+        f"forward of {n} {what}, a quarter resident", "pager: host time per block use (us)",
+        per_use_us, None, None, "", f"paged {max(dev_p, host_p):.2f} ms, bare {max(dev_b, host_b):.2f} ms per "
+        f"forward; {s.misses} misses, {s.prefetches} prefetches; output equal to bare: {same}",
+        {"shape": shape, "blocks": n, "paged_ms": max(dev_p, host_p), "bare_ms": max(dev_b, host_b)})
+    pager.unwrap(paged)
+    del bare, paged
+    free_cuda()
+    return row
 
 
 # ----------------------------------------------------------------- generate
@@ -444,6 +464,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="per-use, generate or load")
     ap.add_argument("--blocks", default="16,64,256")
+    ap.add_argument("--shapes", default="linear,layer", help="per-use: the blocks' shape (linear, layer)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--budget", default="2GiB")
     ap.add_argument("--batches", default="1,8,64")

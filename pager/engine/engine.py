@@ -98,6 +98,7 @@ class Engine:
             self, wait_seconds
         )  # uses waiting for room ([Note: waiting for room] in engine/waiting.py)
         self.peak_resident_bytes = 0
+        self.departures = 0  # evictions so far (a prefetch's frontier holds until one: model/prefetch.py)
         self.meter = Meter(self.transport.is_cuda)  # copy and stall seconds, per block and owner
 
     def __repr__(self) -> str:
@@ -370,6 +371,7 @@ class Engine:
         block.fetch_event = None
         self.room.not_idle(block)
         self.resident.pop(block, None)
+        self.departures += 1
         self._moved()
         block.stats.evictions += 1
         owner.counters.evictions += 1
@@ -480,6 +482,7 @@ class Engine:
                     self.transport.free(seg.flat)
                     self._count_resident(block, -seg.nbytes)
             self.resident.pop(block)
+        self.departures += 1
         for block in owner.all_blocks():
             for seg in block.segments.values():
                 seg.state = PageState.HOST

@@ -74,6 +74,7 @@ class Scheduler:
         self._positions_of = None  # the plan they index
         self._history: deque = deque(maxlen=2 * MAX_PERIOD)  # (hash, recording) of the last steps
         self._plan_key = None  # the hash of `plan`
+        self.steps = 0  # steps started (a prefetch's frontier holds within one: model/prefetch.py)
 
     @property
     def kept(self) -> frozenset:
@@ -99,6 +100,7 @@ class Scheduler:
             self._plan_key, self.plan = self._history[-self._period()]
         self.recording = []
         self.pos = 0
+        self.steps += 1
         return changed
 
     def _period(self) -> int:

@@ -29,7 +29,7 @@ from ..training.optim import attach as attach_optimizer
 from . import step_needs
 from .direct_calls import DirectCalls
 from .hooks import Hooks
-from .prefetch import prefetch
+from .prefetch import Frontier, prefetch
 from .serving import Serving
 from .steps import Steps
 from .uses import Uses
@@ -72,6 +72,7 @@ class Pager:
         self.engine = engine if engine is not None else Engine(device, budget_bytes, pin=pin, helpers=helpers)
         self.transport = self.engine.transport
         self.scheduler = Scheduler()
+        self.prefetch_frontier = Frontier()  # ([Note: the prefetch frontier] in model/prefetch.py)
         self.blocks: list[Block] = []
         self.remainder: Block | None = None
         self.resident_bytes = 0  # this model's share of the engine's (kept by the engine)

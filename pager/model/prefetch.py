@@ -11,6 +11,22 @@ under a disk tier, only once its page is in host memory (the thread that
 runs compute never waits for the disk). With several models on one engine,
 the walk goes on into the plan of the model predicted to run next
 ([Note: sharing the room] in engine/room.py).
+
+[Note: the prefetch frontier]
+In a repeating order most of the window is already resident: the walk
+used to look again at the same resident blocks at every use (about six
+of them, and a failed `make_room` for the first that is not), the largest
+share of a streamed use's host time (43% at 256 blocks of a 64-wide layer
+on the CPU device). So a model alone on its engine remembers how far the
+walk found nothing to do (`Frontier`): the uses up to there were resident
+weights with nothing deferred, and stay so until a block leaves other
+than for this walk's own room (a prefetch evicts only blocks whose next
+use is further than the one it fetches: never one before the frontier), a
+new step starts, or an update is deferred to a block's use or given to the
+host or another rank (`Frontier.reset`: the walk ahead of a backward's last
+uses reaches into the next forward, whose first blocks an optimizer step
+then defers updates to). The next walk starts there. The engine counts
+departures (`Engine.departures`); the scheduler, its steps and its plan.
 """
 
 from __future__ import annotations
@@ -21,23 +37,82 @@ from ..base.common import PREFETCH_WINDOW, STEP, WEIGHTS, _record_range
 from ..training.host_step import host_update_landed
 
 
+class Frontier:
+    """How far ahead of its scheduler's position a model's prefetch walk
+    found nothing to do, and when (see [Note: the prefetch frontier])."""
+
+    __slots__ = ("plan", "step", "departures", "pos", "until", "moved")
+
+    def __init__(self):
+        self.plan, self.step, self.departures, self.pos, self.until = None, -1, -1, 0, 0
+        self.moved = False  # by the walk now running (stamped with the departures after it: `walked`)
+
+    def reset(self) -> None:
+        """A block's state that a walk reads changed outside it (an update
+        deferred to its use, given to the host or to another rank): the next
+        walk starts at the next use."""
+        self.plan = None
+
+    def start(self, scheduler, engine) -> int:
+        """The distance the walk may start at: 0 unless nothing changed since
+        the last walk but the scheduler's position, moving on."""
+        if (
+            self.plan is not scheduler.plan
+            or self.step != scheduler.steps
+            or self.departures != engine.departures
+            or scheduler.expected
+            or not self.pos <= scheduler.pos <= self.until
+        ):
+            return 0
+        return self.until - scheduler.pos
+
+    def reached(self, scheduler, engine, distance: int) -> None:
+        """The walk found the uses before `distance` resident with nothing to do."""
+        if scheduler.expected:
+            return
+        self.plan, self.step = scheduler.plan, scheduler.steps
+        self.pos, self.until = scheduler.pos, scheduler.pos + distance
+        self.moved = True
+
+    def walked(self, engine) -> None:
+        """The walk is over: the blocks it evicted were all further than the
+        frontier, so it holds from the departures counted now."""
+        if self.moved:
+            self.departures, self.moved = engine.departures, False
+
+
 def prefetch(pager) -> None:
     """Fetch the next uses of `pager`'s model that have room (see the Note)."""
     if not pager.prefetch_depth or pager.all_resident:
         return  # off, or nothing left to fetch
+    try:
+        _walk(pager)
+    finally:
+        pager.prefetch_frontier.walked(pager.engine)
+
+
+def _walk(pager) -> None:
     engine = pager.engine
     disk = engine.host.disks.get(pager) if engine.host.disks else None
     if disk is not None:  # pages further ahead start coming from disk ([Note: the disk tier])
         disk.read_ahead(_upcoming(pager))
     alone = len(engine.owners) == 1
     uses = None if alone else islice(_upcoming(pager), PREFETCH_WINDOW)
-    peek = pager.scheduler.peek
+    scheduler = pager.scheduler
+    peek = scheduler.peek
     awaiting = pager.host_steps.state_room.awaiting
+    # (alone, with no update running elsewhere: [Note: the prefetch frontier])
+    frontier = pager.prefetch_frontier
+    clear = uses is None and disk is None and pager.owners is None and not awaiting and not pager.host_steps.updating()
+    # (`clear`: every use so far resident with nothing to do)
+    start = frontier.start(scheduler, engine) if clear else 0
     fetched = 0
-    for distance in range(PREFETCH_WINDOW):
+    for distance in range(start, PREFETCH_WINDOW):
         # (alone, by index into the plan: no iterator made at every use)
         use = peek(distance) if uses is None else next(uses, None)
         if use is None:
+            if clear:
+                frontier.reached(scheduler, engine, distance)
             return
         block, kinds = use
         if block.host_update is not None and not host_update_landed(block):
@@ -50,6 +125,9 @@ def prefetch(pager) -> None:
             kinds = STEP  # its pending update runs at this use
         elif kinds is WEIGHTS and not block.deps and block.weights.resident:
             continue  # the common case once the working set is resident
+        if clear:
+            frontier.reached(scheduler, engine, distance)
+            clear = False
         if "grads" in kinds:
             block.owner.grad_pages.ensure_segment(block)
             if getattr(block.segments.get("grads"), "dropped", False):
@@ -76,6 +154,8 @@ def prefetch(pager) -> None:
         fetched += 1
         if fetched >= pager.prefetch_depth:
             return
+    if clear:
+        frontier.reached(scheduler, engine, max(start, PREFETCH_WINDOW))
 
 
 def _upcoming(pager):

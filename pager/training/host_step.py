@@ -426,6 +426,10 @@ class HostSteps:
             self._worker = HostWorker(host_threads() if self.pager.transport.is_cuda else 0)
         return self._worker
 
+    def updating(self) -> bool:
+        """Whether a block's update may still be running on the host."""
+        return bool(self._running)
+
     def submit(self, block, job: HostJob) -> None:
         self.pager.engine.host_pages_change(block)  # (the update writes its weights' pages: copies elsewhere are stale)
         earlier = block.host_update
@@ -436,6 +440,7 @@ class HostSteps:
             future.add_done_callback(lambda f: owners.published_on_host(block, f))  # ([Note: block owners])
         block.host_update = future
         self._running.add(block)
+        self.pager.prefetch_frontier.reset()  # (a walk waits at it: [Note: the prefetch frontier])
         self.pager.counters.host_steps += 1
 
     def after_copy(self, event, fn) -> None:

@@ -315,6 +315,7 @@ class OptimizerLink:
         )
         seg.pending.clear()  # what is recorded from now on applies after the update
         self.pager.counters.deferred_steps += 1
+        self.pager.prefetch_frontier.reset()  # (its use now brings its gradients and state too)
 
     def apply(self, block: Block, d: Deferred) -> None:
         """Run deferred update `d` of `block` (resident, compute ordered after

@@ -236,6 +236,7 @@ class BlockOwners:
 
     def _expect(self, block) -> None:
         self.expected[block] = block.owner_update = self.expected.get(block, 0) + 1
+        self.pager.prefetch_frontier.reset()  # (a walk waits at it: [Note: the prefetch frontier])
         engine = self.pager.engine
         engine.host_pages_change(block)  # (the owner writes its new weights into the pages)
         if block in engine.resident and not (block.pins == 0 and engine.evict(block)):

@@ -131,6 +131,7 @@ class StateRoom:
         engine = self.pager.engine
         if block in engine.resident and not block.resident_for_life and engine.evict(block):
             self.awaiting.add(block)
+            self.pager.prefetch_frontier.reset()  # (a walk waits at it: [Note: the prefetch frontier])
 
 
 def tradable(block) -> bool:
