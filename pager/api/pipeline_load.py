@@ -182,8 +182,8 @@ def _parameters_on_meta():
             param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = on_meta  # (for the build only: accelerate's way)
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # (for the build only: accelerate's way)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = register  # type: ignore[method-assign]

@@ -392,7 +392,7 @@ def _wrap(
         else 0
     )
     min_budget = sizing.min_budget  # of whole blocks: parts may be fetched together again
-    parts = set()
+    parts: set = set()
     if blocks is None:
         least = min_part_bytes(compress) if compress else discover.SPLIT_MIN_BYTES
         sizing, parts = discover.split_large(model, sizing, budget_bytes, least, links=checks.links(helpers, engine))

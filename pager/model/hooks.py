@@ -273,11 +273,8 @@ class Hooks:
                     self.pager.outside.refused()  # (measured again at the next forward)
                 raise
             acts.pass_starts()  # (before the ops before the first block)
-        saving.begin_saving(
-            False,
-            *(acts.between_blocks() if acts is not None else ()),
-            ledger=acts.ledger if acts is not None else None,
-        )
+        offload, recomputation = acts.between_blocks() if acts is not None else (None, None)
+        saving.begin_saving(False, offload, recomputation, ledger=acts.ledger if acts is not None else None)
         self.pager.check_open()
         self.uses.note_threads()
         outermost = not self.forward_marks()  # this thread's own request starts
@@ -393,9 +390,11 @@ class Hooks:
                 if acts is not None:
                     acts.forward_reaches(block)
                 # (quantized weights' Python kernels leave Python views of them in the graph: counted)
+                offload, recomputation = acts.for_block(block, args, kwargs) if acts is not None else (None, None)
                 saving.begin_saving(
                     (self.pager.shared_mode or block.quantized) and grad,
-                    *(acts.for_block(block, args, kwargs) if acts is not None else ()),
+                    offload,
+                    recomputation,
                     ledger=acts.ledger if acts is not None else None,
                 )
             with self.lock:
@@ -429,7 +428,7 @@ class Hooks:
                 if block.unpinned_calls:
                     block.unpinned_calls -= 1
                     return None
-                if not again:
+                if frame is not None:  # (not again)
                     self.uses.track_kept_views(block, (output,), ("forward", torch.is_grad_enabled(), frame.hooks))
                     if frame.ledger is not None:
                         self.pager.activations.forward_saved(block, frame.saved_bytes)

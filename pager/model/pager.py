@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +35,11 @@ from .prefetch import Frontier, prefetch
 from .serving import Serving
 from .steps import Steps
 from .uses import Uses
+
+if TYPE_CHECKING:  # (the types of what `wrap` attaches; imported by it)
+    from ..training.distributed import Reducer
+    from ..training.owners import BlockOwners
+    from .outside import Outside
 
 log = logging.getLogger("pager")
 
@@ -84,7 +91,7 @@ class Pager:
         self.row_bytes = 0  # device bytes of the row tables' and experts' caches, held out of the room
         self.expert_tables: list = []  # experts paged one by one ([Note: experts paged one by one] in experts/table.py)
         self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
-        self.outside = None  # the `Outside` that learns them ([Note: a budget that covers the process])
+        self.outside: Outside | None = None  # the `Outside` that learns them ([Note: a budget that covers the process])
         self.row_stream = None  # the row tables' side stream and staging (rows/reader.py), on CUDA
         # How the pool and the engine's messages name this model.
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
@@ -130,9 +137,13 @@ class Pager:
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Steps.start_step)
-        self.reducer = None  # a `training.distributed.Reducer` when gradients are averaged over a process group
-        self.share_host = None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
-        self.owners = None  # a `training.owners.BlockOwners` under wrap(block_owners=True)
+        self.reducer: Reducer | None = (
+            None  # a `training.distributed.Reducer` when gradients are averaged over a process group
+        )
+        self.share_host: Callable[[Pager], None] | None = (
+            None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
+        )
+        self.owners: BlockOwners | None = None  # a `training.owners.BlockOwners` under wrap(block_owners=True)
         self.master_weights = False  # float32 masters of bf16 weights ([Note: master weights] in training/masters.py)
         self.uses = Uses(self)  # what a use of a block does: acquire, release
         self.grad_pages = GradPages(self)

@@ -63,7 +63,7 @@ model/outside.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -232,7 +232,7 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
     inputs_seen: set = set()
     stack: list[int] = []
 
-    last = [None]  # the module of the last block whose forward began
+    last = [-1]  # the module of the last block whose forward began (its id; -1: none yet)
 
     def pre(module, a, k):
         i = index[id(module)]
@@ -420,7 +420,7 @@ def state_bytes_of(optimizer, device, state_factor: float = 2.0, master_weights:
 
 
 # optimizer class -> (state tensors the size of a parameter, or a function of its group; scalar tensors)
-_STATE = {
+_STATE: dict[str, tuple[int | Callable[[dict], int], int]] = {
     "Adam": (lambda g: 3 if g.get("amsgrad") else 2, 1),
     "AdamW": (lambda g: 3 if g.get("amsgrad") else 2, 1),
     "Adamax": (2, 1),

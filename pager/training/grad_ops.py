@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -213,7 +215,8 @@ def _norms(values, ord):
     return out
 
 
-_GRAD_OPS = {  # func -> (answer, whether it reads values, whether it writes them)
+# func -> (answer, whether it reads values, whether it writes them)
+_GRAD_OPS: dict[Any, tuple[Callable[..., Any], bool, bool]] = {
     torch.Tensor.zero_: (_zero, False, True),
     torch._foreach_zero_: (_foreach_zero, False, True),
     torch.Tensor.mul_: (_mul, False, True),

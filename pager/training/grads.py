@@ -88,7 +88,7 @@ class PagedOutGrad(torch.Tensor):
         return seg.tensors[self.position]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func in (aten._foreach_zero_.default, aten.zero_.default):
             tensors = args[0] if func is aten._foreach_zero_.default else [args[0]]

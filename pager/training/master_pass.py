@@ -180,7 +180,8 @@ def _checked(kernel):
             master.to(torch.bfloat16),
         ]
         expected = [t.clone() for t in mine]
-        adam_pass(*expected, torch.tensor(c, dtype=torch.float32))
+        grad, master_ref, exp_avg, exp_avg_sq, weight = expected
+        adam_pass(grad, master_ref, exp_avg, exp_avg_sq, weight, torch.tensor(c, dtype=torch.float32))
         _call(kernel, [mine], [c], threads=3)
         for got, want in zip(mine[1:], expected[1:]):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

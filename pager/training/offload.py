@@ -257,6 +257,7 @@ class ActivationOffload:
             if sent.left <= 0:
                 sent.left = sent.saves  # (a retained graph's next backward asks again)
                 self.ledger.sub(tensor_bytes(device))
+        assert device is not None  # (handed, or just brought)
         return device
 
     def backward_reaches(self, block) -> None:

@@ -96,7 +96,10 @@ class Recompute:
 
     def __init__(self, block, args, kwargs, stats, ledger):
         self.block, self.stats, self.ledger = block, stats, ledger
-        self.held, self.values, self.keys = [], {}, {}  # (for __del__, should what follows raise)
+        # (for __del__, should what follows raise)
+        self.held: list = []
+        self.values: dict = {}  # index -> recomputed tensor, until handed out
+        self.keys: dict = {}  # index -> its key in the ledger (`Ledger.hold`)
         flat, self.spec = tree_flatten((args, kwargs))
         with unguarded():
             self.inputs = [_Input(t) if isinstance(t, torch.Tensor) else t for t in flat]
@@ -117,8 +120,6 @@ class Recompute:
         self.dropped_bytes = 0  # what they held
         self.first_save = getattr(tls, "saves", 0)  # this thread's saves before the forward's first
         self.index_of: dict = {}  # the forward's n-th save -> the index of the Dropped it made
-        self.values: dict = {}  # index -> recomputed tensor, until handed out
-        self.keys: dict = {}  # index -> its key in the ledger (`Ledger.hold`)
         self.lock = threading.Lock()  # unpack runs on autograd's threads
         with unguarded():  # ([Note: buffers a forward changes])
             self.buffers = [(b, b._version) for b in block.module.buffers()] if block.module is not None else []
