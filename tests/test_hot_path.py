@@ -137,3 +137,54 @@ def test_an_update_deferred_to_a_use_resets_the_frontier(monkeypatch):
     assert p.stats().deferred_steps - deferred == len(resets) > 0
     monkeypatch.undo()
     pager.unwrap(model)
+
+
+def test_the_frontier_fetches_what_a_walk_from_the_start_fetches_after_a_fetch_out_of_memory(monkeypatch):
+    """A fetch that finds the device out of memory evicts every idle block
+    (`Engine._allocate`), those before the frontier too: the next walks do
+    not skip them."""
+    from pager.engine.transport import CpuTransport
+
+    runs = []
+    for frontier in (True, False):
+        model = _stack()
+        layer = tensor_page_bytes(model[0])
+        allocate, calls = CpuTransport.allocate, [0]
+
+        def once_out_of_memory(self, flat, nbytes):
+            calls[0] += 1
+            if calls[0] == 70:  # (a prefetch's, in the third forward)
+                raise torch.cuda.OutOfMemoryError("test: the device is full")
+            return allocate(self, flat, nbytes)
+
+        monkeypatch.setattr(CpuTransport, "allocate", once_out_of_memory)
+        runs.append(_run(model, monkeypatch, frontier=frontier, budget=14 * layer, train=False))
+    (order, outs, stats), (want_order, want_outs, want_stats) = runs
+    assert order == want_order and stats == want_stats
+    for a, b in zip(outs, want_outs):
+        assert_same(a, b)
+
+
+def test_parts_merged_into_their_block_reset_the_frontier(monkeypatch):
+    """A forward that reads a part's weights merges the parts into their
+    block (its deps from then on): a walk must not skip that block as one
+    with nothing to bring."""
+    from test_split import FusedLM, weights_budget
+    from test_training import batches
+
+    from pager.model import discover
+
+    monkeypatch.setattr(discover, "SPLIT_MIN_BYTES", 1024)  # (the test model's projections are a few KiB)
+    resets = []
+    reset = Frontier.reset
+    monkeypatch.setattr(Frontier, "reset", lambda self: (resets.append(1), reset(self)))
+    model = FusedLM()
+    pager.wrap(model, budget=weights_budget(model), device="cpu")
+    p = pager.of(model)
+    ids = batches(1)[0][0]
+    with torch.no_grad():
+        model(ids)  # (the reads are served: the parts merge)
+        assert all(b.parts_merged for b in p.blocks if not b.part) and not resets
+        model(ids)  # (their first use with the parts as deps)
+    assert len(resets) == sum(1 for b in p.blocks if b.merged_deps) > 0
+    pager.unwrap(model)

@@ -21,11 +21,13 @@ on the CPU device). So a model alone on its engine remembers how far the
 walk found nothing to do (`Frontier`): the uses up to there were resident
 weights with nothing deferred, and stay so until a block leaves other
 than for this walk's own room (a prefetch evicts only blocks whose next
-use is further than the one it fetches: never one before the frontier), a
-new step starts, or an update is deferred to a block's use or given to the
-host or another rank (`Frontier.reset`: the walk ahead of a backward's last
-uses reaches into the next forward, whose first blocks an optimizer step
-then defers updates to). The next walk starts there. The engine counts
+use is further than the one it fetches: never one before the frontier; a
+fetch that finds the device out of memory evicts every idle block, and
+then the frontier does not hold), a new step starts, or an update is
+deferred to a block's use or given to the host or another rank, or a
+block takes its parts as deps (`Frontier.reset`: the walk ahead of a
+backward's last uses reaches into the next forward, whose first blocks an
+optimizer step then defers updates to). The next walk starts there. The engine counts
 departures (`Engine.departures`); the scheduler, its steps and its plan.
 """
 
@@ -41,11 +43,12 @@ class Frontier:
     """How far ahead of its scheduler's position a model's prefetch walk
     found nothing to do, and when (see [Note: the prefetch frontier])."""
 
-    __slots__ = ("plan", "step", "departures", "pos", "until", "moved")
+    __slots__ = ("plan", "step", "departures", "pos", "until", "moved", "own")
 
     def __init__(self):
         self.plan, self.step, self.departures, self.pos, self.until = None, -1, -1, 0, 0
         self.moved = False  # by the walk now running (stamped with the departures after it: `walked`)
+        self.own = 0  # blocks that walk evicted to make room: none before the frontier
 
     def reset(self) -> None:
         """A block's state that a walk reads changed outside it (an update
@@ -72,13 +75,19 @@ class Frontier:
             return
         self.plan, self.step = scheduler.plan, scheduler.steps
         self.pos, self.until = scheduler.pos, scheduler.pos + distance
-        self.moved = True
+        self.departures, self.own, self.moved = engine.departures, 0, True
 
     def walked(self, engine) -> None:
-        """The walk is over: the blocks it evicted were all further than the
-        frontier, so it holds from the departures counted now."""
+        """The walk is over: if the only blocks that left since `reached` are
+        those it evicted for room (all further than the frontier), the
+        frontier holds from the departures counted now; if others left too
+        (a fetch out of device memory evicts every idle block), it does not."""
         if self.moved:
-            self.departures, self.moved = engine.departures, False
+            if engine.departures == self.departures + self.own:
+                self.departures = engine.departures
+            else:
+                self.plan = None
+            self.moved = False
 
 
 def prefetch(pager) -> None:
@@ -140,9 +149,10 @@ def _walk(pager) -> None:
             continue
         if disk is not None and not engine.host.ready(block, kinds):
             return  # its page is still being read: the thread that runs compute does not wait for the disk
-        if not engine.room.make_room(
-            missing, protect=(block, *block.deps) if block.deps else (block,), within=distance
-        ):
+        departed, protect = engine.departures, (block, *block.deps) if block.deps else (block,)
+        roomy = engine.room.make_room(missing, protect=protect, within=distance)
+        frontier.own += engine.departures - departed  # (only further blocks: see `Frontier.walked`)
+        if not roomy:
             return
         for dep in block.deps:
             if dep.missing_bytes(WEIGHTS):

@@ -48,6 +48,7 @@ class Uses:
             block.deps = block.deps + [
                 b for b in self.pager.blocks if b.part and b.parent is block and b not in block.deps
             ]
+            self.pager.prefetch_frontier.reset()  # (a walk skips blocks with none: [Note: the prefetch frontier])
         done = []
         try:
             for dep in block.deps:
