@@ -137,12 +137,10 @@ class Pager:
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
         self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Steps.start_step)
-        self.reducer: Reducer | None = (
-            None  # a `training.distributed.Reducer` when gradients are averaged over a process group
-        )
-        self.share_host: Callable[[Pager], None] | None = (
-            None  # maps the weights pages onto the node's shared copy (wrap(share_host_pages=True))
-        )
+        # A `training.distributed.Reducer` when gradients are averaged over a process group.
+        self.reducer: Reducer | None = None
+        # Maps the weights pages onto the node's shared copy (wrap(share_host_pages=True)).
+        self.share_host: Callable[[Pager], None] | None = None
         self.owners: BlockOwners | None = None  # a `training.owners.BlockOwners` under wrap(block_owners=True)
         self.master_weights = False  # float32 masters of bf16 weights ([Note: master weights] in training/masters.py)
         self.uses = Uses(self)  # what a use of a block does: acquire, release

@@ -84,9 +84,8 @@ class OptimizerLink:
         self.optimizer = optimizer
         self._saved_params: list | None = None
         self._stepping = False  # inside the optimizer's own step, called by pager
-        self._call: FrameType | None = (
-            None  # the frame of the user's step() call in progress ([Note: a step inside a step])
-        )
+        # The frame of the user's step() call in progress ([Note: a step inside a step]).
+        self._call: FrameType | None = None
         self._in_place: list = []  # blocks the user's own step() updates ([Note: a step asleep])
         self.stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
         self._handles = [
