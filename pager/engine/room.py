@@ -71,10 +71,6 @@ from ..base.common import SHARE_WINDOW, BudgetError
 INF = float("inf")
 
 
-def _by_distance(ranked: tuple) -> tuple:
-    return ranked[:2]
-
-
 class Room:
     """What blocks may hold on the device, each model's share, and eviction.
 
@@ -234,8 +230,6 @@ class Room:
             return True
         self._sort_by_kept()
         several = len(self.engine.owners) > 1  # (alone, every block's owner is as busy as the others')
-        if within is not None and not several:
-            return self._room_ahead(nbytes, protect, within, room)
         dormant = self._dormant(protect) if several and within is not None else frozenset()
         if within is not None and not self.idle_streamed and not dormant:
             return False  # (a prefetch takes no kept block but a dormant model's: nothing may go)
@@ -280,31 +274,6 @@ class Room:
                 self.engine.evict(b)
                 if self.engine.resident_bytes + nbytes <= room:
                     return True
-        return False
-
-    def _room_ahead(self, nbytes: int, protect, within: int, room: int) -> bool:
-        """`make_room` for a prefetch of a model alone on its engine, what a
-        streamed use asks at every step: the same choice (idle streamed
-        blocks whose next use is further than `within`, furthest first, then
-        least recently used), without what only several models need."""
-        if not self.idle_streamed:
-            return False
-        owner = self.engine.owners[0]
-        if owner.evictions_blocked():
-            return False
-        distance_to = owner.scheduler.distance_to
-        ranked = sorted(
-            ((distance_to(b), -b.last_use_tick, b) for b in self.idle_streamed if b not in protect),
-            key=_by_distance,
-            reverse=True,
-        )
-        engine = self.engine
-        for distance, _tick, b in ranked:
-            if distance <= within:
-                return False
-            engine.evict(b)
-            if engine.resident_bytes + nbytes <= room:
-                return True
         return False
 
     def _dormant(self, protect) -> frozenset:

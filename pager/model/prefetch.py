@@ -167,7 +167,7 @@ def _walk(pager) -> None:
         if fetched >= pager.prefetch_depth:
             return
     if clear:
-        frontier.reached(scheduler, engine, max(start, PREFETCH_WINDOW))
+        frontier.reached(scheduler, engine, PREFETCH_WINDOW)  # (the whole window: start <= it)
 
 
 def _upcoming(pager):
