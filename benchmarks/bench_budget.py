@@ -414,7 +414,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--attach-at-wrap", action="store_true", help="build AdamW before wrap and pass it: wrap(optimizer=)"
     )
-    p.add_argument("--covers", choices=("pager", "process"), help="wrap(budget_covers=...) (default: pager's)")
+    p.add_argument("--covers", choices=("pager", "process"), help="wrap(budget_covers=...) (default: the tree's default)")
     p.add_argument("--info", action="store_true", help="pager's INFO log lines (its choices) on stderr")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke test of this script only
     args = p.parse_args(argv)

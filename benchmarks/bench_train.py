@@ -253,7 +253,7 @@ def bench_train_sweep(args, rows):
             + (f" ({s.activations_kept_blocks} blocks kept, the rest {s.activations_policy})"
                if activations == "auto" and s.activations_policy != "keep" else
                " (all kept)" if activations == "auto" else "") + f", optimizer_step={placement}"
-            + (f", budget_covers={covers}" if covers != "pager" else ""),
+            + (f", budget_covers={covers}" if covers != "process" else ""),
             ms, peak, ms / gpu_ms, "all on GPU",
             f"allocator peak {peak / (budget / GiB):.2f}x the budget; outside pager "
             f"{s.outside_bytes / GiB:.2f} GiB (learned); pager's own peak "
@@ -437,7 +437,7 @@ def main(argv=None):
                     help="sweep: budgets as shares of weights + grads + AdamW state")
     ap.add_argument("--policies", nargs="*", default=["offload", "recompute"], help="sweep: activations=")
     ap.add_argument("--placements", nargs="*", default=["auto", "device"], help="sweep: optimizer_step=")
-    ap.add_argument("--covers", nargs="*", default=["pager"], help="sweep: budget_covers=")
+    ap.add_argument("--covers", nargs="*", default=["process"], help="sweep: budget_covers= (default: the process, wrap's default)")
     ap.add_argument("--trace-share", type=float, default=None,
                     help="sweep: write a trace of two steps at this share (first policy and placement)")
     ap.add_argument("--profile-share", type=float, default=None,

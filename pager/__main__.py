@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--budget-covers",
         choices=("pager", "process"),
-        default="pager",
+        default="process",
         help='as wrap(budget_covers=): "process" counts what the process holds outside pager (the inputs, '
         "the output, the loss's backward, predicted from --inputs) in the least budget that trains",
     )

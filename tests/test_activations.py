@@ -35,9 +35,13 @@ def offloading(model, budget, policy="offload", inputs=None, **kwargs):
     """Wrap `model` under `policy`, activations of any size offloaded; with
     `inputs` (a batch), the budget is `budget` for blocks plus what
     activations hold under `policy` in a training pass with it (its
-    prediction: [Note: what each policy holds, predicted])."""
+    prediction: [Note: what each policy holds, predicted]). The budget is
+    pager's alone unless `budget_covers` says otherwise: these tests size it
+    for blocks and activations (what the process holds beside them:
+    test_outside.py)."""
     if inputs is not None:
         budget += activations_room(model, inputs, policy)
+    kwargs.setdefault("budget_covers", "pager")
     pager.wrap(model, budget=budget, device="cpu", activations=policy, **kwargs)
     pager.of(model).activations.offload.min_bytes = 0  # these models' activations are a few KiB
     return pager.of(model)

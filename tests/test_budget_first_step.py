@@ -212,7 +212,8 @@ def build():
 def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train(tmp_path, monkeypatch, capsys):
     """`python -m pager plan` with the forward's keyword arguments
     (`--inputs input_ids=...`, `--labels`) and `--optimizer` gives the least
-    budget `plan()` gives with them (the run's), exits 0 at it and 1 below;
+    budget `plan()` gives with them (the run's: the process's by default,
+    or pager's alone), exits 0 at it and 1 below;
     without inputs it runs, says activations are not counted and names no
     budget that trains; `--optimizer` without inputs is a usage error."""
     from pager.__main__ import main
@@ -223,7 +224,7 @@ def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train
     opt = torch.optim.AdamW(model.parameters())
     zeros = torch.zeros(4, 64, dtype=torch.long)
     least = pager.plan(model, "1GiB", device="cpu", inputs={"input_ids": zeros, "labels": zeros}, optimizer=opt)
-    least = least.train_min_budget_bytes
+    least = least.train_min_budget_bytes  # (the process's: the loss and logits counted too)
 
     def run(budget, *more):
         code = main(["plan", "mylm:build", "--budget", str(budget), "--device", "cpu", *more])
@@ -236,14 +237,15 @@ def test_the_plan_command_takes_named_inputs_and_exits_1_where_it_will_not_train
     assert code == 1 and "WILL NOT TRAIN" in out
     named = ["--inputs", "input_ids=4x64:int64", "--inputs", "labels=4x64:int64", "--optimizer", "AdamW"]
     assert run(least - 1, *named)[0] == 1 and run(least, *named)[0] == 0  # (labels named: the same figure)
-    code, out = run(least - 1, "--inputs", "input_ids=4x64:int64", "--optimizer", "AdamW")  # no labels: less
+    alone = pager.plan(
+        model, "1GiB", device="cpu", inputs={"input_ids": zeros, "labels": zeros}, optimizer=opt, budget_covers="pager"
+    ).train_min_budget_bytes  # (pager's own bytes alone)
+    assert alone < least and run(alone - 1, *train, "--budget-covers", "pager")[0] == 1
+    assert run(alone, *train, "--budget-covers", "pager")[0] == 0
+    unlabelled = ["--inputs", "input_ids=4x64:int64", "--optimizer", "AdamW", "--budget-covers", "pager"]
+    code, out = run(alone - 1, *unlabelled)  # no labels: less (the model's loss saves nothing)
     assert code == 0 and "`labels`" in out
-    assert run(least - 1, "--inputs", "4x64:int64")[0] == 0  # (the positional form, input_ids: no labels)
-    covering = pager.plan(
-        model, "1GiB", device="cpu", inputs={"input_ids": zeros, "labels": zeros}, optimizer=opt, budget_covers="process"
-    ).train_min_budget_bytes  # (the loss and logits counted too)
-    assert covering > least and run(covering - 1, *train, "--budget-covers", "process")[0] == 1
-    assert run(covering, *train, "--budget-covers", "process")[0] == 0
+    assert run(alone - 1, "--inputs", "4x64:int64", "--budget-covers", "pager")[0] == 0  # (the positional form)
     code, out = run(least - 1)  # inference: it runs; the training figure excludes activations
     assert code == 0 and "ACTIVATIONS NOT COUNTED" in out and "least budget that trains" not in out
     for wrong in (

@@ -134,7 +134,7 @@ def test_races_with_delayed_copies(compute_sleep):
     model = Thin().eval()
     ref = copy.deepcopy(model).to(GPU)
     budget = 2 * tensor_page_bytes(model.layers[0])
-    pager.wrap(model, budget=budget, device=GPU)
+    pager.wrap(model, budget=budget, device=GPU, budget_covers="pager")
     _sleepy(pager.of(model).transport, compute_cycles=compute_sleep)
     for _ in range(6):
         x = torch.randn(8, 1024, device=GPU)
@@ -142,6 +142,40 @@ def test_races_with_delayed_copies(compute_sleep):
             torch.testing.assert_close(model(x), ref(x))
     s = pager.of(model).stats()
     assert s.evictions > 0 and s.prefetches > 0
+
+
+def test_the_default_budget_covers_what_the_caller_holds_from_the_first_forward_on_gpu():
+    """The budget covers the process by default ([Note: a budget that covers
+    the process]): what the caller holds on the GPU when a forward starts (a
+    tensor of its own, the inputs) is seen before any block is fetched, so
+    blocks leave it room from the first forward on, and the allocator's peak
+    stays within the budget but for a block's temporaries; the outputs are
+    the bare model's."""
+    model = Thin().eval()
+    ref = copy.deepcopy(model).to(GPU)
+    xs = [torch.randn(8, 1024, device=GPU) for _ in range(4)]
+    with torch.no_grad():
+        want = [ref(x) for x in xs]
+    del ref
+    layer = tensor_page_bytes(model.layers[0])
+    held = torch.empty(3 * layer, dtype=torch.uint8, device=GPU)  # the caller's, beside the model
+    torch.cuda.synchronize()
+    caller = torch.cuda.memory_allocated()  # (with the inputs, the outputs wanted and what earlier tests left)
+    budget = caller + 4 * layer
+    pager.wrap(model, budget=budget, device=GPU)  # (it resets the peak counter)
+    p = pager.of(model)
+    with torch.no_grad():
+        for x, w in zip(xs, want):
+            torch.testing.assert_close(model(x), w)
+    torch.cuda.synchronize()
+    s = p.stats()
+    assert s.outside_bytes >= caller and s.evictions > 0, s
+    # (the caller then holds a forward's output too, seen at its end)
+    assert s.peak_resident_bytes + s.outside_bytes <= budget + xs[0].nbytes, s
+    temporaries = 6 * xs[0].nbytes  # (a block's while it runs: its input, output and tanh's, the last output)
+    assert torch.cuda.max_memory_allocated() <= budget + temporaries, (torch.cuda.max_memory_allocated(), budget)
+    del held
+    pager.unwrap(model)
 
 
 def test_writeback_race_with_batchnorm():
@@ -169,7 +203,10 @@ def test_training_parity_on_gpu(opt_name, regime, placement):
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, regime, {"sgd_momentum": 1}.get(opt_name, 2))
     make = OPTIMIZERS[opt_name]
-    pager.wrap(model, budget=budget, device=GPU, optimizer_step=placement)
+    # (the budget is the process's where it fits, the default: the model trains asleep beside its reference,
+    # [Note: asleep]; where it streams, a few blocks' worth, pager's alone, which the reference would crowd)
+    pager.wrap(model, budget=budget, device=GPU, optimizer_step=placement,
+               **({} if regime == "fits" else {"budget_covers": "pager"}))
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(8)]
     train(model, opt, data)
@@ -190,7 +227,7 @@ def test_a_graph_built_asleep_lets_the_blocks_go_once_its_backward_ends_on_gpu()
     blocks go, so the budget can drop between steps and training goes on paged."""
     model = TinyLM()
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=1 << 30, device=GPU, optimizer_step="device")  # (the host's: tested above)
+    pager.wrap(model, budget=1 << 30, device=GPU, optimizer_step="device", budget_covers="pager")  # (the host's: tested above)
     pg = pager.of(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     for i, (ids, tgt) in enumerate(batches(6)):
@@ -225,7 +262,7 @@ def test_training_races_and_peak_memory(defer_step, placement, make):
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, "streams")
-    pager.wrap(model, budget=budget, device=GPU, defer_step=defer_step, optimizer_step=placement)
+    pager.wrap(model, budget=budget, device=GPU, defer_step=defer_step, optimizer_step=placement, budget_covers="pager")
     _sleepy(pager.of(model).transport, h2d_cycles=1_000_000, compute_cycles=1_000_000, d2h_cycles=2_000_000)
     opt, ref_opt = make(model.parameters(), lr=1e-3), make(ref.parameters(), lr=1e-3)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
@@ -274,7 +311,7 @@ def test_updates_on_the_host_with_clipping_and_a_schedule_on_gpu(monkeypatch):
     model = TinyLM(d=128, n_layers=6)
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="host")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="host", budget_covers="pager")
     _sleepy(pager.of(model).transport, h2d_cycles=0, d2h_cycles=2_000_000)
     make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
@@ -316,7 +353,7 @@ def test_supernet_on_gpu():
     net = SuperNet(d=128, n_layers=4)
     ref = copy.deepcopy(net).to(GPU)
     budget = regime_budget(net, "streams")
-    pager.wrap(net, budget=budget, device=GPU, optimizer_step="device")  # (on the host: test_host_step, bit for bit)
+    pager.wrap(net, budget=budget, device=GPU, optimizer_step="device", budget_covers="pager")  # (on the host: test_host_step, bit for bit)
     opt, ref_opt = torch.optim.Adam(net.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(8)]
     train_supernet(net, ref, opt, ref_opt, data, torch.Generator().manual_seed(0), n_candidates=4)
@@ -423,7 +460,7 @@ def test_reads_and_writes_of_paged_out_tensors_on_gpu():
     not-yet-landed memory (the sanitizer watches these too)."""
     model = TinyLM(d=64)
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU)
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, budget_covers="pager")
     _sleepy(pager.of(model).transport)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     data = [(i.to(GPU), t.to(GPU)) for i, t in batches(4)]
@@ -457,7 +494,7 @@ def test_reads_and_writes_of_paged_out_tensors_on_gpu():
 def test_fp16_grad_scaler_and_torch_clip_where_the_step_does_not_fit():
     model = TinyLM(d=64)
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="device")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="device", budget_covers="pager")
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     scalers = [torch.amp.GradScaler("cuda", growth_interval=3) for _ in range(2)]
     on_demand = []
@@ -498,7 +535,7 @@ def test_views_kept_from_a_forward_on_gpu():
     model = Chain()
     ref = copy.deepcopy(model).to(GPU)
     one = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())
-    pager.wrap(model, budget=2 * one + 4096, device=GPU)
+    pager.wrap(model, budget=2 * one + 4096, device=GPU, budget_covers="pager")
     _sleepy(pager.of(model).transport)
     x = torch.randn(4, 32, device=GPU)
     for grad in (False, True, True):
@@ -522,7 +559,7 @@ def test_another_thread_reads_while_the_model_trains_on_gpu():
     served (pinned) while the training thread's uses pass the guard."""
     model = TinyLM(d=64)
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="device")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, optimizer_step="device", budget_covers="pager")
     _sleepy(pager.of(model).transport)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     def check(t):
@@ -559,7 +596,7 @@ def test_activations_offloaded_on_gpu_parity_races_and_peak():
         if activations == "offload":  # the budget bounds activations too: room for what offloading holds
             budget += activation_room(model, torch.zeros(rows, d), "offload")
         budgets[activations] = budget
-        pager.wrap(model, budget=budget, device=GPU, activations=activations)
+        pager.wrap(model, budget=budget, device=GPU, activations=activations, budget_covers="pager")
         p = pager.of(model)
         if activations == "offload":
             send, bring = p.transport.send_to_host, p.transport.bring_to_device
@@ -620,7 +657,7 @@ def test_activations_still_being_copied_out_are_used_where_they_are_on_gpu():
     model = Thin(d=d, n=n)
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, "streams") + activation_room(model, torch.zeros(rows, d), "offload")
-    pager.wrap(model, budget=budget, device=GPU, activations="offload")
+    pager.wrap(model, budget=budget, device=GPU, activations="offload", budget_covers="pager")
     p = pager.of(model)
     send = p.transport.send_to_host
 
@@ -655,7 +692,7 @@ def test_activations_host_copies_lent_by_the_pool_and_back_after_each_backward()
     model = Thin(d=d, n=n)
     ref = copy.deepcopy(model).to(GPU)
     budget = regime_budget(model, "streams") + activation_room(model, torch.zeros(rows, d), "offload")
-    pager.wrap(model, budget=budget, device=GPU, activations="offload")
+    pager.wrap(model, budget=budget, device=GPU, activations="offload", budget_covers="pager")
     p = pager.of(model)
     bring = p.transport.bring_to_device
 
@@ -794,12 +831,13 @@ class FusedTwin:
 
 def _wide_drop_training(d, n, activations, budget_of):
     """`n` WideDrop blocks wrapped with `budget_of(model)` and `activations`,
-    a reference copy on the GPU, and an Adam for each; cuBLAS workspaces made."""
+    a reference copy on the GPU, and an Adam for each; cuBLAS workspaces made.
+    The budget is pager's alone (the reference would count in the process's)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[WideDrop(d) for _ in range(n)])
     ref = copy.deepcopy(model).to(GPU)
     budget = budget_of(model)
-    pager.wrap(model, budget=budget, device=GPU, activations=activations)
+    pager.wrap(model, budget=budget, device=GPU, activations=activations, budget_covers="pager")
     p = pager.of(model)
     _sleepy(p.transport)
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
@@ -885,10 +923,11 @@ def test_the_state_leaves_the_device_on_gpu():
 def test_the_budget_covers_the_loss_on_gpu():
     """[Note: a budget that covers the process]: a cross-entropy over a wide
     projection outside the model (its logits, their log-softmax and the
-    gradients of both: half a gigabyte) comes on top of the budget by
-    default; under budget_covers="process" blocks leave it room, learned from
-    the allocator, and the process's peak stays within the budget but for a
-    block's temporaries; the values within the spread of torch's own kernels."""
+    gradients of both: half a gigabyte) comes on top of the budget under
+    budget_covers="pager"; by default (the process's budget) blocks leave it
+    room, learned from the allocator, and the process's peak stays within the
+    budget but for a block's temporaries; the values within the spread of
+    torch's own kernels."""
     import torch.nn.functional as F
 
     d, n, rows, vocab, steps = 1024, 12, 2048, 16384, 8
@@ -919,8 +958,8 @@ def test_the_budget_covers_the_loss_on_gpu():
         model = copy.deepcopy(start)
         base = torch.cuda.memory_allocated()  # (what this process held before: not the test's)
         # (optimizer state on the device: its blocks fill the budget on any host; "auto" may step on the host)
-        pager.wrap(model, budget=budget, device=GPU, activations="recompute", budget_covers=covers,
-                   optimizer_step="device")
+        pager.wrap(model, budget=budget, device=GPU, activations="recompute", optimizer_step="device",
+                   **({"budget_covers": "pager"} if covers == "pager" else {}))  # (the default covers the process)
         p = pager.of(model)
         _sleepy(p.transport)
         peaks[covers] = train(model, torch.optim.Adam(model.parameters(), lr=1e-3), peak_from=4) - base
@@ -1018,7 +1057,7 @@ def test_generate_with_delayed_copies_equals_the_bare_model(batch, compute_sleep
     in the budget: with every copy delayed (and compute too), the tokens
     are those of the model all on the GPU."""
     model, ref, budget = streamed_llama(128, GPU)
-    pager.wrap(model, budget=budget, device=GPU)
+    pager.wrap(model, budget=budget, device=GPU, budget_covers="pager")
     _sleepy(pager.of(model).transport, compute_cycles=compute_sleep)
     ids = torch.randint(0, 256, (batch, 7), device=GPU)
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -1104,7 +1143,7 @@ def test_compressed_forward_on_gpu_with_delayed_copies_and_the_budget(codec, mon
     model = Thin(n=10).bfloat16().eval()
     layer = tensor_page_bytes(model.layers[0])
     budget = 3 * layer + 3 * (1 << 19) + 4096  # two or three layers and the staging ring
-    pager.wrap(model, budget=budget, device=GPU, compress=codec)
+    pager.wrap(model, budget=budget, device=GPU, compress=codec, budget_covers="pager")
     p = pager.of(model)
     assert p.transport.staging_bytes > 0 and p.stats().compressed_blocks == 10
     ref = Thin(n=10).bfloat16().to(GPU).eval()
@@ -1133,7 +1172,7 @@ def test_compressed_forward_on_gpu_with_delayed_copies_and_the_budget(codec, mon
 def test_training_on_gpu_with_compressed_pages():
     model = TinyLM().bfloat16()
     ref = copy.deepcopy(model).to(GPU)
-    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, compress="lossless", optimizer_step="device")
+    pager.wrap(model, budget=regime_budget(model, "streams"), device=GPU, compress="lossless", optimizer_step="device", budget_covers="pager")
     assert pager.of(model).stats().compressed_blocks == len(model.layers)
     opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]
@@ -1498,7 +1537,8 @@ def test_training_from_disk_with_spill_on_gpu_matches_the_model_on_gpu(tmp_path)
     with torch.device("meta"):
         model = TinyLM(**big)
     layer = tensor_page_bytes(ref.layers[0])
-    pager.load(model, path, budget=6 * layer + (1 << 20), host_budget=8 * layer, spill=tmp_path / "spill")
+    pager.load(model, path, budget=6 * layer + (1 << 20), host_budget=8 * layer, spill=tmp_path / "spill",
+               budget_covers="pager")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     data = [(x.to(GPU), y.to(GPU)) for x, y in batches(5)]
     train(model, opt, data)
@@ -1528,7 +1568,7 @@ def test_lora_on_gpu_with_delayed_copies_equals_all_on_gpu(compress, adapters_re
     budget = max(int(0.45 * total), 32 * adapters) if adapters_resident else int(0.3 * total) + room
     assert budget < total and (budget >= 32 * adapters) == adapters_resident
     ref = copy.deepcopy(model)
-    pager.wrap(model, budget=budget, device=GPU, compress=compress, activations="recompute")
+    pager.wrap(model, budget=budget, device=GPU, compress=compress, activations="recompute", budget_covers="pager")
     p = pager.of(model)
     assert any(b.trainable for b in p.blocks) != adapters_resident
     if compress:
@@ -1572,7 +1612,7 @@ def test_compiled_model_on_gpu_with_delayed_copies_equals_the_compiled_model(how
     if how == "blocks":
         for a in model.layers:
             a.compile(backend=counter)
-    pager.wrap(model, budget=4 * (rest + 3 * layer), device=GPU)
+    pager.wrap(model, budget=4 * (rest + 3 * layer), device=GPU, budget_covers="pager")
     _sleepy(pager.of(model).transport, compute_cycles=500_000)
     run, ref_run = (model if how == "blocks" else torch.compile(model, backend=counter)), ref
     # SGD: AdamW would turn the rounding noise of a gradient that is zero in
@@ -1624,7 +1664,7 @@ def test_quantized_weights_on_gpu_with_delayed_copies_equal_all_on_gpu(kind):
     model, ref = make(), make().to(GPU)
     weight = model[3].base.weight
     budget = int(3.5 * quantized_bytes(model[0]))
-    pager.wrap(model, budget=budget, device=GPU, activations="recompute")
+    pager.wrap(model, budget=budget, device=GPU, activations="recompute", budget_covers="pager")
     assert weight.device.type == "cuda" and model[3].base.weight is weight
     p = pager.of(model)
     _sleepy(p.transport, compute_cycles=1_000_000)
@@ -1666,7 +1706,7 @@ def test_torchao_float8_training_pages_like_plain_weights():
 
     model, ref = make(), make().to(GPU)
     budget = int(2.5 * 4 * tensor_page_bytes(model[0]))  # (weights, gradients and Adam's state of 2.5 layers)
-    pager.wrap(model, budget=budget, device=GPU)
+    pager.wrap(model, budget=budget, device=GPU, budget_covers="pager")
     p = pager.of(model)
     _sleepy(p.transport)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))

@@ -81,6 +81,8 @@ def _lm_pair(rank, regime, device="cpu", **options):
         ref = DDP(copy.deepcopy(model).cuda(), device_ids=[torch.cuda.current_device()])
     else:
         ref = DDP(copy.deepcopy(model))
+    if device == "cuda":  # (the budget is sized for pager's blocks: DDP's copy beside them would count)
+        options.setdefault("budget_covers", "pager")
     pager.wrap(model, budget=regime_budget(model, regime), device=device, **options)
     return model, ref
 

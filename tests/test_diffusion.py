@@ -495,6 +495,17 @@ def test_a_gguf_transformer_in_a_pipeline_on_the_gpu(tmp_path):
     assert s.models["transformer"].evictions > 0 and s.peak_resident_bytes <= pager.of(pipe).budget_bytes
 
 
+def test_budget_covers_applies_to_every_model_of_a_pipeline():
+    """The budget covers the process by default for each model of the pool;
+    `budget_covers="pager"` given to the pipeline's wrap reaches every model."""
+    for covers in (None, "pager"):
+        pipe, _ = _pipeline("flux")
+        pager.wrap(pipe, budget="1GiB", device="cpu", **({} if covers is None else {"budget_covers": covers}))
+        models = [pager.of(m) for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+        assert len(models) > 1 and all((p.outside is None) == (covers == "pager") for p in models)
+        pager.unwrap(pipe)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_inductor_compiled_blocks_in_a_pipeline_on_the_gpu():
@@ -505,7 +516,7 @@ def test_inductor_compiled_blocks_in_a_pipeline_on_the_gpu():
     ref, call = _pipeline("flux")
     ref.to("cuda")
     pipe, _ = _pipeline("flux")
-    pager.wrap(pipe, budget=_tight("flux"))
+    pager.wrap(pipe, budget=_tight("flux"), budget_covers="pager")  # (sized for blocks: the process's is crowded)
     images = []
     for p in (ref, pipe):
         torch._dynamo.reset()

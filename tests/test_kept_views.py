@@ -54,7 +54,8 @@ def pair(kept=None, ref_kept=None, activations="auto"):
     for layer in ref.layers:
         layer.kept = ref_kept
     one = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())
-    pager.wrap(model, budget=2 * one + 4096, device="cpu", activations=activations)
+    # (a budget of blocks, pager's alone: what the process holds beside them is test_outside.py's)
+    pager.wrap(model, budget=2 * one + 4096, device="cpu", activations=activations, budget_covers="pager")
     return model, ref
 
 
@@ -168,7 +169,7 @@ def test_an_in_place_change_of_a_saved_tensor_is_still_an_error():
     views, counted])."""
     model = nn.Sequential(ExpOf(), ExpOf(), ExpOf())
     one = sum(t.numel() * t.element_size() for t in model[0].state_dict().values())
-    pager.wrap(model, budget=2 * one + 4096, device="cpu")  # a block's weights and gradients
+    pager.wrap(model, budget=2 * one + 4096, device="cpu", budget_covers="pager")  # a block's weights and gradients
     out = model(torch.randn(4, 32) * 0.1)
     with torch.no_grad():
         out.add_(1)

@@ -271,7 +271,8 @@ def test_master_weights_on_gpu_with_delayed_copies(placement):
     model = TinyLM(d=128, n_layers=6).to(torch.bfloat16)
     start = copy.deepcopy(model)
     budget = regime_budget(model, "streams", state_factor=6)
-    pager.wrap(model, budget=budget, device=GPU, optimizer_step=placement, master_weights=True)
+    pager.wrap(model, budget=budget, device=GPU, optimizer_step=placement, master_weights=True,
+               budget_covers="pager")  # (sized in blocks; the reference is on the GPU too)
     _sleepy(pager.of(model).transport, h2d_cycles=1_000_000, d2h_cycles=2_000_000)
     make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     data = [(a.to(GPU), b.to(GPU)) for a, b in batches(6)]

@@ -1,4 +1,4 @@
-"""`wrap(..., budget_covers="process")`: blocks leave room for what the
+"""`wrap(..., budget_covers="process")`, the default: blocks leave room for what the
 process holds on the device outside pager, such as the loss ([Note: a
 budget that covers the process] in model/outside.py). The figure is read
 from CUDA's caching allocator; on the CPU device a stand-in allocator
@@ -164,7 +164,7 @@ def test_a_process_budget_is_predicted_before_the_first_step(loss_inside):
     logits = 4 * 32 * 1024 * 4
     budget = 3 * 4 * tensor_page_bytes(model.model.layers[0]) + 4 * tensor_page_bytes(model.lm_head) + 6 * logits
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
-    pager.wrap(model, budget=budget, device="cpu", optimizer=opt, budget_covers="process")
+    pager.wrap(model, budget=budget, device="cpu", optimizer=opt)  # (the default covers the process)
     p = pager.of(model)
     for step in range(3):
         p.reset()
@@ -187,12 +187,16 @@ def test_a_process_budget_is_predicted_before_the_first_step(loss_inside):
     assert_models_equal(model, ref)
 
 
-def test_a_budget_for_pager_alone_the_default_predicts_nothing():
-    model = causal_lm()
-    pager.wrap(model, budget="64MiB", device="cpu")
+def test_the_budget_covers_the_process_by_default_and_pager_alone_predicts_nothing():
     ids = torch.zeros(2, 16, dtype=torch.long)
-    model(input_ids=ids, labels=ids).loss.backward()
-    assert pager.of(model).outside is None and pager.of(model).stats().outside_bytes == 0
+    seen = {}
+    for covers in (None, "pager"):
+        model = causal_lm()
+        pager.wrap(model, budget="64MiB", device="cpu", **({} if covers is None else {"budget_covers": covers}))
+        model(input_ids=ids, labels=ids).loss.backward()
+        seen[covers] = (pager.of(model).outside is not None, pager.of(model).stats().outside_bytes)
+    assert seen[None][0] and seen[None][1] > 2 * 16 * 1024 * 4  # (the logits, at least)
+    assert seen["pager"] == (False, 0)
 
 
 def test_a_smaller_batch_measured_later_keeps_the_larger_prediction():

@@ -455,7 +455,8 @@ def test_torchao_int8_base_trains_adapters_bit_for_bit():
         return model
 
     model, ref = make(), make()
-    pager.wrap(model, budget=adapters_budget(model, "recompute"), device="cpu", activations="recompute")
+    pager.wrap(model, budget=adapters_budget(model, "recompute"), device="cpu", activations="recompute",
+               budget_covers="pager")  # (sized for blocks and activations, pager's own)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     train(model, opt, 2)

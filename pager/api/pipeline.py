@@ -40,7 +40,7 @@ from ..model.pool import Pool
 
 # wrap's options that a pipeline takes: the pool's, and those given to each component's wrap
 POOL_OPTIONS = ("device", "pin", "split_fetch")
-COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations")
+COMPONENT_OPTIONS = ("prefetch", "trace_steps", "compress", "activations", "budget_covers")
 _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 log = logging.getLogger("pager")
 

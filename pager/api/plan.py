@@ -253,7 +253,7 @@ def plan(
     optimizer_step: str = "auto",
     split_fetch=None,
     master_weights: bool = False,
-    budget_covers: str = "pager",
+    budget_covers: str = "process",
 ) -> Plan:
     """Work out what paging `model` under `budget` will do, without doing it.
 

@@ -55,7 +55,7 @@ def wrap(
     block_owners: bool = False,
     split_fetch=None,
     master_weights: bool = False,
-    budget_covers: str = "pager",
+    budget_covers: str = "process",
 ) -> _M:
     """Page `model` in place under a device memory budget; return the same object.
 
@@ -67,8 +67,8 @@ def wrap(
     `model` may also be a diffusers pipeline: every `nn.Module` component
     (text encoders, transformer or UNet, VAE) is wrapped into one `Pool` of
     `budget`, named as the pipeline names it; `device`, `pin`, `prefetch`,
-    `trace_steps`, `compress` and `activations` apply, the other options are
-    one model's (docs/diffusion.md). `pager.of(pipe)` is then the pool.
+    `trace_steps`, `compress`, `activations` and `budget_covers` apply, the
+    other options are one model's (docs/diffusion.md). `pager.of(pipe)` is then the pool.
 
     Args:
         model: the model, on the CPU or already on the device.
@@ -237,21 +237,22 @@ def wrap(
             and three passes at about half the speed). `unwrap` leaves the
             optimizer the state torch's own update of the parameter keeps
             (no master, its dtype).
-        budget_covers: what the budget bounds on the device. "process":
-            what pager holds and what the process holds there
+        budget_covers: what the budget bounds on the device. "process"
+            (default): what pager holds and what the process holds there
             outside pager (the forward's inputs and output, a loss and its
-            backward): blocks leave it room, predicted before the first
-            training step from the forward measured on fake tensors
-            ([Note: what sits outside pager, predicted] in
+            backward, the caller's tensors): blocks leave it room, predicted
+            before the first training step from the forward measured on fake
+            tensors ([Note: what sits outside pager, predicted] in
             training/dry_run.py), then on CUDA the most it was seen to take,
-            learned from the caching allocator's counters at each training
-            pass's forward end and backward start ([Note: a budget that
-            covers the process] in model/outside.py; `stats().outside_bytes`);
-            on CUDA `wrap` then resets the device's peak memory counter once.
-            The prediction comes with the activations' measure: under
+            learned from the caching allocator's counters at each root
+            forward's start and end and each backward's start (what the
+            caller holds counts from the first forward; [Note: a budget that covers the
+            process] in model/outside.py; `stats().outside_bytes`); on CUDA
+            `wrap` then resets the device's peak memory counter once. The
+            prediction comes with the activations' measure: under
             `activations="keep"` there is none, and CUDA learns it alone.
-            "pager" (default): what pager holds alone (blocks, and
-            activations and carried state as above).
+            "pager": what pager holds alone (blocks, and activations and
+            carried state as above); the rest is the caller's to leave room for.
 
     Example:
         >>> model = pager.wrap(model, budget="10GiB")
@@ -319,7 +320,7 @@ def _wrap(
     block_owners=False,
     split_fetch=None,
     master_weights=False,
-    budget_covers="pager",
+    budget_covers="process",
     setup=None,
     rows_from_values=True,
 ):

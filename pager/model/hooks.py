@@ -68,15 +68,16 @@ def _advise(pager) -> None:
     optimizer attached) may still page its gradients and state, and its user
     has nothing to change: said at INFO."""
     total, pager.fits_advice = pager.fits_advice, None
-    budget = pager.engine.budget_bytes
+    budget = pager.engine.budget_bytes - pager.outside_bytes  # (what the process holds beside it: model/outside.py)
     if total > budget:
         return
     training = torch.is_grad_enabled() or bool(pager.optimizers)
     (log.info if training else log.warning)(
-        "pager: the whole model (%s) fits the budget (%s): inference needs no paging (it stays resident "
+        "pager: the whole model (%s) fits the budget (%s%s): inference needs no paging (it stays resident "
         "after the first forward, as fast as unwrapped).",
         format_bytes(total),
-        format_bytes(budget),
+        format_bytes(pager.engine.budget_bytes),
+        f", less {format_bytes(pager.outside_bytes)} the process holds outside pager" if pager.outside_bytes else "",
     )
 
 
@@ -167,9 +168,14 @@ class Hooks:
     # A forward that builds a graph (training) sleeps too when nothing its
     # backward would need the hooks for can happen (`_can_train_asleep`):
     # every trainable block has its gradients' page, activations stay as
-    # autograd saves them ("keep", or "auto" keeping all), no reducer, no budget
-    # covering the process that learns from the allocator (model/outside.py),
-    # and the model is alone on its engine.
+    # autograd saves them ("keep", or "auto" keeping all), no reducer, the
+    # model alone on its engine, and under a budget that covers the process
+    # and learns from the allocator (model/outside.py), a prediction of what
+    # sits outside pager from the forward measured on fake tensors: a forward
+    # asleep leaves autograd's activations where pager does not count them,
+    # and the allocator's counters would take them for the caller's, so it
+    # learns nothing (the forwards with hooks before it did, and the measure
+    # counted the activations in the budget).
     # Its backward then has no pre-backward hooks to bring a block back, so
     # no block of the model may leave while the graph can still be read
     # (`graphs_asleep`): until a backward through one of its outputs ends
@@ -192,8 +198,9 @@ class Hooks:
         return (
             (pager.activations is None or pager.activations.all_kept)
             and pager.reducer is None
-            # (learning from the allocator, autograd's activations would look like the caller's: model/outside.py)
-            and (pager.outside is None or not pager.outside.learns)
+            # (learning from the allocator, autograd's activations would look like the caller's: model/outside.py;
+            # where the measure predicted them beside what sits outside, the forward asleep learns nothing)
+            and (pager.outside is None or not pager.outside.learns or pager.outside.prediction > 0)
             and len(pager.engine.owners) == 1
             # A first gradient of a block makes its page, which may need room.
             and all("grads" in b.segments or not any(p.requires_grad for p in b.params) for b in pager.all_blocks())
@@ -263,6 +270,8 @@ class Hooks:
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
+        if self.root_depth == 0 and self.pager.outside is not None:
+            self.pager.outside.forward_starts()  # (before the policy: what the caller holds crowds it)
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
             try:  # (the policy from what this forward will save: [Note: activations, the automatic choice])
@@ -353,7 +362,9 @@ class Hooks:
             self.pager.thread_state.unrecorded = False
             if self.pager.steps.recorder == threading.get_ident():
                 self.pager.steps.recorder = None
-        if self.root_depth == 0 and self.pager.outside is not None:
+        trained_asleep = bool(marks) and marks[-1][0] and torch.is_grad_enabled()
+        if self.root_depth == 0 and self.pager.outside is not None and not trained_asleep:
+            # (not after a training forward asleep: autograd's activations would look like the caller's)
             self.pager.outside.forward_ended()  # ([Note: a budget that covers the process] in model/outside.py)
         if marks and marks.pop()[0]:  # (it started asleep)
             self.sleeping_forwards -= 1

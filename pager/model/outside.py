@@ -12,9 +12,9 @@ once in its backward (the log-softmax's output, its gradient and the
 logits' gradient: 1.5 GiB), beside everything pager holds at the forward's
 end. So blocks get the budget less what the process holds outside pager
 (`outside_bytes`), and the allocator's peak stays within the budget but for
-a block's temporaries while it runs. `budget_covers="pager"` (the default,
-for now: the GPU tests size their budgets for it) leaves that to the
-caller.
+a block's temporaries while it runs. It is the default;
+`budget_covers="pager"` leaves that to the caller (a test that sizes its
+budget in blocks and keeps a reference model on the same device).
 
 Before the first training step it is predicted, from the forward measured
 on fake tensors ([Note: what sits outside pager, predicted] in
@@ -22,22 +22,27 @@ training/dry_run.py), the most of the inputs measured since the last
 refusal; that is all the CPU device knows. On CUDA it is then also learned, the most seen since `wrap`:
 `outside_bytes` is the larger of the two.
 
-It is read from the caching allocator's counters, twice a training pass and
-never per block use: at the root forward's end (what the caller holds then:
-the model's output, its inputs) and when the backward reaches the model's
-first block. Between those two moments pager's hooks do not run, so what
-pager holds is what it held at the forward's end; if the allocator's peak
+It is read from the caching allocator's counters, a few times a pass and
+never per block use: at the root forward's start (what the caller holds
+before any block is fetched: its inputs, tensors and models of its own, so
+an inference forward leaves them room from the first), at its end (the
+output besides) and when the backward reaches the model's first block.
+Between the last two, pager's hooks do not run, so what pager holds is
+what it held at the forward's end; if the allocator's peak
 moved in between (the loss and its backward, where the peak of a step
 usually is), the process held the new peak less that, outside pager. A peak
 that does not move says nothing, so `wrap` resets the device's peak counter
 once (as `torch.cuda.reset_peak_memory_stats` does; read it again after
 `wrap` if you measure it); pager itself never resets it again, and reading
 it is yours as before. What is learned only grows: after one step with a
-larger loss (a longer batch), blocks keep the smaller room. On CUDA a model
-that fits does not train unhooked under it ([Note: asleep] in
-model/hooks.py): there autograd would hold the activations where pager
-cannot tell them from the caller's tensors (an inference forward, which
-saves none, still may).
+larger loss (a longer batch), blocks keep the smaller room. A training
+forward that runs unhooked ([Note: asleep] in model/hooks.py) learns
+nothing at its end: autograd holds the activations then where pager cannot
+tell them from the caller's tensors. So on CUDA a model that fits trains unhooked
+only where the measure predicted what sits outside pager beside the
+activations it keeps (every "auto" budget; not `activations="keep"`, which
+measures nothing); the forwards with hooks before it learned what the
+caller holds.
 """
 
 from __future__ import annotations
@@ -134,6 +139,13 @@ class Outside:
             if owner.activations is not None:
                 held += owner.activations.ledger.live
         return held
+
+    def forward_starts(self) -> None:
+        """A root forward starts, none in flight: what the caller holds now
+        (its inputs, tensors of its own) is outside pager, seen before any
+        block of this forward is fetched."""
+        if self.counter is not None:
+            self._saw(self.counter.read()[0] - self.held_bytes())
 
     def forward_ended(self) -> None:
         """The root forward ended, its blocks hooked: what the caller holds now."""
