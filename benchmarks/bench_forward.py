@@ -63,7 +63,9 @@ def main(argv=None):
     cpu_model.load_state_dict(gpu_model.state_dict())
     peers_cpu = {name: copy.deepcopy(cpu_model) for name in args.peers.split(",") if name}
     twins = [copy.deepcopy(cpu_model) for _ in range(2)]  # for the interleaved half-budget rows
-    pager.wrap(cpu_model, budget="20GiB", device="cuda")
+    # (every paged row runs beside `gpu_model`, left on the GPU for the ratios and the interleaved runs: the
+    # reference is the benchmark's, the budgets are sized for pager's blocks, so they bound pager alone)
+    pager.wrap(cpu_model, budget="20GiB", device="cuda", budget_covers="pager")
     paged = cpu_model
     slack = 64 << 20  # the remainder (final norm) and allocator rounding
 
@@ -87,7 +89,7 @@ def main(argv=None):
             # Wrapped at the budget, as a user would: large blocks are split
             # into their parts at wrap when the budget calls for it.
             pager.unwrap(paged)
-            pager.wrap(paged, budget=budget, device="cuda")
+            pager.wrap(paged, budget=budget, device="cuda", budget_covers="pager")  # (gpu_model beside it)
             parts = sum(b.part for b in pager.of(paged).blocks)
             ms, s = run_pager(paged, x, budget, args.reps)
             moved = s.h2d_bytes
@@ -144,8 +146,10 @@ def half_budget_blocks(twins, x, per_layer, slack, bw, args, wname):
     operations pass the guard one by one)."""
     k = args.layers // 2
     budget = k * per_layer + slack
-    pager.wrap(twins[0], budget=budget, device="cuda")
-    pager.wrap(twins[1], budget=budget, device="cuda", blocks=lambda name, m: isinstance(m, torch.nn.Linear))
+    # (the all-on-GPU model beside them on the GPU is the benchmark's: the budget is sized for pager's blocks)
+    pager.wrap(twins[0], budget=budget, device="cuda", budget_covers="pager")
+    pager.wrap(twins[1], budget=budget, device="cuda", blocks=lambda name, m: isinstance(m, torch.nn.Linear),
+               budget_covers="pager")
 
     def fwd(model):
         def run():
@@ -191,7 +195,7 @@ def fits_all_shared(twins, x, gpu_fwd, wname):
     (a second Python thread: the sleeping pager keeps its guards, so every
     operation on a weight passes one), in turns with all on GPU."""
     for model in twins:
-        pager.wrap(model, budget=20 * GiB, device="cuda")
+        pager.wrap(model, budget=20 * GiB, device="cuda", budget_covers="pager")  # (gpu_model beside them)
     pager.of(twins[1]).shared_mode = True  # as `note_threads` does when a second thread appears
 
     def fwd(model):

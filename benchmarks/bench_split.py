@@ -107,8 +107,9 @@ def build(shape: str):
 def shape_rows(args, shape: str, links: dict, blocks: str = "auto") -> list:
     gpu, model = build(shape)
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # (the all-on-GPU model beside it on cuda:0 is the benchmark's: the budgets are shares of the model, pager's)
     pager.wrap(model, budget=int(max(map(float, args.budgets.split(","))) * model_bytes), device="cuda:0",
-               split_fetch="all", blocks=None if blocks == "auto" else blocks.split("+"))
+               split_fetch="all", blocks=None if blocks == "auto" else blocks.split("+"), budget_covers="pager")
     pg = pager.of(model)
     split = pg.transport.split
     helpers = [h.device for h in split.helpers]

@@ -150,11 +150,16 @@ class Plan:
         ]
         blocks = format_bytes(self.train_blocks_min_bytes)
         if self.train_min_budget_bytes is not None:
+            acts = self.train_min_budget_bytes - self.train_blocks_min_bytes - self.outside_bytes
+            outside = (
+                f", + what the process holds outside pager (predicted), {format_bytes(self.outside_bytes)}"
+                if self.outside_bytes
+                else ""
+            )
             out.append(
                 f"  least budget that trains {format_bytes(self.train_min_budget_bytes, up=True)}: the remainder "
                 f"and the largest block with their gradients and optimizer state, {blocks}, + the activations the "
-                f"defaults hold at least with these inputs, "
-                f"{format_bytes(self.train_min_budget_bytes - self.train_blocks_min_bytes)}"
+                f"defaults hold at least with these inputs, {format_bytes(acts)}{outside}"
             )
         else:  # [Note: a plan without inputs]
             out.append(
@@ -207,7 +212,8 @@ class Plan:
                 f"{format_bytes(sb.outside)}); a training step holds at most:"
             )
             for policy, (acts, together) in self.training_peaks.items():
-                over = "" if together <= self.budget_bytes else f", {format_bytes(together - self.budget_bytes)} over"
+                excess = together + self.outside_bytes - self.budget_bytes  # (beside what sits outside pager)
+                over = "" if excess <= 0 else f", {format_bytes(excess)} over"
                 bound = " (the budget bounds blocks only)" if policy == "keep" else ""
                 least = self.train_budgets.get(policy)
                 trains = f"; trains from a budget of {format_bytes(least)}" if least is not None else ""
@@ -431,10 +437,9 @@ def plan(
                 "labels needs more: give them in inputs= (a causal LM: labels=input_ids)"
             )
         outside = saved.outside_peak if covers_process else 0  # ([Note: what sits outside pager, predicted])
-        peaks = training_peaks(
-            saved, budget_bytes - outside, fixed + sum(step_sizes), least, copies=device.type == "cuda"
-        )
-        notes += _activation_notes(peaks, budget_bytes - outside, least, outside)
+        room = max(budget_bytes - outside, 0)  # (what blocks and activations may hold)
+        peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, copies=device.type == "cuda")
+        notes += _activation_notes(peaks, room, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
     # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
     train_budgets = {p: int(outside + least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
@@ -523,7 +528,7 @@ def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, c
     acts = {"keep": sb.total, "offload": sb.peak(OFFLOAD, **kw), "recompute": sb.peak(RECOMPUTE, **kw)}
     chosen = choose(sb, "auto", budget - blocks_bytes, budget - least, **kw)
     acts["auto"] = chosen[2] if chosen is not None else least_held(sb, **kw)
-    peaks = {"keep": (acts["keep"], min(budget, blocks_bytes) + acts["keep"])}
+    peaks = {"keep": (acts["keep"], min(max(budget, least), blocks_bytes) + acts["keep"])}
     for policy in ("offload", "recompute", "auto"):
         room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
         peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])

@@ -248,7 +248,8 @@ def wrap(
             forward's start and end and each backward's start (what the
             caller holds counts from the first forward; [Note: a budget that covers the
             process] in model/outside.py; `stats().outside_bytes`); on CUDA
-            `wrap` then resets the device's peak memory counter once. The
+            the first model's `wrap` resets the device's peak memory counter
+            once. The
             prediction comes with the activations' measure: under
             `activations="keep"` there is none, and CUDA learns it alone.
             "pager": what pager holds alone (blocks, and activations and

@@ -193,6 +193,12 @@ class Hooks:
             and (not torch.is_grad_enabled() or self._can_train_asleep())
         )
 
+    def _outside_may_learn(self) -> bool:
+        """What the process holds outside pager may be read now: not after a
+        training forward asleep, nor while a graph one built lives (autograd's
+        activations, which pager does not count, would look like the caller's)."""
+        return self.pager.outside is not None and not self.graphs_asleep and not self.held_for_graph
+
     def _can_train_asleep(self) -> bool:
         pager = self.pager
         return (
@@ -270,7 +276,7 @@ class Hooks:
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
-        if self.root_depth == 0 and self.pager.outside is not None:
+        if self.root_depth == 0 and self._outside_may_learn():
             self.pager.outside.forward_starts()  # (before the policy: what the caller holds crowds it)
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
@@ -363,8 +369,7 @@ class Hooks:
             if self.pager.steps.recorder == threading.get_ident():
                 self.pager.steps.recorder = None
         trained_asleep = bool(marks) and marks[-1][0] and torch.is_grad_enabled()
-        if self.root_depth == 0 and self.pager.outside is not None and not trained_asleep:
-            # (not after a training forward asleep: autograd's activations would look like the caller's)
+        if self.root_depth == 0 and self._outside_may_learn() and not trained_asleep:
             self.pager.outside.forward_ended()  # ([Note: a budget that covers the process] in model/outside.py)
         if marks and marks.pop()[0]:  # (it started asleep)
             self.sleeping_forwards -= 1

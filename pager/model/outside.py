@@ -31,11 +31,17 @@ Between the last two, pager's hooks do not run, so what pager holds is
 what it held at the forward's end; if the allocator's peak
 moved in between (the loss and its backward, where the peak of a step
 usually is), the process held the new peak less that, outside pager. A peak
-that does not move says nothing, so `wrap` resets the device's peak counter
-once (as `torch.cuda.reset_peak_memory_stats` does; read it again after
-`wrap` if you measure it); pager itself never resets it again, and reading
-it is yours as before. What is learned only grows: after one step with a
-larger loss (a longer batch), blocks keep the smaller room. A training
+that does not move says nothing, so the `wrap` of the first model on the
+device resets the device's peak counter once (as
+`torch.cuda.reset_peak_memory_stats` does; read it again after `wrap` if
+you measure it; a later model's would hide a step of the first from it);
+pager itself never resets it again, and reading it is yours as before.
+What is seen counts as held on the device by every wrapped model there,
+each engine under a budget of its own, and by the caller (not the other
+models' blocks: two models wrapped apart do not crowd each other). What is
+learned only grows: after one step with a larger loss (a longer batch),
+blocks keep the smaller room; a refused forward forgets it (the next
+forward's start reads again what the caller holds). A training
 forward that runs unhooked ([Note: asleep] in model/hooks.py) learns
 nothing at its end: autograd holds the activations then where pager cannot
 tell them from the caller's tensors. So on CUDA a model that fits trains unhooked
@@ -52,10 +58,31 @@ import logging
 import torch
 
 from ..base.budget import format_bytes
+from ..base.common import _PAGERS
 
 log = logging.getLogger("pager")
 
 COVERS = ("pager", "process")
+
+
+def _engines_on(device) -> list:
+    """The engines of every wrapped model on `device`, each once (a few: not per block use)."""
+    engines: dict = {}
+    for pager in list(_PAGERS.values()):
+        if pager.engine.device == device:
+            engines[id(pager.engine)] = pager.engine
+    return list(engines.values())
+
+
+def _held_by(engine) -> int:
+    """What `engine` holds on its device: its blocks, its owners' activations
+    (those their hooks keep), carried state and row caches, its staging ring."""
+    held = engine.resident_bytes + engine.transport.staging_bytes
+    for owner in engine.owners:
+        held += owner.carried_bytes + owner.row_bytes
+        if owner.activations is not None:
+            held += owner.activations.ledger.live
+    return held
 
 
 class AllocatorCounter:
@@ -104,9 +131,9 @@ class Outside:
         self.held_at_end: int | None = None  # what pager held at the last forward's end (None: not since)
         self.peak_at_end = 0  # the allocator's peak then
         self.prediction = 0  # the dry run's, for the last inputs measured
-        self.learned = 0  # the most the allocator's counters showed (only grows)
-        if counter is not None:
-            counter.reset_peak()
+        self.learned = 0  # the most the allocator's counters showed (only grows, until a refusal)
+        if counter is not None and not _engines_on(pager.engine.device):  # (this model is not registered yet)
+            counter.reset_peak()  # (not under another wrapped model's step: its loss's peak would go unseen)
 
     @property
     def learns(self) -> bool:
@@ -124,21 +151,20 @@ class Outside:
 
     def refused(self) -> None:
         """A forward was refused before it ran: its inputs' prediction goes
-        (the next forward is measured again: a smaller batch's counts)."""
-        self.prediction = 0
-        self._set(self.learned, None)
+        (the next forward is measured again: a smaller batch's counts), and
+        what was learned (the next forward's start reads again what the
+        caller holds: a tensor it held for a while is not held against it
+        for good)."""
+        self.prediction = self.learned = 0
+        self._set(0, None)
 
     def held_bytes(self) -> int:
-        """What pager holds on the device now: every model's blocks on this
-        engine, the activations their hooks keep, carried state, row caches
-        and the staging ring."""
+        """What pager holds on this device now: the blocks of every engine
+        there (this model's pool and any other wrapped model's, each under a
+        budget of its own, not the caller's), the activations their owners'
+        hooks keep, carried state, row caches and staging rings."""
         engine = self.pager.engine
-        held = engine.resident_bytes + engine.transport.staging_bytes
-        for owner in engine.owners:
-            held += owner.carried_bytes + owner.row_bytes
-            if owner.activations is not None:
-                held += owner.activations.ledger.live
-        return held
+        return sum(_held_by(e) for e in {id(e): e for e in [engine, *_engines_on(engine.device)]}.values())
 
     def forward_starts(self) -> None:
         """A root forward starts, none in flight: what the caller holds now
