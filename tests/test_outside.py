@@ -127,7 +127,8 @@ def test_what_the_caller_holds_between_steps_counts_too(allocator):
 def test_what_the_caller_holds_counts_from_the_first_forward(allocator):
     """What the caller holds when a forward starts is read before any block
     is fetched: blocks leave it room in the first forward (an inference one
-    here, which no measure predicts), not from the one after it."""
+    here, which no measure predicts), not from the one after it; once the
+    caller lets go of it, the next forward's blocks take the room back."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
     ref = copy.deepcopy(model)
@@ -143,6 +144,12 @@ def test_what_the_caller_holds_counts_from_the_first_forward(allocator):
     s = p.stats()
     assert s.outside_bytes == allocator.caller_bytes and s.evictions > 0
     assert s.peak_device_bytes <= budget - allocator.caller_bytes, (s.peak_device_bytes, budget)
+    allocator.caller_bytes = 0  # (let go of: the next forward's start sees it gone, and blocks take the room)
+    p.reset()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    s = p.stats()
+    assert s.outside_bytes == 0 and s.peak_device_bytes > 3 * page, (s.outside_bytes, s.peak_device_bytes)
     pager.unwrap(model)
 
 

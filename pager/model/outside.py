@@ -38,10 +38,12 @@ you measure it; a later model's would hide a step of the first from it);
 pager itself never resets it again, and reading it is yours as before.
 What is seen counts as held on the device by every wrapped model there,
 each engine under a budget of its own, and by the caller (not the other
-models' blocks: two models wrapped apart do not crowd each other). What is
-learned only grows: after one step with a larger loss (a longer batch),
-blocks keep the smaller room; a refused forward forgets it (the next
-forward's start reads again what the caller holds). A training
+models' blocks: two models wrapped apart do not crowd each other). What
+the caller holds when a forward starts is read again at each (a tensor it
+let go of no longer counts, so a refused forward is followed by one that
+runs once the caller lets go); what a pass adds beside it (its output, the
+loss's peak) only grows: after one step with a larger loss (a longer
+batch), blocks keep the smaller room. A training
 forward that runs unhooked ([Note: asleep] in model/hooks.py) learns
 nothing at its end: autograd holds the activations then where pager cannot
 tell them from the caller's tensors. So on CUDA a model that fits trains unhooked
@@ -131,7 +133,8 @@ class Outside:
         self.held_at_end: int | None = None  # what pager held at the last forward's end (None: not since)
         self.peak_at_end = 0  # the allocator's peak then
         self.prediction = 0  # the dry run's, for the last inputs measured
-        self.learned = 0  # the most the allocator's counters showed (only grows, until a refusal)
+        self.holding = 0  # what the caller held when the last forward started (read again at each)
+        self.added = 0  # the most a pass added beside that: its output, a loss's peak (only grows)
         if counter is not None and not _engines_on(pager.engine.device):  # (this model is not registered yet)
             counter.reset_peak()  # (not under another wrapped model's step: its loss's peak would go unseen)
 
@@ -140,6 +143,12 @@ class Outside:
         """It reads the allocator's counters (a CUDA device)."""
         return self.counter is not None
 
+    @property
+    def learned(self) -> int:
+        """What the allocator's counters show outside pager: what the caller
+        holds now, and the most a pass added beside it."""
+        return self.holding + self.added
+
     def predicted(self, nbytes: int) -> None:
         """The dry run predicts `nbytes` outside pager at the coming step's
         peak ([Note: what sits outside pager, predicted] in
@@ -147,16 +156,13 @@ class Outside:
         The most predicted holds: inputs measured before may come again,
         unmeasured (the measure runs again only where a dimension grows)."""
         self.prediction = max(self.prediction, nbytes)
-        self._set(max(self.learned, self.prediction), "is predicted to hold")
+        self._update("is predicted to hold")
 
     def refused(self) -> None:
         """A forward was refused before it ran: its inputs' prediction goes
-        (the next forward is measured again: a smaller batch's counts), and
-        what was learned (the next forward's start reads again what the
-        caller holds: a tensor it held for a while is not held against it
-        for good)."""
-        self.prediction = self.learned = 0
-        self._set(0, None)
+        (the next forward is measured again: a smaller batch's counts)."""
+        self.prediction = 0
+        self._update(None)
 
     def held_bytes(self) -> int:
         """What pager holds on this device now: the blocks of every engine
@@ -169,9 +175,11 @@ class Outside:
     def forward_starts(self) -> None:
         """A root forward starts, none in flight: what the caller holds now
         (its inputs, tensors of its own) is outside pager, seen before any
-        block of this forward is fetched."""
+        block of this forward is fetched; it replaces what an earlier
+        forward's start saw (a tensor let go since no longer counts)."""
         if self.counter is not None:
-            self._saw(self.counter.read()[0] - self.held_bytes())
+            self.holding = max(self.counter.read()[0] - self.held_bytes(), 0)
+            self._update("holds")
 
     def forward_ended(self) -> None:
         """The root forward ended, its blocks hooked: what the caller holds now."""
@@ -179,7 +187,7 @@ class Outside:
             return
         current, self.peak_at_end = self.counter.read()
         self.held_at_end = self.held_bytes()
-        self._saw(current - self.held_at_end)
+        self._added(current - self.held_at_end - self.holding)
 
     def backward_starts(self) -> None:
         """The backward reached the model's first block, before any hook's work."""
@@ -187,16 +195,22 @@ class Outside:
             return
         current, peak = self.counter.read()
         if peak > self.peak_at_end:  # the loss set a new peak: pager held what it held at the forward's end
-            self._saw(peak - self.held_at_end)
-        self._saw(current - self.held_bytes())
+            self._added(peak - self.held_at_end - self.holding)
+        self._added(current - self.held_bytes() - self.holding)
         self.held_at_end = None
 
-    def _saw(self, nbytes: int) -> None:
-        """The counters show the process holding `nbytes` outside pager."""
-        if nbytes > self.learned:
-            self.learned = nbytes
-            self._set(max(nbytes, self.prediction), "holds")
+    def _added(self, nbytes: int) -> None:
+        """The counters show a pass adding `nbytes` outside pager to what the caller held at its start."""
+        if nbytes > self.added:
+            self.added = nbytes
+            self._update("holds")
+
+    def _update(self, how: str | None) -> None:
+        """`outside_bytes` = the larger of what was learned and what was predicted."""
+        nbytes = max(self.learned, self.prediction)
+        if how is not None and nbytes > self.pager.outside_bytes:
             self._warn_if_crowded(nbytes)
+        self._set(nbytes, how)
 
     def _warn_if_crowded(self, nbytes: int) -> None:
         """What was seen leaves blocks less than they need (a prediction that
