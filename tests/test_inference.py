@@ -344,7 +344,7 @@ def test_stats_read_well():
         assert hasattr(s, f)
 
 
-# -- asleep: see [Note: asleep] in model/hooks.py ------------------------------
+# -- asleep: see [Note: asleep] in model/asleep.py ------------------------------
 
 
 def test_a_resident_model_runs_without_block_hooks_and_wakes_when_needed():

@@ -517,7 +517,7 @@ def test_a_second_backward_through_a_retained_graph(regime):
         assert_same(p.grad, q.grad)
 
 
-# -- training asleep: see [Note: asleep] in model/hooks.py ---------------------
+# -- training asleep: see [Note: asleep] in model/asleep.py ---------------------
 
 
 def _fitting_pair():

@@ -1,15 +1,13 @@
 """Hooks: the root's forward (where a step starts, `model/steps.py`), each
-block's forward and backward, and sleep and wake; gradients as they
-accumulate go into their pages through `GradPages.on_grad`
-(training/grad_pages.py)."""
+block's forward and backward; whether a forward runs with the block hooks
+off is `Sleep`'s (model/asleep.py); gradients as they accumulate go into
+their pages through `GradPages.on_grad` (training/grad_pages.py)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import threading
-import time
-import weakref
 from types import FrameType
 
 import torch
@@ -22,6 +20,7 @@ from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, model_hook, o
 from ..training import recompute
 from ..training.checkpoint import StateDicts
 from ..training.dry_run import dry_running
+from .asleep import Sleep
 from .structure import Structure
 
 log = logging.getLogger("pager")
@@ -54,12 +53,6 @@ def _compile_mark(block: Block):
         block.under_compile = torch.compiler.is_compiling()  # (traced: True where this call is compiled)
 
     return mark
-
-
-def _keeps_graph() -> bool:
-    """The backward running now keeps its graph (`retain_graph=True`); True where torch cannot say."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if keep is None else keep()
 
 
 def _advise(pager) -> None:
@@ -111,10 +104,7 @@ class Hooks:
         self.backward_holds: dict[Block, int] = {}
         self._final_callback_queued = False
         self.backward_passes = 0  # ended backward passes (end_of_backward)
-        self.sleeping_forwards = 0
-        self.sleeping_threads: dict[int, int] = {}  # thread -> its forwards running asleep
-        self.held_for_graph = False
-        self.graphs_asleep: set = set()  # graphs built asleep that a backward may still read ([Note: asleep])
+        self.sleep = Sleep(pager, self._install_block_hooks)  # forwards with the block hooks off (model/asleep.py)
 
     def remove(self) -> None:
         """Take every hook off (unwrap)."""
@@ -155,111 +145,6 @@ class Hooks:
             mark = model_hook(_compile_mark(block), traced=True)
             block.hook_handles.append(module.register_forward_pre_hook(mark, prepend=True))
 
-    # [Note: asleep]
-    # When a forward starts and every page of every block is on the device
-    # (each acquired since its fetch and none in use, no deferred update, no
-    # trace), the block hooks can only count: they are removed for that
-    # forward, so a model that fits its budget runs at the speed of the bare
-    # model (a module with hooks takes PyTorch's slow call path; a host-bound
-    # forward pays for it). Nothing may leave while such a forward runs
-    # (`evictions_blocked`); the next forward that needs the hooks (a block
-    # to fetch) installs them again before it starts.
-    #
-    # A forward that builds a graph (training) sleeps too when nothing its
-    # backward would need the hooks for can happen (`_can_train_asleep`):
-    # every trainable block has its gradients' page, activations stay as
-    # autograd saves them ("keep", or "auto" keeping all), no reducer, the
-    # model alone on its engine, and under a budget that covers the process
-    # and learns from the allocator (model/outside.py), a prediction of what
-    # sits outside pager from the forward measured on fake tensors: a forward
-    # asleep leaves autograd's activations where pager does not count them,
-    # and the allocator's counters would take them for the caller's, so it
-    # learns nothing (the forwards with hooks before it did, and the measure
-    # counted the activations in the budget).
-    # Its backward then has no pre-backward hooks to bring a block back, so
-    # no block of the model may leave while the graph can still be read
-    # (`graphs_asleep`): until a backward through one of its outputs ends
-    # without keeping it (`retain_graph=False`), or it is dropped (the
-    # outputs' hooks, which hold the mark, are freed). Gradients still go
-    # into their pages (`GradPages.on_grad`), and the optimizer's step runs as on
-    # the unwrapped model ([Note: a step asleep] in training/optim.py). A graph that
-    # a forward asleep returns when that cannot be (a forward that started
-    # with grad disabled enabled it) keeps the blocks until the next forward.
-    def _can_sleep(self) -> bool:
-        return (
-            self.pager.grad_pages.only_empty_pages_out()  # (all resident, but dropped empty grads pages)
-            and not self.pager.tracer.enabled
-            and all(b.settled and not b.deferred_steps and b.pins == b.resident_for_life for b in self.pager.blocks)
-            and (not torch.is_grad_enabled() or self._can_train_asleep())
-        )
-
-    def _outside_may_learn(self) -> bool:
-        """What the process holds outside pager may be read now: not after a
-        training forward asleep, nor while a graph one built lives (autograd's
-        activations, which pager does not count, would look like the caller's)."""
-        return self.pager.outside is not None and not self.graphs_asleep and not self.held_for_graph
-
-    def _can_train_asleep(self) -> bool:
-        pager = self.pager
-        return (
-            (pager.activations is None or pager.activations.all_kept)
-            and pager.reducer is None
-            # (learning from the allocator, autograd's activations would look like the caller's: model/outside.py;
-            # where the measure predicted them beside what sits outside, the forward asleep learns nothing)
-            and (pager.outside is None or not pager.outside.learns or pager.outside.prediction > 0)
-            and len(pager.engine.owners) == 1
-            # A first gradient of a block makes its page, which may need room.
-            and all("grads" in b.segments or not any(p.requires_grad for p in b.params) for b in pager.all_blocks())
-        )
-
-    def _hold_for_backward(self, outputs: list) -> None:
-        """Keep every block here while the graph of a forward that ran asleep
-        may still be read (see the Note). The mark is a hook on each output:
-        a backward through it ends the hold unless it keeps the graph, and
-        the hook's end (the graph dropped) ends it too."""
-        graphs, mark = self.graphs_asleep, object()
-
-        def backward_ends():
-            with self.lock:
-                graphs.discard(mark)
-                self.pager.engine.waiters.room_may_be_back()
-
-        def reached(grad):
-            if not _keeps_graph():
-                torch.autograd.Variable._execution_engine.queue_callback(backward_ends)
-
-        graphs.add(mark)
-        for t in outputs:
-            t.register_hook(outside_compile(reached))
-        weakref.finalize(reached, graphs.discard, mark)  # (from any thread, at any time: no lock)
-
-    def sleep(self) -> None:
-        if not self.pager.asleep:
-            for block in self.pager.blocks:
-                for h in block.hook_handles:
-                    h.remove()
-                block.hook_handles = []
-                if not self.pager.shared_mode:
-                    self.uses.expose(block, everyone=True)  # nothing leaves while asleep: the tensors need no guard
-            self.pager.asleep = True
-
-    def wake(self) -> None:
-        if self.pager.asleep:
-            self.pager.asleep = False  # first: accesses from now on are served ([Note: tensors and threads])
-            me = threading.get_ident()
-            while any(t != me for t in self.pager.asleep_readers):  # ...and other threads' that began asleep finish
-                time.sleep(1e-5)
-            self.pager.grad_pages.adopt_outside()  # before anything may leave ([Note: gradients outside ...])
-            for block in self.pager.blocks:
-                self.uses.track_kept_views(block, (), ("asleep",))  # views taken while its tensors were exposed
-                self._install_block_hooks(block)
-                if block.pins == 0:
-                    self.uses.guard_idle(block)
-                # Writes while asleep reached the tensors directly, and some
-                # (CUDA's foreach zero) move no version counter: if the block
-                # ever leaves, it is written back.
-                block.mark_dirty()
-
     def forward_marks(self) -> list:
         # Per thread, for each root forward in flight: (whether it started
         # asleep, how many saving frames were open below its own).
@@ -276,7 +161,7 @@ class Hooks:
             self._end_interrupted_forwards(module, len(self.forward_marks()) - (_calls_of(module) - 1))
         # Ops between blocks save activations too; ended by the post-hook,
         # which is always called ([Note: activations off the device]).
-        if self.root_depth == 0 and self._outside_may_learn():
+        if self.root_depth == 0 and self.sleep.outside_may_learn():
             self.pager.outside.forward_starts()  # (before the policy: what the caller holds crowds it)
         acts = self.pager.activations if torch.is_grad_enabled() else None
         if acts is not None and self.root_depth == 0:
@@ -306,8 +191,7 @@ class Hooks:
                 self.pager.grad_pages.drop_unset()  # ([Note: gradients set to None leave the device])
                 self.pager.host_steps.forward_starts()
             self.pager.steps.start_step()
-            self.held_for_graph = False
-            self.sleep() if self._can_sleep() else self.wake()
+            self.sleep.root_starts(torch.is_grad_enabled(), first=True)
             if self.pager.asleep and acts is not None:
                 # Training asleep: every block keeps its activations ("auto")
                 # and none can leave, so autograd keeps them as without pager:
@@ -318,13 +202,10 @@ class Hooks:
         else:
             if outermost:
                 self.pager.steps.another_request()
-            if self.pager.asleep and torch.is_grad_enabled() and not self._can_train_asleep():
-                self.wake()  # another thread's forward builds a graph: its blocks need their hooks
+            self.sleep.root_starts(torch.is_grad_enabled(), first=False)
         self.forward_marks().append((self.pager.asleep, saving.depth() - 1))  # (less the frame begun above)
         if self.pager.asleep:
-            self.sleeping_forwards += 1
-            me = threading.get_ident()
-            self.sleeping_threads[me] = self.sleeping_threads.get(me, 0) + 1
+            self.sleep.forward_runs()
             self.pager.counters.resident_forwards += 1
             self.pager.counters.resident_uses += len(self.pager.scheduler.plan)
         self.root_depth += 1
@@ -369,22 +250,10 @@ class Hooks:
             if self.pager.steps.recorder == threading.get_ident():
                 self.pager.steps.recorder = None
         trained_asleep = bool(marks) and marks[-1][0] and torch.is_grad_enabled()
-        if self.root_depth == 0 and self._outside_may_learn() and not trained_asleep:
+        if self.root_depth == 0 and self.sleep.outside_may_learn() and not trained_asleep:
             self.pager.outside.forward_ended()  # ([Note: a budget that covers the process] in model/outside.py)
         if marks and marks.pop()[0]:  # (it started asleep)
-            self.sleeping_forwards -= 1
-            me = threading.get_ident()
-            if self.sleeping_threads.get(me, 0) > 1:
-                self.sleeping_threads[me] -= 1
-            else:
-                self.sleeping_threads.pop(me, None)
-            self.pager.engine.waiters.room_may_be_back()  # its blocks may leave again
-            graph = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if graph and self._can_train_asleep():
-                self._hold_for_backward(graph)
-            elif graph:
-                self.wake()
-                self.held_for_graph = True  # see [Note: asleep]
+            self.sleep.forward_ended(output)
 
     def _release_stale_backward_holds(self) -> None:
         # A backward that raised never ran its final callback: its blocks are

@@ -44,7 +44,7 @@ let go of no longer counts, so a refused forward is followed by one that
 runs once the caller lets go); what a pass adds beside it (its output, the
 loss's peak) only grows: after one step with a larger loss (a longer
 batch), blocks keep the smaller room. A training
-forward that runs unhooked ([Note: asleep] in model/hooks.py) learns
+forward that runs unhooked ([Note: asleep] in model/asleep.py) learns
 nothing at its end: autograd holds the activations then where pager cannot
 tell them from the caller's tensors. So on CUDA a model that fits trains unhooked
 only where the measure predicted what sits outside pager beside the

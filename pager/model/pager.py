@@ -124,7 +124,7 @@ class Pager:
         # The model's bytes, until its first forward: if that is inference and they fit the budget then, the
         # user is told that no paging is needed (a training step may still page gradients and state).
         self.fits_advice: int | None = None
-        self.asleep = False  # block hooks removed: see [Note: asleep] in model/hooks.py
+        self.asleep = False  # block hooks removed: see [Note: asleep] in model/asleep.py
         self.shared_mode = False  # other threads exist: uses open tensors to their threads only (Uses.expose)
         self.asleep_readers: list = []  # the thread of each access running unserved on the sleeping pager
         self.thread_state = threading.local()
@@ -205,7 +205,7 @@ class Pager:
         self.grad_pages.arriving(block, seg)
 
     def evictions_blocked(self) -> bool:
-        return self.hooks.sleeping_forwards > 0 or self.hooks.held_for_graph or bool(self.hooks.graphs_asleep)
+        return self.hooks.sleep.blocks_evictions()
 
     def fixed_bytes(self) -> int:
         """What this model holds on the device for life (its remainder, and blocks it uses)."""
@@ -215,7 +215,7 @@ class Pager:
         return self.hooks.root_depth > 0 or bool(self.hooks.backward_holds)
 
     def blocking_threads(self) -> set:
-        return set(self.hooks.sleeping_threads)
+        return set(self.hooks.sleep.threads)
 
     def may_leave(self, block: Block) -> bool:
         """Chosen to leave: False if it must stay (see `Uses.may_leave`)."""

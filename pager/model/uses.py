@@ -244,7 +244,8 @@ class Uses:
         where pager cannot look); a deferred update whose bytes are here is
         applied now, as this thread's use."""
         if self.pager.asleep:
-            self.pager.hooks.wake()  # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
+            # (no sleeping forward runs: evictions wait for it) guard the idle tensors first
+            self.pager.hooks.sleep.wake()
         if self.keeps_unknown_views(block):
             return False
         if block.deferred_steps and not block.missing_bytes(STEP):

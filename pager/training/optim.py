@@ -231,7 +231,7 @@ class OptimizerLink:
 
     # [Note: a step asleep]
     # While the pager sleeps every page is on the device and nothing leaves
-    # without waking it first ([Note: asleep] in model/hooks.py), so a step of
+    # without waking it first ([Note: asleep] in model/asleep.py), so a step of
     # blocks whose state has its page already (or that have none) needs no
     # acquire, no fetch and no narrowing of the groups: the user's own
     # `step()` call updates them with the parameters pager does not manage,
