@@ -18,7 +18,7 @@
    state, beside all on GPU and the peers.
 4. (--only resident) Models that fit their budget, from host-bound (a small
    MLP, a small decoder) to GPU-bound: the bare model's step against the
-   wrapped one's, in turns in one process ([Note: asleep] in model/hooks.py:
+   wrapped one's, in turns in one process ([Note: asleep] in model/asleep.py:
    from its second step on, a resident model trains without block hooks).
 
     python -m benchmarks.bench_train --only resident [--reps 5]

@@ -206,6 +206,64 @@ def test_a_forward_refused_for_what_the_caller_held_trains_once_it_lets_go(alloc
     assert_models_equal(model, ref)
 
 
+def test_an_output_kept_into_the_next_step_counts_once(allocator):
+    """`out = model(x)` keeps the last step's output while the next forward
+    runs: at that forward's end two outputs are held, during the loss one
+    output and the loss. What is learned is the most held at once, not the
+    two added up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Wide() for _ in range(LAYERS)])
+    budget = 7 * block_bytes(model)
+    out_bytes, loss_bytes = budget // 20, budget // 8
+    p = offloading(model, budget, "offload", budget_covers="process")
+    allocator.outside = p.outside
+
+    def output_made(module, args, output):  # (the last block's: before the root's post-hook)
+        allocator.caller_bytes += out_bytes
+
+    model[-1].register_forward_hook(output_made)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        allocator.caller_bytes = out_bytes if step else 0  # (the last step's output, alive)
+        out = model(torch.randn(256, 32, generator=g))
+        allocator.caller_bytes = out_bytes  # (the last one let go of at the assignment)
+        allocator.loss(loss_bytes)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert p.outside.prediction < out_bytes + loss_bytes
+    assert p.stats().outside_bytes == out_bytes + loss_bytes, (p.stats().outside_bytes, out_bytes, loss_bytes)
+    pager.unwrap(model)
+
+
+def test_a_model_of_a_pool_that_does_not_run_keeps_no_old_figure(allocator):
+    """What the caller holds is read at every forward's start on the device,
+    for every model there: once it lets go of a tensor, the pool's other
+    model, which has not run since, does not keep holding it against the
+    pool's room."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(*[Wide() for _ in range(LAYERS)]) for _ in range(2)]
+    page = tensor_page_bytes(models[0][0])
+    pool = pager.Pool(budget=8 * page, device="cpu")
+    for i, m in enumerate(models):
+        pager.wrap(m, pool=pool, name=f"m{i}")
+    allocator.outside = pager.of(models[0]).outside
+    x = torch.randn(256, 32)
+    allocator.caller_bytes = 3 * page
+    with torch.no_grad():
+        models[0](x)
+        allocator.caller_bytes = 0
+        models[1](x)
+    assert [pager.of(m).stats().outside_bytes for m in models] == [0, 0]
+    pool.reset()
+    with torch.no_grad():
+        models[1](x)
+    assert pool.stats().peak_resident_bytes > 5 * page  # (the room back)
+    for m in models:
+        pager.unwrap(m)
+
+
 def test_a_graph_built_asleep_is_not_taken_for_the_callers(allocator):
     """A model that fits trains with its hooks off under a budget that covers
     the process and learns from the allocator ([Note: asleep]), where the

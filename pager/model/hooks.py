@@ -88,8 +88,8 @@ def _calls_of(module) -> int:
 
 class Hooks:
     """One model's hooks: the root's forward (it starts steps through
-    `Steps`), each block's forward and backward, sleep and wake, and
-    gradients as they accumulate. Held by its `Pager`.
+    `Steps`), each block's forward and backward (whether they run is its
+    `Sleep`'s), and gradients as they accumulate. Held by its `Pager`.
 
     Args:
         pager: the model's `Pager` (its blocks, uses and engine).

@@ -19,8 +19,8 @@ budget in blocks and keeps a reference model on the same device).
 Before the first training step it is predicted, from the forward measured
 on fake tensors ([Note: what sits outside pager, predicted] in
 training/dry_run.py), the most of the inputs measured since the last
-refusal; that is all the CPU device knows. On CUDA it is then also learned, the most seen since `wrap`:
-`outside_bytes` is the larger of the two.
+refusal; that is all the CPU device knows. On CUDA it is then also
+learned (below): `outside_bytes` is the larger of the two.
 
 It is read from the caching allocator's counters, a few times a pass and
 never per block use: at the root forward's start (what the caller holds
@@ -39,11 +39,16 @@ pager itself never resets it again, and reading it is yours as before.
 What is seen counts as held on the device by every wrapped model there,
 each engine under a budget of its own, and by the caller (not the other
 models' blocks: two models wrapped apart do not crowd each other). What
-the caller holds when a forward starts is read again at each (a tensor it
-let go of no longer counts, so a refused forward is followed by one that
-runs once the caller lets go); what a pass adds beside it (its output, the
-loss's peak) only grows: after one step with a larger loss (a longer
-batch), blocks keep the smaller room. A training
+is learned is the larger of what the caller holds when a forward starts
+with the most a forward added to it by its end (its output), and the most
+seen from a forward's end to its backward (a loss, whole). The first is
+read again at each forward on the device, for every model there (a tensor
+let go of no longer counts; a model of a pool that does not run keeps no
+old figure); the others only grow, until a refusal: after one step with a
+larger loss (a longer batch), blocks keep the smaller room. A forward
+that starts on the device between another model's forward and its
+backward takes that step's peak from it (its blocks would look like the
+caller's). A training
 forward that runs unhooked ([Note: asleep] in model/asleep.py) learns
 nothing at its end: autograd holds the activations then where pager cannot
 tell them from the caller's tensors. So on CUDA a model that fits trains unhooked
@@ -74,6 +79,11 @@ def _engines_on(device) -> list:
         if pager.engine.device == device:
             engines[id(pager.engine)] = pager.engine
     return list(engines.values())
+
+
+def _outsides_on(device) -> list:
+    """The `Outside` of every wrapped model on `device` that covers the process."""
+    return [p.outside for p in list(_PAGERS.values()) if p.outside is not None and p.engine.device == device]
 
 
 def _held_by(engine) -> int:
@@ -133,10 +143,12 @@ class Outside:
         self.held_at_end: int | None = None  # what pager held at the last forward's end (None: not since)
         self.peak_at_end = 0  # the allocator's peak then
         self.prediction = 0  # the dry run's, for the last inputs measured
-        self.holding = 0  # what the caller held when the last forward started (read again at each)
-        self.added = 0  # the most a pass added beside that: its output, a loss's peak (only grows)
-        if counter is not None and not _engines_on(pager.engine.device):  # (this model is not registered yet)
-            counter.reset_peak()  # (not under another wrapped model's step: its loss's peak would go unseen)
+        self.holding = 0  # what the caller held when the last forward on the device started (read at each)
+        self.grown = 0  # the most a forward added to that by its end: its output (only grows)
+        self.peaked = 0  # the most seen outside pager from a forward's end to its backward: a loss (only grows)
+        self.logged = 0  # the most logged at INFO
+        if counter is not None and not any(o.held_at_end is not None for o in _outsides_on(pager.engine.device)):
+            counter.reset_peak()  # (not under another model's step: its loss's peak would go unseen)
 
     @property
     def learns(self) -> bool:
@@ -145,9 +157,10 @@ class Outside:
 
     @property
     def learned(self) -> int:
-        """What the allocator's counters show outside pager: what the caller
-        holds now, and the most a pass added beside it."""
-        return self.holding + self.added
+        """What the allocator's counters show outside pager at a step's peak:
+        what the caller holds now with what a forward adds to it, or the
+        most seen while a loss ran, the larger."""
+        return max(self.holding + self.grown, self.peaked)
 
     def predicted(self, nbytes: int) -> None:
         """The dry run predicts `nbytes` outside pager at the coming step's
@@ -160,8 +173,10 @@ class Outside:
 
     def refused(self) -> None:
         """A forward was refused before it ran: its inputs' prediction goes
-        (the next forward is measured again: a smaller batch's counts)."""
-        self.prediction = 0
+        (the next forward is measured again: a smaller batch's counts), and
+        what steps showed (the next forward's start reads again what the
+        caller holds)."""
+        self.prediction = self.grown = self.peaked = 0
         self._update(None)
 
     def held_bytes(self) -> int:
@@ -173,13 +188,22 @@ class Outside:
         return sum(_held_by(e) for e in {id(e): e for e in [engine, *_engines_on(engine.device)]}.values())
 
     def forward_starts(self) -> None:
-        """A root forward starts, none in flight: what the caller holds now
-        (its inputs, tensors of its own) is outside pager, seen before any
-        block of this forward is fetched; it replaces what an earlier
-        forward's start saw (a tensor let go since no longer counts)."""
-        if self.counter is not None:
-            self.holding = max(self.counter.read()[0] - self.held_bytes(), 0)
-            self._update("holds")
+        """A root forward starts, none of this model in flight: what the
+        caller holds now (its inputs, tensors of its own) is outside pager,
+        seen before any block of this forward is fetched. It replaces what
+        an earlier forward's start saw, for every model on the device (a
+        tensor let go of no longer counts; a model of the pool that does not
+        run keeps no old figure); another model's step in between its
+        forward and its backward learns nothing from its peak (this
+        forward's blocks would look like its caller's)."""
+        if self.counter is None:
+            return
+        holding = max(self.counter.read()[0] - self.held_bytes(), 0)
+        for outside in [self, *(o for o in _outsides_on(self.pager.engine.device) if o is not self)]:
+            if outside is not self:
+                outside.held_at_end = None
+            outside.holding = holding
+            outside._update("holds")
 
     def forward_ended(self) -> None:
         """The root forward ended, its blocks hooked: what the caller holds now."""
@@ -187,30 +211,38 @@ class Outside:
             return
         current, self.peak_at_end = self.counter.read()
         self.held_at_end = self.held_bytes()
-        self._added(current - self.held_at_end - self.holding)
+        if current - self.held_at_end - self.holding > self.grown:
+            self.grown = current - self.held_at_end - self.holding
+            self._update("holds")
 
     def backward_starts(self) -> None:
-        """The backward reached the model's first block, before any hook's work."""
+        """The backward reached the model's first block, before any hook's
+        work: the most the process held outside pager since the forward
+        ended (pager held what it held then: its hooks did not run)."""
         if self.held_at_end is None or self.counter is None:
             return
         current, peak = self.counter.read()
-        if peak > self.peak_at_end:  # the loss set a new peak: pager held what it held at the forward's end
-            self._added(peak - self.held_at_end - self.holding)
-        self._added(current - self.held_bytes() - self.holding)
+        seen = max(current - self.held_bytes(), peak - self.held_at_end if peak > self.peak_at_end else 0)
         self.held_at_end = None
-
-    def _added(self, nbytes: int) -> None:
-        """The counters show a pass adding `nbytes` outside pager to what the caller held at its start."""
-        if nbytes > self.added:
-            self.added = nbytes
+        if seen > self.peaked:
+            self.peaked = seen
             self._update("holds")
 
     def _update(self, how: str | None) -> None:
-        """`outside_bytes` = the larger of what was learned and what was predicted."""
+        """`outside_bytes` = the larger of what was learned and what was
+        predicted; said at INFO where it is more than ever said before."""
         nbytes = max(self.learned, self.prediction)
         if how is not None and nbytes > self.pager.outside_bytes:
             self._warn_if_crowded(nbytes)
-        self._set(nbytes, how)
+        self.pager.outside_bytes = nbytes
+        if how is not None and nbytes > self.logged:
+            self.logged = nbytes
+            log.info(
+                "pager: the process %s %s on the device outside %s; blocks leave it that room",
+                how,
+                format_bytes(nbytes),
+                self.pager.name,
+            )
 
     def _warn_if_crowded(self, nbytes: int) -> None:
         """What was seen leaves blocks less than they need (a prediction that
@@ -227,18 +259,3 @@ class Outside:
                 format_bytes(pager.budget_bytes),
                 format_bytes(pager.least_room),
             )
-
-    def _set(self, nbytes: int, how: str | None) -> None:
-        """`outside_bytes` = `nbytes`, logged as what the process `how`s (None: not logged)."""
-        pager = self.pager
-        if nbytes == pager.outside_bytes:
-            return
-        pager.outside_bytes = nbytes
-        if how is None:
-            return
-        log.info(
-            "pager: the process %s %s on the device outside %s; blocks leave it that room",
-            how,
-            format_bytes(nbytes),
-            pager.name,
-        )

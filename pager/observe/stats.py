@@ -105,8 +105,8 @@ class Stats:
     # the blocks' room ([Note: carried state] in model/carried.py):
     carried_bytes: int = 0
     peak_carried_bytes: int = 0
-    # Under budget_covers="process": what the process held on the device
-    # outside pager, the most seen, held out of the blocks' room
+    # Under budget_covers="process": what the process holds on the device
+    # outside pager at a step's peak, as last seen, held out of the blocks' room
     # ([Note: a budget that covers the process] in model/outside.py):
     outside_bytes: int = 0
     # With split_fetch: what the helper GPUs keep of the engine's pages now
