@@ -248,8 +248,8 @@ def wrap(
             forward's start and end and each backward's start (what the
             caller holds counts from the first forward; [Note: a budget that covers the
             process] in model/outside.py; `stats().outside_bytes`); on CUDA
-            the first model's `wrap` resets the device's peak memory counter
-            once. The
+            `wrap` resets the device's peak memory counter (unless another
+            model there is mid-step). The
             prediction comes with the activations' measure: under
             `activations="keep"` there is none, and CUDA learns it alone.
             "pager": what pager holds alone (blocks, and activations and

@@ -31,11 +31,11 @@ Between the last two, pager's hooks do not run, so what pager holds is
 what it held at the forward's end; if the allocator's peak
 moved in between (the loss and its backward, where the peak of a step
 usually is), the process held the new peak less that, outside pager. A peak
-that does not move says nothing, so the `wrap` of the first model on the
-device resets the device's peak counter once (as
-`torch.cuda.reset_peak_memory_stats` does; read it again after `wrap` if
-you measure it; a later model's would hide a step of the first from it);
-pager itself never resets it again, and reading it is yours as before.
+that does not move says nothing, so `wrap` resets the device's peak
+counter (as `torch.cuda.reset_peak_memory_stats` does; read it again after
+`wrap` if you measure it), unless another model on the device is between
+its forward's end and its backward (the reset would hide its loss);
+pager itself never resets it otherwise, and reading it is yours as before.
 What is seen counts as held on the device by every wrapped model there,
 each engine under a budget of its own, and by the caller (not the other
 models' blocks: two models wrapped apart do not crowd each other). What
@@ -199,11 +199,12 @@ class Outside:
         if self.counter is None:
             return
         holding = max(self.counter.read()[0] - self.held_bytes(), 0)
-        for outside in [self, *(o for o in _outsides_on(self.pager.engine.device) if o is not self)]:
-            if outside is not self:
-                outside.held_at_end = None
+        others = [o for o in _outsides_on(self.pager.engine.device) if o is not self]
+        for outside in [self, *others]:
             outside.holding = holding
             outside._update("holds")
+        for other in others:
+            other.held_at_end = None  # (its backward's start learns nothing of this step)
 
     def forward_ended(self) -> None:
         """The root forward ended, its blocks hooked: what the caller holds now."""
