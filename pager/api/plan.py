@@ -151,11 +151,8 @@ class Plan:
         blocks = format_bytes(self.train_blocks_min_bytes)
         if self.train_min_budget_bytes is not None:
             acts = self.train_min_budget_bytes - self.train_blocks_min_bytes - self.outside_bytes
-            outside = (
-                f", + what the process holds outside pager (predicted), {format_bytes(self.outside_bytes)}"
-                if self.outside_bytes
-                else ""
-            )
+            o = self.outside_bytes
+            outside = f", + what the process holds outside pager (predicted), {format_bytes(o)}" if o else ""
             out.append(
                 f"  least budget that trains {format_bytes(self.train_min_budget_bytes, up=True)}: the remainder "
                 f"and the largest block with their gradients and optimizer state, {blocks}, + the activations the "
