@@ -72,18 +72,14 @@ log = logging.getLogger("pager")
 COVERS = ("pager", "process")
 
 
-def _engines_on(device) -> list:
-    """The engines of every wrapped model on `device`, each once (a few: not per block use)."""
-    engines: dict = {}
-    for pager in list(_PAGERS.values()):
-        if pager.engine.device == device:
-            engines[id(pager.engine)] = pager.engine
-    return list(engines.values())
+def _pagers_on(device) -> list:
+    """The `Pager` of every wrapped model on `device` (a few: not per block use)."""
+    return [p for p in list(_PAGERS.values()) if p.engine.device == device]
 
 
 def _outsides_on(device) -> list:
     """The `Outside` of every wrapped model on `device` that covers the process."""
-    return [p.outside for p in list(_PAGERS.values()) if p.outside is not None and p.engine.device == device]
+    return [p.outside for p in _pagers_on(device) if p.outside is not None]
 
 
 def _held_by(engine) -> int:
@@ -184,8 +180,9 @@ class Outside:
         there (this model's pool and any other wrapped model's, each under a
         budget of its own, not the caller's), the activations their owners'
         hooks keep, carried state, row caches and staging rings."""
-        engine = self.pager.engine
-        return sum(_held_by(e) for e in {id(e): e for e in [engine, *_engines_on(engine.device)]}.values())
+        own = self.pager.engine
+        engines = {id(e): e for e in [own, *(p.engine for p in _pagers_on(own.device))]}  # (a pool's, once)
+        return sum(map(_held_by, engines.values()))
 
     def forward_starts(self) -> None:
         """A root forward starts, none of this model in flight: what the
