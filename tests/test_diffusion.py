@@ -527,7 +527,11 @@ def test_inductor_compiled_blocks_in_a_pipeline_on_the_gpu():
         images.append(_run(p, call).images)
         assert counter.frame_count == graphs > 0
     np.testing.assert_allclose(images[2], images[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(images[3], images[2])
+    # The next call repeats the first as closely as the same compiled kernels repeat themselves: bit for
+    # bit where the reference's two calls are (alone, they are); after other GPU tests in the same process
+    # the reference's own two calls differ by up to ~4e-7 (H200, torch 2.11), and the paged calls may too.
+    drift = float(np.abs(images[1] - images[0]).max())
+    np.testing.assert_allclose(images[3], images[2], rtol=0, atol=2 * drift)
     assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 
