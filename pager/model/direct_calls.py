@@ -42,9 +42,10 @@ class DirectCalls:
                     stack.append(child)
                     if child._parameters or child._buffers:
                         held: list = []
-                        block.guards.append(
-                            (child, self._make_inner_pre(block, held), self._make_inner_post(block, held))
-                        )
+                        # (wrapped once: an eviction registers the same hooks again, no new wrapper each time)
+                        # ([Note: a wrapped model is not pickled or copied])
+                        pre, post = self._make_inner_pre(block, held), self._make_inner_post(block, held)
+                        block.guards.append((child, model_hook(pre), model_hook(post)))
             self.guard(block)
 
     def _make_inner_pre(self, block: Block, held: list):
@@ -78,9 +79,8 @@ class DirectCalls:
                 h
                 for module, pre, post in block.guards
                 for h in (
-                    # ([Note: a wrapped model is not pickled or copied])
-                    module.register_forward_pre_hook(model_hook(pre)),
-                    module.register_forward_hook(model_hook(post), always_call=True),
+                    module.register_forward_pre_hook(pre),
+                    module.register_forward_hook(post, always_call=True),
                 )
             ]
 
