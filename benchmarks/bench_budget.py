@@ -179,6 +179,10 @@ def run_steps(run: dict, model, opt, x, dev: Dev, steps: int, t0: float, paged: 
                 budget_bytes=s.budget_bytes,
                 h2d_bytes=s.h2d_bytes,
                 d2h_bytes=s.d2h_bytes,
+                # (the optimizer's updates on the host this step: how many, their seconds, the fetches' waits for them)
+                host_steps=s.host_steps,
+                host_step_seconds=s.host_step_seconds,
+                host_step_wait_seconds=s.host_step_wait_seconds,
             )
         run["steps"].append(rec)
         if i == 0:
@@ -198,6 +202,11 @@ def _step_line(rec: dict, budget: int | None) -> str:
             f"{rec['peak_resident_bytes'] / GiB:.2f} GiB, reserve {rec['activation_reserve_bytes'] / GiB:.2f} GiB, "
             f"policy {rec['activations_policy']}"
         )
+        if rec["host_steps"]:
+            parts.append(
+                f"{rec['host_steps']} updates on the host in {rec['host_step_seconds'] * 1e3:.0f} ms, "
+                f"waited for {rec['host_step_wait_seconds'] * 1e3:.0f} ms"
+            )
     return ", ".join(parts)
 
 
@@ -414,7 +423,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--attach-at-wrap", action="store_true", help="build AdamW before wrap and pass it: wrap(optimizer=)"
     )
-    p.add_argument("--covers", choices=("pager", "process"), help="wrap(budget_covers=...) (default: the tree's default)")
+    p.add_argument("--covers", choices=("pager", "process"), help="wrap(budget_covers=...) (default: the tree's)")
     p.add_argument("--info", action="store_true", help="pager's INFO log lines (its choices) on stderr")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke test of this script only
     args = p.parse_args(argv)

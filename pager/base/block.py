@@ -290,8 +290,8 @@ class Block:
         self.last_use_event = None  # compute event at its last release
         self.comm_event = None  # its gradients' all-reduce in flight (training.distributed.Reducer)
         self.release_versions = None  # its tensors' versions then
-        self.guards: list = []  # (inner module, pre-hook, post-hook) for direct calls
-        self.guard_handles: list | None = None  # installed while the block is paged out
+        self.guards: list = []  # a `model.direct_calls.InnerGuard` per inner module, for direct calls
+        self.guarded = False  # its guards are on (while it is paged out)
         self.hook_handles: list = []  # its forward pre-/post-hook (removed while asleep)
         self.under_compile = (
             False  # its last forward ran in a torch.compile'd graph ([Note: pager under torch.compile])
