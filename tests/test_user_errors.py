@@ -121,8 +121,8 @@ def _trained_streaming():
 def _guarded_inner(model):
     """A module inside a paged-out block, which pager guards against calls
     from outside its block (model/direct_calls.py)."""
-    block = next(b for b in pager.of(model).blocks if b.guard_handles)
-    return block.guards[0][0]
+    block = next(b for b in pager.of(model).blocks if b.guarded)
+    return block.guards[0].module
 
 
 def _values(model):
