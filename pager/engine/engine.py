@@ -430,8 +430,15 @@ def _readopt(block, seg: Segment) -> None:
     """Tensors given new memory by `t.data = new` since their fetch: copy
     the new value into the page and make them views of it again (else the
     page would keep the old bytes)."""
+    key = seg.storage_key
+    with torch._C.DisableTorchFunctionSubclass():  # (the common case, once for the segment: at every eviction)
+        for t in seg.tensors:
+            if t.untyped_storage()._cdata != key:
+                break
+        else:
+            return
     for slot, t in zip(seg.slots, seg.tensors):
-        if storage_key(t) == seg.storage_key:
+        if storage_key(t) == key:
             continue
         with torch._C.DisableTorchFunctionSubclass():
             if t.shape != slot.shape or t.dtype != slot.dtype:
