@@ -179,10 +179,14 @@ def run_steps(run: dict, model, opt, x, dev: Dev, steps: int, t0: float, paged: 
                 budget_bytes=s.budget_bytes,
                 h2d_bytes=s.h2d_bytes,
                 d2h_bytes=s.d2h_bytes,
-                # (the optimizer's updates on the host this step: how many, their seconds, the fetches' waits for them)
+                # (updates on the host: how many this step's `opt.step()` gave the host; the seconds of those that
+                # ended while this step was measured, some of them the previous step's; and this step's fetches'
+                # waits for the previous step's updates)
                 host_steps=s.host_steps,
                 host_step_seconds=s.host_step_seconds,
                 host_step_wait_seconds=s.host_step_wait_seconds,
+                # (what the placement of updates went by: training/host_placement.py)
+                placement=pg.host_steps.placement.figures(),
             )
         run["steps"].append(rec)
         if i == 0:
@@ -207,7 +211,19 @@ def _step_line(rec: dict, budget: int | None) -> str:
                 f"{rec['host_steps']} updates on the host in {rec['host_step_seconds'] * 1e3:.0f} ms, "
                 f"waited for {rec['host_step_wait_seconds'] * 1e3:.0f} ms"
             )
+        parts.append(_placement_line(rec["placement"]))
     return ", ".join(parts)
+
+
+def _placement_line(f: dict) -> str:
+    def ms(x, scale=1e3, unit="ms"):
+        return "-" if x is None else f"{x * scale:.1f} {unit}"
+
+    return (
+        f"placement: {f['gave_device']} to the device, forward's own {ms(f['forward_seconds'])}, "
+        f"an update on the device adds {ms(f['device_update_seconds'])}, the host "
+        f"{ms(f['host_seconds_per_byte'], 1e12, 'ms/GB of weights')}"
+    )
 
 
 def summarize(run: dict) -> None:

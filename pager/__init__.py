@@ -17,7 +17,7 @@ from .base.files import CheckpointError
 from .model.pager import Pager
 from .model.pool import Pool
 from .observe.stats import BlockStats, PoolStats, Stats
-from .training.optim import install_global_hook as _install_global_hook
+from .training.attach import install_global_hook as _install_global_hook
 
 _install_global_hook()
 

@@ -598,7 +598,7 @@ def test_blocks_and_activations_stay_within_the_budget_together(policy):
     assert s.activation_reserve_bytes > 0 and s.peak_activation_bytes > 0
     assert s.peak_device_bytes <= budget
     # Blocks gave the activations their room (it was not clamped to the least that runs).
-    assert p.least_room_bytes() <= budget - s.activation_reserve_bytes
+    assert step_needs.least_room_bytes(p) <= budget - s.activation_reserve_bytes
     assert s.peak_resident_bytes <= budget - s.activation_reserve_bytes
     assert s.activation_bytes == 0  # every graph is gone: nothing is left counted
     wide_steps(ref, ref_opt, 10)

@@ -112,9 +112,9 @@ def owners_slow_publisher(rank, world, tmp, optimizer_step):
         waited = p.stats().owner_wait_seconds
         assert waited > 0.05
         if optimizer_step == "host":  # (a block's first update is on the device: it makes the state)
-            assert p.host_steps.waited_seconds > 0.01  # (its own updates on the host wait microseconds)
+            assert p.host_steps.placement.waited_seconds > 0.01  # (its own updates on the host wait microseconds)
         else:
-            assert p.host_steps.waited_seconds == 0  # (an owner's device falling behind is no case for the host)
+            assert p.host_steps.placement.waited_seconds == 0  # (an owner's device falling behind is no case for the host)
     pager.unwrap(model)
 
 

@@ -291,7 +291,7 @@ def auto_steps(forward, choosing=False):
     fake = SimpleNamespace(transport=SimpleNamespace(is_cuda=True), optimizers=[],
                            activations=SimpleNamespace(choosing=choosing))
     steps = HostSteps(fake, "auto")
-    steps._read_forward = lambda: forward[0]
+    steps.placement._read_forward = lambda: forward[0]
 
     def step(blocks):
         steps.forward_starts()
@@ -303,16 +303,16 @@ def auto_steps(forward, choosing=False):
 def test_auto_gives_the_device_one_block_more_while_forwards_wait_for_the_host():
     """[Note: how many update on the host]: the rule alone, with the forward's
     length and the waits given (on CUDA they come from events and fetches)."""
-    from pager.training.host_step import WAIT_SHARE
+    from pager.training.host_placement import WAIT_SHARE
 
     steps, choose = auto_steps([0.1])  # a forward of 100 ms
     blocks = list(range(6))
     assert choose(blocks) == blocks  # nothing waited
     for expected in (5, 4, 3):
-        steps.waited_seconds += 2 * WAIT_SHARE * 0.1  # the last forward waited too long
+        steps.placement.waited_seconds += 2 * WAIT_SHARE * 0.1  # the last forward waited too long
         assert choose(blocks) == blocks[:expected]
         assert steps.choose(blocks) == blocks[:expected]  # (a second optimizer's step: the same forward)
-    steps.waited_seconds += WAIT_SHARE * 0.1 / 2  # a little: as many as before
+    steps.placement.waited_seconds += WAIT_SHARE * 0.1 / 2  # a little: as many as before
     assert choose(blocks) == blocks[:3]
     assert choose(blocks) == blocks[:4]  # no wait: one block back to the host
     steps.mode = "host"
@@ -324,14 +324,14 @@ def test_auto_takes_back_a_block_whose_update_on_the_device_made_the_forward_lon
     trial for one forward; if that forward is longer than the one before, it
     goes back to the host and no more go to the device for `HOLD_STEPS`
     steps, however the forwards wait."""
-    from pager.training.host_step import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE
+    from pager.training.host_placement import HOLD_STEPS, SLOWER_SHARE, WAIT_SHARE
 
     forward = [0.1]
     steps, choose = auto_steps(forward)
     blocks = list(range(6))
 
     def waited_too_long():
-        steps.waited_seconds += 2 * WAIT_SHARE * forward[0]
+        steps.placement.waited_seconds += 2 * WAIT_SHARE * forward[0]
 
     waited_too_long()
     assert choose(blocks) == blocks[:5]  # one on trial
@@ -459,13 +459,13 @@ def test_under_a_clip_the_host_takes_the_blocks_it_finishes_in_time():
     ones) update on the device."""
     from types import SimpleNamespace
 
-    from pager.training.host_step import HostSteps
+    from pager.training.host_placement import Placement
 
     def block(i, nbytes=100):
         return SimpleNamespace(index=i, segments={"weights": SimpleNamespace(nbytes=nbytes)})
 
     blocks = [block(i) for i in range(8)]
-    steps = HostSteps(SimpleNamespace(blocks=blocks), "auto")
+    steps = Placement(SimpleNamespace(blocks=blocks))
     steps.seconds_per_byte = 0.015 / 100  # 15 ms a block on the host; the forward 10.625 ms a block
     host = steps._by_deadline(blocks, forward=0.085)
     # The host's k-th block is done at 15k ms, needed by (index - 1) * 10.625 ms.
@@ -477,10 +477,10 @@ def test_under_a_clip_the_host_takes_the_blocks_it_finishes_in_time():
 def _steps_of(n):
     from types import SimpleNamespace
 
-    from pager.training.host_step import HostSteps
+    from pager.training.host_placement import Placement
 
     blocks = [SimpleNamespace(index=i, segments={"weights": SimpleNamespace(nbytes=100)}) for i in range(n)]
-    return HostSteps(SimpleNamespace(blocks=blocks), "auto"), blocks
+    return Placement(SimpleNamespace(blocks=blocks)), blocks
 
 
 def test_under_a_clip_a_late_block_goes_to_the_host_where_its_wait_costs_less_than_the_device():

@@ -107,7 +107,8 @@ def wrap(
             with it. "auto" (default): on the host for a block whose state is
             in host memory at `step()` (one still on the device leaves first),
             as many as the host updates without the next forward waiting for
-            it (measured, [Note: how many update on the host]); on the device
+            it (measured, [Note: how many update on the host] in
+            training/host_placement.py); on the device
             for the rest. Where the budget holds every block's weights and
             gradients but not the activations beside the state, the state of
             blocks on the device goes to host memory too, and they update on

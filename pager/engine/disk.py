@@ -47,7 +47,7 @@ from ..base.budget import format_bytes
 from ..base.common import WEIGHTS, WORKER_PREFIX
 from .arena import PageArena, aligned_empty
 from .host import HOST_RESERVE_BYTES
-from .page_io import CHUNK_BYTES, Files, Piece, ReadPath, read_range, write_page
+from .page_io import CHUNK_BYTES, Files, Piece, ReadPath, read_range, read_rate, write_page
 
 log = logging.getLogger("pager")
 
@@ -250,27 +250,11 @@ class DiskTier:
                 self._start_read(seg, demand=False)
 
     def peak_gbps(self, nbytes: int = 1 << 30) -> float:
-        """The sequential read rate of the largest checkpoint file (up to
-        `nbytes` of it, direct reads of CHUNK_BYTES on the IO threads, the
-        page cache of that range dropped first: the rest of the file stays
-        cached as it was), measured once: the ceiling for reads."""
+        """The sequential read rate of the largest checkpoint file, measured
+        once (`read_rate`): the ceiling for reads."""
         if getattr(self, "_peak_gbps", None) is None:
             paths = {p.path for seg in self.blocks for p in (seg.disk or ()) if p.path and p.tensor is None}
-            path = max(paths, key=os.path.getsize)
-            size = min(nbytes, os.path.getsize(path))
-            fd = self.files.fds(path)[1]
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
-            local = threading.local()  # a scratch buffer per IO thread
-
-            def read(at):
-                if not hasattr(local, "buffer"):
-                    local.buffer = aligned_empty(CHUNK_BYTES)[1]
-                n = min(CHUNK_BYTES, size - at)
-                read_range(self.files, local.buffer, Piece(0, n, path, at, padded=True), 0, n)
-
-            t0 = time.perf_counter()
-            list(self.pool.map(read, range(0, size, CHUNK_BYTES)))
-            self._peak_gbps = size / (time.perf_counter() - t0) / 1e9
+            self._peak_gbps = read_rate(self.files, self.pool, max(paths, key=os.path.getsize), nbytes)
         return self._peak_gbps
 
     def close(self) -> None:
@@ -470,17 +454,29 @@ class DiskTier:
 
     def _no_room(self, seg) -> MemoryError:
         dirty = sum(s.nbytes for s in self.pages if s.host_dirty)
-        fix = (
-            'pass spill="folder" to pager.load so that changed pages (training) can leave host memory, or '
-            if dirty and self.spill is None
-            else ""
+        return no_host_room(
+            seg,
+            self.blocks[seg].name,
+            cast(int, self.capacity_bytes),
+            self.arena.used_bytes,
+            dirty,
+            spills=self.spill is not None,
         )
-        return MemoryError(
-            f"pager: host_budget={format_bytes(cast(int, self.capacity_bytes))} cannot hold the {seg.kind} page of "
-            f"{self.blocks[seg].name!r} ({format_bytes(seg.nbytes)}): pages in use or changed hold "
-            f"{format_bytes(self.arena.used_bytes)} ({format_bytes(dirty)} changed since they were read); "
-            f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state)."
-        )
+
+
+def no_host_room(seg, block_name: str, capacity_bytes: int, used_bytes: int, dirty_bytes: int, spills: bool):
+    """The error of a page that the host budget cannot hold."""
+    fix = (
+        'pass spill="folder" to pager.load so that changed pages (training) can leave host memory, or '
+        if dirty_bytes and not spills
+        else ""
+    )
+    return MemoryError(
+        f"pager: host_budget={format_bytes(capacity_bytes)} cannot hold the {seg.kind} page of "
+        f"{block_name!r} ({format_bytes(seg.nbytes)}): pages in use or changed hold "
+        f"{format_bytes(used_bytes)} ({format_bytes(dirty_bytes)} changed since they were read); "
+        f"{fix}raise host_budget (at least twice the largest block with its gradients and optimizer state)."
+    )
 
 
 def check_host_budget(capacity_bytes: int, largest_bytes: int) -> None:

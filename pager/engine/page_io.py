@@ -31,6 +31,7 @@ import enum
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -38,6 +39,7 @@ import torch
 
 from ..base.block import DIRECT_ALIGN, align_up
 from ..base.files import CheckpointError, fsync_folder
+from .arena import aligned_empty
 from .file_cache import CacheProbe
 
 log = logging.getLogger("pager")
@@ -256,3 +258,23 @@ def write_page(page: torch.Tensor, nbytes: int, path: str) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_folder(os.path.dirname(path))
+
+
+def read_rate(files, pool, path: str, nbytes: int) -> float:
+    """GB/s of a sequential read of the first `nbytes` of `path` (direct
+    reads of CHUNK_BYTES on `pool`'s IO threads, the page cache of that range
+    dropped first: the rest of the file stays cached as it was)."""
+    size = min(nbytes, os.path.getsize(path))
+    fd = files.fds(path)[1]
+    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    local = threading.local()  # a scratch buffer per IO thread
+
+    def read(at):
+        if not hasattr(local, "buffer"):
+            local.buffer = aligned_empty(CHUNK_BYTES)[1]
+        n = min(CHUNK_BYTES, size - at)
+        read_range(files, local.buffer, Piece(0, n, path, at, padded=True), 0, n)
+
+    t0 = time.perf_counter()
+    list(pool.map(read, range(0, size, CHUNK_BYTES)))
+    return size / (time.perf_counter() - t0) / 1e9

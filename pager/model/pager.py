@@ -24,10 +24,10 @@ from ..observe.trace import Tracer
 from ..observe.views import link_gbps_of, report_of, reset_counters, snapshot
 from ..rows.table import find_row_table
 from ..training.activations import KEEP, Activations
+from ..training.attach import attach as attach_optimizer
 from ..training.grad_ops import GradOps
 from ..training.grad_pages import GradPages
 from ..training.host_step import HostSteps
-from ..training.optim import attach as attach_optimizer
 from . import step_needs
 from .direct_calls import DirectCalls
 from .hooks import Hooks
@@ -97,23 +97,7 @@ class Pager:
         self.name = name if name is not None else _unique_name(type(model).__name__, self.engine.owners)
         self.counters = Stats(budget_bytes=self.engine.budget_bytes)
         # Blocks' saved activations: None keeps them on the device (see training/activations.py).
-        self.activations = (
-            Activations(
-                activations,
-                self.transport,
-                self.counters,
-                budget_bytes=lambda: self.engine.room.usable_bytes() - self.outside_bytes,
-                spare_bytes=lambda: self.engine.room.spare_bytes(self) - step_needs.pages_to_come_bytes(self),
-                least_bytes=lambda: step_needs.least_bytes(self),
-                measure=lambda args, kwargs: step_needs.measure(self, args, kwargs),
-                outside_bytes=lambda: self.outside_bytes,
-                budget_total=lambda: self.engine.budget_bytes,
-            )
-            if activations != KEEP
-            else None
-        )
-        if self.activations is not None:
-            self.activations.ledger.note_blocks(0)
+        self.activations = _activations_of(self, activations)
         self.tracer = Tracer(cuda=device.type == "cuda")
         self.grad_slots: dict[int, tuple[Block, int]] = {}  # id(param) -> (block, slot index in grads)
         self.param_blocks: dict[int, Block] = {}
@@ -136,7 +120,7 @@ class Pager:
         # The least budget that runs: the remainder and the largest block with
         # the blocks around it and those it borrows tied tensors from.
         self.min_budget_bytes = 0
-        self.least_room = 0  # least_room_bytes(), chosen again when segments appear (Steps.start_step)
+        self.least_room = 0  # step_needs.least_room_bytes(), chosen again when segments appear (Steps.start_step)
         # A `training.distributed.Reducer` when gradients are averaged over a process group.
         self.reducer: Reducer | None = None
         # Maps the weights pages onto the node's shared copy (wrap(share_host_pages=True)).
@@ -257,19 +241,9 @@ class Pager:
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less the share that
         activations take where pager handles them ([Note: one budget] in
-        training/activations.py), never less than the least that runs (`least_room_bytes`;
+        training/activations.py), never less than the least that runs (`step_needs.least_room_bytes`;
         `Steps.start_step` warns when activations leave less than that)."""
         return self.engine.room.room_bytes()
-
-    def least_room_bytes(self) -> int:
-        """The least room for blocks that runs now: what stays resident, and
-        the largest block with the blocks it borrows from, each with every
-        segment it has (gradients and optimizer state, once they exist)."""
-        fixed = self.fixed_bytes()
-        largest = max(
-            (b.nbytes() + sum(d.nbytes() for d in b.deps) for b in self.blocks if not b.resident_for_life), default=0
-        )
-        return max(fixed + largest, self.min_budget_bytes)
 
     def prefetch(self) -> None:
         """Start fetching the next uses that have room ([Note: prefetch] in model/prefetch.py)."""
@@ -347,17 +321,7 @@ class Pager:
             >>> path = [layer.candidates[k] for layer, k in zip(net.layers, choice)]
             >>> pager.of(net).expect(path)
         """
-        by_module = {id(b.module): b for b in self.blocks}
-        path = []
-        for m in modules:
-            if id(m) not in by_module:
-                raise ValueError(
-                    f"pager: expect() got a {type(m).__name__} that is not a block of this model; "
-                    f"pass block modules (pager.of(model).block_names() lists them)."
-                )
-            path.append(by_module[id(m)])
-        self.scheduler.expect_path(path, training=torch.is_grad_enabled())
-        self.steps.expect_used = True
+        self.steps.expect(modules)
         self.prefetch()
 
     def expect_rows(self, table, indices: torch.Tensor) -> None:
@@ -484,6 +448,26 @@ class Pager:
     def check_open(self) -> None:
         if self._closed:
             raise RuntimeError("pager: this model was unwrapped; wrap it again to page it.")
+
+
+def _activations_of(pager: Pager, policy: str) -> Activations | None:
+    """What keeps `pager`'s blocks' saved activations under `policy`, with
+    the figures it reads from the model and its engine; None for "keep"."""
+    if policy == KEEP:
+        return None
+    activations = Activations(
+        policy,
+        pager.transport,
+        pager.counters,
+        budget_bytes=lambda: pager.engine.room.usable_bytes() - pager.outside_bytes,
+        spare_bytes=lambda: pager.engine.room.spare_bytes(pager) - step_needs.pages_to_come_bytes(pager),
+        least_bytes=lambda: step_needs.least_bytes(pager),
+        measure=lambda args, kwargs: step_needs.measure(pager, args, kwargs),
+        outside_bytes=lambda: pager.outside_bytes,
+        budget_total=lambda: pager.engine.budget_bytes,
+    )
+    activations.ledger.note_blocks(0)
+    return activations
 
 
 def _unique_name(base: str, owners) -> str:

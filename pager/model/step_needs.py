@@ -27,8 +27,19 @@ def train_bytes(pager) -> dict:
     return {b: max(b.nbytes(), b.nbytes(WEIGHTS) + n) for b, n in trained.items()}
 
 
+def least_room_bytes(pager) -> int:
+    """The least room for blocks that runs now: what stays resident, and
+    the largest block with the blocks it borrows from, each with every
+    segment it has (gradients and optimizer state, once they exist)."""
+    fixed = pager.fixed_bytes()
+    largest = max(
+        (b.nbytes() + sum(d.nbytes() for d in b.deps) for b in pager.blocks if not b.resident_for_life), default=0
+    )
+    return max(fixed + largest, pager.min_budget_bytes)
+
+
 def least_bytes(pager) -> int:
-    """`Pager.least_room_bytes` with the gradients and optimizer state still to
+    """`least_room_bytes` with the gradients and optimizer state still to
     come counted, and the state a forward carries and the row caches held
     beside the blocks."""
     size = train_bytes(pager)

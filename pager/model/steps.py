@@ -13,9 +13,12 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from ..base.budget import format_bytes
 from ..base.common import NEVER_RAN_STEPS, STALL_SHARE, STALL_WINDOW_STEPS
 from .carried import carried_bytes
+from .step_needs import least_room_bytes
 
 
 class Steps:
@@ -60,7 +63,7 @@ class Steps:
         # blocks' sizes: chosen again only when one of them changed (the room
         # in steps of 1/64 of the budget: activations vary a little by pass).
         if self._least_room_of != self.pager.total_bytes:  # a segment appeared (grads, optimizer state)
-            self.pager.least_room, self._least_room_of = self.pager.least_room_bytes(), self.pager.total_bytes
+            self.pager.least_room, self._least_room_of = least_room_bytes(self.pager), self.pager.total_bytes
         # With other models on the engine, in this one's share of the room
         # ([Note: sharing the room] in engine/room.py).
         engine = self.pager.engine
@@ -158,6 +161,21 @@ class Steps:
             self.start_step()
         else:
             self.pager.thread_state.unrecorded = True
+
+    def expect(self, modules) -> None:
+        """The next forward uses the blocks of `modules`, in that order
+        (`Pager.expect`): the scheduler plans for that path."""
+        by_module = {id(b.module): b for b in self.pager.blocks}
+        path = []
+        for m in modules:
+            if id(m) not in by_module:
+                raise ValueError(
+                    f"pager: expect() got a {type(m).__name__} that is not a block of this model; "
+                    f"pass block modules (pager.of(model).block_names() lists them)."
+                )
+            path.append(by_module[id(m)])
+        self.pager.scheduler.expect_path(path, training=torch.is_grad_enabled())
+        self.expect_used = True
 
     def recording(self) -> bool:
         """Uses on this thread go into the step's recording."""

@@ -1,7 +1,24 @@
 """The optimizer's step on a row table: the user's optimizer runs on a
 temporary Parameter of the rows the gradient touches, with their state rows,
-and the new rows are written back ([Note: exact updates of touched rows] in
-rows/table.py)."""
+and the new rows are written back.
+
+[Note: exact updates of touched rows]
+`opt.step()` (through the pager's step pre-hook, `training/optim.py`) updates a row
+table with the user's own optimizer, on a view of the rows the gradient
+touches: a temporary Parameter holding those rows (from the cache or the host
+table), the gradient renumbered to them, and the state rows of each state
+tensor of the table's shape, gathered the same way (scalars such as Adam's
+`step` are the table's own). The optimizer's step runs on that view alone,
+with the group's options as they are, and the rows (and state rows) are then
+the table's (see [Note: write-back of cached rows] for where they go).
+torch.optim's updates are per element, so for every row the gradient
+touches the result is the optimizer's on the whole table; rows it does not
+touch are not updated. That is the dense result for SGD without
+momentum or weight decay, Adagrad and `SparseAdam` (whose updates leave such
+rows unchanged); for SGD with momentum, Adam, AdamW, RMSprop and the others it
+is the lazy variant (as `SparseAdam` is of Adam): untouched rows keep their
+values and their state rows, which start at zero.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +26,13 @@ import torch
 import torch.nn as nn
 
 from .cache import WEIGHT
-from .tensors import RowGrad
+from .tensors import RowGrad, RowStateTensor, host_view
+from .writer import host_alias
 
 
 def step_rows(table, optimizer, group_index: int, run_step) -> None:
     """Update the rows the gradient touches with `optimizer` (its group
-    `group_index` holds the table): see [Note: exact updates of touched rows] in rows/table.py."""
+    `group_index` holds the table): see [Note: exact updates of touched rows]."""
     table._check_current()
     g, held, table._rows_held = table.param.grad, table._rows_held, None
     placed, table._placed = table._placed, None
@@ -61,7 +79,7 @@ def step_rows(table, optimizer, group_index: int, run_step) -> None:
     for key, value in new_state.items():
         if isinstance(value, torch.Tensor) and value.shape == (k, table.shape[1]):
             if key not in table.hosts:
-                table.add_state_kind(key, value.dtype, state)
+                add_state_kind(table, key, value.dtype, state)
                 uncached = torch.arange(k, device=table.device)  # (the cache was emptied for the new column)
             values[key] = value.to_dense() if value.is_sparse else value
         else:
@@ -102,10 +120,25 @@ def adopt_state(table, state: dict) -> None:
         if not isinstance(value, torch.Tensor) or value.shape != table.shape or table.state_views.get(key) is value:
             continue
         if key not in table.hosts:
-            table.add_state_kind(key, value.dtype, state)
+            add_state_kind(table, key, value.dtype, state)
         else:
             table.flush()  # (cached rows are forgotten below: their changes must land first)
         with torch.no_grad():
             table.hosts[key].copy_(value)
         state[key] = table.state_views[key]
         table.forget()
+
+
+def add_state_kind(table, key: str, dtype: torch.dtype, state: dict) -> None:
+    """A host table (and a cache column) of `table` for optimizer state
+    `key`, which `state` then holds."""
+    table.flush()  # (the cache is emptied to make room for the new column)
+    zeros = torch.zeros((), dtype=dtype).expand(table.shape)
+    # (a copy, in the arena)
+    host, _registered = table.pager.arena.host_table(zeros, False, f"row table {table.name!r}")
+    table.hosts[key] = host
+    table.host_aliases[key] = host_alias(host)
+    table.views[key] = host_view(host, table.device)
+    table.readers[key] = table._reader(host, table.views[key])
+    table.state_views[key] = state[key] = RowStateTensor.of(host, table)
+    table.cache.shape_columns(tuple(table.hosts))

@@ -48,23 +48,6 @@ shape on the CPU, that stands for those pieces. Zeroing and scaling it (what
 operation on it makes the real sparse gradient (the pieces copied to the host)
 and runs on that, which then is `weight.grad`.
 
-[Note: exact updates of touched rows]
-`opt.step()` (through the pager's step pre-hook, `training/optim.py`) updates a row
-table with the user's own optimizer, on a view of the rows the gradient
-touches: a temporary Parameter holding those rows (from the cache or the host
-table), the gradient renumbered to them, and the state rows of each state
-tensor of the table's shape, gathered the same way (scalars such as Adam's
-`step` are the table's own). The optimizer's step runs on that view alone,
-with the group's options as they are, and the rows (and state rows) are then
-the table's (see [Note: write-back of cached rows] for where they go).
-torch.optim's updates are per element, so for every row the gradient
-touches the result is the optimizer's on the whole table; rows it does not
-touch are not updated. That is the dense result for SGD without
-momentum or weight decay, Adagrad and `SparseAdam` (whose updates leave such
-rows unchanged); for SGD with momentum, Adam, AdamW, RMSprop and the others it
-is the lazy variant (as `SparseAdam` is of Adam): untouched rows keep their
-values and their state rows, which start at zero.
-
 [Note: write-back of cached rows]
 A row the cache holds is changed there only (its slot is marked dirty): rows
 that come back step after step never cross the link, either way. The host
@@ -150,7 +133,7 @@ from .cache import WEIGHT, RowCache
 from .kernels import NO_STALE, Lookups, mark_of, number_lookups, patch_written, place_rows, touch_hits
 from .reader import HostRowReader, ReadAhead
 from .step import step_rows
-from .tensors import _GUARDS, RowGrad, RowStateTensor, RowTableParameter, host_view
+from .tensors import _GUARDS, RowGrad, RowTableParameter, host_view
 from .writer import host_alias
 from .writes import HostWrites
 
@@ -529,20 +512,6 @@ class RowTable:
     def step(self, optimizer, group_index: int, run_step) -> None:
         """Update the rows the gradient touches with `optimizer` (see rows/step.py)."""
         step_rows(self, optimizer, group_index, run_step)
-
-    def add_state_kind(self, key: str, dtype: torch.dtype, state: dict) -> None:
-        """A host self (and a cache column) for optimizer state `key`, which `state` then holds."""
-        self.flush()  # (the cache is emptied to make room for the new column)
-        zeros = torch.zeros((), dtype=dtype).expand(self.shape)
-        host, _registered = self.pager.arena.host_table(
-            zeros, False, f"row table {self.name!r}"
-        )  # (a copy: in the arena)
-        self.hosts[key] = host
-        self.host_aliases[key] = host_alias(host)
-        self.views[key] = host_view(host, self.device)
-        self.readers[key] = self._reader(host, self.views[key])
-        self.state_views[key] = state[key] = RowStateTensor.of(host, self)
-        self.cache.shape_columns(tuple(self.hosts))
 
     # ------------------------------------------------------------- close
     def restore(self, optimizers) -> None:

@@ -300,7 +300,7 @@ class BlockOwners:
         waited = time.perf_counter() - start
         self.pager.counters.owner_wait_seconds += waited
         if self.on_host[slot]:  # (the owner's host fell behind: "auto" gives the device more of each rank's own)
-            self.pager.host_steps.waited_seconds += waited
+            self.pager.host_steps.placement.waited_seconds += waited
 
     def wait_all(self) -> None:
         for block in self.expected:
