@@ -150,6 +150,19 @@ def test_owners_on_two_nodes_of_two_ranks(tmp_path):
     spawn(owners_on_two_nodes, 4, tmp_path)
 
 
+def owners_on_two_torchrun_nodes_of_one_host(rank, world, tmp):
+    os.environ["GROUP_RANK"] = str(rank // 2)  # (torchrun's node rank: two launches, --node-rank 0 and 1)
+    node = [0, 1] if rank < 2 else [2, 3]
+    owners_train_lm(rank, world, tmp, regime="streams", steps=3, exact=False, optimizer="sgd", node=node)
+
+
+def test_owners_on_two_torchrun_nodes_of_one_host(tmp_path):
+    """Two launches on one machine as two nodes (`torchrun --nnodes 2
+    --node-rank N`) are two nodes: each its own owners and shared pages, as
+    on two hosts; within rounding of DDP."""
+    spawn(owners_on_two_torchrun_nodes_of_one_host, 4, tmp_path)
+
+
 def owners_supernet(rank, world, tmp, steps=6):
     """Ranks on different paths: a block one rank skipped still gets its
     owner's update on every rank."""

@@ -381,9 +381,12 @@ def _shared_file_inode():
     return int(inodes.pop())
 
 
-def shared_inference(rank, world, tmp):
+def shared_inference(rank, world, tmp, nodes=1):
     """The ranks of a node map one copy of the weights' pages, and each
-    streams its own requests from it: outputs equal the unpaged model's."""
+    streams its own requests from it: outputs equal the unpaged model's.
+    `nodes`: the ranks are launched as that many torchrun nodes (`GROUP_RANK`)."""
+    per_node = world // nodes
+    os.environ["GROUP_RANK"] = str(rank // per_node)
     torch.manual_seed(100 + rank)
     model = TinyLM(n_layers=6)
     torch.manual_seed(100)
@@ -394,7 +397,9 @@ def shared_inference(rank, world, tmp):
     assert all(b.weights.shared for b in p.all_blocks())
     inodes = [None] * world
     dist.all_gather_object(inodes, _shared_file_inode())
-    assert len(set(inodes)) == 1  # one file for the node, mapped by every rank
+    # one file for each node, mapped by every rank of it
+    assert [len(set(inodes[n * per_node : (n + 1) * per_node])) for n in range(nodes)] == [1] * nodes
+    assert len(set(inodes)) == nodes
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("pager-") and str(inodes[0]) in n]
     with torch.no_grad():
         for ids, _tgt in rank_batches(rank, 3):
@@ -407,6 +412,13 @@ def shared_inference(rank, world, tmp):
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_shared_host_pages_serve_every_rank(tmp_path):
     spawn(shared_inference, 2, tmp_path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shared_host_pages_per_torchrun_node_of_one_host(tmp_path):
+    """Two launches on one machine as two nodes (`torchrun --nnodes 2
+    --node-rank N`): each node maps its own copy, as on two hosts."""
+    spawn(shared_inference, 4, tmp_path, nodes=2)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

@@ -227,10 +227,14 @@ def node_file(group, timeout_seconds: float, device, option: str, what: str):
 
 
 def node_ranks(group, timeout_seconds: float, device) -> list[int]:
-    """The ranks of `group` on this rank's host, in order."""
-    host = socket.gethostname()
-    hosts = _gather_texts(group, host, timeout_seconds, device, "wrap: finding the ranks of each node")
-    return [r for r, h in enumerate(hosts) if h == host]
+    """The ranks of `group` on this rank's node, in order: those on its host
+    and, under `torchrun`, of its node rank (`GROUP_RANK`). Two launches on
+    one host as two nodes (`--nnodes 2 --node-rank 0` and `1`, as a test of
+    a two-node run on one machine) are two nodes, each with its own shared
+    pages and owners, as they would be on two hosts."""
+    node = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    nodes = _gather_texts(group, node, timeout_seconds, device, "wrap: finding the ranks of each node")
+    return [r for r, n in enumerate(nodes) if n == node]
 
 
 def _gather_texts(group, text: str, timeout_seconds: float, device, what: str, width: int = 256) -> list[str]:
