@@ -171,6 +171,63 @@ def test_a_submodule_called_directly_fetches_its_block():
     consistent(model)
 
 
+class _Gated(nn.Module):
+    """A module with a weight whose forward, when `hold` is set, says it
+    entered and waits to be let go (a direct call held open)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d))
+        self.hold = None
+
+    def forward(self, x):
+        hold = self.hold
+        if hold is not None:
+            hold[0].set()
+            hold[1].wait(10)
+        return x @ self.weight
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.gate = _Gated(d)
+
+    def forward(self, x):
+        return self.gate(x)
+
+
+def test_a_block_used_during_a_direct_call_into_it_from_another_thread_is_let_go_after_both():
+    """A module inside a paged-out block, called on its own in one thread,
+    while another runs the model through that block: the block is let go
+    once both are done (its guards stay on while a direct call is open:
+    taken off, the call's end would not release it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_GatedBlock(16) for _ in range(4)])
+    pager.wrap(model, budget=2 * tensor_page_bytes(model[0]), device="cpu", blocks=list(model))
+    p = pager.of(model)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        model(x)
+        assert not p.blocks[0].weights.resident  # streamed: paged out
+        want = x @ model[0].gate.weight.detach().clone()
+        hold, out = (threading.Event(), threading.Event()), []
+        model[0].gate.hold = hold
+        direct = threading.Thread(target=lambda: out.append(model[0].gate(x)))
+        direct.start()
+        assert hold[0].wait(10)  # the direct call has the block and waits
+        model[0].gate.hold = None
+        model(x)  # the model's own use of that block, meanwhile
+        hold[1].set()
+        direct.join(10)
+        assert_same(out[0], want)
+        assert [b.pins for b in p.blocks] == [0, 0, 0, 0]
+        left = p.blocks[0].stats.evictions
+        model(x)
+        model(x)
+        assert p.blocks[0].stats.evictions > left  # it streams again
+
+
 def test_a_submodule_called_directly_trains():
     model = TinyLM()
     ref = copy.deepcopy(model)

@@ -21,6 +21,9 @@ class DirectCalls:
     def __init__(self, pager):
         self.pager = pager
         self.uses = pager.uses
+        # Blocks a direct call holds (pinned by a guard), and how many calls: their guards stay on meanwhile,
+        # else the call's end would find its post-hook gone and never release the block.
+        self.calls_open: dict[Block, int] = {}
 
     def install(self) -> None:
         """Guards for a module inside a block called on its own (not through
@@ -31,7 +34,10 @@ class DirectCalls:
         A hook makes every call of its module take PyTorch's slow path (~10 us),
         and a direct call on a resident block is safe anyway. So a block's
         guards are installed when it is evicted and removed when it is next
-        used through its own hooks: a model that stays resident pays nothing."""
+        used through its own hooks: a model that stays resident pays nothing.
+        Not while a direct call into it is open (another thread's, which
+        holds it): that call's post-hook releases it, so the guards stay on
+        until a use after it (`calls_open`)."""
         block_of = {id(b.module): b for b in self.pager.blocks}
         for block in self.pager.blocks:
             stack = [block.module]
@@ -56,6 +62,7 @@ class DirectCalls:
                 return
             with self.pager.lock:
                 self.uses.acquire(block, WEIGHTS, record=False)
+                self.calls_open[block] = self.calls_open.get(block, 0) + 1
             held.append(True)
 
         return inner_pre
@@ -66,6 +73,9 @@ class DirectCalls:
                 return
             if held and held.pop():
                 with self.pager.lock:
+                    left = self.calls_open.pop(block) - 1
+                    if left:
+                        self.calls_open[block] = left
                     self.uses.release(block)
                     if torch.is_grad_enabled():
                         self.pager.hooks.register_pre_backward(block, output)
@@ -79,7 +89,9 @@ class DirectCalls:
             block.guarded = True
 
     def unguard(self, block: Block) -> None:
-        if block.guarded:
+        """Its guards off (it is used through its own hooks), but while a
+        direct call into it is open (in another thread)."""
+        if block.guarded and block not in self.calls_open:
             for guard in block.guards:
                 guard.off()
             block.guarded = False
