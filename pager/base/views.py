@@ -48,7 +48,7 @@ from .wrappers import inner_tensors, is_wrapper
 def untracked_refs(seg) -> int:
     """References to `seg`'s storage beyond its own tensors, known views and
     the views autograd saved under pager's hooks (training/activations.py)."""
-    alive = sum(1 for ref, _cls in seg.aliases if ref() is not None)
+    alive = sum(1 for ref, _cls in seg.aliases if ref() is not None) if seg.aliases else 0
     if seg.saved:
         seg.saved = [ref for ref in seg.saved if ref() is not None]
     return torch._C._storage_Use_Count(seg.storage_key) - seg.base_refs - alive - len(seg.saved)

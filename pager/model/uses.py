@@ -194,6 +194,11 @@ class Uses:
         segs = block.weight_segments
         if block.module is None or block.resident_for_life or not segs or not segs[0].resident:
             return
+        for seg in segs:
+            if views.has_unknown_views(seg, use):
+                break
+        else:
+            return  # (the common case, a reference count a segment: no view beyond what this kind of use leaves)
         # Alone, every object is searched, and what stays unaccounted for is
         # autograd's (learned). With other threads, what stays unaccounted for
         # is a view kept where pager cannot look (autograd's are counted: see
