@@ -5,7 +5,8 @@
    layer has) under a budget of a quarter of them, on the GPU: a forward is
    bound by the host, so (paged - bare) / uses is pager's host time per
    block use. At 16, 64 and 256 blocks: it must not grow with the number of
-   blocks.
+   blocks. `--device cpu` (the default without a GPU) measures the CPU
+   device instead, where the bare forward's time is its compute.
 2. `generate`: a 7B-shaped `LlamaForCausalLM` (hidden 4096, bf16, random
    weights) saved with `save_pretrained` and loaded back with
    `from_pretrained` on the CPU, wrapped under the budget; greedy
@@ -84,11 +85,12 @@ def _per_use_row(args, shape: str, n: int) -> Row:
     bare, x = _small_model(shape, n)
     paged, _x = _small_model(shape, n)
     paged.load_state_dict(bare.state_dict())
-    bare, x = bare.cuda(), x.cuda()
+    bare, x = bare.to(args.device), x.to(args.device)
     blocks = list(paged) if shape == "linear" else list(paged.layers)
     block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
     # (the bare model beside it on the GPU is the benchmark's: the budget is sized for pager's blocks)
-    pager.wrap(paged, budget=max(4, n // 4) * block_bytes * 2, device="cuda", blocks=blocks, budget_covers="pager")
+    budget = max(4, n // 4) * block_bytes * 2
+    pager.wrap(paged, budget=budget, device=args.device, blocks=blocks, budget_covers="pager")
 
     def run(m):
         def fwd():
@@ -483,11 +485,15 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="cProfile of a short generate, under $OUT")
     ap.add_argument("--attention", default="default,flash", help="first-call: torch's choice, or cuDNN's off")
     ap.add_argument("--first-call-child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="per-use only: cpu measures the CPU device (no GPU needed)")
     args = ap.parse_args(argv)
     if args.first_call_child:
         return first_call_child(args)
+    if args.device == "cpu" and args.only != "per-use":
+        raise SystemExit("bench_generate: on the CPU device only `--only per-use` runs (the rest needs a GPU)")
     env = environment()
-    bw = pinned_h2d_gbps()
+    bw = pinned_h2d_gbps() if args.device != "cpu" else 0.0
     env["pinned_h2d_GBps"] = round(bw, 1)
     print(f"{env}", flush=True)
     rows = []

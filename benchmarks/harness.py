@@ -59,8 +59,15 @@ def interleaved_ms(fns, warmup: int = 3, reps: int = 40) -> list[tuple[float, fl
     for _ in range(warmup):
         for fn in fns:
             fn()
-    torch.cuda.synchronize()
     device, host = [[] for _ in fns], [[] for _ in fns]
+    if not torch.cuda.is_available():  # (the CPU device runs as it is called: its time is the host's)
+        for _ in range(reps):
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                host[i].append((time.perf_counter() - t0) * 1e3)
+        return [(statistics.median(h), statistics.median(h)) for h in host]
+    torch.cuda.synchronize()
     for _ in range(reps):
         for i, fn in enumerate(fns):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -160,6 +167,8 @@ def free_cuda() -> None:
     import gc
 
     gc.collect()
+    if not torch.cuda.is_available():
+        return
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks torch's host allocator keeps
