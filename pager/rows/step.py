@@ -139,6 +139,6 @@ def add_state_kind(table, key: str, dtype: torch.dtype, state: dict) -> None:
     table.hosts[key] = host
     table.host_aliases[key] = host_alias(host)
     table.views[key] = host_view(host, table.device)
-    table.readers[key] = table._reader(host, table.views[key])
+    table.readers[key] = table.reader_of(host, table.views[key])
     table.state_views[key] = state[key] = RowStateTensor.of(host, table)
     table.cache.shape_columns(tuple(table.hosts))

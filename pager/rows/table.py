@@ -174,7 +174,7 @@ class RowTable:
         self.hosts = {WEIGHT: self.host}  # kind -> host table (state kinds added at the first step)
         self.host_aliases = {WEIGHT: host_alias(self.host)}  # kind -> what the writer's thread stores into
         self.views = {WEIGHT: host_view(self.host, self.device)}
-        self.readers = {WEIGHT: self._reader(self.host, self.views[WEIGHT])}
+        self.readers = {WEIGHT: self.reader_of(self.host, self.views[WEIGHT])}
         self.state_views: dict[str, torch.Tensor] = {}  # kind -> the state table as the optimizer holds it
         self.ahead: ReadAhead | None = None  # rows read ahead by `expect`
         self._rows_held: bool | int | None = None  # see `_note_rows_held`
@@ -187,8 +187,10 @@ class RowTable:
         cast(RowTableParameter, param)._row_table = self
         self._version = param._version
 
-    def _reader(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
-        # (CPU threads of a split read read the host table itself: queued writes land first)
+    def reader_of(self, host: torch.Tensor, view: torch.Tensor) -> HostRowReader:
+        """The reader of host table `host` (seen by the device as `view`).
+        CPU threads of a split read read the host table itself: queued writes
+        land first."""
         return HostRowReader(host, view, self.pager.row_stream, before_host_read=self.writes.settle)
 
     # ------------------------------------------------------------ lookups
