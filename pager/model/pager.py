@@ -16,7 +16,7 @@ import torch
 from ..base import guards
 from ..base.block import Block, Segment
 from ..base.budget import format_bytes, parse_budget
-from ..base.common import STEP, _locked
+from ..base.common import _locked
 from ..engine.engine import Engine
 from ..engine.schedule import Scheduler
 from ..observe.stats import Stats
@@ -362,17 +362,8 @@ class Pager:
             >>> opt.step()
             >>> pager.of(model).apply_deferred()
         """
-        self._apply_deferred(self.all_blocks())
-
-    @_locked
-    def _apply_deferred(self, blocks) -> None:
-        self.host_steps.wait_all()  # (updates running on the host: [Note: the optimizer step on the host])
-        if self.owners is not None:
-            self.owners.wait_all()  # (updates by the blocks' owners: [Note: block owners])
-        for block in blocks:
-            if block.deferred_steps:
-                self.uses.acquire(block, STEP, record=False)
-                self.uses.release(block)
+        with self.lock:
+            self.uses.apply_deferred(self.all_blocks())
 
     def attach(self, optimizer) -> None:
         """Page `optimizer`'s state with its blocks and stream its `step()` per block.

@@ -172,6 +172,18 @@ class Uses:
                 d.link.apply(block, d)
                 block.deferred_steps.pop(0)
 
+    def apply_deferred(self, blocks) -> None:
+        """Every update of `blocks` deferred to their next use, applied now
+        (`Pager.apply_deferred`; the lock held), after the updates running
+        on the host and the owners' ones."""
+        self.pager.host_steps.wait_all()  # (updates running on the host: [Note: the optimizer step on the host])
+        if self.pager.owners is not None:
+            self.pager.owners.wait_all()  # (updates by the blocks' owners: [Note: block owners])
+        for block in blocks:
+            if block.deferred_steps:
+                self.acquire(block, STEP, record=False)
+                self.release(block)
+
     def release(self, block: Block) -> None:
         for dep in block.deps:
             self.release(dep)
