@@ -53,7 +53,8 @@ def write_profile(fn, times: int, name: str) -> None:
     prof.enable()
     for _ in range(times):
         fn()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
