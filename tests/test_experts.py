@@ -11,7 +11,7 @@ import torch
 import pager
 from pager.experts import cache as cache_module
 from pager.experts.cache import ExpertCache
-from pager.experts.table import token_chunks
+from pager.experts.chunks import token_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,15 +148,17 @@ def test_a_budget_without_room_for_a_tokens_experts_is_refused_unchanged():
     pager.wrap(model, budget=10 << 20, device="cpu")  # (and it can still be wrapped)
 
 
-def test_a_forward_with_gradients_for_paged_experts_own_parameters_is_refused_and_leaves_them_usable():
+def test_trained_experts_under_master_weights_are_refused_and_left_usable():
     ref, model = _pair("qwen3_moe")
-    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
+    for m in (ref, model):
+        m.to(torch.bfloat16)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model), master_weights=True)
     ids = torch.randint(0, 64, (2, 5))
-    match = r"gradients enabled for their own parameters .*requires_grad_\(False\).* torch.no_grad\(\) .* experts=None"
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(RuntimeError, match=r"train on the host, without float32 master weights.*experts=None"):
         model(ids)
     for e in _experts(model):
         assert e.gate_up_proj.shape[0] == e.num_experts == 8 and e.gate_up_proj.device.type == "cpu"
+        assert e._parameters["gate_up_proj"] is e.gate_up_proj and isinstance(e.gate_up_proj, torch.nn.Parameter)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
@@ -472,7 +474,7 @@ def test_experts_fetched_ahead_on_the_gpu():
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_a_cache_of_one_tokens_experts_runs_a_prefill_by_chunks_of_tokens(kind, implementation):
     """A cache that holds only the experts of one token: a call routed to
-    more runs by runs of consecutive tokens, each token's output its own:
+    more runs by groups of tokens, each token's output its own:
     bit for bit under batched_mm (a product per token and expert); under
     eager and grouped_mm an expert's product over fewer tokens at a time
     may round otherwise (torch's CPU matmul chooses its kernel by rows)."""
@@ -491,17 +493,41 @@ def test_a_cache_of_one_tokens_experts_runs_a_prefill_by_chunks_of_tokens(kind, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_token_chunks_hold_at_most_the_cache():
+def test_token_groups_hold_at_most_the_cache_and_gather_tokens_routed_alike():
+    """[Note: groups of tokens]: each token in the first group that takes its
+    experts within the cache, wherever it is in the call."""
     rows = [[0, 1], [1, 2], [2, 3], [0, 1], [0, 1], [4, 5]]
-    assert token_chunks(rows, 2) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
-    assert token_chunks(rows, 3) == [(0, 2), (2, 3), (3, 5), (5, 6)]
-    assert token_chunks(rows, 6) == [(0, 6)]
-    assert token_chunks([], 2) == [(0, 0)]
+    assert token_groups(rows, 8, 2) == [[0, 3, 4], [1], [2], [5]]
+    assert token_groups(rows, 8, 3) == [[0, 1, 3, 4], [2], [5]]
+    assert token_groups(rows, 8, 6) == [[0, 1, 2, 3, 4, 5]]
+    assert token_groups([], 8, 2) == [[]]
+    assert token_groups([[0, 1]] * 5, 8, 8, most_tokens=2) == [[0, 1], [2, 3], [4]]
+    assert token_groups([[3, 3]], 8, 1) == [[0]]  # (an expert named twice counts once)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_tokens_routed_alike_share_a_group_wherever_they_are(implementation):
+    """Tokens whose routing alternates between two pairs of experts, a cache
+    of two: two groups, each pair copied once (runs of consecutive tokens
+    would copy a pair per token); each token's output its own."""
+    ref, model = _pair("mixtral", implementation)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=2 * _one_layer(model) // 8)
+    table = pager.of(model).expert_tables[0]
+    h, w = torch.randn(8, 32), torch.rand(8, 2)
+    index = torch.tensor([[0, 1], [2, 3]] * 4)
+    misses = pager.of(model).stats().expert_misses
+    with torch.no_grad():
+        got, want = table.module(h, index, w), _experts(ref)[0](h, index, w)
+    assert pager.of(model).stats().expert_misses - misses == 4
+    if implementation == "batched_mm":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_batched_mm_copies_of_a_long_call_stay_within_an_eighth_of_the_budget(monkeypatch):
     """`batched_mm` copies each token's k experts: a call of many tokens runs
-    by runs of tokens whose copies fit an eighth of the budget, bit for bit."""
+    by groups of tokens whose copies fit an eighth of the budget, bit for bit."""
     ref, model = _pair("mixtral", "batched_mm")
     budget = 10 << 20
     pager.wrap(model, budget=budget, device="cpu")
@@ -520,7 +546,6 @@ def test_batched_mm_copies_of_a_long_call_stay_within_an_eighth_of_the_budget(mo
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
     assert tokens[0] == 0 and max(tokens[1:]) == most_tokens and sum(tokens) == ids.numel()
-    assert token_chunks([[0, 1]] * 5, 8, most_tokens=2) == [(0, 2), (2, 4), (4, 5)]
 
 
 def _trainable(model):
@@ -750,8 +775,12 @@ def test_a_cache_of_a_calls_experts_takes_none_ahead_and_keyword_calls():
     with torch.no_grad():
         got = experts(hidden_states=h, top_k_index=index, top_k_weights=w)
         assert torch.equal(got, reference(hidden_states=h, top_k_index=index, top_k_weights=w))
-    with pytest.raises(RuntimeError, match="gradients enabled for their own parameters"):
-        experts(hidden_states=h.requires_grad_(), top_k_index=index, top_k_weights=w)
+    a, b = h.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+    experts(hidden_states=a, top_k_index=index, top_k_weights=w).sum().backward()  # (trained, by chunks of tokens)
+    reference(hidden_states=b, top_k_index=index, top_k_weights=w).sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    for p, q in zip(experts.parameters(), reference.parameters()):
+        assert torch.equal(p.grad + 0, q.grad)
     experts.requires_grad_(False), reference.requires_grad_(False)
     a, b = h.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
     experts(hidden_states=a, top_k_index=index, top_k_weights=w).sum().backward()
@@ -806,3 +835,176 @@ def test_the_judge_counts_a_windows_copies_used_in_that_window_only(monkeypatch)
     cache.take_ahead(0, [4, 5], protect=set())
     cache.hold(0, [4], lambda slot, key: None)
     assert cache._window == [2, 1]
+
+
+# ------------------------------------------------------------ experts trained
+def _reached(model) -> list:
+    """Per experts module, the experts the calls since the last clear routed to (filled by pre-hooks)."""
+    found = [set() for _ in _experts(model)]
+
+    def hook(i):
+        def record(module, args, kwargs):
+            index = kwargs.get("top_k_index", kwargs.get("router_indices", args[1] if len(args) > 1 else None))
+            found[i].update(index.reshape(-1).tolist())
+
+        return record
+
+    for i, e in enumerate(_experts(model)):
+        e.register_forward_pre_hook(hook(i), with_kwargs=True, prepend=True)
+    return found
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_experts_train_one_by_one_bit_for_bit(kind, implementation):
+    """The experts' own parameters train ([Note: experts trained one by
+    one]): under SGD (whose update of an expert no token reached is none,
+    so the update by expert is the dense one) equal to the unpaged model's
+    bit for bit, with a cache smaller than two layers' experts."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if implementation == "batched_mm":  # (torch's CPU index_put with accumulate adds in any order otherwise)
+        torch.use_deterministic_algorithms(True)
+    try:
+        ref, model = _pair(kind, implementation)
+        before = {n: p for n, p in model.named_parameters()}
+        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+        _moe_train(model, opt, 3)
+        _moe_train(ref, ref_opt, 3)
+        assert pager.of(model).stats().expert_misses > 0
+        changed = [n for n, p in model.named_parameters() if n in start and not torch.equal(p.detach(), start[n])]
+        assert changed and all(p is before[n] for n, p in model.named_parameters())
+        pager.unwrap(model)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_an_expert_no_token_reached_is_neither_copied_nor_stepped(monkeypatch):
+    """AdamW by expert is the lazy variant: an expert no token of a step
+    reached keeps its weights and state rows; the others' are the dense
+    update's bit for bit (the unpaged model, each step's unreached rows put
+    back after its step). Steps reaching few experts update a view of their
+    rows, those reaching most the whole tensors: both run."""
+    from pager.experts import train
+
+    whole, step_whole = [], train._step_whole
+
+    def counted(param, rows, *args):
+        whole.append(rows.numel() < param.shape[0])
+        return step_whole(param, rows, *args)
+
+    monkeypatch.setattr(train, "_step_whole", counted)
+    ref, model = _pair("mixtral", "grouped_mm")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    reached = _reached(model)
+    ref_experts = _experts(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    skipped = 0
+    for step in range(4):
+        ids = torch.randint(0, 64, (1, (12, 1, 3, 1)[step]), generator=torch.Generator().manual_seed(step))
+        for found in reached:
+            found.clear()
+        misses = pager.of(model).stats().expert_misses
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        copied = pager.of(model).stats().expert_misses - misses
+        assert copied <= 2 * sum(map(len, reached))  # (the forward's misses, and the backward's copies at most as many)
+        ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        kept = []
+        for e, found in zip(ref_experts, reached):
+            rows = [x for x in range(e.num_experts) if x not in found]
+            skipped += len(rows)
+            for p in (e.gate_up_proj, e.down_proj):
+                state = ref_opt.state.get(p, {})
+                rows_of_state = {k: v[rows].clone() for k, v in state.items() if v.dim()}
+                kept.append((p, rows, p.detach()[rows].clone(), rows_of_state))
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            for p, rows, values, state in kept:
+                p[rows] = values
+                for k, v in state.items():
+                    ref_opt.state[p][k][rows] = v
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert skipped > 0 and any(whole) and len(whole) < 4 * len(reached) * 2  # (some of each kind)
+    for e, r in zip(_experts(model), ref_experts):
+        for name in ("gate_up_proj", "down_proj"):
+            p, q = getattr(e, name), getattr(r, name)
+            assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]), name
+            assert torch.equal(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"]), name
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_trained_experts_gradients_clip_accumulate_save_and_unwrap():
+    """What a training loop does with the experts' gradients and state
+    (Adagrad: its update of an expert no token reached is none, so the
+    update by expert is the dense one, and its state is made at its
+    construction): two micro-batches, a read of `.grad` (the dense gradient, bit for bit),
+    torch's clip (its norm within rounding of the dense gradient's), the
+    optimizer's state_dict saved and loaded, and unwrap giving back the
+    gradient and the state on the original device."""
+    ref, model = _pair("qwen3_moe", "eager")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model))
+    experts, ref_experts = _experts(model)[0], _experts(ref)[0]
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2, foreach=True)  # (zero_grad then zeroes by foreach)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=1e-2, foreach=True)
+    norms = []
+    for step in range(3):
+        for m in (model, ref):
+            for micro in range(2):
+                ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * step + micro))
+                m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                if step == 0 and micro == 0 and m is model:
+                    assert type(experts.down_proj.grad).__name__ == "ExpertGrad"
+                    _ = experts.down_proj.grad + 0  # (read by torch: the dense gradient, which becomes .grad ...)
+                    assert type(experts.down_proj.grad) is torch.Tensor
+        if step == 0:  # (... and the next micro-batch's gradient is added to it)
+            assert torch.equal(experts.down_proj.grad, ref_experts.down_proj.grad)
+        norms.append([torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (model, ref)])
+        opt.step()
+        ref_opt.step()
+        if step < 2:
+            opt.zero_grad(set_to_none=step == 0)  # (then zeroed in place, the pieces emptied: no dense gradient made)
+            ref_opt.zero_grad(set_to_none=step == 0)
+            if step == 1:
+                assert type(experts.gate_up_proj.grad).__name__ == "ExpertGrad"
+    for paged, unpaged in norms:
+        torch.testing.assert_close(paged, unpaged, rtol=1e-5, atol=0)
+    opt.load_state_dict(opt.state_dict())
+    pager.unwrap(model)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+        assert a.grad is not None and a.grad.device == a.device and type(a.grad) is torch.Tensor, n
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
+    state = opt.state[experts.gate_up_proj]
+    assert state["sum"].shape == experts.gate_up_proj.shape and type(state["sum"]) is torch.Tensor
+    torch.testing.assert_close(state["sum"], ref_opt.state[ref_experts.gate_up_proj]["sum"], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_experts_train_one_by_one_on_the_gpu(implementation):
+    """On CUDA the gradients' pieces come to the host after the kernels that
+    made them, and the update waits for every copy that reads the host."""
+    ref, model = _pair("qwen3_moe", implementation)
+    ref.cuda()
+    pager.wrap(model, budget=10 << 20, expert_cache=_one_layer(model) * 3 // 2)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(step)).cuda()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+            o.zero_grad()
+    assert pager.of(model).stats().expert_misses > 0
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2e-3, atol=2e-4, msg=n)

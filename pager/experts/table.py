@@ -36,9 +36,9 @@ smaller than a layer's experts), or one whose forward would copy more of
 them than an eighth of the budget (`batched_mm` copies each token's k
 experts: 16 tokens of a Mixtral-8x7B-shaped model, 10.5 GiB; the compact
 call copies the routed ones), gets no tokens in its forward; the post-hook
-runs the module's forward itself on runs of consecutive tokens within both
-(`token_chunks`), and its output is theirs, concatenated: each token's
-output is its own. Bit for bit under `batched_mm` (a product
+runs the module's forward itself on groups of tokens within both
+([Note: groups of tokens] in experts/chunks.py), and its output is theirs,
+each token's row its own. Bit for bit under `batched_mm` (a product
 per token and expert); under `eager` and `grouped_mm` an expert's product
 over fewer rows may round otherwise (torch's CPU matmul picks its kernel by
 the rows).
@@ -54,9 +54,9 @@ the call before it that read the cache (an event, recorded at its end).
 A call with gradients through its input (the experts frozen) gets the
 compact copy, and what autograd saves of it is made again from the host for
 the backward: [Note: a backward through paged experts] in experts/saved.py.
-Gradients for the experts' own parameters are not made yet (they would
-have the cache's shape): a forward that needs them is refused, naming the
-fixes.
+A call with gradients for the experts' own parameters gets it too, through
+`ExpertsIn`, and their gradients and updates go by expert: [Note: experts
+trained one by one] in experts/train.py.
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ from ..base.common import model_hook
 from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
+from .chunks import gather_tokens, token_groups
 from .find import hidden_name, routing_name
 from .saved import SavedExperts
+from .train import ExpertsIn, add_piece, step_experts, training_given_back
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -123,6 +125,8 @@ class ExpertTable:
             raise
         self._restored = False
         self._versions = [p._version for p in self.params]
+        for i, p in enumerate(self.params):
+            pager.expert_params[id(p)] = (self, i)  # (stepped by pager: [Note: experts trained one by one])
         with torch.no_grad():
             for p, host in zip(self.params, self.hosts):
                 p.data = host
@@ -154,9 +158,11 @@ class ExpertTable:
         in_kwargs = self.routing in kwargs
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
-        if torch.is_grad_enabled() and getattr(self._hidden_of(args, kwargs), "requires_grad", False):
-            # A backward through the experts to their input will follow ([Note: a
-            # backward through paged experts] in experts/saved.py). Left by `_after`.
+        trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+        if trained or (torch.is_grad_enabled() and getattr(self._hidden_of(args, kwargs), "requires_grad", False)):
+            # A backward through the experts to their input, or to their own
+            # parameters, will follow ([Note: a backward through paged experts] in
+            # experts/saved.py). Left by `_after`.
             self._saved = SavedExperts(self.hosts)
             self._saved.begin()
         experts, inverse = self._routed(index)
@@ -166,11 +172,10 @@ class ExpertTable:
             # copies of them beyond the budget's share: the forward runs on no
             # tokens (and device tensors), and `_after` runs it a chunk at a time.
             self._chunked = (args, kwargs, in_kwargs)
-            with torch.no_grad():  # (one slot's views: what a forward with gradients saves of them is small)
-                for p, value in zip(self.params, self.cache.tensors):
-                    p.data = value.narrow(0, 0, 1)
+            # (one slot's views: what a forward with gradients saves of them is small; no gradient flows from them)
+            self._set_values([value.narrow(0, 0, 1) for value in self.cache.tensors])
             setattr(self.module, "num_experts", 1)  # noqa: B010 (see `_place`)
-            return _tokens(args, kwargs, index.shape[0], 0, 0)
+            return gather_tokens(args, kwargs, index.shape[0], torch.zeros(0, dtype=torch.long))
         if self.router is not None:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
         # (predicted before this call's misses are queued: the host copy of its
@@ -192,17 +197,39 @@ class ExpertTable:
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
             slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
-            values, routing = [t.index_select(0, slot_index) for t in cache.tensors], inverse
+            values, routing = self._gathered(slot_index, experts), inverse
             count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
             if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm, which saves them)
                 values = [t.new_zeros((1, *t.shape[1:])) for t in cache.tensors]
             if self._saved is not None:
                 self._saved.add(values if experts else [], experts)
-        with torch.no_grad():
-            for p, value in zip(self.params, values):
-                p.data = value
+        self._set_values(values)
         setattr(self.module, "num_experts", count)  # noqa: B010 (an nn.Module attribute: typed as a submodule)
         return routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
+
+    def _gathered(self, slot_index: torch.Tensor, experts: list) -> list:
+        """The cache's rows `slot_index` (the experts `experts`), a copy per
+        parameter; a trained one's through `ExpertsIn` ([Note: experts
+        trained one by one] in experts/train.py)."""
+        grad, counters = torch.is_grad_enabled(), self.pager.counters
+        return [
+            ExpertsIn.apply(p, t, slot_index, lambda g, p=p: add_piece(p, experts, g, counters))
+            if grad and p.requires_grad
+            else t.index_select(0, slot_index)
+            for p, t in zip(self.params, self.cache.tensors)
+        ]
+
+    def _set_values(self, values: list) -> None:
+        """The tensors the module's forward reads for this call: a frozen
+        parameter's data; a trained one's entry in the module (the
+        Parameter, its data on the host, is put back by `_give_back`)."""
+        grad = torch.is_grad_enabled()
+        with torch.no_grad():
+            for name, p, value in zip(self.names, self.params, values):
+                if p.requires_grad and grad:
+                    self.module._parameters[name] = value  # (not a Parameter, for the call: see the Note in train.py)
+                else:
+                    p.data = value
 
     def _chunk_limits(self, k: int) -> tuple[int, int]:
         """The most experts and tokens one run of this module's forward may
@@ -230,33 +257,40 @@ class ExpertTable:
 
     def _run_chunks(self, module: nn.Module) -> torch.Tensor:
         """The output of a call that routes to more experts than the cache
-        holds: its forward run on runs of consecutive tokens whose experts
-        it holds (each token's output is its own: equal to the whole call's)."""
+        holds: its forward run on groups of tokens whose experts it holds
+        ([Note: groups of tokens] in experts/chunks.py; each token's output
+        is its own: equal to the whole call's)."""
         args, kwargs, in_kwargs = cast(tuple, self._chunked)
         self._chunked = None
         index = kwargs[self.routing] if in_kwargs else args[1]
         tokens = index.shape[0]
         outs = []
         most_experts, most_tokens = self._chunk_limits(index.shape[-1])
-        for start, end in token_chunks(index.reshape(tokens, -1).cpu().tolist(), most_experts, most_tokens):
-            sub_args, sub_kwargs = _tokens(args, kwargs, tokens, start, end)
+        groups = token_groups(index.reshape(tokens, -1).cpu().numpy(), self.num_experts, most_experts, most_tokens)
+        for group in groups:
+            chosen = None if len(groups) == 1 else torch.tensor(group, dtype=torch.long)
+            sub_args, sub_kwargs = gather_tokens(args, kwargs, tokens, chosen)
             sub_index = sub_kwargs[self.routing] if in_kwargs else sub_args[1]
             routing = self._place(*self._routed(sub_index), sub_index, per_token=sub_index.shape[-1])
             sub_args, sub_kwargs = self._with_routing(sub_args, sub_kwargs, in_kwargs, routing)
             outs.append(type(module).forward(module, *sub_args, **sub_kwargs))  # (no hooks: this is the call)
-        return torch.cat(outs)
+        if len(groups) == 1:
+            return outs[0]
+        order = torch.tensor([t for group in groups for t in group], dtype=torch.long)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(tokens)  # (each token's row in the groups' outputs, one after another)
+        out = torch.cat(outs)
+        return out.index_select(0, back.to(out.device, non_blocking=True))
 
     def _routing_of(self, args, kwargs, in_kwargs: bool) -> torch.Tensor:
         """The call's routing, once the call is checked."""
         if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.params):
-            # (their gradients would be the cache's shape: not made yet)
+        if torch.is_grad_enabled() and self.pager.master_weights and any(p.requires_grad for p in self.params):
             raise RuntimeError(
-                f"pager: the experts of {self.name!r} page one by one (experts='auto'), frozen: a forward with "
-                "gradients enabled for their own parameters is not supported yet (gradients through them to "
-                "their input are). Freeze them (`module.requires_grad_(False)`; LoRA does), run under "
-                "torch.no_grad() (generate() does), or wrap with experts=None to page them with their layers."
+                f"pager: the experts of {self.name!r} page one by one (experts='auto') and train on the host, "
+                "without float32 master weights: under master_weights=True freeze them "
+                "(`module.requires_grad_(False)`), or wrap with experts=None to train them with their layers."
             )
         if not in_kwargs and len(args) < 2:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
@@ -362,7 +396,8 @@ class ExpertTable:
     def _give_back(self) -> None:
         """The parameters on their host tensors, `num_experts` the module's own."""
         with torch.no_grad():
-            for p, host in zip(self.params, self.hosts):
+            for name, p, host in zip(self.names, self.params, self.hosts):
+                self.module._parameters[name] = p
                 p.data = host
         setattr(self.module, "num_experts", self.num_experts)  # noqa: B010 (see `_place`)
 
@@ -414,10 +449,25 @@ class ExpertTable:
             self.cache.forget(self.base, self.num_experts)
             self._versions = versions
 
+    # ----------------------------------------------------------- training
+    def step(self, index: int, optimizer, group_index: int, run_step) -> None:
+        """Update the experts the gradient of parameter `index` covers
+        ([Note: experts trained one by one] in experts/train.py)."""
+        if self.pager.transport.is_cuda:
+            # The host tensors are about to be written: every copy that reads
+            # them (into the cache, ahead, or for a backward) must be done first.
+            torch.cuda.synchronize(self.cache.device)
+        stepped = step_experts(self.params[index], self.hosts[index], optimizer, group_index, run_step)
+        if stepped is not None:
+            self.cache.forget(self.base, self.num_experts)  # (their cached copies are stale)
+            if index == 0:  # (counted by the module's first parameter: gate_up_proj)
+                self.pager.counters.experts_stepped += stepped.numel()
+
     # ----------------------------------------------------------- unwrap
-    def restore(self) -> None:
+    def restore(self, optimizers=()) -> None:
         """The parameters back on their original device with their current
-        values; hooks removed. Once (again: nothing)."""
+        values (and `optimizers`' state of them, and their gradients); hooks
+        removed. Once (again: nothing)."""
         if self._restored:
             return
         self._restored = True
@@ -426,8 +476,10 @@ class ExpertTable:
         self.cache.forget(self.base, self.num_experts)
         with torch.no_grad():
             for p, host, adopted, registered in zip(self.params, self.hosts, self._adopted, self._registered):
-                p.data = host if adopted else host.to(self.original_device, copy=True)
+                with training_given_back(p, self.original_device, optimizers):
+                    p.data = host if adopted else host.to(self.original_device, copy=True)
                 unregister_table(registered)
+                self.pager.expert_params.pop(id(p), None)
         self._registered = [None] * len(self.params)
 
     def device_bytes(self) -> int:
@@ -435,29 +487,3 @@ class ExpertTable:
 
     def __repr__(self) -> str:
         return f"ExpertTable({self.name!r}, {self.num_experts} experts of {self.expert_bytes} bytes)"
-
-
-def token_chunks(rows: list, capacity: int, most_tokens: int = sys.maxsize) -> list:
-    """(start, end) of runs of consecutive tokens, each of at most
-    `most_tokens` tokens routed (`rows`: a token's experts) to at most
-    `capacity` experts together, the longest first; a token alone is routed
-    to fewer (wrap sizes the cache so)."""
-    out: list = []
-    start, held = 0, set[int]()
-    for t, row in enumerate(rows):
-        grown = held | set(row)
-        if (len(grown) > capacity or t - start >= most_tokens) and t > start:
-            out.append((start, t))
-            start, grown = t, set(row)
-        held = grown
-    out.append((start, len(rows)))
-    return out
-
-
-def _tokens(args, kwargs, tokens: int, start: int, end: int):
-    """`args` and `kwargs` with every tensor of `tokens` rows cut to rows `start`:`end`."""
-
-    def cut(v):
-        return v[start:end] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == tokens else v
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}

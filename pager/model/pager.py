@@ -90,6 +90,7 @@ class Pager:
         self.rows_unasked: set = set()
         self.row_bytes = 0  # device bytes of the row tables' and experts' caches, held out of the room
         self.expert_tables: list = []  # experts paged one by one ([Note: experts paged one by one] in experts/table.py)
+        self.expert_params: dict = {}  # id(parameter) -> (its ExpertTable, its index there): stepped by expert
         self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
         self.outside: Outside | None = None  # the `Outside` that learns them ([Note: a budget that covers the process])
         self.row_stream = None  # the row tables' side stream and staging (rows/reader.py), on CUDA
@@ -144,8 +145,8 @@ class Pager:
         return list(self.row_params.values())
 
     def managed(self, p) -> bool:
-        """Whether the pager updates `p` in `opt.step()` (a block's parameter or a row table's)."""
-        return id(p) in self.param_blocks or id(p) in self.row_params
+        """Whether the pager updates `p` in `opt.step()` (a block's parameter, a row table's or experts')."""
+        return id(p) in self.param_blocks or id(p) in self.row_params or id(p) in self.expert_params
 
     @property
     def all_resident(self) -> bool:

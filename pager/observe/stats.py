@@ -80,6 +80,8 @@ class Stats:
     expert_h2d_bytes: int = 0  # ... their bytes, and those of experts copied ahead
     expert_ahead: int = 0  # experts copied ahead of their call, predicted ([Note: experts fetched ahead])
     expert_ahead_used: int = 0  # ... of those, experts a call then used
+    expert_grad_d2h_bytes: int = 0  # trained experts: their gradients' bytes a backward sent to the host
+    experts_stepped: int = 0  # ... and the experts `opt.step()` updated ([Note: experts trained one by one])
     reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
     reduced_bytes: int = 0  # ... and their bytes (each all-reduce's input)
     on_demand: int = 0  # accesses to a paged-out block's tensors (outside its use) that fetched it
@@ -226,7 +228,14 @@ class Stats:
                 f"; experts: {self.expert_hits} routed experts from the device cache, {self.expert_misses} copied "
                 f"in ({format_bytes(self.expert_h2d_bytes)}, "
                 f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit; "
-                f"{self.expert_ahead} copied ahead, {self.expert_ahead_used} of them used)"
+                f"{self.expert_ahead} copied ahead, {self.expert_ahead_used} of them used"
+                + (
+                    f"; trained: {format_bytes(self.expert_grad_d2h_bytes)} of gradients to the host, "
+                    f"{self.experts_stepped} experts stepped"
+                    if self.experts_stepped or self.expert_grad_d2h_bytes
+                    else ""
+                )
+                + ")"
                 if self.expert_hits or self.expert_misses
                 else ""
             )

@@ -131,7 +131,7 @@ def close(pager) -> None:
     for table in pager.row_tables:
         table.restore([link.optimizer for link in pager.optimizers])
     for experts in pager.expert_tables:
-        experts.restore()
+        experts.restore([link.optimizer for link in pager.optimizers])
     pager.expert_tables = []  # (their caches' device memory goes with them)
     if pager.row_stream is not None:
         pager.row_stream.writer.close()

@@ -142,10 +142,10 @@ class OptimizerLink:
             blocks = pager.owners.take_step(blocks)  # (the others' blocks: [Note: block owners])
         if self._can_step_in_place(blocks):
             self._in_place = blocks
-            if not pager.row_params:
+            if not pager.row_params and not pager.expert_params:
                 self._saved_params = None  # the groups stay as they are
             for g, params in zip(groups, self._saved_params or ()):
-                g["params"] = [p for p in params if id(p) not in pager.row_params]  # (stepped above)
+                g["params"] = [p for p in params if id(p) not in pager.row_params and id(p) not in pager.expert_params]
             return
         # Each block's share of each group, in the group's order (one pass).
         shares: dict[int, list[list]] = {id(b): [[] for _ in groups] for b in blocks}
@@ -221,13 +221,22 @@ class OptimizerLink:
 
     def _step_row_tables(self, optimizer) -> None:
         """Update the rows each row table's gradient touches ([Note: exact
-        updates of touched rows] in rows/table.py)."""
-        tables = self.pager.row_params
+        updates of touched rows] in rows/table.py), and the experts each
+        trained experts parameter's gradient covers ([Note: experts trained
+        one by one] in experts/train.py)."""
+        tables, experts = self.pager.row_params, self.pager.expert_params
+        if not tables and not experts:
+            return
         for gi, params in enumerate(self._saved_params or ()):
             for p in params:
+                if p.grad is None:
+                    continue
                 table = tables.get(id(p))
-                if table is not None and p.grad is not None:
+                if table is not None:
                     table.step(optimizer, gi, self._step_once)
+                elif id(p) in experts:
+                    owner, index = experts[id(p)]
+                    owner.step(index, optimizer, gi, self._step_once)
 
     # [Note: a step asleep]
     # While the pager sleeps every page is on the device and nothing leaves
