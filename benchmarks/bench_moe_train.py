@@ -14,7 +14,10 @@ layers, full fine-tuning with AdamW (bf16 parameters and state, foreach),
   copies its routed experts in, their gradients go to the host, and
   `opt.step()` updates the reached experts there with the same AdamW;
 - pager at the same budget with the experts frozen (`requires_grad_(False)`:
-  the rest of the model trains; what a LoRA-style fine-tune costs).
+  the rest of the model trains; what a LoRA-style fine-tune costs);
+- with `--layers-row`, pager with `experts=None`: the experts paged and
+  trained with their layers (every expert moves at every step), or the
+  refusal where a layer with its state does not fit.
 
 Per run: the step (median of the steps after the first two), the first step
 (wrap included for pager), the allocator's peak, the experts a step reached
@@ -98,45 +101,58 @@ def run(args, routing: str, impl: str) -> list:
     free_cuda()
     for label in args.budgets.split(","):
         budget = budget_of.get(label) or label
-        for trained in (True, False):
+        for how in ("trained", "frozen", *(("with their layers",) if args.layers_row else ())):
             model = cpu_model(args, {k: v.clone() for k, v in host_state.items()}, buffers, impl).train()
-            rows.append(_paged_row(model, routing, batches, budget, label, trained, ref_s, ref_losses, workload))
+            try:
+                rows.append(_paged_row(model, routing, batches, budget, label, how, ref_s, ref_losses, workload))
+            except pager.BudgetError as e:  # (experts with their layers: a layer and its state may not fit)
+                rows.append(Row(workload, f"pager {label}, experts {how}", None, note=f"refused: {str(e)[:300]}"))
+                pager.unwrap(model)
             print(rows[-1], flush=True)
+            del model
+            free_cuda()
     return rows
 
 
-def _paged_row(model, routing, batches, budget, label, trained, ref_s, ref_losses, workload) -> Row:
-    if not trained:
+def _paged_row(model, routing, batches, budget, label, how, ref_s, ref_losses, workload) -> Row:
+    """pager at `budget`, the experts `how`: "trained" (one by one), "frozen",
+    or "with their layers" (`experts=None`: paged and trained as part of
+    their layers' blocks, every expert moving at every step)."""
+    if how == "frozen":
         for e in _experts(model):
             e.requires_grad_(False)
     hooks = route(model, routing)
     torch.manual_seed(1)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    pager.wrap(model, budget=budget)
+    pager.wrap(model, budget=budget, **({"experts": None} if how == "with their layers" else {}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     counters = pager.of(model).counters
     moved, down, stepped = [], [], []
     times, losses = [], []
     for i, ids in enumerate(batches):
-        before = (counters.expert_h2d_bytes, counters.expert_grad_d2h_bytes, counters.experts_stepped)
+        before = (
+            counters.expert_h2d_bytes + counters.expert_saved_h2d_bytes,
+            counters.expert_grad_d2h_bytes,
+            counters.experts_stepped,
+        )
         t, loss = _steps(model, opt, [ids], before=start if i == 0 else None)
         times += t
         losses += loss
-        moved.append(counters.expert_h2d_bytes - before[0])
+        moved.append(counters.expert_h2d_bytes + counters.expert_saved_h2d_bytes - before[0])
         down.append(counters.expert_grad_d2h_bytes - before[1])
         stepped.append(counters.experts_stepped - before[2])
     s = statistics.median(times[2:])
     experts = sum(e.num_experts for e in _experts(model))
     note = (
         f"first step (wrap included) {times[0]:.2f} s; a step: experts copied in "
-        f"{statistics.median(moved[2:]) / 1e9:.2f} GB (forward; the backward's copies again not counted), "
+        f"{statistics.median(moved[2:]) / 1e9:.2f} GB (forward and backward), "
         f"gradients to the host "
         f"{statistics.median(down[2:]) / 1e9:.2f} GB, {statistics.median(stepped[2:]):.0f} of {experts} experts "
         f"stepped; losses {' '.join(f'{x:.4f}' for x in losses[:3])} (all on the GPU "
         f"{' '.join(f'{x:.4f}' for x in ref_losses[:3])})"
     )
-    what = "experts trained" if trained else "experts frozen"
+    what = f"experts {how}"
     row = Row(workload, f"pager {label}, {what}", s * 1e3, torch.cuda.max_memory_allocated() / GiB, s / ref_s,
               "all on the GPU", note,
               {"steps_s": times, "losses": losses, "moved": moved, "down": down, "stepped": stepped})  # fmt: skip
@@ -157,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers-row", action="store_true", help="also pager with experts=None (paged with their layers)")
     args = ap.parse_args(argv)
     args.shape = "qwen3"  # (bench_moe's `cpu_model` reads it)
     env = environment()

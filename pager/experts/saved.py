@@ -37,7 +37,7 @@ forward and the backward is an error, as autograd makes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +54,7 @@ class Recipe(NamedTuple):
     size: tuple
     stride: tuple
     offset: int  # in the copy of `experts`
+    counters: Any  # the pager's `Counters` (what the backward copies counts there)
 
 
 class Below(NamedTuple):
@@ -69,16 +70,17 @@ class SavedExperts:
 
     Args:
         hosts: the module's parameters' host tensors, in order.
+        counters: the pager's `Counters`.
 
     Example (inside pager; experts/table.py):
-        >>> saved = SavedExperts(table.hosts)
+        >>> saved = SavedExperts(table.hosts, pager.counters)
         >>> saved.begin()  # the pre-hook
         >>> saved.add(values, experts)  # the call's copies of `experts`, one per parameter
         >>> saved.end()  # the post-hook
     """
 
-    def __init__(self, hosts: list):
-        self.hosts = hosts
+    def __init__(self, hosts: list, counters):
+        self.hosts, self.counters = hosts, counters
         self._copies: dict = {}  # storage address -> (parameter's index, the experts copied)
         self._alive: list = []  # the copies themselves (see the Note)
         self._below: tuple | None = None  # the hooks beneath (pack, unpack), if any
@@ -121,6 +123,7 @@ class SavedExperts:
             tuple(t.size()),
             tuple(t.stride()),
             int(t.storage_offset()) - first * row,
+            self.counters,
         )
 
 
@@ -138,6 +141,7 @@ def unpack(packed):
             "(checked by pager, as autograd does)."
         )
     copy = torch.empty((len(packed.experts), *host.shape[1:]), dtype=host.dtype, device=packed.device)
+    packed.counters.expert_saved_h2d_bytes += copy.numel() * copy.element_size()
     for row, expert in enumerate(packed.experts):
         copy[row].copy_(host[expert], non_blocking=True)  # (page-locked on CUDA: ordered on the compute stream)
     return copy.as_strided(packed.size, packed.stride, packed.offset)

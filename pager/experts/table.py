@@ -163,7 +163,7 @@ class ExpertTable:
             # A backward through the experts to their input, or to their own
             # parameters, will follow ([Note: a backward through paged experts] in
             # experts/saved.py). Left by `_after`.
-            self._saved = SavedExperts(self.hosts)
+            self._saved = SavedExperts(self.hosts, self.pager.counters)
             self._saved.begin()
         experts, inverse = self._routed(index)
         most_experts, most_tokens = self._chunk_limits(index.shape[-1])

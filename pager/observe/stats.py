@@ -80,6 +80,7 @@ class Stats:
     expert_h2d_bytes: int = 0  # ... their bytes, and those of experts copied ahead
     expert_ahead: int = 0  # experts copied ahead of their call, predicted ([Note: experts fetched ahead])
     expert_ahead_used: int = 0  # ... of those, experts a call then used
+    expert_saved_h2d_bytes: int = 0  # experts copied again from the host for a backward ([Note: a backward ...])
     expert_grad_d2h_bytes: int = 0  # trained experts: their gradients' bytes a backward sent to the host
     experts_stepped: int = 0  # ... and the experts `opt.step()` updated ([Note: experts trained one by one])
     reductions: int = 0  # data parallel: blocks whose gradients were averaged over the process group
@@ -229,6 +230,11 @@ class Stats:
                 f"in ({format_bytes(self.expert_h2d_bytes)}, "
                 f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit; "
                 f"{self.expert_ahead} copied ahead, {self.expert_ahead_used} of them used"
+                + (
+                    f"; {format_bytes(self.expert_saved_h2d_bytes)} copied again for backwards"
+                    if self.expert_saved_h2d_bytes
+                    else ""
+                )
                 + (
                     f"; trained: {format_bytes(self.expert_grad_d2h_bytes)} of gradients to the host, "
                     f"{self.experts_stepped} experts stepped"
