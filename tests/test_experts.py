@@ -882,6 +882,24 @@ def test_experts_train_one_by_one_bit_for_bit(kind, implementation):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_experts_of_a_folder_train_bit_for_bit(tmp_path, kind):
+    """`pager.from_pretrained` of a `save_pretrained` folder (per-expert
+    tensors fused by transformers' conversion, into host tables): the
+    experts train there as wrapped ones do."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).save_pretrained(tmp_path, max_shard_size="40KB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    model = pager.from_pretrained(tmp_path, budget=10 << 20, device="cpu", expert_cache=_one_layer(ref)).train()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    _moe_train(model, opt, 3)
+    _moe_train(ref, ref_opt, 3)
+    assert pager.of(model).stats().experts_stepped > 0
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def test_an_expert_no_token_reached_is_neither_copied_nor_stepped(monkeypatch):
     """AdamW by expert is the lazy variant: an expert no token of a step
     reached keeps its weights and state rows; the others' are the dense
