@@ -911,7 +911,7 @@ def test_an_expert_no_token_reached_is_neither_copied_nor_stepped(monkeypatch):
     whole, step_whole = [], train._step_whole
 
     def counted(param, rows, *args):
-        whole.append(rows.numel() < param.shape[0])
+        whole.append(len(rows) < param.shape[0])
         return step_whole(param, rows, *args)
 
     monkeypatch.setattr(train, "_step_whole", counted)
@@ -1003,6 +1003,74 @@ def test_trained_experts_gradients_clip_accumulate_save_and_unwrap():
     state = opt.state[experts.gate_up_proj]
     assert state["sum"].shape == experts.gate_up_proj.shape and type(state["sum"]) is torch.Tensor
     torch.testing.assert_close(state["sum"], ref_opt.state[ref_experts.gate_up_proj]["sum"], rtol=1e-4, atol=1e-9)
+
+
+def test_micro_batches_hold_at_most_the_dense_gradient_on_the_host():
+    """Gradient pieces are summed as they land: eight micro-batches hold
+    the dense gradient and at most one piece beside it, and sum to the
+    unpaged gradient bit for bit."""
+    ref, model = _pair("mixtral", "eager")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    experts = _experts(model)[0]
+    dense = experts.gate_up_proj.numel() * experts.gate_up_proj.element_size()
+    for micro in range(8):
+        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(micro))
+        for m in (model, ref):
+            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        g = experts.gate_up_proj.grad
+        held = sum(piece.numel() * piece.element_size() for _e, piece, _ev in g.pending)
+        held += 0 if g.summed_host is None else dense
+        assert held <= 2 * dense, micro
+    for e, r in zip(_experts(model), _experts(ref)):
+        assert torch.equal(e.gate_up_proj.grad + 0, r.gate_up_proj.grad)
+
+
+def test_reading_the_gradient_changes_no_update():
+    """A read of `.grad` (logging) makes it dense, and it remembers the
+    experts reached: the step updates those alone, as without the read."""
+    got = []
+    for read in (False, True):
+        _ref, model = _pair("mixtral", "eager")
+        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            ids = torch.randint(0, 64, (1, 2), generator=torch.Generator().manual_seed(step))  # (few experts)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            if read:
+                for e in _experts(model):
+                    assert e.down_proj.grad.abs().max() >= 0
+            opt.step()
+            opt.zero_grad(set_to_none=step != 1)
+        pager.unwrap(model)
+        got.append(model.state_dict())
+    for (n, a), b in zip(got[0].items(), got[1].values()):
+        assert torch.equal(a, b), n
+
+
+def test_state_kept_by_expert_in_other_shapes_and_a_hook_refused():
+    """An optimizer whose state is by expert but not of the parameter's
+    shape (torch's Adafactor: a row and a column factor per expert) keeps it
+    by expert; a gradient hook on a trained experts parameter is refused
+    before the call changes anything, and the model runs once it is gone."""
+    _ref, model = _pair("mixtral", "eager")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, 64, (1, 2 if step else 12), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for e in _experts(model):
+        state = opt.state[e.gate_up_proj]
+        assert state["row_var"].shape[0] == state["col_var"].shape[0] == e.num_experts
+    experts = _experts(model)[0]
+    handle = experts.down_proj.register_hook(lambda g: g)
+    ids = torch.randint(0, 64, (1, 4))
+    with pytest.raises(RuntimeError, match=r"down_proj has a gradient hook .* experts=None"):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    assert experts._parameters["down_proj"] is experts.down_proj
+    handle.remove()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
 
 @pytest.mark.cuda

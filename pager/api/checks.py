@@ -117,8 +117,8 @@ def check_data_parallel(model, group, tables, experts, timeout, device, broadcas
         )
     if experts:
         raise ValueError(
-            f"pager: experts= names {experts[0][0]!r}, but experts paged one by one do not train yet, and a "
-            "process group is for training. Leave experts= out (they then page with their layer)."
+            f"pager: experts= names {experts[0][0]!r}, but the gradients of experts paged one by one are not "
+            "averaged over a process group's ranks yet. Leave experts= out (they then page with their layer)."
         )
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"pager: dist_timeout={timeout!r} must be a number of seconds > 0.")

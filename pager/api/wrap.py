@@ -170,8 +170,10 @@ def wrap(
             routing), None (none: they page with their layer), or a list of
             such modules or their qualified names. Their weights stay in host
             memory; a call brings only the experts its routing names, into a
-            device cache of the most used ones. For inference: a forward with
-            gradients enabled for them is refused.
+            device cache of the most used ones. Trained, their gradients and
+            optimizer state stay on the host by expert and `opt.step()`
+            updates the experts a step's tokens reached ([Note: experts
+            trained one by one] in experts/train.py).
         expert_cache: device bytes for the experts' cache, out of the budget:
             an int or a string like `budget`. Default: what the budget has
             beyond the rest of the model and an eighth of it (for activations

@@ -65,7 +65,7 @@ def choose(model: nn.Module, experts, training_group: bool = False) -> list:
         experts: "auto" (every module of the convention), None or [] (none), or
             a list of modules or qualified names, each of which must be one.
         training_group: a process group trains the model: "auto" is none
-            (experts paged one by one do not train yet).
+            (experts paged one by one are not averaged over ranks yet).
     """
     if experts is None or (isinstance(experts, (list, tuple)) and not experts):
         return []

@@ -70,6 +70,7 @@ import torch.nn as nn
 
 from ..base.common import model_hook
 from ..engine.host import unregister_table
+from ..training.attach import dense_on_rows
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
@@ -286,11 +287,19 @@ class ExpertTable:
         """The call's routing, once the call is checked."""
         if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
-        if torch.is_grad_enabled() and self.pager.master_weights and any(p.requires_grad for p in self.params):
+        trained = [n for n, p in zip(self.names, self.params) if p.requires_grad] if torch.is_grad_enabled() else []
+        if trained and self.pager.master_weights:
             raise RuntimeError(
                 f"pager: the experts of {self.name!r} page one by one (experts='auto') and train on the host, "
                 "without float32 master weights: under master_weights=True freeze them "
                 "(`module.requires_grad_(False)`), or wrap with experts=None to train them with their layers."
+            )
+        hooked = [n for n, p in zip(self.names, self.params) if n in trained and p._backward_hooks]
+        if hooked:  # (their gradients reach `.grad` by expert, not through autograd: a hook would see none)
+            raise RuntimeError(
+                f"pager: {self.name}.{hooked[0]} has a gradient hook (`register_hook`), and its experts page one "
+                "by one: their gradients go to `.grad` by expert, not through autograd, so the hook would see none. "
+                "Remove the hook, freeze the experts, or wrap with experts=None to train them with their layers."
             )
         if not in_kwargs and len(args) < 2:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
@@ -457,11 +466,21 @@ class ExpertTable:
             # The host tensors are about to be written: every copy that reads
             # them (into the cache, ahead, or for a backward) must be done first.
             torch.cuda.synchronize(self.cache.device)
+        if not dense_on_rows(optimizer, optimizer.param_groups[group_index]):
+            self.pager.warn_once(
+                "experts-lazy",
+                "pager: the experts train one by one: %s updates only the experts a step's tokens reached (the "
+                "lazy variant, as SparseAdam is of Adam: the others keep their weights and state), which differs "
+                "from %s on the whole tensors. For the dense update use SGD without momentum or weight decay, or "
+                "Adagrad, or wrap with experts=None.",
+                type(optimizer).__name__,
+                type(optimizer).__name__,
+            )
         stepped = step_experts(self.params[index], self.hosts[index], optimizer, group_index, run_step)
         if stepped is not None:
             self.cache.forget(self.base, self.num_experts)  # (their cached copies are stale)
             if index == 0:  # (counted by the module's first parameter: gate_up_proj)
-                self.pager.counters.experts_stepped += stepped.numel()
+                self.pager.counters.experts_stepped += len(stepped)
 
     # ----------------------------------------------------------- unwrap
     def restore(self, optimizers=()) -> None:
@@ -473,6 +492,8 @@ class ExpertTable:
         self._restored = True
         for h in self._handles:
             h.remove()
+        for name, p in zip(self.names, self.params):
+            self.module._parameters[name] = p  # (a call an interrupt ended may have left its copy there)
         self.cache.forget(self.base, self.num_experts)
         with torch.no_grad():
             for p, host, adopted, registered in zip(self.params, self.hosts, self._adopted, self._registered):

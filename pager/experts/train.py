@@ -12,39 +12,48 @@ Trained, three things change:
    `ExpertsIn`'s output (the routed experts, gathered from the cache in the
    order of their numbers) in place of the Parameter, as
    `torch.func.functional_call` swaps a module's tensors; the post-hook puts
-   the Parameter back, the same object, its data the host tensor throughout.
-   Saved views of that copy are recipes made again from the host for the
-   backward, as for frozen experts ([Note: a backward through paged
-   experts] in experts/saved.py): no expert is held on the device between
-   the passes.
+   the Parameter back (and unwrap, whatever ended a call), the same object,
+   its data the host tensor throughout. Saved views of that copy are
+   recipes made again from the host for the backward, as for frozen experts
+   ([Note: a backward through paged experts] in experts/saved.py): no expert
+   is held on the device between the passes.
 2. The backward of `ExpertsIn` receives the gradient of those experts only
    (the compact one, a row per routed expert) and gives the Parameter
-   none through autograd: the piece goes to the host (page-locked, copied on
-   the compute stream after the kernels that made it) and joins
-   `param.grad`, an `ExpertGrad` of the parameter's shape that holds the
-   pieces and which experts they cover. A second call or micro-batch adds
-   pieces; the gradient is the pieces summed per expert in the order they
-   came, as autograd sums a dense gradient (an expert a call did not reach
-   adds zero there: the same values). Read by torch (anything but the
-   operations below), it becomes that dense tensor on the host, and
-   `param.grad` with it. `mul_` (a clip's or GradScaler's scaling) scales the
-   pieces; `zero_()` empties them; `torch.linalg.vector_norm` (torch's
-   clip) is the norm of the reached experts' rows (equal to the dense
-   gradient's within rounding: the sum runs over fewer zeros).
+   none through autograd (so hooks on the Parameter would see none: a call
+   is refused while it has any; `torch.autograd.grad` of it and a double
+   backward are not served). The piece goes to the host (page-locked,
+   copied on the compute stream after the kernels that made it) and joins
+   `param.grad`, an `ExpertGrad` of the parameter's shape. Pieces that have
+   landed are summed as the next ones come, each expert's in the order they
+   came (the first copied), into one host tensor of the parameter's shape,
+   as autograd sums a dense gradient (an expert a call did not reach adds
+   zero there: the same values): micro-batches and groups of tokens hold
+   at most the dense gradient. Read by torch (anything but the operations
+   below), it becomes that dense tensor on the host, and `param.grad` with
+   it, which remembers the experts reached. `mul_` by a number (a clip's or
+   GradScaler's scaling) scales it; `zero_()` (and `_foreach_zero_`) empties
+   it; `torch.linalg.vector_norm` (torch's clip) is the norm of the reached
+   experts' rows (equal to the dense gradient's within rounding: the sum
+   runs over fewer zeros).
 3. `opt.step()` (pager's step pre-hook) updates, on the host, the experts
    the gradient covers and no other, with the user's own optimizer, on a
    view: a Parameter of those experts' rows, their gradient, and their
-   rows of each state tensor of the parameter's shape (scalars such as
-   Adam's `step` are the parameter's own). The rows are then written back
-   to the host tensors, and the cache forgets the table's experts. An expert
+   rows of each state tensor kept by expert (first dimension the experts;
+   scalars such as Adam's `step` are the parameter's own); the rows are
+   then written back to the host tensors. Where at least half the experts
+   were reached, and at the first step (so that the optimizer makes its
+   state for every expert, with its own initial values), it runs on the
+   whole tensors instead and puts the unreached experts' weights and state
+   rows back after. The cache then forgets the table's experts. An expert
    no token reached is neither copied for the backward nor stepped: for
-   SGD without momentum or weight decay that is the dense update; for Adam,
-   AdamW and the others it is the lazy variant (as `SparseAdam` is of Adam,
-   and as `torch.optim` skips a `ModuleList` expert whose gradient is None):
-   its weights and state rows are as they were. Where every expert is
-   reached, it is the dense update bit for bit on the CPU device. The state
-   lives on the host at the parameter's shape (zeros until an expert is
-   first stepped), so `optimizer.state_dict()` saves it as it is.
+   SGD without momentum or weight decay and for Adagrad that is the dense
+   update; for Adam, AdamW and the others it is the lazy variant (as
+   `SparseAdam` is of Adam, and as `torch.optim` skips a `ModuleList`
+   expert whose gradient is None; pager says so once): its weights and
+   state rows are as they were. Where every expert is reached, it is the
+   dense update bit for bit on the CPU device. The state lives on the host
+   (state made on the device before is brought there at the first step),
+   so `optimizer.state_dict()` saves it as it is; unwrap gives it back.
 """
 
 from __future__ import annotations
@@ -91,19 +100,40 @@ def add_piece(param: nn.Parameter, experts: list, grad: torch.Tensor, counters) 
     if g is None:
         param.grad = g = ExpertGrad(param)
     if isinstance(g, ExpertGrad) and g.made is None:
-        g.pieces.append((experts, piece, event))
+        g.take_piece(experts, piece, event)
         return
     if event is not None:
         event.synchronize()
     with torch.no_grad():  # (a dense gradient: the user's, or one made when torch read it)
         g.index_add_(0, torch.tensor(experts, device=g.device), piece.to(g.device, g.dtype))
+    known = made_rows(g)
+    if known is not None:
+        known.update(experts)
+
+
+# id(dense gradient made from an `ExpertGrad`, its `param.grad` now) -> (a weak reference to it, the
+# experts it covers until the step). By id: a tensor's `==` is elementwise, so no weak-keyed dict.
+_MADE_ROWS: dict = {}
+
+
+def made_rows(t) -> set | None:
+    """The experts `t` covers, if it is a dense gradient made from an `ExpertGrad`."""
+    entry = _MADE_ROWS.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _remember_rows(t: torch.Tensor, rows: set) -> None:
+    key = id(t)
+    _MADE_ROWS[key] = (weakref.ref(t, lambda _ref: _MADE_ROWS.pop(key, None)), rows)
 
 
 class ExpertGrad(torch.Tensor):
-    """`param.grad` of a trained experts parameter: the pieces of its
-    gradient, by expert, on the host (see [Note: experts trained one by one])."""
+    """`param.grad` of a trained experts parameter: its gradient by expert,
+    on the host (see [Note: experts trained one by one])."""
 
-    pieces: list  # (experts, their gradient's rows on the host, the copy's event or None), in the order they came
+    pending: list  # (experts, their gradient's rows on the host, the copy's event or None), not yet summed
+    summed_host: torch.Tensor | None  # the parameter's shape: the rows of `seen` summed so far
+    seen: set  # the experts summed into it
     made: torch.Tensor | None  # the dense gradient, once torch read it
     param: weakref.ref  # its parameter (whose `.grad` this is: no cycle)
 
@@ -112,7 +142,7 @@ class ExpertGrad(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
         )
-        t.pieces, t.made, t.param = [], None, weakref.ref(param)
+        t.pending, t.summed_host, t.seen, t.made, t.param = [], None, set(), None, weakref.ref(param)
         return t
 
     @classmethod
@@ -124,67 +154,81 @@ class ExpertGrad(torch.Tensor):
                 return func(*args, **kwargs)
         if me is not None and func in _KEEPS_SELF:
             return me
-        if me is not None and func in _SCALES and len(args) == 2 and not kwargs:
+        if me is not None and func in _SCALES and len(args) == 2 and not kwargs and _a_number(args[1]):
             me.scale(args[1])
             return me
         if me is not None and func is torch.Tensor.zero_:
-            me.pieces = []
+            me.clear()
             return me
         if me is not None and func is torch.linalg.vector_norm:
-            return me.norm(*args[1:], **kwargs)
+            return me.vector_norm(*args[1:], **kwargs)
         if func is torch._foreach_zero_ and len(args) == 1 and not kwargs:  # (zero_grad(set_to_none=False))
-            rest = [t for t in args[0] if not (isinstance(t, ExpertGrad) and t.made is None)]
-            for t in args[0]:
-                if isinstance(t, ExpertGrad) and t.made is None:
-                    t.pieces = []
-            args = (rest,)
+            return _foreach_zero(func, args[0])
         args, kwargs = _made((args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        raise RuntimeError(
-            f"pager: {func} reached a trained experts parameter's gradient below Python (from C++); read it from "
-            f"Python (param.grad), which gives the dense gradient."
-        )
+        # Reached below Python (an operation pager's own guards served, over a
+        # list with paged-out tensors): as above, on the dense gradient.
+        if func is torch.ops.aten._foreach_zero_.default and len(args) == 1:
+            return _foreach_zero(func, args[0])
+        args, kwargs = _made((args, kwargs or {}))
+        return func(*args, **kwargs)
 
-    def _landed(self) -> list:
-        for _experts, _piece, event in self.pieces:
+    def take_piece(self, experts: list, piece: torch.Tensor, event) -> None:
+        """A backward's piece; those landed before it are summed now."""
+        self.pending.append((experts, piece, event))
+        if len(self.pending) > 1:
+            self._sum(wait=False)
+
+    def _sum(self, wait: bool) -> None:
+        """Sum the pieces that have landed (all, waiting: `wait`) into
+        `summed_host`, in the order they came (see the Note)."""
+        while self.pending:
+            experts, piece, event = self.pending[0]
             if event is not None:
+                if not wait and not event.query():
+                    return
                 event.synchronize()
-        return self.pieces
-
-    def scale(self, factor) -> None:
-        factor = factor.cpu() if isinstance(factor, torch.Tensor) else factor
-        for _experts, piece, _event in self._landed():
-            piece.mul_(factor)
-
-    def reached(self) -> list:
-        """The experts the pieces cover, sorted."""
-        return sorted({e for experts, _p, _e in self._landed() for e in experts})
-
-    def summed(self, rows: list | None = None) -> torch.Tensor:
-        """The gradient's rows for `rows` (the experts reached, sorted), or
-        the dense gradient (`rows` None): each expert's pieces summed in the
-        order they came (the first copied), on the host."""
-        pieces = self._landed()
-        if rows is not None and len(pieces) == 1 and pieces[0][0] == rows:
-            return pieces[0][1]
-        out = torch.zeros((len(rows) if rows is not None else self.shape[0], *self.shape[1:]), dtype=self.dtype)
-        at = {e: i for i, e in enumerate(rows)} if rows is not None else None
-        seen: set = set()
-        for experts, piece, _event in pieces:
+            self.pending.pop(0)
+            if self.summed_host is None:
+                self.summed_host = torch.zeros(self.shape, dtype=self.dtype)
             for i, e in enumerate(experts):  # (an add per expert: torch's CPU index_add_ is slower on large rows)
-                row = out[at[e] if at is not None else e]
-                if e in seen:
+                row = self.summed_host[e]
+                if e in self.seen:
                     row.add_(piece[i])
                 else:
                     row.copy_(piece[i])
-                    seen.add(e)
-        return out
+                    self.seen.add(e)
 
-    def norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:  # type: ignore[override]
+    def clear(self) -> None:
+        self.pending, self.summed_host, self.seen = [], None, set()
+
+    def scale(self, factor) -> None:
+        factor = factor.cpu() if isinstance(factor, torch.Tensor) else factor
+        self._sum(wait=True)
+        if self.summed_host is not None:
+            self.summed_host.mul_(factor)
+
+    def reached(self) -> list:
+        """The experts it covers, sorted."""
+        return sorted(self.seen.union(*(experts for experts, _p, _e in self.pending)))
+
+    def summed(self, rows: list | None = None) -> torch.Tensor:
+        """The gradient's rows for `rows` (the experts reached, sorted), or
+        the dense gradient (`rows` None), on the host."""
+        if rows is not None and self.summed_host is None and len(self.pending) == 1 and self.pending[0][0] == rows:
+            experts, piece, event = self.pending[0]
+            if event is not None:
+                event.synchronize()
+            return piece  # (one call's piece, its rows those reached: as it came)
+        self._sum(wait=True)
+        dense = self.summed_host if self.summed_host is not None else torch.zeros(self.shape, dtype=self.dtype)
+        return dense if rows is None else dense.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+    def vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
         rows = self.reached()
         if dim is not None or keepdim or not rows:
             return torch.linalg.vector_norm(self.make_real(), ord, dim, keepdim, dtype=dtype)
@@ -192,10 +236,14 @@ class ExpertGrad(torch.Tensor):
 
     def make_real(self) -> torch.Tensor:
         """The dense gradient on the host (made once); it becomes
-        `param.grad` if this stand-in still is."""
+        `param.grad` if this stand-in still is, and remembers the experts
+        reached (`made_rows`)."""
         if self.made is None:
+            reached = set(self.reached())
             made = self.summed()
-            self.made, self.pieces = made, []
+            self.made = made
+            self.clear()
+            _remember_rows(made, reached)
             param = self.param()
             if param is not None and param.grad is self:
                 param.grad = made
@@ -204,6 +252,23 @@ class ExpertGrad(torch.Tensor):
 
 _SCALES = {torch.Tensor.mul_, torch.Tensor.__imul__}
 _KEEPS_SELF = {torch.Tensor.detach_, torch.Tensor.requires_grad_}
+
+
+def _a_number(factor) -> bool:
+    return not isinstance(factor, torch.Tensor) or factor.numel() == 1
+
+
+def _foreach_zero(func, tensors):
+    """`_foreach_zero_` of a list of gradients: an `ExpertGrad` emptied, the others zeroed."""
+    rest = []
+    for t in tensors:
+        if isinstance(t, ExpertGrad) and t.made is None:
+            t.clear()
+        else:
+            rest.append(t.made if isinstance(t, ExpertGrad) else t)
+    if rest:
+        with torch._C.DisableTorchFunctionSubclass():
+            func(rest)
 
 
 def _made(tree):
@@ -216,82 +281,115 @@ def _made(tree):
     return tree
 
 
-def grad_rows(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The experts `param.grad` covers and their gradient, on the host: the
-    rows of those experts, or, where they are at least half of them, the
-    dense gradient (a dense gradient, the user's or made, covers every
-    expert)."""
-    g = param.grad
-    if g is None:
-        return None
+def _reached(g, experts: int) -> list:
+    """The experts gradient `g` (a parameter's `.grad`) covers, sorted: an
+    `ExpertGrad`'s, a dense one made from it, or (the user's own) every one."""
     if isinstance(g, ExpertGrad) and g.made is None:
-        rows = g.reached()
-        if not rows:
-            return None
-        most = 2 * len(rows) >= param.shape[0]
-        return torch.tensor(rows), g.summed(None if most else rows)
-    dense = g.make_real() if isinstance(g, ExpertGrad) else g
-    return torch.arange(dense.shape[0]), dense.to("cpu")
+        return g.reached()
+    known = made_rows(g.made if isinstance(g, ExpertGrad) else g)
+    return sorted(known) if known is not None else list(range(experts))
 
 
-def step_experts(param: nn.Parameter, host: torch.Tensor, optimizer, group_index: int, run_step) -> torch.Tensor | None:
+def _gradient(g, rows: list | None) -> torch.Tensor:
+    """Gradient `g`'s rows `rows` (None: dense), on the host."""
+    if isinstance(g, ExpertGrad) and g.made is None:
+        return g.summed(rows)
+    dense = (g.make_real() if isinstance(g, ExpertGrad) else g).to("cpu")
+    return dense if rows is None else dense.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
+def step_experts(param: nn.Parameter, host: torch.Tensor, optimizer, group_index: int, run_step) -> list | None:
     """Update the experts `param.grad` covers with `optimizer` (its group
     `group_index` holds `param`), on the host; returns the experts stepped
     (see [Note: experts trained one by one])."""
-    taken = grad_rows(param)
-    if taken is None:
+    g = param.grad
+    if g is None:
         return None
-    rows, grad = taken
-    if grad.shape[0] == host.shape[0]:  # (at least half the experts reached: the dense gradient)
-        _step_whole(param, rows, grad, optimizer, group_index, run_step)
-        return rows
+    experts = host.shape[0]
+    rows = _reached(g, experts)
+    if not rows:
+        return None
     state = optimizer.state[param]
-    view = nn.Parameter(host.index_select(0, rows))
+    _adopt(state, param)
+    if not state or 2 * len(rows) >= experts:
+        _step_whole(param, rows, _gradient(g, None), optimizer, group_index, run_step)
+    else:
+        _step_rows(param, host, rows, _gradient(g, rows), optimizer, group_index, run_step)
+    known = made_rows(g.made if isinstance(g, ExpertGrad) else g)
+    if known is not None:
+        known.clear()  # (the next backward's experts only)
+    return rows
+
+
+def _adopt(state: dict, param: nn.Parameter) -> None:
+    """State made elsewhere (before wrap, or loaded on the device) comes to
+    the host, where the update runs; state not kept by expert is refused
+    before anything changes."""
+    experts = param.shape[0]
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() and value.shape[0] != experts:
+            raise ValueError(
+                f"pager: the optimizer keeps state {key!r} of shape {tuple(value.shape)} for a trained experts "
+                f"parameter of shape {tuple(param.shape)}, not by expert (its first dimension): pager updates "
+                "experts one by one. Use an optimizer whose state follows the parameter's shape (Adam, AdamW, "
+                "SGD, Adagrad, ...), or wrap with experts=None to train the experts with their layers."
+            )
+        if value.device.type != "cpu":
+            state[key] = value.to("cpu")
+
+
+def _step_rows(param, host, rows: list, grad, optimizer, group_index: int, run_step) -> None:
+    """The update on a view of the reached experts' rows (see the Note)."""
+    state = optimizer.state[param]
+    index = torch.tensor(rows, dtype=torch.long)
+    view = nn.Parameter(host.index_select(0, index))
     view.grad = grad.to(view.dtype)
-    optimizer.state[view] = {k: (v.index_select(0, rows) if _full(v, host) else v) for k, v in state.items()}
+    optimizer.state[view] = {k: (v.index_select(0, index) if _by_expert(v, host) else v) for k, v in state.items()}
     try:
         _run_on(view, optimizer, group_index, run_step)
     finally:
         new_state = optimizer.state.pop(view, {})
     for key, value in new_state.items():
-        if isinstance(value, torch.Tensor) and value.shape == view.shape and value.dim():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(rows):
             full = state.get(key)
-            if full is None or not _full(full, host):
-                full = state[key] = torch.zeros(host.shape, dtype=value.dtype)  # (rows never stepped: zero)
-            full.index_copy_(0, rows, value.to(full.device))
+            if full is None or not _by_expert(full, host):
+                # (a state the optimizer made only now, as momentum turned on: zero for the other experts)
+                full = state[key] = torch.zeros((host.shape[0], *value.shape[1:]), dtype=value.dtype)
+            full.index_copy_(0, index, value.to(full.device))
         else:
             state[key] = value
     with torch.no_grad():
-        host.index_copy_(0, rows, view.detach())
-    return rows
+        host.index_copy_(0, index, view.detach())
 
 
-def _step_whole(param: nn.Parameter, rows: torch.Tensor, grad: torch.Tensor, optimizer, group_index: int, run_step):
-    """The update by expert where at least half the experts were reached
-    (`grad` dense): the optimizer runs on the parameter's whole tensors (no
-    rows gathered and written back), and the rows of the experts not
-    reached (weights and state) are put back after it: the same values as
-    on a view of the reached rows (torch.optim's updates are per element)."""
+def _step_whole(param: nn.Parameter, rows: list, grad: torch.Tensor, optimizer, group_index: int, run_step):
+    """The update on the parameter's whole tensors (`grad` dense), where at
+    least half the experts were reached or at the first step: the rows of
+    the experts not reached (weights, and the state they had) are put back
+    after it: the same values as on a view of the reached rows (torch.optim's
+    updates are per element). State the optimizer made at this step keeps
+    its own values for them (its initial ones, after a zero gradient)."""
     host, experts = param.data, param.shape[0]
-    reached = rows.numel() == experts
-    if not reached:
-        others = torch.ones(experts, dtype=torch.bool)
-        others[rows] = False
-        others = others.nonzero().flatten()
-        kept = {key: v.index_select(0, others) for key, v in optimizer.state[param].items() if _full(v, host)}
+    others = None
+    if len(rows) < experts:
+        mask = torch.ones(experts, dtype=torch.bool)
+        mask[torch.tensor(rows, dtype=torch.long)] = False
+        others = mask.nonzero().flatten()
+        kept = {key: v.index_select(0, others) for key, v in optimizer.state[param].items() if _by_expert(v, host)}
         kept_weights = host.index_select(0, others)
     stand_in, param.grad = param.grad, grad.to(param.dtype)
     try:
         _run_on(param, optimizer, group_index, run_step)
     finally:
         param.grad = stand_in
-    if not reached:
+    if others is not None:
         with torch.no_grad():
             host.index_copy_(0, others, kept_weights)
             for key, value in optimizer.state[param].items():
-                if _full(value, host):
-                    # (state this step made: its rows for experts never stepped are zero, as by rows)
-                    value.index_copy_(0, others, kept[key] if key in kept else value.new_zeros(kept_weights.shape))
+                if key in kept and _by_expert(value, host):
+                    value.index_copy_(0, others, kept[key])
 
 
 def _run_on(param: nn.Parameter, optimizer, group_index: int, run_step) -> None:
@@ -307,15 +405,16 @@ def _run_on(param: nn.Parameter, optimizer, group_index: int, run_step) -> None:
             g["params"] = params
 
 
-def _full(value, host: torch.Tensor) -> bool:
-    """Whether `value` is a state tensor of the parameter's shape (by expert)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == host.shape
+def _by_expert(value, host: torch.Tensor) -> bool:
+    """Whether `value` is a state tensor kept by expert (its first dimension the experts)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == host.shape[0]
 
 
 @contextmanager
 def training_given_back(param: nn.Parameter, device: torch.device, optimizers):
     """Around `param`'s data going back to `device` (unwrap): its gradient
-    (dense) and `optimizers`' state of it of its shape go there too."""
+    (dense) and `optimizers`' state of it go there too (scalars only where
+    the optimizer keeps them on the parameter's device: fused, capturable)."""
     grad = param.grad.make_real() if isinstance(param.grad, ExpertGrad) else param.grad
     param.grad = None
     yield
@@ -323,6 +422,8 @@ def training_given_back(param: nn.Parameter, device: torch.device, optimizers):
         param.grad = grad.to(device)
     for opt in optimizers:
         state = opt.state.get(param) or {}
+        group: dict = next((g for g in opt.param_groups if any(p is param for p in g["params"])), {})
+        on_device = group.get("fused") or group.get("capturable")
         for key, value in state.items():
-            if _full(value, param):
+            if isinstance(value, torch.Tensor) and (value.dim() or on_device):
                 state[key] = value.to(device)

@@ -83,7 +83,7 @@ def _warn_if_rows_lazy(pager, optimizer) -> None:
     lazy = [
         t.name
         for t in pager.row_tables
-        if t.name in pager.rows_unasked and id(t.param) in groups and not _dense_on_rows(optimizer, groups[id(t.param)])
+        if t.name in pager.rows_unasked and id(t.param) in groups and not dense_on_rows(optimizer, groups[id(t.param)])
     ]
     if lazy:
         pager.warn_once(
@@ -99,7 +99,7 @@ def _warn_if_rows_lazy(pager, optimizer) -> None:
         )
 
 
-def _dense_on_rows(optimizer, group) -> bool:
+def dense_on_rows(optimizer, group) -> bool:
     """Whether `optimizer` leaves rows with a zero gradient unchanged (its
     row-by-row update is then the dense one)."""
     name, decay = type(optimizer).__name__, group.get("weight_decay", 0)
