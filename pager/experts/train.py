@@ -65,6 +65,7 @@ import torch
 import torch.nn as nn
 
 from ..base.tensor_ops import METADATA
+from ..rows.step import run_narrowed
 
 
 class ExpertsIn(torch.autograd.Function):
@@ -348,7 +349,7 @@ def _step_rows(param, host, rows: list, grad, optimizer, group_index: int, run_s
     view.grad = grad.to(view.dtype)
     optimizer.state[view] = {k: (v.index_select(0, index) if _by_expert(v, host) else v) for k, v in state.items()}
     try:
-        _run_on(view, optimizer, group_index, run_step)
+        run_narrowed(view, optimizer, group_index, run_step)
     finally:
         new_state = optimizer.state.pop(view, {})
     for key, value in new_state.items():
@@ -381,7 +382,7 @@ def _step_whole(param: nn.Parameter, rows: list, grad: torch.Tensor, optimizer, 
         kept_weights = host.index_select(0, others)
     stand_in, param.grad = param.grad, grad.to(param.dtype)
     try:
-        _run_on(param, optimizer, group_index, run_step)
+        run_narrowed(param, optimizer, group_index, run_step)
     finally:
         param.grad = stand_in
     if others is not None:
@@ -390,19 +391,6 @@ def _step_whole(param: nn.Parameter, rows: list, grad: torch.Tensor, optimizer, 
             for key, value in optimizer.state[param].items():
                 if key in kept and _by_expert(value, host):
                     value.index_copy_(0, others, kept[key])
-
-
-def _run_on(param: nn.Parameter, optimizer, group_index: int, run_step) -> None:
-    """`run_step(optimizer)` with its group `group_index` narrowed to `param` (the others to nothing)."""
-    groups = optimizer.param_groups
-    saved = [g["params"] for g in groups]
-    try:
-        for i, g in enumerate(groups):
-            g["params"] = [param] if i == group_index else []
-        run_step(optimizer)
-    finally:
-        for g, params in zip(groups, saved):
-            g["params"] = params
 
 
 def _by_expert(value, host: torch.Tensor) -> bool:

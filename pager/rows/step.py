@@ -64,15 +64,9 @@ def step_rows(table, optimizer, group_index: int, run_step) -> None:
     view = nn.Parameter(gathered[WEIGHT])
     view.grad = grad
     optimizer.state[view] = {k: (gathered[k] if k in row_kinds else v) for k, v in state.items()}
-    groups = optimizer.param_groups
-    saved = [g["params"] for g in groups]
     try:
-        for i, g in enumerate(groups):
-            g["params"] = [view] if i == group_index else []
-        run_step(optimizer)
+        run_narrowed(view, optimizer, group_index, run_step)
     finally:
-        for g, params in zip(groups, saved):
-            g["params"] = params
         new_state = optimizer.state.pop(view, {})
     k = rows.numel()
     values = {WEIGHT: view.detach()}
@@ -85,6 +79,20 @@ def step_rows(table, optimizer, group_index: int, run_step) -> None:
         else:
             state[key] = value
     table.write(rows, values, uncached, slots if cache.epoch == epoch else None)
+
+
+def run_narrowed(param: nn.Parameter, optimizer, group_index: int, run_step) -> None:
+    """`run_step(optimizer)` with its group `group_index` narrowed to `param`
+    (the others to nothing), the groups given back however it ends."""
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        for i, g in enumerate(groups):
+            g["params"] = [param] if i == group_index else []
+        run_step(optimizer)
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"] = params
 
 
 def take_grad(table):
