@@ -33,6 +33,8 @@ def token_groups(rows, experts: int, capacity: int, most_tokens: int = sys.maxsi
     tokens = len(rows)
     if not tokens:
         return [[]]
+    if capacity >= experts:  # (every group holds any token's experts: first fit by count alone, runs in order)
+        return [list(range(start, min(start + most_tokens, tokens))) for start in range(0, tokens, most_tokens)]
     rows = np.asarray(rows, dtype=np.int64).reshape(tokens, -1)
     held = np.zeros((min(tokens, 64), experts), dtype=bool)  # (a row per group, grown as needed)
     sizes: list = []  # experts each group holds
