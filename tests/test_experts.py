@@ -3,6 +3,7 @@ paged one by one] in experts/table.py): transformers' own models on the CPU
 device, bit for bit under each experts implementation, only the routed
 experts moved."""
 
+import contextlib
 import threading
 
 import pytest
@@ -1045,6 +1046,33 @@ def test_reading_the_gradient_changes_no_update():
         got.append(model.state_dict())
     for (n, a), b in zip(got[0].items(), got[1].values()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Adagrad"])
+def test_the_host_update_under_cuda_takes_the_fused_kernel_and_gives_the_options_back(name):
+    """`fused_on_host` (the experts' update on the host under a CUDA device):
+    torch's fused CPU kernel, the same update within rounding, the group's
+    options as they were after; a class without one runs as it was made."""
+    from pager.experts.train import fused_on_host
+
+    torch.manual_seed(0)
+    start = torch.randn(64, 8)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    grads = [torch.randn(64, 8) for _ in range(3)]
+    opts = [getattr(torch.optim, name)([p], lr=1e-2, foreach=True) for p in params]
+    for g in grads:
+        for p, opt, fused in zip(params, opts, (False, True)):
+            p.grad = g.clone()
+            with fused_on_host(opt, 0) if fused else contextlib.nullcontext():
+                if fused:
+                    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is False
+                opt.step()
+    assert opts[1].param_groups[0]["foreach"] is True and not opts[1].param_groups[0]["fused"]
+    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)
+    rms = torch.optim.RMSprop([params[0]], lr=1e-2, foreach=True)
+    before = dict(rms.param_groups[0])
+    with fused_on_host(rms, 0):
+        assert rms.param_groups[0] == before
 
 
 def test_state_kept_by_expert_in_other_shapes_and_a_hook_refused():

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from contextlib import nullcontext
 from typing import cast
 
 import torch
@@ -76,7 +77,7 @@ from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
 from .find import hidden_name, routing_name
 from .saved import SavedExperts
-from .train import ExpertsIn, add_piece, step_experts, training_given_back
+from .train import ExpertsIn, add_piece, fused_on_host, step_experts, training_given_back
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -476,7 +477,8 @@ class ExpertTable:
                 type(optimizer).__name__,
                 type(optimizer).__name__,
             )
-        stepped = step_experts(self.params[index], self.hosts[index], optimizer, group_index, run_step)
+        with fused_on_host(optimizer, group_index) if self.pager.transport.is_cuda else nullcontext():
+            stepped = step_experts(self.params[index], self.hosts[index], optimizer, group_index, run_step)
         if stepped is not None:
             self.cache.forget(self.base, self.num_experts)  # (their cached copies are stale)
             if index == 0:  # (counted by the module's first parameter: gate_up_proj)

