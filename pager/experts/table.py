@@ -70,8 +70,8 @@ import torch
 import torch.nn as nn
 
 from ..base.common import model_hook
+from ..base.optimizers import dense_on_rows
 from ..engine.host import unregister_table
-from ..training.attach import dense_on_rows
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups

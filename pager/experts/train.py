@@ -67,8 +67,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..base.optimizers import run_narrowed
 from ..base.tensor_ops import METADATA
-from ..rows.step import run_narrowed
 
 
 class ExpertsIn(torch.autograd.Function):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..base.optimizers import run_narrowed
 from .cache import WEIGHT
 from .tensors import RowGrad, RowStateTensor, host_view
 from .writer import host_alias
@@ -79,20 +80,6 @@ def step_rows(table, optimizer, group_index: int, run_step) -> None:
         else:
             state[key] = value
     table.write(rows, values, uncached, slots if cache.epoch == epoch else None)
-
-
-def run_narrowed(param: nn.Parameter, optimizer, group_index: int, run_step) -> None:
-    """`run_step(optimizer)` with its group `group_index` narrowed to `param`
-    (the others to nothing), the groups given back however it ends."""
-    groups = optimizer.param_groups
-    saved = [g["params"] for g in groups]
-    try:
-        for i, g in enumerate(groups):
-            g["params"] = [param] if i == group_index else []
-        run_step(optimizer)
-    finally:
-        for g, params in zip(groups, saved):
-            g["params"] = params
 
 
 def take_grad(table):

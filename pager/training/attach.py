@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..base.common import BudgetError
+from ..base.optimizers import dense_on_rows
 from . import masters
 from .optim import OptimizerLink, raw_step_of
 
@@ -97,16 +98,3 @@ def _warn_if_rows_lazy(pager, optimizer) -> None:
             type(optimizer).__name__,
             type(optimizer).__name__,
         )
-
-
-def dense_on_rows(optimizer, group) -> bool:
-    """Whether `optimizer` leaves rows with a zero gradient unchanged (its
-    row-by-row update is then the dense one)."""
-    name, decay = type(optimizer).__name__, group.get("weight_decay", 0)
-    if name == "SparseAdam":
-        return True
-    if name == "Adagrad":
-        return not decay
-    if name == "SGD":
-        return not decay and not group.get("momentum", 0)
-    return False
