@@ -63,21 +63,19 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextlib import nullcontext
 from typing import cast
 
 import torch
 import torch.nn as nn
 
 from ..base.common import model_hook
-from ..base.optimizers import dense_on_rows
 from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
 from .find import hidden_name, routing_name
 from .saved import SavedExperts
-from .train import ExpertsIn, add_piece, fused_on_host, step_experts, training_given_back
+from .train import ExpertsIn, add_piece, check_trainable, step_table, training_given_back
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -288,20 +286,7 @@ class ExpertTable:
         """The call's routing, once the call is checked."""
         if self._calls[threading.get_ident()] > 1:
             raise RuntimeError(f"pager: the experts module {self.name!r} was called from inside its own forward.")
-        trained = [n for n, p in zip(self.names, self.params) if p.requires_grad] if torch.is_grad_enabled() else []
-        if trained and self.pager.master_weights:
-            raise RuntimeError(
-                f"pager: the experts of {self.name!r} page one by one (experts='auto') and train on the host, "
-                "without float32 master weights: under master_weights=True freeze them "
-                "(`module.requires_grad_(False)`), or wrap with experts=None to train them with their layers."
-            )
-        hooked = [n for n, p in zip(self.names, self.params) if n in trained and p._backward_hooks]
-        if hooked:  # (their gradients reach `.grad` by expert, not through autograd: a hook would see none)
-            raise RuntimeError(
-                f"pager: {self.name}.{hooked[0]} has a gradient hook (`register_hook`), and its experts page one "
-                "by one: their gradients go to `.grad` by expert, not through autograd, so the hook would see none. "
-                "Remove the hook, freeze the experts, or wrap with experts=None to train them with their layers."
-            )
+        check_trainable(self)
         if not in_kwargs and len(args) < 2:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
         return kwargs[self.routing] if in_kwargs else args[1]
@@ -461,28 +446,8 @@ class ExpertTable:
 
     # ----------------------------------------------------------- training
     def step(self, index: int, optimizer, group_index: int, run_step) -> None:
-        """Update the experts the gradient of parameter `index` covers
-        ([Note: experts trained one by one] in experts/train.py)."""
-        if self.pager.transport.is_cuda:
-            # The host tensors are about to be written: every copy that reads
-            # them (into the cache, ahead, or for a backward) must be done first.
-            torch.cuda.synchronize(self.cache.device)
-        if not dense_on_rows(optimizer, optimizer.param_groups[group_index]):
-            self.pager.warn_once(
-                "experts-lazy",
-                "pager: the experts train one by one: %s updates only the experts a step's tokens reached (the "
-                "lazy variant, as SparseAdam is of Adam: the others keep their weights and state), which differs "
-                "from %s on the whole tensors. For the dense update use SGD without momentum or weight decay, or "
-                "Adagrad, or wrap with experts=None.",
-                type(optimizer).__name__,
-                type(optimizer).__name__,
-            )
-        with fused_on_host(optimizer, group_index) if self.pager.transport.is_cuda else nullcontext():
-            stepped = step_experts(self.params[index], self.hosts[index], optimizer, group_index, run_step)
-        if stepped is not None:
-            self.cache.forget(self.base, self.num_experts)  # (their cached copies are stale)
-            if index == 0:  # (counted by the module's first parameter: gate_up_proj)
-                self.pager.counters.experts_stepped += len(stepped)
+        """Update the experts the gradient of parameter `index` covers (`step_table`)."""
+        step_table(self, index, optimizer, group_index, run_step)
 
     # ----------------------------------------------------------- unwrap
     def restore(self, optimizers=()) -> None:

@@ -62,12 +62,12 @@ Trained, three things change:
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
 
-from ..base.optimizers import run_narrowed
+from ..base.optimizers import dense_on_rows, run_narrowed
 from ..base.tensor_ops import METADATA
 
 
@@ -300,6 +300,52 @@ def _gradient(g, rows: list | None) -> torch.Tensor:
         return g.summed(rows)
     dense = (g.make_real() if isinstance(g, ExpertGrad) else g).to("cpu")
     return dense if rows is None else dense.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
+def check_trainable(table) -> None:
+    """Refuse, before a call with gradients for `table`'s (an `ExpertTable`)
+    own parameters changes anything, what training them one by one cannot
+    serve (see the Note)."""
+    trained = [n for n, p in zip(table.names, table.params) if p.requires_grad] if torch.is_grad_enabled() else []
+    if trained and table.pager.master_weights:
+        raise RuntimeError(
+            f"pager: the experts of {table.name!r} page one by one (experts='auto') and train on the host, "
+            "without float32 master weights: under master_weights=True freeze them "
+            "(`module.requires_grad_(False)`), or wrap with experts=None to train them with their layers."
+        )
+    hooked = [n for n, p in zip(table.names, table.params) if n in trained and p._backward_hooks]
+    if hooked:  # (their gradients reach `.grad` by expert, not through autograd: a hook would see none)
+        raise RuntimeError(
+            f"pager: {table.name}.{hooked[0]} has a gradient hook (`register_hook`), and its experts page one "
+            "by one: their gradients go to `.grad` by expert, not through autograd, so the hook would see none. "
+            "Remove the hook, freeze the experts, or wrap with experts=None to train them with their layers."
+        )
+
+
+def step_table(table, index: int, optimizer, group_index: int, run_step) -> None:
+    """Update the experts the gradient of `table`'s (an `ExpertTable`)
+    parameter `index` covers (see the Note)."""
+    cuda = table.pager.transport.is_cuda
+    if cuda:
+        # The host tensors are about to be written: every copy that reads
+        # them (into the cache, ahead, or for a backward) must be done first.
+        torch.cuda.synchronize(table.cache.device)
+    if not dense_on_rows(optimizer, optimizer.param_groups[group_index]):
+        table.pager.warn_once(
+            "experts-lazy",
+            "pager: the experts train one by one: %s updates only the experts a step's tokens reached (the "
+            "lazy variant, as SparseAdam is of Adam: the others keep their weights and state), which differs "
+            "from %s on the whole tensors. For the dense update use SGD without momentum or weight decay, or "
+            "Adagrad, or wrap with experts=None.",
+            type(optimizer).__name__,
+            type(optimizer).__name__,
+        )
+    with fused_on_host(optimizer, group_index) if cuda else nullcontext():
+        stepped = step_experts(table.params[index], table.hosts[index], optimizer, group_index, run_step)
+    if stepped is not None:
+        table.cache.forget(table.base, table.num_experts)  # (their cached copies are stale)
+        if index == 0:  # (counted by the module's first parameter: gate_up_proj)
+            table.pager.counters.experts_stepped += len(stepped)
 
 
 def step_experts(param: nn.Parameter, host: torch.Tensor, optimizer, group_index: int, run_step) -> list | None:
