@@ -128,6 +128,7 @@ def _paged_row(model, routing, batches, budget, label, how, ref_s, ref_losses, w
     pager.wrap(model, budget=budget, **({"experts": None} if how == "with their layers" else {}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     counters = pager.of(model).counters
+    caches_at_wrap = pager.of(model).row_bytes  # (row and experts' caches, sized for inference: a step takes some)
     moved, down, stepped = [], [], []
     times, losses = [], []
     for i, ids in enumerate(batches):
@@ -149,7 +150,9 @@ def _paged_row(model, routing, batches, budget, label, how, ref_s, ref_losses, w
         f"{statistics.median(moved[2:]) / 1e9:.2f} GB (forward and backward), "
         f"gradients to the host "
         f"{statistics.median(down[2:]) / 1e9:.2f} GB, {statistics.median(stepped[2:]):.0f} of {experts} experts "
-        f"stepped; losses {' '.join(f'{x:.4f}' for x in losses[:3])} (all on the GPU "
+        f"stepped; caches (rows, experts) {caches_at_wrap / GiB:.2f} GiB at wrap, "
+        f"{pager.of(model).row_bytes / GiB:.2f} "
+        f"after; losses {' '.join(f'{x:.4f}' for x in losses[:3])} (all on the GPU "
         f"{' '.join(f'{x:.4f}' for x in ref_losses[:3])})"
     )
     what = f"experts {how}"

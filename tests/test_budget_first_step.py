@@ -340,7 +340,7 @@ def test_an_interrupt_inside_the_measure_leaves_nothing_on():
     hooks are on again, no saving frame is left, and the next step measures
     and trains as the unwrapped model."""
     from pager.base import saving
-    from pager.training import dry_run
+    from pager.base.common import dry_running
 
     model = llama()
     ref = copy.deepcopy(model)
@@ -350,7 +350,7 @@ def test_an_interrupt_inside_the_measure_leaves_nothing_on():
     with pytest.raises(KeyboardInterrupt):
         model(input_ids=batch(0), labels=batch(0))
     hook.remove()
-    assert not dry_run.dry_running() and saving.depth() == 0 and pager.of(model).hooks.root_depth == 0
+    assert not dry_running() and saving.depth() == 0 and pager.of(model).hooks.root_depth == 0
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     train_steps(model, opt, 2, within_budget(model))
     train_steps(ref, ref_opt, 2)

@@ -1216,7 +1216,7 @@ def test_row_tables_on_gpu_match_the_table_on_gpu(cache):
 
     ref = Rec().to(GPU)
     model = copy.deepcopy(ref).cpu()
-    pager.wrap(model, budget="64MiB", rows=["emb", "bag"], row_cache=cache)
+    pager.wrap(model, budget="64MiB", rows=["emb", "bag"], row_cache=cache, budget_covers="pager")  # (ref is beside)
     assert type(model.emb.weight) is RowTableParameter and model.emb.weight.device.type == "cpu"
 
     def opts(m):

@@ -527,11 +527,12 @@ def test_inductor_compiled_blocks_in_a_pipeline_on_the_gpu():
         images.append(_run(p, call).images)
         assert counter.frame_count == graphs > 0
     np.testing.assert_allclose(images[2], images[0], rtol=1e-4, atol=1e-4)
-    # The next call repeats the first as closely as the same compiled kernels repeat themselves: bit for
-    # bit where the reference's two calls are (alone, they are); after other GPU tests in the same process
-    # the reference's own two calls differ by up to ~4e-7 (H200, torch 2.11), and the paged calls may too.
+    # The next call repeats the first as closely as the same compiled kernels repeat themselves: after
+    # other GPU tests in the same process the reference's own two calls differ by up to ~4e-7 (H200, torch
+    # 2.11), and the paged calls may too; and a paged call's weights sit elsewhere at the next call: its two
+    # calls were 2.4e-7 apart where the reference's were equal (a few float32 steps of a value near 0.5).
     drift = float(np.abs(images[1] - images[0]).max())
-    np.testing.assert_allclose(images[3], images[2], rtol=0, atol=2 * drift)
+    np.testing.assert_allclose(images[3], images[2], rtol=0, atol=max(2 * drift, 1e-6))
     assert pager.of(pipe).stats().models["transformer"].evictions > 0
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pager
+from pager.base.common import dry_running
 from pager.experts import cache as cache_module
 from pager.experts.cache import ExpertCache
 from pager.experts.chunks import token_groups
@@ -640,7 +641,8 @@ def test_gradients_through_frozen_paged_experts_on_the_gpu(implementation):
         for experts in _experts(m):
             experts.requires_grad_(False)
     ref.cuda()
-    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=_one_layer(model) * 3 // 2)
+    # (sized for the blocks: the reference model is on the same GPU, outside pager)
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=_one_layer(model) * 3 // 2, budget_covers="pager")
     for step in range(2):
         ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step)).cuda()
         losses = [m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, ref)]
@@ -722,7 +724,7 @@ def test_an_interrupt_inside_the_experts_forward_leaves_them_usable(monkeypatch,
     forward = type(table.module).forward
 
     def interrupted(module, *args, **kwargs):
-        if module is table.module:
+        if module is table.module and not dry_running():  # (the call, not the measure before the forward)
             raise KeyboardInterrupt
         return forward(module, *args, **kwargs)
 
@@ -881,6 +883,77 @@ def test_experts_train_one_by_one_bit_for_bit(kind, implementation):
         torch.use_deterministic_algorithms(deterministic)
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def _many_experts():  # a cache of more experts than a call's copies may hold at once
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=128, num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def _many_pair(implementation):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_many_experts())
+    model = transformers.AutoModelForCausalLM.from_config(_many_experts())
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        m.set_experts_implementation(implementation)
+    return ref, model
+
+
+@pytest.mark.parametrize("budget", [300_000, 500_000])
+def test_a_training_step_takes_room_from_the_experts_cache_within_the_budget(budget):
+    """The cache wrap sized (the budget beyond the blocks' weights) gives a
+    training step the room its blocks' gradients, the activations and the
+    experts' copies need: from the first step, blocks and activations (the
+    ledger's peak), the caches and the copies' share stay within the
+    budget; the values are the unpaged model's bit for bit (SGD: the dense
+    update)."""
+    from pager.model import step_needs
+
+    ref, model = _many_pair("batched_mm")
+    pager.wrap(model, budget=budget, device="cpu")
+    pg = pager.of(model)
+    at_wrap = pg.row_bytes
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        pg.reset()
+        ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+        held = pg.stats().peak_device_bytes + pg.row_bytes + step_needs.beside_bytes(pg)
+        assert held <= budget - pg.outside_bytes, step
+    caches = {id(t.cache): t.cache for t in pg.expert_tables}.values()
+    assert pg.row_bytes == sum(c.device_bytes() for c in caches) < at_wrap
+    assert pg.stats().expert_misses > 0
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_step_the_forward_of_which_cannot_be_measured_is_refused_below_the_blocks_least():
+    """Under `eager` (it reads the routing's values) the forward is not
+    measured on fake tensors; a budget the blocks alone, with their
+    gradients and what pager keeps beside them, do not fit is still refused
+    before the forward runs, naming a budget that does."""
+    ref, model = _many_pair("eager")
+    pager.wrap(model, budget=90_000, device="cpu")
+    ids = torch.randint(0, 64, (1, 4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(pager.BudgetError, match="could not be measured") as refused:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert refused.value.least_budget_bytes > 90_000
+    assert all(p.grad is None and torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    pager.unwrap(model)
+    pager.wrap(model, budget=refused.value.least_budget_bytes, device="cpu")
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad + 0, b.grad), n
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
@@ -1109,7 +1182,8 @@ def test_experts_train_one_by_one_on_the_gpu(implementation):
     made them, and the update waits for every copy that reads the host."""
     ref, model = _pair("qwen3_moe", implementation)
     ref.cuda()
-    pager.wrap(model, budget=10 << 20, expert_cache=_one_layer(model) * 3 // 2)
+    # (sized for the blocks: the reference model is on the same GPU, outside pager)
+    pager.wrap(model, budget=10 << 20, expert_cache=_one_layer(model) * 3 // 2, budget_covers="pager")
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(step)).cuda()

@@ -16,7 +16,7 @@ from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..engine.engine import Engine
 from ..engine.split_fetch import helper_budgets, resolve_helpers
-from ..experts.find import expert_bytes, layout_of
+from ..experts.find import expert_bytes, layout_of, routed_of
 from ..model.pool import Pool
 from ..training import distributed, masters, owners
 from .fit import too_large_message
@@ -245,11 +245,8 @@ def expert_cache_bytes(expert_cache, device, budget_bytes: int, sizing, row_byte
     layouts: dict = {}
     for _n, m in modules:
         key, per = layout_of(m), expert_bytes(m)
-        # (a token's experts: the model's top k, where its config says it; else every expert)
-        k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
-        routed = min(k, m.num_experts) if isinstance(k, int) and k > 0 else m.num_experts
         most, total = layouts.get(key, (0, 0))
-        layouts[key] = (max(most, per * routed), total + per * m.num_experts)
+        layouts[key] = (max(most, per * routed_of(m)), total + per * m.num_experts)
     every = sum(total for _m, total in layouts.values())
     # (the caches of layouts share the bytes in proportion to their experts': each share holds its most)
     least = max(-(-most * every // total) for most, total in layouts.values())

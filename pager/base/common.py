@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,19 @@ STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
 STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time
 ROOM_WAIT_SECONDS = 60.0  # a use waits this long for room held by other threads' uses, then fails
 SHARE_WINDOW = 16  # models sharing an engine split its room by their use in this many last requests
+
+_dry = threading.local()  # `dry_running`: this thread measures a forward on fake tensors (training/dry_run.py)
+
+
+def dry_running() -> bool:
+    """This thread runs a forward on fake tensors to measure it
+    (training/dry_run.py): pager's hooks stand aside."""
+    return getattr(_dry, "on", False)
+
+
+def set_dry_running(on: bool) -> None:
+    _dry.on = on
+
 
 _PAGERS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()  # model -> its Pager
 

@@ -56,27 +56,22 @@ class ExpertCache:
             the experts module's parameters.
         capacity: slots.
         device: where.
+        least: the fewest slots it runs with (one token's experts in a
+            layer: `shrink` goes no lower).
 
     Example (inside pager):
         >>> cache = ExpertCache((((32, 16), torch.float32), ((16, 16), torch.float32)), 8, torch.device("cpu"))
         >>> slots, misses = cache.hold(0, [1, 5], fill)  # fill(slot, key) copies an expert in
     """
 
-    def __init__(self, layout: tuple, capacity: int, device: torch.device):
-        self.layout, self.capacity, self.device = layout, capacity, device
-        self.tensors = [torch.empty((capacity, *shape), dtype=dtype, device=device) for shape, dtype in layout]
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors) if capacity else 0
-        self._recent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: come in lately
-        self._frequent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: kept for their counts
-        self._free = list(range(capacity - 1, -1, -1))
+    def __init__(self, layout: tuple, capacity: int, device: torch.device, least: int = 1):
+        self.layout, self.capacity, self.device, self.least = layout, capacity, device, min(least, capacity)
+        self.expert_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in _sizes(layout))
         self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to one token's experts: `hold`)
         self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
         self._uses = 0
-        self._age_uses = max(1, AGE_USES * capacity)
+        self._slots(capacity)
         self.released_event: torch.cuda.Event | None = None  # on CUDA: the last call's end (ExpertTable._after)
-        self._ahead: dict = {}  # key copied ahead and not used since -> its window ([Note: experts fetched ahead])
-        self._in_flight: set = set()  # keys copied ahead that no call has waited for yet
-        self._free_in_flight = False  # a free slot's copy ahead may still run (`forget`)
         self.ahead_used = 0  # experts copied ahead that a call then used
         self._window = [0, 0]  # experts copied ahead in this window, and of them used
         self._windows = 0  # windows judged so far
@@ -85,8 +80,41 @@ class ExpertCache:
         self.ahead_event: torch.cuda.Event | None = None  # on CUDA: the end of the last copies ahead
         self.lock = threading.RLock()  # held by a call from its pre-hook to its post-hook (experts/table.py)
 
+    def _slots(self, capacity: int) -> None:
+        """`capacity` empty slots (their tensors new)."""
+        self.capacity = capacity
+        device = self.device
+        self.tensors = [torch.empty((capacity, *shape), dtype=dtype, device=device) for shape, dtype in self.layout]
+        self._recent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: come in lately
+        self._frequent: OrderedDict = OrderedDict()  # key -> slot, least recently used first: kept for their counts
+        self._free = list(range(capacity - 1, -1, -1))
+        self._recent_most = max(1, min(self._recent_most, capacity // 2))
+        self._age_uses = max(1, AGE_USES * capacity)
+        self._ahead: dict = {}  # key copied ahead and not used since -> its window ([Note: experts fetched ahead])
+        self._in_flight: set = set()  # keys copied ahead that no call has waited for yet
+        self._free_in_flight = False  # a free slot's copy ahead may still run (`forget`)
+
     def device_bytes(self) -> int:
         return self.expert_bytes * self.capacity
+
+    def shrink(self, capacity: int) -> int:
+        """Hold `capacity` slots from now on (at least `least`), every
+        expert dropped (use counts kept); returns the device bytes given up.
+        Between calls (the lock is taken)."""
+        capacity = max(capacity, self.least)
+        if capacity >= self.capacity:
+            return 0
+        with self.lock:
+            before = self.device_bytes()
+            if self.device.type == "cuda":
+                # Copies ahead (on `ahead_stream`) and fills may still write into
+                # the slots, and kernels of the last call read them: all done
+                # before their memory goes back to the allocator (rare: once
+                # per budget a training step needs).
+                torch.cuda.synchronize(self.device)
+            self.tensors = []  # (the old slots freed before the new are made)
+            self._slots(capacity)
+            return before - self.device_bytes()
 
     def hold(self, base: int, experts: list, fill, wait_ahead=None, per_token: int = 0) -> tuple[list, int]:
         """The slots of `experts` (keys `base + expert`), in their order,
@@ -264,3 +292,21 @@ class ExpertCache:
 
     def held(self) -> int:
         return len(self._recent) + len(self._frequent)
+
+
+def shrink_caches(caches: list, nbytes: int) -> int:
+    """Give up at least `nbytes` of `caches`' device memory where they hold
+    that beyond their least, the caches holding most beyond it giving first
+    (each by whole slots); returns the bytes given up."""
+    freed = 0
+    for cache in sorted(caches, key=lambda c: (c.least - c.capacity) * c.expert_bytes):
+        if freed >= nbytes:
+            break
+        slots = -(-(nbytes - freed) // max(1, cache.expert_bytes))
+        freed += cache.shrink(cache.capacity - slots)
+    return freed
+
+
+def _sizes(layout: tuple) -> list:
+    """(torch.Size of one expert's tensor, dtype) of each entry of `layout`."""
+    return [(torch.Size(shape), dtype) for shape, dtype in layout]

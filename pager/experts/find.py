@@ -13,6 +13,7 @@ GPT-OSS, ...), and of any module written to it.
 from __future__ import annotations
 
 import inspect
+from typing import cast
 
 import torch.nn as nn
 
@@ -104,3 +105,11 @@ def layout_of(module: nn.Module) -> tuple:
 def expert_bytes(module: nn.Module) -> int:
     """Bytes of one expert of an experts module (its slice of every parameter)."""
     return sum(p[0].numel() * p.element_size() for p in module._parameters.values() if p is not None)
+
+
+def routed_of(module: nn.Module) -> int:
+    """The experts one token routes to in `module`: the model's top k, where
+    its config says it; else every expert."""
+    k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    count = int(cast(int, module.num_experts))
+    return min(k, count) if isinstance(k, int) and k > 0 else count

@@ -68,7 +68,7 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from ..base.common import model_hook
+from ..base.common import dry_running, model_hook
 from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
@@ -79,7 +79,11 @@ from .train import ExpertsIn, add_piece, check_trainable, step_table, training_g
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
-MOST_COPIED_SHARE = 8  # a forward's copies of experts: at most this share of the budget (`_chunk_limits`)
+# A call's copies of experts: at most this share of the budget (`_chunk_limits`);
+# the backward of a call with gradients holds two such at once (the copy made
+# again, and its gradient): twice the share is held out of blocks' room in a
+# training step (model/step_needs.py).
+MOST_COPIED_SHARE = 8
 
 
 class ExpertTable:
@@ -144,6 +148,8 @@ class ExpertTable:
         # Given back by `_after`, which torch calls however the call ends with
         # an `Exception` (a failure here included); one an interrupt ends
         # (KeyboardInterrupt) skips it: `interrupted` gives it back then.
+        if dry_running():
+            return None  # (a measure on fake tensors: the module runs on its parameters' stand-ins, every expert)
         self.cache.lock.acquire()
         tid = threading.get_ident()
         self._calls[tid] = self._calls.get(tid, 0) + 1
@@ -368,8 +374,8 @@ class ExpertTable:
 
     def _after(self, module, args, output):
         tid = threading.get_ident()
-        if not self._calls.get(tid):
-            return None  # (an earlier pre-hook failed: `_before` did not run, torch calls this anyway)
+        if dry_running() or not self._calls.get(tid):
+            return None  # (a measure; or an earlier pre-hook failed: `_before` did not run, torch calls this anyway)
         try:
             if self._chunked is not None:
                 output = self._run_chunks(module)

@@ -12,7 +12,7 @@ from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..experts.ahead import router_of
 from ..experts.cache import ExpertCache
-from ..experts.find import expert_bytes, layout_of
+from ..experts.find import expert_bytes, layout_of, routed_of
 from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
 from ..rows.reader import RowStream
@@ -87,7 +87,7 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
         share = cache_bytes * sum(expert_bytes(m) * m.num_experts for _n, m in members) // max(1, total)
         per_expert = expert_bytes(members[0][1])
         capacity = min(share // per_expert, sum(m.num_experts for _n, m in members))
-        cache = ExpertCache(shapes, capacity, pager.device)
+        cache = ExpertCache(shapes, capacity, pager.device, least=max(routed_of(m) for _n, m in members))
         if capacity < max(m.num_experts for _n, m in members):
             log.warning(
                 "pager: the experts' cache holds %d experts, fewer than the %d of a layer: a call routed to more "

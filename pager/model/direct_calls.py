@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..base.block import Block
-from ..base.common import WEIGHTS, model_hook
-from ..training.dry_run import dry_running
+from ..base.common import WEIGHTS, dry_running, model_hook
 
 
 class DirectCalls:

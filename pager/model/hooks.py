@@ -16,10 +16,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..base import saving, served
 from ..base.block import Block
 from ..base.budget import format_bytes
-from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, model_hook, outside_compile
+from ..base.common import BACKWARD, WEIGHTS, BudgetError, _locked, dry_running, model_hook, outside_compile
 from ..training import recompute
 from ..training.checkpoint import StateDicts
-from ..training.dry_run import dry_running
 from .asleep import Sleep
 from .structure import Structure
 

@@ -457,6 +457,8 @@ def _activations_of(pager: Pager, policy: str) -> Activations | None:
         measure=lambda args, kwargs: step_needs.measure(pager, args, kwargs),
         outside_bytes=lambda: pager.outside_bytes,
         budget_total=lambda: pager.engine.budget_bytes,
+        beside_bytes=lambda budget=None: step_needs.beside_bytes(pager, budget),
+        give_back=lambda nbytes: step_needs.give_back(pager, nbytes),
     )
     activations.ledger.note_blocks(0)
     return activations

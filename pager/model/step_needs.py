@@ -6,9 +6,16 @@ in training/activations.py); a scan of the blocks, once a step."""
 
 from __future__ import annotations
 
+import logging
+
+from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..base.wrappers import aligned_bytes
+from ..experts.cache import shrink_caches
+from ..experts.table import MOST_COPIED_SHARE
 from ..training.dry_run import measure_saved, state_bytes_of
+
+log = logging.getLogger("pager")
 
 
 def train_bytes(pager) -> dict:
@@ -48,6 +55,31 @@ def least_bytes(pager) -> int:
     return max(fixed + largest, pager.min_budget_bytes) + pager.carried_bytes + pager.row_bytes
 
 
+def beside_bytes(pager, budget: int | None = None) -> int:
+    """What a training pass holds beside its activations that pager bounds,
+    under `budget` (None: the budget as given): its experts' calls' copies,
+    two at once in a backward (experts/table.py's share of the budget each)."""
+    if not pager.expert_tables:
+        return 0
+    return 2 * ((pager.engine.budget_bytes if budget is None else budget) // MOST_COPIED_SHARE)
+
+
+def give_back(pager, nbytes: int) -> int:
+    """Give at least `nbytes` of the experts' caches' device memory back to
+    a training step the budget would not hold otherwise, the caches no
+    smaller than a token's experts; returns the bytes given."""
+    freed = shrink_caches(list({id(t.cache): t.cache for t in pager.expert_tables}.values()), nbytes)
+    if freed:
+        pager.row_bytes -= freed
+        log.info(
+            "pager: the experts' caches gave %s to the training step (now %s): the blocks with their gradients "
+            "and optimizer state, and the activations, need it in this budget",
+            format_bytes(freed),
+            format_bytes(sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())),
+        )
+    return freed
+
+
 def pages_to_come_bytes(pager) -> int:
     """What the gradients and optimizer state not made yet will add to the blocks' pages."""
     return sum(n - b.nbytes() for b, n in train_bytes(pager).items())
@@ -59,7 +91,10 @@ def measure(pager, args, kwargs) -> tuple:
     that covers the process, the room outside pager predicted from the same
     measure is given to `Outside` (its figure for this step on)."""
     blocks = list(pager.blocks)
-    saved = measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs)
+    # (paged experts' and row tables' parameters hold their host tensors: their calls read device copies)
+    placed = {id(p): pager.device for t in pager.expert_tables for p in t.params}
+    placed.update((key, pager.device) for key in pager.row_params)
+    saved = measure_saved(pager.model, [(b.name, b.module) for b in blocks], args, kwargs, placed)
     if pager.outside is not None:  # (the budget covers the process: blocks leave it room from this step)
         pager.outside.predicted(saved.outside_peak)
     return saved, blocks

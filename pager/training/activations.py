@@ -98,7 +98,16 @@ class Activations:
     policy (bit for bit on the CPU device).
     A forward that cannot run on fake tensors (it reads values) runs its
     first pass under recompute (it holds least), the reserve growing as it
-    goes, and "auto" keeps recompute for the blocks that do not keep theirs.
+    goes, and "auto" keeps recompute for the blocks that do not keep theirs;
+    before each training forward and at an optimizer's first step, the least
+    that blocks need beside what the last pass held (nothing before the
+    first) is still checked, and a budget that does not hold it refused.
+    What a pass holds beside its activations that pager bounds (paged
+    experts' copies of a call with gradients: experts/table.py) counts with
+    the activations, in the plan and in the reserve. Where the budget does
+    not hold a step, pager's caches that hold more than they need (the
+    experts' caches, sized at wrap for inference) give room back before
+    anything is refused (`give_back`).
     Under `torch.compile` of the whole model, where neither offload nor
     recompute can run ([Note: pager under torch.compile] in model/hooks.py),
     "auto" keeps every block's activations, counted, and says so once.
@@ -119,6 +128,14 @@ class Activations:
         outside_bytes: what the process holds outside pager, learned
             (`budget_covers="process"`), for the refusal's figures.
         budget_total: the budget as given (the refusal names budgets so).
+        beside_bytes: `(budget=None) -> bytes`: what a training pass holds on
+            the device beside its activations under `budget` (None: the
+            budget as given), a share of it bounded by pager (paged experts'
+            copies of a call with gradients); held out of blocks' room with
+            the activations.
+        give_back: `nbytes -> freed`: device memory pager holds beyond the
+            least it runs in, given up for a step the budget would not hold
+            otherwise (the experts' caches shrink); returns what it freed.
     """
 
     def __init__(
@@ -132,10 +149,12 @@ class Activations:
         measure=None,
         outside_bytes=lambda: 0,
         budget_total=lambda: 0,
+        beside_bytes=lambda budget=None: 0,
+        give_back=lambda nbytes: 0,
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
-        self.budget_total = budget_total
+        self.budget_total, self.beside_bytes, self.give_back = budget_total, beside_bytes, give_back
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -171,6 +190,7 @@ class Activations:
             args, kwargs: what the root forward was called with.
         """
         if self._planned_dims is None or self.measure is None:
+            self._check_unmeasured(at_step=False)
             return
         shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if _exceeds(shapes, self._planned_dims):
@@ -181,9 +201,10 @@ class Activations:
                 if self.asked == AUTO:
                     self._set_policy(RECOMPUTE)
                 log.info("pager: %s; the first training pass learns what activations hold as it runs", str(e)[7:])
+                self._check_unmeasured(at_step=False)
                 return
             self._planned_dims = _widest(shapes, self._planned_dims)
-        elif (self.least_bytes(), self.budget_bytes()) == self._planned_for:
+        elif (self._least(), self.budget_bytes()) == self._planned_for:
             return
         planned = self.planned
         assert planned is not None  # (measured whenever `_planned_dims` is set)
@@ -198,21 +219,31 @@ class Activations:
         its state counts now, before that step changes anything. Raises
         `BudgetError` where no policy holds the blocks with it beside the
         activations the last forward measured."""
-        if self.planned is None or self._planned_for is None:
+        if self._planned_dims is None:
+            self._check_unmeasured(at_step=True)
+        elif self.planned is None or self._planned_for is None:
             return  # (no forward planned yet: the first one counts the state)
-        if (self.least_bytes(), self.budget_bytes()) != self._planned_for:
+        elif (self._least(), self.budget_bytes()) != self._planned_for:
             self._decide(self.planned, self._planned_blocks, at_step=True)
+
+    def _least(self) -> int:
+        """What blocks and what pager keeps beside them need at least in a
+        training step, and what the pass holds beside its activations."""
+        return self.least_bytes() + self.beside_bytes()
 
     def _decide(self, planned: SavedBytes, blocks: list, at_step: bool = False) -> None:
         """Choose the kept blocks and the policy of the others from `planned`
         and check that the budget holds them; nothing changes if it does not
         (`at_step`: asked at an optimizer's first step, not at a forward)."""
-        budget, least = self.budget_bytes(), self.least_bytes()
-        room = None if budget is None else budget - least  # what activations may hold beside blocks
         kw = {"min_bytes": self.offload.min_bytes, "copies": self.transport.is_cuda}
-        chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
+        chosen, budget, least = self._choose(planned, kw)
+        if chosen is None and budget is not None:
+            short = least + min(self._held(planned, kw).values()) - budget
+            if short > 0 and self.give_back(short):  # (then the budget may hold the step)
+                chosen, budget, least = self._choose(planned, kw)
         if chosen is None:
             raise self._refusal(planned, budget, least, kw, at_step)
+        self.ledger.beside = self.beside_bytes()
         kept, policy, held = chosen
         by_name = {b.name: b for b in blocks}
         self._planned_for = (least, budget)
@@ -238,8 +269,58 @@ class Activations:
             "no bound" if budget is None else format_bytes(budget),
         )
 
+    def _choose(self, planned: SavedBytes, kw) -> tuple:
+        """(the choice of `choose`, or None where the budget holds none; the budget; the least blocks need)."""
+        budget, least = self.budget_bytes(), self._least()
+        room = None if budget is None else budget - least  # what activations may hold beside blocks
+        spare = self.spare_bytes() - self.beside_bytes()
+        return choose(planned, self.asked if self.asked == AUTO else self.policy, spare, room, **kw), budget, least
+
+    @staticmethod
+    def _held(planned: SavedBytes, kw) -> dict:
+        """What activations hold at most under each policy (none kept)."""
+        return {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
+
+    def _least_budget(self, need: int) -> int:
+        """The least budget that holds `need`, of which what a pass holds
+        beside its activations is the share of this budget (a share of the
+        budget: where it meets the rest)."""
+        rest, budget = need - self.beside_bytes(), need
+        for _ in range(16):  # (a share of at most a half: each round halves the gap at least)
+            budget = rest + self.beside_bytes(budget)
+        return budget + 1 if rest + self.beside_bytes(budget) > budget else budget
+
+    def _check_unmeasured(self, at_step: bool) -> None:
+        """Where the forward could not be measured on fake tensors: the
+        least that blocks need beside what activations held in the last pass
+        (none before the first) must fit the budget, or the step is refused
+        (before it changes anything)."""
+        budget = self.budget_bytes()
+        if self.measure is None or budget is None:
+            return
+        acts = self.ledger.last_pass_peak
+        if self._least() + acts > budget:
+            self.give_back(self._least() + acts - budget)
+            budget = self.budget_bytes()
+        self.ledger.beside = self.beside_bytes()
+        least = self._least()
+        if least + acts <= budget:
+            return
+        out = self.budget_total() - budget
+        least_budget = self._least_budget(out + least + acts)
+        raise BudgetError(
+            f"pager: a training step of this model holds at least {format_bytes(least + acts)} on the device: "
+            f"blocks at least {format_bytes(least)} (the resident remainder and the largest block with their "
+            f"gradients and optimizer state, and what pager keeps beside them) + activations "
+            f"{format_bytes(acts)} (what the last pass held; the forward could not be measured before it ran), "
+            f"more than the budget of {format_bytes(budget + out)}"
+            + (f" less {format_bytes(out)} outside pager's room" if out else "")
+            + f". {_unchanged(at_step)}. Use a budget of at least {format_bytes(least_budget, up=True)}.",
+            least_budget_bytes=least_budget,
+        )
+
     def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, at_step: bool) -> BudgetError:
-        held = {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
+        held = self._held(planned, kw)
         mine = held[self.policy] if self.asked != AUTO else min(held.values())
         if self.asked == AUTO:  # (either way of offloading)
             held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
@@ -252,14 +333,9 @@ class Activations:
         fix = (
             f'activations="{holds[0]}", which holds this budget'
             if holds
-            else f"a budget of at least {format_bytes(out + least + min(held.values()), up=True)} "
+            else f"a budget of at least {format_bytes(self._least_budget(out + least + min(held.values())), up=True)} "
             '(activations="auto" or '
             f'"{min(held, key=lambda p: held[p])}"), or a smaller batch'
-        )
-        unchanged = (
-            "This step did not run: nothing was updated (its gradients are kept; step again once the budget holds)"
-            if at_step
-            else "This forward did not run"
         )
         inference = (
             ""
@@ -273,10 +349,10 @@ class Activations:
             f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
             f"{format_bytes(mine)} (activations={self.asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
             f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
-            f"{outside}. {unchanged}. Use {fix}. (The optimizer's state counts once it is attached: "
+            f"{outside}. {_unchanged(at_step)}. Use {fix}. (The optimizer's state counts once it is attached: "
             f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
             f"optimizer=...)` gives these figures before wrap.){inference}",
-            least_budget_bytes=out + least + mine,
+            least_budget_bytes=self._least_budget(out + least + mine),
         )
 
     # ------------------------------------------------------------ each pass
@@ -298,7 +374,7 @@ class Activations:
     def _choose_kept(self) -> None:
         """The blocks whose activations stay this pass (see the Note)."""
         others = max(self.ledger.last_pass_peak - self.kept_bytes, 0)  # what the rest held, last pass
-        room = self.spare_bytes() - others
+        room = self.spare_bytes() - self.beside_bytes() - others
         self.kept, self.kept_bytes, self._kept_all = set(), 0, False
         for block in reversed(self.offload.order):
             nbytes = self.saved_bytes.get(block)
@@ -389,3 +465,10 @@ def _widest(shapes: list, widest: list) -> list:
     if len(shapes) != len(widest):
         return shapes
     return [a if len(a) != len(b) else tuple(max(x, y) for x, y in zip(a, b)) for a, b in zip(shapes, widest)]
+
+
+def _unchanged(at_step: bool) -> str:
+    """What a refusal left as it was."""
+    if at_step:
+        return "This step did not run: nothing was updated (its gradients are kept; step again once the budget holds)"
+    return "This forward did not run"

@@ -62,7 +62,7 @@ model/outside.py).
 
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -71,11 +71,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..base import wrappers
 from ..base.block import ALIGN_BYTES, align
+from ..base.common import set_dry_running
 from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from .masters import wants_master
 
-_state = threading.local()
 _GONE = object()
 
 # activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
@@ -83,11 +83,6 @@ OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept",
 IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (offload.py)
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (offload.py)
 GRADS_OF_A_LOSS = 2  # float32 tensors of the output's size a loss's backward holds at once (see the Note)
-
-
-def dry_running() -> bool:
-    """This thread runs a forward on fake tensors to measure it: pager's hooks stand aside."""
-    return getattr(_state, "on", False)
 
 
 @dataclass
@@ -209,11 +204,13 @@ def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None
     return None
 
 
-def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) -> SavedBytes:
+def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, placed=None) -> SavedBytes:
     """Run `model`'s forward on fake tensors shaped like `args` and `kwargs`
     and count what it saves for its backward, per block ([Note: activations
-    measured without running]). Raises `ValueError` naming the cause if the
-    forward cannot run on fake tensors."""
+    measured without running]). `placed`: {id of a tensor: the device its
+    forward reads it on}, for tensors held elsewhere (paged experts' host
+    tensors). Raises `ValueError` naming the cause if the forward cannot run
+    on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
@@ -221,7 +218,7 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # (tensors the model holds outside its state: made fake)
     names = [n for n, _m in named_blocks]
     index = {id(m): i for i, (_n, m) in enumerate(named_blocks)}
-    fakes = _fake_state(model, mode)
+    fakes = _fake_state(model, mode, placed or {})
     with mode:
         fake_args, fake_kwargs = tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
@@ -278,7 +275,9 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     # What a forward sets on its modules (a cache, a counter) is put back: the measure changes nothing.
     attributes = {m: dict(m.__dict__) for m in model.modules()}
-    _state.on = True
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # (it logs a failing meta kernel at ERROR:
+    quiet, fake_log.disabled = fake_log.disabled, True  # the failure is reported below, once)
+    set_dry_running(True)
     try:
         # (compiled blocks run eagerly here: their compiled kernels would read fake tensors' memory)
         with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -292,7 +291,8 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None) ->
             f"shapes) cannot be measured this way."
         ) from e
     finally:
-        _state.on = False
+        set_dry_running(False)
+        fake_log.disabled = quiet
         for h in handles:
             h.remove()
         torch.set_rng_state(rng)
@@ -337,10 +337,11 @@ def _tensors(tree) -> list:
     return []
 
 
-def _fake_state(model: torch.nn.Module, mode) -> dict:
+def _fake_state(model: torch.nn.Module, mode, placed: dict) -> dict:
     """A fake stand-in of each parameter and buffer of `model`, by name (a
     tied tensor: one for all its names); a paged-out one made from its shape
-    alone (its storage is empty: nothing is read or fetched)."""
+    alone (its storage is empty: nothing is read or fetched), as is one of
+    `placed` (on the device named there)."""
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     fakes: dict = {}
@@ -349,11 +350,12 @@ def _fake_state(model: torch.nn.Module, mode) -> dict:
         for name, t in state.items():
             if id(t) not in by_id:
                 grad = t.requires_grad and t.is_floating_point()
-                if _has_bytes(t):
+                if _has_bytes(t) and id(t) not in placed:
                     fake = mode.from_tensor(t.detach())
                 else:
                     with mode:
-                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                        device = placed.get(id(t), t.device)
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
                 by_id[id(t)] = fake.requires_grad_(grad)
             fakes[name] = by_id[id(t)]
     return fakes

@@ -25,6 +25,7 @@ class Ledger:
         self.sending = True
         self.blocks = 0  # device bytes of blocks now (`note_blocks`)
         self.planned = 0  # the most a pass holds by the plan (`plan`)
+        self.beside = 0  # what a pass holds beside activations, bounded by pager (experts' copies): in `reserve`
         # block -> what its forwards in this pass dropped, to be recomputed in
         # its backward; and of that, what blocks whose backward has begun will
         # recompute (counted in `reserve` until each recomputation has run)
@@ -110,8 +111,8 @@ class Ledger:
         self.planned = nbytes
 
     def reserve(self) -> int:
-        """The share of the budget that activations take from blocks."""
-        return max(self.last_pass_peak, self.planned, self.live + self.coming)
+        """The share of the budget that activations (and what a pass holds beside them) take from blocks."""
+        return max(self.last_pass_peak, self.planned, self.live + self.coming) + self.beside
 
 
 def tensor_bytes(t) -> int:
