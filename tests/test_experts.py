@@ -885,6 +885,45 @@ def test_experts_train_one_by_one_bit_for_bit(kind, implementation):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_call_with_gradients_copies_past_a_small_cache(implementation, frozen, monkeypatch):
+    """With gradients, a call's routed experts come from the host into a
+    copy of its own where they are trained ([Note: experts trained one by
+    one]) or more than the cache holds (frozen: the rest of the model
+    trains): a cache of one token's experts neither splits the call into
+    groups of tokens nor takes them in, and the training is the unpaged
+    one's bit for bit (SGD)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(implementation == "batched_mm" or deterministic)
+    try:
+        ref, model = _pair("mixtral", implementation)
+        for m in (ref, model):
+            for experts in _experts(m) if frozen else []:
+                experts.requires_grad_(False)
+        pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=2 * _one_layer(model) // 8)  # (2 slots, k = 2)
+        table = pager.of(model).expert_tables[0]
+        tokens, forward = [], type(table.module).forward
+
+        def counted(module, hidden_states, *args, **kwargs):
+            if module is table.module and not dry_running():
+                tokens.append(hidden_states.shape[0])
+            return forward(module, hidden_states, *args, **kwargs)
+
+        monkeypatch.setattr(type(table.module), "forward", counted)
+        opt, ref_opt = torch.optim.SGD(_trainable(model), lr=0.1), torch.optim.SGD(_trainable(ref), lr=0.1)
+        _moe_train(model, opt, 2)
+        _moe_train(ref, ref_opt, 2)
+        monkeypatch.undo()
+        assert tokens and all(n == 24 for n in tokens) and table.cache.held() == 0
+        assert pager.of(model).stats().expert_misses > 0
+        pager.unwrap(model)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def _many_experts():  # a cache of more experts than a call's copies may hold at once
     return transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,

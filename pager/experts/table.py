@@ -31,9 +31,9 @@ before. Its forward, called with the routing, runs in three steps:
 3. the post-hook (always called) gives the parameters their host tensors and
    `num_experts` back.
 
-A call routed to more experts than the cache holds (a prefill under a cache
-smaller than a layer's experts), or one whose forward would copy more of
-them than an eighth of the budget (`batched_mm` copies each token's k
+A call without gradients routed to more experts than the cache holds (a
+prefill under a cache smaller than a layer's experts), or one whose forward
+would copy more of them than an eighth of the budget (`batched_mm` copies each token's k
 experts: 16 tokens of a Mixtral-8x7B-shaped model, 10.5 GiB; the compact
 call copies the routed ones), gets no tokens in its forward; the post-hook
 runs the module's forward itself on groups of tokens within both
@@ -53,7 +53,9 @@ runs. On CUDA, a call's copies into slots are ordered after the kernels of
 the call before it that read the cache (an event, recorded at its end).
 A call with gradients through its input (the experts frozen) gets the
 compact copy, and what autograd saves of it is made again from the host for
-the backward: [Note: a backward through paged experts] in experts/saved.py.
+the backward: [Note: a backward through paged experts] in experts/saved.py;
+routed to more experts than the cache holds, its copy is made from the host
+(no slot taken), so that only the copies' share bounds its groups of tokens.
 A call with gradients for the experts' own parameters gets it too, through
 `ExpertsIn`, and their gradients and updates go by expert: [Note: experts
 trained one by one] in experts/train.py.
@@ -75,7 +77,7 @@ from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
 from .find import hidden_name, routing_name
 from .saved import SavedExperts
-from .train import ExpertsIn, add_piece, check_trainable, step_table, training_given_back
+from .train import ExpertsIn, add_piece, check_trainable, copied_from_host, step_table, training_given_back
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
@@ -164,7 +166,7 @@ class ExpertTable:
         in_kwargs = self.routing in kwargs
         index = self._routing_of(args, kwargs, in_kwargs)
         self._check_current()
-        trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+        trained = self._trains()
         if trained or (torch.is_grad_enabled() and getattr(self._hidden_of(args, kwargs), "requires_grad", False)):
             # A backward through the experts to their input, or to their own
             # parameters, will follow ([Note: a backward through paged experts] in
@@ -186,25 +188,33 @@ class ExpertTable:
             self.router.refresh()  # (its layer's block is in use: its weights are here)
         # (predicted before this call's misses are queued: the host copy of its
         # hidden states waits for the router only, as the routing's did)
-        predicted = self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
+        # (a call that trains the experts takes no slot: nothing to fetch ahead into)
+        predicted = None if trained else self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
         routing = self._place(experts, inverse, index, per_token=index.shape[-1])
         if predicted:
             self._fetch_ahead(predicted, experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
     def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor, per_token: int = 0) -> torch.Tensor:
-        """Hold `experts` in the cache, give the parameters their device
-        values and `num_experts` its count for this call, and return the
-        routing `index` renumbered to them (see the Note); `per_token`: the
-        experts a token routes to (`ExpertCache.hold`)."""
-        slots = self._hold(experts, per_token)
+        """Hold `experts` in the cache (a call that trains them: copy them
+        from the host, [Note: experts trained one by one]), give the
+        parameters their device values and `num_experts` its count for this
+        call, and return the routing `index` renumbered to them (see the
+        Note); `per_token`: the experts a token routes to (`ExpertCache.hold`)."""
         cache = self.cache
-        if self._in_place():
+        if self._in_place():  # (never a call that trains them: it has gradients)
+            slots = self._hold(experts, per_token)
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
-            slot_index = torch.tensor(slots, dtype=torch.long).to(cache.device, non_blocking=True)
-            values, routing = self._gathered(slot_index, experts), inverse
-            count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
+            if self._trains() or len(experts) > cache.capacity:  # (no slot of the cache: `_chunk_limits`)
+                values = copied_from_host(self.params, self.hosts, experts, self.cache.device, self.pager.counters)
+            else:
+                slot_index = torch.tensor(self._hold(experts, per_token), dtype=torch.long)
+                values = self._gathered(slot_index.to(cache.device, non_blocking=True), experts)
+            routing, count = (
+                inverse,
+                max(1, len(experts)),
+            )  # (a call of no tokens: some forwards take no count of 0 experts)
             if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm, which saves them)
                 values = [t.new_zeros((1, *t.shape[1:])) for t in cache.tensors]
             if self._saved is not None:
@@ -213,13 +223,19 @@ class ExpertTable:
         setattr(self.module, "num_experts", count)  # noqa: B010 (an nn.Module attribute: typed as a submodule)
         return routing.view(index.shape).to(index.dtype).to(index.device, non_blocking=True)
 
+    def _trains(self) -> bool:
+        """This call makes gradients for the experts' own parameters."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+
     def _gathered(self, slot_index: torch.Tensor, experts: list) -> list:
         """The cache's rows `slot_index` (the experts `experts`), a copy per
         parameter; a trained one's through `ExpertsIn` ([Note: experts
         trained one by one] in experts/train.py)."""
         grad, counters = torch.is_grad_enabled(), self.pager.counters
         return [
-            ExpertsIn.apply(p, t, slot_index, lambda g, p=p: add_piece(p, experts, g, counters))
+            ExpertsIn.apply(
+                p, lambda t=t: t.index_select(0, slot_index), lambda g, p=p: add_piece(p, experts, g, counters)
+            )
             if grad and p.requires_grad
             else t.index_select(0, slot_index)
             for p, t in zip(self.params, self.cache.tensors)
@@ -239,13 +255,19 @@ class ExpertTable:
 
     def _chunk_limits(self, k: int) -> tuple[int, int]:
         """The most experts and tokens one run of this module's forward may
-        take: the experts the cache holds, and the copies of experts the
+        take: the experts the cache holds (a call with gradients: any), and the copies of experts the
         forward makes at most an eighth of the budget (`batched_mm` copies a
         token's k experts for each token; the compact call, the routed
         experts once; `grouped_mm` in place, none): a prefill's call stays
         under the budget as a decode's does. A token alone always runs."""
         cache, implementation = self.cache, self._implementation()
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
+        if self._saved is not None:
+            # A call with gradients copies its experts out of the cache (or, trained or
+            # more than the cache holds, from the host: [Note: experts trained one by
+            # one]): its groups are bounded by the copies' share alone.
+            tokens = most_copied // max(1, k * self.expert_bytes) if implementation == "batched_mm" else sys.maxsize
+            return max(k, most_copied // max(1, self.expert_bytes)), max(1, tokens)
         if implementation == "batched_mm":
             return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
         if self._in_place(implementation) or self._grouped_on_cpu(implementation):

@@ -9,8 +9,12 @@ Trained, three things change:
 
 1. The forward reads a copy of the routed experts that autograd connects
    to the Parameter: for the call, the module's parameter entry holds
-   `ExpertsIn`'s output (the routed experts, gathered from the cache in the
-   order of their numbers) in place of the Parameter, as
+   `ExpertsIn`'s output (the routed experts in the order of their numbers,
+   copied from the host straight into a tensor of the call's own: no slot
+   of the cache, whose copies of them the step makes stale and which the
+   backward would not read; so a group of tokens is bounded by the copies'
+   share of the budget alone, and a training step's room may take the
+   cache down to a token's experts at no cost to it) in place of the Parameter, as
    `torch.func.functional_call` swaps a module's tensors; the post-hook puts
    the Parameter back (and unwrap, whatever ended a call), the same object,
    its data the host tensor throughout. Saved views of that copy are
@@ -72,20 +76,51 @@ from ..base.tensor_ops import METADATA
 
 
 class ExpertsIn(torch.autograd.Function):
-    """The routed experts of a call, gathered from the cache, as a tensor
+    """The routed experts of a call, `make()` (their copy), as a tensor
     autograd connects to their Parameter (see [Note: experts trained one
     by one]): its backward gives the gradient of those experts to `sink`,
     and the Parameter none."""
 
     @staticmethod
-    def forward(ctx, param, source, index, sink):
+    def forward(ctx, param, make, sink):
         ctx.sink = sink
-        return source.index_select(0, index)
+        return make()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.sink(grad)
-        return None, None, None, None
+        return None, None, None
+
+
+def copied_from_host(params: list, hosts: list, experts: list, device: torch.device, counters) -> list:
+    """`experts` of each parameter copied from its host tensor into a
+    tensor of the call's own on `device` (see the Note), a trained
+    parameter's through `ExpertsIn`; counted as misses of the cache."""
+    counters.expert_misses += len(experts)
+    counters.expert_h2d_bytes += len(experts) * sum(h[0].numel() * h.element_size() for h in hosts)
+    return [
+        ExpertsIn.apply(
+            p, lambda h=host: rows_of(h, experts, device), lambda g, p=p: add_piece(p, experts, g, counters)
+        )
+        if p.requires_grad
+        else rows_of(host, experts, device)
+        for p, host in zip(params, hosts)
+    ]
+
+
+def rows_of(host: torch.Tensor, experts: list, device: torch.device) -> torch.Tensor:
+    """Rows `experts` of `host` (in that order) in a tensor of their own on
+    `device`: on CUDA a copy per run of consecutive experts from the
+    page-locked host tensor, on the compute stream."""
+    if device.type == "cpu":
+        return host.index_select(0, torch.tensor(experts, dtype=torch.long))
+    out = torch.empty((len(experts), *host.shape[1:]), dtype=host.dtype, device=device)
+    start = 0
+    for i in range(1, len(experts) + 1):
+        if i == len(experts) or experts[i] != experts[i - 1] + 1:
+            out[start:i].copy_(host[experts[start] : experts[i - 1] + 1], non_blocking=True)
+            start = i
+    return out
 
 
 def add_piece(param: nn.Parameter, experts: list, grad: torch.Tensor, counters) -> None:
