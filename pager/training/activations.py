@@ -282,9 +282,9 @@ class Activations:
         return {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
 
     def _least_budget(self, need: int) -> int:
-        """The least budget that holds `need`, of which what a pass holds
-        beside its activations is the share of this budget (a share of the
-        budget: where it meets the rest)."""
+        """The least budget that holds `need` (figured under this budget):
+        what a pass holds beside its activations is a share of the budget
+        and grows with it, so the least is where the two meet."""
         rest, budget = need - self.beside_bytes(), need
         for _ in range(16):  # (a share of at most a half: each round halves the gap at least)
             budget = rest + self.beside_bytes(budget)
