@@ -31,17 +31,20 @@ before. Its forward, called with the routing, runs in three steps:
 3. the post-hook (always called) gives the parameters their host tensors and
    `num_experts` back.
 
-A call without gradients routed to more experts than the cache holds (a
-prefill under a cache smaller than a layer's experts), or one whose forward
-would copy more of them than an eighth of the budget (`batched_mm` copies each token's k
-experts: 16 tokens of a Mixtral-8x7B-shaped model, 10.5 GiB; the compact
-call copies the routed ones), gets no tokens in its forward; the post-hook
-runs the module's forward itself on groups of tokens within both
-([Note: groups of tokens] in experts/chunks.py), and its output is theirs,
-each token's row its own. Bit for bit under `batched_mm` (a product
-per token and expert); under `eager` and `grouped_mm` an expert's product
-over fewer rows may round otherwise (torch's CPU matmul picks its kernel by
-the rows).
+A call whose forward reads the cache in place routed to more experts than
+the cache holds (a prefill under a cache smaller than a layer's experts),
+or any call whose forward would copy more of them than an eighth of the
+budget (`batched_mm` copies each token's k experts: 16 tokens of a
+Mixtral-8x7B-shaped model, 10.5 GiB; the compact call copies the routed
+ones), gets no tokens in its forward; the post-hook runs the module's
+forward itself on groups of tokens within both ([Note: groups of tokens]
+in experts/chunks.py), and its output is theirs, each token's row its own:
+bit for bit under `batched_mm` (a product per token and expert); under
+`eager` and `grouped_mm` an expert's product over fewer rows may round
+otherwise (torch's CPU matmul picks its kernel by the rows). The compact
+call routed to more experts than the cache holds (and any call that trains
+them) takes no slot: its copy is made from the host tensors, whole, so a
+small cache splits neither a compact prefill nor a training call.
 
 Which experts stay in the cache is [Note: which experts stay] in
 experts/cache.py; the cache's bytes come out of the budget like a row
@@ -53,9 +56,7 @@ runs. On CUDA, a call's copies into slots are ordered after the kernels of
 the call before it that read the cache (an event, recorded at its end).
 A call with gradients through its input (the experts frozen) gets the
 compact copy, and what autograd saves of it is made again from the host for
-the backward: [Note: a backward through paged experts] in experts/saved.py;
-routed to more experts than the cache holds, its copy is made from the host
-(no slot taken), so that only the copies' share bounds its groups of tokens.
+the backward: [Note: a backward through paged experts] in experts/saved.py.
 A call with gradients for the experts' own parameters gets it too, through
 `ExpertsIn`, and their gradients and updates go by expert: [Note: experts
 trained one by one] in experts/train.py.
@@ -206,7 +207,7 @@ class ExpertTable:
             slots = self._hold(experts, per_token)
             values, count, routing = cache.tensors, cache.capacity, torch.tensor(slots, dtype=torch.long)[inverse]
         else:
-            if self._trains() or len(experts) > cache.capacity:  # (no slot of the cache: `_chunk_limits`)
+            if self._trains() or len(experts) > cache.capacity:  # (no slot taken: see the Note)
                 values = copied_from_host(self.params, self.hosts, experts, self.cache.device, self.pager.counters)
             else:
                 slot_index = torch.tensor(self._hold(experts, per_token), dtype=torch.long)
@@ -255,24 +256,20 @@ class ExpertTable:
 
     def _chunk_limits(self, k: int) -> tuple[int, int]:
         """The most experts and tokens one run of this module's forward may
-        take: the experts the cache holds (a call with gradients: any), and the copies of experts the
-        forward makes at most an eighth of the budget (`batched_mm` copies a
-        token's k experts for each token; the compact call, the routed
-        experts once; `grouped_mm` in place, none): a prefill's call stays
-        under the budget as a decode's does. A token alone always runs."""
-        cache, implementation = self.cache, self._implementation()
+        take: a forward that reads the cache in place, the experts it holds;
+        the compact call, any (those the cache lacks beyond its slots come
+        from the host), as many as an eighth of the budget holds; and
+        `batched_mm`'s copies of each token's k experts at most an eighth of
+        the budget: a prefill's call stays under the budget as a decode's
+        does. A token alone always runs."""
+        implementation = self._implementation()
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
-        if self._saved is not None:
-            # A call with gradients copies its experts out of the cache (or, trained or
-            # more than the cache holds, from the host: [Note: experts trained one by
-            # one]): its groups are bounded by the copies' share alone.
-            tokens = most_copied // max(1, k * self.expert_bytes) if implementation == "batched_mm" else sys.maxsize
-            return max(k, most_copied // max(1, self.expert_bytes)), max(1, tokens)
-        if implementation == "batched_mm":
-            return cache.capacity, max(1, most_copied // max(1, k * self.expert_bytes))
-        if self._in_place(implementation) or self._grouped_on_cpu(implementation):
-            return cache.capacity, sys.maxsize  # (on the CPU device, grouped_mm's compact copy: at most the cache)
-        return min(cache.capacity, max(k, most_copied // max(1, self.expert_bytes))), sys.maxsize
+        tokens = most_copied // max(1, k * self.expert_bytes) if implementation == "batched_mm" else sys.maxsize
+        if self._in_place(implementation):
+            return self.cache.capacity, max(1, tokens)
+        # (on the CPU device grouped_mm's call runs whole where the cache holds it: see the Note)
+        whole = self.cache.capacity if self._grouped_on_cpu(implementation) else 0
+        return max(k, whole, most_copied // max(1, self.expert_bytes)), max(1, tokens)
 
     def _hidden_of(self, args, kwargs):
         """The call's hidden states (its first argument, by position or name)."""

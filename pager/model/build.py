@@ -91,9 +91,9 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
         if capacity < max(m.num_experts for _n, m in members):
             log.warning(
                 "pager: the experts' cache holds %d experts, fewer than the %d of a layer: a call routed to more "
-                "of them (a prefill) runs by chunks of tokens, copying each chunk's experts (slower; equal to the "
-                "unpaged model within rounding, bit for bit under batched_mm). A budget with room for %s more "
-                "avoids it.",
+                "of them (a prefill) runs by groups of tokens where the kernels read the cache in place "
+                "(batched_mm), each group's experts copied in, or copies those beyond it from the host (slower "
+                "than a cache that holds a layer; the same values). A budget with room for %s more avoids it.",
                 capacity,
                 max(m.num_experts for _n, m in members),
                 format_bytes((max(m.num_experts for _n, m in members) - capacity) * per_expert),
