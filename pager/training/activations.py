@@ -51,6 +51,7 @@ from .dry_run import (
 from .ledger import Ledger
 from .offload import ActivationOffload
 from .recompute import Recompute
+from .refusals import least_budget, plan_refusal, unmeasured_refusal
 
 AUTO = "auto"
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
@@ -282,13 +283,7 @@ class Activations:
         return {p: planned.peak(p, (), **kw) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)}
 
     def _least_budget(self, need: int) -> int:
-        """The least budget that holds `need` (figured under this budget):
-        what a pass holds beside its activations is a share of the budget
-        and grows with it, so the least is where the two meet."""
-        rest, budget = need - self.beside_bytes(), need
-        for _ in range(16):  # (a share of at most a half: each round halves the gap at least)
-            budget = rest + self.beside_bytes(budget)
-        return budget + 1 if rest + self.beside_bytes(budget) > budget else budget
+        return least_budget(need, self.beside_bytes)
 
     def _check_unmeasured(self, at_step: bool) -> None:
         """Where the forward could not be measured on fake tensors: the
@@ -304,20 +299,9 @@ class Activations:
             budget = self.budget_bytes()
         self.ledger.beside = self.beside_bytes()
         least = self._least()
-        if least + acts <= budget:
-            return
-        out = self.budget_total() - budget
-        least_budget = self._least_budget(out + least + acts)
-        raise BudgetError(
-            f"pager: a training step of this model holds at least {format_bytes(least + acts)} on the device: "
-            f"blocks at least {format_bytes(least)} (the resident remainder and the largest block with their "
-            f"gradients and optimizer state, and what pager keeps beside them) + activations "
-            f"{format_bytes(acts)} (what the last pass held; the forward could not be measured before it ran), "
-            f"more than the budget of {format_bytes(budget + out)}"
-            + (f" less {format_bytes(out)} outside pager's room" if out else "")
-            + f". {_unchanged(at_step)}. Use a budget of at least {format_bytes(least_budget, up=True)}.",
-            least_budget_bytes=least_budget,
-        )
+        if least + acts > budget:
+            out = self.budget_total() - budget
+            raise unmeasured_refusal(least, acts, budget, out, at_step, self._least_budget(out + least + acts))
 
     def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, at_step: bool) -> BudgetError:
         held = self._held(planned, kw)
@@ -325,34 +309,9 @@ class Activations:
         if self.asked == AUTO:  # (either way of offloading)
             held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
         del held[OFFLOAD_VIEWS_KEPT]
-        holds = [p for p, n in held.items() if least + n <= budget]
-        out, staging = self.outside_bytes(), self.budget_total() - budget - self.outside_bytes()
-        outside = f" less the {format_bytes(out)} the process holds on the device outside pager" if out else ""
-        outside += f" less the {format_bytes(staging)} of staging for compressed pages" if staging else ""
-        out += staging
-        fix = (
-            f'activations="{holds[0]}", which holds this budget'
-            if holds
-            else f"a budget of at least {format_bytes(self._least_budget(out + least + min(held.values())), up=True)} "
-            '(activations="auto" or '
-            f'"{min(held, key=lambda p: held[p])}"), or a smaller batch'
-        )
-        inference = (
-            ""
-            if at_step
-            else " If this forward is inference, run it under `torch.no_grad()` (or `torch.inference_mode()`): a "
-            "forward with gradients enabled is planned as a training step, with what it saves for its backward."
-        )
-        return BudgetError(
-            f"pager: a training step of this model with these inputs holds at least {format_bytes(least + mine)} "
-            f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
-            f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
-            f"{format_bytes(mine)} (activations={self.asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
-            f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
-            f"{outside}. {_unchanged(at_step)}. Use {fix}. (The optimizer's state counts once it is attached: "
-            f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
-            f"optimizer=...)` gives these figures before wrap.){inference}",
-            least_budget_bytes=self._least_budget(out + least + mine),
+        out = self.outside_bytes()
+        return plan_refusal(
+            held, mine, self.asked, least, budget, out, self.budget_total() - budget - out, at_step, self._least_budget
         )
 
     # ------------------------------------------------------------ each pass
@@ -465,10 +424,3 @@ def _widest(shapes: list, widest: list) -> list:
     if len(shapes) != len(widest):
         return shapes
     return [a if len(a) != len(b) else tuple(max(x, y) for x, y in zip(a, b)) for a, b in zip(shapes, widest)]
-
-
-def _unchanged(at_step: bool) -> str:
-    """What a refusal left as it was."""
-    if at_step:
-        return "This step did not run: nothing was updated (its gradients are kept; step again once the budget holds)"
-    return "This forward did not run"
