@@ -197,11 +197,11 @@ class ExpertTable:
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
     def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor, per_token: int = 0) -> torch.Tensor:
-        """Hold `experts` in the cache (a call that trains them: copy them
-        from the host, [Note: experts trained one by one]), give the
-        parameters their device values and `num_experts` its count for this
-        call, and return the routing `index` renumbered to them (see the
-        Note); `per_token`: the experts a token routes to (`ExpertCache.hold`)."""
+        """Hold `experts` in the cache (a compact call that trains them or
+        is routed past the cache: copy them from the host, see the Note),
+        give the parameters their device values and `num_experts` its count
+        for this call, and return the routing `index` renumbered to them;
+        `per_token`: the experts a token routes to (`ExpertCache.hold`)."""
         cache = self.cache
         if self._in_place():  # (never a call that trains them: it has gradients)
             slots = self._hold(experts, per_token)
@@ -212,10 +212,8 @@ class ExpertTable:
             else:
                 slot_index = torch.tensor(self._hold(experts, per_token), dtype=torch.long)
                 values = self._gathered(slot_index.to(cache.device, non_blocking=True), experts)
-            routing, count = (
-                inverse,
-                max(1, len(experts)),
-            )  # (a call of no tokens: some forwards take no count of 0 experts)
+            routing = inverse
+            count = max(1, len(experts))  # (a call of no tokens: some forwards take no count of 0 experts)
             if not experts:  # (... nor 0 experts' tensors beside a count of 1: grouped_mm, which saves them)
                 values = [t.new_zeros((1, *t.shape[1:])) for t in cache.tensors]
             if self._saved is not None:

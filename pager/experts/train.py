@@ -98,11 +98,12 @@ def copied_from_host(params: list, hosts: list, experts: list, device: torch.dev
     parameter's through `ExpertsIn`; counted as misses of the cache."""
     counters.expert_misses += len(experts)
     counters.expert_h2d_bytes += len(experts) * sum(h[0].numel() * h.element_size() for h in hosts)
+    grad = torch.is_grad_enabled()
     return [
         ExpertsIn.apply(
             p, lambda h=host: rows_of(h, experts, device), lambda g, p=p: add_piece(p, experts, g, counters)
         )
-        if p.requires_grad
+        if grad and p.requires_grad
         else rows_of(host, experts, device)
         for p, host in zip(params, hosts)
     ]
