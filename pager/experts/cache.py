@@ -66,7 +66,7 @@ class ExpertCache:
 
     def __init__(self, layout: tuple, capacity: int, device: torch.device, least: int = 1):
         self.layout, self.capacity, self.device, self.least = layout, capacity, device, min(least, capacity)
-        self.expert_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in _sizes(layout))
+        self.expert_bytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout)
         self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to one token's experts: `hold`)
         self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
         self._uses = 0
@@ -294,6 +294,11 @@ class ExpertCache:
         return len(self._recent) + len(self._frequent)
 
 
+def caches_of(tables: list) -> list:
+    """The caches of experts' `tables`, each once."""
+    return list({id(t.cache): t.cache for t in tables}.values())
+
+
 def shrink_caches(caches: list, nbytes: int) -> int:
     """Give up at least `nbytes` of `caches`' device memory where they hold
     that beyond their least, the caches holding most beyond it giving first
@@ -305,8 +310,3 @@ def shrink_caches(caches: list, nbytes: int) -> int:
         slots = -(-(nbytes - freed) // max(1, cache.expert_bytes))
         freed += cache.shrink(cache.capacity - slots)
     return freed
-
-
-def _sizes(layout: tuple) -> list:
-    """(torch.Size of one expert's tensor, dtype) of each entry of `layout`."""
-    return [(torch.Size(shape), dtype) for shape, dtype in layout]

@@ -113,3 +113,8 @@ def routed_of(module: nn.Module) -> int:
     k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
     count = int(cast(int, module.num_experts))
     return min(k, count) if isinstance(k, int) and k > 0 else count
+
+
+def implementation_of(module: nn.Module) -> str | None:
+    """transformers' experts implementation `module` runs under (its config's), if any."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)

@@ -140,11 +140,24 @@ def unpack(packed):
             f"the paged experts' weights [{list(host.shape)}] changed between the forward and the backward "
             "(checked by pager, as autograd does)."
         )
-    copy = torch.empty((len(packed.experts), *host.shape[1:]), dtype=host.dtype, device=packed.device)
+    copy = rows_of(host, packed.experts, packed.device)  # (page-locked on CUDA: ordered on the compute stream)
     packed.counters.expert_saved_h2d_bytes += copy.numel() * copy.element_size()
-    for row, expert in enumerate(packed.experts):
-        copy[row].copy_(host[expert], non_blocking=True)  # (page-locked on CUDA: ordered on the compute stream)
     return copy.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def rows_of(host: torch.Tensor, experts: list, device: torch.device) -> torch.Tensor:
+    """Rows `experts` of `host` (in that order) in a tensor of their own on
+    `device`: on CUDA a copy per run of consecutive experts from the
+    page-locked host tensor, on the compute stream."""
+    if device.type == "cpu":
+        return host.index_select(0, torch.tensor(experts, dtype=torch.long))
+    out = torch.empty((len(experts), *host.shape[1:]), dtype=host.dtype, device=device)
+    start = 0
+    for i in range(1, len(experts) + 1):
+        if i == len(experts) or experts[i] != experts[i - 1] + 1:
+            out[start:i].copy_(host[experts[start] : experts[i - 1] + 1], non_blocking=True)
+            start = i
+    return out
 
 
 def _address(t: torch.Tensor):

@@ -76,7 +76,7 @@ from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
-from .find import hidden_name, routing_name
+from .find import hidden_name, implementation_of, routing_name
 from .saved import SavedExperts
 from .train import ExpertsIn, add_piece, check_trainable, copied_from_host, step_table, training_given_back
 
@@ -254,13 +254,11 @@ class ExpertTable:
 
     def _chunk_limits(self, k: int) -> tuple[int, int]:
         """The most experts and tokens one run of this module's forward may
-        take: a forward that reads the cache in place, the experts it holds;
-        the compact call, any (those the cache lacks beyond its slots come
-        from the host), as many as an eighth of the budget holds; and
-        `batched_mm`'s copies of each token's k experts at most an eighth of
-        the budget: a prefill's call stays under the budget as a decode's
-        does. A token alone always runs."""
-        implementation = self._implementation()
+        take: in place, the experts the cache holds; the compact call, as many
+        as an eighth of the budget holds (beyond the cache's slots, from the
+        host); `batched_mm`'s copies of each token's k experts, an eighth of
+        the budget. A token alone always runs."""
+        implementation = implementation_of(self.module)
         most_copied = self.pager.budget_bytes // MOST_COPIED_SHARE
         tokens = most_copied // max(1, k * self.expert_bytes) if implementation == "batched_mm" else sys.maxsize
         if self._in_place(implementation):
@@ -440,7 +438,7 @@ class ExpertTable:
     def _in_place(self, implementation: str | None = None) -> bool:
         """The forward (under `implementation`, by default the module's)
         reads the cache's tensors in place (see the Note)."""
-        implementation = implementation or self._implementation()
+        implementation = implementation or implementation_of(self.module)
         if self._grouped_on_cpu(implementation):
             return False  # (torch's CPU kernel rounds a row by its place in the input: see the Note)
         return (
@@ -453,10 +451,6 @@ class ExpertTable:
         """transformers' `grouped_mm` on the CPU device: the routed experts
         copied out in the order of their numbers, the call whole (see the Note)."""
         return implementation == "grouped_mm" and self.cache.device.type == "cpu"
-
-    def _implementation(self) -> str | None:
-        config = getattr(self.module, "config", None)
-        return getattr(config, "_experts_implementation", None)
 
     def _check_current(self) -> None:
         """Forget the cached experts if a parameter was written outside a

@@ -73,6 +73,7 @@ import torch.nn as nn
 
 from ..base.optimizers import dense_on_rows, run_narrowed
 from ..base.tensor_ops import METADATA
+from .saved import rows_of
 
 
 class ExpertsIn(torch.autograd.Function):
@@ -107,21 +108,6 @@ def copied_from_host(params: list, hosts: list, experts: list, device: torch.dev
         else rows_of(host, experts, device)
         for p, host in zip(params, hosts)
     ]
-
-
-def rows_of(host: torch.Tensor, experts: list, device: torch.device) -> torch.Tensor:
-    """Rows `experts` of `host` (in that order) in a tensor of their own on
-    `device`: on CUDA a copy per run of consecutive experts from the
-    page-locked host tensor, on the compute stream."""
-    if device.type == "cpu":
-        return host.index_select(0, torch.tensor(experts, dtype=torch.long))
-    out = torch.empty((len(experts), *host.shape[1:]), dtype=host.dtype, device=device)
-    start = 0
-    for i in range(1, len(experts) + 1):
-        if i == len(experts) or experts[i] != experts[i - 1] + 1:
-            out[start:i].copy_(host[experts[start] : experts[i - 1] + 1], non_blocking=True)
-            start = i
-    return out
 
 
 def add_piece(param: nn.Parameter, experts: list, grad: torch.Tensor, counters) -> None:

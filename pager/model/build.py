@@ -11,7 +11,7 @@ from ..base.block import Block, layout
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..experts.ahead import router_of
-from ..experts.cache import ExpertCache
+from ..experts.cache import ExpertCache, caches_of
 from ..experts.find import expert_bytes, layout_of, routed_of
 from ..experts.table import ExpertTable
 from ..observe.stats import BlockStats
@@ -107,7 +107,7 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
     by_model_order = sorted(pager.expert_tables, key=lambda t: [n for n, _m in modules].index(t.name))
     for table, nxt in zip(by_model_order, by_model_order[1:]):
         table.next = nxt if nxt.cache is table.cache else None  # ([Note: experts fetched ahead]: one cache's lock)
-    pager.row_bytes += sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())
+    pager.row_bytes += sum(c.device_bytes() for c in caches_of(pager.expert_tables))
 
 
 def _pages(named: list) -> list:

@@ -452,7 +452,11 @@ def _activations_of(pager: Pager, policy: str) -> Activations | None:
         pager.transport,
         pager.counters,
         budget_bytes=lambda: pager.engine.room.usable_bytes() - pager.outside_bytes,
-        spare_bytes=lambda: pager.engine.room.spare_bytes(pager) - step_needs.pages_to_come_bytes(pager),
+        spare_bytes=lambda: (
+            pager.engine.room.spare_bytes(pager)
+            - step_needs.pages_to_come_bytes(pager)
+            - step_needs.beside_bytes(pager)  # (held beside activations: the ledger's reserve)
+        ),
         least_bytes=lambda: step_needs.least_bytes(pager),
         measure=lambda args, kwargs: step_needs.measure(pager, args, kwargs),
         outside_bytes=lambda: pager.outside_bytes,

@@ -11,7 +11,7 @@ import logging
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..base.wrappers import aligned_bytes
-from ..experts.cache import shrink_caches
+from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
 from ..training.dry_run import measure_saved, state_bytes_of
 
@@ -68,14 +68,15 @@ def give_back(pager, nbytes: int) -> int:
     """Give at least `nbytes` of the experts' caches' device memory back to
     a training step the budget would not hold otherwise, the caches no
     smaller than a token's experts; returns the bytes given."""
-    freed = shrink_caches(list({id(t.cache): t.cache for t in pager.expert_tables}.values()), nbytes)
+    caches = caches_of(pager.expert_tables)
+    freed = shrink_caches(caches, nbytes)
     if freed:
         pager.row_bytes -= freed
         log.info(
             "pager: the experts' caches gave %s to the training step (now %s): the blocks with their gradients "
             "and optimizer state, and the activations, need it in this budget",
             format_bytes(freed),
-            format_bytes(sum({id(t.cache): t.cache.device_bytes() for t in pager.expert_tables}.values())),
+            format_bytes(sum(c.device_bytes() for c in caches)),
         )
     return freed
 

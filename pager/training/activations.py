@@ -120,7 +120,8 @@ class Activations:
         budget_bytes: the budget now, less what the process holds outside pager (None: unbounded).
         spare_bytes: what the budget holds beyond every block with all its
             pages, those still to come included, and beyond what else is
-            reserved (`Room.spare_bytes`).
+            reserved (`Room.spare_bytes`) and what a pass holds beside its
+            activations (`beside_bytes`).
         least_bytes: the least that blocks (with their gradients and optimizer
             state) and what pager keeps beside them need in a training step.
         measure: `(args, kwargs) -> (SavedBytes, blocks)`: the root forward's
@@ -274,8 +275,8 @@ class Activations:
         """(the choice of `choose`, or None where the budget holds none; the budget; the least blocks need)."""
         budget, least = self.budget_bytes(), self._least()
         room = None if budget is None else budget - least  # what activations may hold beside blocks
-        spare = self.spare_bytes() - self.beside_bytes()
-        return choose(planned, self.asked if self.asked == AUTO else self.policy, spare, room, **kw), budget, least
+        chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
+        return chosen, budget, least
 
     @staticmethod
     def _held(planned: SavedBytes, kw) -> dict:
@@ -293,12 +294,10 @@ class Activations:
         budget = self.budget_bytes()
         if self.measure is None or budget is None:
             return
-        acts = self.ledger.last_pass_peak
-        if self._least() + acts > budget:
-            self.give_back(self._least() + acts - budget)
-            budget = self.budget_bytes()
+        acts, least = self.ledger.last_pass_peak, self._least()
+        if least + acts > budget and self.give_back(least + acts - budget):
+            budget, least = self.budget_bytes(), self._least()
         self.ledger.beside = self.beside_bytes()
-        least = self._least()
         if least + acts > budget:
             out = self.budget_total() - budget
             raise unmeasured_refusal(least, acts, budget, out, at_step, self._least_budget(out + least + acts))
@@ -333,7 +332,7 @@ class Activations:
     def _choose_kept(self) -> None:
         """The blocks whose activations stay this pass (see the Note)."""
         others = max(self.ledger.last_pass_peak - self.kept_bytes, 0)  # what the rest held, last pass
-        room = self.spare_bytes() - self.beside_bytes() - others
+        room = self.spare_bytes() - others
         self.kept, self.kept_bytes, self._kept_all = set(), 0, False
         for block in reversed(self.offload.order):
             nbytes = self.saved_bytes.get(block)
