@@ -144,6 +144,47 @@ def test_races_with_delayed_copies(compute_sleep):
     assert s.evictions > 0 and s.prefetches > 0
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_first_updates_hold_the_budget_with_their_new_state_and_temporaries_on_gpu(fused):
+    """[Note: the step's room]: layers of 64 MiB trained with AdamW under a
+    process budget that holds about three of them with their gradients and
+    state: from the first step on, the allocator's peak in `opt.step()`, with
+    the state each first update creates, its copy into the page and the
+    foreach kernels' temporaries, stays within the budget (before, the first
+    went over by about two layers' state); the weights are the bare model's."""
+    torch.manual_seed(0)
+    width, n = 4096, 8
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
+    xs = [torch.randn(8, width, device=GPU) for _ in range(4)]
+    peaks = {"step": 0}
+
+    def train_steps(m, opt):
+        for x in xs:
+            m(x).square().mean().backward()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()  # (the update's own peak, from here)
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            peaks["step"] = max(peaks["step"], torch.cuda.max_memory_allocated())
+
+    ref = copy.deepcopy(model).to(GPU)
+    train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=fused))
+    want = [w.detach().cpu() for w in ref.parameters()]
+    del ref
+    torch.cuda.empty_cache()
+    caller = torch.cuda.memory_allocated()  # (the inputs and what earlier tests left)
+    budget = caller + 13 * tensor_page_bytes(model[0])
+    pager.wrap(model, budget=budget, device=GPU, optimizer_step="device")  # (it resets the peak counter)
+    peaks["step"] = 0
+    train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused))
+    assert peaks["step"] <= budget, (peaks, budget)  # (the passes: test_the_budget_covers_the_loss_on_gpu)
+    assert pager.of(model).stats().evictions > 0
+    for got, w in zip(model.parameters(), want):
+        torch.testing.assert_close(got.detach().cpu(), w, rtol=1e-5, atol=1e-6)
+    pager.unwrap(model)
+
+
 def test_the_default_budget_covers_what_the_caller_holds_from_the_first_forward_on_gpu():
     """The budget covers the process by default ([Note: a budget that covers
     the process]): what the caller holds on the GPU when a forward starts (a
@@ -1344,7 +1385,8 @@ def test_a_step_whose_rows_were_read_ahead_adds_no_host_sync(optimizer):
     ref = RowRec(n_rows, dim).to(GPU)
     model = copy.deepcopy(ref).cpu()
     slot = dim * 4 * (3 if optimizer == "sparse_adam" else 1) + 17  # (weight and state rows, bookkeeping)
-    pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=3 * per_step * slot + 4 * (n_rows + 1))
+    pager.wrap(model, budget="256MiB", rows=["emb"], row_cache=3 * per_step * slot + 4 * (n_rows + 1),
+               budget_covers="pager")  # (the reference table and its optimizer state beside it on the GPU)
     p = pager.of(model)
 
     def opts(m):

@@ -56,6 +56,26 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(vm.available), int(vm.total)
 
 
+class AllocatorCounter:
+    """The CUDA caching allocator's counters of one device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def read(self) -> tuple[int, int]:
+        """(bytes allocated now, the most allocated since the last reset)."""
+        s = torch.cuda.memory_stats(self.device)
+        return s.get("allocated_bytes.all.current", 0), s.get("allocated_bytes.all.peak", 0)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def allocator_counter(device: torch.device) -> AllocatorCounter | None:
+    """The allocator's counters of `device`, or None where it keeps none (the CPU)."""
+    return AllocatorCounter(device) if device.type == "cuda" else None
+
+
 def parse_budget(budget, device: torch.device, *, host_bound: bool = True) -> int:
     """Return `budget` in bytes for `device`, or raise ValueError naming the fix.
 

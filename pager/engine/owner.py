@@ -24,6 +24,7 @@ class Owner(Protocol):
     carried_bytes: int  # device bytes of state its forwards carry (a KV cache), held out of the room
     row_bytes: int  # device bytes of its row tables' caches, held out of the room
     outside_bytes: int  # device bytes the process holds outside pager, held out of the room (budget_covers="process")
+    step_bytes: int  # device bytes an optimizer update holds beside the pages while it runs, held out of the room
 
     def fixed_bytes(self) -> int:
         """Device bytes of its blocks that stay for life (its remainder, blocks it uses)."""

@@ -128,7 +128,9 @@ class Room:
 
     def room_bytes(self) -> int:
         """What blocks may hold on the device: the budget, less what owners'
-        activations take ([Note: one budget] in training/activations.py), the
+        activations take ([Note: one budget] in training/activations.py) or
+        an update holds beside the pages while it runs, the larger
+        ([Note: the step's room] in training/step_room.py), the
         state their forwards carry, their row caches and, under
         `budget_covers="process"`, what the process holds outside pager
         ([Note: a budget that covers the process] in model/outside.py), never less than
@@ -137,11 +139,22 @@ class Room:
         if len(owners) == 1:  # (asked at every use that needs room: no lists made)
             owner = owners[0]
             acts = owner.activation_reserve_bytes()
-            if acts is None and not owner.carried_bytes and not owner.row_bytes and not owner.outside_bytes:
+            if (
+                acts is None
+                and not owner.step_bytes
+                and not owner.carried_bytes
+                and not owner.row_bytes
+                and not owner.outside_bytes
+            ):
                 return self.usable_bytes()
-            reserved = (acts or 0) + owner.carried_bytes + owner.row_bytes + owner.outside_bytes
+            # (an update holds nothing of the activations' room while it runs: the larger of the two)
+            reserved = max(acts or 0, owner.step_bytes) + owner.carried_bytes + owner.row_bytes + owner.outside_bytes
             return max(self.usable_bytes() - reserved, owner.least_room)
-        reserves = [r for r in (o.activation_reserve_bytes() for o in owners) if r is not None]
+        reserves = [
+            max(r or 0, o.step_bytes)
+            for o, r in ((o, o.activation_reserve_bytes()) for o in owners)
+            if r is not None or o.step_bytes
+        ]
         reserves += [o.carried_bytes for o in owners if o.carried_bytes]
         reserves += [o.row_bytes for o in owners if o.row_bytes]
         outside = max((o.outside_bytes for o in owners), default=0)  # (each saw the same process: the most, once)
@@ -157,7 +170,7 @@ class Room:
         and row caches, other owners' activations): the room `owner` may keep
         activations in without taking any from blocks ([Note: activations,
         the automatic choice] in training/activations.py)."""
-        others = sum(o.activation_reserve_bytes() or 0 for o in self.engine.owners if o is not owner)
+        others = sum(max(o.activation_reserve_bytes() or 0, o.step_bytes) for o in self.engine.owners if o is not owner)
         others += sum(o.carried_bytes + o.row_bytes for o in self.engine.owners)
         others += max((o.outside_bytes for o in self.engine.owners), default=0)
         return self.usable_bytes() - self.engine.total_bytes - others

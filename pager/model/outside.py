@@ -62,9 +62,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from ..base.budget import format_bytes
+from ..base.budget import AllocatorCounter, format_bytes
+from ..base.budget import allocator_counter as allocator_counter  # (wrap's, through this module: tests replace it)
 from ..base.common import _PAGERS
 
 log = logging.getLogger("pager")
@@ -91,26 +90,6 @@ def _held_by(engine) -> int:
         if owner.activations is not None:
             held += owner.activations.ledger.live
     return held
-
-
-class AllocatorCounter:
-    """The CUDA caching allocator's counters of one device."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def read(self) -> tuple[int, int]:
-        """(bytes allocated now, the most allocated since the last reset)."""
-        s = torch.cuda.memory_stats(self.device)
-        return s.get("allocated_bytes.all.current", 0), s.get("allocated_bytes.all.peak", 0)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-
-def allocator_counter(device: torch.device) -> AllocatorCounter | None:
-    """The allocator's counters of `device`, or None where it keeps none (the CPU)."""
-    return AllocatorCounter(device) if device.type == "cuda" else None
 
 
 def check_covers(covers: str) -> bool:

@@ -92,6 +92,7 @@ class Pager:
         self.expert_tables: list = []  # experts paged one by one ([Note: experts paged one by one] in experts/table.py)
         self.expert_params: dict = {}  # id(parameter) -> (its ExpertTable, its index there): stepped by expert
         self.outside_bytes = 0  # the process's device bytes outside pager, out of the room (budget_covers="process")
+        self.step_bytes = 0  # what an update on the device holds beside the pages while it runs: training/step_room.py
         self.outside: Outside | None = None  # the `Outside` that learns them ([Note: a budget that covers the process])
         self.row_stream = None  # the row tables' side stream and staging (rows/reader.py), on CUDA
         # How the pool and the engine's messages name this model.

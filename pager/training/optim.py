@@ -16,6 +16,9 @@ stepped, as in a full step where their grads are None.
 State tensors the optimizer creates lazily on the device (Adam's exp_avg, ...)
 are adopted after the block's first update: copied into the block's `state`
 segment, and the dict entries in `opt.state[p]` are replaced by views of it.
+What the update holds beside the pages meanwhile (that state, an unfused
+optimizer's temporaries) is held out of the room: [Note: the step's room]
+in training/step_room.py.
 Host-side scalars (Adam's `step` on the CPU) stay where they are.
 
 [Note: deferred updates]
@@ -56,13 +59,15 @@ from types import FrameType
 
 import torch
 
-from ..base.block import Block
+from ..base.block import Block, layout
+from ..base.budget import allocator_counter
 from ..base.common import STEP
 from . import masters
 from .grads import PagedOutGrad, replay
 from .host_jobs import host_job
 from .optim_state import StateDictHooks
 from .shadow import shadow_of
+from .step_room import StepRoom, fresh_state_bytes
 
 
 @dataclass
@@ -93,6 +98,7 @@ class OptimizerLink:
             optimizer.register_step_post_hook(self._post_step),
         ]
         self.raw_step = raw_step_of(optimizer)
+        self.step_room = StepRoom(pager, optimizer, allocator_counter(pager.device))
         self.state_dicts = StateDictHooks(pager, optimizer)  # what state_dict() and load_state_dict() see
         self._handles += self.state_dicts.handles
 
@@ -193,29 +199,37 @@ class OptimizerLink:
         each parameter depends on that parameter's tensors only."""
         pager = self.pager
         acquired = []
+        room = self.step_room
+        # What the update holds beside the pages (its temporaries, the state it
+        # creates) is held out of the room first: blocks leave for it as for a
+        # fetch, before anything changes ([Note: the step's room]).
+        room.before(blocks, shares)
         try:
             for block in blocks:
                 pager.uses.acquire(block, STEP)
                 acquired.append(block)
-                if "state" not in block.segments:
-                    # The optimizer is about to create this block's state on the
-                    # device (outside the pages): make room for it first.
-                    pager.engine.room.make_room(_state_estimate(pager, block), protect={block})
+            if pager.step_bytes:  # (blocks resident already asked for no room at their acquire)
+                pager.engine.room.make_room(0, protect=set(blocks))
             pager.prefetch()
             for gi, g in enumerate(optimizer.param_groups):
                 g["params"] = [p for b in blocks for p in shares[id(b)][gi]]
+            room.measure(blocks)
             if pager.master_weights:
                 masters.device_update(self.raw_step, optimizer, optimizer.param_groups)
             else:
                 self._step_once(optimizer)
-            for block in blocks:
+            fresh = [fresh_state_bytes(optimizer, pager.device, b) for b in blocks]
+            room.ran(blocks, shares, sum(fresh))
+            for block, nbytes in zip(blocks, fresh):
                 self._adopt_state(block)
+                room.adopted(nbytes)
                 block.mark_dirty(("weights", "state"))
                 if "state" not in block.segments:
                     self.stateless.add(id(block))
             if pager.owners is not None:
                 pager.owners.updated_on_device(blocks)  # (the node's page gets the update now)
         finally:
+            room.after()
             for block in acquired:
                 pager.uses.release(block)
 
@@ -412,10 +426,12 @@ class OptimizerLink:
             return
         named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
         pager = self.pager
+        nbytes = layout(named)[1]
+        # (the new state beside it is held out of the room: [Note: the step's room])
+        if not pager.engine.room.make_room(nbytes, protect={block}):
+            pager.engine.room.raise_no_room(block, nbytes)  # (before a page is made: the state stays the optimizer's)
         seg = pager.new_segment(block, "state", named)
         seg.keys = keys
-        if not pager.engine.room.make_room(seg.nbytes, protect={block}):
-            pager.engine.room.raise_no_room(block, seg.nbytes)
         # Allocated like any fetch (its page holds nothing yet, so nothing is
         # copied), and compute waits before filling it from the optimizer's state.
         pager.engine.fetch(block, ("state",))
@@ -427,19 +443,6 @@ class OptimizerLink:
                 view.copy_(opt_state[p][key])
                 opt_state[p][key] = view
         seg.host_valid = True  # the copies above made it dirty: written back when it leaves
-
-
-def _state_estimate(pager, block: Block) -> int:
-    """Bytes of state the first update of `block` will create (learned from
-    the blocks adopted so far; before that, Adam's two moments, in float32
-    with a float32 master under [Note: master weights])."""
-    seen = [b for b in pager.all_blocks() if "state" in b.segments]
-    if seen:
-        ratio = sum(b.segments["state"].nbytes for b in seen) / max(1, sum(b.weights.nbytes for b in seen))
-        return int(ratio * block.weights.nbytes)
-    if pager.master_weights:
-        return sum((12 if masters.wants_master(p) else 2 * p.dtype.itemsize) * p.numel() for p in block.params)
-    return 2 * block.weights.nbytes
 
 
 def _device_state(optimizer, pager, block: Block) -> list:
