@@ -139,13 +139,18 @@ def test_a_head_reading_the_embedding_weight_directly_trains_bit_for_bit():
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    # The least budget: the embedding with its state, and no room for a layer beside it.
-    budget = pager.plan(model, "1GiB", device="cpu", inputs=batch(0), optimizer=opt).train_min_budget_bytes
+    # The least budget: the embedding with its state, and no room for a layer beside it. (Sequences
+    # long enough that activations hold more than the embedding's first update holds beside its page
+    # at the step, 16 MiB of new state: the least is then the forward's.)
+    def long_batch(step):
+        return torch.randint(0, 4096, (2, 1024), generator=torch.Generator().manual_seed(step))
+
+    budget = pager.plan(model, "1GiB", device="cpu", inputs=long_batch(0), optimizer=opt).train_min_budget_bytes
     pager.wrap(model, budget=budget, device="cpu", optimizer=opt)
     assert "embed" in pager.of(model).block_names()
     for step in range(STEPS):
         for m, o in ((model, opt), (ref, ref_opt)):
-            m(batch(step)).square().mean().backward()
+            m(long_batch(step)).square().mean().backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             o.step()
             o.zero_grad()

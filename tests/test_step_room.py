@@ -194,3 +194,33 @@ def _fused_on_cpu() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def test_a_budget_an_update_does_not_fit_is_refused_before_anything_runs_and_its_least_holds(caplog):
+    """An update of a layer holds its foreach temporaries (a copy of its
+    weights) beside the layer's pages: with activations this small, a
+    budget that holds a layer with its gradients and state but not that is
+    refused before the first forward, naming the least budget. At that
+    budget the first updates hold: a new state page that does not fit
+    beside the state the optimizer just made goes through host memory."""
+    ref = layers()
+    model = copy.deepcopy(ref)
+    opt = Counted(model.parameters(), lr=1e-2, foreach=True)
+    opt.model = model
+    budget = int(4.5 * block_bytes())  # (a layer with its gradients and state: 4)
+    pager.wrap(model, budget=budget, budget_covers="pager", optimizer=opt, defer_step=False, optimizer_step="device")
+    with pytest.raises(pager.BudgetError, match="an update of a block on the device holds") as refused:
+        steps(model, opt, 1)
+    least = refused.value.least_budget_bytes
+    assert 5 * block_bytes() <= least < 6 * block_bytes(), (least, block_bytes())
+    assert all(p.grad is None for p in model.parameters()) and not opt.state  # (nothing ran)
+    pager.unwrap(model)
+    pager.wrap(model, budget=least, budget_covers="pager", optimizer=opt, defer_step=False, optimizer_step="device")
+    Counted.held = []
+    adopting = watch_adoption(model, opt)
+    with caplog.at_level("DEBUG", logger="pager"):
+        steps(model, opt)
+    steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True))
+    assert_models_equal(model, ref)
+    assert max(Counted.held) <= least and max(adopting, default=0) <= least, (Counted.held, adopting, least)
+    assert "new optimizer state went through host memory" in caplog.text

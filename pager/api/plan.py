@@ -27,6 +27,7 @@ from ..training.dry_run import (
     state_bytes_of,
 )
 from ..training.offload import OFFLOAD_MIN_BYTES
+from ..training.step_room import TEMPORARIES_PRIOR
 from .fit import default_blocks
 from .plan_result import ASSUMED_LINK_GBPS, Plan
 
@@ -230,10 +231,14 @@ def plan(
         peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, room, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
-    # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py)
-    train_budgets = {p: int(outside + least + (acts if p != "keep" else 0)) for p, (acts, _t) in peaks.items()}
+    update = _update_bytes(optimizer, grads, master_weights)
+    # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py);
+    # at the step an update on the device holds its room instead ([Note: the step's room] in training/step_room.py)
+    train_budgets = {
+        p: int(outside + least + max(acts if p != "keep" else 0, update)) for p, (acts, _t) in peaks.items()
+    }
     if saved is not None:
-        train_budgets["auto"] = int(outside + least + least_held(saved, **kw))
+        train_budgets["auto"] = int(outside + least + max(least_held(saved, **kw), update))
     out = Plan(
         device=str(device),
         budget_bytes=budget_bytes,
@@ -322,6 +327,16 @@ def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, c
         room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
         peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])
     return peaks
+
+
+def _update_bytes(optimizer, grads: list, master_weights: bool) -> int:
+    """The most an update of one block on the device holds beyond its pages
+    with their state (`StepRoom.update_bytes`): an unfused optimizer's
+    temporaries, one copy of the block's trainable parameters (float32
+    under master weights: twice a bf16 parameter's bytes)."""
+    fused = optimizer is not None and all(g.get("fused") for g in optimizer.param_groups)
+    factor = 0.0 if fused else TEMPORARIES_PRIOR * (2 if master_weights else 1)
+    return max((int(factor * g) for g in grads), default=0)
 
 
 def least_held(sb: SavedBytes, **kw) -> int:

@@ -259,7 +259,8 @@ class Room:
                 if b not in protect and b.owner not in blocked
             )
             in_use = self.engine.resident_bytes - idle_bytes
-            room = min(usable, max(room, in_use + nbytes))
+            held = sum(o.step_bytes for o in self.engine.owners)  # (an update's: held now, not a reserve)
+            room = min(usable - held, max(room, in_use + nbytes))
             if self.engine.resident_bytes + nbytes <= room:
                 return True
         # Streamed blocks first, furthest next use first; kept ones only for a

@@ -459,6 +459,7 @@ def _activations_of(pager: Pager, policy: str) -> Activations | None:
             - step_needs.beside_bytes(pager)  # (held beside activations: the ledger's reserve)
         ),
         least_bytes=lambda: step_needs.least_bytes(pager),
+        update_bytes=lambda: step_needs.update_bytes(pager),
         measure=lambda args, kwargs: step_needs.measure(pager, args, kwargs),
         outside_bytes=lambda: pager.outside_bytes,
         budget_total=lambda: pager.engine.budget_bytes,

@@ -55,6 +55,16 @@ def least_bytes(pager) -> int:
     return max(fixed + largest, pager.min_budget_bytes) + pager.carried_bytes + pager.row_bytes
 
 
+def update_bytes(pager) -> int:
+    """The most an update of one block on the device holds beyond its pages
+    ([Note: the step's room] in training/step_room.py): at the step, in
+    place of the activations' room; none before an optimizer is attached."""
+    if not pager.optimizers:
+        return 0
+    room = pager.optimizers[0].step_room
+    return max((room.update_bytes(b) for b in pager.all_blocks()), default=0)
+
+
 def beside_bytes(pager, budget: int | None = None) -> int:
     """What a training pass holds beside its activations that pager bounds,
     under `budget` (None: the budget as given): its experts' calls' copies,

@@ -138,6 +138,10 @@ class Activations:
         give_back: `nbytes -> freed`: device memory pager holds beyond the
             least it runs in, given up for a step the budget would not hold
             otherwise (the experts' caches shrink); returns what it freed.
+        update_bytes: the most an update of one block on the device holds
+            beyond the least that blocks need, at the step, where
+            activations hold nothing ([Note: the step's room] in
+            training/step_room.py): the budget holds the larger of the two.
     """
 
     def __init__(
@@ -153,10 +157,12 @@ class Activations:
         budget_total=lambda: 0,
         beside_bytes=lambda budget=None: 0,
         give_back=lambda nbytes: 0,
+        update_bytes=lambda: 0,
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
         self.budget_total, self.beside_bytes, self.give_back = budget_total, beside_bytes, give_back
+        self.update_bytes = update_bytes
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -170,7 +176,7 @@ class Activations:
         self.planned: SavedBytes | None = None  # the forward measured on fake tensors (dry_run.py)
         self._planned_dims: list | None = []  # each input's largest shape measured (None: it cannot be)
         self._planned_blocks: list = []  # the blocks it names
-        self._planned_for: tuple | None = None  # (what blocks needed at least, the budget) when it was chosen
+        self._planned_for: tuple | None = None  # `_plan_key()` when it was chosen
         self._plan_kept: set | None = None  # the blocks the plan keeps, for the pass it was made at
         stats.activations_policy = policy
 
@@ -206,7 +212,7 @@ class Activations:
                 self._check_unmeasured(at_step=False)
                 return
             self._planned_dims = _widest(shapes, self._planned_dims)
-        elif (self._least(), self.budget_bytes()) == self._planned_for:
+        elif self._plan_key() == self._planned_for:
             return
         planned = self.planned
         assert planned is not None  # (measured whenever `_planned_dims` is set)
@@ -225,8 +231,12 @@ class Activations:
             self._check_unmeasured(at_step=True)
         elif self.planned is None or self._planned_for is None:
             return  # (no forward planned yet: the first one counts the state)
-        elif (self._least(), self.budget_bytes()) != self._planned_for:
+        elif self._plan_key() != self._planned_for:
             self._decide(self.planned, self._planned_blocks, at_step=True)
+
+    def _plan_key(self) -> tuple:
+        """What a plan was made for: the least blocks need, the budget, an update's room."""
+        return self._least(), self.budget_bytes(), self.update_bytes()
 
     def _least(self) -> int:
         """What blocks and what pager keeps beside them need at least in a
@@ -240,7 +250,7 @@ class Activations:
         kw = {"min_bytes": self.offload.min_bytes, "copies": self.transport.is_cuda}
         chosen, budget, least = self._choose(planned, kw)
         if chosen is None and budget is not None:
-            short = least + min(self._held(planned, kw).values()) - budget
+            short = least + max(min(self._held(planned, kw).values()), self.update_bytes()) - budget
             if short > 0 and self.give_back(short):  # (then the budget may hold the step)
                 chosen, budget, least = self._choose(planned, kw)
         if chosen is None:
@@ -248,7 +258,7 @@ class Activations:
         self.ledger.beside = self.beside_bytes()
         kept, policy, held = chosen
         by_name = {b.name: b for b in blocks}
-        self._planned_for = (least, budget)
+        self._planned_for = (least, budget, self.update_bytes())
         if self.asked == AUTO:  # (what the first pass keeps: `pass_starts`)
             self._plan_kept = {by_name[n] for n in kept if n in by_name}
         if self.asked == AUTO:
@@ -275,6 +285,8 @@ class Activations:
         """(the choice of `choose`, or None where the budget holds none; the budget; the least blocks need)."""
         budget, least = self.budget_bytes(), self._least()
         room = None if budget is None else budget - least  # what activations may hold beside blocks
+        if room is not None and self.update_bytes() > room:
+            return None, budget, least  # (the step's update alone does not fit beside the blocks)
         chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
         return chosen, budget, least
 
@@ -294,7 +306,7 @@ class Activations:
         budget = self.budget_bytes()
         if self.measure is None or budget is None:
             return
-        acts, least = self.ledger.last_pass_peak, self._least()
+        acts, least = max(self.ledger.last_pass_peak, self.update_bytes()), self._least()  # (at the step: the update's)
         if least + acts > budget and self.give_back(least + acts - budget):
             budget, least = self.budget_bytes(), self._least()
         self.ledger.beside = self.beside_bytes()
@@ -309,8 +321,9 @@ class Activations:
             held[OFFLOAD] = min(held[OFFLOAD], held[OFFLOAD_VIEWS_KEPT])
         del held[OFFLOAD_VIEWS_KEPT]
         out = self.outside_bytes()
+        staging = self.budget_total() - budget - out
         return plan_refusal(
-            held, mine, self.asked, least, budget, out, self.budget_total() - budget - out, at_step, self._least_budget
+            held, mine, self.asked, least, budget, out, staging, at_step, self._least_budget, self.update_bytes()
         )
 
     # ------------------------------------------------------------ each pass

@@ -54,15 +54,15 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
-from operator import is_not
 from types import FrameType
 
 import torch
 
-from ..base.block import Block, layout
+from ..base.block import Block
 from ..base.budget import allocator_counter
 from ..base.common import STEP
 from . import masters
+from .adoption import adopt_state, device_state
 from .grads import PagedOutGrad, replay
 from .host_jobs import host_job
 from .optim_state import StateDictHooks
@@ -93,12 +93,12 @@ class OptimizerLink:
         self._call: FrameType | None = None
         self._in_place: list = []  # blocks the user's own step() updates ([Note: a step asleep])
         self.stateless: set = set()  # id of each block whose update made no state (SGD without momentum)
+        self.step_room = StepRoom(pager, optimizer, allocator_counter(pager.device), self.stateless)
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
         self.raw_step = raw_step_of(optimizer)
-        self.step_room = StepRoom(pager, optimizer, allocator_counter(pager.device))
         self.state_dicts = StateDictHooks(pager, optimizer)  # what state_dict() and load_state_dict() see
         self._handles += self.state_dicts.handles
 
@@ -221,8 +221,8 @@ class OptimizerLink:
             fresh = [fresh_state_bytes(optimizer, pager.device, b) for b in blocks]
             room.ran(blocks, shares, sum(fresh))
             for block, nbytes in zip(blocks, fresh):
-                self._adopt_state(block)
-                room.adopted(nbytes)
+                if not adopt_state(self, block):  # (staged: let go of already)
+                    room.adopted(nbytes)
                 block.mark_dirty(("weights", "state"))
                 if "state" not in block.segments:
                     self.stateless.add(id(block))
@@ -279,16 +279,16 @@ class OptimizerLink:
         with pager.lock:
             for block in blocks:
                 if "state" not in block.segments:
-                    if not _device_state(self.optimizer, pager, block):
+                    if not device_state(self.optimizer, pager, block):
                         continue
                     pager.uses.acquire(block, STEP)
                     try:
-                        self._adopt_state(block)
+                        adopt_state(self, block)
                     finally:
                         pager.uses.release(block)
                     self.stateless.discard(id(block))
                 else:
-                    self._adopt_state(block)
+                    adopt_state(self, block)
 
     def _post_step(self, optimizer, args, kwargs):
         if self._stepping or (self._call is not None and sys._getframe(1) is not self._call):
@@ -371,7 +371,7 @@ class OptimizerLink:
         finally:
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
-        self._adopt_state(block)
+        adopt_state(self, block)
         block.mark_dirty(("weights", "state"))
 
     def _step_shadow(self, d: Deferred) -> None:
@@ -407,52 +407,6 @@ class OptimizerLink:
                 wanted.append(block)
         resident = pager.engine.resident  # (an ordered set: read once, not rebuilt per block)
         return [b for b in wanted if b in resident] + [b for b in wanted if b not in resident]
-
-    def _adopt_state(self, block: Block) -> None:
-        """Move state the optimizer created on the device into the block's page."""
-        opt_state = self.optimizer.state
-        seg = block.segments.get("state")
-        if seg is not None:
-            # Entries the optimizer replaced (rather than updated in place) go back into the page.
-            values = [opt_state[p].get(key) for p, key in seg.keys]
-            if any(map(is_not, values, seg.tensors)):
-                for (p, key), value, view in zip(seg.keys, values, seg.tensors):
-                    if value is not view and isinstance(value, torch.Tensor):
-                        view.copy_(value)
-                        opt_state[p][key] = view
-            return
-        keys = _device_state(self.optimizer, self.pager, block)
-        if not keys:
-            return
-        named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
-        pager = self.pager
-        nbytes = layout(named)[1]
-        # (the new state beside it is held out of the room: [Note: the step's room])
-        if not pager.engine.room.make_room(nbytes, protect={block}):
-            pager.engine.room.raise_no_room(block, nbytes)  # (before a page is made: the state stays the optimizer's)
-        seg = pager.new_segment(block, "state", named)
-        seg.keys = keys
-        # Allocated like any fetch (its page holds nothing yet, so nothing is
-        # copied), and compute waits before filling it from the optimizer's state.
-        pager.engine.fetch(block, ("state",))
-        pager.engine.wait(block)
-        pager.uses.expose(block)  # the block is in use: its new state tensors too
-        block.settled = True  # (as its acquire left it: compute waited, so the next forward may run asleep)
-        with torch.no_grad():
-            for (p, key), view in zip(keys, seg.tensors):
-                view.copy_(opt_state[p][key])
-                opt_state[p][key] = view
-        seg.host_valid = True  # the copies above made it dirty: written back when it leaves
-
-
-def _device_state(optimizer, pager, block: Block) -> list:
-    """(parameter, key) of each state tensor `optimizer` holds on the device for `block`."""
-    return [
-        (p, key)
-        for p in block.params
-        for key, value in optimizer.state.get(p, {}).items()
-        if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0
-    ]
 
 
 def raw_step_of(optimizer):

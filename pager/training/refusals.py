@@ -31,7 +31,8 @@ def unmeasured_refusal(least: int, acts: int, budget: int, out: int, at_step: bo
         f"pager: a training step of this model holds at least {format_bytes(least + acts)} on the device: "
         f"blocks at least {format_bytes(least)} (the resident remainder and the largest block with their "
         f"gradients and optimizer state, and what pager keeps beside them) + activations "
-        f"{format_bytes(acts)} (what the last pass held; the forward could not be measured before it ran), "
+        f"{format_bytes(acts)} (what the last pass held, or an update of a block on the device at the step if more; "
+        f"the forward could not be measured before it ran), "
         f"more than the budget of {format_bytes(budget + out)}"
         + (f" less {format_bytes(out)} outside pager's room" if out else "")
         + f". {_unchanged(at_step)}. Use a budget of at least {format_bytes(least_bytes, up=True)}.",
@@ -40,21 +41,31 @@ def unmeasured_refusal(least: int, acts: int, budget: int, out: int, at_step: bo
 
 
 def plan_refusal(
-    held: dict, mine: int, asked: str, least: int, budget: int, out: int, staging: int, at_step: bool, least_of
+    held: dict,
+    mine: int,
+    asked: str,
+    least: int,
+    budget: int,
+    out: int,
+    staging: int,
+    at_step: bool,
+    least_of,
+    update: int = 0,
 ) -> BudgetError:
     """A step no policy holds: `held` what activations hold under each
     policy, `mine` under the one asked (`asked`), beside the `least` that
     blocks need, more than `budget` (the budget as given less `out` outside
     pager and `staging` for compressed pages); `least_of(need)`: the least
-    budget that holds `need`."""
-    holds = [p for p, n in held.items() if least + n <= budget]
+    budget that holds `need`; `update`: what an update of a block on the
+    device holds beside them at the step, where activations hold nothing."""
+    holds = [p for p, n in held.items() if least + max(n, update) <= budget]
     outside = f" less the {format_bytes(out)} the process holds on the device outside pager" if out else ""
     outside += f" less the {format_bytes(staging)} of staging for compressed pages" if staging else ""
     out += staging
     fix = (
         f'activations="{holds[0]}", which holds this budget'
         if holds
-        else f"a budget of at least {format_bytes(least_of(out + least + min(held.values())), up=True)} "
+        else f"a budget of at least {format_bytes(least_of(out + least + max(min(held.values()), update)), up=True)} "
         '(activations="auto" or '
         f'"{min(held, key=lambda p: held[p])}"), or a smaller batch'
     )
@@ -64,16 +75,23 @@ def plan_refusal(
         else " If this forward is inference, run it under `torch.no_grad()` (or `torch.inference_mode()`): a "
         "forward with gradients enabled is planned as a training step, with what it saves for its backward."
     )
+    step = (
+        f"; at the step, an update of a block on the device holds {format_bytes(update)} beside the blocks "
+        "instead (an unfused optimizer's temporaries)"
+        if update > mine
+        else ""
+    )
     return BudgetError(
-        f"pager: a training step of this model with these inputs holds at least {format_bytes(least + mine)} "
+        f"pager: a training step of this model with these inputs holds at least "
+        f"{format_bytes(least + max(mine, update))} "
         f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
         f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
         f"{format_bytes(mine)} (activations={asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
-        f"recompute {format_bytes(held[RECOMPUTE])}), more than the budget of {format_bytes(budget + out)}"
+        f"recompute {format_bytes(held[RECOMPUTE])}){step}, more than the budget of {format_bytes(budget + out)}"
         f"{outside}. {_unchanged(at_step)}. Use {fix}. (The optimizer's state counts once it is attached: "
         f"`wrap(..., optimizer=opt)` counts it from the first forward; `pager.plan(model, budget, inputs=..., "
         f"optimizer=...)` gives these figures before wrap.){inference}",
-        least_budget_bytes=least_of(out + least + mine),
+        least_budget_bytes=least_of(out + least + max(mine, update)),
     )
 
 

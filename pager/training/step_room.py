@@ -13,10 +13,21 @@ at its first `opt.step()`, pager's own peak 10.44). So while blocks step,
 `Pager.step_bytes` holds them out of the room (engine/room.py: the larger
 of it and the activations' reserve, which activations do not use then):
 before the update, the temporaries and the state it will create (by the
-optimizer's class: `state_bytes_of`), with room for the largest new page
-beside its state; after it, the new state not yet in a page, less each
-block's as it is adopted. Blocks that are idle leave for it as for a
-fetch, before the update changes anything.
+optimizer's class: `state_bytes_of`); after it, the new state not yet in a
+page, less each block's as it is adopted. Blocks that are idle leave for
+it as for a fetch, before the update changes anything, and for each new
+state page beside the state it is copied from; where none is left to
+leave (a budget near the least), the page goes through host memory
+instead: the state is copied into the
+page's host memory, the optimizer's tensors are let go, and the page is
+fetched as any other (training/adoption.py: a round trip of the
+state over the link, at a block's first update only).
+
+The least budget counts it the same way: activations hold nothing at the
+step, so a training step needs the least that blocks need with the larger
+of what activations hold and the most an update of one block holds beyond
+its pages with their state (`update_bytes`: its temporaries); a refusal
+names that, and so does `pager.plan`'s least budget.
 
 The temporaries are a prior, `TEMPORARIES_PRIOR` copies of the stepped
 parameters in their state's dtype (float32 under master weights), none
@@ -53,10 +64,12 @@ class StepRoom:
         pager: the wrapped model's `Pager` (its `step_bytes` is set here).
         optimizer: the attached optimizer.
         counter: the device's `AllocatorCounter`, or None (the CPU).
+        stateless: the ids of blocks whose updates make no state.
     """
 
-    def __init__(self, pager, optimizer, counter):
+    def __init__(self, pager, optimizer, counter, stateless: set):
         self.pager, self.optimizer, self.counter = pager, optimizer, counter
+        self.stateless = stateless  # id of each block whose update made no state (`OptimizerLink.stateless`)
         fused = all(g.get("fused") for g in optimizer.param_groups)
         self.factor = 0.0 if fused else TEMPORARIES_PRIOR
         self._measured: dict[int, int] = {}  # id(block) -> its updates read against the counters
@@ -76,7 +89,7 @@ class StepRoom:
         state_of = state_bytes_of(self.optimizer, self.pager.device, master_weights=self.pager.master_weights)
         fresh = [sum(map(state_of, self._stepped([b], shares))) for b in blocks if "state" not in b.segments]
         temporaries = int(self.factor * self._one_bytes(self._stepped(blocks, shares)))
-        self.pager.step_bytes = sum(fresh) + max(temporaries, max(fresh, default=0))
+        self.pager.step_bytes = sum(fresh) + temporaries
 
     def measure(self, blocks) -> None:
         """The update of `blocks` starts now (their pages allocated): read the
@@ -110,9 +123,25 @@ class StepRoom:
             )
             self.factor = factor
 
+    def update_bytes(self, block) -> int:
+        """What an update of `block` on the device holds beyond its pages
+        with their state (`step_needs.train_bytes`): its temporaries (a first
+        update's new state stands for its page until adopted); none where
+        updates run on the host, but the first."""
+        pager = self.pager
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        params = [
+            p
+            for p in block.params
+            if p.requires_grad and id(p) in held and id(p) not in pager.row_params and id(p) not in pager.expert_params
+        ]
+        if pager.host_steps.mode == "host" and ("state" in block.segments or id(block) in self.stateless):
+            return 0  # (only a first update runs on the device)
+        return int(self.factor * self._one_bytes(params))
+
     def adopted(self, nbytes: int) -> None:
         """`nbytes` of new state went into a page (counted with the blocks now)."""
-        self.pager.step_bytes -= nbytes
+        self.pager.step_bytes = max(self.pager.step_bytes - nbytes, 0)  # (none held outside an update)
 
     def after(self) -> None:
         """The update is over: nothing held beside the pages."""
