@@ -7,6 +7,7 @@ with the pages on the device they stay within the budget; the values are
 the unwrapped model's bit for bit."""
 
 import copy
+import sys
 import weakref
 
 import pytest
@@ -127,7 +128,7 @@ def test_the_first_update_and_its_temporaries_stay_within_the_budget(budget_bloc
     assert len(Counted.held) >= LAYERS and max(Counted.held) <= budget, (Counted.held, budget)
     assert len(adopting) == LAYERS and max(adopting) <= budget, (adopting, budget)
     # Before the step's room was held, the first updates went over by their new state and temporaries.
-    monkeypatch.setattr(step_room.StepRoom, "before", lambda self, blocks, shares: None)
+    monkeypatch.setattr(step_room.StepRoom, "before", lambda self, blocks, shares: self.pager.step_bytes)
     again = copy.deepcopy(layers())
     pager.wrap(again, budget=budget, budget_covers="pager", defer_step=False, optimizer_step="device")
     opt = Counted(again.parameters(), lr=1e-2, foreach=True)
@@ -224,3 +225,50 @@ def test_a_budget_an_update_does_not_fit_is_refused_before_anything_runs_and_its
     assert_models_equal(model, ref)
     assert max(Counted.held) <= least and max(adopting, default=0) <= least, (Counted.held, adopting, least)
     assert "new optimizer state went through host memory" in caplog.text
+
+
+class CountedInUse(Counted):
+    """Counted, with the activations pager holds at that moment: an update
+    deferred to its block's next use runs inside a forward."""
+
+    def step(self, closure=None):
+        with NewBytes() as new:
+            out = torch.optim.AdamW.step(self, closure)
+        p = pager.of(self.model)
+        Counted.held.append(p.engine.resident_bytes + p.activations.ledger.live + new.peak)
+        return out
+
+
+def test_an_update_deferred_to_the_next_forward_holds_its_temporaries_within_the_budget(monkeypatch):
+    """By default a block whose gradients left the device updates at its
+    next use (`defer_step`), inside the next forward: its foreach
+    temporaries are held out of that use's room too, so the pages, the
+    activations and the update's own ops stay within the budget; bit for
+    bit. (Without that room held, the same run goes over.)"""
+
+    def run(model):
+        opt = CountedInUse(model.parameters(), lr=1e-2, foreach=True)
+        opt.model = model
+        Counted.held = []
+        steps(model, opt, 4)
+        return pager.of(model)
+
+    ref = layers()
+    model = copy.deepcopy(ref)
+    budget = 9 * block_bytes()  # (the forward's prefetch fills the room: 7 and 8 leave a layer spare)
+    pager.wrap(model, budget=budget, budget_covers="pager", optimizer_step="device")
+    p = run(model)
+    steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True), 4)
+    assert_models_equal(model, ref)
+    assert p.stats().deferred_steps > 0 and max(Counted.held) <= budget, (Counted.held, budget)
+    before = step_room.StepRoom.before
+
+    def not_in_a_use(self, blocks, shares):  # (the deferred update's room not held; the step's still)
+        deferred = sys._getframe(1).f_code.co_name == "apply"
+        return self.pager.step_bytes if deferred else before(self, blocks, shares)
+
+    monkeypatch.setattr(step_room.StepRoom, "before", not_in_a_use)
+    again = layers()
+    pager.wrap(again, budget=budget, budget_covers="pager", optimizer_step="device")
+    run(again)
+    assert max(Counted.held) > budget, (Counted.held, budget)

@@ -203,7 +203,7 @@ class OptimizerLink:
         # What the update holds beside the pages (its temporaries, the state it
         # creates) is held out of the room first: blocks leave for it as for a
         # fetch, before anything changes ([Note: the step's room]).
-        room.before(blocks, shares)
+        held = room.before(blocks, shares)
         try:
             for block in blocks:
                 pager.uses.acquire(block, STEP)
@@ -219,7 +219,7 @@ class OptimizerLink:
             else:
                 self._step_once(optimizer)
             fresh = [fresh_state_bytes(optimizer, pager.device, b) for b in blocks]
-            room.ran(blocks, shares, sum(fresh))
+            room.ran(blocks, shares, sum(fresh), held)
             for block, nbytes in zip(blocks, fresh):
                 if not adopt_state(self, block):  # (staged: let go of already)
                     room.adopted(nbytes)
@@ -229,7 +229,7 @@ class OptimizerLink:
             if pager.owners is not None:
                 pager.owners.updated_on_device(blocks)  # (the node's page gets the update now)
         finally:
-            room.after()
+            room.after(held)
             for block in acquired:
                 pager.uses.release(block)
 
@@ -360,7 +360,14 @@ class OptimizerLink:
         seg = block.segments["grads"]
         params = [p for share in d.shares for p in share]
         saved_grads = [p.grad for p in params]
+        room, shares = self.step_room, {id(block): d.shares}
+        # Its temporaries are held out of the room, inside the use's
+        # ([Note: the step's room]; its state has its page: not a first update).
+        held = room.before([block], shares)
         try:
+            if pager.step_bytes > held:
+                pager.engine.room.make_room(0, protect={block})
+            room.measure([block])
             with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
                 for i, ops in d.scales.items():
                     replay(seg.tensors[i], ops)
@@ -368,7 +375,9 @@ class OptimizerLink:
                     i = pager.grad_slots.get(id(p), (None, None))[1]
                     p.grad = seg.tensors[i] if i in d.grads else None
                 self._step_shadow(d)
+            room.ran([block], shares, 0, held)
         finally:
+            room.after(held)
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
         adopt_state(self, block)

@@ -23,6 +23,11 @@ page's host memory, the optimizer's tensors are let go, and the page is
 fetched as any other (training/adoption.py: a round trip of the
 state over the link, at a block's first update only).
 
+An update deferred to its block's next use ([Note: deferred updates] in
+training/optim.py) runs inside that use, in a forward: its temporaries
+are held the same way, on top of the activations' reserve then (its
+state has its page: a first update is never deferred).
+
 The least budget counts it the same way: activations hold nothing at the
 step, so a training step needs the least that blocks need with the larger
 of what activations hold and the most an update of one block holds beyond
@@ -83,13 +88,20 @@ class StepRoom:
         master = self.pager.master_weights
         return sum(4 * p.numel() if master and wants_master(p) else aligned_bytes(p) for p in params)
 
-    def before(self, blocks, shares) -> None:
+    def before(self, blocks, shares) -> int:
         """Hold out of the room what the update of `blocks` (their parameters
-        by group: `shares`) will hold beside their pages."""
-        state_of = state_bytes_of(self.optimizer, self.pager.device, master_weights=self.pager.master_weights)
-        fresh = [sum(map(state_of, self._stepped([b], shares))) for b in blocks if "state" not in b.segments]
+        by group: `shares`) will hold beside their pages, on top of what is
+        held already (an update deferred to a use inside another's step);
+        returns that, for `ran` and `after`."""
+        first = [b for b in blocks if "state" not in b.segments and id(b) not in self.stateless]
+        fresh = 0
+        if first:  # (their state is made now: by the optimizer's class, once per block)
+            state_of = state_bytes_of(self.optimizer, self.pager.device, master_weights=self.pager.master_weights)
+            fresh = sum(map(state_of, self._stepped(first, shares)))
         temporaries = int(self.factor * self._one_bytes(self._stepped(blocks, shares)))
-        self.pager.step_bytes = sum(fresh) + temporaries
+        held = self.pager.step_bytes
+        self.pager.step_bytes = held + fresh + temporaries
+        return held
 
     def measure(self, blocks) -> None:
         """The update of `blocks` starts now (their pages allocated): read the
@@ -97,11 +109,11 @@ class StepRoom:
         measured = self.counter is not None and any(self._measured.get(id(b), 0) < MEASURED_STEPS for b in blocks)
         self._before = self.counter.read() if measured else None
 
-    def ran(self, blocks, shares, fresh_bytes: int) -> None:
+    def ran(self, blocks, shares, fresh_bytes: int, held: int) -> None:
         """The update ran, creating `fresh_bytes` of state outside the pages:
         learn the temporaries from the counters (if read), and hold the new
-        state until it is adopted (`adopted`)."""
-        self.pager.step_bytes = fresh_bytes
+        state until it is adopted (`adopted`) beside what was `held` before."""
+        self.pager.step_bytes = held + fresh_bytes
         if self._before is None:
             return
         (allocated, peak_before), (_now, peak) = self._before, self.counter.read()
@@ -143,9 +155,9 @@ class StepRoom:
         """`nbytes` of new state went into a page (counted with the blocks now)."""
         self.pager.step_bytes = max(self.pager.step_bytes - nbytes, 0)  # (none held outside an update)
 
-    def after(self) -> None:
-        """The update is over: nothing held beside the pages."""
-        self.pager.step_bytes = 0
+    def after(self, held: int) -> None:
+        """The update is over: what was `held` before it, again."""
+        self.pager.step_bytes = held
         self._before = None
 
 
