@@ -231,7 +231,7 @@ def plan(
         peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, copies=device.type == "cuda")
         notes += _activation_notes(peaks, room, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
-    update = _update_bytes(optimizer, grads, master_weights)
+    update = _update_bytes(optimizer, [*grads, trainable(None)], master_weights)  # (the remainder's too)
     # keep: activations beside the budget; else they come out of it ([Note: one budget] in training/activations.py);
     # at the step an update on the device holds its room instead ([Note: the step's room] in training/step_room.py)
     train_budgets = {

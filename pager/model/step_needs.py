@@ -61,8 +61,9 @@ def update_bytes(pager) -> int:
     place of the activations' room; none before an optimizer is attached."""
     if not pager.optimizers:
         return 0
-    room = pager.optimizers[0].step_room
-    return max((room.update_bytes(b) for b in pager.all_blocks()), default=0)
+    link = pager.optimizers[0]
+    trained = {id(p) for params in link.group_params() for p in params}
+    return max((link.step_room.update_bytes(b, trained) for b in pager.all_blocks()), default=0)
 
 
 def beside_bytes(pager, budget: int | None = None) -> int:

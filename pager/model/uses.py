@@ -163,13 +163,14 @@ class Uses:
             for seg in block.segments.values():
                 guards.guard(seg)
 
-    def run_deferred(self, block: Block) -> None:
+    def run_deferred(self, block: Block, make_room: bool = True) -> None:
         """Apply the optimizer updates deferred to this use of `block` (resident,
-        compute ordered after its fetch), oldest first."""
+        compute ordered after its fetch), oldest first; `make_room`: for
+        their temporaries (`OptimizerLink.apply`)."""
         with _record_range("deferred_step", block.name):
             while block.deferred_steps:
                 d = block.deferred_steps[0]
-                d.link.apply(block, d)
+                d.link.apply(block, d, make_room)
                 block.deferred_steps.pop(0)
 
     def apply_deferred(self, blocks) -> None:
@@ -272,7 +273,7 @@ class Uses:
             self.engine.pin(block)  # the update is this thread's use (in the shared mode, what lets it pass the guard)
             try:
                 self.expose(block)  # (guarded again as it leaves)
-                self.run_deferred(block)
+                self.run_deferred(block, make_room=False)  # (room is being made: this block's own leaves next)
             finally:
                 self.engine.unpin(block)
         return True

@@ -33,18 +33,19 @@ def adopt_state(link, block: Block) -> bool:
     keys = device_state(link.optimizer, link.pager, block)
     if not keys:
         return False
-    named = [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys]
     pager = link.pager
     room = pager.engine.room
-    nbytes = layout(named)[1]
+    nbytes = layout([(key, opt_state[p][key]) for p, key in keys])[1]
     # (the new state beside it is held out of the room: [Note: the step's room])
     staged = not room.make_room(nbytes, protect={block})
-    if staged and block.owner in pager.engine.host.disks:  # (a disk tier places pages when first written)
-        room.raise_no_room(block, nbytes)  # (before a page is made: the state stays the optimizer's)
-    seg = pager.new_segment(block, "state", named)
+    aside = staged and block.owner in pager.engine.host.disks  # (a disk tier places pages when first written)
+    if aside:
+        _set_aside(link, keys)
+        if not room.make_room(nbytes, protect={block}):
+            room.raise_no_room(block, nbytes)  # (before a page is made: the state is the optimizer's, in host memory)
+    seg = pager.new_segment(block, "state", [(f"{id(p)}.{key}", opt_state[p][key]) for p, key in keys])
     seg.keys = keys
-    del named
-    if staged:
+    if staged and not aside:
         _stage_state(link, block, seg)
         if not room.make_room(seg.nbytes, protect={block}):
             room.raise_no_room(block, seg.nbytes)  # (the state is in its page: fetched when next needed)
@@ -54,13 +55,27 @@ def adopt_state(link, block: Block) -> bool:
     pager.engine.wait(block)
     pager.uses.expose(block)  # the block is in use: its new state tensors too
     block.settled = True  # (as its acquire left it: compute waited, so the next forward may run asleep)
-    if not staged:
+    if not staged or aside:
         with torch.no_grad():
             for (p, key), view in zip(keys, seg.tensors):
-                view.copy_(opt_state[p][key])
+                view.copy_(opt_state[p][key])  # (from the device, or the copy set aside in host memory)
                 opt_state[p][key] = view
     seg.host_valid = True  # the copies above made it dirty: written back when it leaves
     return staged
+
+
+def _set_aside(link, keys: list) -> None:
+    """No room for a new state page beside the state, and no host page to
+    stage it in (a disk tier's is placed when first written): the state is
+    copied to host memory of its own and the device's let go; the page,
+    once there is room, is filled from it."""
+    opt_state = link.optimizer.state
+    freed = 0
+    for p, key in keys:
+        value = opt_state[p][key]
+        opt_state[p][key] = value.to("cpu", copy=True)
+        freed += value.untyped_storage().nbytes()
+    link.step_room.adopted(freed)
 
 
 def _stage_state(link, block: Block, seg) -> None:

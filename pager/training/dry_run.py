@@ -390,12 +390,14 @@ def _key(t) -> int:
     return t.untyped_storage()._cdata
 
 
-def state_bytes_of(optimizer, device, state_factor: float = 2.0, master_weights: bool = False):
+def state_bytes_of(optimizer, device, state_factor: float = 2.0, master_weights: bool = False, groups=None):
     """Page bytes of the optimizer state a parameter has on `device`: its
     tensors the size of the parameter, and its scalars (`step`), each in a
     slot of its own. Without an optimizer, `state_factor` x the parameter.
     Under `master_weights` a bf16 parameter's are float32, and its master
-    is one more ([Note: master weights] in training/masters.py)."""
+    is one more ([Note: master weights] in training/masters.py). `groups`:
+    id of each parameter -> its param group (by default, the optimizer's
+    groups as they are now)."""
 
     def widened(p) -> tuple[int, int]:  # (bytes of one state tensor of `p`, of its master)
         if master_weights and wants_master(p):
@@ -405,7 +407,8 @@ def state_bytes_of(optimizer, device, state_factor: float = 2.0, master_weights:
 
     if optimizer is None:
         return lambda p: int(state_factor * widened(p)[0]) + widened(p)[1]
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    if groups is None:
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     name = type(optimizer).__name__
 
     def of(p):

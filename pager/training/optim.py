@@ -181,7 +181,7 @@ class OptimizerLink:
             # so the blocks that have their state step as one.
             together = [b for b in now if not b.deps and "state" in b.segments] if pager.all_resident else []
             ids = {id(b) for b in together}
-            for run in ([together] if together else []) + [[b] for b in now if id(b) not in ids]:
+            for run in self._runs(together, shares) + [[b] for b in now if id(b) not in ids]:
                 self._step_blocks(optimizer, run, shares)
             if pager.owners is not None:
                 pager.owners.after_step()  # (the kept blocks' updates reach the others: [Note: block owners])
@@ -190,6 +190,23 @@ class OptimizerLink:
         finally:
             for g, params in zip(groups, self._saved_params):
                 g["params"] = [p for p in params if not pager.managed(p)]
+
+    def _runs(self, blocks: list[Block], shares: dict) -> list[list[Block]]:
+        """`blocks` (every page on the device, pinned while they step) in
+        runs whose temporaries together fit beside them ([Note: the step's
+        room]): as few calls of the optimizer as the budget allows."""
+        pager = self.pager
+        free = pager.engine.room.room_bytes() + (pager.activation_reserve_bytes() or 0) - pager.engine.resident_bytes
+        runs: list[list[Block]] = []
+        held = free  # (a block alone always runs)
+        for block in blocks:
+            nbytes = self.step_room.temporaries([block], shares)
+            if held + nbytes > free:
+                runs.append([])
+                held = 0
+            runs[-1].append(block)
+            held += nbytes
+        return runs
 
     def _step_blocks(self, optimizer, blocks: list[Block], shares: dict) -> None:
         """Step `blocks` in one call of the optimizer: one block, or several
@@ -203,7 +220,7 @@ class OptimizerLink:
         # What the update holds beside the pages (its temporaries, the state it
         # creates) is held out of the room first: blocks leave for it as for a
         # fetch, before anything changes ([Note: the step's room]).
-        held = room.before(blocks, shares)
+        room.before(blocks, shares)
         try:
             for block in blocks:
                 pager.uses.acquire(block, STEP)
@@ -219,7 +236,7 @@ class OptimizerLink:
             else:
                 self._step_once(optimizer)
             fresh = [fresh_state_bytes(optimizer, pager.device, b) for b in blocks]
-            room.ran(blocks, shares, sum(fresh), held)
+            room.ran(blocks, shares, sum(fresh))
             for block, nbytes in zip(blocks, fresh):
                 if not adopt_state(self, block):  # (staged: let go of already)
                     room.adopted(nbytes)
@@ -229,7 +246,7 @@ class OptimizerLink:
             if pager.owners is not None:
                 pager.owners.updated_on_device(blocks)  # (the node's page gets the update now)
         finally:
-            room.after(held)
+            room.after()
             for block in acquired:
                 pager.uses.release(block)
 
@@ -320,6 +337,13 @@ class OptimizerLink:
             return False  # no state yet (its first step adopts it), or other ranks wait for its update
         return self.gradients_on_host(block)
 
+    def group_params(self) -> list[list]:
+        """Each param group's parameters as the user holds them (a step in
+        progress narrows the groups themselves)."""
+        if self._saved_params is not None:
+            return self._saved_params
+        return [g["params"] for g in self.optimizer.param_groups]
+
     def gradients_on_host(self, block: Block) -> bool:
         """Its gradients are in its host page (paged out, or None), and the
         update reads them there: no GradScaler scale handed to a fused step."""
@@ -342,10 +366,12 @@ class OptimizerLink:
         self.pager.counters.deferred_steps += 1
         self.pager.prefetch_frontier.reset()  # (its use now brings its gradients and state too)
 
-    def apply(self, block: Block, d: Deferred) -> None:
+    def apply(self, block: Block, d: Deferred, make_room: bool = True) -> None:
         """Run deferred update `d` of `block` (resident, compute ordered after
         its fetch): the optimizer's own step over the block's parameters, with
-        the gradients and group options it had at step time.
+        the gradients and group options it had at step time; `make_room`:
+        first make room for its temporaries (not while `block` leaves: room
+        is being made then).
 
         [Note: a deferred update touches nothing the user holds]
         It may run on any thread (the one whose access needs the block), while
@@ -361,13 +387,15 @@ class OptimizerLink:
         params = [p for share in d.shares for p in share]
         saved_grads = [p.grad for p in params]
         room, shares = self.step_room, {id(block): d.shares}
-        # Its temporaries are held out of the room, inside the use's
-        # ([Note: the step's room]; its state has its page: not a first update).
-        held = room.before([block], shares)
+        temporaries = room.temporaries([block], shares)
+        if make_room and temporaries:
+            # Inside a use, beside its activations: room for its temporaries on
+            # top of theirs, made now ([Note: the step's room]; its state has its
+            # page: a first update is never deferred). They are let go when the
+            # update's kernels are queued, before anything else asks for room.
+            pager.engine.room.make_room(temporaries, protect={block})
+        room.measure([block])
         try:
-            if pager.step_bytes > held:
-                pager.engine.room.make_room(0, protect={block})
-            room.measure([block])
             with torch.inference_mode(False), torch.no_grad(), torch.autocast(pager.device.type, enabled=False):
                 for i, ops in d.scales.items():
                     replay(seg.tensors[i], ops)
@@ -375,9 +403,8 @@ class OptimizerLink:
                     i = pager.grad_slots.get(id(p), (None, None))[1]
                     p.grad = seg.tensors[i] if i in d.grads else None
                 self._step_shadow(d)
-            room.ran([block], shares, 0, held)
+            room.ran([block], shares, 0, hold=False)
         finally:
-            room.after(held)
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
         adopt_state(self, block)

@@ -17,16 +17,20 @@ optimizer's class: `state_bytes_of`); after it, the new state not yet in a
 page, less each block's as it is adopted. Blocks that are idle leave for
 it as for a fetch, before the update changes anything, and for each new
 state page beside the state it is copied from; where none is left to
-leave (a budget near the least), the page goes through host memory
-instead: the state is copied into the
-page's host memory, the optimizer's tensors are let go, and the page is
-fetched as any other (training/adoption.py: a round trip of the
-state over the link, at a block's first update only).
+leave (a budget near the least), the state goes through host memory
+instead: it is copied into the page's host memory (under a disk tier,
+which places a page when it is first written, into host memory of its
+own), the optimizer's tensors are let go, and the page is fetched as any
+other (training/adoption.py: a round trip of the state over the link, at
+a block's first update only).
 
 An update deferred to its block's next use ([Note: deferred updates] in
-training/optim.py) runs inside that use, in a forward: its temporaries
-are held the same way, on top of the activations' reserve then (its
-state has its page: a first update is never deferred).
+training/optim.py) runs inside that use, in a forward, beside the
+activations: room is made for its temporaries on top of everything else
+before it runs (its state has its page: a first update is never
+deferred), except as its block leaves (room is being made then). Blocks
+that step together (every page on the device) go in runs whose
+temporaries fit beside them.
 
 The least budget counts it the same way: activations hold nothing at the
 step, so a training step needs the least that blocks need with the larger
@@ -78,6 +82,7 @@ class StepRoom:
         fused = all(g.get("fused") for g in optimizer.param_groups)
         self.factor = 0.0 if fused else TEMPORARIES_PRIOR
         self._measured: dict[int, int] = {}  # id(block) -> its updates read against the counters
+        self._held = 0  # what this room holds in `Pager.step_bytes` now
         self._before: tuple[int, int] | None = None  # the counters before the update being read
 
     def _stepped(self, blocks, shares) -> list:
@@ -88,20 +93,31 @@ class StepRoom:
         master = self.pager.master_weights
         return sum(4 * p.numel() if master and wants_master(p) else aligned_bytes(p) for p in params)
 
-    def before(self, blocks, shares) -> int:
-        """Hold out of the room what the update of `blocks` (their parameters
-        by group: `shares`) will hold beside their pages, on top of what is
-        held already (an update deferred to a use inside another's step);
-        returns that, for `ran` and `after`."""
+    def temporaries(self, blocks, shares) -> int:
+        """What the update of `blocks` (their parameters by group: `shares`)
+        holds at once beyond its pages and new state: its temporaries."""
+        return int(self.factor * self._one_bytes(self._stepped(blocks, shares)))
+
+    def before(self, blocks, shares) -> None:
+        """Hold out of the room what the update of `blocks` will hold beside
+        their pages: its temporaries and the state a first update makes (by
+        the optimizer's class, with each group's options: the groups' own
+        parameters are narrowed to the block stepped before)."""
         first = [b for b in blocks if "state" not in b.segments and id(b) not in self.stateless]
         fresh = 0
-        if first:  # (their state is made now: by the optimizer's class, once per block)
-            state_of = state_bytes_of(self.optimizer, self.pager.device, master_weights=self.pager.master_weights)
+        if first:  # (once a block: its first update)
+            groups = self.optimizer.param_groups
+            group_of = {id(p): groups[gi] for b in first for gi, share in enumerate(shares[id(b)]) for p in share}
+            state_of = state_bytes_of(
+                self.optimizer, self.pager.device, master_weights=self.pager.master_weights, groups=group_of
+            )
             fresh = sum(map(state_of, self._stepped(first, shares)))
-        temporaries = int(self.factor * self._one_bytes(self._stepped(blocks, shares)))
-        held = self.pager.step_bytes
-        self.pager.step_bytes = held + fresh + temporaries
-        return held
+        self._hold(fresh + self.temporaries(blocks, shares))
+
+    def _hold(self, nbytes: int) -> None:
+        """Hold `nbytes` in `Pager.step_bytes` in place of what this room held."""
+        self.pager.step_bytes += nbytes - self._held
+        self._held = nbytes
 
     def measure(self, blocks) -> None:
         """The update of `blocks` starts now (their pages allocated): read the
@@ -109,11 +125,12 @@ class StepRoom:
         measured = self.counter is not None and any(self._measured.get(id(b), 0) < MEASURED_STEPS for b in blocks)
         self._before = self.counter.read() if measured else None
 
-    def ran(self, blocks, shares, fresh_bytes: int, held: int) -> None:
+    def ran(self, blocks, shares, fresh_bytes: int, hold: bool = True) -> None:
         """The update ran, creating `fresh_bytes` of state outside the pages:
         learn the temporaries from the counters (if read), and hold the new
-        state until it is adopted (`adopted`) beside what was `held` before."""
-        self.pager.step_bytes = held + fresh_bytes
+        state until it is adopted (`adopted`)."""
+        if hold:
+            self._hold(fresh_bytes)
         if self._before is None:
             return
         (allocated, peak_before), (_now, peak) = self._before, self.counter.read()
@@ -135,29 +152,26 @@ class StepRoom:
             )
             self.factor = factor
 
-    def update_bytes(self, block) -> int:
+    def update_bytes(self, block, trained: set) -> int:
         """What an update of `block` on the device holds beyond its pages
         with their state (`step_needs.train_bytes`): its temporaries (a first
         update's new state stands for its page until adopted); none where
-        updates run on the host, but the first."""
+        updates run on the host, but the first. `trained`: the ids of the
+        parameters the optimizer updates."""
         pager = self.pager
-        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        params = [
-            p
-            for p in block.params
-            if p.requires_grad and id(p) in held and id(p) not in pager.row_params and id(p) not in pager.expert_params
-        ]
         if pager.host_steps.mode == "host" and ("state" in block.segments or id(block) in self.stateless):
             return 0  # (only a first update runs on the device)
-        return int(self.factor * self._one_bytes(params))
+        rows, experts = pager.row_params, pager.expert_params
+        params = [p for p in block.params if id(p) in trained and id(p) not in rows and id(p) not in experts]
+        return int(self.factor * self._one_bytes(p for p in params if p.requires_grad))
 
     def adopted(self, nbytes: int) -> None:
         """`nbytes` of new state went into a page (counted with the blocks now)."""
-        self.pager.step_bytes = max(self.pager.step_bytes - nbytes, 0)  # (none held outside an update)
+        self._hold(max(self._held - nbytes, 0))
 
-    def after(self, held: int) -> None:
-        """The update is over: what was `held` before it, again."""
-        self.pager.step_bytes = held
+    def after(self) -> None:
+        """The update is over: nothing held for it."""
+        self._hold(0)
         self._before = None
 
 
