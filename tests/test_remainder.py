@@ -139,6 +139,7 @@ def test_a_head_reading_the_embedding_weight_directly_trains_bit_for_bit():
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
     # The least budget: the embedding with its state, and no room for a layer beside it. (Sequences
     # long enough that activations hold more than the embedding's first update holds beside its page
     # at the step, 16 MiB of new state: the least is then the forward's.)
