@@ -104,3 +104,11 @@ def device_state(optimizer, pager, block: Block) -> list:
         for key, value in optimizer.state.get(p, {}).items()
         if isinstance(value, torch.Tensor) and value.device == pager.device and value.numel() > 0
     ]
+
+
+def fresh_state_bytes(optimizer, pager, block: Block) -> int:
+    """Bytes of the state `optimizer` holds on the device for `block` outside
+    its page (made by its first update, not yet adopted)."""
+    if "state" in block.segments:
+        return 0
+    return sum(optimizer.state[p][key].untyped_storage().nbytes() for p, key in device_state(optimizer, pager, block))

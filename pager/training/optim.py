@@ -62,12 +62,12 @@ from ..base.block import Block
 from ..base.budget import allocator_counter
 from ..base.common import STEP
 from . import masters
-from .adoption import adopt_state, device_state
+from .adoption import adopt_state, device_state, fresh_state_bytes
 from .grads import PagedOutGrad, replay
 from .host_jobs import host_job
 from .optim_state import StateDictHooks
 from .shadow import shadow_of
-from .step_room import StepRoom, fresh_state_bytes
+from .step_room import StepRoom
 
 
 @dataclass
@@ -235,7 +235,7 @@ class OptimizerLink:
                 masters.device_update(self.raw_step, optimizer, optimizer.param_groups)
             else:
                 self._step_once(optimizer)
-            fresh = [fresh_state_bytes(optimizer, pager.device, b) for b in blocks]
+            fresh = [fresh_state_bytes(optimizer, pager, b) for b in blocks]
             room.ran(blocks, shares, sum(fresh))
             for block, nbytes in zip(blocks, fresh):
                 if not adopt_state(self, block):  # (staged: let go of already)

@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..base.budget import format_bytes
 from ..base.wrappers import aligned_bytes
 from .dry_run import state_bytes_of
@@ -173,17 +171,3 @@ class StepRoom:
         """The update is over: nothing held for it."""
         self._hold(0)
         self._before = None
-
-
-def fresh_state_bytes(optimizer, device: torch.device, block) -> int:
-    """Bytes of the state `optimizer` holds on `device` for `block` outside
-    its page (made by its first update, not yet adopted)."""
-    if "state" in block.segments:
-        return 0
-    state = optimizer.state
-    return sum(
-        v.untyped_storage().nbytes()
-        for p in block.params
-        for v in state.get(p, {}).values()
-        if isinstance(v, torch.Tensor) and v.device == device
-    )
