@@ -130,7 +130,16 @@ def train(rank: int, world: int, steps: int, accumulate: int, owners: bool = Fal
             f"peak blocks on the device {s.peak_resident_bytes / 2**20:.1f} MiB"
         )
     if owners:
-        state = opt.state_dict()  # (every rank: gathered from the blocks' owners)
+        t0 = time.perf_counter()
+        state = opt.state_dict()  # (every rank: gathered from the blocks' owners of its node)
+        if rank == 0:
+            held = sum(
+                v.numel() * v.element_size()
+                for e in state["state"].values()
+                for v in e.values()
+                if isinstance(v, torch.Tensor)
+            )
+            print(f"optimizer state gathered: {held / 1e9:.2f} GB in {time.perf_counter() - t0:.2f} s")
         if ddp is not None:
             ref = ddp_opt.state_dict()["state"]
             assert all(torch.equal(v, ref[i][k]) for i, e in state["state"].items() for k, v in e.items()), (

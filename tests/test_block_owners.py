@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pager
+from pager.training.owners import BlockOwners
 from helpers import assert_models_equal, assert_same
 from models import SuperNet, TinyLM, tiny_cnn
 from test_data_parallel import (OPTIMIZERS, _lm_pair, assert_optimizer_states_equal, assert_same_on_every_rank,
@@ -161,6 +162,23 @@ def test_owners_on_two_torchrun_nodes_of_one_host(tmp_path):
     --node-rank N`) are two nodes: each its own owners and shared pages, as
     on two hosts; within rounding of DDP."""
     spawn(owners_on_two_torchrun_nodes_of_one_host, 4, tmp_path)
+
+
+def owners_on_two_nodes_of_one_rank(rank, world, tmp):
+    os.environ["GROUP_RANK"] = str(rank)  # (torchrun --nnodes 2 --nproc-per-node 1: a node of one rank each)
+
+    def exchanged(self, shard):
+        raise AssertionError("a node of one rank holds all of the state: nothing to gather")
+
+    BlockOwners._gather_entries = exchanged  # (this rank's process only)
+    owners_train_lm(rank, world, tmp, regime="streams", steps=3, node=[rank])
+
+
+def test_owners_on_two_nodes_of_one_rank_each(tmp_path):
+    """Each node updates every block and holds all of the optimizer's
+    state: `state_dict()` exchanges nothing (it gathers within the node)
+    and equals DDP's, bit for bit, as do the weights after `unwrap`."""
+    spawn(owners_on_two_nodes_of_one_rank, 2, tmp_path)
 
 
 def owners_supernet(rank, world, tmp, steps=6):
