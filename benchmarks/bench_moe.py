@@ -24,7 +24,11 @@ the link's pinned rate.
 14336, 2 routed; `scaled` is then 24 GiB for its 32 layers). `--accelerate`:
 accelerate's `device_map="auto"` with the same GPU memory beside each budget.
 
+`--cold`: where the experts the cache lacks run (`cold_experts`: `device`,
+copied in; `auto`, some computed on the host by measured cost; `host`).
+
     python -m benchmarks.bench_moe [--layers 16] [--budgets scaled,8GiB] [--shape qwen3|mixtral] [--accelerate]
+        [--cold device,auto]
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ class DecodeCounts:
 
     def __init__(self, pg):
         self.pg, self.passes, self.steps = pg, 0, 0
-        self.hits = self.misses = self.moved = self.ahead = self.ahead_used = 0
+        self.hits = self.misses = self.moved = self.ahead = self.ahead_used = self.host = 0
         self._start = None
 
     def __call__(self, start: bool) -> None:
@@ -142,6 +146,7 @@ class DecodeCounts:
         self.moved += s.expert_h2d_bytes - a.expert_h2d_bytes
         self.ahead += s.expert_ahead - a.expert_ahead
         self.ahead_used += s.expert_ahead_used - a.expert_ahead_used
+        self.host += s.expert_host - a.expert_host
 
 
 def prefill_ms(model, ids) -> float:
@@ -189,14 +194,15 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             )
         )
         print(rows[-1], flush=True)
-        for budget, ahead in [(b, a) for b in args.budgets.split(",") for a in args.ahead.split(",")]:
+        runs = [(b, a, c) for b in args.budgets.split(",") for a in args.ahead.split(",") for c in args.cold.split(",")]
+        for budget, ahead, cold in runs:
             model = cpu_model(args, host_state, buffers, impl)
             route(model, routing)
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             b = scaled_budget(model, args.shape, args.layers) if budget == "scaled" else budget
             # (the all-on-GPU model beside it is the benchmark's, as in base_bytes: the budget is pager's alone)
-            pager.wrap(model, budget=b, device="cuda", budget_covers="pager")
+            pager.wrap(model, budget=b, device="cuda", budget_covers="pager", cold_experts=cold)
             wrap_s = time.perf_counter() - t0
             pg = pager.of(model)
             cache = pg.expert_tables[0].cache
@@ -218,13 +224,15 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             rows.append(
                 Row(
                     f"{work}, decode batch 1",
-                    f"pager {label} ({pg.budget_bytes / GiB:.2f} GiB; {impl}; ahead {ahead})",
+                    f"pager {label} ({pg.budget_bytes / GiB:.2f} GiB; {impl}; ahead {ahead}; cold experts {cold})",
                     ms,
                     (torch.cuda.max_memory_allocated() - base_bytes) / GiB,
                     ms / ref_ms,
                     "all on the GPU",
                     f"cache {cache.capacity} of {experts_all} experts; {hits / max(1, hits + misses):.1%} hit "
-                    f"({counts.ahead_used} of {counts.ahead} copied ahead used); "
+                    f"({counts.ahead_used} of {counts.ahead} copied ahead used; "
+                    f"{counts.host / max(1, hits + misses + counts.host):.1%} of routed experts on the host, "
+                    f"{cache.cold.host_seconds or 0:.2e} s each against {cache.cold.link_seconds or 0:.2e} s to copy); "
                     f"{moved / 1e6:.0f} MB of experts a token (routed {routed / 1e6:.0f} MB, "
                     f"all {experts_bytes / 1e6:.0f} MB; floor {moved / (bw * 1e9) * 1e3:.1f} ms); first call "
                     f"{got[0][0]:.1f} ms/token; greedy tokens equal to all-on-GPU: {same}; prefill of {args.prefill} "
@@ -232,6 +240,7 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
                     f"{pre / ref_prefill:.1f}x all on the GPU); wrap {wrap_s:.1f} s",
                     {
                         "first_ms": got[0][0],
+                        "host_experts": counts.host,
                         "moved_bytes": moved,
                         "hit": hits / max(1, hits + misses),
                         "prefill_ms": pre,
@@ -245,7 +254,7 @@ def run_routing(args, routing: str, gpu, host_state, buffers, bw, base_bytes) ->
             pager.unwrap(model)
             del model, pg, cache
             free_cuda()
-            if args.accelerate and ahead == args.ahead.split(",")[-1]:
+            if args.accelerate and ahead == args.ahead.split(",")[-1] and cold == args.cold.split(",")[-1]:
                 rows.append(
                     accelerate_row(
                         args, work, impl, routing, host_state, buffers, budget_bytes, label, prompt, passes, ref
@@ -321,6 +330,7 @@ def main(argv=None):
     ap.add_argument("--implementations", default="batched_mm,grouped_mm")
     ap.add_argument("--routing", default="uniform,zipf")
     ap.add_argument("--ahead", default="off,on", help="the next layer's experts fetched ahead: off, on or both")
+    ap.add_argument("--cold", default="device,auto", help="cold_experts: device, auto, host (each a row)")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--short", type=int, default=4)

@@ -1231,3 +1231,84 @@ def test_experts_train_one_by_one_on_the_gpu(implementation):
     pager.unwrap(model)
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2e-3, atol=2e-4, msg=n)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_cold_experts_computed_on_the_host_equal_the_model_and_are_not_copied(kind, implementation):
+    """`cold_experts="host"`: a decode call's experts the cache lacks run on
+    the host from their pages ([Note: cold experts on the host]): nothing
+    of them crosses to the device, and the outputs equal the unpaged
+    model's within rounding (a token's experts summed in another order)."""
+    ref, model = _pair(kind, implementation)
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model), cold_experts="host")
+    p, ids = pager.of(model), torch.randint(0, 64, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+        before = p.stats()
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    after = p.stats()
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0))
+    # (the prompt's experts of more than a few tokens copied in; every decode call's cold experts on the host)
+    assert after.expert_host - before.expert_host >= 7 * len(p.expert_tables)
+    decode = model.generate(out, max_new_tokens=1, do_sample=False, pad_token_id=0)  # (warm: its prompt)
+    moved = p.stats().expert_misses
+    with torch.no_grad():
+        for _ in range(3):
+            model(decode[:, -1:])  # (3 tokens a call, at most 2 experts each: the host's)
+    assert p.stats().expert_misses == moved and p.stats().expert_host > after.expert_host
+    assert "computed on the host" in str(p.stats())
+    pager.unwrap(model)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_cold_experts_auto_splits_them_by_measured_cost():
+    from pager.experts.host import HOST_MOST_TOKENS, REMEASURE_CALLS, ColdExperts
+
+    assert not ColdExperts("auto", 1 << 20, cuda=False).on  # (the CPU device: the host is the device)
+    cold = ColdExperts("auto", 1 << 20, cuda=True)
+    assert cold.on and cold.choose([1, 2, 3, 4], [1, 1, 1, 1], [1, 1, 1, 1]) == []  # (the link not timed yet)
+    cold.link_seconds = 1.0
+    assert cold.choose([7], [0], [1]) == []  # (one cold expert: nothing to split)
+    assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
+    cold.host_took(1.0, 1)
+    assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2, 4]  # (as fast: half, the least used)
+    big = HOST_MOST_TOKENS + 1
+    assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [big, big, 1, big]) == [3]  # (never a prefill's expert)
+    cold.host_seconds = 100.0
+    calls = [cold.choose([1, 2], [0, 0], [1, 1]) for _ in range(REMEASURE_CALLS)]
+    assert calls[:-1] == [[]] * (REMEASURE_CALLS - 1) and calls[-1] == [1]  # (measured again, now and then)
+    assert ColdExperts("host", 1 << 20, cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
+    assert ColdExperts("device", 1 << 20, cuda=True).on is False
+
+
+def test_a_wrong_cold_experts_is_refused_unchanged():
+    _ref, model = _pair("mixtral")
+    before = {n: (p, p.device) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"cold_experts='cpu' must be \"auto\" .*\"host\" .*\"device\""):
+        pager.wrap(model, budget=10 << 20, device="cpu", cold_experts="cpu")
+    assert {n: (p, p.device) for n, p in model.named_parameters()} == before
+    assert not _experts(model)[0]._forward_pre_hooks
+    pager.wrap(model, budget=10 << 20, device="cpu", cold_experts="device")  # (and it can still be wrapped)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cold_experts", ["host", "auto"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_cold_experts_on_the_host_on_the_gpu(implementation, cold_experts):
+    ref, model = _pair("mixtral", implementation)
+    ref.cuda()
+    pager.wrap(model, budget=16 << 20, device="cuda", expert_cache=_one_layer(model), cold_experts=cold_experts)
+    ids = torch.randint(0, 64, (1, 7), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0))
+    cache = pager.of(model).expert_tables[0].cache
+    if cold_experts == "host":
+        assert pager.of(model).stats().expert_host > 0
+    else:
+        assert cache.cold.link_seconds is not None  # (a call's fills timed, read back at a later call)
+    pager.unwrap(model)

@@ -14,6 +14,7 @@ from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
 from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..experts.find import choose as choose_experts
+from ..experts.host import COLD_EXPERTS
 from ..model import discover, outside
 from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
@@ -49,6 +50,7 @@ def wrap(
     row_cache=None,
     experts="auto",
     expert_cache=None,
+    cold_experts: str = "auto",
     process_group=None,
     dist_timeout: float = 600.0,
     share_host_pages: bool = False,
@@ -180,6 +182,13 @@ def wrap(
             and a KV cache), at least the experts one token routes to (below
             a layer's experts, a call routed to more runs by chunks of
             tokens), at most all of them.
+        cold_experts: where a routed expert the device cache lacks runs, in
+            a call without gradients ([Note: cold experts on the host] in
+            experts/host.py): "auto" (default; on CUDA the host computes as
+            many of a call's cold experts as it can while the others copy
+            in, chosen by the measured time of each side), "host" (every
+            cold expert of at most a few tokens computed on the host; on
+            the CPU device too) or "device" (every one copied in).
         process_group: data-parallel training (`torchrun`): a
             `torch.distributed` group whose ranks each wrap the same model
             under their own budget. Each block's gradients are averaged over
@@ -288,6 +297,7 @@ def wrap(
         row_cache=row_cache,
         experts=experts,
         expert_cache=expert_cache,
+        cold_experts=cold_experts,
         process_group=process_group,
         dist_timeout=dist_timeout,
         share_host_pages=share_host_pages,
@@ -318,6 +328,7 @@ def _wrap(
     row_cache=None,
     experts="auto",
     expert_cache=None,
+    cold_experts="auto",
     process_group=None,
     dist_timeout=600.0,
     share_host_pages=False,
@@ -353,6 +364,13 @@ def _wrap(
         )
     covers_process = outside.check_covers(budget_covers)
     check_codec(compress)
+    if cold_experts not in COLD_EXPERTS:
+        raise ValueError(
+            f'pager: cold_experts={cold_experts!r} must be "auto" (on CUDA, of the experts a call routes to '
+            "that the device cache lacks, the host computes as many as it can in the time the rest take to "
+            'copy in, by measured cost), "host" (every such expert of a few tokens computed on the host) or '
+            '"device" (every one copied in).'
+        )
     if activations not in ("keep", "offload", "recompute", "auto"):
         raise ValueError(
             f'pager: activations={activations!r} must be "keep" (on the device), "offload" '
@@ -445,7 +463,7 @@ def _wrap(
             setup(pager)
         build_blocks(pager, sizing.owned, sizing.uses, parts)
         add_row_tables(pager, tables, cache_bytes)
-        add_expert_tables(pager, expert_modules, experts_bytes)
+        add_expert_tables(pager, expert_modules, experts_bytes, cold_experts)
         pager.rows_unasked = {name for name, _m in tables} - asked
     except BaseException:
         _undo(pager)

@@ -37,6 +37,8 @@ from collections import OrderedDict
 
 import torch
 
+from .host import ColdExperts
+
 RECENT_SHARE = 8  # the `_recent` segment holds at most 1/8 of the slots (at least one)
 AGE_USES = 16  # use counts halve every this many uses per slot ([Note: which experts stay])
 # Fetching ahead ([Note: experts fetched ahead] in experts/ahead.py) is judged by
@@ -58,15 +60,19 @@ class ExpertCache:
         device: where.
         least: the fewest slots it runs with (one token's experts in a
             layer: `shrink` goes no lower).
+        cold_experts: where a call's experts the slots lack run: "auto",
+            "host" or "device" (`wrap`'s `cold_experts`).
 
     Example (inside pager):
         >>> cache = ExpertCache((((32, 16), torch.float32), ((16, 16), torch.float32)), 8, torch.device("cpu"))
         >>> slots, misses = cache.hold(0, [1, 5], fill)  # fill(slot, key) copies an expert in
     """
 
-    def __init__(self, layout: tuple, capacity: int, device: torch.device, least: int = 1):
+    def __init__(self, layout: tuple, capacity: int, device: torch.device, least: int = 1, cold_experts="device"):
         self.layout, self.capacity, self.device, self.least = layout, capacity, device, min(least, capacity)
         self.expert_bytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout)
+        # where the experts it lacks run ([Note: cold experts on the host] in experts/host.py)
+        self.cold = ColdExperts(cold_experts, self.expert_bytes, device.type == "cuda")
         self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to one token's experts: `hold`)
         self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
         self._uses = 0
@@ -292,6 +298,24 @@ class ExpertCache:
 
     def held(self) -> int:
         return len(self._recent) + len(self._frequent)
+
+    @property
+    def copying_ahead(self) -> bool:
+        """Copies ahead may be under way (no call has waited for them yet)."""
+        return bool(self._in_flight)
+
+    def holds(self, key: int) -> bool:
+        """Whether `key` is in a slot (copied ahead included)."""
+        return key in self._recent or key in self._frequent
+
+    def uses(self, key: int) -> int:
+        """`key`'s use count over recent uses ([Note: which experts stay])."""
+        return self._count(key, 0)
+
+    def count_use(self, key: int) -> None:
+        """A use of `key` that took no slot (computed on the host:
+        [Note: cold experts on the host] in experts/host.py)."""
+        self._count(key, 1)
 
 
 def caches_of(tables: list) -> list:

@@ -97,6 +97,15 @@ def choose(model: nn.Module, experts, training_group: bool = False) -> list:
     return out
 
 
+def weights_name(module: nn.Module) -> str | None:
+    """The name of the routing weights' argument of `module`'s forward (its third)."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[2] if len(names) > 2 else None
+
+
 def layout_of(module: nn.Module) -> tuple:
     """What makes experts modules share a cache: each parameter's shape of one expert, and dtype."""
     return tuple((tuple(p.shape[1:]), p.dtype) for p in module._parameters.values() if p is not None)

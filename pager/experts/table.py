@@ -76,7 +76,8 @@ from ..engine.host import unregister_table
 from .ahead import MOST_TOKEN_ROUTES, Router
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
-from .find import hidden_name, implementation_of, routing_name
+from .find import hidden_name, implementation_of, routing_name, weights_name
+from .host import HostCall, split_cold
 from .saved import SavedExperts
 from .train import ExpertsIn, add_piece, check_trainable, copied_from_host, step_table, training_given_back
 
@@ -115,6 +116,7 @@ class ExpertTable:
         self.num_experts: int = cast(int, module.num_experts)
         self.routing = routing_name(module)  # (the forward's second argument)
         self.hidden = hidden_name(module)  # (its first)
+        self.weights = weights_name(module)  # (its third: the routing's weights)
         self.original_device = self.params[0].device
         self.expert_bytes = sum(p[0].numel() * p.element_size() for p in self.params)
         self.hosts, self._registered, self._adopted = [], [], []
@@ -140,6 +142,7 @@ class ExpertTable:
         self._calls: dict = {}  # thread id -> its calls of this module under way (more than one: nested)
         self._chunked: tuple | None = None  # a call's (args, kwargs, in_kwargs) to run by chunks (`_run_chunks`)
         self._saved: SavedExperts | None = None  # a call's with gradients through its input (experts/saved.py)
+        self._host: HostCall | None = None  # a call's cold experts the host computes (experts/host.py)
         self._handles = [
             # (outside compiled graphs, as pager's other hooks: [Note: a wrapped model is not pickled or copied])
             module.register_forward_pre_hook(model_hook(self._before), with_kwargs=True),
@@ -191,10 +194,37 @@ class ExpertTable:
         # hidden states waits for the router only, as the routing's did)
         # (a call that trains the experts takes no slot: nothing to fetch ahead into)
         predicted = None if trained else self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
+        if self._saved is None and not trained and self.cache.cold.on:
+            split = self._split_cold(args, kwargs, experts, inverse, index)
+            if split is not None:
+                args, kwargs, experts, inverse = split
+                if not experts:  # (every one the host's: the device's forward runs on no tokens)
+                    if predicted:
+                        self._fetch_ahead(predicted, [])
+                    self._set_values([value.narrow(0, 0, 1) for value in self.cache.tensors])
+                    setattr(self.module, "num_experts", 1)  # noqa: B010 (see `_place`)
+                    return gather_tokens(args, kwargs, index.shape[0], torch.zeros(0, dtype=torch.long))
         routing = self._place(experts, inverse, index, per_token=index.shape[-1])
         if predicted:
             self._fetch_ahead(predicted, experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
+
+    def _split_cold(self, args, kwargs, experts: list, inverse: torch.Tensor, index: torch.Tensor):
+        """Where the host computes some of the call's cold experts ([Note:
+        cold experts on the host] in experts/host.py): the call's arguments
+        with their weights 0 on the device, the experts left to the device
+        and their ranks; else None."""
+        position = 2 if len(args) > 2 else None
+        weights = args[2] if position else kwargs.get(self.weights) if self.weights else None
+        split = split_cold(self.cache, self.base, experts, inverse, index, weights, self._hidden_of(args, kwargs))
+        if split is None:
+            return None
+        self._host, keep, ranks, device_weights = split
+        if position:
+            args = (*args[:2], device_weights, *args[3:])
+        else:
+            kwargs = {**kwargs, self.weights: device_weights}
+        return args, kwargs, keep, ranks
 
     def _place(self, experts: list, inverse: torch.Tensor, index: torch.Tensor, per_token: int = 0) -> torch.Tensor:
         """Hold `experts` in the cache (a compact call that trains them or
@@ -379,7 +409,11 @@ class ExpertTable:
             # of the last call (on another thread's stream): they wait.
             torch.cuda.current_stream(cache.device).wait_event(cache.released_event)
         used_before = cache.ahead_used
+        stream = torch.cuda.current_stream(cache.device) if cache.cold.cuda else None
+        # (timed where no copy ahead is under way: a wait for it would count as the link's)
+        start = cache.cold.fills_start(stream) if not cache.copying_ahead else None
         slots, missed = cache.hold(self.base, experts, self._fill, self._wait_ahead, per_token)
+        cache.cold.fills_end(start, stream, missed)
         counters = self.pager.counters
         counters.expert_ahead_used += cache.ahead_used - used_before
         counters.expert_hits += len(experts) - missed
@@ -397,12 +431,15 @@ class ExpertTable:
             if self.pager.transport.is_cuda:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.cache.device))
+            if self._host is not None:  # (its products, with the parameters on their host tensors)
+                self._give_back()
+                output = self._host.add_to(module, output, self.cache.cold, self.pager.counters)
         finally:
             if self._saved is not None:
                 self._saved.end()
                 self._saved = None
             self._give_back()
-            self._chunked = None
+            self._chunked = self._host = None
             self._calls[tid] -= 1
             if not self._calls[tid]:
                 del self._calls[tid]
@@ -426,7 +463,7 @@ class ExpertTable:
         if not calls:
             return
         self._give_back()
-        self._chunked = self._saved = None
+        self._chunked = self._saved = self._host = None
         for _ in range(calls):
             self.cache.lock.release()
 

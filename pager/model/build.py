@@ -74,11 +74,12 @@ def add_row_tables(pager, tables: list, cache_bytes: int) -> None:
     pager.row_bytes = cache_bytes
 
 
-def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
+def add_expert_tables(pager, modules: list, cache_bytes: int, cold_experts: str = "auto") -> None:
     """Page each (name, experts module) of `modules` by expert
     ([Note: experts paged one by one] in experts/table.py): the modules of one
     layout share a device cache, the caches sharing `cache_bytes` in
-    proportion to their experts' bytes."""
+    proportion to their experts' bytes; `cold_experts`: where a call's
+    experts a cache lacks run ([Note: cold experts on the host] in experts/host.py)."""
     groups: dict = {}
     for name, module in modules:
         groups.setdefault(layout_of(module), []).append((name, module))
@@ -87,7 +88,8 @@ def add_expert_tables(pager, modules: list, cache_bytes: int) -> None:
         share = cache_bytes * sum(expert_bytes(m) * m.num_experts for _n, m in members) // max(1, total)
         per_expert = expert_bytes(members[0][1])
         capacity = min(share // per_expert, sum(m.num_experts for _n, m in members))
-        cache = ExpertCache(shapes, capacity, pager.device, least=max(routed_of(m) for _n, m in members))
+        least = max(routed_of(m) for _n, m in members)
+        cache = ExpertCache(shapes, capacity, pager.device, least=least, cold_experts=cold_experts)
         if capacity < max(m.num_experts for _n, m in members):
             log.warning(
                 "pager: the experts' cache holds %d experts, fewer than the %d of a layer: a call routed to more "

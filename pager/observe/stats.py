@@ -80,6 +80,7 @@ class Stats:
     expert_h2d_bytes: int = 0  # ... their bytes, and those of experts copied ahead
     expert_ahead: int = 0  # experts copied ahead of their call, predicted ([Note: experts fetched ahead])
     expert_ahead_used: int = 0  # ... of those, experts a call then used
+    expert_host: int = 0  # routed experts the cache lacked that the host computed ([Note: cold experts on the host])
     expert_saved_h2d_bytes: int = 0  # experts copied again from the host for a backward ([Note: a backward ...])
     expert_grad_d2h_bytes: int = 0  # trained experts: their gradients' bytes a backward sent to the host
     experts_stepped: int = 0  # ... and the experts `opt.step()` updated ([Note: experts trained one by one])
@@ -228,8 +229,9 @@ class Stats:
             + (
                 f"; experts: {self.expert_hits} routed experts from the device cache, {self.expert_misses} copied "
                 f"in ({format_bytes(self.expert_h2d_bytes)}, "
-                f"{self.expert_hits / (self.expert_hits + self.expert_misses):.1%} hit; "
+                f"{self.expert_hits / max(1, self.expert_hits + self.expert_misses):.1%} hit; "
                 f"{self.expert_ahead} copied ahead, {self.expert_ahead_used} of them used"
+                + (f"; {self.expert_host} computed on the host" if self.expert_host else "")
                 + (
                     f"; {format_bytes(self.expert_saved_h2d_bytes)} copied again for backwards"
                     if self.expert_saved_h2d_bytes
@@ -242,7 +244,7 @@ class Stats:
                     else ""
                 )
                 + ")"
-                if self.expert_hits or self.expert_misses
+                if self.expert_hits or self.expert_misses or self.expert_host
                 else ""
             )
             + (

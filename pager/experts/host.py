@@ -1,0 +1,252 @@
+"""Cold experts computed on the host: `ColdExperts`, `HostCall`.
+
+[Note: cold experts on the host]
+A decode token routes to k experts of a layer; those the device cache lacks
+(cold) must otherwise cross the link before the layer can finish: a
+Mixtral-8x7B-shaped expert is 352 MB, 6.4 ms at 55 GB/s, for one token's
+product with it. The host holds every expert in its page already and can
+run that product itself: a few rows against one expert's weights is a pass
+over them in host memory, which is as fast as the link or not far from it,
+and it runs *beside* the link. So of a call's cold experts, some are
+copied in and the rest computed on the host at the same time; the layer
+then takes about the longer of the two, not their sum (Fiddler's idea, and
+ktransformers' and llama.cpp's `--n-cpu-moe` statically; here per call, by
+measured cost).
+
+How a call goes, where some of its cold experts `H` are the host's:
+1. the pre-hook (experts/table.py `_bring`) routes the entries of `H` on the
+   device to another expert of the call with a weight of 0 (it adds 0: the
+   device's products and sums are the rest's, unchanged) or, where every
+   expert of the call is the host's, gives the device's forward no tokens;
+   it takes the hidden states and weights of `H`'s tokens to the host (a
+   few KB a token; the host already waits for the routing there);
+2. the device's forward is queued as ever: its copies and kernels run while
+3. the post-hook, with the parameters on their host tensors again, runs the
+   module's own eager forward (transformers' `original_forward`, under
+   `use_experts_implementation`: it indexes an expert's weights without
+   copying them; a module of one's own: its forward) once per expert of
+   `H` over its tokens (a routing of one expert), in the module's dtype,
+   and adds the products into the device's output (`index_add_`, after the
+   device's kernels, on the compute stream).
+The sum of a token's experts is then in another order than the unpaged
+module's: equal within the kernels' rounding, not bit for bit.
+
+Which cold experts go to the host (`ColdExperts.choose`): with `m` cold
+experts, each `link` seconds to copy in (its bytes over the copies' measured
+rate: events around a call's fills, read back at a later call) and `host`
+seconds to compute there (a running mean of the host's own calls), the host
+takes `round(m * link / (link + host))` of them, so that both sides end
+together; the ones used least (the cache's counts: the ones it would be
+slowest to keep), and never one with more than `HOST_MOST_TOKENS` tokens
+(a prefill's products are compute, the device's). Until the host's time is
+known, one cold expert of a call goes there to measure it; where the host
+then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
+(a busy host, a slower link) is seen. Only calls with no gradients (a
+training call copies its experts: experts/train.py) and only on CUDA
+(`"auto"`); `cold_experts="host"` takes every cold expert within the
+tokens' bound to the host (the CPU device too: that is how the tests run
+it), `"device"` none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("pager")
+
+COLD_EXPERTS = ("auto", "host", "device")
+HOST_MOST_TOKENS = 4  # an expert computed on the host takes at most this many of a call's tokens
+REMEASURE_CALLS = 512  # where the host takes no cold expert, one goes there again this often
+MEAN_WEIGHT = 0.25  # of a new measure in the running means
+
+
+def eager_forward(module: nn.Module):
+    """The forward that computes `module`'s experts without copying their
+    weights: transformers' own under `use_experts_implementation` (the
+    decorated class keeps it as `forward.__wrapped__`), else the module's."""
+    forward = type(module).forward
+    return getattr(forward, "__wrapped__", forward)
+
+
+class ColdExperts:
+    """Where one cache's cold experts run, and what each side costs
+    (see [Note: cold experts on the host]).
+
+    Args:
+        mode: "auto", "host" or "device" (`wrap`'s `cold_experts`).
+        expert_bytes: bytes of one expert of the cache's layout.
+        cuda: whether the cache is on a CUDA device ("auto" computes nothing on
+            the host otherwise: the host is the device).
+
+    Example (inside pager):
+        >>> cold = ColdExperts("host", 1 << 20, cuda=False)
+        >>> cold.choose([3, 9], counts=[5, 1], tokens=[1, 1])
+        [3, 9]
+    """
+
+    def __init__(self, mode: str, expert_bytes: int, cuda: bool):
+        self.mode, self.expert_bytes, self.cuda = mode, expert_bytes, cuda
+        self.link_seconds: float | None = None  # to copy one expert in, measured
+        self.host_seconds: float | None = None  # to compute one on the host, measured
+        self._calls_since = 0  # calls since the host last computed an expert ("auto")
+        self._fill_events: tuple | None = None  # (start, end, experts) of a call's fills being timed
+
+    @property
+    def on(self) -> bool:
+        return self.mode == "host" or (self.mode == "auto" and self.cuda)
+
+    def choose(self, cold: list, counts: list, tokens: list) -> list:
+        """Which of the `cold` experts (with their use `counts` and the call's
+        `tokens` of each) the host computes: see the Note."""
+        fit = [i for i, n in enumerate(tokens) if n <= HOST_MOST_TOKENS]
+        if not fit:
+            return []
+        if self.mode == "host":
+            return [cold[i] for i in fit]
+        self._calls_since += 1
+        if self.link_seconds is None or len(cold) < 2:
+            return []  # (the link not timed yet; one cold expert: nothing to split)
+        if self.host_seconds is None:
+            share = 1  # (measure the host)
+        else:
+            share = min(len(fit), round(len(cold) * self.link_seconds / (self.link_seconds + self.host_seconds)))
+            if share == 0 and self._calls_since >= REMEASURE_CALLS:
+                share = 1
+        if not share:
+            return []
+        self._calls_since = 0
+        least_used = sorted(fit, key=lambda i: counts[i])[:share]
+        return [cold[i] for i in sorted(least_used)]
+
+    def host_took(self, seconds: float, experts: int) -> None:
+        """The host computed `experts` in `seconds`."""
+        self._mean("host_seconds", seconds / max(1, experts))
+
+    # ----------------------------------------------------------- the link's time
+    def fills_start(self, stream):
+        """An event recorded on `stream` before a call's fills where they are
+        to be timed ("auto" on CUDA, none being timed), else None."""
+        if self.mode != "auto" or not self.cuda or self._fill_events is not None:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def fills_end(self, start, stream, experts: int) -> None:
+        """After the fills of `experts` cold experts begun at `start`: their
+        time is read at a later call (`read_fills`), never waited for."""
+        if start is None or not experts:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._fill_events = (start, end, experts)
+
+    def read_fills(self) -> None:
+        """The link's time per expert from fills timed before, once done."""
+        timed = self._fill_events
+        if timed is None or not timed[1].query():
+            return
+        start, end, experts = timed
+        self._fill_events = None
+        self._mean("link_seconds", start.elapsed_time(end) / 1e3 / experts)
+
+    def _mean(self, field: str, value: float) -> None:
+        known = getattr(self, field)
+        setattr(self, field, value if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * value)
+
+
+def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, weights, hidden):
+    """The call's cold experts the host computes (see the Note), if any:
+    (a `HostCall` for the post-hook, the experts left to the device, the
+    routing's ranks among those (a host expert's entries: 0), the device's
+    weights with those entries 0); else None. `experts` and `inverse` are
+    `ExpertTable._routed`'s; `index`, `weights` and `hidden` the call's."""
+    cold_of = cache.cold
+    cold_of.read_fills()
+    shape = index.shape
+    if not isinstance(weights, torch.Tensor) or weights.shape != shape or hidden.dim() != 2 or len(shape) != 2:
+        return None  # (not the convention's shapes: (tokens, hidden), (tokens, k) twice)
+    if hidden.shape[0] != shape[0]:
+        return None
+    cold = [i for i, e in enumerate(experts) if not cache.holds(base + e)]
+    if not cold:
+        return None
+    entries = torch.bincount(inverse, minlength=len(experts)).tolist()
+    chosen = cold_of.choose(
+        [experts[i] for i in cold], [cache.uses(base + experts[i]) for i in cold], [entries[i] for i in cold]
+    )
+    if not chosen:
+        return None
+    on_host = torch.zeros(len(experts), dtype=torch.bool)
+    on_host[[experts.index(e) for e in chosen]] = True
+    for e in chosen:
+        cache.count_use(base + e)  # (the cache's counts see every use: [Note: which experts stay])
+    keep = [e for i, e in enumerate(experts) if not on_host[i]]
+    ranks = torch.cumsum(~on_host, 0) - 1  # (each kept expert's rank among the kept)
+    entry_host = on_host[inverse].view(shape)
+    rows = torch.nonzero(entry_host.any(-1)).view(-1)  # (the tokens that route to a host expert)
+    routing = torch.tensor(experts, dtype=index.dtype)[inverse].view(shape)[rows]
+    routing[~entry_host[rows]] = -1  # (the device's entries: not the host's to compute)
+    device_rows = rows.to(hidden.device, non_blocking=True)
+    call = HostCall(
+        chosen,
+        routing,
+        weights.detach()[device_rows].cpu(),
+        hidden.detach()[device_rows].cpu(),
+        rows,
+        all_host=not keep,
+        like=hidden,
+    )
+    device_weights = weights.masked_fill(entry_host.to(weights.device, non_blocking=True), 0)
+    return call, keep, ranks.clamp(min=0)[inverse], device_weights
+
+
+class HostCall:
+    """One call's share of cold experts computed on the host: made at the
+    pre-hook (`split_cold`), added into the device's output at the post-hook
+    (`add_to`).
+
+    Args:
+        experts: the experts the host computes.
+        routing: on the host, the routing of the call's tokens that route to
+            one of them, (rows, k) (-1 where the entry is the device's).
+        weights: on the host, their routing weights, (rows, k).
+        hidden: on the host, their hidden states, (rows, hidden).
+        rows: their rows in the call's output.
+        all_host: every expert of the call is the host's (the device's
+            forward ran on no tokens).
+        like: the call's hidden states (the output's device, dtype and rows).
+    """
+
+    __slots__ = ("experts", "routing", "weights", "hidden", "rows", "all_host", "like")
+
+    def __init__(self, experts: list, routing, weights, hidden, rows, all_host: bool, like: torch.Tensor):
+        self.experts, self.routing, self.weights, self.hidden = experts, routing, weights, hidden
+        self.rows, self.all_host, self.like = rows, all_host, like
+
+    def add_to(self, module: nn.Module, output: torch.Tensor, cold: ColdExperts, counters) -> torch.Tensor:
+        """`output` (the device's) with the host's products added; `module`'s
+        parameters are on their host tensors (and its `num_experts` its own)."""
+        forward = eager_forward(module)
+        started = time.perf_counter()
+        rows, products = [], []
+        with torch.no_grad():
+            for e in self.experts:
+                token, pos = torch.nonzero(self.routing == e, as_tuple=True)
+                one = torch.full((token.numel(), 1), e, dtype=self.routing.dtype)
+                products.append(forward(module, self.hidden[token], one, self.weights[token, pos].unsqueeze(1)))
+                rows.append(self.rows[token])
+            product, row = torch.cat(products).to(self.like.dtype), torch.cat(rows)
+            cold.host_took(time.perf_counter() - started, len(self.experts))
+            if self.all_host:  # (the device's forward ran on no tokens)
+                output = self.like.new_zeros(self.like.shape)
+            if output.device.type == "cuda":
+                # (page-locked by torch's caching host allocator, which keeps them until the copies are done)
+                product, row = product.pin_memory(), row.pin_memory()
+            output.index_add_(0, row.to(output.device, non_blocking=True), product.to(output.device, non_blocking=True))
+        counters.expert_host += len(self.experts)
+        return output
