@@ -1272,6 +1272,8 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.link_seconds = 1.0
     assert cold.choose([7], [0], [1]) == []  # (one cold expert: nothing to split)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
+    cold.host_took(9.0, 1)  # (its first call: a warm-up, not counted)
+    assert cold.host_seconds is None and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]
     cold.host_took(1.0, 1)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2, 4]  # (as fast: half, the least used)
     big = HOST_MOST_TOKENS + 1

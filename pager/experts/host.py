@@ -39,9 +39,10 @@ takes `round(m * link / (link + host))` of them, so that both sides end
 together; the ones used least (the cache's counts: the ones it would be
 slowest to keep), and never one with more than `HOST_MOST_TOKENS` tokens
 (a prefill's products are compute, the device's). Until the host's time is
-known, one cold expert of a call goes there to measure it; where the host
-then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
-(a busy host, a slower link) is seen. Only calls with no gradients (a
+known, one cold expert of a call goes there to measure it (the first such
+call warms the host up and is not counted); where the host then takes
+none, one goes again every `REMEASURE_CALLS` calls, so a change (a busy
+host, a slower link) is seen. Only calls with no gradients (a
 training call copies its experts: experts/train.py) and only on CUDA
 (`"auto"`); `cold_experts="host"` takes every cold expert within the
 tokens' bound to the host (the CPU device too: that is how the tests run
@@ -60,7 +61,7 @@ log = logging.getLogger("pager")
 
 COLD_EXPERTS = ("auto", "host", "device")
 HOST_MOST_TOKENS = 4  # an expert computed on the host takes at most this many of a call's tokens
-REMEASURE_CALLS = 512  # where the host takes no cold expert, one goes there again this often
+REMEASURE_CALLS = 64  # where the host takes no cold expert, one goes there again this often
 MEAN_WEIGHT = 0.25  # of a new measure in the running means
 
 
@@ -92,6 +93,7 @@ class ColdExperts:
         self.mode, self.expert_bytes, self.cuda = mode, expert_bytes, cuda
         self.link_seconds: float | None = None  # to copy one expert in, measured
         self.host_seconds: float | None = None  # to compute one on the host, measured
+        self._host_calls = 0  # the host's calls so far (the first warms it up: not a measure)
         self._calls_since = 0  # calls since the host last computed an expert ("auto")
         self._fill_events: tuple | None = None  # (start, end, experts) of a call's fills being timed
 
@@ -123,8 +125,12 @@ class ColdExperts:
         return [cold[i] for i in sorted(least_used)]
 
     def host_took(self, seconds: float, experts: int) -> None:
-        """The host computed `experts` in `seconds`."""
-        self._mean("host_seconds", seconds / max(1, experts))
+        """The host computed `experts` in `seconds` (its first call is not
+        counted: it starts the host's threads and picks its kernels, 5-7x
+        a later call's time on the H200's host)."""
+        self._host_calls += 1
+        if self._host_calls > 1:
+            self._mean("host_seconds", seconds / max(1, experts))
 
     # ----------------------------------------------------------- the link's time
     def fills_start(self, stream):
