@@ -1272,13 +1272,18 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.link_seconds = 1.0
     assert cold.choose([7], [0], [1]) == []  # (one cold expert: nothing to split)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
-    cold.host_took(9.0, 1)  # (its first call: a warm-up, not counted)
-    assert cold.host_seconds is None and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]
+    cold.host_took(9.0, 1)  # (in the host's first call: a warm-up, not counted)
+    cold.host_call_done()
+    assert cold.host_seconds == {} and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]
     cold.host_took(1.0, 1)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2, 4]  # (as fast: half, the least used)
     big = HOST_MOST_TOKENS + 1
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [big, big, 1, big]) == [3]  # (never a prefill's expert)
-    cold.host_seconds = 100.0
+    assert cold.choose([1, 2, 3], [0, 0, 0], [2, 1, 1]) == [1]  # (two tokens: not timed yet, measured)
+    cold.host_took(3.0, 2)  # (a product of two rows: its own mean)
+    assert cold.host_seconds == {1: 1.0, 2: 3.0}
+    assert cold.choose([1, 2, 3, 4], [0, 0, 0, 0], [2, 1, 2, 2]) == [2]  # (the cheaper; the other would end later)
+    cold.host_seconds = {1: 100.0}
     calls = [cold.choose([1, 2], [0, 0], [1, 1]) for _ in range(REMEASURE_CALLS)]
     assert calls[:-1] == [[]] * (REMEASURE_CALLS - 1) and calls[-1] == [1]  # (measured again, now and then)
     assert ColdExperts("host", 1 << 20, cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]

@@ -31,18 +31,21 @@ How a call goes, where some of its cold experts `H` are the host's:
 The sum of a token's experts is then in another order than the unpaged
 module's: equal within the kernels' rounding, not bit for bit.
 
-Which cold experts go to the host (`ColdExperts.choose`): with `m` cold
-experts, each `link` seconds to copy in (its bytes over the copies' measured
-rate: events around a call's fills, read back at a later call) and `host`
-seconds to compute there (a running mean of the host's own calls), the host
-takes `round(m * link / (link + host))` of them, so that both sides end
-together; the ones used least (the cache's counts: the ones it would be
-slowest to keep), and never one with more than `HOST_MOST_TOKENS` tokens
-(a prefill's products are compute, the device's). Until the host's time is
-known, one cold expert of a call goes there to measure it (the first such
-call warms the host up and is not counted); where the host then takes
-none, one goes again every `REMEASURE_CALLS` calls, so a change (a busy
-host, a slower link) is seen. Only calls with no gradients (a
+Which cold experts go to the host (`ColdExperts.choose`): each takes
+`link` seconds to copy in (the copies' measured time: events around a
+call's fills, read back at a later call) and `host[n]` seconds to compute
+there over its `n` tokens of the call (a running mean of the host's own
+products by `n`: a product of 4 rows costs the host's bf16 kernels far more
+than one of 1, and a mean over both misled the choice: 30 ms an expert
+where one row took 7). The host takes the cheapest first (the least used
+among equals: the cache's counts, the ones it would be slowest to keep) as
+long as the call then ends sooner (the longer of the host's sum and the
+rest's copies); never one of more than `HOST_MOST_TOKENS` tokens (a
+prefill's products are compute, the device's). Where a token count's time
+is not known, one cold expert of that many tokens goes there to measure it
+(the host's first call warms it up and is not counted); where the host
+then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
+(a busy host, a slower link) is seen. Only calls with no gradients (a
 training call copies its experts: experts/train.py) and only on CUDA
 (`"auto"`); `cold_experts="host"` takes every cold expert within the
 tokens' bound to the host (the CPU device too: that is how the tests run
@@ -92,7 +95,8 @@ class ColdExperts:
     def __init__(self, mode: str, expert_bytes: int, cuda: bool):
         self.mode, self.expert_bytes, self.cuda = mode, expert_bytes, cuda
         self.link_seconds: float | None = None  # to copy one expert in, measured
-        self.host_seconds: float | None = None  # to compute one on the host, measured
+        # to compute one on the host, measured, by its tokens in the call (1 .. HOST_MOST_TOKENS)
+        self.host_seconds: dict[int, float] = {}
         self._host_calls = 0  # the host's calls so far (the first warms it up: not a measure)
         self._calls_since = 0  # calls since the host last computed an expert ("auto")
         self._fill_events: tuple | None = None  # (start, end, experts) of a call's fills being timed
@@ -110,27 +114,41 @@ class ColdExperts:
         if self.mode == "host":
             return [cold[i] for i in fit]
         self._calls_since += 1
-        if self.link_seconds is None or len(cold) < 2:
+        link = self.link_seconds
+        if link is None or len(cold) < 2:
             return []  # (the link not timed yet; one cold expert: nothing to split)
-        if self.host_seconds is None:
-            share = 1  # (measure the host)
-        else:
-            share = min(len(fit), round(len(cold) * self.link_seconds / (self.link_seconds + self.host_seconds)))
-            if share == 0 and self._calls_since >= REMEASURE_CALLS:
-                share = 1
-        if not share:
-            return []
-        self._calls_since = 0
-        least_used = sorted(fit, key=lambda i: counts[i])[:share]
-        return [cold[i] for i in sorted(least_used)]
+        unknown = [i for i in fit if tokens[i] not in self.host_seconds]
+        if unknown:  # (measure the host at that many tokens: one, the least used)
+            return self._took([min(unknown, key=lambda i: counts[i])], cold)
+        chosen: list = []
+        host = 0.0
+        # The cheapest on the host first, the least used among equals; each
+        # taken while the call then ends sooner (the longer of the two sides).
+        for i in sorted(fit, key=lambda i: (self.host_seconds[tokens[i]], counts[i])):
+            more = host + self.host_seconds[tokens[i]]
+            if max((len(cold) - len(chosen) - 1) * link, more) >= max((len(cold) - len(chosen)) * link, host):
+                break
+            chosen.append(i)
+            host = more
+        if not chosen and self._calls_since >= REMEASURE_CALLS:
+            chosen = [min(fit, key=lambda i: counts[i])]  # (measured again: the host or the link may have changed)
+        return self._took(chosen, cold)
 
-    def host_took(self, seconds: float, experts: int) -> None:
-        """The host computed `experts` in `seconds` (its first call is not
-        counted: it starts the host's threads and picks its kernels, 5-7x
-        a later call's time on the H200's host)."""
+    def _took(self, chosen: list, cold: list) -> list:
+        if chosen:
+            self._calls_since = 0
+        return [cold[i] for i in sorted(chosen)]
+
+    def host_took(self, seconds: float, tokens: int) -> None:
+        """The host computed an expert over `tokens` of a call in `seconds`
+        (its first call is not counted: it starts the host's threads and
+        picks its kernels, 5-7x a later call's time on the H200's host)."""
+        if self._host_calls and tokens <= HOST_MOST_TOKENS:
+            known = self.host_seconds.get(tokens)
+            self.host_seconds[tokens] = seconds if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * seconds
+
+    def host_call_done(self) -> None:
         self._host_calls += 1
-        if self._host_calls > 1:
-            self._mean("host_seconds", seconds / max(1, experts))
 
     # ----------------------------------------------------------- the link's time
     def fills_start(self, stream):
@@ -238,16 +256,17 @@ class HostCall:
         """`output` (the device's) with the host's products added; `module`'s
         parameters are on their host tensors (and its `num_experts` its own)."""
         forward = eager_forward(module)
-        started = time.perf_counter()
         rows, products = [], []
         with torch.no_grad():
             for e in self.experts:
+                started = time.perf_counter()
                 token, pos = torch.nonzero(self.routing == e, as_tuple=True)
                 one = torch.full((token.numel(), 1), e, dtype=self.routing.dtype)
                 products.append(forward(module, self.hidden[token], one, self.weights[token, pos].unsqueeze(1)))
                 rows.append(self.rows[token])
+                cold.host_took(time.perf_counter() - started, token.numel())
+            cold.host_call_done()
             product, row = torch.cat(products).to(self.like.dtype), torch.cat(rows)
-            cold.host_took(time.perf_counter() - started, len(self.experts))
             if self.all_host:  # (the device's forward ran on no tokens)
                 output = self.like.new_zeros(self.like.shape)
             if output.device.type == "cuda":
