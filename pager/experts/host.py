@@ -35,9 +35,8 @@ Which cold experts go to the host (`ColdExperts.choose`): each takes
 `link` seconds to copy in (the copies' measured time: events around a
 call's fills, read back at a later call) and `host[n]` seconds to compute
 there over its `n` tokens of the call (a running mean of the host's own
-products by `n`: a product of 4 rows costs the host's bf16 kernels far more
-than one of 1, and a mean over both misled the choice: 30 ms an expert
-where one row took 7). The host takes the cheapest first (the least used
+products by `n`: a product of more rows costs the host more, and one mean
+would mix a prompt's products with a decode's). The host takes the cheapest first (the least used
 among equals: the cache's counts, the ones it would be slowest to keep) as
 long as the call then ends sooner (the longer of the host's sum and the
 rest's copies); never one of more than `HOST_MOST_TOKENS` tokens (a
