@@ -94,3 +94,44 @@ class Router:
         if self.bias is not None:
             logits += self.bias
         return sorted(set(logits.topk(k, dim=-1).indices.reshape(-1).tolist()))
+
+
+def predict_next(table, hidden: torch.Tensor, k: int) -> list | None:
+    """The experts the router of the experts module after `table`'s
+    (an `ExpertTable`) would choose for `hidden`, where they are to be
+    fetched ahead (see the Note)."""
+    nxt = table.next
+    if nxt is None or nxt.router is None or nxt.router.weight is None or table.cache.ahead_paused:
+        return None
+    if hidden.numel() // hidden.shape[-1] * k > MOST_TOKEN_ROUTES * nxt.num_experts:
+        return None  # (many tokens: a layer routes to most of its experts)
+    return nxt.router.predict(hidden.detach().cpu(), k)
+
+
+def fetch_ahead(table, predicted: list, experts: list) -> None:
+    """Copy the `predicted` experts of the module after `table`'s into the
+    shared cache now, on its side stream; never a slot of `experts`, the
+    call's (see the Note)."""
+    nxt, cache = table.next, table.cache
+    taken = cache.take_ahead(nxt.base, predicted, protect={table.base + e for e in experts})
+    if not taken:
+        return
+    side = cache.ahead_stream
+    try:
+        if side is None:  # (the CPU device: copied now)
+            for slot, key in taken:
+                nxt.fill(slot, key)
+        else:
+            # Slots taken may still be read by the compute stream's kernels so far.
+            side.wait_stream(torch.cuda.current_stream(cache.device))
+            with torch.cuda.stream(side):
+                for slot, key in taken:
+                    nxt.fill(slot, key)
+                event = cache.ahead_event = cache.ahead_event or torch.cuda.Event()
+                event.record()
+    except BaseException:
+        cache.drop([key for _slot, key in taken])  # (not all filled: none held)
+        raise
+    counters = table.pager.counters
+    counters.expert_ahead += len(taken)
+    counters.expert_h2d_bytes += len(taken) * nxt.expert_bytes

@@ -299,6 +299,12 @@ class ExpertCache:
     def held(self) -> int:
         return len(self._recent) + len(self._frequent)
 
+    def wait_ahead(self) -> None:
+        # A slot a call uses or takes was copied ahead on the side stream:
+        # compute (and copies into it) must not start before that copy ends.
+        if self.ahead_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ahead_event)
+
     @property
     def copying_ahead(self) -> bool:
         """Copies ahead may be under way (no call has waited for them yet)."""

@@ -73,7 +73,7 @@ import torch.nn as nn
 
 from ..base.common import dry_running, model_hook
 from ..engine.host import unregister_table
-from .ahead import MOST_TOKEN_ROUTES, Router
+from .ahead import Router, fetch_ahead, predict_next
 from .cache import ExpertCache
 from .chunks import gather_tokens, token_groups
 from .find import hidden_name, implementation_of, routing_name, weights_name
@@ -193,20 +193,20 @@ class ExpertTable:
         # (predicted before this call's misses are queued: the host copy of its
         # hidden states waits for the router only, as the routing's did)
         # (a call that trains the experts takes no slot: nothing to fetch ahead into)
-        predicted = None if trained else self._predict_next(self._hidden_of(args, kwargs), index.shape[-1])
+        predicted = None if trained else predict_next(self, self._hidden_of(args, kwargs), index.shape[-1])
         if self._saved is None and not trained and self.cache.cold.on:
             split = self._split_cold(args, kwargs, experts, inverse, index)
             if split is not None:
                 args, kwargs, experts, inverse = split
                 if not experts:  # (every one the host's: the device's forward runs on no tokens)
                     if predicted:
-                        self._fetch_ahead(predicted, [])
+                        fetch_ahead(self, predicted, [])
                     self._set_values([value.narrow(0, 0, 1) for value in self.cache.tensors])
                     setattr(self.module, "num_experts", 1)  # noqa: B010 (see `_place`)
                     return gather_tokens(args, kwargs, index.shape[0], torch.zeros(0, dtype=torch.long))
         routing = self._place(experts, inverse, index, per_token=index.shape[-1])
         if predicted:
-            self._fetch_ahead(predicted, experts)
+            fetch_ahead(self, predicted, experts)
         return self._with_routing(args, kwargs, in_kwargs, routing)
 
     def _split_cold(self, args, kwargs, experts: list, inverse: torch.Tensor, index: torch.Tensor):
@@ -357,50 +357,6 @@ class ExpertTable:
             )
         return experts, inverse
 
-    def _predict_next(self, hidden: torch.Tensor, k: int) -> list | None:
-        """The experts the next module's router would choose for `hidden`,
-        where they are to be fetched ahead ([Note: experts fetched ahead])."""
-        nxt = self.next
-        if nxt is None or nxt.router is None or nxt.router.weight is None or self.cache.ahead_paused:
-            return None
-        if hidden.numel() // hidden.shape[-1] * k > MOST_TOKEN_ROUTES * nxt.num_experts:
-            return None  # (many tokens: a layer routes to most of its experts)
-        return nxt.router.predict(hidden.detach().cpu(), k)
-
-    def _fetch_ahead(self, predicted: list, experts: list) -> None:
-        """Copy the `predicted` experts of the next module into the cache now,
-        on a side stream ([Note: experts fetched ahead])."""
-        nxt = cast(ExpertTable, self.next)
-        cache = self.cache
-        taken = cache.take_ahead(nxt.base, predicted, protect={self.base + e for e in experts})
-        if not taken:
-            return
-        side = cache.ahead_stream
-        try:
-            if side is None:  # (the CPU device: copied now)
-                for slot, key in taken:
-                    nxt._fill(slot, key)
-            else:
-                # Slots taken may still be read by the compute stream's kernels so far.
-                side.wait_stream(torch.cuda.current_stream(cache.device))
-                with torch.cuda.stream(side):
-                    for slot, key in taken:
-                        nxt._fill(slot, key)
-                    event = cache.ahead_event = cache.ahead_event or torch.cuda.Event()
-                    event.record()
-        except BaseException:
-            cache.drop([key for _slot, key in taken])  # (not all filled: none held)
-            raise
-        counters = self.pager.counters
-        counters.expert_ahead += len(taken)
-        counters.expert_h2d_bytes += len(taken) * nxt.expert_bytes
-
-    def _wait_ahead(self) -> None:
-        # A slot this call uses or takes was copied ahead on the side stream:
-        # compute (and copies into it) must not start before that copy ends.
-        if self.cache.ahead_event is not None:
-            torch.cuda.current_stream(self.cache.device).wait_event(self.cache.ahead_event)
-
     def _hold(self, experts: list, per_token: int = 0) -> list:
         """The cache's slots of `experts`, the missing ones copied in."""
         cache = self.cache
@@ -412,7 +368,7 @@ class ExpertTable:
         stream = torch.cuda.current_stream(cache.device) if cache.cold.cuda else None
         # (timed where no copy ahead is under way: a wait for it would count as the link's)
         start = cache.cold.fills_start(stream) if not cache.copying_ahead else None
-        slots, missed = cache.hold(self.base, experts, self._fill, self._wait_ahead, per_token)
+        slots, missed = cache.hold(self.base, experts, self.fill, cache.wait_ahead, per_token)
         cache.cold.fills_end(start, stream, missed)
         counters = self.pager.counters
         counters.expert_ahead_used += cache.ahead_used - used_before
@@ -467,7 +423,8 @@ class ExpertTable:
         for _ in range(calls):
             self.cache.lock.release()
 
-    def _fill(self, slot: int, key: int) -> None:
+    def fill(self, slot: int, key: int) -> None:
+        """Copy the expert of `key` from its host tensors into `slot` (on the current stream)."""
         expert = key - self.base
         for cached, host in zip(self.cache.tensors, self.hosts):
             cached[slot].copy_(host[expert], non_blocking=True)
