@@ -15,10 +15,12 @@ from ..base import wrappers
 from ..base.budget import format_bytes, parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..engine.engine import Engine
+from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..engine.split_fetch import helper_budgets, resolve_helpers
 from ..experts.find import expert_bytes, layout_of, routed_of
+from ..experts.host import COLD_EXPERTS
 from ..model.pool import Pool
-from ..training import distributed, masters, owners
+from ..training import distributed, host_step, masters, owners
 from .fit import too_large_message
 
 log = logging.getLogger("pager")
@@ -295,3 +297,81 @@ def warn_if_staging_crowds(pager) -> None:
 def check_fits(budget, budget_bytes, sizing, model) -> None:
     if sizing.min_budget > budget_bytes:
         raise ValueError(too_large_message(budget, budget_bytes, sizing, model))
+
+
+def check_options(
+    model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step, cold_experts, activations
+) -> None:
+    """`wrap`'s plain options and the model's state, checked before anything changes."""
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"pager: name={name!r} must be a non-empty string.")
+    if name is not None and engine is not None and any(o.name == name for o in engine.owners):
+        raise ValueError(f"pager: name={name!r} is taken by another model of this pool; give another.")
+    check_not_wrapped(model)
+    check_tensors(model, device)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
+    if not isinstance(defer_step, bool):
+        raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
+    if not isinstance(master_weights, bool):
+        raise ValueError(f"pager: master_weights={master_weights!r} must be True or False.")
+    if optimizer_step not in host_step.MODES:
+        raise ValueError(
+            f'pager: optimizer_step={optimizer_step!r} must be "auto" (on the host where it is '
+            'measured to keep up, else on the device), "host" (the CPU) or "device".'
+        )
+    if cold_experts not in COLD_EXPERTS:
+        raise ValueError(
+            f'pager: cold_experts={cold_experts!r} must be "auto" (on CUDA, of the experts a call routes to '
+            "that the device cache lacks, the host computes as many as it can in the time the rest take to "
+            'copy in, by measured cost), "host" (every such expert of a few tokens computed on the host) or '
+            '"device" (every one copied in).'
+        )
+    if activations not in ("keep", "offload", "recompute", "auto"):
+        raise ValueError(
+            f'pager: activations={activations!r} must be "keep" (on the device), "offload" '
+            '(to pinned host memory until the backward), "recompute" (dropped, and each block\'s '
+            'forward run again in its backward) or "auto" (kept on the device as far as the budget has room, '
+            "the rest offloaded or recomputed, the first the budget holds, decided before the first training "
+            "forward from it measured on fake tensors)."
+        )
+
+
+def held_beside(engine, min_budget: int) -> int:
+    """What the other models of a shared `engine` hold for life and in
+    caches (0 alone); refused where a model needing `min_budget` at least
+    does not fit beside it."""
+    if engine is None:
+        return 0
+    held = engine.held_bytes()
+    if held + min_budget > engine.budget_bytes:
+        raise ValueError(
+            f"pager: this model needs {format_bytes(min_budget)} of device memory at least (its remainder "
+            f"and largest block), but the shared {engine!r} has {format_bytes(held)} of its "
+            f"budget held for life and in caches by the models on it; raise that budget "
+            f"(pager.of(other).set_budget(...)) first."
+        )
+    return held
+
+
+def before_paging(pager, total: int, blocks: int, adapter_bytes: int, from_memory: bool) -> None:
+    """Before the blocks' pages are made: host memory for `total` bytes of
+    `blocks` blocks checked where they are copied `from_memory`, and what
+    takes a while or stays on the device said."""
+    if from_memory:
+        pager.arena.check_room(total, f"the model ({blocks} blocks)")
+    if total >= PIN_PROGRESS_BYTES and from_memory:
+        kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
+        log.warning(
+            "pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
+            format_bytes(total),
+            kind,
+            blocks,
+            seconds * total / 2**30,
+        )
+    if adapter_bytes:
+        log.info(
+            "pager: the trainable parameters of otherwise frozen blocks (adapters, %s) stay on the device "
+            "with their gradients and optimizer state; their blocks stream read-only.",
+            format_bytes(adapter_bytes),
+        )

@@ -38,8 +38,11 @@ import logging
 import torch.nn as nn
 
 from ..base.budget import format_bytes
+from ..experts.find import choose as choose_experts
 from ..model import discover
+from ..rows.find import choose as choose_row_tables
 from ..rows.find import row_table_problem
+from .pipeline import Needs
 
 log = logging.getLogger("pager")
 
@@ -156,3 +159,32 @@ def too_large_message(budget, budget_bytes: int, sizing, model: nn.Module) -> st
         + "; or ".join(options)
         + "."
     )
+
+
+def sized(model, budget_bytes, blocks, tables, expert_modules, *, defaults, rows_allowed, say=True):
+    """(row tables, sizing, adapter bytes) of `model`: its blocks as `blocks`
+    names them, or else, with `defaults`, as [Note: nothing resident by force]
+    in api/fit.py chooses them (`rows_allowed`: tables by rows where it does
+    not run otherwise; `say`: log each choice). Nothing is changed."""
+    spec = blocks
+    if blocks is None and defaults:
+        tables, spec = default_blocks(model, budget_bytes, tables + expert_modules, rows_allowed=rows_allowed, say=say)
+        tables = [t for t in tables if all(t[1] is not m for _n, m in expert_modules)]
+    paged_apart = [m for _n, m in tables + expert_modules]
+    sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, paged_apart), budget_bytes)
+    return tables, sizing, adapter_bytes
+
+
+def needs(model: nn.Module, budget_bytes: int) -> Needs:
+    """What `model` wrapped with wrap's defaults into a pool of `budget_bytes`
+    needs on the device (a pipeline's components, asked before any is
+    wrapped). Pages read from files (`pager.load`) place each tensor at its
+    file offset's alignment: a few KiB more a model than this says."""
+    tables = choose_row_tables(model, None, budget_bytes)
+    expert_modules = choose_experts(model, "auto", training_group=False)
+    _t, sizing, _a = sized(
+        model, budget_bytes, None, tables, expert_modules, defaults=True, rows_allowed=False, say=False
+    )
+    sizes = sizing.sizes
+    largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
+    return Needs(sizing.fixed, sizing.min_budget, None if largest is None else sizing.named[largest][0])

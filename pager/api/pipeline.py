@@ -27,6 +27,7 @@ component wrapped already into the pool given (with options of its own,
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -268,3 +269,16 @@ def unwrap_pipeline(pipe, verbs: Verbs):
     wrapped = _PIPELINES.pop(pipe)
     unwrap_all(reversed(wrapped.modules), verbs)
     return pipe
+
+
+def given_options(wrap, values: dict) -> dict:
+    """`wrap`'s options that `values` (its arguments) sets otherwise than
+    its defaults, by name (a pipeline's components get those)."""
+    out = {}
+    for n, p in inspect.signature(wrap).parameters.items():
+        if p.default is inspect.Parameter.empty or n in ("budget", "pool"):
+            continue
+        v = values[n]
+        if not (v is p.default or (type(v) is type(p.default) and v == p.default)):
+            out[n] = v
+    return out

@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.nn as nn
 
-from ..base.budget import format_bytes, parse_budget, resolve_device
+from ..base.budget import parse_budget, resolve_device
 from ..base.common import _PAGERS
 from ..codec.compress import check_codec, min_part_bytes
-from ..engine.host import COPY_SECONDS_PER_GIB, PIN_PROGRESS_BYTES, PIN_SECONDS_PER_GIB
 from ..experts.find import choose as choose_experts
-from ..experts.host import COLD_EXPERTS
 from ..model import discover, outside
 from ..model.build import add_expert_tables, add_row_tables, build_blocks
 from ..model.pager import Pager
 from ..model.pool import Pool
 from ..rows.find import choose as choose_row_tables
-from ..training import distributed, host_step, owners
+from ..training import distributed, owners
 from ..training.checkpoint import close
 from . import checks
-from .fit import default_blocks
-from .pipeline import Needs, Verbs, is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
+from .fit import needs, sized
+from .pipeline import Verbs, given_options, is_pipeline, pipeline_pool, unwrap_pipeline, wrap_pipeline
 
 log = logging.getLogger("pager")
 _M = TypeVar("_M")  # (a model, or a diffusers pipeline: given back as it came)
@@ -277,7 +274,7 @@ def wrap(
     """
     if is_pipeline(model):
         values = locals()
-        return wrap_pipeline(model, budget, pool, {k: values[k] for k in _given(values)}, _verbs())
+        return wrap_pipeline(model, budget, pool, given_options(wrap, values), _verbs())
     return _wrap(
         cast(nn.Module, model),
         budget,
@@ -345,40 +342,11 @@ def _wrap(
     files, which a row table would keep as its host table)."""
     engine = checks.engine_of(budget, pool)
     device = checks.shared_device(engine, device) if engine is not None else resolve_device(device)
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"pager: name={name!r} must be a non-empty string.")
-    if name is not None and engine is not None and any(o.name == name for o in engine.owners):
-        raise ValueError(f"pager: name={name!r} is taken by another model of this pool; give another.")
-    checks.check_not_wrapped(model)
-    checks.check_tensors(model, device)
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"pager: prefetch={prefetch!r} must be a whole number >= 0 (0 turns prefetch off).")
-    if not isinstance(defer_step, bool):
-        raise ValueError(f"pager: defer_step={defer_step!r} must be True or False.")
-    if not isinstance(master_weights, bool):
-        raise ValueError(f"pager: master_weights={master_weights!r} must be True or False.")
-    if optimizer_step not in host_step.MODES:
-        raise ValueError(
-            f'pager: optimizer_step={optimizer_step!r} must be "auto" (on the host where it is '
-            'measured to keep up, else on the device), "host" (the CPU) or "device".'
-        )
+    checks.check_options(
+        model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step, cold_experts, activations
+    )
     covers_process = outside.check_covers(budget_covers)
     check_codec(compress)
-    if cold_experts not in COLD_EXPERTS:
-        raise ValueError(
-            f'pager: cold_experts={cold_experts!r} must be "auto" (on CUDA, of the experts a call routes to '
-            "that the device cache lacks, the host computes as many as it can in the time the rest take to "
-            'copy in, by measured cost), "host" (every such expert of a few tokens computed on the host) or '
-            '"device" (every one copied in).'
-        )
-    if activations not in ("keep", "offload", "recompute", "auto"):
-        raise ValueError(
-            f'pager: activations={activations!r} must be "keep" (on the device), "offload" '
-            '(to pinned host memory until the backward), "recompute" (dropped, and each block\'s '
-            'forward run again in its backward) or "auto" (kept on the device as far as the budget has room, '
-            "the rest offloaded or recomputed, the first the budget holds, decided before the first training "
-            "forward from it measured on fake tensors)."
-        )
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)
@@ -393,19 +361,12 @@ def _wrap(
     # (by rows unasked only from values in memory, and alone on a budget: a shared one's room for a
     # row cache is the other models' too)
     unasked_rows = rows is None and setup is None and rows_from_values and engine is None
-    tables, sizing, adapter_bytes = _sized(
+    tables, sizing, adapter_bytes = sized(
         model, budget_bytes, blocks, tables, expert_modules, defaults=group is None, rows_allowed=unasked_rows
     )
     if master_weights:
         checks.check_master_tables(tables)
-    held = engine.held_bytes() if engine is not None else 0
-    if engine is not None and held + sizing.min_budget > engine.budget_bytes:
-        raise ValueError(
-            f"pager: this model needs {format_bytes(sizing.min_budget)} of device memory at least (its remainder "
-            f"and largest block), but the shared {engine!r} has {format_bytes(held)} of its "
-            f"budget held for life and in caches by the models on it; raise that budget "
-            f"(pager.of(other).set_budget(...)) first."
-        )
+    held = checks.held_beside(engine, sizing.min_budget)
     checks.check_fits(budget, budget_bytes, sizing, model)
     # (sharing an engine: what the other models hold for life and in their caches is not this model's)
     cache_bytes = checks.row_cache_bytes(row_cache, device, budget_bytes - held, sizing.min_budget) if tables else 0
@@ -438,24 +399,8 @@ def _wrap(
     pager.master_weights = master_weights
     if share_host_pages:
         pager.share_host = lambda p: distributed.share_host_pages(p, group, dist_timeout)
-    total, named = sizing.total, sizing.named
-    if setup is None:
-        pager.arena.check_room(total, f"the model ({len(named)} blocks)")
-    if total >= PIN_PROGRESS_BYTES and setup is None:
-        kind, seconds = ("pinned", PIN_SECONDS_PER_GIB) if pager.arena.pin else ("pageable", COPY_SECONDS_PER_GIB)
-        log.warning(
-            "pager: copying %s into %s host pages for %d blocks; wrap takes about %.0f s",
-            format_bytes(total),
-            kind,
-            len(named),
-            seconds * total / 2**30,
-        )
-    if adapter_bytes:
-        log.info(
-            "pager: the trainable parameters of otherwise frozen blocks (adapters, %s) stay on the device "
-            "with their gradients and optimizer state; their blocks stream read-only.",
-            format_bytes(adapter_bytes),
-        )
+    total = sizing.total
+    checks.before_paging(pager, total, len(sizing.named), adapter_bytes, from_memory=setup is None)
     if engine is None and not tables and not expert_modules:  # (sharing a budget: the others' blocks count too)
         pager.fits_advice = total  # (said at the first inference forward if it still fits: model/hooks.py _advise)
     try:
@@ -492,50 +437,9 @@ def _wrap(
     return model
 
 
-def _sized(model, budget_bytes, blocks, tables, expert_modules, *, defaults, rows_allowed, say=True):
-    """(row tables, sizing, adapter bytes) of `model`: its blocks as `blocks`
-    names them, or else, with `defaults`, as [Note: nothing resident by force]
-    in api/fit.py chooses them (`rows_allowed`: tables by rows where it does
-    not run otherwise; `say`: log each choice). Nothing is changed."""
-    spec = blocks
-    if blocks is None and defaults:
-        tables, spec = default_blocks(model, budget_bytes, tables + expert_modules, rows_allowed=rows_allowed, say=say)
-        tables = [t for t in tables if all(t[1] is not m for _n, m in expert_modules)]
-    paged_apart = [m for _n, m in tables + expert_modules]
-    sizing, adapter_bytes = discover.adapters_resident(discover.size_up(model, spec, paged_apart), budget_bytes)
-    return tables, sizing, adapter_bytes
-
-
-def _needs(model: nn.Module, budget_bytes: int) -> Needs:
-    """What `model` wrapped with wrap's defaults into a pool of `budget_bytes`
-    needs on the device (a pipeline's components, asked before any is
-    wrapped). Pages read from files (`pager.load`) place each tensor at its
-    file offset's alignment: a few KiB more a model than this says."""
-    tables = choose_row_tables(model, None, budget_bytes)
-    expert_modules = choose_experts(model, "auto", training_group=False)
-    _t, sizing, _a = _sized(
-        model, budget_bytes, None, tables, expert_modules, defaults=True, rows_allowed=False, say=False
-    )
-    sizes = sizing.sizes
-    largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
-    return Needs(sizing.fixed, sizing.min_budget, None if largest is None else sizing.named[largest][0])
-
-
 def _verbs() -> Verbs:
     """The verbs api/pipeline.py applies to each component (it is beneath this module)."""
-    return Verbs(wrap, unwrap, of, _needs)
-
-
-def _given(values: dict) -> list:
-    """The names of `wrap`'s options that `values` (its arguments) sets otherwise than its defaults."""
-    out = []
-    for n, p in inspect.signature(wrap).parameters.items():
-        if p.default is inspect.Parameter.empty or n in ("budget", "pool"):
-            continue
-        v = values[n]
-        if not (v is p.default or (type(v) is type(p.default) and v == p.default)):
-            out.append(n)
-    return out
+    return Verbs(wrap, unwrap, of, needs)
 
 
 def _undo(pager) -> None:
