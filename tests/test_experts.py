@@ -1015,15 +1015,15 @@ def test_an_expert_no_token_reached_is_neither_copied_nor_stepped(monkeypatch):
     update's bit for bit (the unpaged model, each step's unreached rows put
     back after its step). Steps reaching few experts update a view of their
     rows, those reaching most the whole tensors: both run."""
-    from pager.experts import train
+    from pager.experts import step as experts_step
 
-    whole, step_whole = [], train._step_whole
+    whole, step_whole = [], experts_step._step_whole
 
     def counted(param, rows, *args):
         whole.append(len(rows) < param.shape[0])
         return step_whole(param, rows, *args)
 
-    monkeypatch.setattr(train, "_step_whole", counted)
+    monkeypatch.setattr(experts_step, "_step_whole", counted)
     ref, model = _pair("mixtral", "grouped_mm")
     pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 3 // 2)
     reached = _reached(model)
@@ -1161,7 +1161,7 @@ def test_the_host_update_under_cuda_takes_the_fused_kernel_and_gives_the_options
     """`fused_on_host` (the experts' update on the host under a CUDA device):
     torch's fused CPU kernel, the same update within rounding, the group's
     options as they were after; a class without one runs as it was made."""
-    from pager.experts.train import fused_on_host
+    from pager.experts.step import fused_on_host
 
     torch.manual_seed(0)
     start = torch.randn(64, 8)

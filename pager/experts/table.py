@@ -79,7 +79,8 @@ from .chunks import gather_tokens, token_groups
 from .find import hidden_name, implementation_of, routing_name, weights_name
 from .host import HostCall, split_cold
 from .saved import SavedExperts
-from .train import ExpertsIn, add_piece, check_trainable, copied_from_host, step_table, training_given_back
+from .step import step_table, training_given_back
+from .train import ExpertsIn, add_piece, check_trainable, copied_from_host
 
 IN_PLACE = frozenset({"batched_mm", "grouped_mm"})  # transformers' implementations indifferent to expert numbers
 GROUPED_MM_MOST_GROUPS = 1024  # torch's grouped_mm takes at most this many groups (experts)
