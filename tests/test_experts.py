@@ -1319,3 +1319,47 @@ def test_cold_experts_on_the_host_on_the_gpu(implementation, cold_experts):
     else:
         assert cache.cold.link_seconds is not None  # (a call's fills timed, read back at a later call)
     pager.unwrap(model)
+
+
+class _OwnExperts(torch.nn.Module):
+    """Experts of one's own convention (fused tensors, the routing given),
+    without transformers' flags: the host computes them by this forward."""
+
+    def __init__(self, n=8, h=16, f=24):
+        super().__init__()
+        self.num_experts = n
+        self.w_in = torch.nn.Parameter(torch.randn(n, f, h) * 0.2)
+        self.w_out = torch.nn.Parameter(torch.randn(n, h, f) * 0.2)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                out[t] += top_k_weights[t, k] * (self.w_out[e] @ torch.relu(self.w_in[e] @ hidden_states[t]))
+        return out
+
+
+class _OwnMoE(torch.nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.gate, self.experts = torch.nn.Linear(h, 8), _OwnExperts(h=h)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.gate(flat).softmax(-1).topk(2)
+        return x + self.experts(flat, index, weights).view_as(x)
+
+
+def test_cold_experts_of_a_module_of_ones_own_run_on_the_host_by_its_forward():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[_OwnMoE() for _ in range(3)])
+    model = torch.nn.Sequential(*[_OwnMoE() for _ in range(3)])
+    model.load_state_dict(ref.state_dict())
+    one = sum(p.numel() * p.element_size() for p in ref[0].experts.parameters())
+    pager.wrap(model, budget=4 << 20, device="cpu", expert_cache=one, cold_experts="host")  # (a layer of 3)
+    x = torch.randn(3, 1, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), ref(x))
+    assert pager.of(model).stats().expert_host > 0
