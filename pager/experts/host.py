@@ -21,13 +21,13 @@ How a call goes, where some of its cold experts `H` are the host's:
    it takes the hidden states and weights of `H`'s tokens to the host (a
    few KB a token; the host already waits for the routing there);
 2. the device's forward is queued as ever: its copies and kernels run while
-3. the post-hook, with the parameters on their host tensors again, runs the
-   module's own eager forward (transformers' `original_forward`, under
-   `use_experts_implementation`: it indexes an expert's weights without
-   copying them; a module of one's own: its forward) once per expert of
-   `H` over its tokens (a routing of one expert), in the module's dtype,
-   and adds the products into the device's output (`index_add_`, after the
-   device's kernels, on the compute stream).
+3. the post-hook, with the parameters on their host tensors again, computes
+   each expert of `H` over its tokens in the module's dtype (`expert_product`:
+   for transformers' `use_experts_implementation` convention, its
+   `batched_mm` steps for one expert on views of the expert's weights, its
+   own gate and flags; a module of one's own: its forward, with a routing
+   of that one expert), and adds the products into the device's output
+   (`index_add_`, after the device's kernels, on the compute stream).
 The sum of a token's experts is then in another order than the unpaged
 module's: equal within the kernels' rounding, not bit for bit.
 
