@@ -181,6 +181,43 @@ def test_owners_on_two_nodes_of_one_rank_each(tmp_path):
     spawn(owners_on_two_nodes_of_one_rank, 2, tmp_path)
 
 
+def gathered_entries(rank, world, tmp):
+    owners = object.__new__(BlockOwners)  # (the exchange alone: a node of `world` ranks over gloo)
+    owners.group, owners.rank, owners.world, owners.node = dist.group.WORLD, rank, world, list(range(world))
+    owners.node_cpu_group, owners.timeout_seconds = dist.group.WORLD, 60.0
+    entries = {
+        "step": torch.tensor(3.0 + rank),
+        "exp_avg": torch.arange(12.0).view(4, 3).t() * (rank + 1),  # (not contiguous)
+        "mask": torch.tensor([True, rank == 1]),
+        "half": torch.arange(6, dtype=torch.bfloat16) + rank,
+        "flag": rank == 1,
+    }
+    try:
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        entries["low_bit"] = OptimState8bit.zeros((256,), signed=True, block_size=256)  # (a tensor subclass)
+    except ImportError:
+        pass
+    merged = owners._gather_entries({10 + rank: entries})
+    assert sorted(merged) == [10 + r for r in range(world)]
+    for r in range(world):
+        got = merged[10 + r]
+        assert got["flag"] is (r == 1) and torch.equal(got["step"], torch.tensor(3.0 + r))
+        assert torch.equal(got["exp_avg"], torch.arange(12.0).view(4, 3).t() * (r + 1))
+        assert torch.equal(got["mask"], torch.tensor([True, r == 1]))
+        assert got["half"].dtype == torch.bfloat16 and torch.equal(got["half"], torch.arange(6, dtype=torch.bfloat16) + r)
+        if "low_bit" in entries:
+            assert type(got["low_bit"]) is type(entries["low_bit"])
+
+
+def test_the_optimizers_state_is_gathered_tensor_by_tensor_and_subclasses_pickled(tmp_path):
+    """`opt.state_dict()` under block owners: each owner's tensors by
+    broadcast, in the same order on every rank, whatever their dtype or
+    strides; values that are not tensors, and tensor subclasses (torchao's
+    low-bit optimizer state), pickled."""
+    spawn(gathered_entries, 2, tmp_path)
+
+
 def owners_supernet(rank, world, tmp, steps=6):
     """Ranks on different paths: a block one rank skipped still gets its
     owner's update on every rank."""

@@ -1270,7 +1270,6 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold = ColdExperts("auto", 1 << 20, cuda=True)
     assert cold.on and cold.choose([1, 2, 3, 4], [1, 1, 1, 1], [1, 1, 1, 1]) == []  # (the link not timed yet)
     cold.link_seconds = 1.0
-    assert cold.choose([7], [0], [1]) == []  # (one cold expert: nothing to split)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
     cold.host_took(9.0, 1)  # (in the host's first call: a warm-up, not counted)
     cold.host_call_done()
@@ -1286,6 +1285,10 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.host_seconds = {1: 100.0}
     calls = [cold.choose([1, 2], [0, 0], [1, 1]) for _ in range(REMEASURE_CALLS)]
     assert calls[:-1] == [[]] * (REMEASURE_CALLS - 1) and calls[-1] == [1]  # (measured again, now and then)
+    cold.host_seconds = {1: 1.0}
+    assert cold.choose([7], [0], [1]) == []  # (a lone cold expert as slow on the host as over the link: copied)
+    cold.host_seconds = {1: 0.5}
+    assert cold.choose([7], [0], [1]) == [7]  # (faster on the host: computed there)
     assert ColdExperts("host", 1 << 20, cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
     assert ColdExperts("device", 1 << 20, cuda=True).on is False
 
@@ -1323,43 +1326,97 @@ def test_cold_experts_on_the_host_on_the_gpu(implementation, cold_experts):
 
 class _OwnExperts(torch.nn.Module):
     """Experts of one's own convention (fused tensors, the routing given),
-    without transformers' flags: the host computes them by this forward."""
+    without transformers' flags: the host computes them by this forward;
+    `out_dtype`: its output's (float32 for bfloat16 weights, say)."""
 
-    def __init__(self, n=8, h=16, f=24):
+    def __init__(self, n=8, h=16, f=24, dtype=torch.float32, out_dtype=None):
         super().__init__()
-        self.num_experts = n
-        self.w_in = torch.nn.Parameter(torch.randn(n, f, h) * 0.2)
-        self.w_out = torch.nn.Parameter(torch.randn(n, h, f) * 0.2)
+        self.num_experts, self.out_dtype = n, out_dtype
+        self.w_in = torch.nn.Parameter(torch.randn(n, f, h, dtype=dtype) * 0.2)
+        self.w_out = torch.nn.Parameter(torch.randn(n, h, f, dtype=dtype) * 0.2)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
+        out = torch.zeros(hidden_states.shape, dtype=self.out_dtype or hidden_states.dtype)
         for t in range(hidden_states.shape[0]):
             for k in range(top_k_index.shape[1]):
                 e = int(top_k_index[t, k])
-                out[t] += top_k_weights[t, k] * (self.w_out[e] @ torch.relu(self.w_in[e] @ hidden_states[t]))
+                y = top_k_weights[t, k] * (self.w_out[e] @ torch.relu(self.w_in[e] @ hidden_states[t]))
+                out[t] += y.to(out.dtype)
         return out
 
 
 class _OwnMoE(torch.nn.Module):
-    def __init__(self, h=16):
+    def __init__(self, h=16, dtype=torch.float32, out_dtype=None):
         super().__init__()
-        self.gate, self.experts = torch.nn.Linear(h, 8), _OwnExperts(h=h)
+        self.gate = torch.nn.Linear(h, 8, dtype=dtype)
+        self.experts = _OwnExperts(h=h, dtype=dtype, out_dtype=out_dtype)
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         weights, index = self.gate(flat).softmax(-1).topk(2)
-        return x + self.experts(flat, index, weights).view_as(x)
+        return x + self.experts(flat, index, weights).to(x.dtype).view_as(x)
 
 
-def test_cold_experts_of_a_module_of_ones_own_run_on_the_host_by_its_forward():
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_cold_experts_of_a_module_of_ones_own_run_on_the_host_by_its_forward(dtype, out_dtype):
+    """The host's products take the device output's dtype (a module that
+    sums bfloat16 experts in float32), and where every expert of a call is
+    the host's, the output is theirs alone."""
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(*[_OwnMoE() for _ in range(3)])
-    model = torch.nn.Sequential(*[_OwnMoE() for _ in range(3)])
+    ref = torch.nn.Sequential(*[_OwnMoE(dtype=dtype, out_dtype=out_dtype) for _ in range(3)])
+    model = torch.nn.Sequential(*[_OwnMoE(dtype=dtype, out_dtype=out_dtype) for _ in range(3)])
     model.load_state_dict(ref.state_dict())
     one = sum(p.numel() * p.element_size() for p in ref[0].experts.parameters())
     pager.wrap(model, budget=4 << 20, device="cpu", expert_cache=one, cold_experts="host")  # (a layer of 3)
-    x = torch.randn(3, 1, 16)
     with torch.no_grad():
-        for _ in range(2):
+        for tokens in (3, 1, 1):  # (one token: both its experts cold in the layers after the first)
+            x = torch.randn(tokens, 1, 16, dtype=dtype)
             torch.testing.assert_close(model(x), ref(x))
     assert pager.of(model).stats().expert_host > 0
+
+
+def test_a_call_with_gradients_keeps_its_cold_experts_on_the_device():
+    """Only calls without gradients split: a router trained beside frozen
+    experts (its layer's input needs no gradient) gets every expert's term
+    in its gradient, bit for bit."""
+    ref, model = _pair("mixtral", "eager")
+    for m in (ref, model):
+        for n, p in m.named_parameters():
+            p.requires_grad_(n == "model.layers.0.mlp.gate.weight")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 5 // 4, cold_experts="host")
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 60)))  # (a prefill: experts copied in)
+    ids = torch.randint(0, 64, (1, 3))
+    before = pager.of(model).stats().expert_host
+    model(ids).logits.sum().backward()
+    ref(ids).logits.sum().backward()
+    assert pager.of(model).stats().expert_host == before
+    gate = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(dict(model.named_parameters())[gate].grad, dict(ref.named_parameters())[gate].grad)
+
+
+def test_an_interrupt_before_the_devices_forward_adds_nothing_of_the_hosts(monkeypatch):
+    from pager.experts.table import ExpertTable
+
+    _ref, model = _pair("mixtral", "eager")
+    pager.wrap(model, budget=10 << 20, device="cpu", expert_cache=_one_layer(model) * 5 // 4, cold_experts="host")
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 60)))
+
+    place = ExpertTable._place
+
+    def interrupted(self, *args, **kwargs):
+        if self._host is None:
+            return place(self, *args, **kwargs)
+        raise KeyboardInterrupt  # (Ctrl-C while the kept experts are copied in, the host's share taken)
+
+    monkeypatch.setattr(ExpertTable, "_place", interrupted)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        for _ in range(8):
+            model(torch.randint(0, 64, (1, 3)))
+    monkeypatch.undo()
+    table = pager.of(model).expert_tables[0]
+    assert table._host is None and table.cache.lock.acquire(blocking=False)
+    table.cache.lock.release()
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 3)))  # (usable after)

@@ -299,9 +299,7 @@ def check_fits(budget, budget_bytes, sizing, model) -> None:
         raise ValueError(too_large_message(budget, budget_bytes, sizing, model))
 
 
-def check_options(
-    model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step, cold_experts, activations
-) -> None:
+def check_options(model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step) -> None:
     """`wrap`'s plain options and the model's state, checked before anything changes."""
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"pager: name={name!r} must be a non-empty string.")
@@ -320,6 +318,10 @@ def check_options(
             f'pager: optimizer_step={optimizer_step!r} must be "auto" (on the host where it is '
             'measured to keep up, else on the device), "host" (the CPU) or "device".'
         )
+
+
+def check_modes(cold_experts, activations) -> None:
+    """`wrap`'s `cold_experts` and `activations`, checked before anything changes."""
     if cold_experts not in COLD_EXPERTS:
         raise ValueError(
             f'pager: cold_experts={cold_experts!r} must be "auto" (on CUDA, of the experts a call routes to '

@@ -342,11 +342,10 @@ def _wrap(
     files, which a row table would keep as its host table)."""
     engine = checks.engine_of(budget, pool)
     device = checks.shared_device(engine, device) if engine is not None else resolve_device(device)
-    checks.check_options(
-        model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step, cold_experts, activations
-    )
+    checks.check_options(model, device, engine, name, prefetch, defer_step, master_weights, optimizer_step)
     covers_process = outside.check_covers(budget_covers)
     check_codec(compress)
+    checks.check_modes(cold_experts, activations)
     budget_bytes = engine.budget_bytes if engine is not None else parse_budget(budget, device)
     tables = choose_row_tables(model, rows, budget_bytes)
     group = distributed.resolve_group(process_group)

@@ -29,7 +29,11 @@ How a call goes, where some of its cold experts `H` are the host's:
    of that one expert), and adds the products into the device's output
    (`index_add_`, after the device's kernels, on the compute stream).
 The sum of a token's experts is then in another order than the unpaged
-module's: equal within the kernels' rounding, not bit for bit.
+module's: equal within the kernels' rounding, not bit for bit. (The kept
+expert an entry of the host's is routed to computes that token for
+nothing; its product times 0 is 0 unless it overflows to inf, as float16
+weights could, where it would make a NaN.) Only calls without gradients:
+the host's products are not part of the autograd graph.
 
 Which cold experts go to the host (`ColdExperts.choose`): each takes
 `link` seconds to copy in (the copies' measured time: events around a
@@ -44,11 +48,10 @@ prefill's products are compute, the device's). Where a token count's time
 is not known, one cold expert of that many tokens goes there to measure it
 (the host's first call warms it up and is not counted); where the host
 then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
-(a busy host, a slower link) is seen. Only calls with no gradients (a
-training call copies its experts: experts/train.py) and only on CUDA
-(`"auto"`); `cold_experts="host"` takes every cold expert within the
-tokens' bound to the host (the CPU device too: that is how the tests run
-it), `"device"` none.
+(a busy host, a slower link) is seen. Only on CUDA (`"auto"`);
+`cold_experts="host"` takes every cold expert within the tokens' bound to
+the host (the CPU device too: that is how the tests run it), `"device"`
+none.
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ class ColdExperts:
             return [cold[i] for i in fit]
         self._calls_since += 1
         link = self.link_seconds
-        if link is None or len(cold) < 2:
-            return []  # (the link not timed yet; one cold expert: nothing to split)
+        if link is None:
+            return []  # (the link not timed yet)
         unknown = [i for i in fit if tokens[i] not in self.host_seconds]
         if unknown:  # (measure the host at that many tokens: one, the least used)
             return self._took([min(unknown, key=lambda i: counts[i])], cold)
@@ -304,9 +307,9 @@ class HostCall:
                 rows.append(self.rows[token])
                 cold.host_took(time.perf_counter() - started, token.numel())
             cold.host_call_done()
-            product, row = torch.cat(products).to(self.like.dtype), torch.cat(rows)
-            if self.all_host:  # (the device's forward ran on no tokens)
-                output = self.like.new_zeros(self.like.shape)
+            product, row = torch.cat(products).to(output.dtype), torch.cat(rows)
+            if self.all_host:  # (the device's forward ran on no tokens: its output has no rows)
+                output = output.new_zeros((self.like.shape[0], *output.shape[1:]))
             if output.device.type == "cuda":
                 # (page-locked by torch's caching host allocator, which keeps them until the copies are done)
                 product, row = product.pin_memory(), row.pin_memory()

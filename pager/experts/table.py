@@ -164,6 +164,7 @@ class ExpertTable:
             return self._bring(args, kwargs)
         except BaseException as e:
             if not isinstance(e, Exception):
+                self._host = None  # (nothing of the host's to add: the call did not run)
                 self._after(module, args, None)
             raise
 
@@ -195,7 +196,7 @@ class ExpertTable:
         # hidden states waits for the router only, as the routing's did)
         # (a call that trains the experts takes no slot: nothing to fetch ahead into)
         predicted = None if trained else predict_next(self, self._hidden_of(args, kwargs), index.shape[-1])
-        if self._saved is None and not trained and self.cache.cold.on:
+        if not torch.is_grad_enabled() and self.cache.cold.on:  # (a call with gradients: every expert on the device)
             split = self._split_cold(args, kwargs, experts, inverse, index)
             if split is not None:
                 args, kwargs, experts, inverse = split
@@ -388,7 +389,7 @@ class ExpertTable:
             if self.pager.transport.is_cuda:
                 event = self.cache.released_event = self.cache.released_event or torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.cache.device))
-            if self._host is not None:  # (its products, with the parameters on their host tensors)
+            if self._host is not None and output is not None:  # (its products, the parameters on their host tensors)
                 self._give_back()
                 output = self._host.add_to(module, output, self.cache.cold, self.pager.counters)
         finally:

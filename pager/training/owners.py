@@ -384,9 +384,12 @@ class BlockOwners:
         state's bytes, which took minutes for gigabytes (a 3.8 GB model's
         AdamW state on two ranks did not finish in 3 minutes)."""
         what = "gathering the optimizer's state from the blocks' owners"
-        layout = {  # index -> key -> ("tensor", shape, dtype) or ("value", the value)
+        layout = {  # index -> key -> ("tensor", shape, dtype) or ("value", the value, pickled)
+            # (a tensor subclass, such as torchao's low-bit optimizer state, is pickled: no collective takes it)
             i: {
-                k: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+                k: ("tensor", tuple(v.shape), v.dtype)
+                if type(v) is torch.Tensor and v.layout == torch.strided
+                else ("value", v)
                 for k, v in entry.items()
             }
             for i, entry in shard.items()
