@@ -40,11 +40,11 @@ Which cold experts go to the host (`ColdExperts.choose`): each takes
 call's fills, read back at a later call) and `host[n]` seconds to compute
 there over its `n` tokens of the call (a running mean of the host's own
 products by `n`: a product of more rows costs the host more, and one mean
-would mix a prompt's products with a decode's). The host takes the cheapest first (the least used
-among equals: the cache's counts, the ones it would be slowest to keep) as
-long as the call then ends sooner (the longer of the host's sum and the
-rest's copies); never one of more than `HOST_MOST_TOKENS` tokens (a
-prefill's products are compute, the device's). Where a token count's time
+would mix a prompt's products with a decode's). The host takes the
+cheapest first (the least used among equals: the cache's counts, the ones
+it would be slowest to keep) as long as the call then ends sooner (the
+longer of the host's sum and the rest's copies); never one of more than
+`HOST_MOST_TOKENS` tokens (a prefill's products are compute, the device's). Where a token count's time
 is not known, one cold expert of that many tokens goes there to measure it
 (the host's first call warms it up and is not counted); where the host
 then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
@@ -56,14 +56,11 @@ none.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
-
-log = logging.getLogger("pager")
 
 COLD_EXPERTS = ("auto", "host", "device")
 HOST_MOST_TOKENS = 4  # an expert computed on the host takes at most this many of a call's tokens
