@@ -22,7 +22,7 @@ from ..engine.schedule import Scheduler
 from ..observe.stats import Stats
 from ..observe.trace import Tracer
 from ..observe.views import link_gbps_of, report_of, reset_counters, snapshot
-from ..rows.table import find_row_table
+from ..rows.find import find_row_table
 from ..training.activations import KEEP, Activations
 from ..training.attach import attach as attach_optimizer
 from ..training.grad_ops import GradOps

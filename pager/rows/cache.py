@@ -1,5 +1,5 @@
 """A row table's device cache: `RowCache`, one per table. See [Note: row
-tables] in rows/table.py and [Note: write-back of cached rows] in rows/table.py."""
+tables] in rows/table.py and [Note: write-back of cached rows] in rows/writes.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RowCache:
     """Rows of one table kept on the device: each slot holds a row's weight and
     its state rows (one column per kind), replaced least recently used first.
     A slot whose values an update changed is dirty until they are written to
-    the host tables (see [Note: write-back of cached rows] in rows/table.py).
+    the host tables (see [Note: write-back of cached rows] in rows/writes.py).
 
     Args:
         rows: the table's number of rows.

@@ -99,3 +99,16 @@ def row_table_problem(model: nn.Module, m: nn.Module) -> str | None:
             f"only. Leave it out of rows="
         )
     return None
+
+
+def find_row_table(tables: list, table):
+    """The one of `tables` (`RowTable`s) that `table` names: its module, its weight or its qualified name."""
+    for t in tables:
+        if table is t.module or table is t.param or (isinstance(table, str) and table == t.name):
+            return t
+    names = [t.name for t in tables]
+    what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
+    raise ValueError(
+        f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
+        f"module, its qualified name or its weight, of a table named by wrap(..., rows=...)."
+    )

@@ -75,7 +75,8 @@ from typing import cast
 
 import torch
 
-from .kernels import NO_STALE, number_lookups, patch_written, read_where
+from .cache import WEIGHT
+from .kernels import NO_STALE, mark_of, number_lookups, patch_written, read_where
 from .writer import HostRowWriter
 
 SPLIT_MIN_ROWS = 8192
@@ -404,3 +405,37 @@ def _among(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
     of = torch.sort(of).values
     at = torch.searchsorted(of, x).clamp_(max=max(of.numel() - 1, 0))
     return of.index_select(0, at) == x if of.numel() else torch.zeros_like(x, dtype=torch.bool)
+
+
+def expect_rows(table, indices: torch.Tensor) -> None:
+    """Start reading the rows `indices` will look up in `table` (a
+    `RowTable`; see the Note): `pager.expect_rows`."""
+    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"pager: expect_rows({table.name!r}, indices) takes an int32 or int64 tensor of "
+            f"rows; got {type(indices).__name__}"
+            f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}."
+        )
+    with table.pager.lock:
+        table._check_current()
+        # The read ahead does not wait for write-backs still running: the
+        # rows they write are taken from their device copies when looked up.
+        writes = table.writes
+        writes.prune()
+        in_flight = [(w.rows, w.values[WEIGHT]) for w in writes.in_flight]
+        stale_below = mark_of(writes.in_flight[0].generation) if in_flight else NO_STALE
+        table._set_ahead(
+            ReadAhead.start(
+                indices,
+                table.views[WEIGHT],
+                table.cache.slot_of_row,
+                table.pager.row_stream,
+                table._pad(getattr(table.module, "padding_idx", None)),
+                table.cache.epoch,
+                writes.through,
+                in_flight,
+                stale_below,
+            )
+        )
+        for rows, _values in in_flight:
+            table._note_written(rows)

@@ -10,7 +10,7 @@ table), the gradient renumbered to them, and the state rows of each state
 tensor of the table's shape, gathered the same way (scalars such as Adam's
 `step` are the table's own). The optimizer's step runs on that view alone,
 with the group's options as they are, and the rows (and state rows) are then
-the table's (see [Note: write-back of cached rows] for where they go).
+the table's (see [Note: write-back of cached rows] in rows/writes.py for where they go).
 torch.optim's updates are per element, so for every row the gradient
 touches the result is the optimizer's on the whole table; rows it does not
 touch are not updated. That is the dense result for SGD without

@@ -48,38 +48,6 @@ shape on the CPU, that stands for those pieces. Zeroing and scaling it (what
 operation on it makes the real sparse gradient (the pieces copied to the host)
 and runs on that, which then is `weight.grad`.
 
-[Note: write-back of cached rows]
-A row the cache holds is changed there only (its slot is marked dirty): rows
-that come back step after step never cross the link, either way. The host
-tables get a dirty row's values when:
-
-- it leaves the cache (`RowCache.make_room` takes dirty victims out before
-  their slots are reused): its values are copied out on the compute stream,
-  then to pinned memory by the copy engine, and a CPU thread stores them
-  into the host tables, while compute runs on ([Note: rows
-  written back by the host] in rows/writer.py). The write-back's device copy
-  of the rows is kept while it runs (`WriteBack`): a later read of such a row
-  from the host (a miss) takes its values from that copy instead
-  (`_read_missed`), and so does a prepared lookup for the rows read ahead
-  while it ran ([Note: rows read ahead] in rows/reader.py), so neither waits
-  for the writer's thread; a write to such a row (a row not cached) waits
-  for that store first (on the host, before it is queued);
-- something outside the training loop reads a host table: any operation on
-  the weight other than a lookup or a metadata read (`state_dict()`, indexing,
-  `torch.save`, `copy.deepcopy`), and any on an optimizer state table, which
-  the optimizer holds as a `RowStateTensor` (the host table under a guard
-  class, as the weight is a `RowTableParameter`). `flush()` writes every dirty
-  row, then waits for all writes queued to the host tables (`settle()`), so
-  the read sees the table as the unpaged model would have it. An operation
-  that writes a host table (its version counter moves) then drops the cache,
-  whose copies are stale;
-- a tensor sharing a host table's memory is alive (a `.data`, `detach()` or
-  view of the weight or of a state table, the tensor behind a `numpy()`
-  array): reads and writes through it skip every guard, so the tables are made
-  current when it is handed out, and while it lives updates go through to the
-  host tables at once (and each lookup forgets the cache), as they would land
-  in the unpaged table.
-
 [Note: host syncs]
 Each count the host needs from the device (how many rows, how many missed)
 makes the host wait until the device has run everything queued; the device
@@ -130,8 +98,8 @@ import torch.nn as nn
 from ..base.budget import format_bytes
 from ..engine.host import unregister_table
 from .cache import WEIGHT, RowCache
-from .kernels import NO_STALE, Lookups, mark_of, number_lookups, patch_written, place_rows, touch_hits
-from .reader import HostRowReader, ReadAhead
+from .kernels import Lookups, number_lookups, patch_written, place_rows, touch_hits
+from .reader import HostRowReader, ReadAhead, expect_rows
 from .step import step_rows
 from .tensors import _GUARDS, RowGrad, RowTableParameter, host_view
 from .writer import host_alias
@@ -198,7 +166,7 @@ class RowTable:
         """Keep track of the tensors in `out` that share a host table's memory
         (`.data`, `detach()`, views): writes through them skip every guard, so
         while one lives, updates go through to the host tables and each lookup
-        forgets the cached rows ([Note: write-back of cached rows])."""
+        forgets the cached rows ([Note: write-back of cached rows] in rows/writes.py)."""
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if (
                 isinstance(t, torch.Tensor)
@@ -226,34 +194,7 @@ class RowTable:
 
     def expect(self, indices: torch.Tensor) -> None:
         """Start reading the rows `indices` will look up (see [Note: rows read ahead] in rows/reader.py)."""
-        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(
-                f"pager: expect_rows({self.name!r}, indices) takes an int32 or int64 tensor of "
-                f"rows; got {type(indices).__name__}"
-                f"{f' of {indices.dtype}' if isinstance(indices, torch.Tensor) else ''}."
-            )
-        with self.pager.lock:
-            self._check_current()
-            # The read ahead does not wait for write-backs still running: the
-            # rows they write are taken from their device copies when looked up.
-            self.writes.prune()
-            in_flight = [(w.rows, w.values[WEIGHT]) for w in self.writes.in_flight]
-            stale_below = mark_of(self.writes.in_flight[0].generation) if in_flight else NO_STALE
-            self._set_ahead(
-                ReadAhead.start(
-                    indices,
-                    self.views[WEIGHT],
-                    self.cache.slot_of_row,
-                    self.pager.row_stream,
-                    self._pad(getattr(self.module, "padding_idx", None)),
-                    self.cache.epoch,
-                    self.writes.through,
-                    in_flight,
-                    stale_below,
-                )
-            )
-            for rows, _values in in_flight:
-                self._note_written(rows)
+        expect_rows(self, indices)
 
     def _pad(self, pad):
         return pad + self.shape[0] if pad is not None and pad < 0 else pad
@@ -469,7 +410,7 @@ class RowTable:
         for the rows it holds (written to the host tables later; `slots`:
         theirs, if known), through to the host tables for the positions
         `uncached` (what `gather` of the same rows returned). See [Note:
-        write-back of cached rows]."""
+        write-back of cached rows] in rows/writes.py."""
         cache = self.cache
         if len(self._aliases) or not cache.capacity:
             self.writes.through += 1
@@ -548,16 +489,3 @@ class RowTable:
             f"RowTable({self.name!r}, {self.shape[0]} rows x {self.shape[1]}, cache of {self.cache.capacity} rows, "
             f"{format_bytes(self.device_bytes())} on the device)"
         )
-
-
-def find_row_table(tables: list, table) -> RowTable:
-    """The one of `tables` that `table` names: its module, its weight or its qualified name."""
-    for t in tables:
-        if table is t.module or table is t.param or (isinstance(table, str) and table == t.name):
-            return t
-    names = [t.name for t in tables]
-    what = repr(table) if isinstance(table, str) else f"a {type(table).__name__}"
-    raise ValueError(
-        f"pager: {what} is not a row table of this model (its row tables: {names}); pass the "
-        f"module, its qualified name or its weight, of a table named by wrap(..., rows=...)."
-    )

@@ -50,7 +50,7 @@ def _run_on_host_tables(func, args, kwargs, guard_type):
     """`func` on a row table's host tables as they are, current: the rows the
     cache changed are written back first, cached rows are forgotten if `func`
     wrote to a table, and a result that shares a host table's memory is an
-    alias (see [Note: write-back of cached rows] in rows/table.py)."""
+    alias (see [Note: write-back of cached rows] in rows/writes.py)."""
     if func in METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -102,7 +102,7 @@ class RowTableParameter(nn.Parameter):
 class RowStateTensor(torch.Tensor):
     """An optimizer's state table of a row table (a momentum, Adam's moments)
     as the optimizer holds it: the host table itself, whose reads see the
-    state rows the device cache changed (see [Note: write-back of cached rows] in rows/table.py)."""
+    state rows the device cache changed (see [Note: write-back of cached rows] in rows/writes.py)."""
 
     _row_table: Any  # its RowTable
     __torch_function__ = classmethod(_state_function)

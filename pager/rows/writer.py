@@ -3,7 +3,7 @@ brings them out, a CPU thread stores them.
 
 [Note: rows written back by the host]
 Rows that leave a row table's device cache changed go back to the host tables
-while compute runs on ([Note: write-back of cached rows] in rows/table.py). A
+while compute runs on ([Note: write-back of cached rows] in rows/writes.py). A
 kernel storing them through the mapped table (`index_copy_` on its
 `host_view`) sends each 512-byte row over the link as its own write, which
 the link's address translation slows as it slows scattered reads: on the

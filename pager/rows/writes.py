@@ -1,11 +1,43 @@
 """A row table's writes to its host tables: `HostWrites`, one per table.
 
-Rows reach the host tables in two ways ([Note: write-back of cached rows] in
-rows/table.py): through, on the compute stream (`to_host`), or aside, by the
-writer's thread while compute runs on (`to_host(aside=True)`: a `WriteBack`
-in flight, whose device copy serves reads of its rows until it lands). Each
-write-back has a generation, whose mark the cache's map holds for the rows
-it took out ([Note: few launches on the row path] in rows/kernels.py).
+Rows reach the host tables in two ways (see the Note below): through, on
+the compute stream (`to_host`), or aside, by the writer's thread while
+compute runs on (`to_host(aside=True)`: a `WriteBack` in flight, whose
+device copy serves reads of its rows until it lands). Each write-back has a
+generation, whose mark the cache's map holds for the rows it took out
+([Note: few launches on the row path] in rows/kernels.py).
+
+[Note: write-back of cached rows]
+A row the cache holds is changed there only (its slot is marked dirty): rows
+that come back step after step never cross the link, either way. The host
+tables get a dirty row's values when:
+
+- it leaves the cache (`RowCache.make_room` takes dirty victims out before
+  their slots are reused): its values are copied out on the compute stream,
+  then to pinned memory by the copy engine, and a CPU thread stores them
+  into the host tables, while compute runs on ([Note: rows
+  written back by the host] in rows/writer.py). The write-back's device copy
+  of the rows is kept while it runs (`WriteBack`): a later read of such a row
+  from the host (a miss) takes its values from that copy instead
+  (`RowTable._read_missed`), and so does a prepared lookup for the rows read ahead
+  while it ran ([Note: rows read ahead] in rows/reader.py), so neither waits
+  for the writer's thread; a write to such a row (a row not cached) waits
+  for that store first (on the host, before it is queued);
+- something outside the training loop reads a host table: any operation on
+  the weight other than a lookup or a metadata read (`state_dict()`, indexing,
+  `torch.save`, `copy.deepcopy`), and any on an optimizer state table, which
+  the optimizer holds as a `RowStateTensor` (the host table under a guard
+  class, as the weight is a `RowTableParameter`). `flush()` writes every dirty
+  row, then waits for all writes queued to the host tables (`settle()`), so
+  the read sees the table as the unpaged model would have it. An operation
+  that writes a host table (its version counter moves) then drops the cache,
+  whose copies are stale;
+- a tensor sharing a host table's memory is alive (a `.data`, `detach()` or
+  view of the weight or of a state table, the tensor behind a `numpy()`
+  array): reads and writes through it skip every guard, so the tables are made
+  current when it is handed out, and while it lives updates go through to the
+  host tables at once (and each lookup forgets the cache), as they would land
+  in the unpaged table.
 """
 
 from __future__ import annotations
