@@ -1293,6 +1293,38 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     assert ColdExperts("device", 1 << 20, cuda=True).on is False
 
 
+def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monkeypatch):
+    from pager.experts.host import ColdExperts
+
+    made = []
+
+    class Event:  # (CUDA's, scripted: done once queried twice)
+        def __init__(self, enable_timing=False):
+            made.append(self)
+            self.queries = 0
+
+        def record(self, stream=None):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries > 1
+
+        def elapsed_time(self, end):
+            return 8.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    cold = ColdExperts("auto", 1 << 20, cuda=True)
+    for _ in range(3):
+        start = cold.fills_start(None)
+        cold.fills_end(start, None, 2)  # (two experts filled)
+        assert cold.fills_start(None) is None  # (one timing at a time)
+        cold.read_fills()  # (not done yet: not waited for)
+        cold.read_fills()
+    assert cold.link_seconds == pytest.approx(0.004) and len(made) == 2
+    assert ColdExperts("host", 1 << 20, cuda=True).fills_start(None) is None  # (timed under "auto" only)
+
+
 def test_a_wrong_cold_experts_is_refused_unchanged():
     _ref, model = _pair("mixtral")
     before = {n: (p, p.device) for n, p in model.named_parameters()}

@@ -139,7 +139,8 @@ class ColdExperts:
         self.host_seconds: dict[int, float] = {}
         self._host_calls = 0  # the host's calls so far (the first warms it up: not a measure)
         self._calls_since = 0  # calls since the host last computed an expert ("auto")
-        self._fill_events: tuple | None = None  # (start, end, experts) of a call's fills being timed
+        self._fill_events: tuple | None = None  # (start, end) events around a call's fills, made once
+        self._timed_experts = 0  # the experts of the fills being timed (0: none)
 
     @property
     def on(self) -> bool:
@@ -193,30 +194,33 @@ class ColdExperts:
     # ----------------------------------------------------------- the link's time
     def fills_start(self, stream):
         """An event recorded on `stream` before a call's fills where they are
-        to be timed ("auto" on CUDA, none being timed), else None."""
-        if self.mode != "auto" or not self.cuda or self._fill_events is not None:
+        to be timed ("auto" on CUDA, none being timed), else None. (Two events
+        made once, recorded again: nothing made per call.)"""
+        if self.mode != "auto" or not self.cuda or self._timed_experts:
             return None
-        start = torch.cuda.Event(enable_timing=True)
+        if self._fill_events is None:
+            self._fill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        start = self._fill_events[0]
         start.record(stream)
         return start
 
     def fills_end(self, start, stream, experts: int) -> None:
         """After the fills of `experts` cold experts begun at `start`: their
         time is read at a later call (`read_fills`), never waited for."""
-        if start is None or not experts:
+        if start is None or not experts or self._fill_events is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        self._fill_events = (start, end, experts)
+        self._fill_events[1].record(stream)
+        self._timed_experts = experts
 
     def read_fills(self) -> None:
         """The link's time per expert from fills timed before, once done."""
-        timed = self._fill_events
-        if timed is None or not timed[1].query():
+        if not self._timed_experts or self._fill_events is None:
             return
-        start, end, experts = timed
-        self._fill_events = None
-        self._mean("link_seconds", start.elapsed_time(end) / 1e3 / experts)
+        start, end = self._fill_events
+        if not end.query():
+            return
+        self._mean("link_seconds", start.elapsed_time(end) / 1e3 / self._timed_experts)
+        self._timed_experts = 0
 
     def _mean(self, field: str, value: float) -> None:
         known = getattr(self, field)
