@@ -215,7 +215,7 @@ def test_warns_when_the_model_fits_the_budget(caplog, budget_blocks, fires, firs
 
 @pytest.mark.parametrize("threshold,fires", [(1, True), (1 << 40, False)])
 def test_says_when_wrap_will_take_a_while(caplog, monkeypatch, threshold, fires):
-    import pager.api.wrap as api
+    import pager.api.checks as api  # (what wrap says before paging)
 
     caplog.set_level(logging.WARNING, logger="pager")
     monkeypatch.setattr(api, "PIN_PROGRESS_BYTES", threshold)

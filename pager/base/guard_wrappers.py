@@ -3,8 +3,8 @@
 own classes ([Note: wrapper-subclass weights] in base/wrappers.py), and the
 wrappers their kernels make in the guard's class
 ([Note: guard-class wrappers pager did not guard]). The guard classes are
-made in base/guards.py (`guard_class`), which imports this module; it
-calls back into guards.py (`handle`, `remember_alias`) at run time."""
+made in base/guards.py (`guard_class`), which imports this module and
+gives it its serving functions (`wrapper_torch_function_for`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import guards, served
+from . import served
 from .registry import GUARD_TYPES, STAND_INS, TENSORS, entry_of
 from .tensor_ops import DATA_SET, METADATA, tensors_of
 from .wrappers import inner_tensors, is_wrapper, rebuilt
@@ -44,41 +44,49 @@ _ORPHANED_WRAPPER = (
 )
 
 
-def wrapper_torch_function(cls, func, types, args=(), kwargs=None):
-    """A paged-out quantized weight: metadata from the wrapper itself, every
-    other access with its block acquired and its tensors in their own classes,
-    so the wrapper's own `__torch_function__` and kernels run (its inner
-    tensors' guards would not see what runs below its `__torch_dispatch__`).
-    One of its guard class that no block owns runs as its own class ([Note:
-    guard-class wrappers pager did not guard])."""
-    kwargs = kwargs or {}
-    if func in METADATA:
-        return guards.handle(func, args, kwargs)
-    tensors = tensors_of(args, kwargs)
-    if any(type(t) in GUARD_TYPES and t in ORPHANS for t in tensors):
-        raise RuntimeError(_ORPHANED_WRAPPER)
-    paged = [t for t in tensors if type(t) in STAND_INS or (type(t) in GUARD_TYPES and entry_of(t) is not None)]
-    if func in _DETACH and paged:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
-        return _detached_wrapper(args[0])
-    if func == DATA_SET and paged and served.unserved(paged) != []:
-        # (`w.data = other` would change the wrapper's sizes while its page kept
-        # the old bytes, which the forward reads: refused as a plain tensor's is)
-        return guards.handle(func, args, kwargs)
-    # No guarded tensor of a block, or their blocks pinned by this thread
-    # (shared mode: in use, still guarded; their inner tensors pass their
-    # guards unserved too): the wrapper's own `__torch_function__` runs.
-    if not paged or served.unserved(paged) == []:
-        if not paged and any(_storage_gone(t) for t in tensors if type(t) in GUARD_TYPES):
-            raise RuntimeError(_ORPHANED_WRAPPER)  # (a view pager never saw, of a page gone at unwrap)
-        own = cls.guarded_class
-        result = own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
-        if paged:
-            _remember_wrapper_views(result)
-        return result
-    return served.serve_owners(served.owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
+def wrapper_torch_function_for(handle, remember_alias):
+    """The `__torch_function__` of a quantized wrapper's guard class, serving
+    through `handle` and tracking views by `remember_alias` (base/guards.py's:
+    that module makes the guard classes and imports this one, which cannot
+    import it back)."""
+
+    def wrapper_torch_function(cls, func, types, args=(), kwargs=None):
+        """A paged-out quantized weight: metadata from the wrapper itself, every
+        other access with its block acquired and its tensors in their own classes,
+        so the wrapper's own `__torch_function__` and kernels run (its inner
+        tensors' guards would not see what runs below its `__torch_dispatch__`).
+        One of its guard class that no block owns runs as its own class ([Note:
+        guard-class wrappers pager did not guard])."""
+        kwargs = kwargs or {}
+        if func in METADATA:
+            return handle(func, args, kwargs)
+        tensors = tensors_of(args, kwargs)
+        if any(type(t) in GUARD_TYPES and t in ORPHANS for t in tensors):
+            raise RuntimeError(_ORPHANED_WRAPPER)
+        paged = [t for t in tensors if type(t) in STAND_INS or (type(t) in GUARD_TYPES and entry_of(t) is not None)]
+        if func in _DETACH and paged:  # (an alias by contract, which reads no bytes: a state_dict() fetches nothing)
+            return _detached_wrapper(args[0], remember_alias)
+        if func == DATA_SET and paged and served.unserved(paged) != []:
+            # (`w.data = other` would change the wrapper's sizes while its page kept
+            # the old bytes, which the forward reads: refused as a plain tensor's is)
+            return handle(func, args, kwargs)
+        # No guarded tensor of a block, or their blocks pinned by this thread
+        # (shared mode: in use, still guarded; their inner tensors pass their
+        # guards unserved too): the wrapper's own `__torch_function__` runs.
+        if not paged or served.unserved(paged) == []:
+            if not paged and any(_storage_gone(t) for t in tensors if type(t) in GUARD_TYPES):
+                raise RuntimeError(_ORPHANED_WRAPPER)  # (a view pager never saw, of a page gone at unwrap)
+            own = cls.guarded_class
+            result = own.__torch_function__(func, tuple(own if t is cls else t for t in types), args, kwargs)
+            if paged:
+                _remember_wrapper_views(result, remember_alias)
+            return result
+        return served.serve_owners(served.owners_of(tensors), lambda: func(*args, **kwargs), func, expose=True)
+
+    return wrapper_torch_function
 
 
-def _remember_wrapper_views(result) -> None:
+def _remember_wrapper_views(result, remember_alias) -> None:
     """Wrappers of a guard class that the kernels of a weight in use by this
     thread returned as views of its page (`aten.detach`, `w.t()`): tracked
     like any view of the page, so that a later use is served and an unwrap
@@ -87,7 +95,7 @@ def _remember_wrapper_views(result) -> None:
         if type(r) in GUARD_TYPES and is_wrapper(r) and id(r) not in TENSORS:
             entry = entry_of(r)
             if entry is not None:
-                guards.remember_alias(entry[2], r)
+                remember_alias(entry[2], r)
 
 
 def _storage_gone(t) -> bool:
@@ -101,7 +109,7 @@ def _storage_gone(t) -> bool:
 _DETACH = {torch.Tensor.detach, torch.detach}
 
 
-def _detached_wrapper(t):
+def _detached_wrapper(t, remember_alias):
     """`t.detach()` of a guarded quantized weight, without its bytes: run in
     its own class, the result remembered as a view of its block."""
     entry = entry_of(t)
@@ -112,7 +120,7 @@ def _detached_wrapper(t):
             alias = t.detach()
         finally:
             t.__class__ = guard
-        guards.remember_alias(entry[2], alias)
+        remember_alias(entry[2], alias)
     return alias
 
 

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 from . import served
 from .common import outside_compile
 from .conversions import put_back_converted
-from .guard_wrappers import ORPHANS, unguarded_class, wrapper_repr, wrapper_torch_function
+from .guard_wrappers import ORPHANS, unguarded_class, wrapper_repr, wrapper_torch_function_for
 from .registry import (  # noqa: F401 (register, unregister: used as _paged.*)
     GUARD_TYPES,
     STAND_INS,
@@ -152,7 +152,7 @@ def guard_class(cls):
                 f"Guarded{cls.__name__}",
                 (cls,),
                 {
-                    "__torch_function__": classmethod(outside_compile(wrapper_torch_function)),
+                    "__torch_function__": classmethod(outside_compile(_wrapper_torch_function)),
                     "__deepcopy__": _deepcopy,
                     "__reduce_ex__": _reduce_ex,
                     "__repr__": wrapper_repr,
@@ -428,3 +428,7 @@ def _name_of(t) -> str:
         if tensor is t:
             return f"{slot.name!r} (block {block.name!r})"
     return f"a view of block {block.name!r}"
+
+
+# (a quantized wrapper's guard class serves through `handle`: base/guard_wrappers.py)
+_wrapper_torch_function = wrapper_torch_function_for(handle, remember_alias)
