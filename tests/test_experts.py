@@ -1266,8 +1266,8 @@ def test_cold_experts_computed_on_the_host_equal_the_model_and_are_not_copied(ki
 def test_cold_experts_auto_splits_them_by_measured_cost():
     from pager.experts.host import HOST_MOST_TOKENS, REMEASURE_CALLS, ColdExperts
 
-    assert not ColdExperts("auto", 1 << 20, cuda=False).on  # (the CPU device: the host is the device)
-    cold = ColdExperts("auto", 1 << 20, cuda=True)
+    assert not ColdExperts("auto", cuda=False).on  # (the CPU device: the host is the device)
+    cold = ColdExperts("auto", cuda=True)
     assert cold.on and cold.choose([1, 2, 3, 4], [1, 1, 1, 1], [1, 1, 1, 1]) == []  # (the link not timed yet)
     cold.link_seconds = 1.0
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
@@ -1289,8 +1289,8 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     assert cold.choose([7], [0], [1]) == []  # (a lone cold expert as slow on the host as over the link: copied)
     cold.host_seconds = {1: 0.5}
     assert cold.choose([7], [0], [1]) == [7]  # (faster on the host: computed there)
-    assert ColdExperts("host", 1 << 20, cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
-    assert ColdExperts("device", 1 << 20, cuda=True).on is False
+    assert ColdExperts("host", cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
+    assert ColdExperts("device", cuda=True).on is False
 
 
 def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monkeypatch):
@@ -1314,7 +1314,8 @@ def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monke
             return 8.0  # ms
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    cold = ColdExperts("auto", 1 << 20, cuda=True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    cold = ColdExperts("auto", cuda=True)
     for _ in range(3):
         start = cold.fills_start(None)
         cold.fills_end(start, None, 2)  # (two experts filled)
@@ -1322,7 +1323,7 @@ def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monke
         cold.read_fills()  # (not done yet: not waited for)
         cold.read_fills()
     assert cold.link_seconds == pytest.approx(0.004) and len(made) == 2
-    assert ColdExperts("host", 1 << 20, cuda=True).fills_start(None) is None  # (timed under "auto" only)
+    assert ColdExperts("host", cuda=True).fills_start(None) is None  # (timed under "auto" only)
 
 
 def test_a_wrong_cold_experts_is_refused_unchanged():

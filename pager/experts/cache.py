@@ -72,7 +72,7 @@ class ExpertCache:
         self.layout, self.capacity, self.device, self.least = layout, capacity, device, min(least, capacity)
         self.expert_bytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout)
         # where the experts it lacks run ([Note: cold experts on the host] in experts/host.py)
-        self.cold = ColdExperts(cold_experts, self.expert_bytes, device.type == "cuda")
+        self.cold = ColdExperts(cold_experts, device.type == "cuda")
         self._recent_most = max(1, capacity // RECENT_SHARE)  # (grown to one token's experts: `hold`)
         self._counts: dict = {}  # key -> (uses, the aging period they were counted in)
         self._uses = 0

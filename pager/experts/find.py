@@ -40,22 +40,30 @@ def experts_problem(module: nn.Module) -> str | None:
 ROUTING_NAMES = ("top_k_index", "router_indices")  # (GPT-OSS's experts name it the latter)
 
 
+def _forward_args(module: nn.Module) -> list:
+    """The names of `module`'s forward arguments, in order (none if it has no signature)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def hidden_name(module: nn.Module) -> str | None:
     """The name of the hidden states' argument of `module`'s forward (its first)."""
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
+    names = _forward_args(module)
     return names[0] if names else None
 
 
 def routing_name(module: nn.Module) -> str | None:
     """The name of the routing argument of `module`'s forward (its second)."""
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
+    names = _forward_args(module)
     return names[1] if len(names) > 1 and names[1] in ROUTING_NAMES else None
+
+
+def weights_name(module: nn.Module) -> str | None:
+    """The name of the routing weights' argument of `module`'s forward (its third)."""
+    names = _forward_args(module)
+    return names[2] if len(names) > 2 else None
 
 
 def choose(model: nn.Module, experts, training_group: bool = False) -> list:
@@ -95,15 +103,6 @@ def choose(model: nn.Module, experts, training_group: bool = False) -> list:
             )
         out.append((name, module))
     return out
-
-
-def weights_name(module: nn.Module) -> str | None:
-    """The name of the routing weights' argument of `module`'s forward (its third)."""
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names[2] if len(names) > 2 else None
 
 
 def layout_of(module: nn.Module) -> tuple:

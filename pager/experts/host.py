@@ -116,24 +116,27 @@ def expert_product(module: nn.Module):
     return product
 
 
+def _running_mean(known: float | None, value: float) -> float:
+    return value if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * value
+
+
 class ColdExperts:
     """Where one cache's cold experts run, and what each side costs
     (see [Note: cold experts on the host]).
 
     Args:
         mode: "auto", "host" or "device" (`wrap`'s `cold_experts`).
-        expert_bytes: bytes of one expert of the cache's layout.
         cuda: whether the cache is on a CUDA device ("auto" computes nothing on
             the host otherwise: the host is the device).
 
     Example (inside pager):
-        >>> cold = ColdExperts("host", 1 << 20, cuda=False)
+        >>> cold = ColdExperts("host", cuda=False)
         >>> cold.choose([3, 9], counts=[5, 1], tokens=[1, 1])
         [3, 9]
     """
 
-    def __init__(self, mode: str, expert_bytes: int, cuda: bool):
-        self.mode, self.expert_bytes, self.cuda = mode, expert_bytes, cuda
+    def __init__(self, mode: str, cuda: bool):
+        self.mode, self.cuda = mode, cuda
         self.link_seconds: float | None = None  # to copy one expert in, measured
         # to compute one on the host, measured, by its tokens in the call (1 .. HOST_MOST_TOKENS)
         self.host_seconds: dict[int, float] = {}
@@ -185,31 +188,31 @@ class ColdExperts:
         (its first call is not counted: it starts the host's threads and
         picks its kernels, 5-7x a later call's time on the H200's host)."""
         if self._host_calls and tokens <= HOST_MOST_TOKENS:
-            known = self.host_seconds.get(tokens)
-            self.host_seconds[tokens] = seconds if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * seconds
+            self.host_seconds[tokens] = _running_mean(self.host_seconds.get(tokens), seconds)
 
     def host_call_done(self) -> None:
         self._host_calls += 1
 
     # ----------------------------------------------------------- the link's time
-    def fills_start(self, stream):
-        """An event recorded on `stream` before a call's fills where they are
-        to be timed ("auto" on CUDA, none being timed), else None. (Two events
-        made once, recorded again: nothing made per call.)"""
+    def fills_start(self, device):
+        """An event recorded on `device`'s current stream before a call's
+        fills where they are to be timed ("auto" on CUDA, none being timed),
+        else None. (Two events made once, recorded again: nothing made per
+        call.)"""
         if self.mode != "auto" or not self.cuda or self._timed_experts:
             return None
         if self._fill_events is None:
             self._fill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         start = self._fill_events[0]
-        start.record(stream)
+        start.record(torch.cuda.current_stream(device))
         return start
 
-    def fills_end(self, start, stream, experts: int) -> None:
+    def fills_end(self, start, device, experts: int) -> None:
         """After the fills of `experts` cold experts begun at `start`: their
         time is read at a later call (`read_fills`), never waited for."""
         if start is None or not experts or self._fill_events is None:
             return
-        self._fill_events[1].record(stream)
+        self._fill_events[1].record(torch.cuda.current_stream(device))
         self._timed_experts = experts
 
     def read_fills(self) -> None:
@@ -219,12 +222,8 @@ class ColdExperts:
         start, end = self._fill_events
         if not end.query():
             return
-        self._mean("link_seconds", start.elapsed_time(end) / 1e3 / self._timed_experts)
+        self.link_seconds = _running_mean(self.link_seconds, start.elapsed_time(end) / 1e3 / self._timed_experts)
         self._timed_experts = 0
-
-    def _mean(self, field: str, value: float) -> None:
-        known = getattr(self, field)
-        setattr(self, field, value if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * value)
 
 
 def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, weights, hidden):

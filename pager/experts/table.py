@@ -367,11 +367,10 @@ class ExpertTable:
             # of the last call (on another thread's stream): they wait.
             torch.cuda.current_stream(cache.device).wait_event(cache.released_event)
         used_before = cache.ahead_used
-        stream = torch.cuda.current_stream(cache.device) if cache.cold.cuda else None
         # (timed where no copy ahead is under way: a wait for it would count as the link's)
-        start = cache.cold.fills_start(stream) if not cache.copying_ahead else None
+        start = cache.cold.fills_start(cache.device) if not cache.copying_ahead else None
         slots, missed = cache.hold(self.base, experts, self.fill, cache.wait_ahead, per_token)
-        cache.cold.fills_end(start, stream, missed)
+        cache.cold.fills_end(start, cache.device, missed)
         counters = self.pager.counters
         counters.expert_ahead_used += cache.ahead_used - used_before
         counters.expert_hits += len(experts) - missed
