@@ -1264,7 +1264,7 @@ def test_cold_experts_computed_on_the_host_equal_the_model_and_are_not_copied(ki
 
 
 def test_cold_experts_auto_splits_them_by_measured_cost():
-    from pager.experts.host import HOST_MOST_TOKENS, REMEASURE_CALLS, ColdExperts
+    from pager.experts.host import HOST_MOST_TOKENS, ColdExperts
 
     assert not ColdExperts("auto", cuda=False).on  # (the CPU device: the host is the device)
     cold = ColdExperts("auto", cuda=True)
@@ -1272,9 +1272,14 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.link_seconds = 1.0
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]  # (the host not timed: one, the least used)
     cold.host_took(9.0, 1)  # (in the host's first call: a warm-up, not counted)
-    cold.host_call_done()
-    assert cold.host_seconds == {} and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]
+    cold.host_call_done(5.0)
+    assert cold.host_seconds == {} and cold.overhead_seconds == 0.0
+    assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2]
     cold.host_took(1.0, 1)
+    cold.host_call_done(0.0)
+    # (the host's spare time not measured yet: none)
+    assert cold.other_seconds is None and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == []
+    cold.other_seconds = 0.0  # (the device's own work as long as the host's queuing)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2, 4]  # (as fast: half, the least used)
     big = HOST_MOST_TOKENS + 1
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [big, big, 1, big]) == [3]  # (never a prefill's expert)
@@ -1282,15 +1287,54 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.host_took(3.0, 2)  # (a product of two rows: its own mean)
     assert cold.host_seconds == {1: 1.0, 2: 3.0}
     assert cold.choose([1, 2, 3, 4], [0, 0, 0, 0], [2, 1, 2, 2]) == [2]  # (the cheaper; the other would end later)
-    cold.host_seconds = {1: 100.0}
-    calls = [cold.choose([1, 2], [0, 0], [1, 1]) for _ in range(REMEASURE_CALLS)]
-    assert calls[:-1] == [[]] * (REMEASURE_CALLS - 1) and calls[-1] == [1]  # (measured again, now and then)
     cold.host_seconds = {1: 1.0}
     assert cold.choose([7], [0], [1]) == []  # (a lone cold expert as slow on the host as over the link: copied)
     cold.host_seconds = {1: 0.5}
     assert cold.choose([7], [0], [1]) == [7]  # (faster on the host: computed there)
+    cold.overhead_seconds = 0.6
+    assert cold.choose([7], [0], [1]) == []  # (but not with the call's own cost on the host)
+    cold.overhead_seconds, cold.other_seconds = 0.0, -0.6
+    assert cold.choose([7], [0], [1]) == []  # (nor where the host's queuing outlasts the device's work)
+    # (3.4 s of the device's after the host's queuing: 2 to the host)
+    assert cold.choose([1, 2, 3, 4], [0, 0, 0, 0], [1, 1, 1, 1]) == [1, 2]
     assert ColdExperts("host", cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
     assert ColdExperts("device", cuda=True).on is False
+
+
+def test_cold_experts_auto_measures_the_hosts_spare_time_and_remeasures_less_often():
+    from pager.experts.host import OTHER_WEIGHT, REMEASURE_CALLS, ColdExperts
+
+    cold = ColdExperts("auto", cuda=True)
+    cold.link_seconds = 1.0
+    cold.host_seconds = {1: 100.0}  # (far slower on the host than over the link)
+    index = torch.tensor([[3, 5]])
+    assert torch.equal(cold.routing_of(index, base=0), torch.tensor([3, 5]))  # (CPU tensors: nothing waited)
+    assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []  # (a call of the table at 8: both copied)
+    cold.routing_waited(0.5, base=0)  # (the next call, of the first layer: the token after; not a measure)
+    assert cold.other_seconds is None
+    assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []
+    cold.routing_waited(0.5, base=16)  # (the next layer's routing: waited 0.5 s after 2 s of copies)
+    assert cold.other_seconds == -1.5
+    cold.routing_waited(0.5, base=24)  # (its call was not all copied: not a measure)
+    assert cold.other_seconds == -1.5
+    assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []
+    cold.routing_waited(2.5, base=16)
+    assert cold.other_seconds == pytest.approx(-1.5 * (1 - OTHER_WEIGHT) + 0.5 * OTHER_WEIGHT)
+    # Measured again after REMEASURE_CALLS calls without the host, then twice as many while it still takes none
+    gaps = []
+    for _ in range(3):
+        calls = 0
+        while not cold.choose([3, 5], [0, 1], [1, 1]):
+            calls += 1
+        gaps.append(calls + 1)
+    assert gaps == [REMEASURE_CALLS - 3, 2 * REMEASURE_CALLS, 4 * REMEASURE_CALLS]  # (3 calls above counted)
+    cold.host_seconds, cold.other_seconds = {1: 0.1}, 0.0
+    assert cold.choose([3, 5], [0, 1], [1, 1]) == [3, 5]  # (chosen: measured again after REMEASURE_CALLS)
+    cold.host_seconds = {1: 100.0}
+    calls = 0
+    while not cold.choose([3, 5], [0, 1], [1, 1]):
+        calls += 1
+    assert calls + 1 == REMEASURE_CALLS
 
 
 def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monkeypatch):

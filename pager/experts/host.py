@@ -40,15 +40,32 @@ Which cold experts go to the host (`ColdExperts.choose`): each takes
 call's fills, read back at a later call) and `host[n]` seconds to compute
 there over its `n` tokens of the call (a running mean of the host's own
 products by `n`: a product of more rows costs the host more, and one mean
-would mix a prompt's products with a decode's). The host takes the
-cheapest first (the least used among equals: the cache's counts, the ones
-it would be slowest to keep) as long as the call then ends sooner (the
-longer of the host's sum and the rest's copies); never one of more than
-`HOST_MOST_TOKENS` tokens (a prefill's products are compute, the device's). Where a token count's time
-is not known, one cold expert of that many tokens goes there to measure it
-(the host's first call warms it up and is not counted); where the host
-then takes none, one goes again every `REMEASURE_CALLS` calls, so a change
-(a busy host, a slower link) is seen. Only on CUDA (`"auto"`);
+would mix a prompt's products with a decode's), and a call the host takes
+part in costs it `overhead` more (the split and the sum: ~20 small ops).
+The host's time is not free, though: while the device copies, the host
+queues the rest of the layer and the next one's attention, and a product
+delays that. What the host has to spare is what it waits at the next
+layer's routing (`.cpu()` of the router's choice: the device still busy),
+measured in calls the host took no part in: `wait = copies + other`, with
+`other` the device's own work after the copies less the host's queuing
+(negative where the host is the slower: a decode of small experts, whose
+host waits for nothing). A call of `c` cold experts with `k` of them the
+host's then ends, after the host's queuing, at about
+`max(host's sum, (c - k) * link + other)`; the host takes the cheapest
+first (the least used among equals: the cache's counts, the ones it would
+be slowest to keep) while that is sooner; never one of more than
+`HOST_MOST_TOKENS` tokens (a prefill's products are compute, the device's).
+(Counted without the host's queuing, as the first version did, the host
+took one of a Qwen3-30B-A3B-shaped layer's ~7.5 cold experts on the H200,
+0.77 ms against 0.19 ms a copy, and a token took 77.7 ms against 41.8 with
+none.) Where a token count's time is not known, one cold expert of that
+many tokens goes there to measure it (the host's first call warms it up
+and is not counted); where the host then takes none, one goes again after
+`REMEASURE_CALLS` calls, then twice as many each time it still takes none
+(to `REMEASURE_MOST`: a measure of a host slower than the link costs its
+difference, and a Mixtral-shaped expert measured 33-37 ms on the host when
+computed that rarely), so a change (an idle host, a slower link) is seen.
+Only on CUDA (`"auto"`);
 `cold_experts="host"` takes every cold expert within the tokens' bound to
 the host (the CPU device too: that is how the tests run it), `"device"`
 none.
@@ -64,8 +81,10 @@ import torch.nn as nn
 
 COLD_EXPERTS = ("auto", "host", "device")
 HOST_MOST_TOKENS = 4  # an expert computed on the host takes at most this many of a call's tokens
-REMEASURE_CALLS = 64  # where the host takes no cold expert, one goes there again this often
+REMEASURE_CALLS = 64  # where the host takes no cold expert, one goes there again after this many calls
+REMEASURE_MOST = 4096  # ... twice as many each time it still takes none, at most this many
 MEAN_WEIGHT = 0.25  # of a new measure in the running means
+OTHER_WEIGHT = 1 / 16  # of a new measure of `other` (a noisier one: the device's work and the host's queuing)
 
 
 def eager_forward(module: nn.Module):
@@ -116,8 +135,8 @@ def expert_product(module: nn.Module):
     return product
 
 
-def _running_mean(known: float | None, value: float) -> float:
-    return value if known is None else (1 - MEAN_WEIGHT) * known + MEAN_WEIGHT * value
+def _running_mean(known: float | None, value: float, weight: float = MEAN_WEIGHT) -> float:
+    return value if known is None else (1 - weight) * known + weight * value
 
 
 class ColdExperts:
@@ -140,8 +159,13 @@ class ColdExperts:
         self.link_seconds: float | None = None  # to copy one expert in, measured
         # to compute one on the host, measured, by its tokens in the call (1 .. HOST_MOST_TOKENS)
         self.host_seconds: dict[int, float] = {}
+        self.overhead_seconds = 0.0  # the host's own time in a call it takes part in, besides its products
+        # the device's work after a call's copies less the host's queuing before the next routing ("auto")
+        self.other_seconds: float | None = None
         self._host_calls = 0  # the host's calls so far (the first warms it up: not a measure)
         self._calls_since = 0  # calls since the host last computed an expert ("auto")
+        self._remeasure_after = REMEASURE_CALLS  # calls without the host before it measures again
+        self._copied: tuple | None = None  # (the call's `base`, its cold experts) of a call all copied, not yet read
         self._fill_events: tuple | None = None  # (start, end) events around a call's fills, made once
         self._timed_experts = 0  # the experts of the fills being timed (0: none)
 
@@ -149,34 +173,70 @@ class ColdExperts:
     def on(self) -> bool:
         return self.mode == "host" or (self.mode == "auto" and self.cuda)
 
-    def choose(self, cold: list, counts: list, tokens: list) -> list:
+    def choose(self, cold: list, counts: list, tokens: list, base: int = 0) -> list:
         """Which of the `cold` experts (with their use `counts` and the call's
-        `tokens` of each) the host computes: see the Note."""
+        `tokens` of each) the host computes: see the Note. `base`: the
+        calling table's first key (which layer: `routing_waited`)."""
         fit = [i for i, n in enumerate(tokens) if n <= HOST_MOST_TOKENS]
         if not fit:
             return []
         if self.mode == "host":
             return [cold[i] for i in fit]
         self._calls_since += 1
-        link = self.link_seconds
+        link, other = self.link_seconds, self.other_seconds
         if link is None:
             return []  # (the link not timed yet)
         unknown = [i for i in fit if tokens[i] not in self.host_seconds]
         if unknown:  # (measure the host at that many tokens: one, the least used)
             return self._took([min(unknown, key=lambda i: counts[i])], cold)
         chosen: list = []
+        if other is not None:
+            chosen = self._cheapest(fit, counts, tokens, len(cold) * link + other, link)
+        if chosen:
+            self._remeasure_after = REMEASURE_CALLS
+        elif self._calls_since >= self._remeasure_after:  # (measured again: the host or the link may have changed)
+            chosen = [min(fit, key=lambda i: counts[i])]
+            self._remeasure_after = min(2 * self._remeasure_after, REMEASURE_MOST)
+        else:
+            self._copied = (base, len(cold))  # (its wait at the next routing: `other`)
+        return self._took(chosen, cold)
+
+    def _cheapest(self, fit: list, counts: list, tokens: list, copies: float, link: float) -> list:
+        """The cheapest on the host first, the least used among equals, each
+        taken while the call then ends sooner (the longer of the host's sum
+        and what the device does after the host's queuing, `copies`, less a
+        copy for each expert the host takes)."""
+        chosen: list = []
         host = 0.0
-        # The cheapest on the host first, the least used among equals; each
-        # taken while the call then ends sooner (the longer of the two sides).
         for i in sorted(fit, key=lambda i: (self.host_seconds[tokens[i]], counts[i])):
-            more = host + self.host_seconds[tokens[i]]
-            if max((len(cold) - len(chosen) - 1) * link, more) >= max((len(cold) - len(chosen)) * link, host):
+            more = host + self.host_seconds[tokens[i]] + (0.0 if chosen else self.overhead_seconds)
+            if max(more, copies - (len(chosen) + 1) * link) >= max(host, copies - len(chosen) * link):
                 break
             chosen.append(i)
             host = more
-        if not chosen and self._calls_since >= REMEASURE_CALLS:
-            chosen = [min(fit, key=lambda i: counts[i])]  # (measured again: the host or the link may have changed)
-        return self._took(chosen, cold)
+        return chosen
+
+    def routing_of(self, index: torch.Tensor, base: int) -> torch.Tensor:
+        """The routing `index` of a call of the table at `base`, flat, on the
+        host; its wait timed ("auto" on CUDA: `routing_waited`)."""
+        if not (self.mode == "auto" and self.cuda):
+            return index.reshape(-1).cpu()
+        started = time.perf_counter()
+        routing = index.reshape(-1).cpu()
+        self.routing_waited(time.perf_counter() - started, base)
+        return routing
+
+    def routing_waited(self, seconds: float, base: int) -> None:
+        """The host waited `seconds` for the routing of the table at `base`:
+        where the call before, of the layer before, was all copied, its
+        `other` (see the Note). (A call of the first layer follows the last
+        layer's of the token before and whatever the caller did between: not
+        a measure.)"""
+        copied, self._copied = self._copied, None
+        if copied is not None and base > copied[0] and self.link_seconds is not None:
+            self.other_seconds = _running_mean(
+                self.other_seconds, seconds - copied[1] * self.link_seconds, OTHER_WEIGHT
+            )
 
     def _took(self, chosen: list, cold: list) -> list:
         if chosen:
@@ -190,7 +250,11 @@ class ColdExperts:
         if self._host_calls and tokens <= HOST_MOST_TOKENS:
             self.host_seconds[tokens] = _running_mean(self.host_seconds.get(tokens), seconds)
 
-    def host_call_done(self) -> None:
+    def host_call_done(self, overhead: float) -> None:
+        """A call the host took part in is done; its own time besides the
+        products was `overhead` seconds (not counted in its first call)."""
+        if self._host_calls:
+            self.overhead_seconds = _running_mean(self.overhead_seconds if self._host_calls > 1 else None, overhead)
         self._host_calls += 1
 
     # ----------------------------------------------------------- the link's time
@@ -232,6 +296,7 @@ def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, we
     routing's ranks among those (a host expert's entries: 0), the device's
     weights with those entries 0); else None. `experts` and `inverse` are
     `ExpertTable._routed`'s; `index`, `weights` and `hidden` the call's."""
+    started = time.perf_counter()
     cold_of = cache.cold
     cold_of.read_fills()
     shape = index.shape
@@ -244,7 +309,7 @@ def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, we
         return None
     entries = torch.bincount(inverse, minlength=len(experts)).tolist()
     chosen = cold_of.choose(
-        [experts[i] for i in cold], [cache.uses(base + experts[i]) for i in cold], [entries[i] for i in cold]
+        [experts[i] for i in cold], [cache.uses(base + experts[i]) for i in cold], [entries[i] for i in cold], base
     )
     if not chosen:
         return None
@@ -268,6 +333,7 @@ def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, we
         all_host=not keep,
         like=hidden,
     )
+    call.seconds = time.perf_counter() - started
     device_weights = weights.masked_fill(entry_host.to(weights.device, non_blocking=True), 0)
     return call, keep, ranks.clamp(min=0)[inverse], device_weights
 
@@ -289,15 +355,17 @@ class HostCall:
         like: the call's hidden states (the output's device, dtype and rows).
     """
 
-    __slots__ = ("experts", "routing", "weights", "hidden", "rows", "all_host", "like")
+    __slots__ = ("experts", "routing", "weights", "hidden", "rows", "all_host", "like", "seconds")
 
     def __init__(self, experts: list, routing, weights, hidden, rows, all_host: bool, like: torch.Tensor):
         self.experts, self.routing, self.weights, self.hidden = experts, routing, weights, hidden
         self.rows, self.all_host, self.like = rows, all_host, like
+        self.seconds = 0.0  # the host's own time in the call besides its products, so far (the split's)
 
     def add_to(self, module: nn.Module, output: torch.Tensor, cold: ColdExperts, counters) -> torch.Tensor:
         """`output` (the device's) with the host's products added; `module`'s
         parameters are on their host tensors (and its `num_experts` its own)."""
+        began = time.perf_counter()
         product_of = expert_product(module)
         rows, products = [], []
         with torch.no_grad():
@@ -306,8 +374,9 @@ class HostCall:
                 token, pos = torch.nonzero(self.routing == e, as_tuple=True)
                 products.append(product_of(e, self.hidden[token], self.weights[token, pos]))
                 rows.append(self.rows[token])
-                cold.host_took(time.perf_counter() - started, token.numel())
-            cold.host_call_done()
+                took = time.perf_counter() - started
+                cold.host_took(took, token.numel())
+                self.seconds -= took
             product, row = torch.cat(products).to(output.dtype), torch.cat(rows)
             if self.all_host:  # (the device's forward ran on no tokens: its output has no rows)
                 output = output.new_zeros((self.like.shape[0], *output.shape[1:]))
@@ -315,5 +384,6 @@ class HostCall:
                 # (page-locked by torch's caching host allocator, which keeps them until the copies are done)
                 product, row = product.pin_memory(), row.pin_memory()
             output.index_add_(0, row.to(output.device, non_blocking=True), product.to(output.device, non_blocking=True))
+        cold.host_call_done(self.seconds + time.perf_counter() - began)
         counters.expert_host += len(self.experts)
         return output

@@ -179,7 +179,7 @@ class ExpertTable:
             # experts/saved.py). Left by `_after`.
             self._saved = SavedExperts(self.hosts, self.pager.counters)
             self._saved.begin()
-        experts, inverse = self._routed(index)
+        experts, inverse = self._routed(index, timed=True)
         most_experts, most_tokens = self._chunk_limits(index.shape[-1])
         if len(experts) > most_experts or index.shape[0] > most_tokens:
             # More experts than the cache holds (a prefill under a small cache), or
@@ -344,12 +344,14 @@ class ExpertTable:
             raise TypeError(f"pager: the experts module {self.name!r} was called without its routing ({self.routing}).")
         return kwargs[self.routing] if in_kwargs else args[1]
 
-    def _routed(self, index: torch.Tensor) -> tuple[list, torch.Tensor]:
+    def _routed(self, index: torch.Tensor, timed: bool = False) -> tuple[list, torch.Tensor]:
         """The experts `index` names, sorted and unique, and the rank of each
         of its entries among them, on the host: one copy of the routing
         (k integers a token) for all of it, rather than `torch.unique` on the
-        device and the sync it makes, then another for its result."""
-        routing = index.reshape(-1).cpu()  # (on CUDA, the host waits for the router here)
+        device and the sync it makes, then another for its result. `timed`:
+        a call's own routing, whose wait the cold experts' choice measures."""
+        # (on CUDA, the host waits for the router here)
+        routing = self.cache.cold.routing_of(index, self.base) if timed else index.reshape(-1).cpu()
         used, inverse = torch.unique(routing, sorted=True, return_inverse=True)
         experts = used.tolist()
         if experts and (experts[0] < 0 or experts[-1] >= self.num_experts):
