@@ -1398,6 +1398,7 @@ def test_cold_experts_on_the_host_on_the_gpu(implementation, cold_experts):
         assert pager.of(model).stats().expert_host > 0
     else:
         assert cache.cold.link_seconds is not None  # (a call's fills timed, read back at a later call)
+        assert cache.cold.other_seconds is not None  # (the host's wait at the next layer's routing after one)
     pager.unwrap(model)
 
 
