@@ -191,7 +191,7 @@ class ColdExperts:
             return self._took([min(unknown, key=lambda i: counts[i])], cold)
         chosen: list = []
         if other is not None:
-            chosen = self._cheapest(fit, counts, tokens, len(cold) * link + other, link)
+            chosen = self._cheapest(fit, counts, tokens, len(cold) * link + other, link)  # (the wait: see the Note)
         if chosen:
             self._remeasure_after = REMEASURE_CALLS
         elif self._calls_since >= self._remeasure_after:  # (measured again: the host or the link may have changed)
@@ -201,16 +201,16 @@ class ColdExperts:
             self._copied = (base, len(cold))  # (its wait at the next routing: `other`)
         return self._took(chosen, cold)
 
-    def _cheapest(self, fit: list, counts: list, tokens: list, copies: float, link: float) -> list:
+    def _cheapest(self, fit: list, counts: list, tokens: list, wait: float, link: float) -> list:
         """The cheapest on the host first, the least used among equals, each
-        taken while the call then ends sooner (the longer of the host's sum
-        and what the device does after the host's queuing, `copies`, less a
-        copy for each expert the host takes)."""
+        taken while the call then ends sooner: the longer of the host's sum
+        and what the device does after the host's queuing (`wait` with every
+        cold expert copied, less a copy for each one the host takes)."""
         chosen: list = []
         host = 0.0
         for i in sorted(fit, key=lambda i: (self.host_seconds[tokens[i]], counts[i])):
             more = host + self.host_seconds[tokens[i]] + (0.0 if chosen else self.overhead_seconds)
-            if max(more, copies - (len(chosen) + 1) * link) >= max(host, copies - len(chosen) * link):
+            if max(more, wait - (len(chosen) + 1) * link) >= max(host, wait - len(chosen) * link):
                 break
             chosen.append(i)
             host = more
@@ -333,8 +333,8 @@ def split_cold(cache, base: int, experts: list, inverse: torch.Tensor, index, we
         all_host=not keep,
         like=hidden,
     )
-    call.seconds = time.perf_counter() - started
     device_weights = weights.masked_fill(entry_host.to(weights.device, non_blocking=True), 0)
+    call.seconds = time.perf_counter() - started
     return call, keep, ranks.clamp(min=0)[inverse], device_weights
 
 
