@@ -10,6 +10,7 @@ from helpers import assert_models_equal, assert_same, tensor_page_bytes
 
 import pager
 from pager.engine.engine import Engine
+from pager.engine.room import Room
 from pager.model.prefetch import Frontier
 
 
@@ -31,15 +32,29 @@ def _fetches(monkeypatch) -> list:
     return order
 
 
-def _run(model, monkeypatch, frontier: bool, budget: int, train: bool) -> tuple:
+def _record_evictions(monkeypatch, into: list) -> None:
+    """The blocks the engine evicts from now on, added to `into` in order, by name."""
+    evict = Engine.evict
+
+    def recorded(self, block, *args, **kwargs):
+        into.append(block.name)
+        return evict(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "evict", recorded)
+
+
+def _run(model, monkeypatch, frontier: bool, budget: int, train: bool, evicted: list | None = None) -> tuple:
     """Forwards (and steps, with `train`) under `budget`, with the frontier or
     with every walk from the start; a served read of a paged-out block and a
-    smaller budget in the middle (both move blocks outside a walk)."""
+    smaller budget in the middle (both move blocks outside a walk).
+    `evicted`: the evictions are added to it, in order."""
     if not frontier:
         monkeypatch.setattr(Frontier, "start", lambda self, scheduler, engine: 0)
     # (updates on the device: on the host, a walk waits for those still running, which the host's timing decides)
     pager.wrap(model, budget=budget, device="cpu", optimizer_step="device")
     order = _fetches(monkeypatch)
+    if evicted is not None:
+        _record_evictions(monkeypatch, evicted)
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if train else None
     outs = []
     for i in range(8):
@@ -59,6 +74,26 @@ def _run(model, monkeypatch, frontier: bool, budget: int, train: bool) -> tuple:
     pager.unwrap(model)
     monkeypatch.undo()
     return order, outs, (stats.prefetches, stats.misses, stats.evictions)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_prefetch_alone_evicts_what_the_general_choice_evicts(monkeypatch, train):
+    """A model alone on its engine: its prefetches' room made by the lean
+    path (`Room._room_ahead`) evicts and fetches the same blocks in the same
+    order as the choice over every owner's blocks (`Room._room_among`)."""
+    model = _stack()
+    ref = copy.deepcopy(model)
+    budget = (8 if not train else 14) * tensor_page_bytes(model[0])
+    lean: list = []
+    got = _run(model, monkeypatch, frontier=True, budget=budget, train=train, evicted=lean)
+    monkeypatch.setattr(Room, "_room_ahead", Room._room_among)
+    general: list = []
+    want = _run(ref, monkeypatch, frontier=True, budget=budget, train=train, evicted=general)
+    assert lean == general and len(lean) > 24
+    assert got[0] == want[0] and got[2] == want[2]
+    for a, b in zip(got[1], want[1]):
+        assert_same(a, b)
+    assert_models_equal(model, ref)
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])

@@ -53,6 +53,8 @@ class _Frame:
 
 
 tls = threading.local()  # this thread's frames; `training/recompute.py` reads `recording`
+# The frame of a use that saves through no hooks, pager's or others' (none pushed, none active): one for all
+_NOTHING = _Frame(False, False, None, None, None, None, None)
 
 
 def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None:
@@ -64,8 +66,11 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
     unless other saved-tensor hooks are on top (see the Notes).
     Called for every use, so that each `end_` pairs with its `begin_`."""
     top = _top_hooks()
-    active = getattr(tls, "active", None)
     wants = bool(count or offload is not None or recompute is not None or ledger is not None)
+    if not wants and top is None:
+        _stack().append(_NOTHING)  # (an inference use, most often: nothing pushed or made)
+        return
+    active = getattr(tls, "active", None)
     pushed = wants and top is None
     if pushed:
         torch._C._autograd._push_saved_tensors_default_hooks(*_HOOKS)
@@ -79,10 +84,15 @@ def begin_saving(count: bool, offload=None, recompute=None, ledger=None) -> None
     frame = _Frame(pushed, ours and wants, hooks, offload, recompute, ledger, active)
     if frame.activates:
         tls.active = frame
+    _stack().append(frame)
+
+
+def _stack() -> list:
+    """This thread's open frames."""
     stack = getattr(tls, "stack", None)
     if stack is None:
         stack = tls.stack = []
-    stack.append(frame)
+    return stack
 
 
 def depth() -> int:
@@ -121,10 +131,7 @@ def begin_foreign(pack, unpack) -> bool:
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (not in torch's stubs)
         return False
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    stack = getattr(tls, "stack", None)
-    if stack is None:
-        stack = tls.stack = []
-    stack.append(_Frame(True, False, OTHERS, None, None, None, getattr(tls, "active", None)))
+    _stack().append(_Frame(True, False, OTHERS, None, None, None, getattr(tls, "active", None)))
     return True
 
 
