@@ -1278,8 +1278,8 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     cold.host_took(1.0, 1)
     cold.host_call_done(0.0)
     # (the host's spare time not measured yet: none)
-    assert cold.other_seconds is None and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == []
-    cold.other_seconds = 0.0  # (the device's own work as long as the host's queuing)
+    assert cold.wait_seconds == {} and cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == []
+    cold.wait_seconds = {4: 4.0}  # (after four cold experts copied, the host waited as long as the copies)
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [1, 1, 1, 1]) == [2, 4]  # (as fast: half, the least used)
     big = HOST_MOST_TOKENS + 1
     assert cold.choose([1, 2, 3, 4], [5, 0, 9, 3], [big, big, 1, big]) == [3]  # (never a prefill's expert)
@@ -1293,16 +1293,21 @@ def test_cold_experts_auto_splits_them_by_measured_cost():
     assert cold.choose([7], [0], [1]) == [7]  # (faster on the host: computed there)
     cold.overhead_seconds = 0.6
     assert cold.choose([7], [0], [1]) == []  # (but not with the call's own cost on the host)
-    cold.overhead_seconds, cold.other_seconds = 0.0, -0.6
+    cold.overhead_seconds, cold.wait_seconds = 0.0, {1: 0.4, 4: 0.0}
     assert cold.choose([7], [0], [1]) == []  # (nor where the host's queuing outlasts the device's work)
-    # (3.4 s of the device's after the host's queuing: 2 to the host)
-    assert cold.choose([1, 2, 3, 4], [0, 0, 0, 0], [1, 1, 1, 1]) == [1, 2]
+    assert cold.choose([1, 2, 3, 4], [0, 0, 0, 0], [1, 1, 1, 1]) == []  # (measured at 4: no wait, the host slower)
+    # (at 3, not measured: no longer than at 4; none to the host)
+    assert cold.choose([1, 2, 3], [0, 0, 0], [1, 1, 1]) == []
+    cold.wait_seconds = {1: 0.4}  # (at 3: at least the 0.4 s at 1, at most two copies more; 0.4 s: none)
+    assert cold._wait_for(3, 1.0) == 0.4 and cold.choose([1, 2, 3], [0, 0, 0], [1, 1, 1]) == []
+    cold.wait_seconds = {6: 4.0}  # (at 3: at least 4.0 less three copies, at most 4.0: 1.0 s; one to the host)
+    assert cold._wait_for(3, 1.0) == 1.0 and cold.choose([1, 2, 3], [0, 0, 0], [1, 1, 1]) == [1]
     assert ColdExperts("host", cuda=True).choose([1, 2], [0, 0], [1, big]) == [1]
     assert ColdExperts("device", cuda=True).on is False
 
 
 def test_cold_experts_auto_measures_the_hosts_spare_time_and_remeasures_less_often():
-    from pager.experts.host import OTHER_WEIGHT, REMEASURE_CALLS, ColdExperts
+    from pager.experts.host import REMEASURE_CALLS, WAIT_WEIGHT, ColdExperts
 
     cold = ColdExperts("auto", cuda=True)
     cold.link_seconds = 1.0
@@ -1311,30 +1316,40 @@ def test_cold_experts_auto_measures_the_hosts_spare_time_and_remeasures_less_oft
     assert torch.equal(cold.routing_of(index, base=0), torch.tensor([3, 5]))  # (CPU tensors: nothing waited)
     assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []  # (a call of the table at 8: both copied)
     cold.routing_waited(0.5, base=0)  # (the next call, of the first layer: the token after; not a measure)
-    assert cold.other_seconds is None
+    assert cold.wait_seconds == {}
     assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []
-    cold.routing_waited(0.5, base=16)  # (the next layer's routing: waited 0.5 s after 2 s of copies)
-    assert cold.other_seconds == -1.5
-    cold.routing_waited(0.5, base=24)  # (its call was not all copied: not a measure)
-    assert cold.other_seconds == -1.5
+    cold.routing_waited(0.5, base=16)  # (the next layer's routing: waited 0.5 s after 2 cold experts copied)
+    assert cold.wait_seconds == {2: 0.5}
+    cold.routing_waited(0.7, base=24)  # (its call was not all copied: not a measure)
+    assert cold.wait_seconds == {2: 0.5}
     assert cold.choose([3, 5], [0, 0], [1, 1], base=8) == []
     cold.routing_waited(2.5, base=16)
-    assert cold.other_seconds == pytest.approx(-1.5 * (1 - OTHER_WEIGHT) + 0.5 * OTHER_WEIGHT)
-    # Measured again after REMEASURE_CALLS calls without the host, then twice as many while it still takes none
+    assert cold.wait_seconds == {2: pytest.approx(0.5 * (1 - WAIT_WEIGHT) + 2.5 * WAIT_WEIGHT)}
+    # Measured again after REMEASURE_CALLS calls without the host, then twice as many while it still
+    # takes none, each measure over two calls in a row: the first not counted
     gaps = []
     for _ in range(3):
         calls = 0
         while not cold.choose([3, 5], [0, 1], [1, 1]):
             calls += 1
         gaps.append(calls + 1)
+        cold.host_took(1.0, 1)  # (a first call after a while: not counted)
+        cold.host_call_done(1.0)
+        assert cold.host_seconds == {1: 100.0} and cold.overhead_seconds == 0.0
+        assert cold.choose([3, 5], [0, 1], [1, 1]) == [3]  # (the second, at once)
+        cold.host_took(100.0, 1)
+        cold.host_call_done(0.0)
     assert gaps == [REMEASURE_CALLS - 3, 2 * REMEASURE_CALLS, 4 * REMEASURE_CALLS]  # (3 calls above counted)
-    cold.host_seconds, cold.other_seconds = {1: 0.1}, 0.0
-    assert cold.choose([3, 5], [0, 1], [1, 1]) == [3, 5]  # (chosen: measured again after REMEASURE_CALLS)
+    # While the host takes some, one call in REMEASURE_CALLS is all copied: its wait measured again
+    cold.host_seconds, cold.wait_seconds = {1: 0.1}, {2: 2.0}
+    calls = [cold.choose([3, 5], [0, 1], [1, 1], base=8) for _ in range(REMEASURE_CALLS + 2)]
+    assert calls[:REMEASURE_CALLS] == [[3, 5]] * REMEASURE_CALLS
+    assert calls[REMEASURE_CALLS] == [] and calls[REMEASURE_CALLS + 1] == [3, 5]
     cold.host_seconds = {1: 100.0}
     calls = 0
     while not cold.choose([3, 5], [0, 1], [1, 1]):
         calls += 1
-    assert calls + 1 == REMEASURE_CALLS
+    assert calls + 1 == REMEASURE_CALLS  # (the interval back at its first: the host was taking some)
 
 
 def test_the_links_time_is_read_from_events_made_once_and_never_waited_for(monkeypatch):
@@ -1398,7 +1413,7 @@ def test_cold_experts_on_the_host_on_the_gpu(implementation, cold_experts):
         assert pager.of(model).stats().expert_host > 0
     else:
         assert cache.cold.link_seconds is not None  # (a call's fills timed, read back at a later call)
-        assert cache.cold.other_seconds is not None  # (the host's wait at the next layer's routing after one)
+        assert cache.cold.wait_seconds  # (the host's wait at the next layer's routing after a call all copied)
     pager.unwrap(model)
 
 

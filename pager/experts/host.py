@@ -41,30 +41,37 @@ call's fills, read back at a later call) and `host[n]` seconds to compute
 there over its `n` tokens of the call (a running mean of the host's own
 products by `n`: a product of more rows costs the host more, and one mean
 would mix a prompt's products with a decode's), and a call the host takes
-part in costs it `overhead` more (the split and the sum: ~20 small ops).
+part in costs it `overhead` more (the split, with its copies of the host
+rows' hidden states and weights to the host, and the sum: ~20 small ops).
 The host's time is not free, though: while the device copies, the host
 queues the rest of the layer and the next one's attention, and a product
 delays that. What the host has to spare is what it waits at the next
 layer's routing (`.cpu()` of the router's choice: the device still busy),
-measured in calls the host took no part in: `wait = copies + other`, with
-`other` the device's own work after the copies less the host's queuing
-(negative where the host is the slower: a decode of small experts, whose
-host waits for nothing). A call of `c` cold experts with `k` of them the
-host's then ends, after the host's queuing, at about
-`max(host's sum, (c - k) * link + other)`; the host takes the cheapest
-first (the least used among equals: the cache's counts, the ones it would
-be slowest to keep) while that is sooner; never one of more than
-`HOST_MOST_TOKENS` tokens (a prefill's products are compute, the device's).
-(Counted without the host's queuing, as the first version did, the host
-took one of a Qwen3-30B-A3B-shaped layer's ~7.5 cold experts on the H200,
-0.77 ms against 0.19 ms a copy, and a token took 77.7 ms against 41.8 with
-none.) Where a token count's time is not known, one cold expert of that
-many tokens goes there to measure it (the host's first call warms it up
-and is not counted); where the host then takes none, one goes again after
+measured after calls all copied, by their count of cold experts `c`
+(`wait[c]`: where the host is the slower, as in a decode of small experts,
+it waits for nothing, and a wait of 0 at one count says little of what it
+would wait at another; an unmeasured count takes the least its measured
+neighbours allow: a wait is never shorter after more cold experts, nor
+longer by more than a copy for each). A call of `c` cold
+experts with `k` of them the host's then ends, after the host's queuing,
+at about `max(host's sum + overhead, wait[c] - k * link)`; the host takes
+the cheapest first (the least used among equals: the cache's counts, the
+ones it would be slowest to keep) while that is sooner; never one of more
+than `HOST_MOST_TOKENS` tokens (a prefill's products are compute, the
+device's). While it takes some, one call in `REMEASURE_CALLS` is all
+copied, so the waits are measured again. (Counted without the host's
+queuing, as the first version did, the host took one of a
+Qwen3-30B-A3B-shaped layer's ~7.5 cold experts on the H200, 0.77 ms against
+0.19 ms a copy, and a token took 77.7 ms against 41.8 with none.) Where a
+token count's time is not known, one cold expert of that many tokens goes
+there to measure it (the host's first call warms it up and is not
+counted); where the host then takes none, one goes again after
 `REMEASURE_CALLS` calls, then twice as many each time it still takes none
 (to `REMEASURE_MOST`: a measure of a host slower than the link costs its
-difference, and a Mixtral-shaped expert measured 33-37 ms on the host when
-computed that rarely), so a change (an idle host, a slower link) is seen.
+difference), each such measure over two calls in a row, the first not
+counted (a Mixtral-shaped expert measured 33-37 ms on the H200's host when
+computed that rarely, 7 ms in a row: not yet understood), so a change (an
+idle host, a slower link) can be seen.
 Only on CUDA (`"auto"`);
 `cold_experts="host"` takes every cold expert within the tokens' bound to
 the host (the CPU device too: that is how the tests run it), `"device"`
@@ -84,7 +91,7 @@ HOST_MOST_TOKENS = 4  # an expert computed on the host takes at most this many o
 REMEASURE_CALLS = 64  # where the host takes no cold expert, one goes there again after this many calls
 REMEASURE_MOST = 4096  # ... twice as many each time it still takes none, at most this many
 MEAN_WEIGHT = 0.25  # of a new measure in the running means
-OTHER_WEIGHT = 1 / 16  # of a new measure of `other` (a noisier one: the device's work and the host's queuing)
+WAIT_WEIGHT = 1 / 8  # of a new measure of a wait at the routing (noisier: the device's work, the host's queuing)
 
 
 def eager_forward(module: nn.Module):
@@ -160,11 +167,13 @@ class ColdExperts:
         # to compute one on the host, measured, by its tokens in the call (1 .. HOST_MOST_TOKENS)
         self.host_seconds: dict[int, float] = {}
         self.overhead_seconds = 0.0  # the host's own time in a call it takes part in, besides its products
-        # the device's work after a call's copies less the host's queuing before the next routing ("auto")
-        self.other_seconds: float | None = None
+        # the host's wait at the next layer's routing after a call all copied, by its cold experts ("auto")
+        self.wait_seconds: dict[int, float] = {}
         self._host_calls = 0  # the host's calls so far (the first warms it up: not a measure)
         self._calls_since = 0  # calls since the host last computed an expert ("auto")
         self._remeasure_after = REMEASURE_CALLS  # calls without the host before it measures again
+        self._hosted = 0  # calls in a row the host took part in by the waits ("auto")
+        self._warming = self._again = False  # a measure's first call (not counted); its second to come
         self._copied: tuple | None = None  # (the call's `base`, its cold experts) of a call all copied, not yet read
         self._fill_events: tuple | None = None  # (start, end) events around a call's fills, made once
         self._timed_experts = 0  # the experts of the fills being timed (0: none)
@@ -183,23 +192,44 @@ class ColdExperts:
         if self.mode == "host":
             return [cold[i] for i in fit]
         self._calls_since += 1
-        link, other = self.link_seconds, self.other_seconds
+        link = self.link_seconds
         if link is None:
             return []  # (the link not timed yet)
         unknown = [i for i in fit if tokens[i] not in self.host_seconds]
         if unknown:  # (measure the host at that many tokens: one, the least used)
             return self._took([min(unknown, key=lambda i: counts[i])], cold)
+        least = min(fit, key=lambda i: counts[i])
+        if self._again:  # (a measure's second call)
+            self._again = False
+            return self._took([least], cold)
+        wait = self._wait_for(len(cold), link)
         chosen: list = []
-        if other is not None:
-            chosen = self._cheapest(fit, counts, tokens, len(cold) * link + other, link)  # (the wait: see the Note)
+        if wait is not None and self._hosted < REMEASURE_CALLS:
+            chosen = self._cheapest(fit, counts, tokens, wait, link)
         if chosen:
+            self._hosted += 1
             self._remeasure_after = REMEASURE_CALLS
         elif self._calls_since >= self._remeasure_after:  # (measured again: the host or the link may have changed)
-            chosen = [min(fit, key=lambda i: counts[i])]
+            chosen, self._warming = [least], True
             self._remeasure_after = min(2 * self._remeasure_after, REMEASURE_MOST)
         else:
-            self._copied = (base, len(cold))  # (its wait at the next routing: `other`)
+            self._hosted = 0
+            self._copied = (base, len(cold))  # (its wait at the next routing)
         return self._took(chosen, cold)
+
+    def _wait_for(self, cold: int, link: float) -> float | None:
+        """The host's wait at the next routing after a call of `cold` cold
+        experts all copied: measured, or the least it can be by the counts
+        measured around it (None where none is): a wait is never shorter
+        after more cold experts, nor longer by more than a copy for each."""
+        known = self.wait_seconds.get(cold)
+        if known is not None:
+            return known
+        lower = [w if n < cold else w - (n - cold) * link for n, w in self.wait_seconds.items()]
+        if not lower:
+            return None
+        upper = [w if n > cold else w + (cold - n) * link for n, w in self.wait_seconds.items()]
+        return min(max(lower), min(upper))
 
     def _cheapest(self, fit: list, counts: list, tokens: list, wait: float, link: float) -> list:
         """The cheapest on the host first, the least used among equals, each
@@ -228,15 +258,14 @@ class ColdExperts:
 
     def routing_waited(self, seconds: float, base: int) -> None:
         """The host waited `seconds` for the routing of the table at `base`:
-        where the call before, of the layer before, was all copied, its
-        `other` (see the Note). (A call of the first layer follows the last
-        layer's of the token before and whatever the caller did between: not
-        a measure.)"""
+        where the call before, of the layer before, was all copied, the wait
+        for its count of cold experts (see the Note). (A call of the first
+        layer follows the last layer's of the token before and whatever the
+        caller did between: not a measure.)"""
         copied, self._copied = self._copied, None
-        if copied is not None and base > copied[0] and self.link_seconds is not None:
-            self.other_seconds = _running_mean(
-                self.other_seconds, seconds - copied[1] * self.link_seconds, OTHER_WEIGHT
-            )
+        if copied is not None and base > copied[0]:
+            cold = copied[1]
+            self.wait_seconds[cold] = _running_mean(self.wait_seconds.get(cold), seconds, WAIT_WEIGHT)
 
     def _took(self, chosen: list, cold: list) -> list:
         if chosen:
@@ -247,13 +276,16 @@ class ColdExperts:
         """The host computed an expert over `tokens` of a call in `seconds`
         (its first call is not counted: it starts the host's threads and
         picks its kernels, 5-7x a later call's time on the H200's host)."""
-        if self._host_calls and tokens <= HOST_MOST_TOKENS:
+        if self._host_calls and not self._warming and tokens <= HOST_MOST_TOKENS:
             self.host_seconds[tokens] = _running_mean(self.host_seconds.get(tokens), seconds)
 
     def host_call_done(self, overhead: float) -> None:
         """A call the host took part in is done; its own time besides the
-        products was `overhead` seconds (not counted in its first call)."""
-        if self._host_calls:
+        products was `overhead` seconds (not counted in its first call, nor
+        in a measure's first: its second follows)."""
+        if self._warming:
+            self._warming, self._again = False, True
+        elif self._host_calls:
             self.overhead_seconds = _running_mean(self.overhead_seconds if self._host_calls > 1 else None, overhead)
         self._host_calls += 1
 
