@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
 from ..base.wrappers import aligned_bytes
@@ -27,10 +29,13 @@ def train_bytes(pager) -> dict:
     state_factor = 2.0 if optimizer is not None else 0.0  # (its class decides; none attached yet: none)
     state_of = state_bytes_of(optimizer, pager.device, state_factor, master_weights=pager.master_weights)
     rows = pager.row_params
-    trained = {
-        b: sum(aligned_bytes(p) + state_of(p) for p in b.params if p.requires_grad and id(p) not in rows)
-        for b in pager.all_blocks()
-    }
+    # (sizes and flags read past the guards: a paged-out tensor's are its own, and a guard's
+    # serving of each costs more than the read; every parameter of every block, at each step)
+    with torch._C.DisableTorchFunctionSubclass():
+        trained = {
+            b: sum(aligned_bytes(p) + state_of(p) for p in b.params if p.requires_grad and id(p) not in rows)
+            for b in pager.all_blocks()
+        }
     return {b: max(b.nbytes(), b.nbytes(WEIGHTS) + n) for b, n in trained.items()}
 
 
