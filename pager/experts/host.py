@@ -163,6 +163,7 @@ class ColdExperts:
 
     def __init__(self, mode: str, cuda: bool):
         self.mode, self.cuda = mode, cuda
+        self._measures = mode == "auto" and cuda  # (the link's time and the host's waits: "auto" on CUDA)
         self.link_seconds: float | None = None  # to copy one expert in, measured
         # to compute one on the host, measured, by its tokens in the call (1 .. HOST_MOST_TOKENS)
         self.host_seconds: dict[int, float] = {}
@@ -180,7 +181,7 @@ class ColdExperts:
 
     @property
     def on(self) -> bool:
-        return self.mode == "host" or (self.mode == "auto" and self.cuda)
+        return self.mode == "host" or self._measures
 
     def choose(self, cold: list, counts: list, tokens: list, base: int = 0) -> list:
         """Which of the `cold` experts (with their use `counts` and the call's
@@ -249,7 +250,7 @@ class ColdExperts:
     def routing_of(self, index: torch.Tensor, base: int) -> torch.Tensor:
         """The routing `index` of a call of the table at `base`, flat, on the
         host; its wait timed ("auto" on CUDA: `routing_waited`)."""
-        if not (self.mode == "auto" and self.cuda):
+        if not self._measures:
             return index.reshape(-1).cpu()
         started = time.perf_counter()
         routing = index.reshape(-1).cpu()
@@ -295,7 +296,7 @@ class ColdExperts:
         fills where they are to be timed ("auto" on CUDA, none being timed),
         else None. (Two events made once, recorded again: nothing made per
         call.)"""
-        if self.mode != "auto" or not self.cuda or self._timed_experts:
+        if not self._measures or self._timed_experts:
             return None
         if self._fill_events is None:
             self._fill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..base.budget import format_bytes
 from ..base.common import WEIGHTS
+from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
@@ -31,7 +30,7 @@ def train_bytes(pager) -> dict:
     rows = pager.row_params
     # (sizes and flags read past the guards: a paged-out tensor's are its own, and a guard's
     # serving of each costs more than the read; every parameter of every block, at each step)
-    with torch._C.DisableTorchFunctionSubclass():
+    with unguarded():
         trained = {
             b: sum(aligned_bytes(p) + state_of(p) for p in b.params if p.requires_grad and id(p) not in rows)
             for b in pager.all_blocks()

@@ -52,9 +52,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..base.budget import format_bytes
+from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from .dry_run import state_bytes_of
 from .masters import wants_master
@@ -91,7 +90,7 @@ class StepRoom:
     def _one_bytes(self, params) -> int:
         """Bytes of one state-sized copy of `params` (float32 where a master stands for them)."""
         master = self.pager.master_weights
-        with torch._C.DisableTorchFunctionSubclass():  # (read past the guards: see model/step_needs.py)
+        with unguarded():  # (read past the guards: see model/step_needs.py)
             return sum(4 * p.numel() if master and wants_master(p) else aligned_bytes(p) for p in params)
 
     def temporaries(self, blocks, shares) -> int:
