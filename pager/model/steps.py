@@ -37,6 +37,7 @@ class Steps:
         self._kept_key = None  # what the kept set was chosen for (start_step)
         self._window = (time.perf_counter(), 0.0)  # (start, stall seconds at start)
         self._least_room_of = None  # the total_bytes that `pager.least_room` was computed for
+        self._bytes_at_start = 0  # the total_bytes at the last step's start
 
     def start_step(self) -> None:
         """A new step begins: the last one's order becomes the plan, the kept set is chosen again."""
@@ -45,9 +46,13 @@ class Steps:
         changed = self.pager.scheduler.start_step()
         if changed:
             self.pager.counters.order_changes += 1
-        # A change that costs fetches on demand two steps running is a pattern
-        # (one alone is often the first step, before optimizer state exists).
-        unsaid = changed and self.step_misses > 0 and not self.expect_used
+        # A change that costs fetches on demand two steps running is a pattern.
+        # A step in which pages appeared (optimizer state made by the first
+        # update, gradients by the first backward) is no part of one: with
+        # gradient accumulation the first update's uses fall in one step of
+        # several passes, and the next pass differs from it once only.
+        grew, self._bytes_at_start = self.pager.total_bytes != self._bytes_at_start, self.pager.total_bytes
+        unsaid = changed and self.step_misses > 0 and not self.expect_used and not grew
         if unsaid and self._unsaid_change:
             self.pager.warn_once(
                 "order",
