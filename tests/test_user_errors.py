@@ -224,3 +224,52 @@ def test_a_block_of_a_model_asleep_is_not_pickled_or_copied_either():
         pickle.dumps(model.layers[0])
     with pytest.raises(TypeError, match="cannot be deep-copied"):
         copy.deepcopy(model.layers[0])
+
+
+class UntiedLM(torch.nn.Module):
+    """A small decoder whose embedding and head (each under 1 MiB) stay in the remainder by default."""
+
+    def __init__(self, vocab=512, d=128, n_layers=4):
+        super().__init__()
+        from models import Layer
+
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(Layer(d) for _ in range(n_layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_a_refusal_names_the_small_modules_the_remainder_keeps_and_the_fix_runs():
+    # A new user's small model: its embedding and head stay on the device
+    # with their gradients and state (each under 1 MiB, they never leave the
+    # remainder by themselves), most of what a step needs at least. The
+    # refusal names them and says how to page them; that advice then runs
+    # in the same budget, within it.
+    def build():
+        torch.manual_seed(0)
+        model = UntiedLM()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = build()
+    budget = int(0.4 * 4 * sum(p.numel() * p.element_size() for p in model.parameters()))
+    ids = torch.randint(0, 512, (2, 32))
+    pager.wrap(model, budget=budget, device="cpu", optimizer=opt)
+    with pytest.raises(pager.BudgetError) as refused:
+        model(ids).square().mean().backward()
+    said = str(refused.value)
+    assert "'embed' (256.00 KiB) and 'head' (256.00 KiB) stay" in said and "`blocks=` listing the layers" in said
+    assert "'norm'" not in said  # (a norm's few bytes are not worth naming)
+
+    model, opt = build()
+    pager.wrap(model, budget=budget, device="cpu", optimizer=opt, blocks=[*model.layers, model.embed, model.head])
+    for _ in range(2):
+        model(ids).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert 0 < pager.of(model).stats().peak_device_bytes <= budget

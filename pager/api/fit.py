@@ -38,6 +38,7 @@ import logging
 import torch.nn as nn
 
 from ..base.budget import format_bytes
+from ..base.common import LEAST_MOVED_BYTES
 from ..experts.find import choose as choose_experts
 from ..model import discover
 from ..rows.find import choose as choose_row_tables
@@ -45,8 +46,6 @@ from ..rows.find import row_table_problem
 from .pipeline import Needs
 
 log = logging.getLogger("pager")
-
-LEAST_MOVED_BYTES = 1 << 20  # a remainder module smaller than this stays (paging it costs more than it frees)
 
 
 def default_blocks(model: nn.Module, budget_bytes: int, tables: list, *, rows_allowed: bool, say: bool = True):

@@ -22,6 +22,7 @@ BACKWARD = ("weights", "frozen", "grads")
 STEP = ("weights", "frozen", "grads", "state")
 EVERYONE = "everyone"  # Uses.acquire(expose=EVERYONE): own classes even in the shared mode (a deepcopy)
 PREFETCH_WINDOW = 16  # how many predicted uses prefetch looks through
+LEAST_MOVED_BYTES = 1 << 20  # a remainder module smaller than this stays ([Note: nothing resident by force])
 NEVER_RAN_STEPS = 10  # after this many steps, say which blocks never ran
 STALL_WINDOW_STEPS = 10  # judge stalls over windows of this many steps
 STALL_SHARE = 0.5  # warn when compute waited for fetches this share of the time

@@ -465,6 +465,7 @@ def _activations_of(pager: Pager, policy: str) -> Activations | None:
         budget_total=lambda: pager.engine.budget_bytes,
         beside_bytes=lambda budget=None: step_needs.beside_bytes(pager, budget),
         give_back=lambda nbytes: step_needs.give_back(pager, nbytes),
+        least_said=lambda: step_needs.remainder_said(pager),
     )
     activations.ledger.note_blocks(0)
     return activations

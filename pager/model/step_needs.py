@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from ..base.budget import format_bytes
-from ..base.common import WEIGHTS
+from ..base.common import LEAST_MOVED_BYTES, WEIGHTS
 from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
@@ -57,6 +57,39 @@ def least_bytes(pager) -> int:
     fixed = sum(size[b] for b in pager.all_blocks() if b.resident_for_life)
     largest = max((size[b] + sum(size[d] for d in b.deps) for b in pager.blocks if not b.resident_for_life), default=0)
     return max(fixed + largest, pager.min_budget_bytes) + pager.carried_bytes + pager.row_bytes
+
+
+def remainder_said(pager) -> str:
+    """Where what stays on the device for life is a quarter or more of what
+    blocks need at least in a training step, and holds modules of the
+    remainder (each under LEAST_MOVED_BYTES stays unasked: [Note: nothing
+    resident by force] in api/fit.py), a clause for a refusal that names
+    the largest and says how to page them; else ""."""
+    remainder = pager.remainder
+    if remainder is None or not remainder.resident_for_life:
+        return ""
+    size = train_bytes(pager)
+    fixed = sum(size[b] for b in pager.all_blocks() if b.resident_for_life)
+    if 4 * fixed < least_bytes(pager):
+        return ""
+    ids = {id(p) for p in remainder.params}
+    named = []
+    with unguarded():  # (sizes of tensors that may be paged out: their own)
+        for name, module in pager.model.named_modules():
+            own = [p for p in module._parameters.values() if p is not None and id(p) in ids]
+            if own and name:
+                named.append((sum(aligned_bytes(p) for p in own), name))
+    if not named:
+        return ""
+    named.sort(key=lambda r: -r[0])
+    named = [(b, n) for b, n in named if 8 * b >= named[0][0]]  # (not a norm's few bytes beside an embedding)
+    listed = " and ".join(f"{n!r} ({format_bytes(b)})" for b, n in named[:4])
+    listed += " among others" if len(named) > 4 else ""
+    return (
+        f"; of it, {format_bytes(fixed)} stays on the device for life with its gradients and state: the "
+        f"remainder, whose {listed} stay, as a module outside the layers leaves it by itself only from "
+        f"{format_bytes(LEAST_MOVED_BYTES)}; `blocks=` listing the layers and those modules pages them too"
+    )
 
 
 def update_bytes(pager) -> int:

@@ -142,6 +142,8 @@ class Activations:
             beyond the least that blocks need, at the step, where
             activations hold nothing ([Note: the step's room] in
             training/step_room.py): the budget holds the larger of the two.
+        least_said: a clause for a refusal on what the least that blocks
+            need holds that the user can change ("" where nothing).
     """
 
     def __init__(
@@ -158,11 +160,12 @@ class Activations:
         beside_bytes=lambda budget=None: 0,
         give_back=lambda nbytes: 0,
         update_bytes=lambda: 0,
+        least_said=lambda: "",
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
         self.budget_total, self.beside_bytes, self.give_back = budget_total, beside_bytes, give_back
-        self.update_bytes = update_bytes
+        self.update_bytes, self.least_said = update_bytes, least_said
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -312,7 +315,8 @@ class Activations:
         self.ledger.beside = self.beside_bytes()
         if least + acts > budget:
             out = self.budget_total() - budget
-            raise unmeasured_refusal(least, acts, budget, out, at_step, self._least_budget(out + least + acts))
+            need = self._least_budget(out + least + acts)
+            raise unmeasured_refusal(least, acts, budget, out, at_step, need, self.least_said())
 
     def _refusal(self, planned: SavedBytes, budget: int, least: int, kw, at_step: bool) -> BudgetError:
         held = self._held(planned, kw)
@@ -323,7 +327,17 @@ class Activations:
         out = self.outside_bytes()
         staging = self.budget_total() - budget - out
         return plan_refusal(
-            held, mine, self.asked, least, budget, out, staging, at_step, self._least_budget, self.update_bytes()
+            held,
+            mine,
+            self.asked,
+            least,
+            budget,
+            out,
+            staging,
+            at_step,
+            self._least_budget,
+            self.update_bytes(),
+            self.least_said(),
         )
 
     # ------------------------------------------------------------ each pass

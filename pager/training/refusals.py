@@ -23,14 +23,17 @@ def least_budget(need: int, beside_bytes: Callable[..., int]) -> int:
     return budget + 1 if rest + beside_bytes(budget) > budget else budget
 
 
-def unmeasured_refusal(least: int, acts: int, budget: int, out: int, at_step: bool, least_bytes: int) -> BudgetError:
+def unmeasured_refusal(
+    least: int, acts: int, budget: int, out: int, at_step: bool, least_bytes: int, said: str = ""
+) -> BudgetError:
     """A step whose forward could not be measured: blocks need at least
     `least` beside the `acts` the last pass held, more than `budget` (of
-    the budget as given, less `out` outside pager's room)."""
+    the budget as given, less `out` outside pager's room); `said`: what
+    the least holds that the user can change (`step_needs.remainder_said`)."""
     return BudgetError(
         f"pager: a training step of this model holds at least {format_bytes(least + acts)} on the device: "
         f"blocks at least {format_bytes(least)} (the resident remainder and the largest block with their "
-        f"gradients and optimizer state, and what pager keeps beside them) + activations "
+        f"gradients and optimizer state, and what pager keeps beside them{said}) + activations "
         f"{format_bytes(acts)} (what the last pass held, or an update of a block on the device at the step if more; "
         f"the forward could not be measured before it ran), "
         f"more than the budget of {format_bytes(budget + out)}"
@@ -51,13 +54,16 @@ def plan_refusal(
     at_step: bool,
     least_of,
     update: int = 0,
+    said: str = "",
 ) -> BudgetError:
     """A step no policy holds: `held` what activations hold under each
     policy, `mine` under the one asked (`asked`), beside the `least` that
     blocks need, more than `budget` (the budget as given less `out` outside
     pager and `staging` for compressed pages); `least_of(need)`: the least
     budget that holds `need`; `update`: what an update of a block on the
-    device holds beside them at the step, where activations hold nothing."""
+    device holds beside them at the step, where activations hold nothing;
+    `said`: what the least holds that the user can change
+    (`step_needs.remainder_said`)."""
     holds = [p for p, n in held.items() if least + max(n, update) <= budget]
     outside = f" less the {format_bytes(out)} the process holds on the device outside pager" if out else ""
     outside += f" less the {format_bytes(staging)} of staging for compressed pages" if staging else ""
@@ -85,7 +91,7 @@ def plan_refusal(
         f"pager: a training step of this model with these inputs holds at least "
         f"{format_bytes(least + max(mine, update))} "
         f"on the device: blocks at least {format_bytes(least)} (the resident remainder and the largest block "
-        f"with their gradients and optimizer state, and what pager keeps beside them) + activations "
+        f"with their gradients and optimizer state, and what pager keeps beside them{said}) + activations "
         f"{format_bytes(mine)} (activations={asked!r}; offload holds {format_bytes(held[OFFLOAD])}, "
         f"recompute {format_bytes(held[RECOMPUTE])}){step}, more than the budget of {format_bytes(budget + out)}"
         f"{outside}. {_unchanged(at_step)}. Use {fix}. (The optimizer's state counts once it is attached: "
