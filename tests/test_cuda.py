@@ -28,14 +28,17 @@ def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0, d2h_cycles=0):
     for name, stream, cycles in (("h2d", transport.h2d_stream, h2d_cycles), ("d2h", transport.d2h_stream, d2h_cycles)):
         if cycles:
             setattr(transport, name, _delayed(getattr(transport, name), stream, cycles))
-    if compute_cycles:
-        record = transport.record_compute
+    if compute_cycles:  # (before each mark of compute: a release's, a wait's, an eviction's fresh one)
+        for name in ("record_compute", "mark_compute"):
+            setattr(transport, name, _after_sleep(getattr(transport, name), compute_cycles))
 
-        def slow_record():
-            torch.cuda._sleep(compute_cycles)
-            return record()
 
-        transport.record_compute = slow_record
+def _after_sleep(mark, cycles):
+    def slow_mark():
+        torch.cuda._sleep(cycles)
+        return mark()
+
+    return slow_mark
 
 
 def _delayed(copy, stream, cycles):
@@ -1606,8 +1609,11 @@ def test_lora_on_gpu_with_delayed_copies_equals_all_on_gpu(compress, adapters_re
     total = tensor_page_bytes(model)
     adapters = sum(p.numel() * p.element_size() for p in trainable(model))
     batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
-    room = activation_room(model, batch, "recompute")  # (the budget bounds the activations too)
-    budget = max(int(0.45 * total), 32 * adapters) if adapters_resident else int(0.3 * total) + room
+    if adapters_resident:
+        budget = max(int(0.45 * total), 32 * adapters)
+    else:  # (the budget bounds the activations too: pager's plan on the GPU, for the blocks that budget makes)
+        saved = pager.plan(model, int(0.3 * total), device=GPU, inputs=batch, budget_covers="pager").saved
+        budget = int(0.3 * total) + saved.peak("recompute", min_bytes=1 << 20, copies=True)
     assert budget < total and (budget >= 32 * adapters) == adapters_resident
     ref = copy.deepcopy(model)
     pager.wrap(model, budget=budget, device=GPU, compress=compress, activations="recompute", budget_covers="pager")

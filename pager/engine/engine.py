@@ -161,12 +161,16 @@ class Engine:
         if block.pins == 0 and block in self.resident:
             self.room.became_idle(block)
 
-    def idle(self, block, mark: bool = True) -> None:
+    def idle(self, block, mark: bool = True, timed: bool = False) -> None:
         """`block`'s last pin is gone: from the end of compute enqueued so far,
         its memory may be reused (`mark`; without, an eviction orders itself
-        after a fresh event: see [Note: the last use, or a fresh event])."""
+        after a fresh event: see [Note: the last use, or a fresh event]);
+        `timed`: the mark is a timing event (a traced span's end)."""
         self.waiters.room_may_be_back()
-        block.last_use_event = self.transport.record_compute() if mark else None
+        if mark:
+            block.last_use_event = self.transport.record_compute() if timed else self.transport.mark_compute()
+        else:
+            block.last_use_event = None
         if mark:
             block.release_versions = block.versions()
 
@@ -305,7 +309,7 @@ class Engine:
     def write_back(self, block, kinds):
         """Copy `block`'s changed pages of `kinds` down now; they stay on the
         device, clean. Returns the last copy's end (CUDA event) or None."""
-        ready, end = self.transport.record_compute(), None  # (the copies read what compute wrote)
+        ready, end = self.transport.mark_compute(), None  # (the copies read what compute wrote)
         for seg in (block.segments[k] for k in kinds if k in block.segments):
             if seg.resident and seg.is_dirty():
                 start, end = self.host.down(block, seg, after=(ready,))
@@ -332,7 +336,7 @@ class Engine:
         # taking a fresh event would be safe too, but it serialises each
         # prefetch behind current compute (measured: NAS step 1.20x -> 1.35x).
         if block.last_use_event is None or block.versions() != block.release_versions:
-            return self.transport.record_compute()
+            return self.transport.mark_compute()
         return block.last_use_event
 
     def _leave(self, block, seg: Segment, ready, write: bool) -> None:

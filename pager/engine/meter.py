@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from .transport import event_method
+
 RESOLVE_PER_PAIR = 2  # completed pairs turned into seconds per new pair (more than one: the queue drains)
+# The counters of each direction (no name made per copy)
+_FIELDS = {"h2d": ("h2d_bytes", "h2d_seconds"), "d2h": ("d2h_bytes", "d2h_seconds")}
+# torch.cuda.Event's C methods, called directly (its Python wrappers add a frame each; see engine/transport.py)
+_query = event_method("query")
+_elapsed_ms = event_method("elapsed_time")
 
 
 class Meter:
@@ -31,16 +38,17 @@ class Meter:
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self._stalls: deque = deque()  # (block, compute arrived, fetch landed)
-        self._copies: deque = deque()  # (block, direction, start, end)
+        self._copies: deque = deque()  # (block, its seconds counter, start, end)
 
     def copied(self, block, direction: str, start, end, nbytes: int) -> None:
         """A copy of `nbytes` of `block`, "h2d" or "d2h", from `start` to `end`."""
-        _add(block, f"{direction}_bytes", nbytes)
+        bytes_field, seconds_field = _FIELDS[direction]
+        _add(block, bytes_field, nbytes)
         if self.cuda:
-            self._copies.append((block, direction, start, end))
+            self._copies.append((block, seconds_field, start, end))
             self._resolve_copies(RESOLVE_PER_PAIR)
         else:
-            _add(block, f"{direction}_seconds", end - start)
+            _add(block, seconds_field, end - start)
             if direction == "h2d":  # the CPU device copies synchronously: compute waited
                 _add(block, "stall_seconds", end - start)
 
@@ -54,7 +62,7 @@ class Meter:
         landed) and copy durations. With wait=False only pairs already complete
         are taken (no host sync)."""
         if wait:
-            for _block, _direction, _start, end in self._copies:
+            for _block, _field, _start, end in self._copies:
                 end.synchronize()
             for _block, arrive, landed in self._stalls:
                 arrive.synchronize()
@@ -64,16 +72,16 @@ class Meter:
 
     def _resolve_copies(self, most: int) -> None:
         copies = self._copies
-        while most > 0 and copies and copies[0][3].query():
-            block, direction, start, end = copies.popleft()
-            _add(block, f"{direction}_seconds", start.elapsed_time(end) / 1e3)
+        while most > 0 and copies and _query(copies[0][3]):
+            block, seconds_field, start, end = copies.popleft()
+            _add(block, seconds_field, _elapsed_ms(start, end) / 1e3)
             most -= 1
 
     def _resolve_stalls(self, most: int) -> None:
         stalls = self._stalls
-        while most > 0 and stalls and stalls[0][1].query() and stalls[0][2].query():
+        while most > 0 and stalls and _query(stalls[0][1]) and _query(stalls[0][2]):
             block, arrive, landed = stalls.popleft()
-            ms = arrive.elapsed_time(landed)
+            ms = _elapsed_ms(arrive, landed)
             if ms > 0:
                 _add(block, "stall_seconds", ms / 1e3)
             most -= 1

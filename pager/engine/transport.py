@@ -31,7 +31,8 @@ that the h2d stream hands out).
 from __future__ import annotations
 
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +43,24 @@ from .host import PinnedPool
 from .split_fetch import SplitFetch
 
 STAGING_SLOTS = 3  # copies of pieces in flight while earlier ones decode
+
+
+def event_method(name: str) -> Callable[..., Any]:
+    """torch.cuda.Event's C method `name`, unbound, to call directly: its
+    Python `__new__`, `record`, `wait` and `query` (and Stream.wait_event's,
+    which calls `wait`) add a frame each, at every fetch, wait and release
+    of a block (2.5 events a streamed use). In a build of torch without
+    CUDA, which has none, one that says so (no CudaTransport is made there)."""
+    return getattr(torch._C._CudaEventBase, name, None) or _no_cuda_events
+
+
+def _no_cuda_events(*args, **kwargs):
+    raise RuntimeError("pager: CUDA events need a build of torch with CUDA")
+
+
+_new_event = torch._C._CudaEventBase.__new__  # (with torch.cuda.Event as the class: what callers read)
+_record_event = event_method("record")
+_wait_event = event_method("wait")  # (event, stream): later work on `stream` waits for `event`
 
 
 class CpuTransport:
@@ -119,6 +138,9 @@ class CpuTransport:
     def record_compute(self):
         return None
 
+    def mark_compute(self):
+        return None
+
     def mark_h2d(self, decoded: bool = False, last_copy=None):
         return None
 
@@ -187,7 +209,7 @@ class CudaTransport:
         # the h2d stream must first be ordered after every reader of it.
         for event in after:
             if event is not None:
-                self.h2d_stream.wait_event(event)
+                _wait_event(event, self.h2d_stream)
         with self.on(self.h2d_stream):
             flat.untyped_storage().resize_(0)
 
@@ -198,7 +220,7 @@ class CudaTransport:
         for event in after:
             # The destination may still be read by compute (a reused slot).
             if event is not None:
-                self.h2d_stream.wait_event(event)
+                _wait_event(event, self.h2d_stream)
         self.helper_link_bytes = self.helper_memory_bytes = 0
         with self.on(self.h2d_stream):
             start = self._record(self.h2d_stream, timing=True)
@@ -373,7 +395,13 @@ class CudaTransport:
             return fn(), self._record(self.d2h_stream)
 
     def record_compute(self):
+        """A timing event after the compute enqueued so far (a span's end, a stall's start)."""
         return self._record(self.compute_stream(), timing=True)
+
+    def mark_compute(self):
+        """A plain event after the compute enqueued so far, which others only
+        wait for (cheaper to make and record than a timing one)."""
+        return self._record(self.compute_stream())
 
     def mark_h2d(self, decoded: bool = False, last_copy=None):
         # Memory allocated on the h2d stream may have been freed by another
@@ -397,7 +425,7 @@ class CudaTransport:
     def compute_waits(self, event) -> None:
         # Compute must not read a block before its fetch has landed.
         if event is not None:
-            self.compute_stream().wait_event(event)
+            _wait_event(event, self.compute_stream())
 
     def new_flat(self, nbytes: int) -> torch.Tensor:
         with self.on(self.h2d_stream):
@@ -407,8 +435,8 @@ class CudaTransport:
 
     @staticmethod
     def _record(stream, timing=False):
-        event = torch.cuda.Event(enable_timing=timing)
-        event.record(stream)
+        event = _new_event(torch.cuda.Event, enable_timing=timing)
+        _record_event(event, stream)
         return event
 
 

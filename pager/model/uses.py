@@ -195,8 +195,9 @@ class Uses:
             # Everything on the device: nothing is fetched and nothing evicted;
             # an eviction after all (set_budget, a new segment) orders itself
             # after a fresh event. Saves an event per use.
-            self.engine.idle(block, mark=not (self.pager.all_resident and not self.pager.tracer.enabled))
-            if self.pager.tracer.enabled:
+            traced = self.pager.tracer.enabled
+            self.engine.idle(block, mark=traced or not self.pager.all_resident, timed=traced)
+            if traced:
                 end = block.last_use_event if self.pager.transport.is_cuda else time.perf_counter()
                 self.pager.tracer.span("compute", block.name, block.compute_start, end)
 
