@@ -48,7 +48,8 @@ from benchmarks.models import Decoder
 
 
 def write_profile(fn, times: int, name: str) -> None:
-    """cProfile of `fn()` run `times` times, its top 40 by own time, under $OUT."""
+    """cProfile of `fn()` run `times` times, its top 40 by own time and by
+    cumulative time, under $OUT."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(times):
@@ -58,6 +59,7 @@ def write_profile(fn, times: int, name: str) -> None:
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
     with open(out_path(name), "w") as f:
         f.write(text.getvalue())
 
