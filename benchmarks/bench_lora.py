@@ -4,7 +4,9 @@ A 7B-shaped and a 13B-shaped Hugging Face Llama (bf16, `--layers` of their
 layers), LoRA r=16 on q/k/v/o through peft, AdamW on the adapters, 4x512
 tokens a step: all on the GPU (where it fits), pager under `--budget` with
 the frozen pages plain and int4 ([Note: frozen pages], [Note: adapters stay
-on the device]; activations recomputed, so the budget bounds them too), and
+on the device]; defaults otherwise: the budget covers the process, the
+activations, the head's logits and loss included; a refusal is reported
+with the least budget it names), and
 DeepSpeed ZeRO-3 with its parameters offloaded to the CPU on the same
 adapters (skipped, and said so, where it is not installed; run after every
 other row, for it changes torch's `F.linear` in the process). Each step's
@@ -98,16 +100,27 @@ def bench_shape(shape, args, rows, gbps):
     for compress in (None, "int4"):
         m = copy.deepcopy(model)
         budget = int(args.budget * GiB)
-        pager.wrap(m, budget=budget, device="cuda", activations="recompute", compress=compress)
+        pager.wrap(m, budget=budget, device="cuda", compress=compress)
         pg = pager.of(m)
         opt = torch.optim.AdamW(trainable(m), lr=1e-4)
-        ms, peak = measure(make_step(m, opt, ids), args.reps, warmed=pg.reset)
+        method = f"pager {args.budget:g} GiB" + (f", {compress} frozen pages" if compress else "")
+        try:
+            ms, peak = measure(make_step(m, opt, ids), args.reps, warmed=pg.reset)
+        except pager.BudgetError as e:  # (a refusal is a result: the least budget it names)
+            least = e.least_budget_bytes
+            said = f"least budget {least / GiB:.2f} GiB" if least else str(e)[:160]
+            rows.append(Row(w, method, None, note=f"refused: {said}"))
+            print(rows[-1])
+            pager.unwrap(m)
+            del m, opt, pg
+            free_cuda()
+            continue
         s = pg.stats()
         steps = args.reps + 1  # (`measure` runs one step after `warmed` before timing)
         streamed = sum(seg.page_bytes for b in pg.blocks if not b.resident_for_life for seg in b.weight_segments)
         own_floor_ms = 2 * streamed / (gbps * 1e6)
         rows.append(Row(
-            w, f"pager {args.budget:g} GiB" + (f", {compress} frozen pages" if compress else ""), ms, peak,
+            w, method, ms, peak,
             ms / plain_floor_ms, "plain floor",
             f"{ms / own_floor_ms:.2f}x its own floor ({2 * streamed / 1e9:.1f} GB); "
             + (f"{ms / gpu_ms:.2f}x all on GPU; " if gpu_ms else "")
