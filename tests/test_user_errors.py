@@ -14,7 +14,7 @@ import torch
 import pager
 import pager.base.budget as budget_mod
 from helpers import assert_models_equal, assert_same
-from models import TinyLM
+from models import Layer, TinyLM
 from test_reliability import assert_untouched, consistent, snapshot
 from test_training import batches, lm_loss, regime_budget
 
@@ -231,8 +231,6 @@ class UntiedLM(torch.nn.Module):
 
     def __init__(self, vocab=512, d=128, n_layers=4):
         super().__init__()
-        from models import Layer
-
         self.embed = torch.nn.Embedding(vocab, d)
         self.layers = torch.nn.ModuleList(Layer(d) for _ in range(n_layers))
         self.norm = torch.nn.LayerNorm(d)
@@ -265,6 +263,13 @@ def test_a_refusal_names_the_small_modules_the_remainder_keeps_and_the_fix_runs(
     said = str(refused.value)
     assert "'embed' (256.00 KiB) and 'head' (256.00 KiB) stay" in said and "`blocks=` listing the layers" in said
     assert "'norm'" not in said  # (a norm's few bytes are not worth naming)
+
+    # Where the remainder is a small part of the least, the refusal says nothing of it.
+    small = UntiedLM(vocab=64)
+    pager.wrap(small, budget=budget // 4, device="cpu", optimizer=torch.optim.AdamW(small.parameters(), lr=1e-3))
+    with pytest.raises(pager.BudgetError) as refused:
+        small(torch.randint(0, 64, (2, 32))).square().mean().backward()
+    assert "for life" not in str(refused.value)
 
     model, opt = build()
     pager.wrap(model, budget=budget, device="cpu", optimizer=opt, blocks=[*model.layers, model.embed, model.head])

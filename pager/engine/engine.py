@@ -167,12 +167,11 @@ class Engine:
         after a fresh event: see [Note: the last use, or a fresh event]);
         `timed`: the mark is a timing event (a traced span's end)."""
         self.waiters.room_may_be_back()
-        if mark:
-            block.last_use_event = self.transport.record_compute() if timed else self.transport.mark_compute()
-        else:
+        if not mark:
             block.last_use_event = None
-        if mark:
-            block.release_versions = block.versions()
+            return
+        block.last_use_event = self.transport.record_compute() if timed else self.transport.mark_compute()
+        block.release_versions = block.versions()
 
     # ---------------------------------------------------------- transitions
     def bring(self, block, kinds, all_resident: bool = False) -> bool:

@@ -60,25 +60,31 @@ def least_bytes(pager) -> int:
 
 
 def remainder_said(pager) -> str:
-    """Where what stays on the device for life is a quarter or more of what
-    blocks need at least in a training step, and holds modules of the
-    remainder (each under LEAST_MOVED_BYTES stays unasked: [Note: nothing
-    resident by force] in api/fit.py), a clause for a refusal that names
-    the largest and says how to page them; else ""."""
+    """Where the remainder, with its gradients and optimizer state, is a
+    quarter or more of what blocks need at least in a training step, and
+    modules outside every block keep it there (each under LEAST_MOVED_BYTES
+    stays unasked: [Note: nothing resident by force] in api/fit.py), a
+    clause for a refusal that names the largest of them and says how to page
+    them; else "". (Not what stays inside a block's module: adapters kept on
+    the device, [Note: adapters stay on the device] in model/discover.py.)"""
     remainder = pager.remainder
-    if remainder is None or not remainder.resident_for_life:
+    if remainder is None:
         return ""
-    size = train_bytes(pager)
-    fixed = sum(size[b] for b in pager.all_blocks() if b.resident_for_life)
+    fixed = train_bytes(pager)[remainder]
     if 4 * fixed < least_bytes(pager):
         return ""
     ids = {id(p) for p in remainder.params}
-    named = []
+    inside = {id(m) for b in pager.blocks if b.module is not None for m in b.module.modules()}
+    named, said = [], set()  # (a weight tied into two modules: named once)
     with unguarded():  # (sizes of tensors that may be paged out: their own)
         for name, module in pager.model.named_modules():
-            own = [p for p in module._parameters.values() if p is not None and id(p) in ids]
-            if own and name:
-                named.append((sum(aligned_bytes(p) for p in own), name))
+            if not name or id(module) in inside:
+                continue
+            own = [p for p in module._parameters.values() if p is not None and id(p) in ids and id(p) not in said]
+            said |= {id(p) for p in own}
+            nbytes = sum(aligned_bytes(p) for p in own)
+            if own and nbytes < LEAST_MOVED_BYTES:
+                named.append((nbytes, name))
     if not named:
         return ""
     named.sort(key=lambda r: -r[0])
@@ -86,8 +92,8 @@ def remainder_said(pager) -> str:
     listed = " and ".join(f"{n!r} ({format_bytes(b)})" for b, n in named[:4])
     listed += " among others" if len(named) > 4 else ""
     return (
-        f"; of it, {format_bytes(fixed)} stays on the device for life with its gradients and state: the "
-        f"remainder, whose {listed} stay, as a module outside the layers leaves it by itself only from "
+        f"; of it, the remainder holds {format_bytes(fixed)} on the device for life with its gradients and "
+        f"state: {listed} stay in it, as a module outside the layers leaves it by itself only from "
         f"{format_bytes(LEAST_MOVED_BYTES)}; `blocks=` listing the layers and those modules pages them too"
     )
 

@@ -50,7 +50,9 @@ class Steps:
         # A step in which pages appeared (optimizer state made by the first
         # update, gradients by the first backward) is no part of one: with
         # gradient accumulation the first update's uses fall in one step of
-        # several passes, and the next pass differs from it once only.
+        # several passes, and the next pass differs from it once only. (A
+        # supernet's candidate that first runs makes pages too: its step does
+        # not count, which delays the advice until each has run once.)
         grew, self._bytes_at_start = self.pager.total_bytes != self._bytes_at_start, self.pager.total_bytes
         unsaid = changed and self.step_misses > 0 and not self.expect_used and not grew
         if unsaid and self._unsaid_change:

@@ -234,7 +234,7 @@ def host_factor(factor, cache: dict, transport, after: list):
     if factor.device.type == "cuda":
         copy = torch.empty(factor.shape, dtype=factor.dtype, pin_memory=True)
         copy.copy_(factor, non_blocking=True)  # (on the compute stream, after the op that made it)
-        after.append(transport.record_compute())
+        after.append(transport.mark_compute())
     else:
         copy = factor.clone()  # (the step's value, whatever the caller does with the tensor later)
     cache[id(factor)] = (factor, copy)
