@@ -28,9 +28,14 @@ def _sleepy(transport, h2d_cycles=2_000_000, compute_cycles=0, d2h_cycles=0):
     for name, stream, cycles in (("h2d", transport.h2d_stream, h2d_cycles), ("d2h", transport.d2h_stream, d2h_cycles)):
         if cycles:
             setattr(transport, name, _delayed(getattr(transport, name), stream, cycles))
-    if compute_cycles:  # (before each mark of compute: a release's, a wait's, an eviction's fresh one)
-        for name in ("record_compute", "mark_compute"):
-            setattr(transport, name, _after_sleep(getattr(transport, name), compute_cycles))
+    if compute_cycles:
+        sleep_before_marks(transport, compute_cycles)
+
+
+def sleep_before_marks(transport, cycles):
+    """Compute sleeps before each mark of it (a release's, a wait's, an eviction's fresh one)."""
+    for name in ("record_compute", "mark_compute"):
+        setattr(transport, name, _after_sleep(getattr(transport, name), cycles))
 
 
 def _after_sleep(mark, cycles):

@@ -14,6 +14,7 @@ import pager
 from helpers import streamed_llama, tensor_page_bytes
 from models import Thin
 from pager.engine import split_fetch
+from test_cuda import sleep_before_marks
 
 GPU = torch.device("cuda", 0)
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -106,13 +107,6 @@ def small_shares(monkeypatch):
     monkeypatch.setattr(split_fetch, "CHUNK_BYTES", 128 << 10)
 
 
-def _sleep_before_marks(transport, cycles):
-    """Compute sleeps before each mark of it (a release's, a wait's, an eviction's fresh one)."""
-    for name in ("record_compute", "mark_compute"):
-        mark = getattr(transport, name)
-        setattr(transport, name, lambda mark=mark: (torch.cuda._sleep(cycles), mark())[1])
-
-
 def _slow_helpers(transport, cycles=1_000_000):
     """Delay each helper's copies up to its staging and across to the device
     (and the device's own share, as test_cuda's `_sleepy` does): a missing
@@ -167,7 +161,7 @@ def test_a_forward_over_two_links_equals_the_bare_model_with_every_copy_delayed(
     assert torch.cuda.memory_allocated(1) - helper_before == transport.split.staging_bytes
     _slow_helpers(transport)
     if compute_sleep:
-        _sleep_before_marks(transport, compute_sleep)
+        sleep_before_marks(transport, compute_sleep)
     for _ in range(5):
         x = torch.randn(8, 512, device=GPU)
         with torch.no_grad():
@@ -235,7 +229,7 @@ def test_pages_a_helper_keeps_come_over_the_peer_link_with_every_copy_delayed(sm
     transport = pg.transport
     _slow_helpers(transport)
     if compute_sleep:
-        _sleep_before_marks(transport, compute_sleep)
+        sleep_before_marks(transport, compute_sleep)
     x = torch.randn(8, 512, device=GPU)
     with torch.no_grad():
         for _ in range(4):
