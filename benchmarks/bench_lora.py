@@ -13,7 +13,8 @@ other row, for it changes torch's `F.linear` in the process). Each step's
 floor is the frozen bytes it must read, twice (forward and backward), at the
 pinned host-to-device rate measured in the same run.
 
-    python -m benchmarks.bench_lora [--shapes 7b 13b] [--layers 16] [--budget 2] [--reps 5] [--peers deepspeed]
+    python -m benchmarks.bench_lora [--shapes 7b 13b] [--layers 16] [--budget 2 2.25] [--activations auto offload]
+        [--reps 5] [--peers deepspeed]
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ def bench_shape(shape, args, rows, gbps):
     print(rows[-1])
     model = model.to("cpu")
     free_cuda()
-    for compress in (None, "int4"):
+    runs = [(b, a, c) for b in args.budget for a in args.activations for c in (None, "int4")]
+    for budget_gib, activations, compress in runs:
         m = copy.deepcopy(model)
-        budget = int(args.budget * GiB)
-        pager.wrap(m, budget=budget, device="cuda", compress=compress)
+        budget = int(budget_gib * GiB)
+        pager.wrap(m, budget=budget, device="cuda", compress=compress, activations=activations)
         pg = pager.of(m)
         opt = torch.optim.AdamW(trainable(m), lr=1e-4)
-        method = f"pager {args.budget:g} GiB" + (f", {compress} frozen pages" if compress else "")
+        method = f"pager {budget_gib:g} GiB" + (f", {compress} frozen pages" if compress else "")
+        method += f", activations={activations!r}" if activations != "auto" else ""
         try:
             ms, peak = measure(make_step(m, opt, ids), args.reps, warmed=pg.reset)
         except pager.BudgetError as e:  # (a refusal is a result: the least budget it names)
@@ -125,8 +128,10 @@ def bench_shape(shape, args, rows, gbps):
             f"{ms / own_floor_ms:.2f}x its own floor ({2 * streamed / 1e9:.1f} GB); "
             + (f"{ms / gpu_ms:.2f}x all on GPU; " if gpu_ms else "")
             + f"per step {s.h2d_bytes / 1e9 / steps:.2f} GB in, {s.d2h_bytes / 1e6 / steps:.1f} MB out; "
-            f"allocator peak {peak - args.budget:+.2f} GiB vs the budget; pager's peak "
+            f"allocator peak {peak - budget_gib:+.2f} GiB vs the budget; pager's peak "
             f"{s.peak_device_bytes / GiB:.2f} GiB; stall {s.stall_seconds / steps * 1e3:.0f} ms/step; "
+            f"activations {s.activations_policy} ({s.activations_sent_bytes / 1e9 / steps:.2f} GB sent, "
+            f"{s.recomputes // steps} recomputations a step); "
             f"{sum(b.trainable for b in pg.blocks)} blocks trainable; host RSS {host_rss_gib():.1f} GiB",
             {"budget": budget, "h2d": s.h2d_bytes / steps, "d2h": s.d2h_bytes / steps, "floor_ms": plain_floor_ms,
              "own_floor_ms": own_floor_ms, "peak_device": s.peak_device_bytes},
@@ -171,7 +176,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["7b", "13b"], choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--budget", type=float, default=2.0, help="GiB")
+    ap.add_argument("--budget", type=float, nargs="+", default=[2.0], help="GiB (each in turn)")
+    ap.add_argument("--activations", nargs="+", default=["auto"], help="activations= of wrap (each in turn)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peers", default="deepspeed")
     args = ap.parse_args(argv)

@@ -405,12 +405,14 @@ def test_recomputed_blocks_hold_only_their_inputs_between_forward_and_backward()
 
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "to-the-end"])
 @pytest.mark.parametrize("policy", ["recompute", "auto"])
-def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, monkeypatch):
+def test_layers_split_into_parts_recompute_them_with_their_own_saves(policy, early_stop, monkeypatch):
     """A layer split into parts (its Linears blocks of their own inside it):
-    running the layer's forward again runs its parts too, whose saves are
-    theirs; the layer keeps only its own (the ReLU's), matched by number
-    ([Note: saves counted across nested blocks]). Also run to the forward's
-    end, as under torch's CUDA sanitizer ([Note: activations recomputed])."""
+    under recompute the parts' saves are dropped for the layer's
+    recomputation ([Note: blocks inside a recomputed block]), which runs
+    the parts again, their saves matched by number ([Note: saves counted
+    across nested blocks]): one recomputation a layer. Also run to the
+    forward's end, as under torch's CUDA sanitizer ([Note: activations
+    recomputed])."""
     from pager.training import recompute as _saved
     monkeypatch.setattr(_saved, "_cuda_trace_hooks_on", lambda: not early_stop)
     torch.manual_seed(0)
@@ -427,8 +429,38 @@ def test_layers_split_into_parts_recompute_their_own_saves(policy, early_stop, m
             o.step()
             o.zero_grad()
     assert_acted(p, policy)
+    if p.stats().activations_policy == "recompute":  # (the last layer's too: its last part keeps its own)
+        assert p.stats().recomputes == 10 * 12
     pager.unwrap(model)
     assert_models_equal(model, ref)
+
+
+def test_the_faster_policy_by_its_predicted_pass():
+    """On a CUDA device "auto" takes the policies in the order of a pass's
+    predicted seconds ([Note: the faster policy, predicted]): the FLOPs of
+    each block's forward are counted on fake tensors; where the link bounds
+    the pass (its pages stream), recompute comes first; where compute does,
+    offloading; without speeds (the CPU device), the order stands."""
+    from pager.training.dry_run import Speeds, choose, measure_saved, mostly_frozen
+
+    model = nn.Sequential(*[Wide(256) for _ in range(6)])
+    named = [(str(i), m) for i, m in enumerate(model)]
+    sb = measure_saved(model, named, (torch.zeros(512, 256),))
+    assert sb.flops == [2 * (2 * 512 * 256 * 1024)] * 6 and sb.outside_flops == 0  # (up and down)
+    assert sb.flops_dtype == torch.float32 and sb.within == [-1] * 6
+    kw = {"min_bytes": 0, "copies": False}
+    spare = -sum(sb.saved)  # (the pages do not fit: they stream)
+    link_bound, compute_bound = Speeds(1e9, 1e15), Speeds(1e15, 1e9)
+    for speeds, first in ((link_bound, "recompute"), (compute_bound, "offload, views kept"), (None, "offload, views kept")):
+        kept, policy, _held = choose(sb, "auto", spare, None, speeds, **kw)
+        assert (kept, policy) == (set(), first)
+    # A frozen block's backward computes no weights' gradients: one FLOP for each of its forward's, not two.
+    frozen = Speeds(1e15, 1e9, mostly_frozen(named))
+    assert frozen.frozen == frozenset() and mostly_frozen([(n, m.requires_grad_(False)) for n, m in named]) == {
+        str(i) for i in range(6)
+    }
+    seconds = sb.predicted_seconds("recompute", (), 0, 0, Speeds(1e15, 1e9, frozenset(str(i) for i in range(6))))
+    assert seconds == pytest.approx(sum(sb.flops) * (1 + 1 + 5 / 6) / 1e9)  # (the last block keeps its own)
 
 
 def test_an_input_changed_in_place_before_its_recomputation_is_an_error():

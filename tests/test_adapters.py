@@ -253,6 +253,40 @@ def test_peft_lora_on_split_layers_holds_the_budget_in_backward(activations):
     assert_params_equal(model, ref)
 
 
+def test_linears_inside_a_recomputed_layer_keep_no_inputs_of_their_own():
+    """Split layers under recompute: each frozen linear, a block inside its
+    layer's, is recomputed with the layer ([Note: blocks inside a recomputed
+    block]): between forward and backward the ledger holds the layers'
+    inputs and what ops outside blocks save, not each linear's input (the
+    very activation it saves); what the plan predicts bounds the pass, and
+    the adapters train bit for bit."""
+    model = peft_llama(ATTENTION, hidden=512)
+    ref = copy.deepcopy(model)
+    budget = int(0.45 * tensor_page_bytes(model)) + (9 << 20)  # (blocks, and the activations of 2x128 tokens)
+    pager.wrap(model, budget=budget, device="cpu", activations="recompute", budget_covers="pager")
+    pg = pager.of(model)
+    assert sum(b.name.endswith("q_proj.base_layer") for b in pg.blocks) == 4  # (split)
+    opt, ref_opt = (torch.optim.AdamW(trainable(m), lr=1e-3) for m in (model, ref))
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):
+            loss = m(input_ids=ids, labels=ids).loss
+            if m is model:
+                live = pg.activations.ledger.live
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    sb = pg.activations.planned
+    layers = [i for i, n in enumerate(sb.names) if n.endswith(tuple(f"layers.{k}" for k in range(4)))]
+    assert sorted(sb.recomputed_groups(sb._rest(()))) == layers
+    assert live == sum(sb.inputs[i] for i in layers) + sb.outside
+    s = pg.stats()
+    assert s.recomputes == 2 * 4  # (the layers' own: the linears ran again inside them)
+    assert s.peak_activation_bytes <= sb.peak("recompute", min_bytes=0, copies=False)
+    pager.unwrap(model)
+    assert_params_equal(model, ref)
+
+
 def test_peft_adapters_save_and_load(tmp_path):
     peft = pytest.importorskip("peft")
     model = peft_llama(ALL)

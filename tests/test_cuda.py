@@ -812,8 +812,9 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
     wait reads weights not yet landed): the same dropout masks and gradients
     as all on the GPU, and an allocator peak of the blocks' inputs plus a few
     blocks' activations instead of all of them. "auto" chooses before the
-    first pass (here a budget that holds recompute and offload), with the
-    same results."""
+    first pass, and again at the first step, with the optimizer's state
+    (here a budget that holds recompute and offload), with the same
+    results."""
     d, n, rows = 1024, 12, 2048
     act = rows * d * 4  # a block's input, fp32
     peaks = {}
@@ -829,6 +830,8 @@ def test_activations_recomputed_on_gpu_same_masks_and_peak():
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            if step == 1:
+                p.reset()  # (the choice made again at the first step, with the optimizer's state: settled)
             torch.manual_seed(10 + step)
             model(x).pow(2).mean().backward()
             after = torch.rand(4, device=GPU)  # the generator goes on as if nothing ran again

@@ -22,8 +22,10 @@ from ..training.dry_run import (
     OFFLOAD_VIEWS_KEPT,
     RECOMPUTE,
     SavedBytes,
+    Speeds,
     choose,
     measure_saved,
+    mostly_frozen,
     state_bytes_of,
 )
 from ..training.offload import OFFLOAD_MIN_BYTES
@@ -228,7 +230,9 @@ def plan(
             )
         outside = saved.outside_peak if covers_process else 0  # ([Note: what sits outside pager, predicted])
         room = max(budget_bytes - outside, 0)  # (what blocks and activations may hold)
-        peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, copies=device.type == "cuda")
+        share = 2 * sum(moved) / max(sum(step_sizes), 1)
+        speeds = _speeds(saved, sizing.named, device, link, share) if device.type == "cuda" else None  # (as a run's)
+        peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, device.type == "cuda", speeds)
         notes += _activation_notes(peaks, room, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
     update = _update_bytes(optimizer, [*grads, trainable(None)], master_weights)  # (the remainder's too)
@@ -311,22 +315,37 @@ def _host_kept(names, sizes, device_kept, host_budget: int) -> tuple[list[str], 
     return kept, sum(s for n, s in streamed if n not in kept)
 
 
-def training_peaks(sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True) -> dict:
+def training_peaks(
+    sb: SavedBytes, budget: int, blocks_bytes: int, least: int, copies: bool = True, speeds: Speeds | None = None
+) -> dict:
     """Per `activations=` policy: (the most activations hold on the device in
     a training pass, blocks and activations together), by the rules the run
     decides with ([Note: what each policy holds, predicted] in
     training/dry_run.py). `blocks_bytes`: every block with its gradients and
     state; `least`: the least room for blocks that runs; `copies`: copies
-    out run behind compute (CUDA) and hold device memory until done."""
+    out run behind compute (CUDA) and hold device memory until done;
+    `speeds`: the device's, for "auto" ([Note: the faster policy,
+    predicted] in training/activations.py)."""
     kw: dict[str, Any] = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": copies}
     acts = {"keep": sb.total, "offload": sb.peak(OFFLOAD, **kw), "recompute": sb.peak(RECOMPUTE, **kw)}
-    chosen = choose(sb, "auto", budget - blocks_bytes, budget - least, **kw)
+    chosen = choose(sb, "auto", budget - blocks_bytes, budget - least, speeds, **kw)
     acts["auto"] = chosen[2] if chosen is not None else least_held(sb, **kw)
     peaks = {"keep": (acts["keep"], min(max(budget, least), blocks_bytes) + acts["keep"])}
     for policy in ("offload", "recompute", "auto"):
         room = max(budget - acts[policy], least)  # [Note: one budget]: blocks take the rest, at least what runs
         peaks[policy] = (acts[policy], min(room, blocks_bytes) + acts[policy])
     return peaks
+
+
+def _speeds(sb: SavedBytes, named, device, link_gbps: float, link_share: float) -> Speeds | None:
+    """The CUDA `device`'s speeds for "auto"'s choice, as a run measures them
+    (`step_needs.speeds`); None where the forward computes nothing counted."""
+    from ..observe.report import measure_matmul_flops
+
+    if sb.flops_dtype is None:
+        return None
+    flops = measure_matmul_flops(device, sb.flops_dtype)
+    return Speeds(link_gbps * 1e9, flops, mostly_frozen(named), link_share)
 
 
 def _update_bytes(optimizer, grads: list, master_weights: bool) -> int:

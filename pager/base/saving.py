@@ -135,6 +135,13 @@ def begin_foreign(pack, unpack) -> bool:
     return True
 
 
+def active_recompute():
+    """The recomputation that this thread's active frame drops saves for
+    (an enclosing block's forward under `activations="recompute"`), or None."""
+    frame = getattr(tls, "active", None)
+    return frame.recompute if frame is not None else None
+
+
 def top_hooks():
     """The saved-tensor hooks on top in this thread: (pack, unpack), None, or
     another object where torch cannot say."""

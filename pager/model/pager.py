@@ -466,6 +466,7 @@ def _activations_of(pager: Pager, policy: str) -> Activations | None:
         beside_bytes=lambda budget=None: step_needs.beside_bytes(pager, budget),
         give_back=lambda nbytes: step_needs.give_back(pager, nbytes),
         least_said=lambda: step_needs.remainder_said(pager),
+        speeds=lambda planned: step_needs.speeds(pager, planned),
     )
     activations.ledger.note_blocks(0)
     return activations

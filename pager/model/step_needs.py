@@ -14,7 +14,9 @@ from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
-from ..training.dry_run import measure_saved, state_bytes_of
+from ..observe.report import measure_matmul_flops
+from ..observe.views import link_gbps_of
+from ..training.dry_run import Speeds, measure_saved, mostly_frozen, state_bytes_of
 
 log = logging.getLogger("pager")
 
@@ -138,6 +140,27 @@ def give_back(pager, nbytes: int) -> int:
 def pages_to_come_bytes(pager) -> int:
     """What the gradients and optimizer state not made yet will add to the blocks' pages."""
     return sum(n - b.nbytes() for b, n in train_bytes(pager).items())
+
+
+SPEEDS_LINK_PROBE_BYTES = 32 << 20  # (the link's rate for "auto"'s choice: a copy of this, best of 3)
+
+
+def speeds(pager, planned) -> Speeds | None:
+    """What the device does in a second, for "auto"'s choice of policy
+    ([Note: the faster policy, predicted] in training/activations.py),
+    measured once; None on the CPU device (the policies' own order stands)
+    or where the forward computes nothing torch's flop counter knows."""
+    if not pager.transport.is_cuda or planned.flops_dtype is None:
+        return None
+    moved = sum(seg.page_bytes for b in pager.blocks for seg in b.weight_segments)
+    size = train_bytes(pager)
+    pages = sum(size[b] for b in pager.blocks)
+    return Speeds(
+        link_gbps_of(pager, SPEEDS_LINK_PROBE_BYTES) * 1e9,
+        measure_matmul_flops(pager.device, planned.flops_dtype),
+        mostly_frozen([(b.name, b.module) for b in pager.blocks if b.module is not None]),
+        2 * moved / max(pages, 1),
+    )
 
 
 def measure(pager, args, kwargs) -> tuple:

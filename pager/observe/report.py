@@ -10,14 +10,15 @@ import torch
 from ..base.budget import format_bytes
 
 LINK_PROBE_BYTES = 256 << 20
+MATMUL_PROBE_SIZE = 2048  # (three 2048-square matrices: 48 MiB in float32)
 
 
-def measure_link_gbps(device: torch.device, pinned: bool, transport=None) -> float:
-    """Host-to-device GB/s for one large copy (best of 3); through
+def measure_link_gbps(device: torch.device, pinned: bool, transport=None, nbytes: int = LINK_PROBE_BYTES) -> float:
+    """Host-to-device GB/s for one large copy of `nbytes` (best of 3); through
     `transport`'s fetch path if given (over its helpers' links too where it
     splits fetches: [Note: split fetch] in engine/split_fetch.py)."""
-    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
-    dev = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = float("inf")
     for _ in range(3):
         if device.type != "cuda":
@@ -36,7 +37,32 @@ def measure_link_gbps(device: torch.device, pinned: bool, transport=None) -> flo
         best = min(best, start.elapsed_time(end) / 1e3)
     if transport is not None and device.type == "cuda":
         torch.cuda.synchronize(device)  # (the probe's memory is freed on return: every copy into it is done)
-    return LINK_PROBE_BYTES / best / 1e9
+    return nbytes / best / 1e9
+
+
+_MATMUL_FLOPS: dict = {}  # (device, dtype, torch's matmul precision) -> FLOP/s, measured once a process
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = MATMUL_PROBE_SIZE) -> float:
+    """FLOP/s of an `n`-square matmul in `dtype` on the CUDA `device` (best
+    of 3 runs of 4, under torch's matmul settings now: TF32 or not), once a
+    process for each."""
+    key = (device, dtype, torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+    if key not in _MATMUL_FLOPS:
+        a = torch.full((n, n), 0.5, device=device, dtype=dtype)  # (no random numbers: the user's generator stays)
+        b, out = torch.full_like(a, 0.25), torch.empty_like(a)
+        torch.mm(a, b, out=out)  # (the kernel chosen and loaded: not timed)
+        best = float("inf")
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(4):
+                torch.mm(a, b, out=out)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / 4)
+        _MATMUL_FLOPS[key] = 2 * n**3 / best
+    return _MATMUL_FLOPS[key]
 
 
 def measure_peer_gbps(helper: torch.device, device: torch.device) -> float:

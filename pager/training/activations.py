@@ -38,6 +38,7 @@ import logging
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..base import saving
 from ..base.budget import format_bytes
 from ..base.common import BudgetError
 from .dry_run import (
@@ -88,10 +89,9 @@ class Activations:
     training/dry_run.py): offload with saved views that are not contiguous
     (attention's transposed q, k and v) staying on the device, which moves
     the fewest bytes; offload of every dense save; recompute, which holds
-    least and costs a forward again. (Measured on the 1B decoder at 25-100%
-    of weights, gradients and AdamW state, offloading was the fastest of the
-    three wherever it held; the trials that timed the policies on passes
-    of their own cost 1.2x on those passes and could break the budget.) A
+    least and costs a forward again. On a CUDA device they are taken in the
+    order of their predicted seconds instead ([Note: the faster policy,
+    predicted]). A
     budget that none holds is refused at that first forward, before it runs,
     with the least budget that holds: a `BudgetError`. The reserve, what
     blocks leave to activations, is the prediction from the first pass on,
@@ -112,6 +112,38 @@ class Activations:
     Under `torch.compile` of the whole model, where neither offload nor
     recompute can run ([Note: pager under torch.compile] in model/hooks.py),
     "auto" keeps every block's activations, counted, and says so once.
+
+    [Note: the faster policy, predicted]
+    Offloading moves what a block saved over the host link twice (out in the
+    forward, back in the backward: on the link the blocks' pages stream
+    on); recomputing runs the forward of the blocks again. Which costs less
+    depends on what bounds the pass: a pass bound by compute hides the
+    copies under it (the 1B decoder trained in float32, 4x1024 tokens: there
+    offloading was the fastest of the three wherever it held), a pass bound
+    by the link hides the recomputation (LoRA on a 7B-shaped Llama, 4x512
+    tokens: the frozen pages stream twice a step, and offloading moved half
+    again as many bytes, 1.45x the link's floor). So "auto" predicts each
+    policy's pass (`SavedBytes.predicted_seconds`): the link carries twice
+    the pages that do not fit beside the activations the policy holds
+    (in for the forward, in for the backward) and what it sends; compute
+    runs the forward's FLOPs, counted on the fake tensors by torch's flop
+    counter, the backward's (twice them, once for a frozen block) and the
+    recomputation's; a pass takes the longer of the two, at the rates
+    measured on the device once (a 32 MiB copy in, a 2048-square matmul in
+    the dtype most of the FLOPs run in). The policies are taken in the order
+    of those seconds, the first that the budget holds chosen. On the CPU
+    device the copies are not beside compute, and the order above stands.
+
+    [Note: blocks inside a recomputed block]
+    A block whose forward runs inside a recomputed block's (a decoder
+    layer's linears, blocks of their own where the budget is small) is
+    recomputed with it: what it saves is dropped for the outer block's
+    recomputation, which runs it again ([Note: saves counted across nested
+    blocks] in training/recompute.py), so only the outer block's inputs are
+    kept, not each inner block's (a frozen linear's input is the very
+    activation it saves). In the backward the outer block's recomputation
+    fetches its inner blocks, which its backward then finds on the device.
+    An inner block that keeps its own ("auto"'s tail) keeps them.
 
     Args:
         policy: "offload", "recompute" or "auto" (see the Notes; "keep" needs no `Activations`).
@@ -144,6 +176,9 @@ class Activations:
             training/step_room.py): the budget holds the larger of the two.
         least_said: a clause for a refusal on what the least that blocks
             need holds that the user can change ("" where nothing).
+        speeds: `SavedBytes -> Speeds | None`: what the device does in a
+            second, for "auto"'s choice ([Note: the faster policy,
+            predicted]); None: the policies' own order.
     """
 
     def __init__(
@@ -161,11 +196,12 @@ class Activations:
         give_back=lambda nbytes: 0,
         update_bytes=lambda: 0,
         least_said=lambda: "",
+        speeds=lambda planned: None,
     ):
         self.stats, self.transport, self.budget_bytes, self.spare_bytes = stats, transport, budget_bytes, spare_bytes
         self.least_bytes, self.measure, self.outside_bytes = least_bytes, measure, outside_bytes
         self.budget_total, self.beside_bytes, self.give_back = budget_total, beside_bytes, give_back
-        self.update_bytes, self.least_said = update_bytes, least_said
+        self.update_bytes, self.least_said, self.speeds = update_bytes, least_said, speeds
         self.ledger = Ledger(transport.device)
         self.offload = ActivationOffload(transport, stats, self.ledger)  # also keeps the forward's order of blocks
         self.policy = OFFLOAD if policy == AUTO else policy  # of the blocks that do not keep
@@ -290,7 +326,21 @@ class Activations:
         room = None if budget is None else budget - least  # what activations may hold beside blocks
         if room is not None and self.update_bytes() > room:
             return None, budget, least  # (the step's update alone does not fit beside the blocks)
-        chosen = choose(planned, self.asked if self.asked == AUTO else self.policy, self.spare_bytes(), room, **kw)
+        policy, speeds = (AUTO, self.speeds(planned)) if self.asked == AUTO else (self.policy, None)
+        spare = self.spare_bytes()
+        chosen = choose(planned, policy, spare, room, speeds, **kw)
+        if speeds is not None and chosen is not None:
+            seconds = {
+                p: planned.predicted_seconds(p, chosen[0], planned.peak(p, chosen[0], **kw), spare, speeds, **kw)
+                for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
+            }
+            log.info(
+                "pager: a training pass predicted at %s (%.0f GB/s in, %.1f TFLOP/s in %s)",
+                ", ".join(f"{1e3 * t:.1f} ms under {p}" for p, t in seconds.items()),
+                speeds.link_bytes_per_s / 1e9,
+                speeds.flops_per_s / 1e12,
+                planned.flops_dtype,
+            )
         return chosen, budget, least
 
     @staticmethod
@@ -430,6 +480,9 @@ class Activations:
                 "instead (`module.compile()` on each, before or after wrap), or keep activations "
                 '(activations="keep"); see [Note: pager under torch.compile] in model/hooks.py.'
             )
+        enclosing = saving.active_recompute()
+        if enclosing is not None:  # ([Note: blocks inside a recomputed block])
+            return None, enclosing
         if self.policy == RECOMPUTE:
             return None, Recompute(block, args, kwargs, self.stats, self.ledger)
         return self.offload, None

@@ -39,7 +39,10 @@ the `Ledger` counts; pessimistic where timing decides):
   may send; CUDA only); in the backward, plus two blocks' activations (the
   last block's own or one brought back, and the one brought ahead);
 - recompute: of the others, their inputs (each storage once), what ops
-  outside blocks save, and the largest one's activations recomputed.
+  outside blocks save, and the largest one's activations recomputed; a
+  block inside a recomputed one is recomputed with it ([Note: blocks inside
+  a recomputed block] in training/activations.py): its inputs are not kept,
+  and what it saves is recomputed with the outer block's.
 
 [Note: what sits outside pager, predicted]
 Under a budget that covers the process ([Note: a budget that covers the
@@ -67,7 +70,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
 
 from ..base import wrappers
 from ..base.block import ALIGN_BYTES, align
@@ -82,6 +87,8 @@ _GONE = object()
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
 IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (offload.py)
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (offload.py)
+# A backward's FLOPs per forward FLOP: the inputs' gradients and the weights' (a frozen block's: the inputs' only)
+BACKWARD_FLOPS, FROZEN_BACKWARD_FLOPS = 2, 1
 GRADS_OF_A_LOSS = 2  # float32 tensors of the output's size a loss's backward holds at once (see the Note)
 
 
@@ -106,6 +113,10 @@ class SavedBytes:
     before: list[Save] = field(default_factory=list)
     outside_before: int = 0
     outside_peak: int = 0  # the process's bytes outside pager at the step's peak, predicted (see the Note)
+    within: list[int] = field(default_factory=list)  # per block, the block whose forward runs it (-1: none)
+    flops: list[int] = field(default_factory=list)  # per block, its forward's own FLOPs (its inner blocks' apart)
+    outside_flops: int = 0  # ... of the ops outside every block
+    flops_dtype: torch.dtype | None = None  # the dtype most of those FLOPs run in
 
     @property
     def total(self) -> int:
@@ -136,14 +147,16 @@ class SavedBytes:
         policy holds, predicted]."""
         last = self.names.index(self.order[-1]) if self.order else None
         keeps = {i for i, n in enumerate(self.names) if n in kept} | ({last} if last is not None else set())
-        rest = [i for i in range(len(self.names)) if i not in keeps and self.names[i] in self.order]
+        rest = self._rest(kept)
         held = sum(self.saved[i] for i in keeps)
         if policy == KEEP or not rest:
             return held + sum(self.saved[i] for i in rest) + self.outside
         assert last is not None  # (the blocks in `rest` are of the order, which has a last one then)
         if policy == RECOMPUTE:  # at the forward's end; in the backward, one block's recomputed beside the rest
-            inputs = sum(self.inputs[i] for i in rest)
-            backward = held - self.saved[last] + inputs + self.outside + max(self.saved[i] for i in rest)
+            groups = self.recomputed_groups(rest)
+            inputs = sum(self.inputs[i] for i in groups)
+            recomputed = max(sum(self.saved[j] for j in group) for group in groups.values())
+            backward = held - self.saved[last] + inputs + self.outside + recomputed
             return max(held + inputs + self.outside, backward)
         # Offloaded, ops between blocks go with the block before them (the last one's stay with it).
         held = sum(self.held(i) for i in keeps)
@@ -156,6 +169,75 @@ class SavedBytes:
         # In the backward: the last block's own with the one ahead of it brought, then two brought at a time.
         brought = max(self.held(last), max(sent)) + BRING_AHEAD_BLOCKS * max(max(sent), before_sent)
         return max(forward_end, held - self.held(last) + stays + brought)
+
+    def recomputed_groups(self, rest) -> dict:
+        """{block: the blocks its recomputation drops the saves of} for the
+        recomputed blocks `rest` ([Note: blocks inside a recomputed block]
+        in training/activations.py): a block inside a recomputed one is
+        recomputed with it, and keeps no inputs of its own."""
+        rest = set(rest)
+        groups: dict = {}
+        for i in sorted(rest):
+            top = i
+            while self._within(top) in rest:
+                top = self._within(top)
+            groups.setdefault(top, []).append(i)
+        return groups
+
+    def _within(self, i: int) -> int:
+        return self.within[i] if self.within else -1
+
+    def predicted_seconds(self, policy: str, kept, held: int, spare_bytes: int, speeds: Speeds, **kw) -> float:
+        """A training pass's seconds under `policy` for the blocks not in
+        `kept`, where activations hold `held` at most, predicted: the longer
+        of the link's and compute's ([Note: the faster policy, predicted] in
+        training/activations.py)."""
+        rest = self._rest(kept)
+        link = max(held - spare_bytes, 0) * speeds.link_share  # (what does not fit streams)
+        if policy in (OFFLOAD, OFFLOAD_VIEWS_KEPT):  # (sent in the forward, brought back in the backward)
+            min_bytes = kw.get("min_bytes", 1 << 20)
+            link += sum(self.sent(i, policy, min_bytes) for i in [*rest, None])
+        flops = self.outside_flops * (1 + BACKWARD_FLOPS)
+        for i, n in enumerate(self.flops):
+            flops += n * (1 + (FROZEN_BACKWARD_FLOPS if self.names[i] in speeds.frozen else BACKWARD_FLOPS))
+        if policy == RECOMPUTE:
+            flops += sum(self.flops[i] for i in rest) if self.flops else 0
+        return max(link / speeds.link_bytes_per_s, flops / speeds.flops_per_s)
+
+    def _rest(self, kept) -> list[int]:
+        """The blocks of the forward whose activations a policy handles: not
+        in `kept`, and not the forward's last (every policy keeps its)."""
+        last = self.names.index(self.order[-1]) if self.order else None
+        return [i for i, n in enumerate(self.names) if n not in kept and i != last and n in self.order]
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """What the device does in a second, for [Note: the faster policy,
+    predicted]: bytes over the host link, FLOPs in the dtype the forward
+    computes in; `frozen`, the blocks whose backward computes their
+    inputs' gradients only (their weights need none); `link_share`, the
+    bytes a pass brings over the link per device byte of blocks' pages that
+    do not fit: their weights twice (forward and backward; encoded where
+    they are compressed) over all their pages (with gradients and optimizer
+    state, which the host updates where they are)."""
+
+    link_bytes_per_s: float
+    flops_per_s: float
+    frozen: frozenset = frozenset()
+    link_share: float = 2.0
+
+
+def mostly_frozen(named_blocks) -> frozenset:
+    """The names of the blocks most of whose parameters need no gradient
+    (LoRA's base layers, with their adapters or not): their backward computes
+    their inputs' gradients and few of their weights'."""
+    frozen = set()
+    for name, module in named_blocks:
+        counts = [(p.numel(), p.requires_grad) for p in module.parameters()]
+        if 2 * sum(n for n, grad in counts if grad) < sum(n for n, _grad in counts):
+            frozen.add(name)
+    return frozenset(frozen)
 
 
 @dataclass(frozen=True)
@@ -175,16 +257,17 @@ class Save:
         return self.nbytes >= min_bytes and (self.contiguous or views and self.dense)
 
 
-def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, **kw) -> tuple | None:
+def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None, speeds=None, **kw) -> tuple | None:
     """(kept names, policy, the most activations hold) for `policy`, where
     activations may hold `room_bytes` beside what blocks need at least (None:
     unbounded) and `spare_bytes` beside every block with all its pages.
     "auto": the longest tail of the forward that keeps its own with the
-    first of offload with views kept, offload and recompute for the rest,
-    all within `spare_bytes` (blocks give up no room); where none is, no
-    tail and the first policy within `room_bytes` ([Note: activations, the
-    automatic choice] in training/activations.py). None where nothing holds."""
-    policies = (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
+    first of offload with views kept, offload and recompute for the rest
+    (with `speeds`, a `Speeds`: the first of them in the order of their
+    predicted seconds), all within `spare_bytes` (blocks give up no room);
+    where none is, no tail and the first policy within `room_bytes`
+    ([Note: activations, the automatic choice] in training/activations.py).
+    None where nothing holds."""
     if policy != "auto":
         held = sb.peak(policy, (), **kw)
         return ((), policy, held) if room_bytes is None or held <= room_bytes else None
@@ -193,15 +276,23 @@ def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None
         kept = set(order[len(order) - n :])
         if sum(sb.saved[sb.names.index(name)] for name in kept) > spare_bytes:
             continue
-        for p in policies:
-            held = sb.peak(p, kept, **kw)
+        for p, held in _fastest_first(sb, kept, spare_bytes, speeds, kw):
             if held <= spare_bytes:
                 return kept, p, held
-    for p in policies:
-        held = sb.peak(p, (), **kw)
+    for p, held in _fastest_first(sb, set(), spare_bytes, speeds, kw):
         if room_bytes is None or held <= room_bytes:
             return set(), p, held
     return None
+
+
+def _fastest_first(sb: SavedBytes, kept: set, spare_bytes: int, speeds, kw) -> list:
+    """[(policy, the most it holds)] of the policies "auto" chooses from, in
+    their order of preference, or with `speeds` of their predicted seconds
+    (ties in that order)."""
+    held = [(p, sb.peak(p, kept, **kw)) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)]
+    if speeds is None:
+        return held
+    return sorted(held, key=lambda ph: sb.predicted_seconds(ph[0], kept, ph[1], spare_bytes, speeds, **kw))
 
 
 def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, placed=None) -> SavedBytes:
@@ -225,24 +316,36 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
         )
     own = {_key(t) for t in fakes.values()}
     sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [[] for _ in names])
+    sb.within, sb.flops = [-1] * len(names), [0] * len(names)
+    by_dtype: dict = {}
     seen: set = set()
     inputs_seen: set = set()
+    inputs_alive: list = []
     stack: list[int] = []
 
     last = [-1]  # the module of the last block whose forward began (its id; -1: none yet)
 
     def pre(module, a, k):
         i = index[id(module)]
+        sb.within[i] = stack[-1] if stack else -1
         stack.append(i)
         last[0] = id(module)
         sb.order.append(names[i])
         for t in tree_flatten((a, k))[0]:
             if isinstance(t, torch.Tensor) and _key(t) not in own and _key(t) not in inputs_seen:
                 inputs_seen.add(_key(t))
+                inputs_alive.append(t)  # (a storage freed while the forward runs could give its key to a new one)
                 sb.inputs[i] += t.untyped_storage().nbytes()
 
     def post(module, a, out):
         stack.pop()
+
+    def count(flops: int, dtype) -> None:
+        if stack:
+            sb.flops[stack[-1]] += flops
+        else:
+            sb.outside_flops += flops
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + flops
 
     def pack(t):
         key = _key(t)
@@ -281,8 +384,9 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
     try:
         # (compiled blocks run eagerly here: their compiled kernels would read fake tensors' memory)
         with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager"), _Flops(count):
                 out = functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
+        sb.flops_dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
         sb.outside_peak = _outside_peak((fake_args, fake_kwargs), out, own | seen)
     except Exception as e:  # noqa: BLE001 - the model's own code: report what it raised
         raise ValueError(
@@ -304,6 +408,25 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
                 now.clear()
                 now.update(before)
     return sb
+
+
+class _Flops(TorchDispatchMode):
+    """Counts the FLOPs of the ops torch's flop counter knows (matmuls,
+    convolutions, attention) as they run on the fake tensors: `count(flops,
+    dtype)` for each."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops_of = flop_registry.get(func.overloadpacket)
+        if flops_of is not None:
+            dtype = next((t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+            self.count(int(flops_of(*args, **kwargs, out_val=out)), dtype)
+        return out
 
 
 def _outside_peak(inputs, out, counted: set) -> int:

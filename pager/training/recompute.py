@@ -263,10 +263,12 @@ def _put_back(noted: list) -> list:
 def _pack_again(t):
     # [Note: saves counted across nested blocks]
     # A block's forward may run blocks inside it (a layer's parts): what
-    # those save is theirs (their own `Recompute`, offload or ledger), not
-    # the outer block's. Running the outer forward again runs the inner ones
-    # too, under these hooks alone, so its saves are matched by number: the
-    # n-th save since the forward began, whoever's frame took it, both times.
+    # those save is dropped for the outer block's recomputation too ([Note:
+    # blocks inside a recomputed block] in training/activations.py), or kept
+    # where an inner block keeps its own. Running the outer forward again
+    # runs the inner ones too, under these hooks alone, so its saves are
+    # matched by number: the n-th save since the forward began, whoever's
+    # frame took it, both times.
     recompute, counter = tls.recording
     n = counter[0]
     counter[0] += 1
