@@ -16,6 +16,7 @@ from ..engine.split_fetch import CHUNK_BYTES, SPLIT_MIN_BYTES, helper_budgets, r
 from ..experts.find import choose as choose_experts
 from ..model import discover
 from ..model.outside import check_covers
+from ..observe.report import ASSUMED_LINK_GBPS, PROBED_DTYPES
 from ..training import host_step
 from ..training.dry_run import (
     OFFLOAD,
@@ -31,7 +32,7 @@ from ..training.dry_run import (
 from ..training.offload import OFFLOAD_MIN_BYTES
 from ..training.step_room import TEMPORARIES_PRIOR
 from .fit import default_blocks
-from .plan_result import ASSUMED_LINK_GBPS, Plan
+from .plan_result import Plan
 
 
 def plan(
@@ -342,7 +343,7 @@ def _speeds(sb: SavedBytes, named, device, link_gbps: float, link_share: float) 
     (`step_needs.speeds`); None where the forward computes nothing counted."""
     from ..observe.report import measure_matmul_flops
 
-    if sb.flops_dtype is None:
+    if sb.flops_dtype not in PROBED_DTYPES:
         return None
     flops = measure_matmul_flops(device, sb.flops_dtype)
     return Speeds(link_gbps * 1e9, flops, mostly_frozen(named), link_share)

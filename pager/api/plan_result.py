@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from ..base.budget import format_bytes
 from ..training.dry_run import SavedBytes
 
-ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
-
 
 @dataclass
 class Plan:

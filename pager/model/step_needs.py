@@ -14,8 +14,7 @@ from ..base.registry import unguarded
 from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
-from ..observe.report import measure_matmul_flops
-from ..observe.views import link_gbps_of
+from ..observe.report import ASSUMED_LINK_GBPS, PROBED_DTYPES, measure_matmul_flops
 from ..training.dry_run import Speeds, measure_saved, mostly_frozen, state_bytes_of
 
 log = logging.getLogger("pager")
@@ -142,21 +141,29 @@ def pages_to_come_bytes(pager) -> int:
     return sum(n - b.nbytes() for b, n in train_bytes(pager).items())
 
 
-SPEEDS_LINK_PROBE_BYTES = 32 << 20  # (the link's rate for "auto"'s choice: a copy of this, best of 3)
+LINK_SEEN_BYTES = 256 << 20  # copies that give the link's rate for "auto"'s choice (fewer: the one assumed)
 
 
 def speeds(pager, planned) -> Speeds | None:
     """What the device does in a second, for "auto"'s choice of policy
-    ([Note: the faster policy, predicted] in training/activations.py),
-    measured once; None on the CPU device (the policies' own order stands)
-    or where the forward computes nothing torch's flop counter knows."""
-    if not pager.transport.is_cuda or planned.flops_dtype is None:
+    ([Note: the faster policy, predicted] in training/activations.py): the
+    link's rate as measured (`Pager.link_gbps`) or seen in this pager's
+    copies, else the one assumed; the matmul rate measured once a process.
+    None on the CPU device (the policies' own order stands) or where the
+    forward computes nothing torch's flop counter knows in a dtype a matmul
+    probe runs in."""
+    if not pager.transport.is_cuda or planned.flops_dtype not in PROBED_DTYPES:
         return None
+    link = getattr(pager, "_link_gbps", None)
+    if link is None:
+        pager.engine.meter.resolve(wait=False)  # (the copies' seconds that are known, no sync)
+        seen = pager.counters
+        link = seen.h2d_gbps if seen.h2d_bytes >= LINK_SEEN_BYTES and seen.h2d_seconds else ASSUMED_LINK_GBPS
     moved = sum(seg.page_bytes for b in pager.blocks for seg in b.weight_segments)
     size = train_bytes(pager)
     pages = sum(size[b] for b in pager.blocks)
     return Speeds(
-        link_gbps_of(pager, SPEEDS_LINK_PROBE_BYTES) * 1e9,
+        link * 1e9,
         measure_matmul_flops(pager.device, planned.flops_dtype),
         mostly_frozen([(b.name, b.module) for b in pager.blocks if b.module is not None]),
         2 * moved / max(pages, 1),

@@ -10,15 +10,17 @@ import torch
 from ..base.budget import format_bytes
 
 LINK_PROBE_BYTES = 256 << 20
+ASSUMED_LINK_GBPS = 55.0  # PCIe Gen5 x16 from pinned memory, measured on an H100 host
 MATMUL_PROBE_SIZE = 2048  # (three 2048-square matrices: 48 MiB in float32)
+PROBED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (`measure_matmul_flops`'s)
 
 
-def measure_link_gbps(device: torch.device, pinned: bool, transport=None, nbytes: int = LINK_PROBE_BYTES) -> float:
-    """Host-to-device GB/s for one large copy of `nbytes` (best of 3); through
+def measure_link_gbps(device: torch.device, pinned: bool, transport=None) -> float:
+    """Host-to-device GB/s for one large copy (best of 3); through
     `transport`'s fetch path if given (over its helpers' links too where it
     splits fetches: [Note: split fetch] in engine/split_fetch.py)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+    dev = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
     best = float("inf")
     for _ in range(3):
         if device.type != "cuda":
@@ -37,16 +39,16 @@ def measure_link_gbps(device: torch.device, pinned: bool, transport=None, nbytes
         best = min(best, start.elapsed_time(end) / 1e3)
     if transport is not None and device.type == "cuda":
         torch.cuda.synchronize(device)  # (the probe's memory is freed on return: every copy into it is done)
-    return nbytes / best / 1e9
+    return LINK_PROBE_BYTES / best / 1e9
 
 
 _MATMUL_FLOPS: dict = {}  # (device, dtype, torch's matmul precision) -> FLOP/s, measured once a process
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = MATMUL_PROBE_SIZE) -> float:
-    """FLOP/s of an `n`-square matmul in `dtype` on the CUDA `device` (best
-    of 3 runs of 4, under torch's matmul settings now: TF32 or not), once a
-    process for each."""
+    """FLOP/s of an `n`-square matmul in `dtype` (one of `PROBED_DTYPES`) on
+    the CUDA `device` (best of 3 runs of 4, under torch's matmul settings
+    now: TF32 or not), once a process for each."""
     key = (device, dtype, torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
     if key not in _MATMUL_FLOPS:
         a = torch.full((n, n), 0.5, device=device, dtype=dtype)  # (no random numbers: the user's generator stays)

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..base.budget import format_bytes
-from .report import LINK_PROBE_BYTES, measure_link_gbps, system_lines
+from .report import measure_link_gbps, system_lines
 from .stats import Stats, zero_counters
 
 
@@ -72,11 +72,11 @@ def report_of(pager) -> str:
     return "\n".join(lines)
 
 
-def link_gbps_of(pager, nbytes: int = LINK_PROBE_BYTES) -> float:
-    """`Pager.link_gbps`: measured once per pager (by a copy of `nbytes`, the first asker's)."""
+def link_gbps_of(pager) -> float:
+    """`Pager.link_gbps`: measured once per pager."""
     if getattr(pager, "_link_gbps", None) is None:
         with pager.engine.lock:  # (the probe goes through the copy streams the fetches use)
-            pager._link_gbps = measure_link_gbps(pager.device, pager.arena.pin, pager.transport, nbytes)
+            pager._link_gbps = measure_link_gbps(pager.device, pinned=pager.arena.pin, transport=pager.transport)
     return pager._link_gbps
 
 

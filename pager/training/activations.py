@@ -91,8 +91,8 @@ class Activations:
     the fewest bytes; offload of every dense save; recompute, which holds
     least and costs a forward again. On a CUDA device they are taken in the
     order of their predicted seconds instead ([Note: the faster policy,
-    predicted]). A
-    budget that none holds is refused at that first forward, before it runs,
+    predicted]). A budget that none holds is refused at that first forward,
+    before it runs,
     with the least budget that holds: a `BudgetError`. The reserve, what
     blocks leave to activations, is the prediction from the first pass on,
     or the most the last pass held where that was more. Values are the same under every
@@ -128,11 +128,17 @@ class Activations:
     (in for the forward, in for the backward) and what it sends; compute
     runs the forward's FLOPs, counted on the fake tensors by torch's flop
     counter, the backward's (twice them, once for a frozen block) and the
-    recomputation's; a pass takes the longer of the two, at the rates
-    measured on the device once (a 32 MiB copy in, a 2048-square matmul in
-    the dtype most of the FLOPs run in). The policies are taken in the order
-    of those seconds, the first that the budget holds chosen. On the CPU
-    device the copies are not beside compute, and the order above stands.
+    recomputation's; a pass takes the longer of the two, at the link's rate
+    as measured (`Pager.link_gbps`) or seen in the pager's copies (else 55
+    GB/s, PCIe Gen5's, assumed: the first pass, before any copy) and a
+    2048-square matmul's, measured once a process in the dtype most of the
+    FLOPs run in (its 48 MiB at most freed at once; the link is not probed).
+    The policies are taken in the order of those seconds, the first
+    that the budget holds chosen. It is an estimate: what an inner block's
+    refetch for its outer block's recomputation costs (where the room does
+    not hold the layer) and the backward's own FLOPs of a block that is
+    mostly frozen but computes attention are not in it. On the CPU device
+    the copies are not beside compute, and the order above stands.
 
     [Note: blocks inside a recomputed block]
     A block whose forward runs inside a recomputed block's (a decoder

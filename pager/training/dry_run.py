@@ -82,6 +82,7 @@ from ..base.wrappers import aligned_bytes
 from .masters import wants_master
 
 _GONE = object()
+log = logging.getLogger("pager")
 
 # activations="offload" sends every dense save ("offload") or its contiguous ones only ("offload, views kept")
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
@@ -413,7 +414,11 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
 class _Flops(TorchDispatchMode):
     """Counts the FLOPs of the ops torch's flop counter knows (matmuls,
     convolutions, attention) as they run on the fake tensors: `count(flops,
-    dtype)` for each."""
+    dtype)` for each. Higher-order ops (flex attention) pass through it. A
+    count is an estimate for "auto"'s choice: one the flop counter cannot
+    make (a shape its formula does not take) is logged at DEBUG and left out."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, count):
         super().__init__()
@@ -422,10 +427,15 @@ class _Flops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flops_of = flop_registry.get(func.overloadpacket)
+        flops_of = flop_registry.get(getattr(func, "overloadpacket", func))
         if flops_of is not None:
+            try:
+                flops = int(flops_of(*args, **kwargs, out_val=out))
+            except Exception as e:  # noqa: BLE001 - torch's formula: the measure of saves goes on without it
+                log.debug("pager: the FLOPs of %s not counted (%s: %s)", func, type(e).__name__, e)
+                return out
             dtype = next((t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-            self.count(int(flops_of(*args, **kwargs, out_val=out)), dtype)
+            self.count(flops, dtype)
         return out
 
 

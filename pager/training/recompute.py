@@ -3,7 +3,9 @@
 [Note: activations recomputed]
 With `activations="recompute"` (pager's own checkpointing: the model's code
 does not change), a block's training forward keeps only its inputs (detached,
-with their version), the RNG states and the autocast state (`Recompute`);
+with their version), the RNG states and the autocast state (`Recompute`; a
+block inside a recomputed block keeps nothing: [Note: blocks inside a
+recomputed block] in training/activations.py);
 each activation it saves is dropped and the graph holds a `Dropped` instead
 (index and metadata). The first `Dropped` of a block that its backward asks for
 runs the block's forward again (the block is resident: its pre-backward hook
