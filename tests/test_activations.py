@@ -438,29 +438,32 @@ def test_layers_split_into_parts_recompute_them_with_their_own_saves(policy, ear
 def test_the_faster_policy_by_its_predicted_pass():
     """On a CUDA device "auto" takes the policies in the order of a pass's
     predicted seconds ([Note: the faster policy, predicted]): the FLOPs of
-    each block's forward are counted on fake tensors; where the link bounds
-    the pass (its pages stream), recompute comes first; where compute does,
+    each block's forward are counted on fake tensors, and its backward's
+    from which operands need a gradient; where the link bounds the pass
+    (its pages stream), recompute comes first; where compute does,
     offloading; without speeds (the CPU device), the order stands."""
-    from pager.training.dry_run import Speeds, choose, measure_saved, mostly_frozen
+    from pager.training.dry_run import Speeds, choose, measure_saved
 
     model = nn.Sequential(*[Wide(256) for _ in range(6)])
     named = [(str(i), m) for i, m in enumerate(model)]
+    f = 2 * (2 * 512 * 256 * 1024)  # (a block's up and down)
     sb = measure_saved(model, named, (torch.zeros(512, 256),))
-    assert sb.flops == [2 * (2 * 512 * 256 * 1024)] * 6 and sb.outside_flops == 0  # (up and down)
+    assert sb.flops == [f] * 6 and sb.outside_flops == 0
     assert sb.flops_dtype == torch.float32 and sb.within == [-1] * 6
+    # Backward: the first block's up computes its weight's gradient alone (its input needs none), the rest two.
+    assert sb.backward_flops == [f // 2 + f] + [2 * f] * 5
     kw = {"min_bytes": 0, "copies": False}
     spare = -sum(sb.saved)  # (the pages do not fit: they stream)
     link_bound, compute_bound = Speeds(1e9, 1e15), Speeds(1e15, 1e9)
     for speeds, first in ((link_bound, "recompute"), (compute_bound, "offload, views kept"), (None, "offload, views kept")):
         kept, policy, _held = choose(sb, "auto", spare, None, speeds, **kw)
         assert (kept, policy) == (set(), first)
-    # A frozen block's backward computes no weights' gradients: one FLOP for each of its forward's, not two.
-    frozen = Speeds(1e15, 1e9, mostly_frozen(named))
-    assert frozen.frozen == frozenset() and mostly_frozen([(n, m.requires_grad_(False)) for n, m in named]) == {
-        str(i) for i in range(6)
-    }
-    seconds = sb.predicted_seconds("recompute", (), 0, 0, Speeds(1e15, 1e9, frozenset(str(i) for i in range(6))))
-    assert seconds == pytest.approx(sum(sb.flops) * (1 + 1 + 5 / 6) / 1e9)  # (the last block keeps its own)
+    seconds = sb.predicted_seconds("recompute", (), 0, 0, compute_bound)
+    assert seconds == pytest.approx((6 * f + sb.backward_flops[0] + 10 * f + 5 * f) / 1e9)  # (the last keeps its own)
+    # Frozen weights, an input that needs a gradient (LoRA's base layers): the backward computes the inputs' alone.
+    model.requires_grad_(False)
+    frozen = measure_saved(model, named, (torch.zeros(512, 256, requires_grad=True),))
+    assert frozen.backward_flops == frozen.flops == [f] * 6
 
 
 def test_an_input_changed_in_place_before_its_recomputation_is_an_error():

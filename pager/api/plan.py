@@ -26,7 +26,6 @@ from ..training.dry_run import (
     Speeds,
     choose,
     measure_saved,
-    mostly_frozen,
     state_bytes_of,
 )
 from ..training.offload import OFFLOAD_MIN_BYTES
@@ -232,7 +231,7 @@ def plan(
         outside = saved.outside_peak if covers_process else 0  # ([Note: what sits outside pager, predicted])
         room = max(budget_bytes - outside, 0)  # (what blocks and activations may hold)
         share = 2 * sum(moved) / max(sum(step_sizes), 1)
-        speeds = _speeds(saved, sizing.named, device, link, share) if device.type == "cuda" else None  # (as a run's)
+        speeds = _speeds(saved, device, link, share) if device.type == "cuda" else None  # (as a run's)
         peaks = training_peaks(saved, room, fixed + sum(step_sizes), least, device.type == "cuda", speeds)
         notes += _activation_notes(peaks, room, least, outside)
     kw = {"min_bytes": OFFLOAD_MIN_BYTES, "copies": device.type == "cuda"}
@@ -338,7 +337,7 @@ def training_peaks(
     return peaks
 
 
-def _speeds(sb: SavedBytes, named, device, link_gbps: float, link_share: float) -> Speeds | None:
+def _speeds(sb: SavedBytes, device, link_gbps: float, link_share: float) -> Speeds | None:
     """The CUDA `device`'s speeds for "auto"'s choice, as a run measures them
     (`step_needs.speeds`); None where the forward computes nothing counted."""
     from ..observe.report import measure_matmul_flops
@@ -346,7 +345,7 @@ def _speeds(sb: SavedBytes, named, device, link_gbps: float, link_share: float) 
     if sb.flops_dtype not in PROBED_DTYPES:
         return None
     flops = measure_matmul_flops(device, sb.flops_dtype)
-    return Speeds(link_gbps * 1e9, flops, mostly_frozen(named), link_share)
+    return Speeds(link_gbps * 1e9, flops, link_share)
 
 
 def _update_bytes(optimizer, grads: list, master_weights: bool) -> int:

@@ -15,7 +15,7 @@ from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
 from ..observe.report import ASSUMED_LINK_GBPS, PROBED_DTYPES, measure_matmul_flops
-from ..training.dry_run import Speeds, measure_saved, mostly_frozen, state_bytes_of
+from ..training.dry_run import Speeds, measure_saved, state_bytes_of
 
 log = logging.getLogger("pager")
 
@@ -165,7 +165,6 @@ def speeds(pager, planned) -> Speeds | None:
     return Speeds(
         link * 1e9,
         measure_matmul_flops(pager.device, planned.flops_dtype),
-        mostly_frozen([(b.name, b.module) for b in pager.blocks if b.module is not None]),
         2 * moved / max(pages, 1),
     )
 

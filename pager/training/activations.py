@@ -48,6 +48,7 @@ from .dry_run import (
     RECOMPUTE,
     SavedBytes,
     choose,
+    fastest_first,
 )
 from .ledger import Ledger
 from .offload import ActivationOffload
@@ -127,7 +128,8 @@ class Activations:
     the pages that do not fit beside the activations the policy holds
     (in for the forward, in for the backward) and what it sends; compute
     runs the forward's FLOPs, counted on the fake tensors by torch's flop
-    counter, the backward's (twice them, once for a frozen block) and the
+    counter, the backward's (as many again for each of an op's two operands
+    that needs a gradient: once for a frozen weight's matmul) and the
     recomputation's; a pass takes the longer of the two, at the link's rate
     as measured (`Pager.link_gbps`) or seen in the pager's copies (else 55
     GB/s, PCIe Gen5's, assumed: the first pass, before any copy) and a
@@ -136,8 +138,7 @@ class Activations:
     The policies are taken in the order of those seconds, the first
     that the budget holds chosen. It is an estimate: what an inner block's
     refetch for its outer block's recomputation costs (where the room does
-    not hold the layer) and the backward's own FLOPs of a block that is
-    mostly frozen but computes attention are not in it. On the CPU device
+    not hold the layer) is not in it. On the CPU device
     the copies are not beside compute, and the order above stands.
 
     [Note: blocks inside a recomputed block]
@@ -336,13 +337,11 @@ class Activations:
         spare = self.spare_bytes()
         chosen = choose(planned, policy, spare, room, speeds, **kw)
         if speeds is not None and chosen is not None:
-            seconds = {
-                p: planned.predicted_seconds(p, chosen[0], planned.peak(p, chosen[0], **kw), spare, speeds, **kw)
-                for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)
-            }
             log.info(
                 "pager: a training pass predicted at %s (%.0f GB/s in, %.1f TFLOP/s in %s)",
-                ", ".join(f"{1e3 * t:.1f} ms under {p}" for p, t in seconds.items()),
+                ", ".join(
+                    f"{1e3 * t:.1f} ms under {p}" for p, _h, t in fastest_first(planned, chosen[0], spare, speeds, kw)
+                ),
                 speeds.link_bytes_per_s / 1e9,
                 speeds.flops_per_s / 1e12,
                 planned.flops_dtype,

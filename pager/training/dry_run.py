@@ -88,8 +88,6 @@ log = logging.getLogger("pager")
 OFFLOAD, OFFLOAD_VIEWS_KEPT, RECOMPUTE, KEEP = "offload", "offload, views kept", "recompute", "keep"
 IN_FLIGHT_MIN_BYTES = 64 << 20  # the least cap of bytes being copied out before compute waits (offload.py)
 BRING_AHEAD_BLOCKS = 1  # at a block's backward, the blocks before it whose activations come back too (offload.py)
-# A backward's FLOPs per forward FLOP: the inputs' gradients and the weights' (a frozen block's: the inputs' only)
-BACKWARD_FLOPS, FROZEN_BACKWARD_FLOPS = 2, 1
 GRADS_OF_A_LOSS = 2  # float32 tensors of the output's size a loss's backward holds at once (see the Note)
 
 
@@ -116,7 +114,9 @@ class SavedBytes:
     outside_peak: int = 0  # the process's bytes outside pager at the step's peak, predicted (see the Note)
     within: list[int] = field(default_factory=list)  # per block, the block whose forward runs it (-1: none)
     flops: list[int] = field(default_factory=list)  # per block, its forward's own FLOPs (its inner blocks' apart)
+    backward_flops: list[int] = field(default_factory=list)  # ... and its backward's, predicted
     outside_flops: int = 0  # ... of the ops outside every block
+    outside_backward_flops: int = 0
     flops_dtype: torch.dtype | None = None  # the dtype most of those FLOPs run in
 
     @property
@@ -198,12 +198,19 @@ class SavedBytes:
         if policy in (OFFLOAD, OFFLOAD_VIEWS_KEPT):  # (sent in the forward, brought back in the backward)
             min_bytes = kw.get("min_bytes", 1 << 20)
             link += sum(self.sent(i, policy, min_bytes) for i in [*rest, None])
-        flops = self.outside_flops * (1 + BACKWARD_FLOPS)
-        for i, n in enumerate(self.flops):
-            flops += n * (1 + (FROZEN_BACKWARD_FLOPS if self.names[i] in speeds.frozen else BACKWARD_FLOPS))
-        if policy == RECOMPUTE:
-            flops += sum(self.flops[i] for i in rest) if self.flops else 0
+        flops = self.outside_flops + self.outside_backward_flops + sum(self.flops) + sum(self.backward_flops)
+        if policy == RECOMPUTE:  # (the blocks inside a recomputed one run again with it, those that keep too)
+            again = set(rest)
+            flops += sum(n for i, n in enumerate(self.flops) if self._under(i, again))
         return max(link / speeds.link_bytes_per_s, flops / speeds.flops_per_s)
+
+    def _under(self, i: int, blocks: set) -> bool:
+        """Whether block `i` is one of `blocks` or runs inside one."""
+        while i != -1:
+            if i in blocks:
+                return True
+            i = self._within(i)
+        return False
 
     def _rest(self, kept) -> list[int]:
         """The blocks of the forward whose activations a policy handles: not
@@ -216,8 +223,7 @@ class SavedBytes:
 class Speeds:
     """What the device does in a second, for [Note: the faster policy,
     predicted]: bytes over the host link, FLOPs in the dtype the forward
-    computes in; `frozen`, the blocks whose backward computes their
-    inputs' gradients only (their weights need none); `link_share`, the
+    computes in; `link_share`, the
     bytes a pass brings over the link per device byte of blocks' pages that
     do not fit: their weights twice (forward and backward; encoded where
     they are compressed) over all their pages (with gradients and optimizer
@@ -225,20 +231,7 @@ class Speeds:
 
     link_bytes_per_s: float
     flops_per_s: float
-    frozen: frozenset = frozenset()
     link_share: float = 2.0
-
-
-def mostly_frozen(named_blocks) -> frozenset:
-    """The names of the blocks most of whose parameters need no gradient
-    (LoRA's base layers, with their adapters or not): their backward computes
-    their inputs' gradients and few of their weights'."""
-    frozen = set()
-    for name, module in named_blocks:
-        counts = [(p.numel(), p.requires_grad) for p in module.parameters()]
-        if 2 * sum(n for n, grad in counts if grad) < sum(n for n, _grad in counts):
-            frozen.add(name)
-    return frozenset(frozen)
 
 
 @dataclass(frozen=True)
@@ -277,23 +270,24 @@ def choose(sb: SavedBytes, policy: str, spare_bytes: int, room_bytes: int | None
         kept = set(order[len(order) - n :])
         if sum(sb.saved[sb.names.index(name)] for name in kept) > spare_bytes:
             continue
-        for p, held in _fastest_first(sb, kept, spare_bytes, speeds, kw):
+        for p, held, _seconds in fastest_first(sb, kept, spare_bytes, speeds, kw):
             if held <= spare_bytes:
                 return kept, p, held
-    for p, held in _fastest_first(sb, set(), spare_bytes, speeds, kw):
+    for p, held, _seconds in fastest_first(sb, set(), spare_bytes, speeds, kw):
         if room_bytes is None or held <= room_bytes:
             return set(), p, held
     return None
 
 
-def _fastest_first(sb: SavedBytes, kept: set, spare_bytes: int, speeds, kw) -> list:
-    """[(policy, the most it holds)] of the policies "auto" chooses from, in
-    their order of preference, or with `speeds` of their predicted seconds
-    (ties in that order)."""
+def fastest_first(sb: SavedBytes, kept: set, spare_bytes: int, speeds, kw) -> list:
+    """[(policy, the most it holds, its predicted seconds or None)] of the
+    policies "auto" chooses from, in their order of preference, or with
+    `speeds` of their predicted seconds (ties in that order)."""
     held = [(p, sb.peak(p, kept, **kw)) for p in (OFFLOAD_VIEWS_KEPT, OFFLOAD, RECOMPUTE)]
     if speeds is None:
-        return held
-    return sorted(held, key=lambda ph: sb.predicted_seconds(ph[0], kept, ph[1], spare_bytes, speeds, **kw))
+        return [(p, h, None) for p, h in held]
+    timed = [(p, h, sb.predicted_seconds(p, kept, h, spare_bytes, speeds, **kw)) for p, h in held]
+    return sorted(timed, key=lambda pht: pht[2])
 
 
 def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, placed=None) -> SavedBytes:
@@ -317,18 +311,22 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
         )
     own = {_key(t) for t in fakes.values()}
     sb = SavedBytes(names, [0] * len(names), [0] * len(names), 0, [], [[] for _ in names], [[] for _ in names])
-    sb.within, sb.flops = [-1] * len(names), [0] * len(names)
+    sb.within, sb.flops, sb.backward_flops = [-1] * len(names), [0] * len(names), [0] * len(names)
     by_dtype: dict = {}
     seen: set = set()
     inputs_seen: set = set()
     inputs_alive: list = []
+    used: set = set()  # the blocks whose forward began
     stack: list[int] = []
 
     last = [-1]  # the module of the last block whose forward began (its id; -1: none yet)
 
     def pre(module, a, k):
         i = index[id(module)]
-        sb.within[i] = stack[-1] if stack else -1
+        outer = stack[-1] if stack else -1
+        # (a block used inside another and by itself too: recomputed by itself, the cautious prediction)
+        sb.within[i] = outer if i not in used or sb.within[i] == outer else -1
+        used.add(i)
         stack.append(i)
         last[0] = id(module)
         sb.order.append(names[i])
@@ -341,11 +339,13 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
     def post(module, a, out):
         stack.pop()
 
-    def count(flops: int, dtype) -> None:
+    def count(flops: int, backward: int, dtype) -> None:
         if stack:
             sb.flops[stack[-1]] += flops
+            sb.backward_flops[stack[-1]] += backward
         else:
             sb.outside_flops += flops
+            sb.outside_backward_flops += backward
         by_dtype[dtype] = by_dtype.get(dtype, 0) + flops
 
     def pack(t):
@@ -411,12 +411,18 @@ def measure_saved(model: torch.nn.Module, named_blocks, args=(), kwargs=None, pl
     return sb
 
 
+_ADDED_FIRST = {"addmm", "baddbmm", "addbmm", "addmv", "addr"}  # ops whose first tensor is added to the product
+
+
 class _Flops(TorchDispatchMode):
     """Counts the FLOPs of the ops torch's flop counter knows (matmuls,
     convolutions, attention) as they run on the fake tensors: `count(flops,
-    dtype)` for each. Higher-order ops (flex attention) pass through it. A
-    count is an estimate for "auto"'s choice: one the flop counter cannot
-    make (a shape its formula does not take) is logged at DEBUG and left out."""
+    backward, dtype)` for each, `backward` its backward's predicted (as many
+    again for each of its first two operands that needs a gradient: a frozen
+    weight's matmul computes its input's alone). Higher-order ops (flex
+    attention) pass through it. A count is an estimate for "auto"'s choice:
+    one the flop counter cannot make (a shape its formula does not take) is
+    logged at DEBUG and left out."""
 
     supports_higher_order_operators = True
 
@@ -434,8 +440,10 @@ class _Flops(TorchDispatchMode):
             except Exception as e:  # noqa: BLE001 - torch's formula: the measure of saves goes on without it
                 log.debug("pager: the FLOPs of %s not counted (%s: %s)", func, type(e).__name__, e)
                 return out
-            dtype = next((t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-            self.count(flops, dtype)
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            first = 1 if getattr(func, "_opname", "") in _ADDED_FIRST else 0  # (addmm's bias is not an operand)
+            grads = sum(t.requires_grad for t in tensors[first : first + 2])
+            self.count(flops, grads * flops, tensors[first].dtype if len(tensors) > first else None)
         return out
 
 
