@@ -93,8 +93,7 @@ class Activations:
     least and costs a forward again. On a CUDA device they are taken in the
     order of their predicted seconds instead ([Note: the faster policy,
     predicted]). A budget that none holds is refused at that first forward,
-    before it runs,
-    with the least budget that holds: a `BudgetError`. The reserve, what
+    before it runs, with the least budget that holds: a `BudgetError`. The reserve, what
     blocks leave to activations, is the prediction from the first pass on,
     or the most the last pass held where that was more. Values are the same under every
     policy (bit for bit on the CPU device).
@@ -124,9 +123,11 @@ class Activations:
     by the link hides the recomputation (LoRA on a 7B-shaped Llama, 4x512
     tokens: the frozen pages stream twice a step, and offloading moved half
     again as many bytes, 1.45x the link's floor). So "auto" predicts each
-    policy's pass (`SavedBytes.predicted_seconds`): the link carries twice
-    the pages that do not fit beside the activations the policy holds
-    (in for the forward, in for the backward) and what it sends; compute
+    policy's pass (`SavedBytes.predicted_seconds`): the link carries the
+    weights of the pages that do not fit beside the activations the policy
+    holds twice (in for the forward, in for the backward; their gradients
+    and optimizer state stay where the host updates them) and what it
+    sends; compute
     runs the forward's FLOPs, counted on the fake tensors by torch's flop
     counter, the backward's (as many again for each of an op's two operands
     that needs a gradient: once for a frozen weight's matmul) and the

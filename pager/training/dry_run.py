@@ -223,11 +223,11 @@ class SavedBytes:
 class Speeds:
     """What the device does in a second, for [Note: the faster policy,
     predicted]: bytes over the host link, FLOPs in the dtype the forward
-    computes in; `link_share`, the
-    bytes a pass brings over the link per device byte of blocks' pages that
-    do not fit: their weights twice (forward and backward; encoded where
-    they are compressed) over all their pages (with gradients and optimizer
-    state, which the host updates where they are)."""
+    computes in; `link_share`, the bytes a pass brings over the link per
+    device byte of blocks' pages that do not fit: their weights twice
+    (forward and backward; encoded where they are compressed) over all
+    their pages (with gradients and optimizer state, which the host updates
+    where they are)."""
 
     link_bytes_per_s: float
     flops_per_s: float
