@@ -29,6 +29,44 @@ recompute a pass holds the budget but for what is saved between two uses
 outside: a block's temporaries while it runs, the loss and the gradients
 flowing between blocks in the backward, and the allocator's rounding: the
 slack (`stats()` gives the allocator's own peak beside pager's).
+
+[Note: the faster policy, predicted]
+Offloading moves what a block saved over the host link twice (out in the
+forward, back in the backward: on the link the blocks' pages stream on);
+recomputing runs the forward of the blocks again. Which costs less depends
+on what bounds the pass: a pass bound by compute hides the copies under it
+(the 1B decoder trained in float32, 4x1024 tokens: there offloading was the
+fastest of the three wherever it held), a pass bound by the link hides the
+recomputation (LoRA on a 7B-shaped Llama, 4x512 tokens: the frozen pages
+stream twice a step, and offloading moved half again as many bytes, 1.45x
+the link's floor). So "auto" predicts each policy's pass
+(`SavedBytes.predicted_seconds`): the link carries the weights of the pages
+that do not fit beside the activations the policy holds twice (in for the
+forward, in for the backward; their gradients and optimizer state stay where
+the host updates them) and what it sends; compute runs the forward's FLOPs,
+counted on the fake tensors by torch's flop counter, the backward's (as many
+again for each of an op's two operands that needs a gradient: once for a
+frozen weight's matmul) and the recomputation's; a pass takes the longer of
+the two, at the link's rate as measured (`Pager.link_gbps`) or seen in the
+pager's copies (else 55 GB/s, PCIe Gen5's, assumed: the first pass, before
+any copy) and a 2048-square matmul's, measured once a process in the dtype
+most of the FLOPs run in (its 48 MiB at most freed at once; the link is not
+probed). The policies are taken in the order of those seconds, the first
+that the budget holds chosen. It is an estimate: what an inner block's
+refetch for its outer block's recomputation costs (where the room does not
+hold the layer) is not in it. On the CPU device the copies are not beside
+compute, and the order of [Note: activations, the automatic choice] stands.
+
+[Note: blocks inside a recomputed block]
+A block whose forward runs inside a recomputed block's (a decoder
+layer's linears, blocks of their own where the budget is small) is
+recomputed with it: what it saves is dropped for the outer block's
+recomputation, which runs it again ([Note: saves counted across nested
+blocks] in training/recompute.py), so only the outer block's inputs are
+kept, not each inner block's (a frozen linear's input is the very
+activation it saves). In the backward the outer block's recomputation
+fetches its inner blocks, which its backward then finds on the device.
+An inner block that keeps its own ("auto"'s tail) keeps them.
 """
 
 from __future__ import annotations
@@ -112,46 +150,6 @@ class Activations:
     Under `torch.compile` of the whole model, where neither offload nor
     recompute can run ([Note: pager under torch.compile] in model/hooks.py),
     "auto" keeps every block's activations, counted, and says so once.
-
-    [Note: the faster policy, predicted]
-    Offloading moves what a block saved over the host link twice (out in the
-    forward, back in the backward: on the link the blocks' pages stream
-    on); recomputing runs the forward of the blocks again. Which costs less
-    depends on what bounds the pass: a pass bound by compute hides the
-    copies under it (the 1B decoder trained in float32, 4x1024 tokens: there
-    offloading was the fastest of the three wherever it held), a pass bound
-    by the link hides the recomputation (LoRA on a 7B-shaped Llama, 4x512
-    tokens: the frozen pages stream twice a step, and offloading moved half
-    again as many bytes, 1.45x the link's floor). So "auto" predicts each
-    policy's pass (`SavedBytes.predicted_seconds`): the link carries the
-    weights of the pages that do not fit beside the activations the policy
-    holds twice (in for the forward, in for the backward; their gradients
-    and optimizer state stay where the host updates them) and what it
-    sends; compute
-    runs the forward's FLOPs, counted on the fake tensors by torch's flop
-    counter, the backward's (as many again for each of an op's two operands
-    that needs a gradient: once for a frozen weight's matmul) and the
-    recomputation's; a pass takes the longer of the two, at the link's rate
-    as measured (`Pager.link_gbps`) or seen in the pager's copies (else 55
-    GB/s, PCIe Gen5's, assumed: the first pass, before any copy) and a
-    2048-square matmul's, measured once a process in the dtype most of the
-    FLOPs run in (its 48 MiB at most freed at once; the link is not probed).
-    The policies are taken in the order of those seconds, the first
-    that the budget holds chosen. It is an estimate: what an inner block's
-    refetch for its outer block's recomputation costs (where the room does
-    not hold the layer) is not in it. On the CPU device
-    the copies are not beside compute, and the order above stands.
-
-    [Note: blocks inside a recomputed block]
-    A block whose forward runs inside a recomputed block's (a decoder
-    layer's linears, blocks of their own where the budget is small) is
-    recomputed with it: what it saves is dropped for the outer block's
-    recomputation, which runs it again ([Note: saves counted across nested
-    blocks] in training/recompute.py), so only the outer block's inputs are
-    kept, not each inner block's (a frozen linear's input is the very
-    activation it saves). In the backward the outer block's recomputation
-    fetches its inner blocks, which its backward then finds on the device.
-    An inner block that keeps its own ("auto"'s tail) keeps them.
 
     Args:
         policy: "offload", "recompute" or "auto" (see the Notes; "keep" needs no `Activations`).
