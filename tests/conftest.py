@@ -91,6 +91,28 @@ def _graphs_compiled() -> int:
     return utils.counters["stats"]["unique_graphs"] if utils is not None else 0
 
 
+@pytest.fixture(autouse=True)
+def _device_memory_for_the_next_test(request):
+    """A CUDA test's budget covers its process by default, so what an earlier
+    test left allocated on the device would count against it: garbage not yet
+    collected, and cuBLAS's workspaces (one for each stream a matmul ran on,
+    taken from torch's caching allocator and kept for the process). Both go
+    after each CUDA test. With PAGER_TEST_MEMLOG=FILE, what is still
+    allocated after it is written there, a line a test."""
+    yield
+    if "cuda" not in request.keywords or not torch.cuda.is_available():
+        return
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    path = os.environ.get("PAGER_TEST_MEMLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{torch.cuda.memory_allocated()} {request.node.nodeid}\n")
+
+
 @pytest.fixture
 def pager_log(caplog):
     caplog.set_level(logging.INFO, logger="pager")
