@@ -442,7 +442,8 @@ def test_the_faster_policy_by_its_predicted_pass():
     from which operands need a gradient; where the link bounds the pass
     (its pages stream), recompute comes first; where compute does,
     offloading; without speeds (the CPU device), the order stands."""
-    from pager.training.dry_run import Speeds, choose, measure_saved
+    from pager.training.dry_run import measure_saved
+    from pager.training.saved_bytes import Speeds, choose
 
     model = nn.Sequential(*[Wide(256) for _ in range(6)])
     named = [(str(i), m) for i, m in enumerate(model)]

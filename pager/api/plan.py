@@ -18,17 +18,16 @@ from ..model import discover
 from ..model.outside import check_covers
 from ..observe.report import ASSUMED_LINK_GBPS, PROBED_DTYPES
 from ..training import host_step
-from ..training.dry_run import (
+from ..training.dry_run import measure_saved, state_bytes_of
+from ..training.offload import OFFLOAD_MIN_BYTES
+from ..training.saved_bytes import (
     OFFLOAD,
     OFFLOAD_VIEWS_KEPT,
     RECOMPUTE,
     SavedBytes,
     Speeds,
     choose,
-    measure_saved,
-    state_bytes_of,
 )
-from ..training.offload import OFFLOAD_MIN_BYTES
 from ..training.step_room import TEMPORARIES_PRIOR
 from .fit import default_blocks
 from .plan_result import Plan
@@ -321,7 +320,7 @@ def training_peaks(
     """Per `activations=` policy: (the most activations hold on the device in
     a training pass, blocks and activations together), by the rules the run
     decides with ([Note: what each policy holds, predicted] in
-    training/dry_run.py). `blocks_bytes`: every block with its gradients and
+    training/saved_bytes.py). `blocks_bytes`: every block with its gradients and
     state; `least`: the least room for blocks that runs; `copies`: copies
     out run behind compute (CUDA) and hold device memory until done;
     `speeds`: the device's, for "auto" ([Note: the faster policy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..base.budget import format_bytes
-from ..training.dry_run import SavedBytes
+from ..training.saved_bytes import SavedBytes
 
 
 @dataclass

@@ -15,7 +15,8 @@ from ..base.wrappers import aligned_bytes
 from ..experts.cache import caches_of, shrink_caches
 from ..experts.table import MOST_COPIED_SHARE
 from ..observe.report import ASSUMED_LINK_GBPS, PROBED_DTYPES, measure_matmul_flops
-from ..training.dry_run import Speeds, measure_saved, state_bytes_of
+from ..training.dry_run import measure_saved, state_bytes_of
+from ..training.saved_bytes import Speeds
 
 log = logging.getLogger("pager")
 

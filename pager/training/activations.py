@@ -79,7 +79,11 @@ from torch.utils._pytree import tree_flatten
 from ..base import saving
 from ..base.budget import format_bytes
 from ..base.common import BudgetError
-from .dry_run import (
+from .ledger import Ledger
+from .offload import ActivationOffload
+from .recompute import Recompute
+from .refusals import least_budget, plan_refusal, unmeasured_refusal
+from .saved_bytes import (
     KEEP,
     OFFLOAD,
     OFFLOAD_VIEWS_KEPT,  # offload, but saved views that are not contiguous stay (stats say "offload")
@@ -88,10 +92,6 @@ from .dry_run import (
     choose,
     fastest_first,
 )
-from .ledger import Ledger
-from .offload import ActivationOffload
-from .recompute import Recompute
-from .refusals import least_budget, plan_refusal, unmeasured_refusal
 
 AUTO = "auto"
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE, AUTO)
@@ -125,7 +125,7 @@ class Activations:
     The other blocks' activations are offloaded or recomputed, one policy
     for them all, the first of these that the budget holds beside the least
     room blocks run in ([Note: what each policy holds, predicted] in
-    training/dry_run.py): offload with saved views that are not contiguous
+    training/saved_bytes.py): offload with saved views that are not contiguous
     (attention's transposed q, k and v) staying on the device, which moves
     the fewest bytes; offload of every dense save; recompute, which holds
     least and costs a forward again. On a CUDA device they are taken in the

@@ -41,12 +41,12 @@ from collections import deque
 import torch
 
 from ..base.registry import unguarded
-from .dry_run import (
+from .dry_run import _dense
+from .ledger import tensor_bytes
+from .saved_bytes import (
     BRING_AHEAD_BLOCKS,  # at a block's backward, the activations of this many blocks before it come back too
     IN_FLIGHT_MIN_BYTES,  # device bytes being copied out before compute waits for the oldest
-    _dense,
 )
-from .ledger import tensor_bytes
 
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller activations stay: a copy costs more than it frees
 KEEP_LAST_BLOCKS = 1  # the last blocks of a forward keep their activations on the device

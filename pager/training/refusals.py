@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ..base.budget import format_bytes
 from ..base.common import BudgetError
-from .dry_run import OFFLOAD, RECOMPUTE
+from .saved_bytes import OFFLOAD, RECOMPUTE
 
 
 def least_budget(need: int, beside_bytes: Callable[..., int]) -> int:
