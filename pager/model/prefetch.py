@@ -134,8 +134,8 @@ def _walk(pager) -> None:
             return  # its owner (another rank) has not published its update yet
         if block.deferred_steps:
             kinds = STEP  # its pending update runs at this use
-        elif kinds is WEIGHTS and not block.deps and block.weights.resident:
-            continue  # the common case once the working set is resident
+        elif (kinds is WEIGHTS or not block.trainable) and not block.deps and block.weights.resident:
+            continue  # the common case once the working set is resident (a frozen block's backward needs no more)
         if clear:
             frontier.reached(scheduler, engine, distance)
             clear = False

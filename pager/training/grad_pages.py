@@ -31,8 +31,8 @@ class GradPages:
         self.dropped_bytes = 0  # of grads pages dropped empty and not made again since
 
     def ensure_segment(self, block: Block) -> None:
-        if "grads" in block.segments:
-            return
+        if "grads" in block.segments or not block.trainable:
+            return  # (made already; or none of its parameters requires grad, as wrap found and keeps it)
         trainable = [(n, p) for n, p in zip(block.param_names, block.params) if p.requires_grad]
         if not trainable:
             return
